@@ -1,0 +1,85 @@
+"""Typed errors of the ComfyUI layer.
+
+Each class says *what* failed, so a caller classifies transient vs permanent by type,
+never by parsing strings (the way httpx does with ConnectError, ReadTimeout, ...).
+Every error carries the server's base URL in ``server``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ComfyError(Exception):
+    """Base of every error raised by ``comfy_assets.comfy``.
+
+    ``transient`` tells the runner whether another attempt may succeed.
+    """
+
+    transient: bool = True
+
+    def __init__(self, message: str, *, server: str = "") -> None:
+        super().__init__(message)
+        self.server = server
+        self.message = message
+
+
+class ServerUnreachable(ComfyError):
+    """The TCP connection was refused or could not be made (server down, restarting)."""
+
+
+class ConnectionLost(ComfyError):
+    """An established connection was reset or closed mid-request or mid-socket."""
+
+
+class RequestTimeout(ComfyError):
+    """The server did not answer within the client's timeout (seconds)."""
+
+
+class ServerError(ComfyError):
+    """A 5xx answer. ``status`` is the HTTP status, ``body`` the text (ComfyUI sends
+    ``text/plain`` "500 Internal Server Error ..." for a body that is not JSON;
+    data/recorded/validation_errors.json)."""
+
+    def __init__(self, message: str, *, server: str = "", status: int, body: str) -> None:
+        super().__init__(message, server=server)
+        self.status = status
+        self.body = body
+
+
+class PromptRejected(ComfyError):
+    """POST /prompt answered 400: the prompt failed validation (permanent).
+
+    ``error_type`` is ComfyUI's ``error.type`` (``prompt_outputs_failed_validation``,
+    ``invalid_prompt``, ``prompt_no_outputs``, ``no_prompt``); ``node_errors`` is the dict
+    keyed by node id, as recorded in data/recorded/validation_errors.json.
+    """
+
+    transient = False
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        server: str = "",
+        error_type: str,
+        node_errors: dict[str, Any],
+    ) -> None:
+        super().__init__(message, server=server)
+        self.error_type = error_type
+        self.node_errors = node_errors
+
+
+class UnexpectedAnswer(ComfyError):
+    """The server answered something this client does not understand (a 4xx other than
+    the recorded ones, a body that is not the recorded shape). Permanent: retrying the
+    same request gets the same answer."""
+
+    transient = False
+
+
+class UnsafeOutputName(ComfyError):
+    """A filename or subfolder from /history would escape the destination folder
+    (``..``, an absolute path, a separator inside a file name). Permanent."""
+
+    transient = False
