@@ -83,3 +83,20 @@ class UnsafeOutputName(ComfyError):
     (``..``, an absolute path, a separator inside a file name). Permanent."""
 
     transient = False
+
+
+class OutputMissing(ComfyError):
+    """GET /view answered 404 for a file that /history listed (deleted or moved on the
+    server since). Transient: running the prompt again writes it again
+    (404 shape: data/recorded/basics.json)."""
+
+
+class PromptLost(ComfyError):
+    """The prompt is neither in /queue nor in /history under its run number: the server
+    restarted (or the prompt was deleted) and forgot it (data/recorded/restart.json).
+    Transient: post it again."""
+
+
+class DeadlineExceeded(ComfyError):
+    """The prompt did not finish within the caller's deadline (seconds). Transient; the
+    caller should interrupt the prompt so the server is free again."""

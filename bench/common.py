@@ -1,0 +1,68 @@
+"""Shared by the benchmarks: fake servers as separate processes, and their records."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import urllib.request
+from contextlib import contextmanager
+from collections.abc import Iterator
+from pathlib import Path
+
+from comfy_assets.comfy.servers import ServerSpec
+
+
+@contextmanager
+def fake_processes(count: int, prompt_seconds: float, out: Path) -> Iterator[list[ServerSpec]]:
+    """Start ``count`` fake ComfyUI servers, each its own process (as real servers are)."""
+    procs = []
+    try:
+        specs = []
+        for i in range(count):
+            p = subprocess.Popen(
+                [sys.executable, "-m", "fake_comfy", "--port", "0", "--prompt-seconds",
+                 str(prompt_seconds), "--output-dir", str(out / f"fake{i}")],
+                stdout=subprocess.PIPE, text=True,
+            )
+            procs.append(p)
+            line = p.stdout.readline()
+            specs.append(ServerSpec(f"gpu{i}", line.strip().rsplit(" ", 1)[-1]))
+        yield specs
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)
+
+
+def fake_runs(specs: list[ServerSpec]) -> dict[str, list[dict]]:
+    """Each server's runs, from its own ``/fake/stats``."""
+    runs = {}
+    for s in specs:
+        with urllib.request.urlopen(f"{s.url}/fake/stats") as r:
+            runs[s.name] = json.load(r)["runs"]
+    return runs
+
+
+def utilization_and_gaps(runs: dict[str, list[dict]]) -> dict[str, float]:
+    """Pool utilization (busy time / (servers x makespan)) and the gap between one
+    prompt's end and the next one's start on a server, in ms."""
+    done = {n: sorted((r for r in rs if r.get("end")), key=lambda r: r["start"]) for n, rs in runs.items()}
+    starts = [r["start"] for rs in done.values() for r in rs]
+    ends = [r["end"] for rs in done.values() for r in rs]
+    makespan = max(ends) - min(starts)
+    busy = sum(r["end"] - r["start"] for rs in done.values() for r in rs)
+    gaps = [
+        (b["start"] - a["end"]) * 1000
+        for rs in done.values()
+        for a, b in zip(rs, rs[1:])
+    ]
+    gaps.sort()
+    return {
+        "utilization": busy / (len(runs) * makespan),
+        "makespan_s": makespan,
+        "gap_ms_median": statistics.median(gaps) if gaps else 0.0,
+        "gap_ms_p95": gaps[int(0.95 * (len(gaps) - 1))] if gaps else 0.0,
+    }

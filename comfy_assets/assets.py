@@ -1,0 +1,257 @@
+"""The Dagster assets: render a job file's partition, tabulate it, gather every table.
+
+Thin on purpose: the work is ``comfy_assets.batch.run_batch_sync`` and the table is
+``comfy_assets.results``; this module turns their answers into Dagster events.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Sequence
+from pathlib import Path
+
+from dagster import (
+    AssetCheckResult,
+    AssetCheckSeverity,
+    AssetCheckSpec,
+    AssetExecutionContext,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+from PIL import Image
+
+from comfy_assets.batch import BatchSummary, run_batch_sync
+from comfy_assets.jobfile import JobFile, JobFileError, load_job_file
+from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, job_files_partitions
+from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
+from comfy_assets.results import (
+    RESULTS_CSV,
+    combine_results,
+    markdown_table,
+    results_table,
+    write_csv,
+)
+from comfy_assets.sensors import JOB_FILE_SHA_TAG
+from comfy_assets.store import Store
+
+DONE_STATES = frozenset({"succeeded", "degraded"})
+DEAD_LETTER_STATE = "failed_fatal"
+THUMBNAILS = 4
+THUMBNAIL_PX = 64
+JOB_TABLE_ROWS = 50
+
+
+def _load_partition_file(partition: str) -> JobFile:
+    """The job file of a partition; a missing or invalid file fails without retries."""
+    try:
+        return load_job_file(find_job_file(partition))
+    except (FileNotFoundError, AmbiguousJobFileError, JobFileError) as exc:
+        raise Failure(
+            description=f"partition {partition}: {exc}", allow_retries=False
+        ) from exc
+
+
+def _thumbnails(store: Store, partition: str, job_ids: Sequence[str]) -> str:
+    """Markdown of small PNG thumbnails (base64 data URIs) of the first PNG outputs."""
+    images: list[str] = []
+    for job_id in job_ids:
+        for record in store.files(job_id):
+            if len(images) >= THUMBNAILS:
+                return " ".join(images)
+            if not record.path.lower().endswith(".png"):
+                continue
+            with Image.open(store.job_dir(partition, job_id) / record.path) as image:
+                image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
+                buffer = io.BytesIO()
+                image.convert("RGB").save(buffer, format="PNG", optimize=True)
+            data = base64.b64encode(buffer.getvalue()).decode("ascii")
+            images.append(f"![{job_id[:8]} {record.path}](data:image/png;base64,{data})")
+    return " ".join(images)
+
+
+def _jobs_markdown(summary: BatchSummary, job_ids: Sequence[str]) -> str:
+    by_id = {record.job_id: record for record in summary.jobs}
+    lines = ["| job | state | server | attempts | seconds | reason |", "|---|---|---|---|---|---|"]
+    for job_id in list(job_ids)[:JOB_TABLE_ROWS]:
+        record = by_id.get(job_id)
+        if record is None:
+            lines.append(f"| {job_id} | missing | | | | |")
+            continue
+        seconds = "" if record.seconds is None else f"{record.seconds:.2f}"
+        reason = (record.reason or "").replace("|", "\\|").replace("\n", " ")[:200]
+        lines.append(
+            f"| {job_id} | {record.state} | {record.server or ''} | {record.attempts} "
+            f"| {seconds} | {reason} |"
+        )
+    if len(job_ids) > JOB_TABLE_ROWS:
+        lines.append(f"\n… {len(job_ids) - JOB_TABLE_ROWS} more jobs in results.csv")
+    return "\n".join(lines)
+
+
+@asset(
+    partitions_def=job_files_partitions,
+    check_specs=[
+        AssetCheckSpec(
+            "no_dead_letters",
+            asset="renders",
+            description="No job of the file ended as a dead letter (permanent failure).",
+        ),
+        AssetCheckSpec(
+            "all_jobs_done",
+            asset="renders",
+            description="Every job of the current file version is succeeded or degraded.",
+        ),
+    ],
+    kinds={"python"},
+)
+def renders(
+    context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
+) -> MaterializeResult:
+    """Every job of the partition's job file rendered on the ComfyUI pool.
+
+    Jobs already done with the same inputs are not posted again (the result store
+    remembers them by prompt_id); changed jobs get a new prompt_id and render again.
+
+    Dead letters: the batch runs to its end, then the asset **materializes with the check
+    ``no_dead_letters`` failed** (severity ERROR), every dead letter logged as an error
+    and listed in the check's metadata. It does not raise: Dagster cannot fail a step and
+    record its materialization, and raising would skip ``render_results``, losing the CSV
+    rows of the jobs that did render. A storyboard stopped by its delivery policy also
+    fails ``all_jobs_done``. A run cancelled from the UI ends CANCELED: the batch
+    interrupts our prompts, releases its claims and server leases, and re-raises.
+    A missing or invalid job file fails the run without retries.
+    """
+    partition = context.partition_key
+    job_file = _load_partition_file(partition)
+    requested = context.run.tags.get(JOB_FILE_SHA_TAG)
+    if requested and requested != job_file.sha256:
+        context.log.warning(
+            f"{job_file.path} changed since the sensor requested this run; rendering the "
+            f"current version {job_file.sha256[:16]} (the sensor requests a run for it too)"
+        )
+    job_ids = [job.id for job in job_file.jobs]
+
+    store = result_store.open()
+    try:
+        summary = run_batch_sync(
+            job_file,
+            partition=partition,
+            servers=comfy.server_specs(),
+            store=store,
+            config=comfy.batch_config(),
+            on_line=context.log.info,
+        )
+        thumbnails = _thumbnails(store, partition, job_ids)
+    finally:
+        store.close()
+
+    in_file = set(job_ids)
+    current = [record for record in summary.jobs if record.job_id in in_file]
+    done = sum(1 for record in current if record.state in DONE_STATES)
+    dead = [(job_id, reason) for job_id, reason in summary.dead_letters if job_id in in_file]
+    for job_id, reason in dead:
+        context.log.error(f"job {job_id}: DEAD LETTER, {reason}")
+    if summary.stopped:
+        context.log.error(summary.stopped)
+    for server, why in summary.unreachable.items():
+        context.log.warning(f"server {server} unreachable: {why}")
+
+    counts = {state: int(n) for state, n in sorted(summary.counts.items())}
+    metadata: dict[str, object] = {
+        "job_file": MetadataValue.path(str(job_file.path)),
+        "job_file_sha256": job_file.sha256,
+        "jobs": len(job_ids),
+        "done": done,
+        "dead_lettered": len(dead),
+        "counts": MetadataValue.json(counts),
+        "gpu_seconds": MetadataValue.float(float(summary.gpu_seconds)),
+        "seconds": MetadataValue.float(float(summary.seconds)),
+        "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
+        "job_table": MetadataValue.md(_jobs_markdown(summary, job_ids)),
+    }
+    if thumbnails:
+        metadata["thumbnails"] = MetadataValue.md(thumbnails)
+    if summary.stopped:
+        metadata["stopped"] = summary.stopped
+    dead_md = "\n".join(f"- `{job_id}`: {reason}" for job_id, reason in dead)
+    return MaterializeResult(
+        metadata=metadata,
+        check_results=[
+            AssetCheckResult(
+                check_name="no_dead_letters",
+                passed=not dead,
+                severity=AssetCheckSeverity.ERROR,
+                metadata={"dead_lettered": len(dead), "dead_letters": MetadataValue.md(dead_md)},
+                description=f"{len(dead)} dead-lettered jobs" if dead else "no dead letters",
+            ),
+            AssetCheckResult(
+                check_name="all_jobs_done",
+                passed=done == len(job_ids),
+                severity=AssetCheckSeverity.ERROR,
+                metadata={"done": done, "jobs": len(job_ids), "counts": MetadataValue.json(counts)},
+                description=f"{done} of {len(job_ids)} jobs done",
+            ),
+        ],
+    )
+
+
+def results_csv_path(root: Path, partition: str) -> Path:
+    """Where a partition's results CSV is written: ``<store>/<partition>/results.csv``."""
+    return root / partition / RESULTS_CSV
+
+
+@asset(partitions_def=job_files_partitions, deps=[renders], kinds={"pandas", "csv"})
+def render_results(
+    context: AssetExecutionContext, result_store: ResultStoreResource
+) -> MaterializeResult:
+    """The partition's results table, a row per job of the current job file, as CSV.
+
+    Columns: job_id, one per ``set`` key, state, server, attempts, seconds, files
+    (``name:sha256[:12]``), reason. Dead letters are rows too, with their reason.
+    """
+    partition = context.partition_key
+    job_file = _load_partition_file(partition)
+    job_ids = [job.id for job in job_file.jobs]
+    store = result_store.open()
+    try:
+        records = store.jobs(partition)
+        files = {record.job_id: store.files(record.job_id) for record in records}
+    finally:
+        store.close()
+    frame = results_table(records, files, job_ids=job_ids)
+    path = write_csv(frame, results_csv_path(result_store.root, partition))
+    context.log.info(f"wrote {len(frame)} rows to {path}")
+    return MaterializeResult(
+        metadata={
+            "dagster/row_count": len(frame),
+            "path": MetadataValue.path(str(path.resolve())),
+            "preview": MetadataValue.md(markdown_table(frame)),
+        }
+    )
+
+
+@asset(deps=[render_results], kinds={"pandas", "csv"})
+def all_results(context: AssetExecutionContext, result_store: ResultStoreResource) -> MaterializeResult:
+    """Every partition's results CSV in one, ``<store>/all_results.csv``, with a
+    ``partition`` column. Partitions without a CSV yet are listed in the log."""
+    root = result_store.root
+    tables: dict[str, Path] = {}
+    for partition in context.instance.get_dynamic_partitions(job_files_partitions.name):
+        path = results_csv_path(root, partition)
+        if path.exists():
+            tables[partition] = path
+        else:
+            context.log.warning(f"partition {partition} has no {RESULTS_CSV} yet")
+    frame = combine_results(tables)
+    path = write_csv(frame, root / "all_results.csv")
+    return MaterializeResult(
+        metadata={
+            "dagster/row_count": len(frame),
+            "partitions": len(tables),
+            "path": MetadataValue.path(str(path.resolve())),
+            "preview": MetadataValue.md(markdown_table(frame)),
+        }
+    )

@@ -1,0 +1,578 @@
+"""Many jobs over the pool: claims, attempts, retries with backoff, the state machine.
+
+Used by the Dagster asset, ``comfy-assets run`` and the RabbitMQ worker alike.
+
+One consumer loop per server: a loop first holds a free server, then takes the waiting
+job that fits it best (the job's previous server, the model the server last ran), so a
+process never holds more jobs than it can run. A job waiting for its backoff delay holds
+its claim but no server. Every state change goes through the store (an event row and a
+JSON log line); people get one log line per decision, in the shape of STYLE.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from comfy_assets.backoff import RetryPolicy
+from comfy_assets.comfy.pool import Pool, Slot
+from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.jobfile import Job, JobFile
+from comfy_assets.runner import Attempt, AttemptHooks, AttemptResult
+from comfy_assets.store import Store
+
+log = logging.getLogger("comfy_assets.batch")
+
+
+@dataclass
+class BatchConfig:
+    """Knobs of a batch (seconds everywhere). ``policy``: None follows the job file's
+    header; "delivery" stops submitting a storyboard's shots at its first fatal failure;
+    "draft" turns permanent failures (and failed optional shots) into ``degraded``."""
+
+    attempts: int = 4
+    base_delay_s: float = 2.0
+    max_delay_s: float = 60.0
+    jitter: bool = True
+    timeout_s: float = 600.0
+    poll_s: float = 1.0
+    lease_s: float = 3600.0
+    server_lease_s: float = 30.0
+    max_queue: int | None = None
+    probe_timeout_s: float = 3.0
+    unhealthy_wait_s: float = 5.0
+    policy: str | None = None
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(
+            attempts=self.attempts,
+            base_delay_s=self.base_delay_s,
+            max_delay_s=self.max_delay_s,
+            jitter=self.jitter,
+            timeout_s=self.timeout_s,
+        )
+
+
+@dataclass
+class BatchSummary:
+    """What a batch came to. ``dead_letters``: (job_id, reason) pairs."""
+
+    partition: str
+    counts: dict[str, int]
+    done: int
+    dead_lettered: int
+    dead_letters: list[tuple[str, str]]
+    jobs: list
+    gpu_seconds: float
+    seconds: float
+    stopped: str | None = None
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+    def line(self) -> str:
+        return f"summary: {self.done} done, {self.dead_lettered} dead-lettered"
+
+
+def new_owner() -> str:
+    """A claim/lease owner id naming this host and process."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class _Item:
+    job: Job
+    prev_server: str | None = None
+
+
+class _JobQueue:
+    """Jobs ready to run, and jobs waiting for a delay (backoff, someone else's claim)."""
+
+    def __init__(self) -> None:
+        self.ready: deque[_Item] = deque()
+        self.changed = asyncio.Event()
+        self._timers: set[asyncio.TimerHandle] = set()
+
+    def push(self, item: _Item) -> None:
+        self.ready.append(item)
+        self.changed.set()
+
+    def push_later(self, item: _Item, delay_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        handle: asyncio.TimerHandle
+
+        def fire() -> None:
+            self._timers.discard(handle)
+            self.push(item)
+
+        handle = loop.call_later(delay_s, fire)
+        self._timers.add(handle)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._timers)
+
+    def pop_for(self, slot: Slot) -> _Item | None:
+        """The best job for this server: its own previous server, else the model the
+        server last ran (looking a little ahead), else the first in line."""
+        if not self.ready:
+            return None
+        last = slot.pool.last_model.get(slot.name)
+        for i, item in enumerate(list(self.ready)[:64]):
+            if item.prev_server == slot.name or (last and last in item.job.models):
+                del self.ready[i]
+                return item
+        return self.ready.popleft()
+
+    def cancel_all(self) -> list[_Item]:
+        for h in self._timers:
+            h.cancel()
+        self._timers.clear()
+        items = list(self.ready)
+        self.ready.clear()
+        return items
+
+
+class Batch:
+    """Runs ``jobs`` of ``partition`` to the end over ``pool``, recording in ``store``."""
+
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        *,
+        partition: str,
+        pool: Pool,
+        store: Store,
+        config: BatchConfig,
+        owner: str,
+        stop_on_fatal: bool = False,
+        draft: bool = False,
+        on_line: Callable[[str], None] | None = None,
+        consumers: int | None = None,
+    ) -> None:
+        self.jobs = list(jobs)
+        self.consumers = consumers or len(pool.servers)
+        self.partition = partition
+        self.pool = pool
+        self.store = store
+        self.config = config
+        self.owner = owner
+        self.stop_on_fatal = stop_on_fatal
+        self.draft = draft
+        self.on_line = on_line or log.info
+        self.queue = _JobQueue()
+        self.unresolved = len(self.jobs)
+        self.claimed: set[str] = set()
+        self.stopped: str | None = None
+        self.attempts: dict[str, Attempt] = {}
+        self.finished = asyncio.Event()  # every job resolved, or stopped with none in flight
+
+    def say(self, text: str) -> None:
+        self.on_line(text)
+
+    async def run(self) -> None:
+        """Run every job to done, dead letter, or (delivery stop) left pending."""
+        for job in self.jobs:
+            self.queue.push(_Item(job))
+        heartbeat = asyncio.create_task(self._heartbeat(), name="claim-heartbeat")
+        workers = [
+            asyncio.create_task(self._consumer(), name=f"consumer-{i}")
+            for i in range(self.consumers)
+        ]
+        try:
+            await asyncio.gather(*workers)
+        finally:
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            heartbeat.cancel()
+            await asyncio.gather(heartbeat, return_exceptions=True)
+            for item in self.queue.cancel_all():
+                self._release_claim(item.job.id)
+            for job_id in list(self.claimed):
+                self._release_claim(job_id)
+
+    def _resolve(self) -> None:
+        self.unresolved -= 1
+        self._check_finished()
+
+    def _check_finished(self) -> None:
+        if self.unresolved <= 0 or (self.stopped and not self.attempts):
+            self.finished.set()
+        self.queue.changed.set()
+
+    async def _acquire(self, head: _Item) -> Slot | None:
+        """A free server for ``head``'s kind of job, or None once the batch is finished
+        (a consumer must not wait forever for a server when nothing is left to run)."""
+        acquiring = asyncio.ensure_future(
+            self.pool.acquire(prefer=head.prev_server, models=head.job.models)
+        )
+        finishing = asyncio.ensure_future(self.finished.wait())
+        try:
+            await asyncio.wait({acquiring, finishing}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            finishing.cancel()
+            if not acquiring.done():
+                acquiring.cancel()
+            await asyncio.gather(acquiring, finishing, return_exceptions=True)
+        if acquiring.cancelled():
+            return None
+        slot = acquiring.result()
+        if self.finished.is_set():
+            slot.release()
+            return None
+        return slot
+
+    async def _consumer(self) -> None:
+        slot: Slot | None = None
+        try:
+            while not self.finished.is_set() and not self.stopped:
+                if not self.queue.ready:
+                    if slot is not None:
+                        slot.release()
+                        slot = None
+                    self.queue.changed.clear()
+                    await self.queue.changed.wait()
+                    continue
+                if slot is None or slot.released:
+                    slot = await self._acquire(self.queue.ready[0])
+                    continue  # the line may have changed while we waited
+                item = self.queue.pop_for(slot)
+                if item is None:
+                    continue
+                slot = await self._run_item(item, slot)
+        finally:
+            if slot is not None:
+                slot.release()
+            self.queue.changed.set()  # wake the other consumers to see the end
+
+    async def _run_item(self, item: _Item, slot: Slot) -> Slot | None:
+        """Claim and run one attempt of ``item``; returns the slot if it is still ours."""
+        job, cfg, store = item.job, self.config, self.store
+        status = store.claim(job.id, self.owner, cfg.lease_s)
+        if status == "done":
+            self.say(f"job {job.id}: already done, nothing posted")
+            self._resolve()
+            return slot
+        if status == "dead_lettered":
+            rec = store.get(job.id)
+            self.say(
+                f"job {job.id}: dead-lettered earlier ({rec.reason if rec else '?'}); requeue it to run again"
+            )
+            self._resolve()
+            return slot
+        if status == "held":
+            rec = store.get(job.id)
+            wait = (
+                min(max((rec.claim_expires_at or 0) - time.time(), cfg.poll_s / 4), cfg.poll_s)
+                if rec
+                else cfg.poll_s
+            )
+            self.queue.push_later(item, wait)
+            return slot
+        self.claimed.add(job.id)
+        rec = store.get(job.id)
+        assert rec is not None, f"job {job.id} was claimed but has no record"
+        if rec.state in ("submitted", "rendering"):
+            store.transition(
+                job.id, "failed_retryable", detail="previous holder lost; claim taken over"
+            )
+            rec = store.get(job.id)
+        if rec.state == "failed_retryable":
+            store.transition(job.id, "pending", detail="retry")
+        number = rec.attempts + 1
+        prev = rec.server if rec.prompt_id == job.prompt_id else None
+        hooks = AttemptHooks(
+            submitted=lambda server: store.transition(
+                job.id,
+                "submitted",
+                server=server,
+                attempt=number,
+                prompt_id=job.prompt_id,
+                attempts=number,
+            ),
+            rendering=lambda server, n: store.transition(
+                job.id, "rendering", server=server, attempt=number, number=n
+            ),
+        )
+        attempt = Attempt(
+            job,
+            self.pool,
+            store.job_dir(self.partition, job.id),
+            slot=slot,
+            prev_server=prev,
+            deadline_s=cfg.timeout_s,
+            poll_s=cfg.poll_s,
+            hooks=hooks,
+            label=f"job {job.id}",
+        )
+        self.attempts[job.id] = attempt
+        try:
+            result = await attempt.run()
+        except asyncio.CancelledError:
+            await asyncio.shield(self._cancelled(job, attempt))
+            raise
+        finally:
+            self.attempts.pop(job.id, None)
+        self._settle(item, number, result)
+        self._check_finished()
+        kept = attempt.slot if attempt.slot is not None and not attempt.slot.released else None
+        return kept
+
+    async def _cancelled(self, job: Job, attempt: Attempt) -> None:
+        try:
+            await attempt.cancel_cleanup()
+        finally:
+            rec = self.store.get(job.id)
+            if rec is not None and rec.state in ("submitted", "rendering"):
+                self.store.transition(
+                    job.id, "failed_retryable", detail="run cancelled; prompt interrupted"
+                )
+            self._release_claim(job.id)
+            self.say(f"job {job.id}: run cancelled, prompt removed, claim released")
+
+    def _settle(self, item: _Item, number: int, r: AttemptResult) -> None:
+        job, store, cfg = item.job, self.store, self.config
+        store.record_attempt(
+            job.id,
+            number,
+            server=r.server,
+            prompt_id=r.prompt_id,
+            number=r.number,
+            seconds=r.seconds,
+            queue_wait_s=r.queue_wait_s,
+            gpu_seconds=r.gpu_seconds,
+            outcome=r.kind,
+            reason=r.reason or None,
+        )
+        where = f" on {r.server}" if r.server else ""
+        if r.kind == "success":
+            store.mark_done(
+                job.id,
+                self.owner,
+                state="succeeded",
+                files=r.files,
+                server=r.server,
+                number=r.number,
+                seconds=r.seconds,
+                queue_wait_s=r.queue_wait_s,
+                gpu_seconds=r.gpu_seconds,
+            )
+            self.claimed.discard(job.id)
+            how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
+            self.say(f"job {job.id} attempt {number}{where}: succeeded ({how})")
+            self._resolve()
+            return
+        if r.kind == "transient" and number < cfg.attempts:
+            store.transition(
+                job.id, "failed_retryable", server=r.server, attempt=number, detail=r.reason
+            )
+            delay = cfg.retry.delay(number)
+            self.say(
+                f"job {job.id}: attempt {number} failed{where}, {r.reason}; retry in {delay * 1000:.0f} ms"
+            )
+            self.queue.push_later(_Item(job, prev_server=r.server), delay)
+            return
+        reason = (
+            r.reason
+            if r.kind == "permanent"
+            else f"gave up after {number} attempts, last: {r.reason}"
+        )
+        if self.draft and (r.kind == "permanent" or job.optional):
+            store.mark_done(
+                job.id,
+                self.owner,
+                state="degraded",
+                files=[],
+                server=r.server,
+                reason=reason,
+                seconds=r.seconds,
+            )
+            self.say(f"job {job.id}: degraded (draft), {reason}")
+        else:
+            store.dead_letter(job.id, self.owner, reason)
+            self.say(f"job {job.id}: dead-lettered, {reason}")
+            if self.stop_on_fatal and not self.stopped:
+                self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
+                self.say(f"delivery policy: {self.stopped}; no new shots are submitted")
+        self.claimed.discard(job.id)
+        self._resolve()
+
+    def _release_claim(self, job_id: str) -> None:
+        self.claimed.discard(job_id)
+        self.store.release_claim(job_id, self.owner)
+
+    async def _heartbeat(self) -> None:
+        """Renew every claim we hold so a long job never loses it."""
+        while True:
+            await asyncio.sleep(self.config.lease_s / 3)
+            for job_id in list(self.claimed):
+                if not self.store.renew_claim(job_id, self.owner, self.config.lease_s):
+                    log.error("job %s: claim lost to another worker", job_id)
+
+
+def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:
+    """(stop_on_fatal, draft) for a job file: the run config wins over the file header.
+
+    Only a storyboard (a file whose jobs have ``shot``) stops at its first fatal failure
+    under ``delivery``; an image batch renders every job and dead-letters the failures.
+    """
+    mode = config.policy or job_file.policy
+    storyboard = any(j.shot is not None for j in job_file.jobs)
+    return (mode == "delivery" and storyboard), mode == "draft"
+
+
+async def run_batch(
+    job_file: JobFile,
+    *,
+    partition: str,
+    servers: Sequence[ServerSpec],
+    store: Store,
+    config: BatchConfig,
+    owner: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> BatchSummary:
+    """Register the jobs of ``job_file`` as ``partition`` and run them all over a pool of
+    ``servers``; returns the summary. Raises only on cancellation (after cleaning up:
+    prompts interrupted and removed, claims and server leases released)."""
+    started = time.monotonic()
+    owner = owner or new_owner()
+    store.register_jobs(partition, job_file.jobs)
+    stop_on_fatal, draft = resolve_policy(job_file, config)
+    pool = Pool(
+        servers,
+        store,
+        owner=owner,
+        lease_s=config.server_lease_s,
+        probe_timeout_s=config.probe_timeout_s,
+        max_queue=config.max_queue,
+        unhealthy_wait_s=config.unhealthy_wait_s,
+    )
+    async with pool:
+        batch = Batch(
+            job_file.jobs,
+            partition=partition,
+            pool=pool,
+            store=store,
+            config=config,
+            owner=owner,
+            stop_on_fatal=stop_on_fatal,
+            draft=draft,
+            on_line=on_line,
+        )
+        await batch.run()
+    return summarize(
+        store, partition, time.monotonic() - started, batch.stopped, pool.unreachable()
+    )
+
+
+def summarize(
+    store: Store,
+    partition: str,
+    seconds: float,
+    stopped: str | None = None,
+    unreachable: dict[str, str] | None = None,
+) -> BatchSummary:
+    """The summary of a partition as the store has it now."""
+    jobs = store.jobs(partition)
+    counts = store.counts(partition)
+    dead = [(j.job_id, j.reason or "") for j in jobs if j.state == "failed_fatal"]
+    done = sum(1 for j in jobs if j.state in ("succeeded", "degraded"))
+    gpu = sum(a.gpu_seconds or 0.0 for j in jobs for a in store.attempts(j.job_id))
+    return BatchSummary(
+        partition,
+        counts,
+        done,
+        len(dead),
+        dead,
+        jobs,
+        round(gpu, 3),
+        round(seconds, 3),
+        stopped,
+        unreachable or {},
+    )
+
+
+def run_batch_sync(
+    job_file: JobFile,
+    *,
+    partition: str,
+    servers: Sequence[ServerSpec],
+    store: Store,
+    config: BatchConfig,
+    owner: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> BatchSummary:
+    """``run_batch`` in the calling thread, for sync callers (Dagster, the CLI).
+
+    A BaseException raised into the loop (Dagster turns a cancel into
+    DagsterExecutionInterruptedError in the main thread; Ctrl+C) cancels the batch, lets
+    its cleanup run (interrupt prompts, release claims and leases), then re-raises.
+    """
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(
+        run_batch(
+            job_file,
+            partition=partition,
+            servers=servers,
+            store=store,
+            config=config,
+            owner=owner,
+            on_line=on_line,
+        )
+    )
+    try:
+        return loop.run_until_complete(task)
+    except BaseException:
+        task.cancel()
+        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+        raise
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+async def run_one(
+    job: Job,
+    *,
+    partition: str,
+    pool: Pool,
+    store: Store,
+    config: BatchConfig,
+    owner: str,
+    on_line: Callable[[str], None] | None = None,
+) -> str:
+    """Run one job (a message from a queue) to its end over a long-lived ``pool``.
+
+    Returns the job's final state: ``succeeded``/``degraded`` (done, also when it was
+    done before: nothing is posted), ``failed_fatal`` (dead letter, with its reason in
+    the store), or ``held`` when another live worker holds its claim. Retries with
+    backoff happen inside. Raises only on cancellation, after cleaning up.
+    """
+    store.register_jobs(partition, [job])
+    batch = Batch(
+        [job],
+        partition=partition,
+        pool=pool,
+        store=store,
+        config=config,
+        owner=owner,
+        draft=config.policy == "draft",
+        on_line=on_line,
+        consumers=1,
+    )
+    await batch.run()
+    rec = store.get(job.id)
+    return rec.state if rec is not None else "pending"
+
+
+def store_for(root: Path, db_url: str | None = None) -> Store:
+    """The result store at ``root`` (SQLite there unless ``db_url`` names PostgreSQL)."""
+    return Store(root, db_url)

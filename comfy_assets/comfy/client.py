@@ -1,0 +1,319 @@
+"""One ComfyUI server: every route this project uses, typed results, typed errors.
+
+Error mapping (what failed, so callers classify by type):
+refused / cannot connect → ServerUnreachable; reset, closed, protocol error → ConnectionLost;
+any timeout → RequestTimeout; 5xx → ServerError; POST /prompt 400 → PromptRejected;
+GET /view 404 → OutputMissing; any other unexpected status or body → UnexpectedAnswer.
+Shapes: data/recorded/*.json (ComfyUI v0.8.0).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Self, TypeVar
+from urllib.parse import urlencode, urlsplit
+
+import httpx
+import websockets
+from websockets.asyncio.client import ClientConnection
+
+from comfy_assets.comfy.errors import (
+    ComfyError,
+    ConnectionLost,
+    OutputMissing,
+    PromptRejected,
+    RequestTimeout,
+    ServerError,
+    ServerUnreachable,
+    UnexpectedAnswer,
+)
+from comfy_assets.comfy.types import (
+    HistoryEntry,
+    PostResult,
+    QueueState,
+    SystemStats,
+    format_node_errors,
+)
+
+T = TypeVar("T")
+
+_BODY_EXCERPT = 300  # characters of an unexpected body kept in error messages
+_WS_MAX_MESSAGE = 64 * 1024 * 1024  # bytes; binary previews can exceed websockets' 1 MiB
+
+
+class ComfyClient:
+    """HTTP client of one ComfyUI server over one ``httpx.AsyncClient``.
+
+    ``base_url`` like ``http://127.0.0.1:8188``; ``name`` (default: the URL) prefixes
+    error messages; ``timeout_s`` bounds each request (seconds). Use as
+    ``async with ComfyClient(url) as client: ...``. ``transport`` is for tests.
+    Raises ``ValueError`` for a URL that is not http(s)://host[:port].
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        name: str | None = None,
+        timeout_s: float = 30.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) server URL: {base_url!r}")
+        self.base_url = base_url.rstrip("/")
+        self.name = name or self.base_url
+        self.timeout_s = timeout_s
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s),
+            transport=transport,
+            # Many followers of one server share this client (pool benchmark).
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+        )
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    # -- routes -----------------------------------------------------------------------
+
+    async def system_stats(self) -> SystemStats:
+        """GET /system_stats (basics.json)."""
+        body = await self._get_json("/system_stats")
+        return self._parse("GET /system_stats", SystemStats.from_json, body)
+
+    async def queue(self) -> QueueState:
+        """GET /queue: running and pending entries (three_in_a_row.json)."""
+        body = await self._get_json("/queue")
+        return self._parse("GET /queue", QueueState.from_json, body)
+
+    async def post_prompt(
+        self, prompt: dict[str, Any], *, prompt_id: str, client_id: str
+    ) -> PostResult:
+        """POST /prompt. Returns the run ``number``; a 200 may carry ``node_errors`` (some
+        outputs dropped). Raises PromptRejected on 400 (validation_errors.json)."""
+        route = "POST /prompt"
+        payload = {"prompt": prompt, "client_id": client_id, "prompt_id": prompt_id}
+        response = await self._request("POST", "/prompt", route, json=payload)
+        if response.status_code == 400:
+            raise self._rejected(route, response)
+        self._check(route, response)
+        return self._parse(route, PostResult.from_json, self._json(route, response))
+
+    async def history(self, prompt_id: str) -> HistoryEntry | None:
+        """GET /history/{prompt_id}; None for ``{}`` (unknown, not finished yet, or
+        forgotten by a restart: basics.json, restart.json)."""
+        route = f"GET /history/{prompt_id}"
+        body = await self._get_json(f"/history/{prompt_id}", route)
+        if not isinstance(body, dict):
+            raise self._unexpected(route, f"body is {type(body).__name__}, not an object")
+        if not body:
+            return None
+        if prompt_id not in body:
+            raise self._unexpected(route, f"answer names other prompts: {list(body)[:3]}")
+        return self._parse(route, lambda b: HistoryEntry.from_json(prompt_id, b[prompt_id]), body)
+
+    async def interrupt(self, prompt_id: str | None = None) -> None:
+        """POST /interrupt, for one prompt or whatever runs. 200 with an empty body whether
+        or not it stopped anything; it lands between nodes (interrupt_reconnect.json)."""
+        payload = {} if prompt_id is None else {"prompt_id": prompt_id}
+        await self._post_ok("/interrupt", payload)
+
+    async def delete_from_queue(self, prompt_ids: list[str]) -> None:
+        """POST /queue ``{"delete": [...]}``. Loses the race against a prompt that already
+        started: check /queue and /history afterwards (interrupt_reconnect.json)."""
+        await self._post_ok("/queue", {"delete": list(prompt_ids)})
+
+    async def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
+        """POST /free (basics.json)."""
+        await self._post_ok("/free", {"unload_models": unload_models, "free_memory": free_memory})
+
+    async def view(self, filename: str, subfolder: str, type: str) -> bytes:
+        """GET /view whole in memory. Raises OutputMissing on 404."""
+        chunks = [c async for c in self.iter_view(filename, subfolder, type)]
+        return b"".join(chunks)
+
+    async def iter_view(
+        self, filename: str, subfolder: str, type: str, *, chunk_bytes: int = 1 << 16
+    ) -> AsyncIterator[bytes]:
+        """GET /view streamed in chunks of up to ``chunk_bytes`` bytes. Raises
+        OutputMissing on 404, UnexpectedAnswer on 400/403 (basics.json). Close it with
+        ``contextlib.aclosing`` when not read to the end."""
+        query = urlencode({"filename": filename, "subfolder": subfolder, "type": type})
+        route = f"GET /view {subfolder + '/' if subfolder else ''}{filename}"
+        async with self._mapped(route):
+            async with self._http.stream("GET", f"/view?{query}") as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    if response.status_code == 404:
+                        raise OutputMissing(
+                            f"{self.name}: {route}: 404 not found", server=self.base_url
+                        )
+                    self._check(route, response)
+                async for chunk in response.aiter_bytes(chunk_bytes):
+                    yield chunk
+
+    def ws_url(self, client_id: str) -> str:
+        """``ws://host:port/ws?clientId=...`` (wss for https)."""
+        scheme = "wss" if self.base_url.startswith("https") else "ws"
+        rest = self.base_url.split("://", 1)[1]
+        return f"{scheme}://{rest}/ws?{urlencode({'clientId': client_id})}"
+
+    async def connect_ws(self, client_id: str) -> ClientConnection:
+        """Open /ws with this clientId (errors mapped like HTTP ones). A new socket with
+        the same clientId replaces the old one on the server (README fact 4)."""
+        route = "WS /ws"
+        try:
+            return await websockets.connect(
+                self.ws_url(client_id),
+                open_timeout=self.timeout_s,
+                max_size=_WS_MAX_MESSAGE,
+                compression=None,  # local JSON messages: deflate costs CPU, saves nothing
+                close_timeout=2.0,  # seconds; a dead server must not hold up our exit
+            )
+        except websockets.InvalidStatus as exc:
+            status = exc.response.status_code
+            body = exc.response.body.decode("utf-8", "replace") if exc.response.body else ""
+            if status >= 500:
+                raise ServerError(
+                    f"{self.name}: {route}: {status} {body[:_BODY_EXCERPT]}".rstrip(),
+                    server=self.base_url,
+                    status=status,
+                    body=body,
+                ) from exc
+            raise self._unexpected(route, f"status {status}") from exc
+        except (websockets.InvalidHandshake, websockets.ConnectionClosed) as exc:
+            raise ConnectionLost(f"{self.name}: {route}: {exc}", server=self.base_url) from exc
+        except TimeoutError as exc:
+            raise RequestTimeout(
+                f"{self.name}: {route}: no answer within {self.timeout_s:g} s", server=self.base_url
+            ) from exc
+        except ConnectionRefusedError as exc:
+            raise ServerUnreachable(
+                f"{self.name}: {route}: connection refused ({self.base_url})", server=self.base_url
+            ) from exc
+        except OSError as exc:
+            raise ServerUnreachable(
+                f"{self.name}: {route}: cannot connect ({exc}) ({self.base_url})",
+                server=self.base_url,
+            ) from exc
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _mapped(self, route: str) -> AsyncIterator[None]:
+        """Turn httpx transport errors into our typed errors, naming server and route."""
+        where = f"{self.name}: {route}"
+        try:
+            yield
+        except httpx.TimeoutException as exc:
+            raise RequestTimeout(
+                f"{where}: no answer within {self.timeout_s:g} s", server=self.base_url
+            ) from exc
+        except httpx.ConnectError as exc:
+            reason = "connection refused" if _is_refused(exc) else f"cannot connect ({exc})"
+            raise ServerUnreachable(
+                f"{where}: {reason} ({self.base_url})", server=self.base_url
+            ) from exc
+        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+            raise ConnectionLost(
+                f"{where}: connection lost ({exc or type(exc).__name__})", server=self.base_url
+            ) from exc
+        except httpx.TransportError as exc:
+            raise ConnectionLost(
+                f"{where}: {type(exc).__name__}: {exc}", server=self.base_url
+            ) from exc
+
+    async def _request(self, method: str, path: str, route: str, **kwargs: Any) -> httpx.Response:
+        async with self._mapped(route):
+            return await self._http.request(method, path, **kwargs)
+
+    async def _get_json(self, path: str, route: str | None = None) -> Any:
+        route = route or f"GET {path}"
+        response = await self._request("GET", path, route)
+        self._check(route, response)
+        return self._json(route, response)
+
+    async def _post_ok(self, path: str, payload: dict[str, Any]) -> None:
+        route = f"POST {path}"
+        response = await self._request("POST", path, route, json=payload)
+        self._check(route, response)
+
+    def _check(self, route: str, response: httpx.Response) -> None:
+        """Raise for any status but 200: ServerError for 5xx, UnexpectedAnswer otherwise."""
+        status = response.status_code
+        if status == 200:
+            return
+        body = response.text
+        if status >= 500:
+            raise ServerError(
+                f"{self.name}: {route}: {status} {_excerpt(body)}".rstrip(),
+                server=self.base_url,
+                status=status,
+                body=body,
+            )
+        raise self._unexpected(route, f"status {status} {_excerpt(body)}".rstrip())
+
+    def _json(self, route: str, response: httpx.Response) -> Any:
+        try:
+            return response.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise self._unexpected(route, f"body is not JSON: {_excerpt(response.text)!r}") from exc
+
+    def _parse(self, route: str, parse: Callable[[Any], T], body: Any) -> T:
+        try:
+            return parse(body)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise self._unexpected(
+                route, f"unexpected shape ({type(exc).__name__}: {exc})"
+            ) from exc
+
+    def _rejected(self, route: str, response: httpx.Response) -> ComfyError:
+        """400 of POST /prompt: ``{"error": {type, message, details}, "node_errors"}``."""
+        body = self._json(route, response)
+        try:
+            error = body["error"]
+            error_type = str(error["type"])
+            node_errors = body.get("node_errors") or {}
+            text = f"{error_type}: {error.get('message', '')}"
+            details = error.get("details")
+            if details and details != error.get("message"):
+                text += f" ({details})"
+            if node_errors:
+                text += f": {format_node_errors(node_errors)}"
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise self._unexpected(
+                route, f"400 of unexpected shape: {_excerpt(response.text)}"
+            ) from exc
+        return PromptRejected(
+            f"{self.name}: {route} 400, {text}",
+            server=self.base_url,
+            error_type=error_type,
+            node_errors=node_errors,
+        )
+
+    def _unexpected(self, route: str, what: str) -> UnexpectedAnswer:
+        return UnexpectedAnswer(f"{self.name}: {route}: {what}", server=self.base_url)
+
+
+def _excerpt(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= _BODY_EXCERPT else text[:_BODY_EXCERPT] + "..."
+
+
+def _is_refused(exc: BaseException) -> bool:
+    """True when a ConnectionRefusedError is in the cause chain (httpx wraps it twice)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

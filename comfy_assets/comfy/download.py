@@ -1,0 +1,104 @@
+"""Outputs listed in /history, written to our disk.
+
+Names come from the server, so they are untrusted (README fact 10): every subfolder part
+and file name is checked, and the final path must resolve inside the destination. Each
+file streams to a hidden temp name in its final folder and is renamed when complete, so a
+reader never sees half a file; sha256 and size are computed while streaming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from contextlib import aclosing
+from pathlib import Path, PurePosixPath
+
+from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.errors import UnsafeOutputName
+from comfy_assets.comfy.types import DownloadedFile, HistoryEntry, OutputFile
+
+_SEPARATORS = ("/", "\\")
+
+
+def _check_part(part: str, what: str, full: str) -> None:
+    if part in ("", ".", ".."):
+        raise UnsafeOutputName(f"unsafe output {what} {full!r}: empty, '.' or '..' part")
+    if "\x00" in part:
+        raise UnsafeOutputName(f"unsafe output {what} {full!r}: NUL character")
+    if any(sep in part for sep in _SEPARATORS):
+        raise UnsafeOutputName(f"unsafe output {what} {full!r}: path separator")
+    if len(part) >= 2 and part[1] == ":":
+        raise UnsafeOutputName(f"unsafe output {what} {full!r}: drive letter")
+
+
+def safe_output_path(dest_dir: Path, subfolder: str, filename: str) -> Path:
+    """``dest_dir / subfolder / filename`` when it is safe to write.
+
+    ``subfolder`` may be nested (``video/takes``; ComfyUI on Windows may use ``\\``);
+    ``filename`` must be a plain name. Raises UnsafeOutputName for ``..``, absolute paths,
+    separators or NUL in the file name, or anything resolving outside ``dest_dir``
+    (an existing symlink included).
+    """
+    _check_part(filename, "filename", filename)
+    parts: list[str] = []
+    if subfolder:
+        if subfolder.startswith(_SEPARATORS):
+            raise UnsafeOutputName(f"unsafe output subfolder {subfolder!r}: absolute path")
+        for part in subfolder.replace("\\", "/").split("/"):
+            _check_part(part, "subfolder", subfolder)
+            parts.append(part)
+    path = dest_dir.joinpath(*parts, filename)
+    root = dest_dir.resolve()
+    if not path.resolve().is_relative_to(root):
+        raise UnsafeOutputName(
+            f"unsafe output {subfolder!r}/{filename!r}: resolves outside {dest_dir}"
+        )
+    return path
+
+
+async def download_outputs(
+    client: ComfyClient, entry: HistoryEntry, dest_dir: Path
+) -> list[DownloadedFile]:
+    """Download every ``type: output`` file of a history entry under ``dest_dir``.
+
+    Previews (``temp``) and anything else not ``output`` are skipped; a file listed twice
+    is written once. Names are validated before any request. Raises UnsafeOutputName,
+    the client's typed errors (OutputMissing for a 404), OSError for our disk.
+    """
+    wanted: dict[Path, OutputFile] = {}
+    for out in entry.output_files:
+        if out.type != "output":
+            continue
+        wanted.setdefault(safe_output_path(dest_dir, out.subfolder, out.filename), out)
+    results = []
+    for path, out in wanted.items():
+        results.append(await _download_one(client, out, path, dest_dir))
+    return results
+
+
+async def _download_one(
+    client: ComfyClient, out: OutputFile, path: Path, dest_dir: Path
+) -> DownloadedFile:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with temp.open("wb") as f:
+            async with aclosing(client.iter_view(out.filename, out.subfolder, out.type)) as chunks:
+                async for chunk in chunks:
+                    f.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)  # no half file left behind; the error goes on
+        raise
+    return DownloadedFile(
+        path=PurePosixPath(*path.relative_to(dest_dir).parts).as_posix(),
+        sha256=digest.hexdigest(),
+        bytes=size,
+        node_id=out.node_id,
+        key=out.key,
+    )

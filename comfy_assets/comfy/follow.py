@@ -1,0 +1,375 @@
+"""Following one prompt to its end: the socket for speed, /history for the truth.
+
+The socket must be open before the prompt is posted (events go to the clientId's socket
+only and are not replayed), so the shape is::
+
+    async with PromptFollower(client, client_id, poll_s=1.0) as follower:
+        post = await client.post_prompt(workflow, prompt_id=pid, client_id=client_id)
+        outcome = await follower.wait(pid, post.number, deadline_s=600.0)
+
+Facts it lives with (data/recorded/, README):
+- events carry a prompt_id but no run number, and a prompt queued without client_id
+  broadcasts its ``execution_interrupted`` to every socket (broadcast_and_missed.json):
+  filter by prompt_id, and count a terminal event only after our ``execution_start``;
+- a reconnect with the same clientId replays nothing; a finish missed while disconnected
+  is only in /history (interrupt_reconnect.json, broadcast_and_missed.json);
+- /history keeps the last run of a prompt_id: accept only ``prompt[0] == number``
+  (duplicate_prompt_id.json); it may lag ``execution_success`` (README fact 5), but is
+  written before ``executing`` with ``node: null``;
+- after a restart the prompt is in neither /queue nor /history: lost (restart.json).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Self
+
+import websockets
+from websockets.asyncio.client import ClientConnection
+
+from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.errors import (
+    ComfyError,
+    DeadlineExceeded,
+    PromptLost,
+    UnexpectedAnswer,
+)
+from comfy_assets.comfy.types import ExecutionErrorInfo, HistoryEntry, Outcome
+
+_TERMINAL = frozenset({"execution_success", "execution_error", "execution_interrupted"})
+_MAX_BUFFERED_PROMPTS = 1024  # prompt ids whose events are kept before anyone waits
+_RECONNECT_FIRST_S = 0.05
+
+
+@dataclass(frozen=True)
+class PromptOutcome:
+    """How a prompt ended. ``history`` is the run's /history entry (always there for
+    ``success``; None when the socket alone told an error or interrupt). ``reconnects``
+    counts socket reconnects during the wait."""
+
+    status: Outcome
+    history: HistoryEntry | None
+    error: ExecutionErrorInfo | None
+    reconnects: int
+
+
+@dataclass
+class _Run:
+    """What one ``wait`` knows about its run."""
+
+    prompt_id: str
+    number: int
+    started: bool = False  # saw our execution_start
+    finished: bool = False  # the server is done with it (on_finished called)
+    ended_hint: bool = False  # some terminal event for this prompt_id arrived
+    last_seen: str = "not yet seen"
+
+
+class PromptFollower:
+    """One socket (``/ws?clientId=``) kept open, reconnected with the same clientId after
+    a drop (capped exponential backoff, ``reconnect_max_s`` seconds), and ``wait`` for one
+    prompt at a time or several concurrently. ``poll_s`` (seconds) is the /history poll
+    period. Entering raises the client's typed errors when the socket cannot be opened.
+    """
+
+    def __init__(
+        self,
+        client: ComfyClient,
+        client_id: str,
+        *,
+        poll_s: float = 1.0,
+        reconnect_max_s: float = 2.0,
+    ) -> None:
+        self.client = client
+        self.client_id = client_id
+        self.poll_s = poll_s
+        self.reconnect_max_s = reconnect_max_s
+        self._ws: ClientConnection | None = None
+        self._reader: asyncio.Task[None] | None = None
+        self._events: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+        self._wakers: dict[str, set[asyncio.Event]] = {}
+        self._drops = 0
+        self._reconnects = 0
+        self._last_message_at = 0.0
+        self._last_drop = ""
+        self._fatal: ComfyError | None = None
+
+    @property
+    def connected(self) -> bool:
+        return self._ws is not None
+
+    @property
+    def reconnects(self) -> int:
+        """Socket reconnects since the follower opened."""
+        return self._reconnects
+
+    async def __aenter__(self) -> Self:
+        self._ws = await self.client.connect_ws(self.client_id)
+        self._last_message_at = asyncio.get_running_loop().time()
+        self._reader = asyncio.create_task(self._read_forever(), name=f"ws {self.client_id}")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            try:
+                await reader
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+        ws, self._ws = self._ws, None
+        if ws is not None:
+            await ws.close()
+
+    # -- waiting ----------------------------------------------------------------------
+
+    async def wait(
+        self,
+        prompt_id: str,
+        number: int,
+        *,
+        deadline_s: float = 600.0,
+        on_finished: Callable[[], object] | None = None,
+    ) -> PromptOutcome:
+        """Wait until run ``number`` of ``prompt_id`` ends; works for a prompt posted
+        through this follower's clientId or one found queued/running during catch-up.
+
+        ``on_finished`` is called once, as soon as the server is done with the run (a
+        terminal event after our execution_start, or its history entry), before this
+        returns. Raises PromptLost when the run is in neither /queue nor /history,
+        DeadlineExceeded after ``deadline_s`` seconds (interrupt it yourself),
+        UnexpectedAnswer (or another permanent ComfyError) for answers not understood.
+        Transient server trouble (refused, reset, 5xx) is retried until the deadline.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + deadline_s
+        run = _Run(prompt_id, number)
+        reconnects_at_start = self._reconnects
+        waker = asyncio.Event()
+        self._wakers.setdefault(prompt_id, set()).add(waker)
+        cursor = 0
+        check_now = False
+        next_poll = loop.time() + self.poll_s
+        seen_drops, seen_reconnects = self._drops, self._reconnects
+        suspect = False  # the server may have forgotten the prompt: ask /queue
+
+        def finish(
+            status: Outcome, history: HistoryEntry | None, error: ExecutionErrorInfo | None
+        ) -> PromptOutcome:
+            self._mark_finished(run, on_finished)
+            return PromptOutcome(status, history, error, self._reconnects - reconnects_at_start)
+
+        try:
+            while True:
+                waker.clear()
+                if self._fatal is not None:
+                    raise self._fatal
+                events = self._events.get(prompt_id, ())
+                while cursor < len(events):
+                    kind, data = events[cursor]
+                    cursor += 1
+                    decided = self._on_event(run, kind, data, on_finished)
+                    if decided is not None:
+                        status, error = decided
+                        return finish(status, None, error)
+                    if kind in _TERMINAL or kind == "executing":
+                        check_now = True  # history is (about to be) written
+                if self._drops != seen_drops or not self.connected:
+                    seen_drops = self._drops
+                    suspect = True
+                if self._reconnects != seen_reconnects:
+                    seen_reconnects = self._reconnects
+                    check_now = True  # a finish missed while disconnected is only in /history
+
+                now = loop.time()
+                if now >= deadline:
+                    raise self._deadline(run, deadline_s)
+                if check_now or now >= next_poll:
+                    if now >= next_poll:
+                        next_poll = now + self.poll_s
+                    check_now = False
+                    silent = now - self._last_message_at >= self.poll_s
+                    result = await self._check(run, suspect or silent, deadline, deadline_s)
+                    if isinstance(result, HistoryEntry):
+                        return finish(result.outcome, result, result.error)
+                    suspect = result
+                    continue
+                try:
+                    async with asyncio.timeout(min(next_poll, deadline) - now):
+                        await waker.wait()
+                except TimeoutError:
+                    pass  # time to poll (or the deadline): the loop decides
+        finally:
+            wakers = self._wakers.get(prompt_id)
+            if wakers is not None:
+                wakers.discard(waker)
+                if not wakers:
+                    del self._wakers[prompt_id]
+                    self._events.pop(prompt_id, None)
+
+    def _on_event(
+        self,
+        run: _Run,
+        kind: str,
+        data: dict[str, Any],
+        on_finished: Callable[[], object] | None,
+    ) -> tuple[Outcome, ExecutionErrorInfo | None] | None:
+        """Apply one event of our prompt_id; return (status, error) when it decides."""
+        if kind == "execution_start":
+            run.started = True
+            run.last_seen = "running"
+            return None
+        if kind not in _TERMINAL:
+            return None
+        run.ended_hint = True
+        if not run.started:
+            return None  # maybe another run of this prompt_id: let /history confirm
+        if kind == "execution_error":
+            return "error", ExecutionErrorInfo.from_json(data)
+        if kind == "execution_interrupted":
+            return "interrupted", None
+        run.last_seen = "finished, waiting for /history"
+        self._mark_finished(run, on_finished)
+        return None
+
+    @staticmethod
+    def _mark_finished(run: _Run, on_finished: Callable[[], object] | None) -> None:
+        if not run.finished:
+            run.finished = True
+            if on_finished is not None:
+                on_finished()
+
+    async def _check(
+        self, run: _Run, suspect: bool, deadline: float, deadline_s: float
+    ) -> HistoryEntry | bool:
+        """Poll /history; when suspect and no terminal event was seen, also /queue then
+        /history again (in that order: a prompt leaves the queue only once its history
+        is written, so no finish falls between the two). Returns the run's entry, or
+        whether the server is still suspect. Raises PromptLost, DeadlineExceeded."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                entry = await self.client.history(run.prompt_id)
+                if entry is not None and entry.number == run.number:
+                    return entry
+                if not suspect or run.ended_hint:
+                    return False  # history may lag the terminal event: keep polling
+                queue = await self.client.queue()
+                found = queue.find(run.prompt_id, run.number)
+                if found is not None:
+                    run.last_seen = "running" if found in queue.running else "pending"
+                    return False
+                entry = await self.client.history(run.prompt_id)
+                if entry is not None and entry.number == run.number:
+                    return entry
+        except TimeoutError:
+            raise self._deadline(run, deadline_s) from None
+        except ComfyError as exc:
+            if not exc.transient:
+                raise
+            run.last_seen = f"server trouble: {exc.message}"
+            return True  # ask /queue as soon as it answers again
+        other = "" if entry is None else f" (history holds run {entry.number})"
+        raise PromptLost(
+            f"{self.client.name}: prompt {run.prompt_id} run {run.number} is in neither "
+            f"/queue nor /history{other}: the server forgot it",
+            server=self.client.base_url,
+        )
+
+    def _deadline(self, run: _Run, deadline_s: float) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"{self.client.name}: prompt {run.prompt_id} run {run.number} not finished "
+            f"after {deadline_s:g} s (last seen: {run.last_seen})",
+            server=self.client.base_url,
+        )
+
+    # -- the socket -------------------------------------------------------------------
+
+    async def _read_forever(self) -> None:
+        """Read messages; on a drop reconnect with the same clientId until cancelled."""
+        delay = _RECONNECT_FIRST_S
+        while True:
+            ws = self._ws
+            if ws is None:
+                try:
+                    ws = await self.client.connect_ws(self.client_id)
+                except ComfyError as exc:
+                    if not exc.transient:
+                        self._fail(exc)
+                        return
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, self.reconnect_max_s)
+                    continue
+                delay = _RECONNECT_FIRST_S
+                self._ws = ws
+                self._reconnects += 1
+                self._last_message_at = asyncio.get_running_loop().time()
+                self._wake_all()
+            try:
+                async for raw in ws:
+                    if not self._on_message(raw):
+                        return
+                self._last_drop = "closed by the server"
+            except websockets.ConnectionClosed as exc:
+                self._last_drop = str(exc)
+            self._ws = None
+            self._drops += 1
+            self._wake_all()
+
+    def _on_message(self, raw: str | bytes) -> bool:
+        """Buffer terminal-ish events by prompt_id. False after a fatal error."""
+        self._last_message_at = asyncio.get_running_loop().time()
+        if isinstance(raw, bytes):
+            return True  # binary preview frames
+        try:
+            message = json.loads(raw)
+            kind = message["type"]
+            data = message.get("data") or {}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            self._fail(
+                UnexpectedAnswer(
+                    f"{self.client.name}: WS /ws: message not understood ({exc}): {raw[:200]!r}",
+                    server=self.client.base_url,
+                )
+            )
+            return False
+        if not isinstance(data, dict):
+            return True
+        prompt_id = data.get("prompt_id")
+        if prompt_id is None:
+            return True  # status, or executing replayed on reconnect without prompt_id
+        if kind == "executing":
+            if data.get("node") is not None:
+                return True  # progress: only node=null (history written) matters
+        elif kind != "execution_start" and kind not in _TERMINAL:
+            return True
+        events = self._events.get(prompt_id)
+        if events is None:
+            self._evict_unwatched()
+            events = self._events[prompt_id] = []
+        events.append((kind, data))
+        for waker in self._wakers.get(prompt_id, ()):
+            waker.set()
+        return True
+
+    def _evict_unwatched(self) -> None:
+        """Bound the buffer: forget the oldest prompt ids nobody waits for (foreign
+        broadcasts, runs whose wait already returned)."""
+        if len(self._events) < _MAX_BUFFERED_PROMPTS:
+            return
+        for prompt_id in list(self._events)[: _MAX_BUFFERED_PROMPTS // 4]:
+            if prompt_id not in self._wakers:
+                del self._events[prompt_id]
+
+    def _fail(self, exc: ComfyError) -> None:
+        self._fatal = exc
+        self._wake_all()
+
+    def _wake_all(self) -> None:
+        for wakers in self._wakers.values():
+            for waker in wakers:
+                waker.set()

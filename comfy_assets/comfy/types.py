@@ -1,0 +1,297 @@
+"""Frozen dataclasses for what ComfyUI answers, parsed from its JSON.
+
+Every shape here is taken from data/recorded/ (ComfyUI v0.8.0). The ``from_json``
+constructors raise ``KeyError``, ``TypeError``, ``ValueError`` or ``IndexError`` on a body
+that is not the recorded shape; ``client.py`` turns those into ``UnexpectedAnswer``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Outcome = Literal["success", "error", "interrupted"]
+
+# ComfyUI's tip appended to an OOM exception message (README fact 9).
+_OOM_TIP = "this error means you ran out of memory on your gpu"
+_OOM_TYPES = frozenset({"torch.OutOfMemoryError", "torch.cuda.OutOfMemoryError"})
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of /system_stats ``devices``; VRAM in bytes (basics.json)."""
+
+    name: str
+    type: str
+    vram_total: int
+    vram_free: int
+    index: int | None = None
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> Device:
+        index = d.get("index")
+        return cls(
+            name=str(d["name"]),
+            type=str(d["type"]),
+            vram_total=int(d["vram_total"]),
+            vram_free=int(d["vram_free"]),
+            index=None if index is None else int(index),
+        )
+
+    @property
+    def label(self) -> str:
+        """Short name without spaces: ``cpu`` or ``cuda:0``."""
+        return self.type if self.index is None else f"{self.type}:{self.index}"
+
+
+@dataclass(frozen=True)
+class SystemStats:
+    """GET /system_stats: ``system.comfyui_version`` and the devices (basics.json)."""
+
+    comfyui_version: str
+    devices: tuple[Device, ...]
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> SystemStats:
+        return cls(
+            comfyui_version=str(body["system"]["comfyui_version"]),
+            devices=tuple(Device.from_json(d) for d in body["devices"]),
+        )
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One item of /queue: ``[number, prompt_id, prompt, extra_data, outputs]``;
+    ``client_id`` comes from ``extra_data`` and is None for an anonymous prompt
+    (interrupt_reconnect.json, broadcast_and_missed.json)."""
+
+    number: int
+    prompt_id: str
+    client_id: str | None
+
+    @classmethod
+    def from_json(cls, item: list[Any]) -> QueueEntry:
+        extra = item[3] if len(item) > 3 and isinstance(item[3], dict) else {}
+        client_id = extra.get("client_id")
+        return cls(
+            number=int(item[0]),
+            prompt_id=str(item[1]),
+            client_id=None if client_id is None else str(client_id),
+        )
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """GET /queue: the running entry (at most one per server) and the pending heap."""
+
+    running: tuple[QueueEntry, ...]
+    pending: tuple[QueueEntry, ...]
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> QueueState:
+        return cls(
+            running=tuple(QueueEntry.from_json(i) for i in body["queue_running"]),
+            pending=tuple(QueueEntry.from_json(i) for i in body["queue_pending"]),
+        )
+
+    @property
+    def length(self) -> int:
+        """Running plus pending entries."""
+        return len(self.running) + len(self.pending)
+
+    def find(self, prompt_id: str, number: int | None = None) -> QueueEntry | None:
+        """The entry with this prompt_id (and run number, when given), running first."""
+        for entry in (*self.running, *self.pending):
+            if entry.prompt_id == prompt_id and (number is None or entry.number == number):
+                return entry
+        return None
+
+    def contains(self, prompt_id: str, number: int | None = None) -> bool:
+        """True when the prompt (optionally that run number) is running or pending."""
+        return self.find(prompt_id, number) is not None
+
+    def is_running(self, prompt_id: str) -> bool:
+        return any(e.prompt_id == prompt_id for e in self.running)
+
+
+def format_node_errors(node_errors: Mapping[str, Any]) -> str:
+    """``node_errors`` of POST /prompt as one readable line, e.g.
+    ``node 1 (EmptyImage): Value -5 smaller than min of 1 [width]`` (validation_errors.json).
+    """
+    parts: list[str] = []
+    for node_id, node in node_errors.items():
+        node = node if isinstance(node, dict) else {}
+        class_type = node.get("class_type", "?")
+        errors = node.get("errors") or [{}]
+        for err in errors:
+            text = str(err.get("message", "error"))
+            details = err.get("details")
+            if details:
+                text += f" [{details}]"
+            parts.append(f"node {node_id} ({class_type}): {text}")
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class PostResult:
+    """POST /prompt 200. A non-empty ``node_errors`` means some outputs failed validation
+    and were dropped while the rest was queued (validation_errors.json, README fact 6)."""
+
+    prompt_id: str
+    number: int
+    node_errors: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> PostResult:
+        node_errors = body.get("node_errors") or {}
+        if not isinstance(node_errors, dict):
+            raise TypeError(f"node_errors is {type(node_errors).__name__}, not an object")
+        return cls(
+            prompt_id=str(body["prompt_id"]), number=int(body["number"]), node_errors=node_errors
+        )
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """One file a node wrote: ``outputs[node_id][key][i]`` of /history. ``type`` is
+    ``output`` for saved files, ``temp`` for previews."""
+
+    node_id: str
+    key: str
+    filename: str
+    subfolder: str
+    type: str
+
+
+@dataclass(frozen=True)
+class ExecutionErrorInfo:
+    """``execution_error`` data, from the socket or /history messages (execution_error.json)."""
+
+    node_id: str
+    node_type: str
+    exception_type: str
+    exception_message: str
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ExecutionErrorInfo:
+        return cls(
+            node_id=str(data.get("node_id", "")),
+            node_type=str(data.get("node_type", "")),
+            exception_type=str(data.get("exception_type", "")),
+            exception_message=str(data.get("exception_message", "")),
+        )
+
+    @property
+    def is_oom(self) -> bool:
+        """Out of memory on the GPU: the torch exception type, or ComfyUI's tip text
+        (README fact 9). Worth another attempt, unlike most node errors."""
+        message = self.exception_message.lower()
+        return (
+            self.exception_type in _OOM_TYPES or "out of memory" in message or _OOM_TIP in message
+        )
+
+    def describe(self) -> str:
+        """``node 2 (ImageToMask): IndexError: index 3 is out of bounds ...``"""
+        return (
+            f"node {self.node_id} ({self.node_type}): "
+            f"{self.exception_type}: {self.exception_message.strip()}"
+        )
+
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One entry of GET /history/{prompt_id}.
+
+    ``number`` is ``prompt[0]``, the run number: the only way to tell two runs of the
+    same prompt_id apart (duplicate_prompt_id.json). ``outputs`` is the raw dict, node id →
+    {key → list}; ``messages`` the ``status.messages`` pairs ``(type, data)`` (their
+    ``timestamp`` in server milliseconds). ``client_id`` and ``create_time`` (server
+    milliseconds) come from ``prompt[3]``, the extra_data (success.json).
+    """
+
+    prompt_id: str
+    number: int
+    status_str: str
+    completed: bool
+    outputs: dict[str, Any]
+    messages: tuple[tuple[str, dict[str, Any]], ...]
+    client_id: str | None = None
+    create_time: int | None = None
+
+    @classmethod
+    def from_json(cls, prompt_id: str, entry: Mapping[str, Any]) -> HistoryEntry:
+        status = entry.get("status") or {}
+        messages = tuple((str(m[0]), dict(m[1] or {})) for m in status.get("messages") or ())
+        outputs = entry.get("outputs") or {}
+        if not isinstance(outputs, dict):
+            raise TypeError(f"outputs is {type(outputs).__name__}, not an object")
+        prompt = entry["prompt"]
+        extra = prompt[3] if len(prompt) > 3 and isinstance(prompt[3], dict) else {}
+        client_id, create_time = extra.get("client_id"), extra.get("create_time")
+        return cls(
+            prompt_id=prompt_id,
+            number=int(prompt[0]),
+            status_str=str(status.get("status_str") or ""),
+            completed=bool(status.get("completed", False)),
+            outputs=outputs,
+            messages=messages,
+            client_id=None if client_id is None else str(client_id),
+            create_time=None if create_time is None else int(create_time),
+        )
+
+    @property
+    def outcome(self) -> Outcome:
+        """An interrupted run is recorded as ``status_str: error`` with an
+        ``execution_interrupted`` message (interrupt_reconnect.json)."""
+        if self.status_str == "success":
+            return "success"
+        if any(kind == "execution_interrupted" for kind, _ in self.messages):
+            return "interrupted"
+        return "error"
+
+    @property
+    def error(self) -> ExecutionErrorInfo | None:
+        """The ``execution_error`` message of a failed run, if any."""
+        for kind, data in self.messages:
+            if kind == "execution_error":
+                return ExecutionErrorInfo.from_json(data)
+        return None
+
+    @property
+    def output_files(self) -> list[OutputFile]:
+        """Every file under every output key (images, gifs, video, audio, ...): any list of
+        ``{filename, subfolder, type}``. SaveVideo lists its mp4 under ``images`` next to
+        ``animated: [true]`` (video.json); non-file lists such as ``animated`` or text are
+        skipped."""
+        files: list[OutputFile] = []
+        for node_id, node_out in self.outputs.items():
+            if not isinstance(node_out, dict):
+                continue
+            for key, items in node_out.items():
+                if not isinstance(items, list):
+                    continue
+                for item in items:
+                    if isinstance(item, dict) and "filename" in item:
+                        files.append(
+                            OutputFile(
+                                node_id=str(node_id),
+                                key=str(key),
+                                filename=str(item["filename"]),
+                                subfolder=str(item.get("subfolder") or ""),
+                                type=str(item.get("type") or "output"),
+                            )
+                        )
+        return files
+
+
+@dataclass(frozen=True)
+class DownloadedFile:
+    """One output written to disk: ``path`` relative to the destination folder (POSIX
+    separators), ``sha256`` hex digest and ``bytes`` size of what was written."""
+
+    path: str
+    sha256: str
+    bytes: int
+    node_id: str
+    key: str

@@ -1,0 +1,32 @@
+"""The Dagster definitions of comfy-assets (``workspace.yaml``, ``[tool.dagster]``).
+
+Job files dropped into the watched folders become partitions of ``renders`` through
+``job_file_sensor``, which launches ``render_job`` (renders + render_results) once per
+file version. ``all_results`` gathers every partition's table; materialize it from the UI.
+"""
+
+from __future__ import annotations
+
+from dagster import Definitions, define_asset_job
+
+from comfy_assets.assets import all_results, render_results, renders
+from comfy_assets.partitions import job_files_partitions
+from comfy_assets.resources import default_resources
+from comfy_assets.sensors import job_file_sensor
+
+# Run retries (dagster.yaml: retry_on_asset_or_op_failure false) only re-launch runs whose
+# worker died; the batch itself retries each job with backoff.
+render_job = define_asset_job(
+    "render_job",
+    selection=[renders, render_results],
+    partitions_def=job_files_partitions,
+    tags={"dagster/max_retries": "2"},
+    description="Render every job of one job file and write its results CSV.",
+)
+
+defs = Definitions(
+    assets=[renders, render_results, all_results],
+    sensors=[job_file_sensor],
+    jobs=[render_job],
+    resources=default_resources(),
+)

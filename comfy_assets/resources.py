@@ -1,0 +1,118 @@
+"""Dagster resources: the ComfyUI pool settings and the result store.
+
+One deployment differs from another by environment only:
+
+- ``COMFY_ASSETS_SERVERS``: the pool, ``name=url`` pairs separated by commas
+  (default ``gpu0=http://127.0.0.1:8188,gpu1=http://127.0.0.1:8189``).
+- ``COMFY_ASSETS_STORE``: the result store's folder (default ``store``).
+- ``COMFY_ASSETS_DB_URL``: the store's database URL (default: SQLite inside the folder).
+
+When a variable is set, :func:`env_or_default` passes it as an ``EnvVar`` (the UI shows
+the variable's name, not its value); when unset, the default is a plain value, because an
+``EnvVar`` has no default and fails when its variable is missing.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dagster import Config, ConfigurableResource, EnvVar
+from pydantic import Field
+
+from comfy_assets.batch import BatchConfig
+from comfy_assets.comfy.servers import ServerSpec, parse_servers
+from comfy_assets.store import Store
+
+SERVERS_ENV = "COMFY_ASSETS_SERVERS"
+STORE_ENV = "COMFY_ASSETS_STORE"
+DB_URL_ENV = "COMFY_ASSETS_DB_URL"
+DEFAULT_SERVERS = "gpu0=http://127.0.0.1:8188,gpu1=http://127.0.0.1:8189"
+DEFAULT_STORE = "store"
+
+
+def env_or_default(name: str, default: str | None) -> str | None:
+    """Return ``EnvVar(name)`` when the variable is set, else ``default``."""
+    return EnvVar(name) if name in os.environ else default
+
+
+class ServerConfig(Config):
+    """One ComfyUI server of the pool."""
+
+    name: str
+    url: str
+
+
+class ComfyPoolResource(ConfigurableResource):
+    """The ComfyUI servers to render on and how hard to try (see ``BatchConfig``).
+
+    The pool is ``servers`` when given (a list, set in Python or run config), else
+    ``servers_spec`` parsed by ``parse_servers``. ``servers_spec`` exists because a list
+    field can't take an ``EnvVar``: set it from ``COMFY_ASSETS_SERVERS``.
+    """
+
+    servers_spec: str = Field(
+        default=DEFAULT_SERVERS,
+        description="name=url pairs separated by commas, e.g. gpu0=http://host:8188",
+    )
+    servers: list[ServerConfig] = Field(
+        default_factory=list, description="The pool as a list; overrides servers_spec."
+    )
+    attempts: int = 4
+    base_delay_s: float = 2.0
+    max_delay_s: float = 60.0
+    jitter: bool = True
+    timeout_s: float = 600.0
+    poll_s: float = 1.0
+    lease_s: float = 3600.0
+    server_lease_s: float = 30.0
+    max_queue: int | None = None
+
+    def server_specs(self) -> list[ServerSpec]:
+        """Return the pool's servers."""
+        if self.servers:
+            return [ServerSpec(name=server.name, url=server.url) for server in self.servers]
+        return parse_servers(self.servers_spec)
+
+    def batch_config(self) -> BatchConfig:
+        """Return the retry, timeout and lease settings for ``run_batch_sync``."""
+        return BatchConfig(
+            attempts=self.attempts,
+            base_delay_s=self.base_delay_s,
+            max_delay_s=self.max_delay_s,
+            jitter=self.jitter,
+            timeout_s=self.timeout_s,
+            poll_s=self.poll_s,
+            lease_s=self.lease_s,
+            server_lease_s=self.server_lease_s,
+            max_queue=self.max_queue,
+        )
+
+
+class ResultStoreResource(ConfigurableResource):
+    """Where job states, outputs, results CSVs and dead letters are written."""
+
+    folder: str = Field(default=DEFAULT_STORE, description="The store's folder.")
+    db_url: str | None = Field(
+        default=None, description="Database URL; None means SQLite inside the folder."
+    )
+
+    @property
+    def root(self) -> Path:
+        """The store's folder as a path."""
+        return Path(self.folder)
+
+    def open(self) -> Store:
+        """Open the store (a new connection pool; close it when done)."""
+        return Store(self.root, db_url=self.db_url)
+
+
+def default_resources() -> dict[str, ConfigurableResource]:
+    """Resources configured from the environment (see the module docstring)."""
+    return {
+        "comfy": ComfyPoolResource(servers_spec=env_or_default(SERVERS_ENV, DEFAULT_SERVERS)),
+        "result_store": ResultStoreResource(
+            folder=env_or_default(STORE_ENV, DEFAULT_STORE),
+            db_url=env_or_default(DB_URL_ENV, None),
+        ),
+    }

@@ -1,0 +1,154 @@
+"""The results table of a partition, built from result-store records (pure, no Dagster).
+
+One row per job: ``job_id``, one column per ``set`` key of the job file (named as in the
+file, ``"<node id>.<input name>"``, so they never clash with the fixed columns), then
+``state``, ``server``, ``attempts``, ``seconds``, ``files`` (``name:sha256[:12]``
+joined with spaces) and ``reason``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import pandas as pd
+
+FIXED_BEFORE = ["job_id"]
+FIXED_AFTER = ["state", "server", "attempts", "seconds", "files", "reason"]
+RESULTS_CSV = "results.csv"
+# A job of the job file with no record in the store (it never got registered).
+MISSING_STATE = "missing"
+
+
+class JobRow(Protocol):
+    """The fields of a store job record that the table shows."""
+
+    job_id: str
+    state: str
+    server: str | None
+    attempts: int
+    seconds: float | None
+    reason: str | None
+    set_json: str | None
+
+
+class FileRow(Protocol):
+    """One output file of a job (path relative to the job's folder)."""
+
+    path: str
+    sha256: str
+
+
+def files_cell(files: Iterable[FileRow]) -> str:
+    """``name:sha256[:12]`` of each output, space-separated, in path order."""
+    return " ".join(f"{f.path}:{f.sha256[:12]}" for f in sorted(files, key=lambda f: f.path))
+
+
+def _set_values(record: JobRow) -> dict[str, Any]:
+    return json.loads(record.set_json) if record.set_json else {}
+
+
+def _cell(value: Any) -> Any:
+    # Lists and objects (say a prompt list) go in as JSON so the CSV cell round-trips.
+    return json.dumps(value, sort_keys=True) if isinstance(value, list | dict) else value
+
+
+def results_table(
+    records: Sequence[JobRow],
+    files: Mapping[str, Iterable[FileRow]],
+    job_ids: Sequence[str] | None = None,
+) -> pd.DataFrame:
+    """Build the results table.
+
+    ``files`` maps job id to its output files. ``job_ids`` (the job file's ids in line
+    order) selects and orders the rows; a job of the file without a record gets a row
+    with state ``missing`` so a gap is visible. Without it every record is a row, in the
+    given order.
+    """
+    by_id = {record.job_id: record for record in records}
+    order = list(job_ids) if job_ids is not None else [record.job_id for record in records]
+
+    set_columns: list[str] = []
+    rows: list[dict[str, Any]] = []
+    for job_id in order:
+        record = by_id.get(job_id)
+        if record is None:
+            rows.append({"job_id": job_id, "state": MISSING_STATE})
+            continue
+        values = _set_values(record)
+        for key in values:
+            if key not in set_columns:
+                set_columns.append(key)
+        rows.append(
+            {
+                "job_id": job_id,
+                **{key: _cell(value) for key, value in values.items()},
+                "state": str(record.state),
+                "server": record.server,
+                "attempts": record.attempts,
+                "seconds": None if record.seconds is None else round(record.seconds, 3),
+                "files": files_cell(files.get(job_id, ())),
+                "reason": record.reason,
+            }
+        )
+    columns = FIXED_BEFORE + set_columns + FIXED_AFTER
+    # object dtype keeps 64 as 64 (not 64.0) when some jobs don't set a key.
+    frame = pd.DataFrame(rows, columns=columns, dtype=object)
+    frame["attempts"] = frame["attempts"].astype("Int64")
+    frame["seconds"] = frame["seconds"].astype("Float64")
+    return frame
+
+
+def write_csv(frame: pd.DataFrame, path: Path) -> Path:
+    """Write ``frame`` to ``path`` atomically (temp file + rename): readers never see half."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
+            frame.to_csv(handle, index=False)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def combine_results(tables: Mapping[str, Path]) -> pd.DataFrame:
+    """Concatenate each partition's results CSV, with a leading ``partition`` column.
+
+    Columns are the union, in order of first appearance; a partition without a ``set``
+    key has an empty cell there.
+    """
+    frames = []
+    for partition, path in sorted(tables.items()):
+        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
+        frame.insert(0, "partition", partition)
+        frames.append(frame)
+    if not frames:
+        return pd.DataFrame(columns=["partition", *FIXED_BEFORE, *FIXED_AFTER])
+    return pd.concat(frames, ignore_index=True, sort=False).fillna("")
+
+
+def markdown_table(frame: pd.DataFrame, max_rows: int = 20) -> str:
+    """A markdown table of the first ``max_rows`` rows (for Dagster metadata)."""
+    shown = frame.head(max_rows)
+
+    def fmt(value: Any) -> str:
+        if value is None or (not isinstance(value, str) and pd.isna(value)):
+            return ""
+        return str(value).replace("|", "\\|").replace("\n", " ")
+
+    lines = [
+        "| " + " | ".join(fmt(c) for c in shown.columns) + " |",
+        "|" + " --- |" * len(shown.columns),
+    ]
+    lines += [
+        "| " + " | ".join(fmt(v) for v in row) + " |" for row in shown.itertuples(index=False)
+    ]
+    if len(frame) > max_rows:
+        lines.append(f"\n… {len(frame) - max_rows} more rows")
+    return "\n".join(lines)

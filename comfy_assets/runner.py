@@ -1,0 +1,378 @@
+"""One attempt of one job on the pool, and how its failure is classified.
+
+An attempt catches up first (our prompt_id already succeeded in /history on the server
+where we posted it → download, don't post; still in that server's /queue → follow it),
+else holds a server, posts, follows and downloads. It returns an ``AttemptResult`` and
+never raises for anything a server does; only cancellation propagates.
+
+Classification (issue 3): POST 400 → permanent; 5xx, refused, reset, timeout, lost →
+transient; ``execution_error`` of out-of-memory type → transient (``POST /free`` first);
+any other ``execution_error`` → permanent; our prompt interrupted by someone else →
+transient; 200 with ``node_errors`` → permanent (outputs were dropped,
+data/recorded/validation_errors.json); a deadline → interrupt, delete from the queue, wait
+until it is gone, transient.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.download import download_outputs
+from comfy_assets.comfy.errors import (
+    ComfyError,
+    DeadlineExceeded,
+    PromptLost,
+    PromptRejected,
+    ServerError,
+)
+from comfy_assets.comfy.follow import PromptFollower
+from comfy_assets.comfy.pool import CLIENT_ID_PREFIX, Pool, Slot
+from comfy_assets.comfy.types import DownloadedFile, HistoryEntry
+from comfy_assets.jobfile import Job
+
+log = logging.getLogger("comfy_assets.runner")
+
+Kind = Literal["success", "transient", "permanent"]
+
+
+@dataclass
+class AttemptResult:
+    """What one attempt came to. ``reason`` is for people (empty on success).
+
+    ``gpu_seconds`` and ``queue_wait_s`` come from the server's own timestamps in the
+    /history entry (execution_start, execution_success/error; extra_data.create_time),
+    ``seconds`` is this attempt's wall time.
+    """
+
+    kind: Kind
+    reason: str = ""
+    server: str | None = None
+    prompt_id: str | None = None
+    number: int | None = None
+    posted: bool = False
+    caught_up: bool = False
+    files: list[DownloadedFile] = field(default_factory=list)
+    seconds: float = 0.0
+    gpu_seconds: float | None = None
+    queue_wait_s: float | None = None
+    oom: bool = False
+
+
+@dataclass
+class AttemptHooks:
+    """Callbacks the attempt makes at state changes (the store writes transitions)."""
+
+    submitted: Callable[[str], None] = lambda server: None
+    rendering: Callable[[str, int], None] = lambda server, number: None
+
+
+def new_client_id() -> str:
+    """A fresh client id, recognisable as ours in any server's /queue."""
+    return CLIENT_ID_PREFIX + uuid.uuid4().hex
+
+
+def entry_timings(entry: HistoryEntry) -> tuple[float | None, float | None]:
+    """(gpu_seconds, queue_wait_s) from a /history entry's status messages and create_time
+    (all server-side milliseconds; success.json shows the shapes)."""
+    start = end = None
+    for item in entry.messages or []:
+        kind, data = item[0], item[1] if len(item) > 1 else {}
+        ts = data.get("timestamp") if isinstance(data, dict) else None
+        if ts is None:
+            continue
+        if kind == "execution_start":
+            start = ts
+        elif kind in ("execution_success", "execution_error", "execution_interrupted"):
+            end = ts
+    created = entry.create_time
+    gpu = (end - start) / 1000 if start is not None and end is not None else None
+    wait = (start - created) / 1000 if start is not None and created is not None else None
+    return gpu, (max(wait, 0.0) if wait is not None else None)
+
+
+def describe_error(e: ComfyError, what: str) -> str:
+    """A reason a person can read, in the shape of the log lines in STYLE.md."""
+    if isinstance(e, ServerError):
+        first = (e.body or "").strip().splitlines()[:1]
+        return f"{what} {e.status}, {first[0] if first else 'no body'}"
+    if isinstance(e, PromptRejected):
+        return f"{what} 400, {e.error_type}: {e.message}"
+    return f"{what}: {type(e).__name__}: {e}"
+
+
+class Attempt:
+    """One attempt of ``job`` over ``pool``; files land in ``dest_dir``.
+
+    ``prev_server``/``prev_number``: where and as which run the prompt was last posted
+    (from the store), for catch-up. ``deadline_s``: per-attempt deadline (seconds).
+    """
+
+    def __init__(
+        self,
+        job: Job,
+        pool: Pool,
+        dest_dir: Path,
+        *,
+        slot: Slot | None = None,
+        prev_server: str | None = None,
+        deadline_s: float = 600.0,
+        poll_s: float = 1.0,
+        evict_timeout_s: float = 120.0,
+        hooks: AttemptHooks | None = None,
+        label: str = "",
+    ) -> None:
+        self.job = job
+        self.pool = pool
+        self.dest_dir = dest_dir
+        self.slot = slot
+        self.prev_server = prev_server
+        self.deadline_s = deadline_s
+        self.poll_s = poll_s
+        self.evict_timeout_s = evict_timeout_s
+        self.hooks = hooks or AttemptHooks()
+        self.label = label or f"job {job.id[:8]}"
+        self.on_server: tuple[ComfyClient, str] | None = None  # (client, server) while ours runs
+        self.started = time.monotonic()
+
+    def result(self, kind: Kind, reason: str = "", **kw: object) -> AttemptResult:
+        return AttemptResult(
+            kind,
+            reason,
+            prompt_id=self.job.prompt_id,
+            seconds=time.monotonic() - self.started,
+            **kw,
+        )  # type: ignore[arg-type]
+
+    async def run(self) -> AttemptResult:
+        """Run the attempt; returns the classified result. Never raises a ComfyError."""
+        caught = await self._catch_up()
+        if caught is not None:
+            return caught
+        if self.slot is None:
+            self.slot = await self.pool.acquire(prefer=self.prev_server, models=self.job.models)
+        return await self._post_and_follow(self.slot)
+
+    # -- catch-up ------------------------------------------------------------------------
+
+    async def _catch_up(self) -> AttemptResult | None:
+        """Look where the prompt was last posted before posting again (exactly once)."""
+        name = self.prev_server
+        if name is None or self.pool.spec(name) is None:
+            return None
+        client = self.pool.client(name)
+        pid = self.job.prompt_id
+        try:
+            entry = await client.history(pid)
+            if entry is not None and entry.status_str == "success":
+                log.info("%s: caught up on %s: prompt %s already succeeded", self.label, name, pid)
+                return await self._download(client, name, entry, caught_up=True)
+            queue = await client.queue()
+        except ComfyError as e:
+            log.info("%s: catch-up on %s not possible (%s); posting anew", self.label, name, e)
+            return None
+        found = next((q for q in [*queue.running, *queue.pending] if q.prompt_id == pid), None)
+        if found is None:
+            return None
+        log.info(
+            "%s: caught up on %s: prompt %s still queued as #%s",
+            self.label,
+            name,
+            pid,
+            found.number,
+        )
+        if self.slot is not None and self.slot.name != name:
+            self.slot.release()
+            self.slot = None
+        if self.slot is None:
+            self.slot = await self.pool.acquire(only=name, allow_prompt=pid)
+        self.hooks.submitted(name)
+        self.hooks.rendering(name, found.number)
+        return await self._follow(self.slot, found.number, new_client_id(), posted=False)
+
+    # -- post and follow -----------------------------------------------------------------
+
+    async def _post_and_follow(self, slot: Slot) -> AttemptResult:
+        client, name, pid = slot.client, slot.name, self.job.prompt_id
+        client_id = new_client_id()
+        try:
+            async with PromptFollower(client, client_id, poll_s=self.poll_s) as follower:
+                self.hooks.submitted(name)
+                self.on_server = (client, name)
+                try:
+                    post = await client.post_prompt(
+                        self.job.workflow, prompt_id=pid, client_id=client_id
+                    )
+                except ComfyError as e:
+                    self.on_server = None
+                    slot.release()  # refused by the server: nothing of ours is queued there
+                    kind: Kind = "transient" if e.transient else "permanent"
+                    return self.result(
+                        kind, describe_error(e, "POST /prompt"), server=name, posted=True
+                    )
+                log.info("%s on %s: POST /prompt 200, number %s", self.label, name, post.number)
+                self.hooks.rendering(name, post.number)
+                if post.node_errors:
+                    reason = "POST /prompt 200 with node_errors, outputs dropped: " + ", ".join(
+                        f"node {n}" for n in sorted(post.node_errors)
+                    )
+                    await self._evict(slot, post.number)
+                    return self.result(
+                        "permanent", reason, server=name, number=post.number, posted=True
+                    )
+                return await self._wait(follower, slot, post.number, posted=True)
+        except ComfyError as e:  # the socket could not be opened: nothing was posted
+            slot.release()
+            return self.result("transient", describe_error(e, "GET /ws"), server=name)
+
+    async def _follow(
+        self, slot: Slot, number: int, client_id: str, *, posted: bool
+    ) -> AttemptResult:
+        try:
+            async with PromptFollower(slot.client, client_id, poll_s=self.poll_s) as follower:
+                self.on_server = (slot.client, slot.name)
+                return await self._wait(follower, slot, number, posted=posted)
+        except ComfyError as e:
+            slot.abandon()
+            return self.result(
+                "transient", describe_error(e, "GET /ws"), server=slot.name, number=number
+            )
+
+    async def _wait(
+        self, follower: PromptFollower, slot: Slot, number: int, *, posted: bool
+    ) -> AttemptResult:
+        client, name, pid = slot.client, slot.name, self.job.prompt_id
+        remaining = max(self.deadline_s - (time.monotonic() - self.started), 0.1)
+        try:
+            outcome = await follower.wait(
+                pid, number, deadline_s=remaining, on_finished=slot.release
+            )
+        except DeadlineExceeded:
+            won = await self._evict(slot, number)
+            if won is not None:  # it finished while we interrupted it: take the result
+                return await self._download(client, name, won, number=number, posted=posted)
+            return self.result(
+                "transient",
+                f"deadline of {self.deadline_s:g} s exceeded; interrupted and removed from the queue",
+                server=name,
+                number=number,
+                posted=posted,
+            )
+        except PromptLost as e:
+            slot.release()  # neither in /queue nor in /history: it is not on the server
+            return self.result(
+                "transient", f"prompt lost: {e}", server=name, number=number, posted=posted
+            )
+        except ComfyError as e:
+            slot.abandon()
+            return self.result(
+                "transient",
+                describe_error(e, "following"),
+                server=name,
+                number=number,
+                posted=posted,
+            )
+        finally:
+            self.on_server = None
+        slot.release()  # already done by on_finished; idempotent
+        if outcome.status == "success" and outcome.history is not None:
+            return await self._download(client, name, outcome.history, number=number, posted=posted)
+        gpu, wait = entry_timings(outcome.history) if outcome.history else (None, None)
+        common = dict(server=name, number=number, posted=posted, gpu_seconds=gpu, queue_wait_s=wait)
+        if outcome.status == "interrupted":
+            return self.result("transient", "interrupted by someone else", **common)
+        err = outcome.error
+        if err is None:
+            return self.result("permanent", f"prompt ended with status {outcome.status}", **common)
+        reason = (
+            f"execution_error in node {err.node_id} ({err.node_type}): "
+            f"{err.exception_type}: {err.exception_message.strip()}"
+        )
+        if err.is_oom:
+            try:
+                await client.free()
+                reason += "; POST /free sent"
+            except ComfyError as e:
+                reason += f"; POST /free failed: {e}"
+            return self.result("transient", reason, oom=True, **common)
+        return self.result("permanent", reason, **common)
+
+    async def _download(
+        self,
+        client: ComfyClient,
+        name: str,
+        entry: HistoryEntry,
+        *,
+        caught_up: bool = False,
+        number: int | None = None,
+        posted: bool = False,
+    ) -> AttemptResult:
+        gpu, wait = entry_timings(entry)
+        common = dict(
+            server=name,
+            number=entry.number if number is None else number,
+            posted=posted,
+            caught_up=caught_up,
+            gpu_seconds=gpu,
+            queue_wait_s=wait,
+        )
+        try:
+            files = await download_outputs(client, entry, self.dest_dir)
+        except ComfyError as e:
+            kind: Kind = "transient" if e.transient else "permanent"
+            return self.result(kind, describe_error(e, "download"), **common)
+        if not files:
+            return self.result(
+                "permanent", "the prompt succeeded but listed no output files", **common
+            )
+        return self.result("success", files=files, **common)
+
+    # -- removing a prompt of ours from a server ----------------------------------------
+
+    async def _evict(self, slot: Slot, number: int) -> HistoryEntry | None:
+        """Interrupt our prompt, delete it from the queue, and wait until it has left
+        /queue (an interrupt lands only between nodes and a delete can lose the race:
+        data/recorded/README.md fact 7). Returns the history entry if it succeeded after
+        all. The slot is released once it has left; abandoned if that can't be confirmed.
+        """
+        client, pid = slot.client, self.job.prompt_id
+        deadline = time.monotonic() + self.evict_timeout_s
+        try:
+            await client.delete_from_queue([pid])
+            await client.interrupt(pid)
+            while True:
+                queue = await client.queue()
+                if not any(q.prompt_id == pid for q in [*queue.running, *queue.pending]):
+                    break
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"prompt {pid} still on {slot.name} after {self.evict_timeout_s:g} s"
+                    )
+                await asyncio.sleep(self.poll_s)
+            entry = await client.history(pid)
+        except (ComfyError, TimeoutError) as e:
+            log.warning("%s: could not confirm prompt left %s: %s", self.label, slot.name, e)
+            slot.abandon()
+            return None
+        slot.release()
+        if entry is not None and entry.number == number and entry.status_str == "success":
+            return entry
+        return None
+
+    async def cancel_cleanup(self) -> None:
+        """On cancellation: interrupt and remove our prompt, then free the slot.
+
+        Bounded by ``evict_timeout_s``; used by the batch's cancellation path."""
+        if self.slot is None or self.slot.released:
+            return
+        if self.on_server is not None:
+            await self._evict(self.slot, number=-1)
+        else:
+            self.slot.release()

@@ -1,0 +1,82 @@
+"""The fake's own records: the ground truth tests assert on.
+
+`snapshot()` (= GET /fake/stats = `FakeComfy.stats`) is
+    {"prompts": {prompt_id: {"posted": N, "executed": N}},
+     "runs": [{"prompt_id", "client_id", "number", "posted", "start", "end", "outcome"}]}
+posted: every POST /prompt carrying that id (also those answered 500 or 400);
+executed: executions that started. Times are seconds since the epoch (floats); `end` and
+`outcome` are None while the run is under way; outcome is "success", "error",
+"interrupted" or "lost" (the server stopped or "restarted" under it).
+Records survive restarts and new `serve()` sessions. Thread-safe: tests may read them from
+another thread while the server's loop writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+from typing import Any
+
+
+class Records:
+    """Counts per prompt_id and the list of runs (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._prompts: dict[str, dict[str, int]] = {}
+        self._runs: list[dict[str, Any]] = []
+        self._ended = 0
+
+    def _counts(self, prompt_id: str) -> dict[str, int]:
+        counts = self._prompts.get(prompt_id)
+        if counts is None:
+            counts = self._prompts[prompt_id] = {"posted": 0, "executed": 0}
+        return counts
+
+    def posted(self, prompt_id: str) -> None:
+        """Counts one POST /prompt for `prompt_id`."""
+        with self._lock:
+            self._counts(prompt_id)["posted"] += 1
+
+    def known(self, prompt_id: str) -> None:
+        """Lists a prompt the fake queued itself (busy=N) with no POST."""
+        with self._lock:
+            self._counts(prompt_id)
+
+    def start(self, prompt_id: str, client_id: str | None, number: float, posted: float) -> int:
+        """Records the start of an execution; returns the run's index for `end`."""
+        with self._lock:
+            self._counts(prompt_id)["executed"] += 1
+            self._runs.append(
+                {
+                    "prompt_id": prompt_id,
+                    "client_id": client_id,
+                    "number": number,
+                    "posted": posted,
+                    "start": time.time(),
+                    "end": None,
+                    "outcome": None,
+                }
+            )
+            return len(self._runs) - 1
+
+    def end(self, run: int, outcome: str) -> None:
+        """Records how run number `run` ended (once; a second call raises RuntimeError)."""
+        with self._lock:
+            entry = self._runs[run]
+            if entry["outcome"] is not None:
+                raise RuntimeError(f"run {run} already ended as {entry['outcome']}")
+            entry["end"] = time.time()
+            entry["outcome"] = outcome
+            self._ended += 1
+
+    def ended_runs(self) -> int:
+        """How many runs have an outcome."""
+        with self._lock:
+            return self._ended
+
+    def snapshot(self) -> dict[str, Any]:
+        """A deep copy of the records in the /fake/stats shape."""
+        with self._lock:
+            return {"prompts": copy.deepcopy(self._prompts), "runs": copy.deepcopy(self._runs)}

@@ -1,0 +1,77 @@
+"""Helpers shared by the runner, pool and batch tests: job files and fake servers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import uuid
+from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from fake_comfy import FakeComfy
+
+from comfy_assets.batch import BatchConfig
+from comfy_assets.comfy.servers import ServerSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = ROOT / "data" / "workflows"
+
+
+def job_id(i: int, salt: str = "") -> str:
+    """A stable lowercase UUID for job ``i`` of a test."""
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"comfy-assets-test:{salt}:{i}"))
+
+
+def write_jobs(
+    folder: Path,
+    count: int,
+    *,
+    name: str = "jobs.jsonl",
+    workflow: str = "image.json",
+    salt: str = "",
+    extra: Sequence[dict] | None = None,
+) -> Path:
+    """A job file of ``count`` image jobs (each its own colour) beside a copy of the
+    workflow; returns its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy(WORKFLOWS / workflow, folder / workflow)
+    lines = []
+    for i in range(count):
+        job = {"id": job_id(i, salt or name), "workflow": workflow, "set": {"1.color": 1000 + i}}
+        if extra:
+            job.update(extra[i])
+        lines.append(json.dumps(job))
+    path = folder / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def fast_config(**overrides: object) -> BatchConfig:
+    """A BatchConfig with tiny delays and polls, so tests run fast without sleeping."""
+    values: dict = dict(
+        attempts=4, base_delay_s=0.01, max_delay_s=0.05, jitter=False, timeout_s=30.0,
+        poll_s=0.05, lease_s=60.0, server_lease_s=30.0, unhealthy_wait_s=0.05,
+        probe_timeout_s=2.0,
+    )
+    values.update(overrides)
+    return BatchConfig(**values)
+
+
+@asynccontextmanager
+async def fake_servers(*fakes: FakeComfy) -> AsyncIterator[list[ServerSpec]]:
+    """Serve every fake in process; yields their specs gpu0, gpu1, ..."""
+    async with AsyncExitStack() as stack:
+        specs = []
+        for i, fake in enumerate(fakes):
+            url = await stack.enter_async_context(fake.serve(port=0))
+            specs.append(ServerSpec(f"gpu{i}", url))
+        yield specs
+
+
+def posted(fake: FakeComfy, prompt_id: str) -> int:
+    return fake.stats["prompts"].get(prompt_id, {}).get("posted", 0)
+
+
+def executed(fake: FakeComfy, prompt_id: str) -> int:
+    return fake.stats["prompts"].get(prompt_id, {}).get("executed", 0)

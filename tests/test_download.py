@@ -1,0 +1,162 @@
+"""Outputs from /history to disk: untrusted names, temp + rename, sha256 while streaming."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.download import download_outputs, safe_output_path
+from comfy_assets.comfy.errors import ConnectionLost, OutputMissing, UnsafeOutputName
+from comfy_assets.comfy.types import HistoryEntry
+from tests.test_client import Replay
+
+SOLID_SHA = "c738a34e8eba88674d7f6ba4b6298c461ca97c3c43ab356adc4d61a9e509d3ed"
+INVERTED_SHA = "464c43efa7ad491c5c1c044eb0ee4514168353431144f09b0da746163e5da0d5"
+VIDEO_SHA = "9b91298d9e25fd367a4dda8af612b70e683a0cfa084348e22862432a0d543e14"
+
+
+def entry_with(*files: dict) -> HistoryEntry:
+    return HistoryEntry.from_json(
+        "p",
+        {
+            "prompt": [1, "p", {}, {}, ["9"]],
+            "outputs": {"9": {"images": list(files)}},
+            "status": {"status_str": "success", "completed": True, "messages": []},
+        },
+    )
+
+
+def all_files(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize(
+    ("subfolder", "filename"),
+    [
+        ("", "../evil.png"),
+        ("", ".."),
+        ("", "a/b.png"),
+        ("", "a\\b.png"),
+        ("", "nul\x00.png"),
+        ("", ""),
+        ("..", "x.png"),
+        ("video/../..", "x.png"),
+        ("/etc", "passwd"),
+        ("\\windows", "x.png"),
+        ("C:", "x.png"),
+        ("ok", "C:x.png"),
+    ],
+)
+def test_unsafe_names_are_refused(tmp_path, subfolder, filename):
+    with pytest.raises(UnsafeOutputName):
+        safe_output_path(tmp_path, subfolder, filename)
+
+
+def test_a_symlink_leading_outside_is_refused(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "video").symlink_to(outside)
+    with pytest.raises(UnsafeOutputName, match="outside"):
+        safe_output_path(dest, "video", "shot.mp4")
+
+
+def test_safe_names_keep_their_subfolders(tmp_path):
+    assert safe_output_path(tmp_path, "", "a.png") == tmp_path / "a.png"
+    assert safe_output_path(tmp_path, "video/takes", "s.mp4") == tmp_path / "video/takes/s.mp4"
+    assert safe_output_path(tmp_path, "video\\takes", "s.mp4") == tmp_path / "video/takes/s.mp4"
+
+
+async def test_both_images_of_the_recorded_success_land_with_their_sha256(tmp_path):
+    replay = Replay("success")
+    async with replay.client() as client:
+        entry = await client.history("78d29e6e-ba18-4dda-b1c6-1bc2d5aef9de")
+        assert entry is not None
+        files = await download_outputs(client, entry, tmp_path)
+    assert [(f.path, f.sha256, f.bytes, f.node_id, f.key) for f in files] == [
+        ("solid_00001_.png", SOLID_SHA, 543, "3", "images"),
+        ("inverted_00001_.png", INVERTED_SHA, 543, "4", "images"),
+    ]
+    assert all_files(tmp_path) == ["inverted_00001_.png", "solid_00001_.png"]
+    assert hashlib.sha256((tmp_path / "solid_00001_.png").read_bytes()).hexdigest() == SOLID_SHA
+
+
+async def test_the_video_lands_in_its_subfolder(tmp_path):
+    async with Replay("video").client() as client:
+        entry = await client.history("6a1bcfb6-803e-44f5-9c6c-029f802a646e")
+        assert entry is not None
+        files = await download_outputs(client, entry, tmp_path)
+    assert [(f.path, f.sha256, f.bytes) for f in files] == [
+        ("video/shot_00001_.mp4", VIDEO_SHA, 2594)
+    ]
+    assert all_files(tmp_path) == ["video/shot_00001_.mp4"]
+
+
+async def test_previews_are_skipped_and_duplicates_fetched_once(tmp_path):
+    fetched: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        fetched.append(request.url.params["filename"])
+        return httpx.Response(200, content=b"png:" + request.url.params["filename"].encode())
+
+    entry = entry_with(
+        {"filename": "preview.png", "subfolder": "", "type": "temp"},
+        {"filename": "keep.png", "subfolder": "", "type": "output"},
+        {"filename": "keep.png", "subfolder": "", "type": "output"},
+    )
+    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+        files = await download_outputs(client, entry, tmp_path)
+    assert fetched == ["keep.png"]
+    assert [f.path for f in files] == ["keep.png"]
+    assert (tmp_path / "keep.png").read_bytes() == b"png:keep.png"
+
+
+async def test_an_unsafe_name_fails_before_any_request_or_file(tmp_path):
+    fetched: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        fetched.append(str(request.url))
+        return httpx.Response(200, content=b"x")
+
+    entry = entry_with(
+        {"filename": "ok.png", "subfolder": "", "type": "output"},
+        {"filename": "../../escape.png", "subfolder": "", "type": "output"},
+    )
+    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+        with pytest.raises(UnsafeOutputName, match="escape"):
+            await download_outputs(client, entry, tmp_path / "dest")
+    assert fetched == []
+    assert all_files(tmp_path) == []
+
+
+class _BrokenStream(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        yield b"first half"
+        raise httpx.ReadError("connection reset by peer")
+
+
+async def test_a_download_cut_midway_leaves_no_file_behind(tmp_path):
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=_BrokenStream())
+
+    entry = entry_with({"filename": "big.mp4", "subfolder": "video", "type": "output"})
+    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+        with pytest.raises(ConnectionLost, match="big.mp4"):
+            await download_outputs(client, entry, tmp_path)
+    assert all_files(tmp_path) == []
+
+
+async def test_a_missing_output_is_output_missing(tmp_path):
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, content=b"")
+
+    entry = entry_with({"filename": "gone.png", "subfolder": "", "type": "output"})
+    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+        with pytest.raises(OutputMissing, match="gone.png"):
+            await download_outputs(client, entry, tmp_path)
+    assert all_files(tmp_path) == []

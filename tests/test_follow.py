@@ -1,0 +1,319 @@
+"""Following one prompt against the fake server: each script word's outcome as the
+client sees it, with posted/executed counts from the fake's own records."""
+
+from __future__ import annotations
+
+import uuid
+
+import httpx
+import pytest
+from fake_comfy import FakeComfy
+
+from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.errors import (
+    DeadlineExceeded,
+    PromptLost,
+    PromptRejected,
+    ServerError,
+)
+from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
+
+pytestmark = pytest.mark.timeout(30)
+
+# The two-output image workflow of success.json.
+IMAGE = {
+    "1": {
+        "class_type": "EmptyImage",
+        "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 3368652},
+    },
+    "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+    "3": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "solid"}},
+    "4": {
+        "class_type": "SaveImage",
+        "inputs": {"images": ["2", 0], "filename_prefix": "inverted"},
+    },
+}
+
+
+def new_id() -> str:
+    return str(uuid.uuid4())
+
+
+def counts(fake: FakeComfy, prompt_id: str) -> tuple[int, int]:
+    record = fake.stats["prompts"].get(prompt_id, {})
+    return record.get("posted", 0), record.get("executed", 0)
+
+
+class Recorder:
+    """on_finished callback that notes each call and whether wait() had returned yet."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.returned = False
+        self.called_before_return = False
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.called_before_return = not self.returned
+
+
+async def post_and_wait(
+    client: ComfyClient,
+    prompt_id: str,
+    *,
+    workflow: dict | None = None,
+    poll_s: float = 0.05,
+    deadline_s: float = 10.0,
+    on_finished: Recorder | None = None,
+) -> PromptOutcome:
+    client_id = uuid.uuid4().hex
+    async with PromptFollower(client, client_id, poll_s=poll_s) as follower:
+        post = await client.post_prompt(
+            workflow or IMAGE, prompt_id=prompt_id, client_id=client_id
+        )
+        outcome = await follower.wait(
+            prompt_id, post.number, deadline_s=deadline_s, on_finished=on_finished
+        )
+    if on_finished is not None:
+        on_finished.returned = True
+    return outcome
+
+
+async def test_ok_succeeds_with_both_outputs_and_frees_the_slot_once():
+    fake = FakeComfy(script=["ok"], prompt_seconds=0.01)
+    pid, finished = new_id(), Recorder()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        outcome = await post_and_wait(client, pid, on_finished=finished)
+    assert outcome.status == "success"
+    assert outcome.history is not None
+    assert len([f for f in outcome.history.output_files if f.type == "output"]) == 2
+    assert (outcome.error, outcome.reconnects) == (None, 0)
+    assert (finished.calls, finished.called_before_return) == (1, True)
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_a_quick_prompt_costs_one_history_request_not_a_poll_loop():
+    fake = FakeComfy(script=["ok"], prompt_seconds=0.01)
+    paths: list[str] = []
+
+    async def log(request: httpx.Request) -> None:
+        paths.append(request.url.path)
+
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        client._http.event_hooks["request"].append(log)
+        outcome = await post_and_wait(client, new_id(), poll_s=30.0)
+    assert outcome.status == "success"
+    assert [p for p in paths if p.startswith("/history")] == [f"/history/{outcome.history.prompt_id}"]
+    assert "/queue" not in paths
+
+
+async def test_error_reports_the_index_error_and_is_not_oom():
+    fake = FakeComfy(script=["error"], prompt_seconds=0.01)
+    pid, finished = new_id(), Recorder()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        outcome = await post_and_wait(client, pid, on_finished=finished)
+    assert outcome.status == "error"
+    assert outcome.error is not None
+    assert outcome.error.exception_type == "IndexError"
+    assert not outcome.error.is_oom
+    assert finished.calls == 1
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_oom_is_an_error_recognised_as_out_of_memory():
+    fake = FakeComfy(script=["oom"], prompt_seconds=0.01)
+    pid = new_id()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        outcome = await post_and_wait(client, pid)
+    assert outcome.status == "error"
+    assert outcome.error is not None and outcome.error.is_oom
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_500_on_post_raises_server_error_and_nothing_runs():
+    fake = FakeComfy(script=["500"], prompt_seconds=0.01)
+    pid = new_id()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        with pytest.raises(ServerError) as info:
+            await post_and_wait(client, pid)
+    assert info.value.status == 500
+    assert counts(fake, pid)[1] == 0
+
+
+async def test_invalid_is_rejected_with_the_node_named_and_nothing_runs():
+    fake = FakeComfy(script=["invalid"], prompt_seconds=0.01)
+    pid = new_id()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        with pytest.raises(PromptRejected) as info:
+            await post_and_wait(client, pid)
+    assert info.value.error_type == "prompt_outputs_failed_validation"
+    assert "node " in str(info.value)
+    assert not info.value.transient
+    assert counts(fake, pid)[1] == 0
+
+
+async def test_drop_reconnects_with_the_same_client_id_and_still_succeeds():
+    fake = FakeComfy(script=["drop"], prompt_seconds=0.05)
+    pid = new_id()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        outcome = await post_and_wait(client, pid)
+    assert outcome.status == "success"
+    assert outcome.history is not None and outcome.history.output_files
+    assert outcome.reconnects >= 1
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_late_history_is_waited_for_after_execution_success():
+    fake = FakeComfy(script=["late"], prompt_seconds=0.01)
+    pid, finished = new_id(), Recorder()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        outcome = await post_and_wait(client, pid, on_finished=finished)
+    assert outcome.status == "success"
+    assert outcome.history is not None and len(outcome.history.output_files) == 2
+    assert finished.calls == 1
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_silent_socket_is_covered_by_polling_history():
+    fake = FakeComfy(script=["silent"], prompt_seconds=0.01)
+    pid, finished = new_id(), Recorder()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        outcome = await post_and_wait(client, pid, on_finished=finished)
+    assert outcome.status == "success"
+    assert outcome.history is not None and outcome.history.output_files
+    assert finished.calls == 1
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_slow_prompt_succeeds():
+    fake = FakeComfy(script=["slow"], prompt_seconds=0.01)
+    pid = new_id()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        outcome = await post_and_wait(client, pid, deadline_s=20)
+    assert outcome.status == "success"
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_partial_post_reports_node_errors_and_one_output_less():
+    fake = FakeComfy(script=["partial"], prompt_seconds=0.01)
+    pid, client_id = new_id(), uuid.uuid4().hex
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        async with PromptFollower(client, client_id, poll_s=0.05) as follower:
+            post = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+            outcome = await follower.wait(pid, post.number, deadline_s=10)
+    assert post.node_errors
+    assert outcome.status == "success"
+    assert outcome.history is not None and len(outcome.history.output_files) == 1
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_restart_mid_prompt_is_lost_not_waited_for_until_the_deadline():
+    fake = FakeComfy(script=["restart"], prompt_seconds=0.05)
+    pid, finished = new_id(), Recorder()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        with pytest.raises(PromptLost) as info:
+            await post_and_wait(client, pid, deadline_s=20, on_finished=finished)
+    assert info.value.transient
+    assert pid in str(info.value)
+    assert finished.calls == 0
+    assert counts(fake, pid)[0] == 1
+
+
+async def test_hang_exceeds_the_deadline_then_an_interrupt_ends_it_as_interrupted():
+    fake = FakeComfy(script=["hang"], prompt_seconds=0.01)
+    pid, client_id = new_id(), uuid.uuid4().hex
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        async with PromptFollower(client, client_id, poll_s=0.05) as follower:
+            post = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+            with pytest.raises(DeadlineExceeded) as info:
+                await follower.wait(pid, post.number, deadline_s=0.3)
+            await client.interrupt(pid)
+            outcome = await follower.wait(pid, post.number, deadline_s=10)
+    assert info.value.transient
+    assert outcome.status == "interrupted"
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_a_prompt_found_in_the_queue_is_followed_from_another_client_id():
+    fake = FakeComfy(script=["slow"], prompt_seconds=0.01)
+    pid = new_id()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        post = await client.post_prompt(IMAGE, prompt_id=pid, client_id="someone-else")
+        queue = await client.queue()
+        entry = queue.find(pid)
+        assert entry is not None and entry.number == post.number
+        finished = Recorder()
+        async with PromptFollower(client, uuid.uuid4().hex, poll_s=0.05) as follower:
+            outcome = await follower.wait(pid, entry.number, deadline_s=20, on_finished=finished)
+    assert outcome.status == "success"
+    assert outcome.history is not None and outcome.history.number == post.number
+    assert finished.calls == 1
+    assert counts(fake, pid) == (1, 1)
+
+
+async def test_a_reposted_prompt_id_is_matched_by_run_number():
+    fake = FakeComfy(script=["ok", "ok"], prompt_seconds=0.05)
+    pid, client_id = new_id(), uuid.uuid4().hex
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        async with PromptFollower(client, client_id, poll_s=0.05) as follower:
+            first = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+            second = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+            outcome = await follower.wait(pid, second.number, deadline_s=10)
+    assert second.number > first.number
+    assert outcome.status == "success"
+    assert outcome.history is not None and outcome.history.number == second.number
+    assert counts(fake, pid) == (2, 2)
+
+
+async def test_a_foreign_broadcast_interrupt_does_not_end_our_prompt():
+    # broadcast_and_missed.json: an anonymous prompt's execution_interrupted reaches us.
+    fake = FakeComfy(script=["hang", "ok"], prompt_seconds=0.01)
+    theirs, ours, client_id = new_id(), new_id(), uuid.uuid4().hex
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        async with PromptFollower(client, client_id, poll_s=0.05) as follower:
+            await client._http.post("/prompt", json={"prompt": IMAGE, "prompt_id": theirs})
+            post = await client.post_prompt(IMAGE, prompt_id=ours, client_id=client_id)
+            await client.interrupt(theirs)
+            outcome = await follower.wait(ours, post.number, deadline_s=10)
+    assert outcome.status == "success"
+    assert outcome.history is not None and outcome.history.prompt_id == ours
+    assert counts(fake, ours) == (1, 1)
+
+
+async def test_server_gone_mid_prompt_keeps_trying_until_the_deadline():
+    fake = FakeComfy(script=["hang"], prompt_seconds=0.01)
+    pid, client_id = new_id(), uuid.uuid4().hex
+    async with fake.serve(port=0) as url:
+        client = ComfyClient(url, timeout_s=1.0)
+        follower = PromptFollower(client, client_id, poll_s=0.05)
+        await follower.__aenter__()
+        post = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+    try:  # the server is gone now: refused until the deadline
+        with pytest.raises(DeadlineExceeded) as info:
+            await follower.wait(pid, post.number, deadline_s=0.5)
+        assert "server trouble" in str(info.value)
+    finally:
+        await follower.__aexit__(None, None, None)
+        await client.aclose()
+
+
+async def test_a_server_restarted_on_the_same_port_has_forgotten_the_prompt():
+    # restart.json: connections refused for a while, then /queue and /history are empty.
+    first = FakeComfy(script=["hang"], prompt_seconds=0.01)
+    pid, client_id = new_id(), uuid.uuid4().hex
+    async with first.serve(port=0) as url:
+        port = int(url.rsplit(":", 1)[1])
+        client = ComfyClient(url, timeout_s=1.0)
+        follower = PromptFollower(client, client_id, poll_s=0.05)
+        await follower.__aenter__()
+        post = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+    second = FakeComfy(prompt_seconds=0.01)
+    try:
+        async with second.serve(port=port):
+            with pytest.raises(PromptLost):
+                await follower.wait(pid, post.number, deadline_s=10)
+    finally:
+        await follower.__aexit__(None, None, None)
+        await client.aclose()
+    assert counts(first, pid)[0] == 1
+    assert counts(second, pid) == (0, 0)

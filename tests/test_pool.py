@@ -1,0 +1,148 @@
+"""The GPU pool: shortest queue wins, unreachable servers are skipped, one prompt of ours
+per server even across processes, leases expire, model affinity."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from fake_comfy import FakeComfy
+
+from comfy_assets.batch import run_batch
+from comfy_assets.comfy.pool import Pool
+from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.jobfile import load_job_file
+from comfy_assets.store import Store
+from tests.support import ROOT, fake_servers, fast_config, write_jobs
+
+
+def ran_on(fake: FakeComfy, prompt_ids: set[str]) -> int:
+    return sum(1 for r in fake.stats["runs"] if r["prompt_id"] in prompt_ids)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_the_busiest_server_is_avoided(tmp_path):
+    busy = FakeComfy(busy=3, prompt_seconds=0.2)
+    idle = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    async with fake_servers(busy, idle) as servers:
+        await run_batch(jf, partition="p", servers=servers, store=Store(tmp_path / "s"),
+                        config=fast_config())
+    ours = {j.prompt_id for j in jf.jobs}
+    assert (ran_on(busy, ours), ran_on(idle, ours)) == (0, 1)
+
+
+async def test_an_unreachable_server_is_reported_and_skipped(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 4))
+    async with fake_servers(fake) as (up,):
+        servers = [ServerSpec("gpu0", f"http://127.0.0.1:{free_port()}"), ServerSpec("gpu1", up.url)]
+        summary = await run_batch(jf, partition="p", servers=servers,
+                                  store=Store(tmp_path / "s"), config=fast_config())
+    assert summary.done == 4
+    assert ran_on(fake, {j.prompt_id for j in jf.jobs}) == 4
+    assert "gpu0" in summary.unreachable and "ServerUnreachable" in summary.unreachable["gpu0"]
+
+
+async def test_with_every_server_down_the_pool_waits_and_resumes(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    port = free_port()
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 2))
+    store = Store(tmp_path / "s")
+    lines: list[str] = []
+    task = asyncio.create_task(run_batch(
+        jf, partition="p", servers=[ServerSpec("gpu0", f"http://127.0.0.1:{port}")],
+        store=store, config=fast_config(), on_line=lines.append,
+    ))
+    # The batch is waiting: nothing can have run, and the jobs are still pending.
+    async with asyncio.timeout(10):
+        while store.counts("p").get("pending", 0) != 2:
+            await asyncio.sleep(0.01)
+    assert not task.done()
+    async with fake.serve(port=port):
+        summary = await asyncio.wait_for(task, 30)
+    assert summary.done == 2
+    assert ran_on(fake, {j.prompt_id for j in jf.jobs}) == 2
+
+
+def test_two_processes_sharing_two_servers_never_put_two_prompts_on_one(tmp_path):
+    fakes = [FakeComfy(prompt_seconds=0.01), FakeComfy(prompt_seconds=0.01)]
+    store = tmp_path / "store"
+    Store(store)
+    files = [write_jobs(tmp_path / f"jobs{i}", 8, name=f"file{i}.jsonl") for i in range(2)]
+    with fakes[0].serve_in_thread(port=0) as a, fakes[1].serve_in_thread(port=0) as b:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(f),
+                 "--server", f"gpu0={a}", "--server", f"gpu1={b}", "--store", str(store),
+                 "--poll-s", "0.05", "--base-delay-s", "0.01"],
+                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            )
+            for f in files
+        ]
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    for fake in fakes:
+        runs = sorted(fake.stats["runs"], key=lambda r: r["posted"])
+        assert runs, "both servers must work"
+        for before, after in zip(runs, runs[1:]):
+            # Ours only reaches a server once the previous prompt has left it.
+            assert after["posted"] >= before["end"], (before, after)
+    assert sum(len(f.stats["runs"]) for f in fakes) == 16
+
+
+def _hold_lease_then_hang(db: str, ready) -> None:
+    store = Store(Path(db))
+    assert store.acquire_server("gpu0", "doomed-process", 1.0)
+    ready.set()
+    signal.pause()
+
+
+async def test_a_killed_holder_loses_its_server_lease_after_the_lease_time(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    store = Store(tmp_path / "s")
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Event()
+    proc = ctx.Process(target=_hold_lease_then_hang, args=(str(tmp_path / "s"), ready))
+    proc.start()
+    assert ready.wait(30)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    assert store.server_leases()["gpu0"].owner == "doomed-process"
+    async with fake_servers(fake) as servers:
+        async with Pool(servers, store, owner="next", busy_poll_s=0.02) as pool:
+            slot = await asyncio.wait_for(pool.acquire(), 30)
+            assert slot.name == "gpu0"
+            assert store.server_leases()["gpu0"].owner == "next"
+            slot.release()
+
+
+async def test_affinity_keeps_a_model_on_the_server_that_last_ran_it(tmp_path):
+    fakes = [FakeComfy(), FakeComfy()]
+    store = Store(tmp_path / "s")
+    async with fake_servers(*fakes) as servers:
+        async with Pool(servers, store, owner="me") as pool:
+            first = await pool.acquire(models=("sdxl.safetensors",))
+            assert first.name == "gpu0"  # equal queues: configuration order
+            other = await pool.acquire(models=("flux.safetensors",))
+            assert other.name == "gpu1"
+            first.release()
+            other.release()
+            # Both free with equal queues: each model goes back where it ran last.
+            again = await pool.acquire(models=("flux.safetensors",))
+            assert again.name == "gpu1"
+            again.release()
+            again = await pool.acquire(models=("sdxl.safetensors",))
+            assert again.name == "gpu0"
+            again.release()

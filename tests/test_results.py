@@ -1,0 +1,107 @@
+"""The results table: a row per job, one column per `set` key, files with short hashes."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from comfy_assets.results import (
+    combine_results,
+    markdown_table,
+    results_table,
+    write_csv,
+)
+
+
+@dataclass
+class Rec:
+    job_id: str
+    state: str = "succeeded"
+    server: str | None = "gpu0"
+    attempts: int = 1
+    seconds: float | None = 0.5
+    reason: str | None = None
+    set_json: str | None = None
+
+
+@dataclass
+class F:
+    path: str
+    sha256: str
+    bytes: int = 10
+
+
+def rec(job_id: str, values: dict, **kw) -> Rec:
+    return Rec(job_id=job_id, set_json=json.dumps(values), **kw)
+
+
+def test_a_row_per_job_with_a_column_per_set_key() -> None:
+    records = [
+        rec("a", {"1.color": 255, "1.width": 64}),
+        rec("b", {"1.color": 0, "1.height": 96}, state="failed_fatal", reason="IndexError", server="gpu1", attempts=1),
+    ]
+    files = {"a": [F("solid_00001_.png", "ab" * 32), F("inverted_00001_.png", "cd" * 32)]}
+
+    frame = results_table(records, files)
+
+    assert list(frame.columns) == [
+        "job_id", "1.color", "1.width", "1.height",
+        "state", "server", "attempts", "seconds", "files", "reason",
+    ]
+    assert frame["job_id"].tolist() == ["a", "b"]
+    assert frame.loc[0, "files"] == "inverted_00001_.png:cdcdcdcdcdcd solid_00001_.png:abababababab"
+    assert frame.loc[1, "state"] == "failed_fatal"
+    assert frame.loc[1, "reason"] == "IndexError"
+    assert frame.loc[1, "files"] == ""
+
+
+def test_csv_keeps_integers_when_a_key_is_missing_in_some_rows(tmp_path: Path) -> None:
+    frame = results_table([rec("a", {"1.width": 64}), rec("b", {"1.color": 3})], {})
+    path = write_csv(frame, tmp_path / "p" / "results.csv")
+
+    text = path.read_text().splitlines()
+
+    assert text[0] == "job_id,1.width,1.color,state,server,attempts,seconds,files,reason"
+    assert text[1] == "a,64,,succeeded,gpu0,1,0.5,,"
+    assert text[2] == "b,,3,succeeded,gpu0,1,0.5,,"
+    assert [p.name for p in path.parent.iterdir()] == ["results.csv"]  # no temp file left
+
+
+def test_job_ids_order_the_rows_and_show_missing_jobs() -> None:
+    records = [rec("a", {"1.color": 1}), rec("old", {"1.color": 2}), rec("b", {"1.color": 3})]
+
+    frame = results_table(records, {}, job_ids=["b", "a", "c"])
+
+    assert frame["job_id"].tolist() == ["b", "a", "c"]
+    assert frame["state"].tolist() == ["succeeded", "succeeded", "missing"]
+
+
+def test_list_values_are_written_as_json() -> None:
+    frame = results_table([rec("a", {"5.size": [1, 2]})], {})
+    assert frame.loc[0, "5.size"] == "[1, 2]"
+
+
+def test_combine_adds_a_partition_column(tmp_path: Path) -> None:
+    a = write_csv(results_table([rec("x", {"1.color": 1})], {}), tmp_path / "a.csv")
+    b = write_csv(results_table([rec("y", {"2.fps": 24.0})], {}), tmp_path / "b.csv")
+
+    combined = combine_results({"images": a, "story": b})
+
+    assert combined["partition"].tolist() == ["images", "story"]
+    assert combined["job_id"].tolist() == ["x", "y"]
+    assert combined.loc[0, "2.fps"] == ""
+    assert combined.loc[1, "2.fps"] == "24.0"
+
+
+def test_markdown_preview_escapes_pipes_and_cuts_long_tables() -> None:
+    frame = pd.DataFrame({"job_id": [f"j{i}" for i in range(25)], "reason": ["a|b"] * 25})
+
+    text = markdown_table(frame, max_rows=3)
+
+    lines = text.splitlines()
+    assert lines[0] == "| job_id | reason |"
+    assert lines[2] == "| j0 | a\\|b |"
+    assert "22 more rows" in text

@@ -1,0 +1,145 @@
+"""Exactly-once and failure classification, seen from the fake server's own records."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from fake_comfy import FakeComfy
+
+from comfy_assets.batch import run_batch
+from comfy_assets.jobfile import load_job_file
+from comfy_assets.store import Store
+from tests.support import executed, fake_servers, fast_config, posted, write_jobs
+
+
+async def render(tmp_path: Path, script: list[str], count: int = 1, **config: object):
+    """Run ``count`` jobs on one fake following ``script``; returns (fake, job file, store, summary)."""
+    fake = FakeComfy(script=script, prompt_seconds=0.005)
+    job_file = load_job_file(write_jobs(tmp_path / "jobs", count))
+    store = Store(tmp_path / "store")
+    async with fake_servers(fake) as servers:
+        summary = await run_batch(
+            job_file, partition="p", servers=servers, store=store, config=fast_config(**config)
+        )
+    return fake, job_file, store, summary
+
+
+async def test_ok_renders_files_with_their_sha256(tmp_path):
+    fake, jf, store, summary = await render(tmp_path, ["ok"])
+    job = jf.jobs[0]
+    assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
+    assert summary.done == 1 and summary.dead_lettered == 0
+    files = store.files(job.id)
+    assert sorted(Path(f.path).name for f in files) == ["inverted_00001_.png", "solid_00001_.png"]
+    for f in files:
+        data = (store.job_dir("p", job.id) / f.path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f.sha256 and len(data) == f.bytes
+
+
+async def test_duplicate_delivery_of_a_done_job_posts_nothing(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 3))
+    store = Store(tmp_path / "store")
+    lines: list[str] = []
+    async with fake_servers(fake) as servers:
+        for _ in range(2):
+            await run_batch(jf, partition="p", servers=servers, store=store,
+                            config=fast_config(), on_line=lines.append)
+    assert [posted(fake, j.prompt_id) for j in jf.jobs] == [1, 1, 1]
+    assert sum("already done, nothing posted" in line for line in lines) == 3
+
+
+async def test_500_then_ok_posts_twice_and_executes_once(tmp_path):
+    fake, jf, store, summary = await render(tmp_path, ["500", "ok"])
+    pid = jf.jobs[0].prompt_id
+    assert (posted(fake, pid), executed(fake, pid)) == (2, 1)
+    assert summary.done == 1
+    attempts = store.attempts(jf.jobs[0].id)
+    assert [a.outcome for a in attempts] == ["transient", "success"]
+    assert "POST /prompt 500" in attempts[0].reason
+
+
+async def test_dropped_socket_is_followed_without_a_second_post(tmp_path):
+    fake, jf, store, summary = await render(tmp_path, ["drop"])
+    pid = jf.jobs[0].prompt_id
+    assert (posted(fake, pid), executed(fake, pid)) == (1, 1)
+    assert summary.done == 1
+
+
+@pytest.mark.parametrize(
+    ("word", "expected"),
+    [("invalid", "POST /prompt 400, prompt_outputs_failed_validation"), ("error", "IndexError")],
+)
+async def test_validation_and_execution_errors_are_dead_lettered_at_once(tmp_path, word, expected):
+    fake, jf, store, summary = await render(tmp_path, [word])
+    pid = jf.jobs[0].prompt_id
+    assert posted(fake, pid) == 1
+    assert summary.dead_lettered == 1
+    (job_id, reason), = summary.dead_letters
+    assert expected in reason
+    assert len(store.attempts(job_id)) == 1
+    assert store.get(job_id).state == "failed_fatal"
+
+
+async def test_oom_is_retried_and_index_error_is_not(tmp_path):
+    fake, jf, store, summary = await render(tmp_path, ["oom", "ok"])
+    pid = jf.jobs[0].prompt_id
+    assert (posted(fake, pid), executed(fake, pid)) == (2, 2)
+    assert summary.done == 1
+    first = store.attempts(jf.jobs[0].id)[0]
+    assert first.outcome == "transient" and "OutOfMemoryError" in first.reason
+    assert "POST /free sent" in first.reason
+
+
+async def test_a_hang_is_interrupted_removed_retried_then_dead_lettered(tmp_path):
+    fake, jf, store, summary = await render(tmp_path, ["hang", "hang"], attempts=2, timeout_s=0.5)
+    pid = jf.jobs[0].prompt_id
+    assert (posted(fake, pid), executed(fake, pid)) == (2, 2)
+    assert [r["outcome"] for r in fake.stats["runs"]] == ["interrupted", "interrupted"]
+    (job_id, reason), = summary.dead_letters
+    assert reason.startswith("gave up after 2 attempts, last: deadline of 0.5 s exceeded")
+
+
+@pytest.mark.parametrize("word", ["late", "silent"])
+async def test_late_and_silent_end_in_success_without_a_second_post(tmp_path, word):
+    fake, jf, store, summary = await render(tmp_path, [word])
+    pid = jf.jobs[0].prompt_id
+    assert (posted(fake, pid), executed(fake, pid)) == (1, 1)
+    assert summary.done == 1
+    assert len(store.files(jf.jobs[0].id)) == 2
+
+
+async def test_a_restart_loses_the_prompt_and_the_retry_renders_it(tmp_path):
+    fake, jf, store, summary = await render(tmp_path, ["restart", "ok"])
+    pid = jf.jobs[0].prompt_id
+    assert posted(fake, pid) == 2
+    assert [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == pid] == ["lost", "success"]
+    assert summary.done == 1
+    assert "lost" in store.attempts(jf.jobs[0].id)[0].reason
+
+
+async def test_partial_outputs_are_a_permanent_failure(tmp_path):
+    fake, jf, store, summary = await render(tmp_path, ["partial"])
+    assert summary.dead_lettered == 1
+    assert "node_errors" in summary.dead_letters[0][1]
+    assert posted(fake, jf.jobs[0].prompt_id) == 1
+
+
+async def test_a_changed_input_renders_again_and_the_same_input_does_not(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    folder = tmp_path / "jobs"
+    store = Store(tmp_path / "store")
+    async with fake_servers(fake) as servers:
+        first = load_job_file(write_jobs(folder, 2))
+        await run_batch(first, partition="p", servers=servers, store=store, config=fast_config())
+        text = (folder / "jobs.jsonl").read_text().replace('"1.color": 1001', '"1.color": 7')
+        (folder / "jobs.jsonl").write_text(text)
+        second = load_job_file(folder / "jobs.jsonl")
+        await run_batch(second, partition="p", servers=servers, store=store, config=fast_config())
+    assert second.jobs[0].prompt_id == first.jobs[0].prompt_id
+    assert second.jobs[1].prompt_id != first.jobs[1].prompt_id
+    assert [len(fake.stats["prompts"])] == [3]
+    assert executed(fake, second.jobs[1].prompt_id) == 1
+

@@ -1,0 +1,261 @@
+"""The job-file sensor: partitions added and runs requested exactly once per file version."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import pytest
+from dagster import DagsterInstance, SensorResult, build_sensor_context, instance_for_test
+
+from comfy_assets import sensors
+from comfy_assets.partitions import (
+    AmbiguousJobFileError,
+    find_job_file,
+    job_dirs_from_env,
+    job_files_partitions,
+    partition_key_for,
+)
+from comfy_assets.sensors import SeenFile, dump_cursor, job_file_sensor, parse_cursor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def job_line(n: int, color: int = 0x336699) -> str:
+    job_id = str(uuid.uuid5(uuid.NAMESPACE_URL, f"test-sensor/{n}"))
+    return json.dumps(
+        {"id": job_id, "workflow": "../workflows/image.json", "set": {"1.color": color}}
+    )
+
+
+def write_jobs(path: Path, count: int = 2, color: int = 0x336699) -> Path:
+    path.write_text("".join(job_line(n, color) + "\n" for n in range(count)))
+    return path
+
+
+@pytest.fixture
+def jobs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "workflows").mkdir()
+    shutil.copy(REPO / "data/workflows/image.json", tmp_path / "workflows/image.json")
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    monkeypatch.setenv("COMFY_ASSETS_JOB_DIRS", str(folder))
+    monkeypatch.delenv("COMFY_ASSETS_MAX_RUNS_PER_TICK", raising=False)
+    return folder
+
+
+@pytest.fixture
+def instance():
+    with instance_for_test() as inst:
+        yield inst
+
+
+def tick(instance: DagsterInstance, cursor: str | None) -> SensorResult:
+    """One sensor evaluation, applying its partition requests like the daemon does."""
+    with build_sensor_context(instance=instance, cursor=cursor) as context:
+        result = job_file_sensor(context)
+    assert isinstance(result, SensorResult)
+    for request in result.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+    return result
+
+
+def run_keys(result: SensorResult) -> list[str]:
+    return sorted(request.run_key or "" for request in result.run_requests)
+
+
+def sha16(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+
+def test_new_files_become_partitions_with_one_run_each(jobs_dir: Path, instance) -> None:
+    a = write_jobs(jobs_dir / "shots a.jsonl")
+    b = write_jobs(jobs_dir / "b.jsonl", count=3)
+
+    result = tick(instance, None)
+
+    assert run_keys(result) == sorted([f"shots_a:{sha16(a)}", f"b:{sha16(b)}"])
+    assert sorted(r.partition_key for r in result.run_requests) == ["b", "shots_a"]
+    assert sorted(instance.get_dynamic_partitions(job_files_partitions.name)) == ["b", "shots_a"]
+    tags = {r.partition_key: r.tags for r in result.run_requests}
+    assert tags["b"][sensors.JOB_FILE_SHA_TAG] == sensors._sha256_file(b)
+
+
+def test_second_tick_with_the_same_files_requests_nothing(jobs_dir: Path, instance) -> None:
+    write_jobs(jobs_dir / "a.jsonl")
+    first = tick(instance, None)
+    assert len(first.run_requests) == 1
+
+    second = tick(instance, first.cursor)
+
+    assert second.run_requests == []
+    assert second.dynamic_partitions_requests == []
+    assert second.skip_reason is not None
+
+
+def test_changed_file_requests_one_run_with_a_new_run_key(jobs_dir: Path, instance) -> None:
+    path = write_jobs(jobs_dir / "a.jsonl")
+    first = tick(instance, None)
+    write_jobs(path, color=0xFF0000)
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 1_000_000))  # a later mtime, whatever the clock
+
+    second = tick(instance, first.cursor)
+    third = tick(instance, second.cursor)
+
+    assert run_keys(second) == [f"a:{sha16(path)}"]
+    assert run_keys(second) != run_keys(first)
+    assert second.dynamic_partitions_requests == []  # the partition exists already
+    assert third.run_requests == []
+
+
+def test_touched_file_with_the_same_bytes_requests_nothing(jobs_dir: Path, instance) -> None:
+    path = write_jobs(jobs_dir / "a.jsonl")
+    first = tick(instance, None)
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 1_000_000))
+
+    second = tick(instance, first.cursor)
+
+    assert second.run_requests == []
+    assert parse_cursor(second.cursor)["a"].mtime_ns == path.stat().st_mtime_ns
+
+
+def test_bad_file_is_reported_not_launched_and_launches_once_fixed(
+    jobs_dir: Path, instance
+) -> None:
+    path = jobs_dir / "bad.jsonl"
+    good = job_line(1)
+    path.write_text(good + "\n" + good.replace('"1.color"', '"1.colour"') + "\n{not json\n")
+
+    first = tick(instance, None)
+
+    assert first.run_requests == []
+    assert instance.get_dynamic_partitions(job_files_partitions.name) == []
+    # Every error is reported, with its line.
+    assert first.skip_reason is not None
+    message = first.skip_reason.skip_message or ""
+    assert f"{path}:2: set.1.colour" in message
+    assert f"{path}:2: id: " in message  # the same id twice
+    assert f"{path}:3: json" in message
+
+    # Not re-validated while unchanged.
+    second = tick(instance, first.cursor)
+    assert second.run_requests == []
+
+    write_jobs(path)
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 1_000_000))
+    fixed = tick(instance, second.cursor)
+    assert run_keys(fixed) == [f"bad:{sha16(path)}"]
+    assert instance.get_dynamic_partitions(job_files_partitions.name) == ["bad"]
+
+
+def test_a_bad_file_does_not_hold_back_good_ones(jobs_dir: Path, instance) -> None:
+    (jobs_dir / "bad.jsonl").write_text("{not json\n")
+    good = write_jobs(jobs_dir / "good.jsonl")
+
+    result = tick(instance, None)
+
+    assert run_keys(result) == [f"good:{sha16(good)}"]
+    assert parse_cursor(result.cursor)["bad"].ok is False
+
+
+def test_runs_per_tick_are_capped_and_the_rest_come_next_tick(
+    jobs_dir: Path, instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COMFY_ASSETS_MAX_RUNS_PER_TICK", "2")
+    for n in range(5):
+        write_jobs(jobs_dir / f"f{n}.jsonl")
+
+    cursor = None
+    per_tick = []
+    keys: list[str] = []
+    for _ in range(4):
+        result = tick(instance, cursor)
+        cursor = result.cursor
+        per_tick.append(len(result.run_requests))
+        keys += [r.partition_key or "" for r in result.run_requests]
+
+    assert per_tick == [2, 2, 1, 0]
+    assert sorted(keys) == [f"f{n}" for n in range(5)]
+
+
+def test_same_name_in_two_folders_is_reported_and_not_launched(
+    jobs_dir: Path, instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    other = jobs_dir.parent / "other"
+    other.mkdir()
+    write_jobs(jobs_dir / "shots.jsonl")
+    write_jobs(other / "shots.jsonl")
+    monkeypatch.setenv("COMFY_ASSETS_JOB_DIRS", f"{jobs_dir}{os.pathsep}{other}")
+
+    result = tick(instance, None)
+
+    assert result.run_requests == []
+    assert "matches several job files" in (result.skip_reason.skip_message or "")
+    with pytest.raises(AmbiguousJobFileError):
+        find_job_file("shots")
+
+
+def test_an_unchanged_folder_of_5000_files_is_only_listed(
+    jobs_dir: Path, instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tick over 5,000 known files stats them and reads none (the 2 s budget)."""
+    seen = {}
+    for n in range(5000):
+        path = jobs_dir / f"j{n:04d}.jsonl"
+        path.write_text(job_line(n) + "\n")
+        stat = path.stat()
+        seen[path.stem] = SeenFile("0" * 16, stat.st_size, stat.st_mtime_ns, True)
+
+    def must_not_read(path: Path) -> None:
+        raise AssertionError(f"{path} was read although unchanged")
+
+    monkeypatch.setattr(sensors, "_sha256_file", must_not_read)
+    monkeypatch.setattr(sensors, "load_job_file", must_not_read)
+
+    result = tick(instance, dump_cursor(seen))
+
+    assert result.run_requests == []
+    assert parse_cursor(result.cursor) == seen
+
+
+def test_hidden_and_other_files_are_ignored(jobs_dir: Path, instance) -> None:
+    write_jobs(jobs_dir / ".partial.jsonl")
+    write_jobs(jobs_dir / "notes.txt")
+
+    result = tick(instance, None)
+
+    assert result.run_requests == []
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("images.jsonl", "images"),
+        ("my shots (v2).jsonl", "my_shots__v2_"),
+        ("a..b.jsonl", "a_b"),
+        ("tab\there.jsonl", "tab_here"),
+        ("café.jsonl", "caf_"),
+        ("v1.2.jsonl", "v1.2"),
+    ],
+)
+def test_partition_key_is_the_sanitized_file_name(name: str, key: str) -> None:
+    assert partition_key_for(Path("/any/folder") / name) == key
+
+
+def test_long_names_keep_distinct_keys() -> None:
+    a = partition_key_for(Path("x" * 300 + "a.jsonl"))
+    b = partition_key_for(Path("x" * 300 + "b.jsonl"))
+    assert a != b and len(a) <= 100 and len(b) <= 100
+
+
+def test_find_job_file_and_job_dirs(jobs_dir: Path) -> None:
+    path = write_jobs(jobs_dir / "my shots.jsonl")
+    assert job_dirs_from_env() == [jobs_dir]
+    assert find_job_file("my_shots") == path
+    with pytest.raises(FileNotFoundError):
+        find_job_file("nothing")
