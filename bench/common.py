@@ -7,8 +7,8 @@ import statistics
 import subprocess
 import sys
 import urllib.request
-from contextlib import contextmanager
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_assets.comfy.servers import ServerSpec
@@ -22,9 +22,19 @@ def fake_processes(count: int, prompt_seconds: float, out: Path) -> Iterator[lis
         specs = []
         for i in range(count):
             p = subprocess.Popen(
-                [sys.executable, "-m", "fake_comfy", "--port", "0", "--prompt-seconds",
-                 str(prompt_seconds), "--output-dir", str(out / f"fake{i}")],
-                stdout=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "fake_comfy",
+                    "--port",
+                    "0",
+                    "--prompt-seconds",
+                    str(prompt_seconds),
+                    "--output-dir",
+                    str(out / f"fake{i}"),
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
             )
             procs.append(p)
             line = p.stdout.readline()
@@ -49,7 +59,10 @@ def fake_runs(specs: list[ServerSpec]) -> dict[str, list[dict]]:
 def utilization_and_gaps(runs: dict[str, list[dict]]) -> dict[str, float]:
     """Pool utilization (busy time / (servers x makespan)) and the gap between one
     prompt's end and the next one's start on a server, in ms."""
-    done = {n: sorted((r for r in rs if r.get("end")), key=lambda r: r["start"]) for n, rs in runs.items()}
+    done = {
+        n: sorted((r for r in rs if r.get("end")), key=lambda r: r["start"])
+        for n, rs in runs.items()
+    }
     starts = [r["start"] for rs in done.values() for r in rs]
     ends = [r["end"] for rs in done.values() for r in rs]
     makespan = max(ends) - min(starts)
@@ -57,7 +70,7 @@ def utilization_and_gaps(runs: dict[str, list[dict]]) -> dict[str, float]:
     gaps = [
         (b["start"] - a["end"]) * 1000
         for rs in done.values()
-        for a, b in zip(rs, rs[1:])
+        for a, b in zip(rs, rs[1:], strict=False)
     ]
     gaps.sort()
     return {

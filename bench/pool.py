@@ -18,10 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import fake_processes, fake_runs, utilization_and_gaps  # noqa: E402
-from comfy_assets.batch import BatchConfig, run_batch  # noqa: E402
-from comfy_assets.jobfile import load_job_file  # noqa: E402
-from comfy_assets.store import Store  # noqa: E402
+from bench.common import fake_processes, fake_runs, utilization_and_gaps
+from comfy_assets.batch import BatchConfig, run_batch
+from comfy_assets.jobfile import load_job_file
+from comfy_assets.store import Store
 
 WORKFLOW = Path(__file__).resolve().parent.parent / "data" / "workflows" / "image.json"
 NODES_EXECUTED = 4  # the fake sleeps --prompt-seconds per executed node of image.json
@@ -33,8 +33,11 @@ def write_jobs(folder: Path, count: int) -> Path:
     path = folder / "bench.jsonl"
     with path.open("w") as f:
         for i in range(count):
-            job = {"id": f"00000000-0000-4000-8000-{i:012d}", "workflow": "image.json",
-                   "set": {"1.color": i}}
+            job = {
+                "id": f"00000000-0000-4000-8000-{i:012d}",
+                "workflow": "image.json",
+                "set": {"1.color": i},
+            }
             f.write(json.dumps(job) + "\n")
     return path
 
@@ -56,8 +59,14 @@ def main() -> None:
             config = BatchConfig(poll_s=1.0, base_delay_s=0.1)
             t0 = time.monotonic()
             summary = asyncio.run(
-                run_batch(job_file, partition="bench", servers=specs, store=store,
-                          config=config, on_line=lambda line: None)
+                run_batch(
+                    job_file,
+                    partition="bench",
+                    servers=specs,
+                    store=store,
+                    config=config,
+                    on_line=lambda line: None,
+                )
             )
             wall = time.monotonic() - t0
             figures = utilization_and_gaps(fake_runs(specs))

@@ -4,8 +4,6 @@ Thin on purpose: the work is ``comfy_assets.batch.run_batch_sync`` and the table
 ``comfy_assets.results``; this module turns their answers into Dagster events.
 """
 
-from __future__ import annotations
-
 import base64
 import io
 from collections.abc import Sequence
@@ -41,6 +39,8 @@ DONE_STATES = frozenset({"succeeded", "degraded"})
 DEAD_LETTER_STATE = "failed_fatal"
 THUMBNAILS = 4
 THUMBNAIL_PX = 64
+# Thumbnails come from the first jobs only: a video batch has no PNG to find.
+THUMBNAIL_SCAN_JOBS = 20
 JOB_TABLE_ROWS = 50
 
 
@@ -49,15 +49,13 @@ def _load_partition_file(partition: str) -> JobFile:
     try:
         return load_job_file(find_job_file(partition))
     except (FileNotFoundError, AmbiguousJobFileError, JobFileError) as exc:
-        raise Failure(
-            description=f"partition {partition}: {exc}", allow_retries=False
-        ) from exc
+        raise Failure(description=f"partition {partition}: {exc}", allow_retries=False) from exc
 
 
 def _thumbnails(store: Store, partition: str, job_ids: Sequence[str]) -> str:
     """Markdown of small PNG thumbnails (base64 data URIs) of the first PNG outputs."""
     images: list[str] = []
-    for job_id in job_ids:
+    for job_id in job_ids[:THUMBNAIL_SCAN_JOBS]:
         for record in store.files(job_id):
             if len(images) >= THUMBNAILS:
                 return " ".join(images)
@@ -105,7 +103,7 @@ def _jobs_markdown(summary: BatchSummary, job_ids: Sequence[str]) -> str:
             description="Every job of the current file version is succeeded or degraded.",
         ),
     ],
-    kinds={"python"},
+    kinds={"comfyui"},
 )
 def renders(
     context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
@@ -159,9 +157,9 @@ def renders(
     for server, why in summary.unreachable.items():
         context.log.warning(f"server {server} unreachable: {why}")
 
-    counts = {state: int(n) for state, n in sorted(summary.counts.items())}
+    counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
     metadata: dict[str, object] = {
-        "job_file": MetadataValue.path(str(job_file.path)),
+        "job_file": MetadataValue.path(str(job_file.path.resolve())),
         "job_file_sha256": job_file.sha256,
         "jobs": len(job_ids),
         "done": done,
@@ -234,7 +232,9 @@ def render_results(
 
 
 @asset(deps=[render_results], kinds={"pandas", "csv"})
-def all_results(context: AssetExecutionContext, result_store: ResultStoreResource) -> MaterializeResult:
+def all_results(
+    context: AssetExecutionContext, result_store: ResultStoreResource
+) -> MaterializeResult:
     """Every partition's results CSV in one, ``<store>/all_results.csv``, with a
     ``partition`` column. Partitions without a CSV yet are listed in the log."""
     root = result_store.root

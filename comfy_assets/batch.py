@@ -15,6 +15,7 @@ import asyncio
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 from collections import deque
@@ -188,10 +189,17 @@ class Batch:
         ]
         try:
             await asyncio.gather(*workers)
-        finally:
+        except asyncio.CancelledError:
+            # gather has cancelled each consumer once; a second cancel would cut short
+            # their cleanup (interrupting and removing prompts), so wait for it instead.
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        except BaseException:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
             for item in self.queue.cancel_all():
@@ -296,7 +304,6 @@ class Batch:
                 server=server,
                 attempt=number,
                 prompt_id=job.prompt_id,
-                attempts=number,
             ),
             rendering=lambda server, n: store.transition(
                 job.id, "rendering", server=server, attempt=number, number=n
@@ -346,9 +353,8 @@ class Batch:
             server=r.server,
             prompt_id=r.prompt_id,
             number=r.number,
-            seconds=r.seconds,
+            started_at=time.time() - r.seconds,
             queue_wait_s=r.queue_wait_s,
-            gpu_seconds=r.gpu_seconds,
             outcome=r.kind,
             reason=r.reason or None,
         )
@@ -360,10 +366,8 @@ class Batch:
                 state="succeeded",
                 files=r.files,
                 server=r.server,
+                attempt=number,
                 number=r.number,
-                seconds=r.seconds,
-                queue_wait_s=r.queue_wait_s,
-                gpu_seconds=r.gpu_seconds,
             )
             self.claimed.discard(job.id)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
@@ -392,12 +396,12 @@ class Batch:
                 state="degraded",
                 files=[],
                 server=r.server,
+                attempt=number,
                 reason=reason,
-                seconds=r.seconds,
             )
             self.say(f"job {job.id}: degraded (draft), {reason}")
         else:
-            store.dead_letter(job.id, self.owner, reason)
+            store.dead_letter(job.id, self.owner, reason, server=r.server, attempt=number)
             self.say(f"job {job.id}: dead-lettered, {reason}")
             if self.stop_on_fatal and not self.stopped:
                 self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
@@ -485,7 +489,7 @@ def summarize(
     counts = store.counts(partition)
     dead = [(j.job_id, j.reason or "") for j in jobs if j.state == "failed_fatal"]
     done = sum(1 for j in jobs if j.state in ("succeeded", "degraded"))
-    gpu = sum(a.gpu_seconds or 0.0 for j in jobs for a in store.attempts(j.job_id))
+    gpu = sum(j.gpu_seconds or 0.0 for j in jobs)
     return BatchSummary(
         partition,
         counts,
@@ -510,11 +514,14 @@ def run_batch_sync(
     owner: str | None = None,
     on_line: Callable[[str], None] | None = None,
 ) -> BatchSummary:
-    """``run_batch`` in the calling thread, for sync callers (Dagster, the CLI).
+    """``run_batch`` for sync callers (Dagster, the CLI); blocks until it ends.
 
-    A BaseException raised into the loop (Dagster turns a cancel into
-    DagsterExecutionInterruptedError in the main thread; Ctrl+C) cancels the batch, lets
-    its cleanup run (interrupt prompts, release claims and leases), then re-raises.
+    The event loop runs in a thread of its own while the calling thread waits in
+    ``join()``. A BaseException raised in the calling thread (Dagster turns a cancel into
+    DagsterExecutionInterruptedError in the main thread; Ctrl+C) then cancels the batch
+    from outside, waits for its cleanup (prompts interrupted and removed from the queue,
+    claims and server leases released) and re-raises. Raised inside a loop step instead,
+    asyncio would store it in whichever task was running and the cleanup would not run.
     """
     loop = asyncio.new_event_loop()
     task = loop.create_task(
@@ -528,15 +535,34 @@ def run_batch_sync(
             on_line=on_line,
         )
     )
+    outcome: dict[str, object] = {}
+    finished = threading.Event()
+
+    def drive() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            outcome["value"] = loop.run_until_complete(task)
+        except BaseException as e:  # handed to the calling thread below
+            outcome["error"] = e
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            finished.set()
+
+    threading.Thread(target=drive, name=f"batch-{partition}", daemon=True).start()
     try:
-        return loop.run_until_complete(task)
+        # Wait in short steps on an Event, not Thread.join(): a simulated signal (Dagster's
+        # interrupt_main) runs its handler only when the main thread wakes, and a join()
+        # interrupted by an exception marks a running thread as stopped (CPython < 3.13).
+        while not finished.wait(0.2):
+            pass
     except BaseException:
-        task.cancel()
-        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+        loop.call_soon_threadsafe(task.cancel)
+        finished.wait()
         raise
-    finally:
-        loop.run_until_complete(loop.shutdown_asyncgens())
-        loop.close()
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
 
 
 async def run_one(

@@ -42,7 +42,9 @@ def dead_queue_name(queue: str) -> str:
     return f"{queue}.dead"
 
 
-async def connect(url: str, *, name: str = "comfy-assets", timeout_s: float = 10.0) -> AbstractConnection:
+async def connect(
+    url: str, *, name: str = "comfy-assets", timeout_s: float = 10.0
+) -> AbstractConnection:
     """Open a plain (not robust) connection to ``url`` (``amqp://user:pass@host:port/``).
 
     Not robust on purpose: after a reconnect the broker has already requeued our
@@ -58,7 +60,9 @@ async def connect(url: str, *, name: str = "comfy-assets", timeout_s: float = 10
         raise BrokerError(f"cannot connect to RabbitMQ at {_safe_url(url)}: {e!r}") from e
 
 
-async def open_channel(connection: AbstractConnection, *, prefetch: int | None = None) -> AbstractChannel:
+async def open_channel(
+    connection: AbstractConnection, *, prefetch: int | None = None
+) -> AbstractChannel:
     """A channel with publisher confirms, where an unroutable publish raises.
 
     ``prefetch``: at most that many unacknowledged messages delivered to each consumer
@@ -70,7 +74,9 @@ async def open_channel(connection: AbstractConnection, *, prefetch: int | None =
     return channel
 
 
-async def declare_queues(channel: AbstractChannel, queue: str) -> tuple[AbstractQueue, AbstractQueue]:
+async def declare_queues(
+    channel: AbstractChannel, queue: str
+) -> tuple[AbstractQueue, AbstractQueue]:
     """Declare ``queue`` and ``<queue>.dead``, both durable quorum queues; returns both.
 
     Idempotent. Raises ``BrokerError`` if either exists with other arguments (a classic

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from collections.abc import Callable, Sequence
 
 from comfy_assets.comfy.health import probe_all
 from comfy_assets.comfy.servers import parse_servers
+from comfy_assets.commands import add_requeue_parser, add_run_parser
+from comfy_assets.worker import add_enqueue_parser, add_worker_parser
 
 
 def add_health(sub: argparse._SubParsersAction) -> None:
@@ -43,7 +46,13 @@ def health(args: argparse.Namespace) -> int:
     return 0 if any(r.healthy for r in results) else 1
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [add_health]
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    add_health,
+    add_run_parser,
+    add_requeue_parser,
+    add_enqueue_parser,
+    add_worker_parser,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) and run the command; returns the exit code."""
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
     return int(args.func(args))
 
 

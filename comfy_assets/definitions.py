@@ -10,7 +10,6 @@ from __future__ import annotations
 from dagster import Definitions, define_asset_job
 
 from comfy_assets.assets import all_results, render_results, renders
-from comfy_assets.partitions import job_files_partitions
 from comfy_assets.resources import default_resources
 from comfy_assets.sensors import job_file_sensor
 
@@ -18,8 +17,7 @@ from comfy_assets.sensors import job_file_sensor
 # worker died; the batch itself retries each job with backoff.
 render_job = define_asset_job(
     "render_job",
-    selection=[renders, render_results],
-    partitions_def=job_files_partitions,
+    selection=[renders, render_results],  # partitioned by job_files, like both assets
     tags={"dagster/max_retries": "2"},
     description="Render every job of one job file and write its results CSV.",
 )

@@ -35,7 +35,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+
+import pandas as pd
+from dagster import (
+    AssetKey,
+    AssetRecordsFilter,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRunStatus,
+    RunsFilter,
+)
+
+from comfy_assets.assets import results_csv_path
+from comfy_assets.jobfile import JobFileError, load_job_file
+from comfy_assets.partitions import iter_job_files, partition_key_for
+from comfy_assets.sensors import JOB_FILE_SHA_TAG
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -89,7 +103,6 @@ class Children:
     def start(self, name: str, args: Sequence[str], env: dict[str, str]) -> Child:
         """Start ``args`` with stdout and stderr in ``logs/<name>.log``."""
         log = self.logs / f"{name}.log"
-        handle: TextIO
         with log.open("w") as handle:
             proc = subprocess.Popen(
                 list(args),
@@ -136,9 +149,13 @@ def wait_for_listening(child: Child, timeout_s: float = 60.0) -> str:
         if match:
             return match.group(1)
         if not child.alive():
-            raise DemoFailed(f"{child.name} exited with {child.proc.returncode}:\n{tail(child.log)}")
+            raise DemoFailed(
+                f"{child.name} exited with {child.proc.returncode}:\n{tail(child.log)}"
+            )
         time.sleep(0.05)
-    raise DemoFailed(f"{child.name} did not say it was listening in {timeout_s:.0f} s:\n{tail(child.log)}")
+    raise DemoFailed(
+        f"{child.name} did not say it was listening in {timeout_s:.0f} s:\n{tail(child.log)}"
+    )
 
 
 def port_free(port: int) -> bool:
@@ -181,9 +198,6 @@ class Expected:
 
 def expected_files(jobs_dir: Path) -> list[Expected]:
     """Every job file of ``jobs_dir``, validated now so a bad one fails fast."""
-    from comfy_assets.jobfile import JobFileError, load_job_file
-    from comfy_assets.partitions import iter_job_files, partition_key_for
-
     found: list[Expected] = []
     problems: list[str] = []
     for entry in sorted(iter_job_files([jobs_dir]), key=lambda e: e.name):
@@ -215,13 +229,8 @@ class PartitionState:
     run_id: str | None = None
 
 
-def partition_state(instance: object, item: Expected) -> PartitionState:
+def partition_state(instance: DagsterInstance, item: Expected) -> PartitionState:
     """The state of the runs for this file version (retries keep the parent's tags)."""
-    from dagster import DagsterInstance, DagsterRunStatus, RunsFilter
-
-    from comfy_assets.sensors import JOB_FILE_SHA_TAG
-
-    assert isinstance(instance, DagsterInstance)
     runs = instance.get_runs(
         filters=RunsFilter(tags={"dagster/partition": item.key, JOB_FILE_SHA_TAG: item.sha256})
     )
@@ -234,16 +243,18 @@ def partition_state(instance: object, item: Expected) -> PartitionState:
     status = newest.status.value
     if not newest.is_finished:
         return PartitionState("running", f"run {newest.run_id[:8]} {status}", newest.run_id)
-    if newest.status == DagsterRunStatus.FAILURE and newest.tags.get("dagster/will_retry") == "true":
-        return PartitionState("running", f"run {newest.run_id[:8]} failed, retry coming", newest.run_id)
+    if (
+        newest.status == DagsterRunStatus.FAILURE
+        and newest.tags.get("dagster/will_retry") == "true"
+    ):
+        return PartitionState(
+            "running", f"run {newest.run_id[:8]} failed, retry coming", newest.run_id
+        )
     return PartitionState("failed", f"run {newest.run_id[:8]} {status}", newest.run_id)
 
 
-def run_errors(instance: object, run_id: str) -> str:
+def run_errors(instance: DagsterInstance, run_id: str) -> str:
     """The step and run failures of a run, from its event log."""
-    from dagster import DagsterEventType, DagsterInstance
-
-    assert isinstance(instance, DagsterInstance)
     lines: list[str] = []
     kinds = {DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE}
     for record in instance.all_logs(run_id, of_type=kinds):
@@ -258,7 +269,7 @@ def run_errors(instance: object, run_id: str) -> str:
 
 
 def wait_for_runs(
-    instance: object, expected: list[Expected], watched: list[Child], timeout_s: float
+    instance: DagsterInstance, expected: list[Expected], watched: list[Child], timeout_s: float
 ) -> dict[str, PartitionState]:
     """Poll the instance until every file version has a successful run, or fail."""
     deadline = time.monotonic() + timeout_s
@@ -280,9 +291,9 @@ def wait_for_runs(
             raise DemoFailed("runs failed:\n" + "\n".join(report))
         now = time.monotonic()
         snapshot = {key: s.detail for key, s in states.items()}
+        parts = ", ".join(f"{key}: {s.detail}" for key, s in states.items())
         if snapshot != last or now - last_print > 15:
             done = sum(1 for s in states.values() if s.state == "success")
-            parts = ", ".join(f"{key}: {s.detail}" for key, s in states.items())
             say(f"{done}/{len(expected)} job files rendered ({parts})")
             last, last_print = snapshot, now
         if all(s.state == "success" for s in states.values()):
@@ -302,14 +313,10 @@ def _meta_value(metadata: dict, key: str) -> object:
     return getattr(entry, "value", entry)
 
 
-def report_partition(instance: object, item: Expected, run_id: str, store_root: Path) -> list[str]:
+def report_partition(
+    instance: DagsterInstance, item: Expected, run_id: str, store_root: Path
+) -> list[str]:
     """Print a partition's summary and results CSV; return what is wrong with it."""
-    import pandas as pd
-    from dagster import AssetKey, AssetRecordsFilter, DagsterEventType, DagsterInstance
-
-    from comfy_assets.assets import results_csv_path
-
-    assert isinstance(instance, DagsterInstance)
     problems: list[str] = []
     counts: object = None
     for record in instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION):
@@ -429,7 +436,15 @@ def run_demo(
         for i in range(FAKES):
             child = children.start(
                 f"fake{i}",
-                [sys.executable, "-m", "fake_comfy", "--port", "0", "--output-dir", str(demo_dir / f"fake{i}")],
+                [
+                    sys.executable,
+                    "-m",
+                    "fake_comfy",
+                    "--port",
+                    "0",
+                    "--output-dir",
+                    str(demo_dir / f"fake{i}"),
+                ],
                 env,
             )
             urls.append(wait_for_listening(child))
@@ -437,25 +452,22 @@ def run_demo(
         env["COMFY_ASSETS_SERVERS"] = servers
         say(f"fake ComfyUI servers: {servers}")
 
-        workspace = str(ROOT / "workspace.yaml")
-        watched = list(children.items)
-        watched.append(children.start("daemon", [str(BIN / "dagster-daemon"), "run", "-w", workspace], env))
-        ui_url = f"http://127.0.0.1:{port}"
-        if ui:
-            watched.append(
-                children.start(
-                    "webserver",
-                    [str(BIN / "dagster-webserver"), "-w", workspace, "-h", "127.0.0.1", "-p", str(port)],
-                    env,
-                )
-            )
-            say(f"web UI starting at {ui_url}")
-        say(f"Dagster home {home}; logs in {logs}")
-
+        # Create the instance's SQLite storage here, once: the daemon and the UI starting
+        # on an empty DAGSTER_HOME at the same time race to create it.
         os.environ["DAGSTER_HOME"] = str(home)
-        from dagster import DagsterInstance
-
         with DagsterInstance.get() as instance:
+            workspace = str(ROOT / "workspace.yaml")
+            watched = list(children.items)
+            daemon = [str(BIN / "dagster-daemon"), "run", "-w", workspace]
+            watched.append(children.start("daemon", daemon, env))
+            ui_url = f"http://127.0.0.1:{port}"
+            if ui:
+                webserver = [str(BIN / "dagster-webserver"), "-w", workspace]
+                webserver += ["-h", "127.0.0.1", "-p", str(port)]
+                watched.append(children.start("webserver", webserver, env))
+                say(f"web UI starting at {ui_url}")
+            say(f"Dagster home {home}; logs in {logs}")
+
             states = wait_for_runs(instance, expected, watched, timeout_s)
             problems: list[str] = []
             for item in expected:
@@ -482,14 +494,22 @@ def run_demo(
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
-    parser = argparse.ArgumentParser(prog="python -m comfy_assets.demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--keep", action="store_true", help="leave the servers, daemon and UI running")
+    parser = argparse.ArgumentParser(
+        prog="python -m comfy_assets.demo", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="leave the servers, daemon and UI running"
+    )
     parser.add_argument("--no-ui", action="store_true", help="do not start the web UI")
     parser.add_argument("--stop", action="store_true", help="stop what a --keep demo left running")
     parser.add_argument("--port", type=int, default=3000, help="web UI port (default 3000)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the runs")
-    parser.add_argument("--dir", type=Path, default=ROOT / ".demo", help="demo folder (default .demo)")
-    parser.add_argument("--jobs", type=Path, default=JOBS_DIR, help="job files folder (default data/jobs)")
+    parser.add_argument(
+        "--dir", type=Path, default=ROOT / ".demo", help="demo folder (default .demo)"
+    )
+    parser.add_argument(
+        "--jobs", type=Path, default=JOBS_DIR, help="job files folder (default data/jobs)"
+    )
     args = parser.parse_args(argv)
     demo_dir = args.dir.resolve()
     if args.stop:

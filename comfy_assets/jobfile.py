@@ -171,7 +171,7 @@ def load_job_file(path: Path) -> JobFile:
         if obj is None:
             continue
         job = parser.job(obj, number)
-        job_id = obj.get("id") if isinstance(obj, dict) else None
+        job_id = obj.get("id")
         if isinstance(job_id, str):
             if job_id in seen_ids:
                 parser.error(number, "id", f"{job_id} repeated; first on line {seen_ids[job_id]}")

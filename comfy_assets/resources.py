@@ -12,8 +12,6 @@ the variable's name, not its value); when unset, the default is a plain value, b
 ``EnvVar`` has no default and fails when its variable is missing.
 """
 
-from __future__ import annotations
-
 import os
 from pathlib import Path
 
@@ -67,6 +65,12 @@ class ComfyPoolResource(ConfigurableResource):
     lease_s: float = 3600.0
     server_lease_s: float = 30.0
     max_queue: int | None = None
+    probe_timeout_s: float = 3.0
+    unhealthy_wait_s: float = 5.0
+    policy: str | None = Field(
+        default=None,
+        description='"delivery" or "draft" overrides the job file header; None follows it.',
+    )
 
     def server_specs(self) -> list[ServerSpec]:
         """Return the pool's servers."""
@@ -86,6 +90,9 @@ class ComfyPoolResource(ConfigurableResource):
             lease_s=self.lease_s,
             server_lease_s=self.server_lease_s,
             max_queue=self.max_queue,
+            probe_timeout_s=self.probe_timeout_s,
+            unhealthy_wait_s=self.unhealthy_wait_s,
+            policy=self.policy,
         )
 
 

@@ -33,7 +33,7 @@ class JobRow(Protocol):
     attempts: int
     seconds: float | None
     reason: str | None
-    set_json: str | None
+    set: Mapping[str, Any]  # the job's "node.input" overrides
 
 
 class FileRow(Protocol):
@@ -46,10 +46,6 @@ class FileRow(Protocol):
 def files_cell(files: Iterable[FileRow]) -> str:
     """``name:sha256[:12]`` of each output, space-separated, in path order."""
     return " ".join(f"{f.path}:{f.sha256[:12]}" for f in sorted(files, key=lambda f: f.path))
-
-
-def _set_values(record: JobRow) -> dict[str, Any]:
-    return json.loads(record.set_json) if record.set_json else {}
 
 
 def _cell(value: Any) -> Any:
@@ -79,7 +75,7 @@ def results_table(
         if record is None:
             rows.append({"job_id": job_id, "state": MISSING_STATE})
             continue
-        values = _set_values(record)
+        values = record.set or {}
         for key in values:
             if key not in set_columns:
                 set_columns.append(key)

@@ -92,7 +92,7 @@ def entry_timings(entry: HistoryEntry) -> tuple[float | None, float | None]:
             start = ts
         elif kind in ("execution_success", "execution_error", "execution_interrupted"):
             end = ts
-    created = entry.create_time
+    created = getattr(entry, "create_time", None)  # ms; None where the entry lacks it
     gpu = (end - start) / 1000 if start is not None and end is not None else None
     wait = (start - created) / 1000 if start is not None and created is not None else None
     return gpu, (max(wait, 0.0) if wait is not None else None)
@@ -279,8 +279,9 @@ class Attempt:
                 number=number,
                 posted=posted,
             )
-        finally:
-            self.on_server = None
+        # Not in a `finally`: on cancellation `on_server` must stay set, so the cancel
+        # cleanup knows to interrupt and remove our prompt on that server.
+        self.on_server = None
         slot.release()  # already done by on_finished; idempotent
         if outcome.status == "success" and outcome.history is not None:
             return await self._download(client, name, outcome.history, number=number, posted=posted)

@@ -18,8 +18,6 @@ Write job files atomically (to a hidden name, then rename): hidden files are ign
 and a half-written file could be valid and launch with only part of its jobs.
 """
 
-from __future__ import annotations
-
 import hashlib
 import json
 import os
@@ -84,7 +82,7 @@ class SeenFile:
         return [self.sha, self.size, self.mtime_ns, int(self.ok)]
 
     @classmethod
-    def from_json(cls, raw: list[object]) -> SeenFile:
+    def from_json(cls, raw: list[object]) -> "SeenFile":
         """Inverse of :meth:`to_json`."""
         sha, size, mtime_ns, ok = raw
         return cls(str(sha), int(size), int(mtime_ns), bool(ok))

@@ -19,6 +19,7 @@ from aiohttp import web
 
 log = logging.getLogger(__name__)
 
+SEND_TIMEOUT_S = 10.0  # a socket whose client stops reading for this long is cut
 _CUT = object()  # queue marker: abort sockets at this point of the message order
 
 
@@ -29,9 +30,7 @@ class Hub:
         self.sockets: dict[str, web.WebSocketResponse] = {}
         # Every open socket, replaced ones too, with its transport (to cut it abruptly).
         self._open: dict[web.WebSocketResponse, asyncio.BaseTransport | None] = {}
-        self._queue: asyncio.Queue[tuple[Any, str | None, str | None, str | None]] = (
-            asyncio.Queue()
-        )
+        self._queue: asyncio.Queue[tuple[Any, str | None, str | None, str | None]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -60,20 +59,26 @@ class Hub:
         if self.sockets.get(sid) is ws:
             del self.sockets[sid]
 
-    def send(self, event: str, data: dict[str, Any], sid: str | None, exclude: str | None = None) -> None:
+    def send(
+        self, event: str, data: dict[str, Any], sid: str | None, exclude: str | None = None
+    ) -> None:
         """Queues a message for `sid` (None: every socket but `exclude`'s)."""
         self._queue.put_nowait((event, json.dumps({"type": event, "data": data}), sid, exclude))
 
     def status(self, queue_remaining: int, exclude: str | None = None) -> None:
         """Queues the `status` broadcast ComfyUI sends on every queue change."""
-        self.send("status", {"status": {"exec_info": {"queue_remaining": queue_remaining}}}, None, exclude)
+        self.send(
+            "status", {"status": {"exec_info": {"queue_remaining": queue_remaining}}}, None, exclude
+        )
 
     def cut(self, sid: str | None) -> None:
         """Queues an abrupt close (no close frame) of `sid`'s socket, or of every open socket
         when `sid` is None, after the messages already queued have been sent."""
         self._queue.put_nowait((_CUT, None, sid, None))
 
-    async def send_direct(self, ws: web.WebSocketResponse, event: str, data: dict[str, Any]) -> None:
+    async def send_direct(
+        self, ws: web.WebSocketResponse, event: str, data: dict[str, Any]
+    ) -> None:
         """Sends at once, outside the queue (the greeting of a new socket, as the real one)."""
         await ws.send_str(json.dumps({"type": event, "data": data}))
 
@@ -120,7 +125,18 @@ class Hub:
                 if ws.closed:
                     continue
                 try:
-                    await ws.send_str(text)
+                    # The real server would wait forever on a client that stopped reading
+                    # and stall every client; the fake cuts such a client instead.
+                    async with asyncio.timeout(SEND_TIMEOUT_S):
+                        await ws.send_str(text)
                 except ConnectionError as ex:
                     # The client went away mid-send; ComfyUI logs it and carries on too.
                     log.debug("fake_comfy: %s not sent to a closing socket: %s", event, ex)
+                except TimeoutError:
+                    log.warning(
+                        "fake_comfy: a client read nothing for %s s; cutting its socket",
+                        SEND_TIMEOUT_S,
+                    )
+                    transport = self._open.pop(ws, None)
+                    if transport is not None:
+                        transport.abort()

@@ -193,7 +193,9 @@ def solid_png(
     return PNG_SIGNATURE + ihdr + text + idat + _IEND
 
 
-def png_texts(prompt: dict[str, Any] | None, extra_pnginfo: dict[str, Any] | None) -> list[tuple[str, str]]:
+def png_texts(
+    prompt: dict[str, Any] | None, extra_pnginfo: dict[str, Any] | None
+) -> list[tuple[str, str]]:
     """SaveImage's metadata: "prompt" first, then each extra_pnginfo key (e.g. "workflow")."""
     texts = []
     if prompt is not None:
@@ -237,9 +239,10 @@ def write_mp4(
         stream.width = width
         stream.height = height
         stream.pix_fmt = "yuv420p"
-        frame = av.VideoFrame.from_ndarray(pixels, format="rgb24").reformat(format="yuv420p")
+        rgb_frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
         for _ in range(frames):
-            out.mux(stream.encode(frame))
+            # A fresh frame each time: the encoder stamps each one with its own pts.
+            out.mux(stream.encode(rgb_frame.reformat(format="yuv420p")))
         out.mux(stream.encode(None))
 
 

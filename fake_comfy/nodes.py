@@ -94,7 +94,11 @@ def oom_failure() -> NodeFailure:
 
 def _failure_from(ex: BaseException) -> NodeFailure:
     klass = type(ex)
-    name = klass.__qualname__ if klass.__module__ == "builtins" else f"{klass.__module__}.{klass.__qualname__}"
+    name = (
+        klass.__qualname__
+        if klass.__module__ == "builtins"
+        else f"{klass.__module__}.{klass.__qualname__}"
+    )
     return NodeFailure(name, f"{ex}\n", traceback.format_tb(ex.__traceback__))
 
 
@@ -122,7 +126,9 @@ def compute(class_type: str, inputs: dict[str, Any]) -> tuple[Any, ...]:
     if class_type == "EmptyImage":
         color = int(inputs["color"])
         pixel = tuple(_f32(((color >> shift) & 0xFF) / 0xFF) for shift in (16, 8, 0))
-        return (Images(int(inputs["width"]), int(inputs["height"]), int(inputs["batch_size"]), pixel),)
+        return (
+            Images(int(inputs["width"]), int(inputs["height"]), int(inputs["batch_size"]), pixel),
+        )
     if class_type == "ImageInvert":
         img = _as_images(inputs["image"])
         pixel = tuple(_f32(np.float32(1.0) - np.float32(c)) for c in img.pixel)
@@ -210,7 +216,9 @@ async def _save_video(inputs: dict[str, Any], ctx: SaveContext) -> dict[str, Any
     if not isinstance(video, Video):
         video = Video(_as_images(video), 30.0)
     img = video.images
-    res = ctx.output.reserve(str(inputs.get("filename_prefix", "video/ComfyUI")), 1, img.width, img.height)
+    res = ctx.output.reserve(
+        str(inputs.get("filename_prefix", "video/ComfyUI")), 1, img.width, img.height
+    )
     name = res.filename(0, "mp4")
     # SaveVideo: extra_pnginfo keys first, then "prompt".
     metadata = dict(ctx.extra_pnginfo or {})
@@ -230,7 +238,9 @@ async def _save_video(inputs: dict[str, Any], ctx: SaveContext) -> dict[str, Any
 
 async def _save_webp(inputs: dict[str, Any], ctx: SaveContext) -> dict[str, Any]:
     img = _as_images(inputs.get("images"))
-    res = ctx.output.reserve(str(inputs.get("filename_prefix", "ComfyUI")), 1, img.width, img.height)
+    res = ctx.output.reserve(
+        str(inputs.get("filename_prefix", "ComfyUI")), 1, img.width, img.height
+    )
     name = res.filename(0, "webp")
     await asyncio.to_thread(
         media.write_webp,

@@ -25,7 +25,20 @@ from collections.abc import Iterable
 from typing import SupportsIndex, overload
 
 WORDS = frozenset(
-    {"ok", "500", "invalid", "error", "oom", "drop", "hang", "slow", "partial", "late", "silent", "restart"}
+    {
+        "ok",
+        "500",
+        "invalid",
+        "error",
+        "oom",
+        "drop",
+        "hang",
+        "slow",
+        "partial",
+        "late",
+        "silent",
+        "restart",
+    }
 )
 
 

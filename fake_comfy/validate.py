@@ -217,14 +217,21 @@ class _Validator:
             )
             return
         limits = info[1]
-        for key, word, below in (("min", "smaller than min", True), ("max", "bigger than max", False)):
+        for key, word, below in (
+            ("min", "smaller than min", True),
+            ("max", "bigger than max", False),
+        ):
             if key in limits and (val < limits[key] if below else val > limits[key]):
                 errors.append(
                     {
                         "type": "value_smaller_than_min" if below else "value_bigger_than_max",
                         "message": f"Value {val} {word} of {limits[key]}",
                         "details": name,
-                        "extra_info": {"input_name": name, "input_config": info, "received_value": val},
+                        "extra_info": {
+                            "input_name": name,
+                            "input_config": info,
+                            "received_value": val,
+                        },
                     }
                 )
                 return

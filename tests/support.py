@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
-from contextlib import AsyncExitStack, asynccontextmanager
 from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
-
-from fake_comfy import FakeComfy
 
 from comfy_assets.batch import BatchConfig
 from comfy_assets.comfy.servers import ServerSpec
+from fake_comfy import FakeComfy
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / "data" / "workflows"
@@ -50,8 +49,15 @@ def write_jobs(
 def fast_config(**overrides: object) -> BatchConfig:
     """A BatchConfig with tiny delays and polls, so tests run fast without sleeping."""
     values: dict = dict(
-        attempts=4, base_delay_s=0.01, max_delay_s=0.05, jitter=False, timeout_s=30.0,
-        poll_s=0.05, lease_s=60.0, server_lease_s=30.0, unhealthy_wait_s=0.05,
+        attempts=4,
+        base_delay_s=0.01,
+        max_delay_s=0.05,
+        jitter=False,
+        timeout_s=30.0,
+        poll_s=0.05,
+        lease_s=60.0,
+        server_lease_s=30.0,
+        unhealthy_wait_s=0.05,
         probe_timeout_s=2.0,
     )
     values.update(overrides)

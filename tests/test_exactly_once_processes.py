@@ -10,10 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-from fake_comfy import FakeComfy
-
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
+from fake_comfy import FakeComfy
 from tests.support import ROOT, executed, posted, write_jobs
 
 
@@ -23,8 +22,20 @@ def cli(*args: str) -> list[str]:
 
 def run_args(jobs: Path, url: str, store: Path, *extra: str) -> list[str]:
     return cli(
-        "run", "--jobs", str(jobs), "--server", f"gpu0={url}", "--store", str(store),
-        "--base-delay-s", "0.01", "--max-delay-s", "0.05", "--poll-s", "0.05", *extra,
+        "run",
+        "--jobs",
+        str(jobs),
+        "--server",
+        f"gpu0={url}",
+        "--store",
+        str(store),
+        "--base-delay-s",
+        "0.01",
+        "--max-delay-s",
+        "0.05",
+        "--poll-s",
+        "0.05",
+        *extra,
     )
 
 
@@ -46,8 +57,11 @@ def test_two_runners_fed_the_same_jobs_twice_execute_each_once(tmp_path):
     with fake.serve_in_thread(port=0) as url:
         procs = [
             subprocess.Popen(
-                ["bash", "-c", script.replace("{url}", url)], cwd=ROOT,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                ["bash", "-c", script.replace("{url}", url)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
             for _ in range(2)
         ]
@@ -69,8 +83,13 @@ def test_a_killed_runner_leaves_a_claim_the_next_run_takes_over_without_executin
     store_dir = tmp_path / "store"
     with fake.serve_in_thread(port=0) as url:
         first = subprocess.Popen(
-            run_args(jobs, url, store_dir, "--lease-s", "1", "--server-lease-s", "1", "--poll-s", "60"), cwd=ROOT,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            run_args(
+                jobs, url, store_dir, "--lease-s", "1", "--server-lease-s", "1", "--poll-s", "60"
+            ),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         wait_until(
             lambda: any(r["outcome"] == "success" for r in fake.stats["runs"]), 60, "the render"
@@ -80,8 +99,11 @@ def test_a_killed_runner_leaves_a_claim_the_next_run_takes_over_without_executin
         store = Store(store_dir)
         assert store.get(job.id).state == "rendering"
         second = subprocess.run(
-            run_args(jobs, url, store_dir, "--lease-s", "1"), cwd=ROOT,
-            capture_output=True, text=True, timeout=120,
+            run_args(jobs, url, store_dir, "--lease-s", "1"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert second.returncode == 0, second.stdout + second.stderr
     assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
@@ -103,12 +125,17 @@ def test_a_bad_job_file_is_rejected_with_every_error_and_nothing_posted(tmp_path
         "{not json",
         json.dumps({"id": "NOT-A-UUID", "workflow": "image.json"}),
         json.dumps({"id": json.loads(lines[0])["id"], "workflow": "image.json"}),
-        json.dumps({"id": json.loads(lines[1])["id"], "workflow": "image.json", "set": {"9.seed": 1}}),
+        json.dumps(
+            {"id": json.loads(lines[1])["id"], "workflow": "image.json", "set": {"9.seed": 1}}
+        ),
     ]
     good.write_text("\n".join(bad) + "\n")
     with fake.serve_in_thread(port=0) as url:
         result = subprocess.run(
-            run_args(good, url, tmp_path / "store"), cwd=ROOT, capture_output=True, text=True,
+            run_args(good, url, tmp_path / "store"),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
             timeout=60,
         )
     assert result.returncode == 2

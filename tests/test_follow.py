@@ -7,7 +7,6 @@ import uuid
 
 import httpx
 import pytest
-from fake_comfy import FakeComfy
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import (
@@ -17,6 +16,7 @@ from comfy_assets.comfy.errors import (
     ServerError,
 )
 from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
+from fake_comfy import FakeComfy
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -68,9 +68,7 @@ async def post_and_wait(
 ) -> PromptOutcome:
     client_id = uuid.uuid4().hex
     async with PromptFollower(client, client_id, poll_s=poll_s) as follower:
-        post = await client.post_prompt(
-            workflow or IMAGE, prompt_id=prompt_id, client_id=client_id
-        )
+        post = await client.post_prompt(workflow or IMAGE, prompt_id=prompt_id, client_id=client_id)
         outcome = await follower.wait(
             prompt_id, post.number, deadline_s=deadline_s, on_finished=on_finished
         )
@@ -92,19 +90,25 @@ async def test_ok_succeeds_with_both_outputs_and_frees_the_slot_once():
     assert counts(fake, pid) == (1, 1)
 
 
+class CountingTransport(httpx.AsyncHTTPTransport):
+    """The real transport, noting each request's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        return await super().handle_async_request(request)
+
+
 async def test_a_quick_prompt_costs_one_history_request_not_a_poll_loop():
     fake = FakeComfy(script=["ok"], prompt_seconds=0.01)
-    paths: list[str] = []
-
-    async def log(request: httpx.Request) -> None:
-        paths.append(request.url.path)
-
-    async with fake.serve(port=0) as url, ComfyClient(url) as client:
-        client._http.event_hooks["request"].append(log)
-        outcome = await post_and_wait(client, new_id(), poll_s=30.0)
+    transport, pid = CountingTransport(), new_id()
+    async with fake.serve(port=0) as url, ComfyClient(url, transport=transport) as client:
+        outcome = await post_and_wait(client, pid, poll_s=30.0)
     assert outcome.status == "success"
-    assert [p for p in paths if p.startswith("/history")] == [f"/history/{outcome.history.prompt_id}"]
-    assert "/queue" not in paths
+    assert transport.paths == ["/prompt", f"/history/{pid}"]
 
 
 async def test_error_reports_the_index_error_and_is_not_oom():
@@ -153,10 +157,12 @@ async def test_invalid_is_rejected_with_the_node_named_and_nothing_runs():
 
 
 async def test_drop_reconnects_with_the_same_client_id_and_still_succeeds():
-    fake = FakeComfy(script=["drop"], prompt_seconds=0.05)
+    fake = FakeComfy(script=["drop"], prompt_seconds=0.1)
     pid = new_id()
     async with fake.serve(port=0) as url, ComfyClient(url) as client:
-        outcome = await post_and_wait(client, pid)
+        # No poll within the deadline: the finish must come over the new socket, which
+        # only gets our events if it reconnected under the same clientId.
+        outcome = await post_and_wait(client, pid, poll_s=60.0)
     assert outcome.status == "success"
     assert outcome.history is not None and outcome.history.output_files
     assert outcome.reconnects >= 1
@@ -271,7 +277,11 @@ async def test_a_foreign_broadcast_interrupt_does_not_end_our_prompt():
     theirs, ours, client_id = new_id(), new_id(), uuid.uuid4().hex
     async with fake.serve(port=0) as url, ComfyClient(url) as client:
         async with PromptFollower(client, client_id, poll_s=0.05) as follower:
-            await client._http.post("/prompt", json={"prompt": IMAGE, "prompt_id": theirs})
+            async with httpx.AsyncClient(base_url=url) as anonymous:  # no client_id
+                answer = await anonymous.post(
+                    "/prompt", json={"prompt": IMAGE, "prompt_id": theirs}
+                )
+                assert answer.status_code == 200
             post = await client.post_prompt(IMAGE, prompt_id=ours, client_id=client_id)
             await client.interrupt(theirs)
             outcome = await follower.wait(ours, post.number, deadline_s=10)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import re
 
 import pytest
-from fake_comfy import FakeComfy
 
 from comfy_assets.cli import main
 from comfy_assets.comfy.health import probe
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
+from fake_comfy import FakeComfy
 from tests.test_client import free_port, raw_server
 
 # -- parse_servers -----------------------------------------------------------------------

@@ -12,13 +12,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-from fake_comfy import FakeComfy
-
 from comfy_assets.batch import run_batch
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
+from fake_comfy import FakeComfy
 from tests.support import ROOT, fake_servers, fast_config, write_jobs
 
 
@@ -37,8 +36,9 @@ async def test_the_busiest_server_is_avoided(tmp_path):
     idle = FakeComfy(prompt_seconds=0.005)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
     async with fake_servers(busy, idle) as servers:
-        await run_batch(jf, partition="p", servers=servers, store=Store(tmp_path / "s"),
-                        config=fast_config())
+        await run_batch(
+            jf, partition="p", servers=servers, store=Store(tmp_path / "s"), config=fast_config()
+        )
     ours = {j.prompt_id for j in jf.jobs}
     assert (ran_on(busy, ours), ran_on(idle, ours)) == (0, 1)
 
@@ -47,9 +47,13 @@ async def test_an_unreachable_server_is_reported_and_skipped(tmp_path):
     fake = FakeComfy(prompt_seconds=0.005)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 4))
     async with fake_servers(fake) as (up,):
-        servers = [ServerSpec("gpu0", f"http://127.0.0.1:{free_port()}"), ServerSpec("gpu1", up.url)]
-        summary = await run_batch(jf, partition="p", servers=servers,
-                                  store=Store(tmp_path / "s"), config=fast_config())
+        servers = [
+            ServerSpec("gpu0", f"http://127.0.0.1:{free_port()}"),
+            ServerSpec("gpu1", up.url),
+        ]
+        summary = await run_batch(
+            jf, partition="p", servers=servers, store=Store(tmp_path / "s"), config=fast_config()
+        )
     assert summary.done == 4
     assert ran_on(fake, {j.prompt_id for j in jf.jobs}) == 4
     assert "gpu0" in summary.unreachable and "ServerUnreachable" in summary.unreachable["gpu0"]
@@ -61,10 +65,16 @@ async def test_with_every_server_down_the_pool_waits_and_resumes(tmp_path):
     jf = load_job_file(write_jobs(tmp_path / "jobs", 2))
     store = Store(tmp_path / "s")
     lines: list[str] = []
-    task = asyncio.create_task(run_batch(
-        jf, partition="p", servers=[ServerSpec("gpu0", f"http://127.0.0.1:{port}")],
-        store=store, config=fast_config(), on_line=lines.append,
-    ))
+    task = asyncio.create_task(
+        run_batch(
+            jf,
+            partition="p",
+            servers=[ServerSpec("gpu0", f"http://127.0.0.1:{port}")],
+            store=store,
+            config=fast_config(),
+            on_line=lines.append,
+        )
+    )
     # The batch is waiting: nothing can have run, and the jobs are still pending.
     async with asyncio.timeout(10):
         while store.counts("p").get("pending", 0) != 2:
@@ -84,10 +94,28 @@ def test_two_processes_sharing_two_servers_never_put_two_prompts_on_one(tmp_path
     with fakes[0].serve_in_thread(port=0) as a, fakes[1].serve_in_thread(port=0) as b:
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(f),
-                 "--server", f"gpu0={a}", "--server", f"gpu1={b}", "--store", str(store),
-                 "--poll-s", "0.05", "--base-delay-s", "0.01"],
-                cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "comfy_assets.cli",
+                    "run",
+                    "--jobs",
+                    str(f),
+                    "--server",
+                    f"gpu0={a}",
+                    "--server",
+                    f"gpu1={b}",
+                    "--store",
+                    str(store),
+                    "--poll-s",
+                    "0.05",
+                    "--base-delay-s",
+                    "0.01",
+                ],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
             for f in files
         ]
@@ -96,7 +124,7 @@ def test_two_processes_sharing_two_servers_never_put_two_prompts_on_one(tmp_path
     for fake in fakes:
         runs = sorted(fake.stats["runs"], key=lambda r: r["posted"])
         assert runs, "both servers must work"
-        for before, after in zip(runs, runs[1:]):
+        for before, after in zip(runs, runs[1:], strict=False):
             # Ours only reaches a server once the previous prompt has left it.
             assert after["posted"] >= before["end"], (before, after)
     assert sum(len(f.stats["runs"]) for f in fakes) == 16

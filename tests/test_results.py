@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,7 @@ class Rec:
     attempts: int = 1
     seconds: float | None = 0.5
     reason: str | None = None
-    set_json: str | None = None
+    set: dict | None = None
 
 
 @dataclass
@@ -35,21 +34,36 @@ class F:
 
 
 def rec(job_id: str, values: dict, **kw) -> Rec:
-    return Rec(job_id=job_id, set_json=json.dumps(values), **kw)
+    return Rec(job_id=job_id, set=values, **kw)
 
 
 def test_a_row_per_job_with_a_column_per_set_key() -> None:
     records = [
         rec("a", {"1.color": 255, "1.width": 64}),
-        rec("b", {"1.color": 0, "1.height": 96}, state="failed_fatal", reason="IndexError", server="gpu1", attempts=1),
+        rec(
+            "b",
+            {"1.color": 0, "1.height": 96},
+            state="failed_fatal",
+            reason="IndexError",
+            server="gpu1",
+            attempts=1,
+        ),
     ]
     files = {"a": [F("solid_00001_.png", "ab" * 32), F("inverted_00001_.png", "cd" * 32)]}
 
     frame = results_table(records, files)
 
     assert list(frame.columns) == [
-        "job_id", "1.color", "1.width", "1.height",
-        "state", "server", "attempts", "seconds", "files", "reason",
+        "job_id",
+        "1.color",
+        "1.width",
+        "1.height",
+        "state",
+        "server",
+        "attempts",
+        "seconds",
+        "files",
+        "reason",
     ]
     assert frame["job_id"].tolist() == ["a", "b"]
     assert frame.loc[0, "files"] == "inverted_00001_.png:cdcdcdcdcdcd solid_00001_.png:abababababab"

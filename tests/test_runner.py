@@ -6,11 +6,11 @@ import hashlib
 from pathlib import Path
 
 import pytest
-from fake_comfy import FakeComfy
 
 from comfy_assets.batch import run_batch
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
+from fake_comfy import FakeComfy
 from tests.support import executed, fake_servers, fast_config, posted, write_jobs
 
 
@@ -45,8 +45,14 @@ async def test_duplicate_delivery_of_a_done_job_posts_nothing(tmp_path):
     lines: list[str] = []
     async with fake_servers(fake) as servers:
         for _ in range(2):
-            await run_batch(jf, partition="p", servers=servers, store=store,
-                            config=fast_config(), on_line=lines.append)
+            await run_batch(
+                jf,
+                partition="p",
+                servers=servers,
+                store=store,
+                config=fast_config(),
+                on_line=lines.append,
+            )
     assert [posted(fake, j.prompt_id) for j in jf.jobs] == [1, 1, 1]
     assert sum("already done, nothing posted" in line for line in lines) == 3
 
@@ -77,7 +83,7 @@ async def test_validation_and_execution_errors_are_dead_lettered_at_once(tmp_pat
     pid = jf.jobs[0].prompt_id
     assert posted(fake, pid) == 1
     assert summary.dead_lettered == 1
-    (job_id, reason), = summary.dead_letters
+    ((job_id, reason),) = summary.dead_letters
     assert expected in reason
     assert len(store.attempts(job_id)) == 1
     assert store.get(job_id).state == "failed_fatal"
@@ -98,7 +104,7 @@ async def test_a_hang_is_interrupted_removed_retried_then_dead_lettered(tmp_path
     pid = jf.jobs[0].prompt_id
     assert (posted(fake, pid), executed(fake, pid)) == (2, 2)
     assert [r["outcome"] for r in fake.stats["runs"]] == ["interrupted", "interrupted"]
-    (job_id, reason), = summary.dead_letters
+    ((job_id, reason),) = summary.dead_letters
     assert reason.startswith("gave up after 2 attempts, last: deadline of 0.5 s exceeded")
 
 
@@ -115,7 +121,10 @@ async def test_a_restart_loses_the_prompt_and_the_retry_renders_it(tmp_path):
     fake, jf, store, summary = await render(tmp_path, ["restart", "ok"])
     pid = jf.jobs[0].prompt_id
     assert posted(fake, pid) == 2
-    assert [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == pid] == ["lost", "success"]
+    assert [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == pid] == [
+        "lost",
+        "success",
+    ]
     assert summary.done == 1
     assert "lost" in store.attempts(jf.jobs[0].id)[0].reason
 
@@ -142,4 +151,3 @@ async def test_a_changed_input_renders_again_and_the_same_input_does_not(tmp_pat
     assert second.jobs[1].prompt_id != first.jobs[1].prompt_id
     assert [len(fake.stats["prompts"])] == [3]
     assert executed(fake, second.jobs[1].prompt_id) == 1
-

@@ -13,7 +13,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Self, TypeVar
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
 import websockets
@@ -112,7 +112,7 @@ class ComfyClient:
         """GET /history/{prompt_id}; None for ``{}`` (unknown, not finished yet, or
         forgotten by a restart: basics.json, restart.json)."""
         route = f"GET /history/{prompt_id}"
-        body = await self._get_json(f"/history/{prompt_id}", route)
+        body = await self._get_json(f"/history/{quote(prompt_id, safe='')}", route)
         if not isinstance(body, dict):
             raise self._unexpected(route, f"body is {type(body).__name__}, not an object")
         if not body:

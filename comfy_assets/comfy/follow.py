@@ -96,6 +96,7 @@ class PromptFollower:
         self._last_message_at = 0.0
         self._last_drop = ""
         self._fatal: ComfyError | None = None
+        self._fatal_raised = False
 
     @property
     def connected(self) -> bool:
@@ -114,17 +115,16 @@ class PromptFollower:
 
     async def __aexit__(self, *exc_info: object) -> None:
         reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.cancel()
-            try:
-                await reader
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
         ws, self._ws = self._ws, None
-        if ws is not None:
-            await ws.close()
+        try:
+            if reader is not None:
+                reader.cancel()
+                await asyncio.wait([reader])  # its own outcome is already recorded
+        finally:
+            if ws is not None:  # also on cancellation: no socket left half-open
+                await ws.close()
+        if self._fatal is not None and not self._fatal_raised and exc_info[0] is None:
+            raise self._fatal  # the socket failed and no wait() has said so yet
 
     # -- waiting ----------------------------------------------------------------------
 
@@ -168,6 +168,7 @@ class PromptFollower:
             while True:
                 waker.clear()
                 if self._fatal is not None:
+                    self._fatal_raised = True
                     raise self._fatal
                 events = self._events.get(prompt_id, ())
                 while cursor < len(events):
@@ -281,16 +282,19 @@ class PromptFollower:
         )
 
     def _deadline(self, run: _Run, deadline_s: float) -> DeadlineExceeded:
+        socket = "socket open" if self.connected else f"socket down: {self._last_drop}"
         return DeadlineExceeded(
             f"{self.client.name}: prompt {run.prompt_id} run {run.number} not finished "
-            f"after {deadline_s:g} s (last seen: {run.last_seen})",
+            f"after {deadline_s:g} s (last seen: {run.last_seen}; {socket})",
             server=self.client.base_url,
         )
 
     # -- the socket -------------------------------------------------------------------
 
     async def _read_forever(self) -> None:
-        """Read messages; on a drop reconnect with the same clientId until cancelled."""
+        """Read messages; on a drop reconnect with the same clientId until cancelled.
+        The backoff resets only once a socket delivered a message (ComfyUI sends
+        ``status`` at once), so a server that accepts and drops is not hammered."""
         delay = _RECONNECT_FIRST_S
         while True:
             ws = self._ws
@@ -304,13 +308,14 @@ class PromptFollower:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.reconnect_max_s)
                     continue
-                delay = _RECONNECT_FIRST_S
                 self._ws = ws
                 self._reconnects += 1
                 self._last_message_at = asyncio.get_running_loop().time()
                 self._wake_all()
+            received = False
             try:
                 async for raw in ws:
+                    received = True
                     if not self._on_message(raw):
                         return
                 self._last_drop = "closed by the server"
@@ -319,6 +324,11 @@ class PromptFollower:
             self._ws = None
             self._drops += 1
             self._wake_all()
+            if received:
+                delay = _RECONNECT_FIRST_S
+            else:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, self.reconnect_max_s)
 
     def _on_message(self, raw: str | bytes) -> bool:
         """Buffer terminal-ish events by prompt_id. False after a fatal error."""

@@ -244,6 +244,10 @@ class Pool:
         candidates.sort(key=lambda c: c[0])
         lengths = {p.name: p.foreign_queue for p in probes if p.healthy}
         for _, spec, _p in candidates:
+            # Another consumer of this process may have taken it while we probed; the
+            # store can't tell (same owner), so check here, with no await in between.
+            if spec.name in self._held:
+                continue
             if self.leases.acquire_server(spec.name, self.owner, self.lease_s):
                 slot = Slot(spec, self.clients[spec.name], self, tuple(models), lengths)
                 self._held[spec.name] = slot

@@ -1,0 +1,46 @@
+"""Result store: jobs, claims, server leases, done records, dead letters and events.
+
+SQLite (``<root>/store.db``, WAL) by default, PostgreSQL by URL, the same code for both.
+
+- ``schema``: the tables and the engine settings
+- ``records``: what the store returns and raises
+- ``statements``: prebuilt hot statements (compare-and-set updates, upserts)
+- ``register``: registering a job file's jobs in bulk
+- ``store``: the ``Store`` class
+"""
+
+from comfy_assets.store.records import (
+    AttemptRecord,
+    ClaimLost,
+    ClaimStatus,
+    FileRecord,
+    JobRecord,
+    OutputFile,
+    OutputFileLike,
+    PartitionConflict,
+    RegisterResult,
+    ServerLease,
+    StoreConflict,
+    UnknownJob,
+)
+from comfy_assets.store.schema import metadata
+from comfy_assets.store.store import OUTCOMES, TRANSITION_FIELDS, Store
+
+__all__ = [
+    "OUTCOMES",
+    "TRANSITION_FIELDS",
+    "AttemptRecord",
+    "ClaimLost",
+    "ClaimStatus",
+    "FileRecord",
+    "JobRecord",
+    "OutputFile",
+    "OutputFileLike",
+    "PartitionConflict",
+    "RegisterResult",
+    "ServerLease",
+    "Store",
+    "StoreConflict",
+    "UnknownJob",
+    "metadata",
+]

@@ -1,0 +1,184 @@
+"""What the result store returns and raises: rows as frozen dataclasses, typed errors."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import PurePosixPath
+from typing import Any, Protocol
+
+from comfy_assets.states import DONE, State
+
+
+class ClaimStatus(StrEnum):
+    """Answer of ``Store.claim``; members compare equal to their strings."""
+
+    CLAIMED = "claimed"  # the caller holds the job now
+    HELD = "held"  # another owner holds a live claim
+    DONE = "done"  # succeeded or degraded: nothing to do
+    DEAD_LETTERED = "dead_lettered"  # failed_fatal: needs a requeue
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """One row of ``jobs``. Times in epoch seconds; durations in seconds.
+
+    ``line`` orders jobs within their file. ``attempts`` counts tries so far. ``seconds``
+    is the job's total wall time, ``queue_wait_s`` the time its prompts waited in
+    ComfyUI's queue, ``gpu_seconds`` the time they ran. ``set`` is the job's overrides.
+    """
+
+    job_id: str
+    partition: str
+    line: int
+    prompt_id: str
+    shot: int | None
+    optional: bool
+    duration_s: float | None
+    set: dict[str, Any]
+    state: State
+    attempts: int
+    server: str | None
+    number: int | None
+    reason: str | None
+    claimed_by: str | None
+    claim_expires_at: float | None
+    created_at: float
+    updated_at: float
+    first_submitted_at: float | None
+    finished_at: float | None
+    seconds: float | None
+    queue_wait_s: float | None
+    gpu_seconds: float | None
+
+    @property
+    def done(self) -> bool:
+        """True for succeeded and degraded."""
+        return self.state in DONE
+
+
+class OutputFileLike(Protocol):
+    """What ``mark_done`` needs of a file (``comfy.types.DownloadedFile`` has it)."""
+
+    @property
+    def path(self) -> str | PurePosixPath: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def node_id(self) -> str | None: ...
+    @property
+    def key(self) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """A file to record with a done job: ``path`` relative to the job dir, ``bytes`` its
+    size. ``node_id`` / ``key`` say which output wrote it (node "9", key "images")."""
+
+    path: str | PurePosixPath
+    sha256: str
+    bytes: int
+    node_id: str | None = None
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One row of ``files``: an output of ``prompt_id``, ``path`` relative to the job dir
+    with "/" separators, ``bytes`` its size."""
+
+    job_id: str
+    prompt_id: str
+    path: str
+    sha256: str
+    bytes: int
+    node_id: str | None
+    key: str | None
+
+
+@dataclass(frozen=True)
+class AttemptRecord:
+    """One try of a job on one server (seconds; ``seconds`` includes the queue wait).
+
+    ``outcome`` is "success", "transient" (may be retried) or "permanent".
+    """
+
+    job_id: str
+    attempt: int
+    server: str | None
+    prompt_id: str | None
+    number: int | None
+    started_at: float
+    ended_at: float
+    seconds: float
+    queue_wait_s: float | None
+    gpu_seconds: float | None
+    outcome: str
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class ServerLease:
+    """Who holds a GPU server and until when (epoch seconds). ``owner`` is None once
+    released; ``last_model`` survives the release (model affinity)."""
+
+    server: str
+    owner: str | None
+    expires_at: float | None
+    prompt_id: str | None
+    last_model: str | None
+    updated_at: float
+
+    def held(self, now: float | None = None) -> bool:
+        """True if an owner holds it at ``now`` (epoch seconds, default the clock)."""
+        now = time.time() if now is None else now
+        return self.owner is not None and self.expires_at is not None and self.expires_at > now
+
+
+@dataclass(frozen=True)
+class RegisterResult:
+    """Job ids, in the order given, sorted by what ``register_jobs`` did with them."""
+
+    inserted: list[str]
+    unchanged: list[str]
+    changed: list[str]  # inputs changed: back to pending, attempts 0
+
+
+class UnknownJob(LookupError):
+    """No job with that id in the store."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id}: not in the store")
+        self.job_id = job_id
+
+
+class ClaimLost(RuntimeError):
+    """The caller does not hold the job's claim (never had it, released, or taken over)."""
+
+    def __init__(self, job_id: str, owner: str, holder: str | None) -> None:
+        now_held = f"held by {holder}" if holder else "held by nobody"
+        super().__init__(f"job {job_id}: {owner} does not hold the claim (it is {now_held})")
+        self.job_id = job_id
+        self.owner = owner
+        self.holder = holder
+
+
+class PartitionConflict(ValueError):
+    """Job ids already registered under another partition (ids are global)."""
+
+    def __init__(self, partition: str, conflicts: dict[str, str]) -> None:
+        shown = ", ".join(f"{j} (in {p!r})" for j, p in sorted(conflicts.items())[:5])
+        more = f" and {len(conflicts) - 5} more" if len(conflicts) > 5 else ""
+        super().__init__(
+            f"cannot register in partition {partition!r}: job ids already in another "
+            f"partition: {shown}{more}"
+        )
+        self.partition = partition
+        self.conflicts = conflicts
+
+
+class StoreConflict(RuntimeError):
+    """A guarded UPDATE matched no row although its row was locked: a bug, not a race."""

@@ -1,0 +1,141 @@
+"""Tables of the result store and the engine that reaches them (SQLite or PostgreSQL).
+
+Times are seconds since the epoch (DOUBLE), durations seconds, sizes bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sqlalchemy as sa
+
+# Execution option that makes a SQLite transaction start with a plain (deferred) BEGIN.
+READ_ONLY = "comfy_assets_read_only"
+
+metadata = sa.MetaData()
+
+jobs_table = sa.Table(
+    "jobs",
+    metadata,
+    sa.Column("job_id", sa.String(36), primary_key=True),
+    sa.Column("partition", sa.String(255), nullable=False),
+    sa.Column("line", sa.Integer, nullable=False),  # order within the job file
+    sa.Column("prompt_id", sa.String(36), nullable=False),
+    sa.Column("shot", sa.Integer),
+    sa.Column("optional", sa.Boolean, nullable=False),
+    sa.Column("duration_s", sa.Double),
+    sa.Column("set_json", sa.Text, nullable=False),
+    sa.Column("state", sa.String(20), nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("server", sa.String(255)),
+    sa.Column("number", sa.Integer),
+    sa.Column("reason", sa.Text),
+    sa.Column("claimed_by", sa.String(255)),
+    sa.Column("claim_expires_at", sa.Double),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("updated_at", sa.Double, nullable=False),
+    sa.Column("first_submitted_at", sa.Double),
+    sa.Column("finished_at", sa.Double),
+    sa.Column("seconds", sa.Double),
+    sa.Column("queue_wait_s", sa.Double),
+    sa.Column("gpu_seconds", sa.Double),
+    sa.Index("ix_jobs_partition_state", "partition", "state"),
+)
+
+attempts_table = sa.Table(
+    "attempts",
+    metadata,
+    sa.Column("job_id", sa.String(36), sa.ForeignKey("jobs.job_id"), primary_key=True),
+    sa.Column("attempt", sa.Integer, primary_key=True),
+    sa.Column("server", sa.String(255)),
+    sa.Column("prompt_id", sa.String(36)),
+    sa.Column("number", sa.Integer),
+    sa.Column("started_at", sa.Double, nullable=False),
+    sa.Column("ended_at", sa.Double, nullable=False),
+    sa.Column("seconds", sa.Double, nullable=False),
+    sa.Column("queue_wait_s", sa.Double),
+    sa.Column("gpu_seconds", sa.Double),
+    sa.Column("outcome", sa.String(16), nullable=False),
+    sa.Column("reason", sa.Text),
+)
+
+files_table = sa.Table(
+    "files",
+    metadata,
+    sa.Column("job_id", sa.String(36), sa.ForeignKey("jobs.job_id"), primary_key=True),
+    sa.Column("path", sa.Text, primary_key=True),  # relative to the job dir, "/" separated
+    sa.Column("prompt_id", sa.String(36), nullable=False),
+    sa.Column("sha256", sa.String(64), nullable=False),
+    sa.Column("bytes", sa.BigInteger, nullable=False),
+    sa.Column("node_id", sa.String(64)),
+    sa.Column("key", sa.String(64)),
+)
+
+events_table = sa.Table(
+    "events",
+    metadata,
+    # SQLite auto-increments only an INTEGER PRIMARY KEY.
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+    sa.Column("time", sa.Double, nullable=False),
+    sa.Column("job_id", sa.String(36), sa.ForeignKey("jobs.job_id"), nullable=False),
+    sa.Column("partition", sa.String(255), nullable=False),
+    sa.Column("from_state", sa.String(20)),
+    sa.Column("to_state", sa.String(20), nullable=False),
+    sa.Column("server", sa.String(255)),
+    sa.Column("attempt", sa.Integer),
+    sa.Column("detail", sa.Text),
+    sa.Index("ix_events_job_id", "job_id"),
+    sa.Index("ix_events_partition", "partition"),
+)
+
+server_leases_table = sa.Table(
+    "server_leases",
+    metadata,
+    sa.Column("server", sa.String(255), primary_key=True),
+    sa.Column("owner", sa.String(255)),
+    sa.Column("expires_at", sa.Double),
+    sa.Column("prompt_id", sa.String(36)),
+    sa.Column("last_model", sa.Text),
+    sa.Column("updated_at", sa.Double, nullable=False),
+)
+
+
+def make_engine(db_url: str) -> sa.Engine:
+    """An engine for ``db_url``. SQLite gets WAL, a busy timeout and write transactions
+    that take the write lock up front (``BEGIN IMMEDIATE``), so processes sharing the file
+    queue for it instead of failing."""
+    url = sa.make_url(db_url)
+    if url.get_backend_name() != "sqlite":
+        return sa.create_engine(url, pool_pre_ping=True)
+    engine = sa.create_engine(url, connect_args={"timeout": 60.0})
+
+    @sa.event.listens_for(engine, "connect")
+    def _configure(dbapi_conn: Any, _record: Any) -> None:
+        # We emit BEGIN ourselves (below): the driver's own comes too late, at the first
+        # write, which turns a read-then-write into a lock upgrade that can fail.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA busy_timeout = 60000")
+        cur.execute("PRAGMA journal_mode = WAL")
+        # NORMAL in WAL mode survives a process crash; a power cut may lose the last
+        # commits, which idempotent prompt_ids make cheap to redo.
+        cur.execute("PRAGMA synchronous = NORMAL")
+        cur.execute("PRAGMA foreign_keys = ON")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _begin(conn: sa.Connection) -> None:
+        read_only = conn.get_execution_options().get(READ_ONLY)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+def create_tables(engine: sa.Engine) -> None:
+    """Create missing tables and indexes; safe when several processes start at once."""
+    with engine.begin() as conn:
+        if engine.dialect.name == "postgresql":
+            # create_all checks, then creates: serialise first starts (SQLite's
+            # BEGIN IMMEDIATE already does).
+            conn.execute(sa.text("SELECT pg_advisory_xact_lock(7202411)"))
+        metadata.create_all(conn)

@@ -1,0 +1,607 @@
+"""The worker service: takes jobs from a source (RabbitMQ, memory, a job file) and runs
+each exactly once through ``batch.run_one`` on one shared GPU pool.
+
+Per message, one outcome and one log line:
+
+- done (now, or before: nothing posted) -> ack;
+- dead-lettered by this run -> publish to ``<queue>.dead`` with ``x-worker-reason``, ack;
+- dead-lettered by an earlier delivery -> ack only (published then, not again);
+- not a valid job (bad JSON, bad id, ...) -> ``<queue>.dead`` with the validation error, ack;
+- still running when the shutdown grace ran out -> run cancelled (prompt interrupted and
+  removed, claim and server lease released), nack with requeue.
+
+An ack is sent only after the store holds the done record, so a worker killed at any
+moment leaves the message unacknowledged; its redelivery finds the done record, or the
+prompt in the server's history, and nothing runs twice.
+
+Shutdown (SIGTERM/SIGINT, or ``Worker.request_stop``): stop consuming, give running jobs
+``grace_s`` seconds, cancel the rest, requeue their messages, close, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections import Counter
+from collections.abc import Awaitable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar, cast
+
+from comfy_assets import broker
+from comfy_assets.batch import BatchConfig, new_owner, run_one
+from comfy_assets.comfy.pool import Pool
+from comfy_assets.comfy.servers import ServerSpec, parse_servers
+from comfy_assets.commands import add_batch_options, batch_config
+from comfy_assets.jobfile import JobFileError, load_job_file
+from comfy_assets.sources import (
+    Delivery,
+    FileSource,
+    JobSource,
+    RabbitSource,
+    parse_message,
+)
+from comfy_assets.states import DONE, FAILED_FATAL
+from comfy_assets.store import PartitionConflict, Store
+
+log = logging.getLogger("comfy_assets.worker")
+T = TypeVar("T")
+
+# Outcome counters (Worker.counts): "acked" counts every ack; the others say why.
+OUTCOMES = ("acked", "done", "done_before", "dead_lettered", "dead_before", "invalid", "requeued")
+
+
+class _DeadLetterWatch:
+    """The store as one ``run_one`` call sees it, noting the jobs that call dead-lettered.
+
+    ``Store.dead_letter`` succeeds only for the holder of the job's claim and only from a
+    state that is not yet failed_fatal, in one transaction: so exactly one run ever writes
+    a job's dead letter, and only that run's message is published to ``<queue>.dead``.
+    A duplicate delivery finds failed_fatal already (its claim answers DEAD_LETTERED), so
+    its ``run_one`` writes nothing and the worker acks without publishing again.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.dead_lettered: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def dead_letter(self, job_id: str, owner: str, reason: str, **kwargs: Any) -> None:
+        self._store.dead_letter(job_id, owner, reason, **kwargs)
+        self.dead_lettered.add(job_id)  # only once the row is written
+
+
+class Worker:
+    """Consumes ``source`` and runs its jobs over ``servers``, at most one per server.
+
+    ``store``: the result store (shared by every worker using the same servers).
+    ``config``: retries, deadlines, leases (seconds). ``grace_s``: seconds running jobs
+    get after a stop request before they are cancelled and requeued. ``workflows_dir``:
+    where relative ``workflow`` paths of messages are resolved. ``health_file``: touched
+    every ``heartbeat_s`` seconds while the worker runs (liveness), removed at exit.
+
+    ``run()`` returns when the source has no more jobs and every job has finished, or
+    after a stop request; ``counts`` then says what happened to each message (OUTCOMES).
+    """
+
+    def __init__(
+        self,
+        source: JobSource,
+        *,
+        servers: Sequence[ServerSpec],
+        store: Store,
+        config: BatchConfig,
+        grace_s: float = 60.0,
+        workflows_dir: Path = Path("."),
+        health_file: Path | None = None,
+        heartbeat_s: float = 5.0,
+        owner: str | None = None,
+    ) -> None:
+        if not servers:
+            raise ValueError("a worker needs at least one server")
+        self.source = source
+        self.servers = list(servers)
+        self.store = store
+        self.config = config
+        self.grace_s = grace_s
+        self.workflows_dir = Path(workflows_dir)
+        self.health_file = health_file
+        self.heartbeat_s = heartbeat_s
+        self.owner = owner or new_owner()
+        self.partition = source.partition
+        self.counts: Counter[str] = Counter({name: 0 for name in OUTCOMES})
+        self.consuming = asyncio.Event()  # set while messages are being taken
+        self.stop_reason: str | None = None
+        self._stop = asyncio.Event()
+        self._stop_at = 0.0
+        self._failure: BaseException | None = None
+        self._handlers: set[asyncio.Task[None]] = set()
+        self._runs: dict[asyncio.Task[Any], asyncio.Task[str]] = {}  # handler -> its run
+        self._slots = asyncio.Semaphore(len(self.servers))
+        self._run_number = 0
+
+    # -- control --------------------------------------------------------------------
+
+    def request_stop(self, reason: str = "stop requested") -> None:
+        """Stop taking messages; running jobs get ``grace_s`` seconds from the first
+        request. Later requests change nothing (the promised grace stands) and are
+        logged. Safe to call from a signal handler installed with
+        ``loop.add_signal_handler``."""
+        now = asyncio.get_running_loop().time()
+        if not self._stop.is_set():
+            self.stop_reason = reason
+            self._stop_at = now
+            self._stop.set()
+            running = len(self._runs)
+            log.info(
+                "%s: stopping; no new messages, %d running job%s get up to %g s",
+                reason,
+                running,
+                "" if running == 1 else "s",
+                self.grace_s,
+            )
+            return
+        left = max(0.0, self._stop_at + self.grace_s - now)
+        log.warning(
+            "%s: second signal received; still waiting up to %.0f s for running jobs",
+            reason,
+            left,
+        )
+
+    def _fail(self, exc: BaseException) -> None:
+        """Stop the worker because of ``exc``; ``run()`` raises it after the shutdown."""
+        if self._failure is None:
+            self._failure = exc
+        if not self._stop.is_set():  # a later error is logged where it happened
+            self.request_stop(f"error: {exc}")
+
+    def _lost(self, why: str) -> None:
+        self._fail(broker.BrokerError(why))
+
+    # -- the service ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Consume until the source is exhausted (then wait for every job) or a stop is
+        requested (then the grace rule). Raises what stopped the worker, if something
+        failed: ``broker.BrokerError`` (connection lost, refused declaration or
+        publication) or the exception of a message's handling, after the shutdown."""
+        pool = Pool(
+            self.servers,
+            self.store,
+            owner=self.owner,
+            lease_s=self.config.server_lease_s,
+            probe_timeout_s=self.config.probe_timeout_s,
+            max_queue=self.config.max_queue,
+            unhealthy_wait_s=self.config.unhealthy_wait_s,
+        )
+        heartbeat: asyncio.Task[None] | None = None
+        health_file = self.health_file
+        async with pool:
+            await self.source.open(len(self.servers), self._lost)
+            try:
+                if health_file is not None:
+                    health_file.touch()  # fail now, not in the background
+                    heartbeat = asyncio.create_task(self._heartbeat(health_file), name="heartbeat")
+                    heartbeat.add_done_callback(self._background_done)
+                self.consuming.set()
+                log.info(
+                    "worker %s: taking jobs of %s with %d server%s (%s)",
+                    self.owner,
+                    self.partition,
+                    len(self.servers),
+                    "" if len(self.servers) == 1 else "s",
+                    ", ".join(s.name for s in self.servers),
+                )
+                try:
+                    await self._consume(pool)
+                    self.consuming.clear()
+                    await self.source.stop_taking()
+                except Exception as e:
+                    # Running jobs still get their grace; run() raises this at the end.
+                    log.error("worker: taking messages failed: %r", e, exc_info=e)
+                    self._fail(e)
+                await self._drain()
+            finally:
+                self.consuming.clear()
+                await self._cancel_all()
+                if heartbeat is not None and health_file is not None:
+                    heartbeat.cancel()
+                    await asyncio.wait({heartbeat})
+                    health_file.unlink(missing_ok=True)
+                await self.source.close()
+        c = self.counts
+        log.info(
+            "worker %s: %d acked (%d done, %d done before, %d dead-lettered, %d dead before, "
+            "%d invalid), %d requeued",
+            self.owner,
+            c["acked"],
+            c["done"],
+            c["done_before"],
+            c["dead_lettered"],
+            c["dead_before"],
+            c["invalid"],
+            c["requeued"],
+        )
+        if self._failure is not None:
+            raise self._failure
+
+    async def _consume(self, pool: Pool) -> None:
+        """Take one message per free server until stopped or the source is exhausted."""
+        while not self._stop.is_set():
+            got, _ = await self._unless_stopped(self._slots.acquire())
+            if not got:
+                return
+            got, delivery = await self._unless_stopped(self.source.next())
+            if delivery is None:
+                self._slots.release()
+                if got and not self._stop.is_set():
+                    log.info("%s: no more jobs", self.partition)
+                return
+            if self._stop.is_set():
+                # Both finished at once: this one arrived after the stop request.
+                self._slots.release()
+                await delivery.requeue()
+                self.counts["requeued"] += 1
+                return
+            task = asyncio.create_task(self._handle(delivery, pool))
+            self._handlers.add(task)
+            task.add_done_callback(self._handler_done)
+
+    async def _unless_stopped(self, aw: Awaitable[T]) -> tuple[bool, T | None]:
+        """Await ``aw`` unless a stop is requested first: (True, result) or (False, None)."""
+        task = asyncio.ensure_future(aw)
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+            if not task.done():
+                task.cancel()
+            await asyncio.wait({task, stop})
+        if task.cancelled():
+            return False, None
+        return True, task.result()
+
+    async def _drain(self) -> None:
+        """Wait for running jobs: all of them if the source just ran out; after a stop
+        request, until ``grace_s`` after it, then cancel the rest (their handlers
+        requeue the messages) and wait for their cleanup."""
+        if self._handlers and not self._stop.is_set():
+            await self._unless_stopped(asyncio.wait(set(self._handlers)))
+        if not self._handlers:
+            return
+        loop = asyncio.get_running_loop()
+        left = self._stop_at + self.grace_s - loop.time()
+        if left > 0:
+            log.info("waiting up to %.0f s for %d running jobs", left, len(self._handlers))
+            await asyncio.wait(set(self._handlers), timeout=left)
+        late = [h for h in self._handlers if not h.done()]
+        if late:
+            log.warning(
+                "grace of %g s is over: cancelling %d running job%s (prompts interrupted, "
+                "messages requeued)",
+                self.grace_s,
+                len(late),
+                "" if len(late) == 1 else "s",
+            )
+            for handler in late:
+                run = self._runs.get(handler)
+                if run is not None:
+                    run.cancel()
+            await asyncio.wait(late)
+
+    async def _cancel_all(self) -> None:
+        """Cancel every handler still there (only when ``run`` itself is interrupted or
+        failed) and wait for their cleanup."""
+        left = [h for h in self._handlers if not h.done()]
+        for handler in left:
+            handler.cancel()
+        if left:
+            await asyncio.wait(left)
+
+    def _handler_done(self, task: asyncio.Task[None]) -> None:
+        self._handlers.discard(task)
+        self._slots.release()
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error("worker: a message's handling failed: %r", exc, exc_info=exc)
+            self._fail(exc)
+
+    def _background_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            exc = cast(BaseException, task.exception())
+            log.error("worker: %s failed: %r", task.get_name(), exc, exc_info=exc)
+            self._fail(exc)
+
+    async def _heartbeat(self, path: Path) -> None:
+        """Touch ``path`` every ``heartbeat_s`` seconds: proof the event loop turns."""
+        while True:
+            path.touch()
+            await asyncio.sleep(self.heartbeat_s)
+
+    # -- one message ----------------------------------------------------------------
+
+    async def _handle(self, d: Delivery, pool: Pool) -> None:
+        """Run one delivery's job and answer the delivery (see the module docstring)."""
+        label = f"message {d.message_id or '(no message_id)'}"
+        job = d.job
+        if job is None:
+            try:
+                job = parse_message(
+                    d.body, workflows_dir=self.workflows_dir, source=f"{self.partition} {label}"
+                )
+            except JobFileError as e:
+                await self._invalid(d, label, "; ".join(str(x) for x in e.errors))
+                return
+        before = self.store.get(job.id)
+        watch = _DeadLetterWatch(self.store)
+        # A claim owner per run: two deliveries of one job in this worker must not both
+        # hold its claim (the second one waits for the first, as another worker would).
+        self._run_number += 1
+        claim_owner = f"{self.owner}#{self._run_number}"
+        me = asyncio.current_task()
+        assert me is not None
+        run = asyncio.create_task(
+            run_one(
+                job,
+                partition=self.partition,
+                pool=pool,
+                store=cast(Store, watch),
+                config=self.config,
+                owner=claim_owner,
+            ),
+            name=f"job {job.id}",
+        )
+        self._runs[me] = run
+        try:
+            state = await run
+        except asyncio.CancelledError:
+            # The run was cancelled (grace over) and has cleaned up; or this handler is.
+            await d.requeue()
+            self.counts["requeued"] += 1
+            log.warning("job %s: cancelled before it finished; message requeued", job.id)
+            if me.cancelling():
+                raise
+            return
+        except PartitionConflict as e:
+            await self._invalid(d, f"job {job.id}", str(e))
+            return
+        finally:
+            self._runs.pop(me, None)
+
+        if state in DONE:
+            await self._ack(d)
+            if before is not None and before.done:
+                self.counts["done_before"] += 1
+                log.info("job %s: done before (%s), nothing posted; message acked", job.id, state)
+            else:
+                self.counts["done"] += 1
+                log.info("job %s: %s; message acked", job.id, state)
+            return
+        if state == FAILED_FATAL:
+            rec = self.store.get(job.id)
+            reason = (rec.reason if rec is not None else None) or "(no reason recorded)"
+            if job.id in watch.dead_lettered:
+                await d.dead_letter(reason)
+                await self._ack(d)
+                self.counts["dead_lettered"] += 1
+                log.warning(
+                    "job %s: dead-lettered to %s, %s; message acked",
+                    job.id,
+                    self.source.dead_destination,
+                    reason,
+                )
+            else:
+                await self._ack(d)
+                self.counts["dead_before"] += 1
+                log.info(
+                    "job %s: dead-lettered earlier (%s); message acked, not published again",
+                    job.id,
+                    reason,
+                )
+            return
+        await d.requeue()
+        self.counts["requeued"] += 1
+        raise RuntimeError(
+            f"job {job.id}: run_one ended in state {state!r}, neither done nor "
+            "dead-lettered; message requeued"
+        )
+
+    async def _invalid(self, d: Delivery, label: str, error: str) -> None:
+        reason = f"invalid job: {error}"
+        await d.dead_letter(reason)
+        await self._ack(d)
+        self.counts["invalid"] += 1
+        log.warning(
+            "%s: dead-lettered to %s, %s; message acked",
+            label,
+            self.source.dead_destination,
+            reason,
+        )
+
+    async def _ack(self, d: Delivery) -> None:
+        await d.ack()
+        self.counts["acked"] += 1
+
+
+# --- enqueue -------------------------------------------------------------------------
+
+
+def job_lines(path: Path) -> list[tuple[str, bytes]]:
+    """Validate the job file at ``path`` and return ``(job_id, line)`` per job, in file
+    order: the line exactly as written (stripped), to become a message body. Raises
+    ``JobFileError`` listing every problem; nothing is returned for a partly valid file.
+    """
+    job_file = load_job_file(path)
+    # Same decoding and line split as load_job_file, so Job.line numbers match.
+    text = Path(path).read_bytes().decode("utf-8-sig")
+    lines = text.split("\n")
+    return [(job.id, lines[job.line - 1].strip().encode()) for job in job_file.jobs]
+
+
+def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``enqueue``: ``--rabbitmq URL --queue NAME --jobs FILE``."""
+    p = subparsers.add_parser(
+        "enqueue", help="validate a job file and publish its jobs to a RabbitMQ queue"
+    )
+    p.add_argument("--rabbitmq", required=True, metavar="URL", help="amqp://user:pass@host:5672/")
+    p.add_argument("--queue", required=True, help="job queue (quorum); dead letters: QUEUE.dead")
+    p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
+    p.set_defaults(func=enqueue_command)
+
+
+def enqueue_command(args: argparse.Namespace) -> int:
+    """Publish every job of ``args.jobs`` to ``args.queue`` with confirms; print
+    ``enqueued N jobs to NAME``. Exit 0; 2 for an invalid file (every error printed,
+    nothing published); 1 when RabbitMQ fails."""
+    try:
+        jobs = job_lines(args.jobs)
+    except JobFileError as e:
+        print(f"error: {args.jobs}: {len(e.errors)} problem(s), nothing enqueued", file=sys.stderr)
+        for err in e.errors:
+            print(f"  {err}", file=sys.stderr)
+        return 2
+    try:
+        count = asyncio.run(broker.enqueue(args.rabbitmq, args.queue, jobs))
+    except broker.BrokerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"enqueued {count} jobs to {args.queue}", flush=True)
+    return 0
+
+
+# --- worker --------------------------------------------------------------------------
+
+
+def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``worker``: a RabbitMQ queue (``--rabbitmq --queue``) or a job file
+    (``--jobs``) over ``--server``s, with the retry knobs of ``run``."""
+    p = subparsers.add_parser("worker", help="run jobs from a RabbitMQ queue (or a job file)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--rabbitmq", metavar="URL", help="amqp://user:pass@host:5672/")
+    src.add_argument("--jobs", type=Path, help="a job file instead of a queue")
+    p.add_argument("--queue", help="job queue (with --rabbitmq); dead letters: QUEUE.dead")
+    p.add_argument(
+        "--server",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="gpu0=http://host:port (repeat)",
+    )
+    p.add_argument("--store", type=Path, required=True, help="result store folder")
+    p.add_argument("--db-url", default=None, help="PostgreSQL URL (default: SQLite in --store)")
+    p.add_argument(
+        "--partition", default=None, help="store partition (default: the queue name or file stem)"
+    )
+    p.add_argument(
+        "--grace-s",
+        type=float,
+        default=60.0,
+        help="running jobs' time to finish at shutdown (60 s)",
+    )
+    p.add_argument(
+        "--workflows-dir", type=Path, default=Path("."), help="base of relative workflow paths (.)"
+    )
+    p.add_argument(
+        "--health-file", type=Path, default=None, help="touched every --heartbeat-s while alive"
+    )
+    p.add_argument("--heartbeat-s", type=float, default=5.0, help="health file interval (5 s)")
+    p.add_argument("--policy", choices=["delivery", "draft"], default=None)
+    add_batch_options(p)
+    p.set_defaults(func=worker_command)
+
+
+def _configure_logging() -> None:
+    # A service logs to stderr with times; an application that configured logging keeps it.
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO,
+            stream=sys.stderr,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        )
+        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns ours
+
+
+def worker_command(args: argparse.Namespace) -> int:
+    """Run the worker until SIGTERM/SIGINT (a queue) or the end of the file (``--jobs``).
+
+    Exit 0 after a graceful stop or a file whose jobs are all done; 1 when a file's job
+    was dead-lettered, RabbitMQ failed or was lost, or a message's handling failed;
+    2 for bad arguments or an invalid job file.
+    """
+    _configure_logging()
+    try:
+        servers = parse_servers(args.server)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    source: JobSource
+    if args.jobs is not None:
+        try:
+            source = FileSource(load_job_file(args.jobs), partition=args.partition)
+        except JobFileError as e:
+            print(f"error: {args.jobs}:\n{e}", file=sys.stderr)
+            return 2
+    else:
+        if not args.queue:
+            print("error: --rabbitmq needs --queue", file=sys.stderr)
+            return 2
+        source = RabbitSource(args.rabbitmq, args.queue)
+        if args.partition:
+            source.partition = args.partition
+    worker = Worker(
+        source,
+        servers=servers,
+        store=Store(args.store, args.db_url),
+        config=batch_config(args),
+        grace_s=args.grace_s,
+        workflows_dir=args.workflows_dir,
+        health_file=args.health_file,
+        heartbeat_s=args.heartbeat_s,
+    )
+    try:
+        asyncio.run(_serve(worker))
+    except broker.BrokerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if worker.stop_reason is None and isinstance(source, FileSource):
+        dead = worker.counts["dead_lettered"] + worker.counts["dead_before"]
+        return 1 if dead else 0
+    return 0
+
+
+async def _serve(worker: Worker) -> None:
+    """``worker.run()`` with SIGTERM and SIGINT asking it to stop gracefully."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop, sig.name)
+    try:
+        await worker.run()
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m comfy_assets.worker {enqueue,worker} ...``."""
+    parser = argparse.ArgumentParser(prog="python -m comfy_assets.worker")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_enqueue_parser(sub)
+    add_worker_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m comfy_assets.worker``; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""`python -m fake_comfy --port P [--host H] [--script ok,500,hang] [--busy N]
+[--prompt-seconds S] [--output-dir D]`
+
+Prints `fake_comfy listening on http://HOST:PORT` (flushed) once it listens (port 0 picks
+a free port) and exits 0 on Ctrl+C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from fake_comfy.fake import FakeComfy
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m fake_comfy", description=__doc__)
+    parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--script", default="", help="comma-separated words, e.g. ok,500,hang")
+    parser.add_argument(
+        "--busy", type=int, default=0, help="prompts of another client queued first"
+    )
+    parser.add_argument("--prompt-seconds", type=float, default=0.01, help="seconds per node")
+    parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
+    parser.add_argument("--log-level", default="WARNING")
+    return parser.parse_args(argv)
+
+
+async def _serve(fake: FakeComfy, port: int, host: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with fake.serve(port=port, host=host) as url:
+        print(f"fake_comfy listening on {url}", flush=True)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the fake until SIGINT / SIGTERM; returns the exit status (0)."""
+    args = _parse(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(message)s"
+    )
+    words = [w for w in args.script.split(",") if w.strip()]
+    try:
+        fake = FakeComfy(
+            script=words,
+            prompt_seconds=args.prompt_seconds,
+            busy=args.busy,
+            output_dir=args.output_dir,
+        )
+    except ValueError as ex:
+        print(f"fake_comfy: {ex}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(fake, args.port, args.host))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Shared fixtures: the sample workflows, a SQLite store, a fresh PostgreSQL database."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import sqlalchemy as sa
+
+from comfy_assets.store import Store
+
+PG_SERVER_URL = os.environ.get(
+    "COMFY_ASSETS_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+)
+
+# The 4-node workflow of data/recorded/success.json, in API format.
+IMAGE_WORKFLOW: dict = {
+    "1": {
+        "class_type": "EmptyImage",
+        "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 3368652},
+    },
+    "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
+    "3": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "solid"}},
+    "4": {
+        "class_type": "SaveImage",
+        "inputs": {"images": ["2", 0], "filename_prefix": "inverted"},
+    },
+}
+
+# EmptyImage -> CreateVideo -> SaveVideo of data/recorded/video.json.
+VIDEO_WORKFLOW: dict = {
+    "1": {
+        "class_type": "EmptyImage",
+        "inputs": {"width": 128, "height": 72, "batch_size": 24, "color": 13382451},
+    },
+    "2": {"class_type": "CreateVideo", "inputs": {"images": ["1", 0], "fps": 24.0}},
+    "3": {
+        "class_type": "SaveVideo",
+        "inputs": {
+            "video": ["2", 0],
+            "filename_prefix": "video/shot",
+            "format": "mp4",
+            "codec": "h264",
+        },
+    },
+}
+
+
+@pytest.fixture
+def workflow_dir(tmp_path: Path) -> Path:
+    """``tmp_path`` holding ``image.json`` and ``video_shot.json`` (API format)."""
+    for name, workflow in (("image.json", IMAGE_WORKFLOW), ("video_shot.json", VIDEO_WORKFLOW)):
+        (tmp_path / name).write_text(json.dumps(workflow, indent=2))
+    return tmp_path
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """A SQLite store in ``tmp_path / "store"``."""
+    s = Store(tmp_path / "store")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """URL of a fresh PostgreSQL database for this session, dropped at the end.
+
+    Skips when the server is unreachable, unless the env var CI is set: then it fails.
+    """
+    server = sa.make_url(PG_SERVER_URL)
+    admin = sa.create_engine(
+        server, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
+    )
+    try:
+        with admin.connect() as conn:
+            conn.execute(sa.text("SELECT 1"))
+    except sa.exc.OperationalError as e:
+        admin.dispose()
+        message = f"PostgreSQL unreachable at {server.render_as_string()}: {e.orig}"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI is set, so PostgreSQL is required)")
+        pytest.skip(message)
+    name = f"comfy_assets_test_{uuid.uuid4().hex[:12]}"
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield server.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            # FORCE: a Store a failed test left open must not keep the database alive.
+            conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()

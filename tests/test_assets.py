@@ -1,0 +1,304 @@
+"""The assets against in-thread fake ComfyUI servers: renders, results CSV, checks, cancel."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import httpx
+import pandas as pd
+import pytest
+from dagster import (
+    DagsterInstance,
+    DagsterRunStatus,
+    ExecuteInProcessResult,
+    RunsFilter,
+    instance_for_test,
+    materialize,
+)
+
+from comfy_assets.assets import all_results, render_results, renders
+from comfy_assets.jobfile import load_job_file
+from comfy_assets.resources import ComfyPoolResource, ResultStoreResource, ServerConfig
+from comfy_assets.store import Store
+from fake_comfy import FakeComfy
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def jobs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    (tmp_path / "workflows").mkdir()
+    shutil.copy(REPO / "data/workflows/image.json", tmp_path / "workflows/image.json")
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    monkeypatch.setenv("COMFY_ASSETS_JOB_DIRS", str(folder))
+    return folder
+
+
+@pytest.fixture
+def instance() -> Iterator[DagsterInstance]:
+    with instance_for_test() as inst:
+        yield inst
+
+
+def write_job_file(folder: Path, name: str, colors: list[int]) -> Path:
+    """A job file of one image job per colour; job ids depend on the file name."""
+    lines = [
+        json.dumps(
+            {
+                "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"test-assets/{name}/{i}")),
+                "workflow": "../workflows/image.json",
+                "set": {"1.color": color, "1.width": 32 + 8 * i},
+            }
+        )
+        for i, color in enumerate(colors)
+    ]
+    path = folder / f"{name}.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@contextmanager
+def serving(*fakes: FakeComfy) -> Iterator[ComfyPoolResource]:
+    """Serve the fakes in threads; yield a pool resource over them with tiny delays."""
+    with ExitStack() as stack:
+        urls = [stack.enter_context(fake.serve_in_thread(port=0)) for fake in fakes]
+        yield ComfyPoolResource(
+            servers=[ServerConfig(name=f"gpu{i}", url=url) for i, url in enumerate(urls)],
+            base_delay_s=0.01,
+            max_delay_s=0.05,
+            jitter=False,
+            timeout_s=30.0,
+            poll_s=0.05,
+            unhealthy_wait_s=0.05,
+            probe_timeout_s=2.0,
+        )
+
+
+def render(
+    instance: DagsterInstance,
+    partition: str,
+    comfy: ComfyPoolResource,
+    store_dir: Path,
+    store: ResultStoreResource | None = None,
+) -> ExecuteInProcessResult:
+    if partition not in instance.get_dynamic_partitions("job_files"):
+        instance.add_dynamic_partitions("job_files", [partition])
+    return materialize(
+        [renders, render_results],
+        partition_key=partition,
+        instance=instance,
+        resources={
+            "comfy": comfy,
+            "result_store": store or ResultStoreResource(folder=str(store_dir)),
+        },
+        raise_on_error=False,
+    )
+
+
+def counts(fakes: list[FakeComfy], what: str) -> dict[str, int]:
+    """posted or executed per prompt_id, summed over the fakes."""
+    total: dict[str, int] = {}
+    for fake in fakes:
+        for prompt_id, entry in fake.stats["prompts"].items():
+            total[prompt_id] = total.get(prompt_id, 0) + entry[what]
+    return total
+
+
+def checks(result: ExecuteInProcessResult) -> dict[str, bool]:
+    return {e.check_name: e.passed for e in result.get_asset_check_evaluations()}
+
+
+def read_csv(store_dir: Path, partition: str) -> pd.DataFrame:
+    return pd.read_csv(store_dir / partition / "results.csv", dtype=str, keep_default_na=False)
+
+
+def test_a_four_job_file_renders_every_job_once_and_writes_its_rows(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    path = write_job_file(jobs_dir, "four", [0x110000, 0x002200, 0x000033, 0x444444])
+    job_file = load_job_file(path)
+    fakes = [FakeComfy(), FakeComfy()]
+
+    with serving(*fakes) as comfy:
+        result = render(instance, "four", comfy, tmp_path / "store")
+
+    assert result.success
+    prompt_ids = {job.prompt_id for job in job_file.jobs}
+    assert counts(fakes, "posted") == dict.fromkeys(prompt_ids, 1)
+    assert counts(fakes, "executed") == dict.fromkeys(prompt_ids, 1)
+    assert checks(result) == {"no_dead_letters": True, "all_jobs_done": True}
+
+    frame = read_csv(tmp_path / "store", "four")
+    assert frame["job_id"].tolist() == [job.id for job in job_file.jobs]
+    assert frame["1.color"].tolist() == [str(c) for c in (0x110000, 0x002200, 0x000033, 0x444444)]
+    assert frame["1.width"].tolist() == ["32", "40", "48", "56"]
+    assert set(frame["state"]) == {"succeeded"}
+    assert set(frame["server"]) <= {"gpu0", "gpu1"}
+    for cell in frame["files"]:
+        names = sorted(item.split(":")[0] for item in cell.split())
+        assert [n.split("_")[0] for n in names] == ["inverted", "solid"]
+
+    (renders_event,) = [
+        e for e in result.get_asset_materialization_events() if e.asset_key.path == ["renders"]
+    ]
+    metadata = renders_event.materialization.metadata
+    assert metadata["done"].value == 4
+    thumbnails = metadata["thumbnails"].value
+    assert thumbnails.count("data:image/png;base64,") == 4
+    assert len(thumbnails) < 8_000  # small enough for the event log
+
+
+def test_a_changed_file_rerenders_only_the_changed_job(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    colors = [0x010101, 0x020202, 0x030303, 0x040404]
+    path = write_job_file(jobs_dir, "batch", colors)
+    before = load_job_file(path)
+    fakes = [FakeComfy(), FakeComfy()]
+
+    with serving(*fakes) as comfy:
+        assert render(instance, "batch", comfy, tmp_path / "store").success
+        write_job_file(jobs_dir, "batch", [*colors[:2], 0xFF00FF, colors[3]])
+        after = load_job_file(path)
+        second = render(instance, "batch", comfy, tmp_path / "store")
+
+    assert second.success
+    changed = after.jobs[2].prompt_id
+    assert changed != before.jobs[2].prompt_id
+    expected = {job.prompt_id: 1 for job in before.jobs} | {changed: 1}
+    assert counts(fakes, "executed") == expected
+    assert counts(fakes, "posted") == expected
+    frame = read_csv(tmp_path / "store", "batch")
+    assert frame["1.color"].tolist()[2] == str(0xFF00FF)
+    assert set(frame["state"]) == {"succeeded"}
+
+
+def test_a_dead_letter_fails_its_check_but_keeps_the_csv_rows(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    path = write_job_file(jobs_dir, "mixed", [1, 2, 3, 4])
+    job_file = load_job_file(path)
+    fake = FakeComfy(script=["error"])  # the first prompt posted fails for good
+
+    with serving(fake) as comfy:
+        result = render(instance, "mixed", comfy, tmp_path / "store")
+
+    assert result.success  # the CSV step ran
+    assert checks(result) == {"no_dead_letters": False, "all_jobs_done": False}
+    frame = read_csv(tmp_path / "store", "mixed")
+    assert frame["job_id"].tolist() == [job.id for job in job_file.jobs]
+    dead = frame[frame["state"] == "failed_fatal"]
+    assert len(dead) == 1
+    assert "IndexError" in dead["reason"].iloc[0]
+    assert dead["files"].iloc[0] == ""
+    assert (frame["state"] == "succeeded").sum() == 3
+    # The dead letter ran once, and was not retried.
+    assert sorted(counts([fake], "executed").values()) == [1, 1, 1, 1]
+
+
+def test_all_results_gathers_every_partition_with_a_partition_column(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    write_job_file(jobs_dir, "one", [1, 2])
+    write_job_file(jobs_dir, "two", [3, 4, 5])
+    store = ResultStoreResource(folder=str(tmp_path / "store"))
+
+    with serving(FakeComfy()) as comfy:
+        assert render(instance, "one", comfy, tmp_path / "store").success
+        assert render(instance, "two", comfy, tmp_path / "store").success
+        result = materialize(
+            [renders, render_results, all_results],
+            selection=[all_results],
+            instance=instance,
+            resources={"comfy": comfy, "result_store": store},
+        )
+
+    assert result.success
+    frame = pd.read_csv(tmp_path / "store" / "all_results.csv", dtype=str)
+    assert frame["partition"].tolist() == ["one", "one", "two", "two", "two"]
+    assert frame.columns[0] == "partition"
+    assert set(frame["state"]) == {"succeeded"}
+
+
+def test_a_missing_job_file_fails_the_run_and_posts_nothing(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    fake = FakeComfy()
+
+    with serving(fake) as comfy:
+        result = render(instance, "gone", comfy, tmp_path / "store")
+
+    assert not result.success
+    (failure,) = result.get_step_failure_events()
+    assert "no job file for partition 'gone'" in str(
+        failure.step_failure_data.user_failure_data.description
+    )
+    assert fake.stats["prompts"] == {}
+
+
+class InterruptOnFirstRender(ResultStoreResource):
+    """A store that cancels the run as the UI does once the first prompt renders.
+
+    The UI marks the run CANCELING and the run worker gets a signal, which Dagster raises
+    in the main thread as DagsterExecutionInterruptedError; ``interrupt_main`` delivers the
+    same signal to the main thread from wherever the hook runs.
+    """
+
+    def open(self) -> Store:
+        return _InterruptingStore(self.root)
+
+
+class _InterruptingStore(Store):
+    instance: DagsterInstance | None = None
+    fired = threading.Event()
+
+    def transition(self, job_id: str, to_state: str, **kwargs: object) -> object:
+        result = super().transition(job_id, to_state, **kwargs)
+        if str(to_state) == "rendering" and not self.fired.is_set():
+            self.fired.set()
+            assert self.instance is not None
+            (run,) = self.instance.get_runs(filters=RunsFilter(statuses=[DagsterRunStatus.STARTED]))
+            self.instance.report_run_canceling(run)
+            _thread.interrupt_main()
+        return result
+
+
+def test_a_cancelled_run_leaves_no_prompt_of_ours_on_the_servers(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    path = write_job_file(jobs_dir, "long", [1, 2, 3, 4])
+    job_file = load_job_file(path)
+    fakes = [FakeComfy(script=["hang"]), FakeComfy(script=["hang"])]
+    _InterruptingStore.instance = instance
+    _InterruptingStore.fired = threading.Event()
+
+    with serving(*fakes) as comfy:
+        result = render(
+            instance,
+            "long",
+            comfy,
+            tmp_path / "store",
+            InterruptOnFirstRender(folder=str(tmp_path / "store")),
+        )
+        queues = [httpx.get(f"{url}/queue").json() for url in (s.url for s in comfy.server_specs())]
+
+    assert _InterruptingStore.fired.is_set()
+    assert result.dagster_run.status == DagsterRunStatus.CANCELED
+    ours = {job.prompt_id for job in job_file.jobs}
+    for queue in queues:
+        listed = {entry[1] for entry in queue["queue_running"] + queue["queue_pending"]}
+        assert not listed & ours
+    runs = [run for fake in fakes for run in fake.stats["runs"]]
+    assert runs and all(run["outcome"] == "interrupted" for run in runs)
+    with Store(tmp_path / "store") as store:
+        records = store.jobs("long")
+    assert not [r for r in records if r.state in ("submitted", "rendering")]
+    assert not [r for r in records if r.claimed_by]

@@ -1,0 +1,108 @@
+"""The definitions load, and the deployment is configured by the environment alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from dagster import AssetCheckKey, AssetKey, DefaultSensorStatus
+
+from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.definitions import defs
+from comfy_assets.partitions import job_files_partitions
+from comfy_assets.resources import ComfyPoolResource, ServerConfig, default_resources
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_render_job_renders_and_tabulates_one_job_file() -> None:
+    job = defs.resolve_job_def("render_job")
+
+    assert job.partitions_def == job_files_partitions
+    assert job.tags["dagster/max_retries"] == "2"
+    graph = job.asset_layer.asset_graph
+    assert graph.executable_asset_keys == {AssetKey("renders"), AssetKey("render_results")}
+    assert graph.asset_check_keys == {
+        AssetCheckKey(AssetKey("renders"), "no_dead_letters"),
+        AssetCheckKey(AssetKey("renders"), "all_jobs_done"),
+    }
+
+
+def test_every_asset_and_the_sensor_are_defined() -> None:
+    assert set(defs.resolve_all_asset_keys()) == {
+        AssetKey("renders"),
+        AssetKey("render_results"),
+        AssetKey("all_results"),
+    }
+    sensor = defs.resolve_sensor_def("job_file_sensor")
+    assert sensor.default_status == DefaultSensorStatus.RUNNING
+    assert sensor.job_name == "render_job"
+    assert sensor.minimum_interval_seconds == 10
+
+
+def test_resources_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("COMFY_ASSETS_SERVERS", "a=http://10.0.0.1:8188,b=http://10.0.0.2:8188")
+    monkeypatch.setenv("COMFY_ASSETS_STORE", str(tmp_path))
+    monkeypatch.setenv("COMFY_ASSETS_DB_URL", "postgresql+psycopg://u@h/db")
+
+    resources = default_resources()
+    comfy = resources["comfy"].process_config_and_initialize()
+    store = resources["result_store"].process_config_and_initialize()
+
+    assert comfy.server_specs() == [
+        ServerSpec("a", "http://10.0.0.1:8188"),
+        ServerSpec("b", "http://10.0.0.2:8188"),
+    ]
+    assert store.folder == str(tmp_path)
+    assert store.db_url == "postgresql+psycopg://u@h/db"
+
+
+def test_defaults_without_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("COMFY_ASSETS_SERVERS", "COMFY_ASSETS_STORE", "COMFY_ASSETS_DB_URL"):
+        monkeypatch.delenv(name, raising=False)
+
+    resources = default_resources()
+    comfy = resources["comfy"].process_config_and_initialize()
+    store = resources["result_store"].process_config_and_initialize()
+
+    assert [s.url for s in comfy.server_specs()] == [
+        "http://127.0.0.1:8188",
+        "http://127.0.0.1:8189",
+    ]
+    assert (store.folder, store.db_url) == ("store", None)
+
+
+def test_a_server_list_overrides_the_spec_and_batch_settings_pass_through() -> None:
+    comfy = ComfyPoolResource(
+        servers=[ServerConfig(name="x", url="http://127.0.0.1:9")], attempts=2, max_queue=3
+    )
+
+    assert comfy.server_specs() == [ServerSpec("x", "http://127.0.0.1:9")]
+    config = comfy.batch_config()
+    assert (config.attempts, config.max_queue) == (2, 3)
+
+
+def test_workspace_and_dagster_home_template() -> None:
+    workspace = yaml.safe_load((REPO / "workspace.yaml").read_text())
+    module = workspace["load_from"][0]["python_module"]
+    assert module["module_name"] == "comfy_assets.definitions"
+
+    home = yaml.safe_load((REPO / "dagster_home/dagster.yaml").read_text())
+    assert home["run_retries"] == {
+        "enabled": True,
+        "max_retries": 2,
+        "retry_on_asset_or_op_failure": False,
+    }
+    assert home["run_monitoring"]["enabled"] is True
+    assert home["telemetry"]["enabled"] is False
+
+
+def test_dagster_home_template_is_a_valid_instance_config(tmp_path: Path) -> None:
+    from dagster import DagsterInstance
+
+    (tmp_path / "dagster.yaml").write_text((REPO / "dagster_home/dagster.yaml").read_text())
+    with DagsterInstance.from_config(str(tmp_path)) as instance:
+        assert instance.run_retries_enabled
+        assert instance.run_retries_max_retries == 2
+        assert instance.run_monitoring_enabled

@@ -1,0 +1,321 @@
+"""Job files: what is accepted, every error reported with file, line and field."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from comfy_assets.jobfile import (
+    NAMESPACE,
+    JobFileError,
+    LineError,
+    canonical_json,
+    job_from_dict,
+    load_job_file,
+)
+from tests.conftest import IMAGE_WORKFLOW, VIDEO_WORKFLOW
+
+ROOT = Path(__file__).resolve().parent.parent
+ID1 = "2f6a3c1e-5b7d-4e8f-9a0b-1c2d3e4f5a6b"
+ID2 = "7c8d9e0f-1a2b-4c3d-8e4f-5a6b7c8d9e0f"
+
+
+def write(folder: Path, *lines: dict | str, name: str = "jobs.jsonl") -> Path:
+    path = folder / name
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def errors_of(path: Path) -> list[LineError]:
+    with pytest.raises(JobFileError) as err:
+        load_job_file(path)
+    return err.value.errors
+
+
+def job(id_: str = ID1, **fields: object) -> dict:
+    return {"id": id_, "workflow": "image.json", **fields}
+
+
+def test_the_sample_workflow_files_are_the_recorded_ones():
+    for name, workflow in (("image.json", IMAGE_WORKFLOW), ("video_shot.json", VIDEO_WORKFLOW)):
+        assert json.loads((ROOT / "data" / "workflows" / name).read_text()) == workflow
+    recorded = json.loads((ROOT / "data" / "recorded" / "video.json").read_text())
+    posted = next(
+        x["request"]["body"]["prompt"]
+        for x in recorded["exchanges"]
+        if x["kind"] == "http" and x["label"] == "POST /prompt"
+    )
+    assert posted == VIDEO_WORKFLOW
+
+
+def test_a_good_file_resolves_set_into_a_copy_of_the_workflow(workflow_dir):
+    path = write(
+        workflow_dir,
+        job(set={"1.color": 255, "3.filename_prefix": "red"}, shot=2, duration_s=4),
+        "",
+        {"id": ID2, "workflow": "video_shot.json", "optional": True},
+    )
+    jf = load_job_file(path)
+    assert [j.id for j in jf.jobs] == [ID1, ID2]
+    first, second = jf.jobs
+    assert first.line == 1 and second.line == 3  # the blank line is skipped but counted
+    assert first.workflow["1"]["inputs"]["color"] == 255
+    assert first.workflow["3"]["inputs"]["filename_prefix"] == "red"
+    assert first.workflow["2"] == IMAGE_WORKFLOW["2"]
+    assert (first.shot, first.duration_s, first.optional) == (2, 4.0, False)
+    assert isinstance(first.duration_s, float)
+    assert (second.shot, second.duration_s, second.optional) == (None, None, True)
+    assert second.workflow == VIDEO_WORKFLOW
+    assert first.set == {"1.color": 255, "3.filename_prefix": "red"}
+    assert jf.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert (jf.policy, jf.header.duration_tolerance) == ("delivery", 0.1)
+    # The file on disk is untouched.
+    assert json.loads((workflow_dir / "image.json").read_text()) == IMAGE_WORKFLOW
+
+
+def test_prompt_id_is_uuid5_of_job_id_and_workflow_hash(workflow_dir):
+    jf = load_job_file(write(workflow_dir, job(set={"1.color": 7})))
+    j = jf.jobs[0]
+    expected_sha = hashlib.sha256(
+        json.dumps(j.workflow, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
+    assert j.workflow_sha256 == expected_sha
+    assert j.prompt_id == str(uuid.uuid5(NAMESPACE, f"{ID1}:{expected_sha}"))
+    assert j.prompt_id == j.prompt_id.lower()
+
+
+def test_same_inputs_give_the_same_prompt_id_and_a_changed_input_a_new_one(workflow_dir):
+    a = load_job_file(write(workflow_dir, job(set={"1.color": 7}), name="a.jsonl")).jobs[0]
+    again = load_job_file(write(workflow_dir, job(set={"1.color": 7}), name="b.jsonl")).jobs[0]
+    changed = load_job_file(write(workflow_dir, job(set={"1.color": 8}), name="c.jsonl")).jobs[0]
+    other_job = load_job_file(
+        write(workflow_dir, job(ID2, set={"1.color": 7}), name="d.jsonl")
+    ).jobs[0]
+    assert a.prompt_id == again.prompt_id
+    assert changed.prompt_id != a.prompt_id
+    assert other_job.prompt_id != a.prompt_id
+
+
+def test_an_edit_to_the_workflow_file_changes_the_prompt_id(workflow_dir):
+    path = write(workflow_dir, job())
+    before = load_job_file(path).jobs[0].prompt_id
+    edited = json.loads((workflow_dir / "image.json").read_text())
+    edited["4"]["inputs"]["filename_prefix"] = "negative"
+    (workflow_dir / "image.json").write_text(json.dumps(edited))
+    assert load_job_file(path).jobs[0].prompt_id != before
+
+
+def test_key_order_and_whitespace_of_the_workflow_do_not_change_the_prompt_id(workflow_dir):
+    path = write(workflow_dir, job())
+    before = load_job_file(path).jobs[0].prompt_id
+    reordered = {k: IMAGE_WORKFLOW[k] for k in reversed(list(IMAGE_WORKFLOW))}
+    (workflow_dir / "image.json").write_text(json.dumps(reordered, indent=7))
+    assert load_job_file(path).jobs[0].prompt_id == before
+
+
+def test_an_inline_workflow_is_accepted(tmp_path):
+    jf = load_job_file(write(tmp_path, {"id": ID1, "workflow": VIDEO_WORKFLOW}))
+    assert jf.jobs[0].workflow == VIDEO_WORKFLOW
+
+
+def test_a_header_sets_the_film_policy(workflow_dir):
+    path = write(
+        workflow_dir,
+        "",
+        {"header": {"policy": "draft", "duration_tolerance": 0.25}},
+        job(),
+    )
+    jf = load_job_file(path)
+    assert (jf.policy, jf.header.duration_tolerance) == ("draft", 0.25)
+    assert [j.line for j in jf.jobs] == [3]
+
+
+def test_models_are_the_sorted_unique_loader_inputs(tmp_path):
+    workflow = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sdxl.safetensors"}},
+        "2": {
+            "class_type": "LoraLoader",
+            "inputs": {"lora_name": "ink.safetensors", "model": ["1", 0], "strength": 1.0},
+        },
+        "3": {
+            "class_type": "DualCLIPLoader",
+            "inputs": {"clip_name1": "t5.safetensors", "clip_name2": "clip_l.safetensors"},
+        },
+        "4": {"class_type": "VAELoader", "inputs": {"vae_name": "ae.safetensors"}},
+        "5": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": "sdxl.safetensors"}},
+        "6": {"class_type": "CLIPTextEncode", "inputs": {"text": "a cat", "clip": ["3", 0]}},
+    }
+    (tmp_path / "wf.json").write_text(json.dumps(workflow))
+    line = {"id": ID1, "workflow": "wf.json", "set": {"2.lora_name": "paper.safetensors"}}
+    j = load_job_file(write(tmp_path, line)).jobs[0]
+    assert j.models == (
+        "ae.safetensors",
+        "clip_l.safetensors",
+        "paper.safetensors",
+        "sdxl.safetensors",
+        "t5.safetensors",
+    )
+
+
+def test_the_sample_workflows_load_no_models(workflow_dir):
+    jf = load_job_file(write(workflow_dir, job(), {"id": ID2, "workflow": "video_shot.json"}))
+    assert [j.models for j in jf.jobs] == [(), ()]
+
+
+@pytest.mark.parametrize(
+    "line, field, message",
+    [
+        ("{not json", "json", "not JSON"),
+        ("[1, 2]", "json", "expected a JSON object, got an array"),
+        ({"workflow": "image.json"}, "id", "missing"),
+        (job(id_=7), "id", "expected a UUID string"),
+        (job(id_="job-1"), "id", "not a lowercase hyphenated UUID: 'job-1'"),
+        (job(id_="2f6a3c1e5b7d4e8f9a0b1c2d3e4f5a6b"), "id", "not a lowercase hyphenated UUID"),
+        (job(id_=ID1.upper()), "id", "UUID must be lowercase"),
+        ({"id": ID1}, "workflow", "missing"),
+        (job(workflow="nope.json"), "workflow", "workflow file not found"),
+        (job(workflow=3), "workflow", "expected a file path or an object"),
+        (job(workflow={"nodes": [], "links": []}), "workflow", "is a UI workflow"),
+        (job(workflow={"1": {"inputs": {}}}), "workflow", "node '1' has no class_type"),
+        (job(set={"color": 1}), "set.color", "expected '<node id>.<input name>'"),
+        (job(set={"9.color": 1}), "set.9.color", "unknown node '9' (workflow has 1, 2, 3, 4)"),
+        (job(set={"1.colour": 1}), "set.1.colour", "node '1' (EmptyImage) has no input 'colour'"),
+        (job(set={"1.color": ["2", 0]}), "set.1.color", "is a link"),
+        (job(set={"2.image": 5}), "set.2.image", "is linked to node '1'"),
+        (job(set=[1]), "set", "expected an object"),
+        (job(shot="3"), "shot", "expected an integer"),
+        (job(shot=True), "shot", "expected an integer"),
+        (job(shot=-1), "shot", "expected an integer >= 0"),
+        (job(duration_s=0), "duration_s", "expected a number of seconds > 0"),
+        (job(duration_s="4"), "duration_s", "expected a number of seconds > 0"),
+        (job(optional="yes"), "optional", "expected true or false"),
+        (job(worklfow="image.json"), "worklfow", "unknown field (did you mean 'workflow'?)"),
+        (f'{{"id": "{ID1}", "workflow": "image.json", "id": "{ID2}"}}', "id", "repeated"),
+    ],
+)
+def test_each_bad_line_names_file_line_and_field(workflow_dir, line, field, message):
+    path = write(workflow_dir, job(ID2), line)
+    errors = errors_of(path)
+    assert len(errors) == 1, errors
+    e = errors[0]
+    assert (e.path, e.line, e.field) == (str(path), 2, field)
+    assert message in e.message
+    assert str(e) == f"{path}:2: {field}: {e.message}"
+
+
+def test_a_ui_export_gets_the_export_api_hint(workflow_dir):
+    ui = {"last_node_id": 4, "nodes": [{"id": 1, "type": "EmptyImage"}], "links": []}
+    (workflow_dir / "ui.json").write_text(json.dumps(ui))
+    (e,) = errors_of(write(workflow_dir, job(workflow="ui.json")))
+    assert e.field == "workflow"
+    assert e.message.endswith("is a UI workflow, not API format (export it with 'Export (API)')")
+    assert "ui.json" in e.message
+
+
+def test_a_workflow_that_is_not_json_is_reported(workflow_dir):
+    (workflow_dir / "broken.json").write_text("{")
+    (e,) = errors_of(write(workflow_dir, job(workflow="broken.json")))
+    assert "broken.json is not JSON" in e.message
+
+
+def test_a_repeated_id_names_the_first_line(workflow_dir):
+    errors = errors_of(write(workflow_dir, job(), job(ID2), "", job()))
+    assert [(e.line, e.field) for e in errors] == [(4, "id")]
+    assert f"{ID1} repeated; first on line 1" in errors[0].message
+
+
+def test_every_error_of_every_line_is_listed_at_once(workflow_dir):
+    path = write(
+        workflow_dir,
+        job(id_="X", shot="1"),
+        job(ID2),
+        "{oops",
+        job(ID1, set={"1.nope": 1}, optional=1),
+    )
+    with pytest.raises(JobFileError) as err:
+        load_job_file(path)
+    got = [(e.line, e.field) for e in err.value.errors]
+    assert got == [(1, "id"), (1, "shot"), (3, "json"), (4, "optional"), (4, "set.1.nope")]
+    lines = str(err.value).splitlines()
+    assert len(lines) == 5
+    assert lines[0].startswith(f"{path}:1: id: ")
+    assert lines[2].startswith(f"{path}:3: json: not JSON")
+
+
+def test_a_header_that_is_not_first_is_an_error(workflow_dir):
+    (e,) = errors_of(write(workflow_dir, job(), {"header": {"policy": "draft"}}))
+    assert (e.line, e.field) == (2, "header")
+    assert "first non-blank line" in e.message
+
+
+@pytest.mark.parametrize(
+    "header, field",
+    [
+        ({"policy": "final"}, "header.policy"),
+        ({"duration_tolerance": "10%"}, "header.duration_tolerance"),
+        ({"duration_tolerance": 2}, "header.duration_tolerance"),
+        ({"polcy": "draft"}, "header.polcy"),
+    ],
+)
+def test_a_bad_header_is_an_error(workflow_dir, header, field):
+    (e,) = errors_of(write(workflow_dir, {"header": header}, job()))
+    assert (e.line, e.field) == (1, field)
+
+
+def test_a_missing_job_file_is_a_job_file_error(tmp_path):
+    (e,) = errors_of(tmp_path / "absent.jsonl")
+    assert (e.line, e.field) == (0, "file")
+    assert "cannot read" in e.message
+
+
+def test_an_empty_file_has_no_jobs(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    assert load_job_file(path).jobs == []
+
+
+def test_ten_thousand_jobs_share_one_workflow_file_read_once(workflow_dir, monkeypatch):
+    lines = [
+        job(str(uuid.UUID(int=i, version=4)), set={"1.color": i}, shot=i) for i in range(10_000)
+    ]
+    path = write(workflow_dir, *lines)
+    reads: list[str] = []
+    original = Path.read_text
+
+    def counting_read_text(self: Path, *args: object, **kwargs: object) -> str:
+        reads.append(self.name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counting_read_text)
+    jf = load_job_file(path)
+    assert len(jf.jobs) == 10_000
+    assert reads == ["image.json"]
+    assert len({j.prompt_id for j in jf.jobs}) == 10_000
+    # Each job owns its copy: changing one does not change another.
+    jf.jobs[0].workflow["1"]["inputs"]["width"] = 1
+    assert jf.jobs[1].workflow["1"]["inputs"]["width"] == 64
+
+
+def test_job_from_dict_validates_like_a_file_line(workflow_dir):
+    j = job_from_dict(job(set={"1.color": 9}), base_dir=workflow_dir, source="queue:jobs", line=5)
+    file_job = load_job_file(write(workflow_dir, job(set={"1.color": 9}))).jobs[0]
+    assert j.prompt_id == file_job.prompt_id
+    assert j.line == 5
+    with pytest.raises(JobFileError) as err:
+        job_from_dict(job(set={"1.colour": 9}), base_dir=workflow_dir, source="queue:jobs", line=5)
+    assert [(e.path, e.line, e.field) for e in err.value.errors] == [
+        ("queue:jobs", 5, "set.1.colour")
+    ]
+
+
+def test_job_from_dict_rejects_a_non_object(workflow_dir):
+    with pytest.raises(JobFileError, match="queue:1: job: expected a JSON object"):
+        job_from_dict("hello", base_dir=workflow_dir, source="queue", line=1)
+
+
+def test_canonical_json_is_sorted_and_compact():
+    assert canonical_json({"b": 1, "a": [1, {"d": 2, "c": 3}]}) == '{"a":[1,{"c":3,"d":2}],"b":1}'
