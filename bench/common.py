@@ -73,9 +73,18 @@ def utilization_and_gaps(runs: dict[str, list[dict]]) -> dict[str, float]:
         for a, b in zip(rs, rs[1:], strict=False)
     ]
     gaps.sort()
+    # Where a gap goes: our POST arriving after the previous end, then the fake starting.
+    post_gaps = sorted(
+        (b["posted"] - a["end"]) * 1000 for rs in done.values() for a, b in zip(rs, rs[1:], strict=False)
+    )
+    start_lags = sorted((r["start"] - r["posted"]) * 1000 for rs in done.values() for r in rs)
     return {
         "utilization": busy / (len(runs) * makespan),
         "makespan_s": makespan,
         "gap_ms_median": statistics.median(gaps) if gaps else 0.0,
         "gap_ms_p95": gaps[int(0.95 * (len(gaps) - 1))] if gaps else 0.0,
+        "first_start_spread_ms": (max(rs[0]["start"] for rs in done.values()) - min(starts)) * 1000,
+        "last_end_spread_ms": (max(ends) - min(rs[-1]["end"] for rs in done.values())) * 1000,
+        "post_after_end_ms_median": statistics.median(post_gaps) if post_gaps else 0.0,
+        "start_after_post_ms_median": statistics.median(start_lags) if start_lags else 0.0,
     }

@@ -1,12 +1,16 @@
-"""The Dagster assets: render a job file's partition, tabulate it, gather every table.
+"""The Dagster assets: render a job file's partition, tabulate it, gather every table,
+and cut a storyboard's shots into a film.
 
-Thin on purpose: the work is ``comfy_assets.batch.run_batch_sync`` and the table is
-``comfy_assets.results``; this module turns their answers into Dagster events.
+Thin on purpose: the work is ``comfy_assets.batch.run_batch_sync``, the table is
+``comfy_assets.results`` and the film is ``comfy_assets.films.build_film`` (fed by
+``comfy_assets.film_shots``); this module turns their answers into Dagster events.
 """
 
 import base64
 import io
-from collections.abc import Sequence
+import shutil
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from dagster import (
@@ -22,6 +26,15 @@ from dagster import (
 from PIL import Image
 
 from comfy_assets.batch import BatchSummary, run_batch_sync
+from comfy_assets.film_shots import (
+    bad_shot_lines,
+    film_cost_report,
+    film_path,
+    film_policy,
+    has_shots,
+    shots_from_store,
+)
+from comfy_assets.films import FilmResult, GateBlocked, GateResult, build_film
 from comfy_assets.jobfile import JobFile, JobFileError, load_job_file
 from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, job_files_partitions
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
@@ -42,6 +55,8 @@ THUMBNAIL_PX = 64
 # Thumbnails come from the first jobs only: a video batch has no PNG to find.
 THUMBNAIL_SCAN_JOBS = 20
 JOB_TABLE_ROWS = 50
+# The contact sheet shown in the UI is shrunk to fit this box: metadata lives in the event log.
+CONTACT_SHEET_PX = 480
 
 
 def _load_partition_file(partition: str) -> JobFile:
@@ -254,4 +269,169 @@ def all_results(
             "path": MetadataValue.path(str(path.resolve())),
             "preview": MetadataValue.md(markdown_table(frame)),
         }
+    )
+
+
+def _contact_sheet_md(path: Path) -> str:
+    """The contact sheet shrunk to CONTACT_SHEET_PX as a markdown image (base64 PNG)."""
+    with Image.open(path) as image:
+        image.thumbnail((CONTACT_SHEET_PX, CONTACT_SHEET_PX))
+        buffer = io.BytesIO()
+        image.convert("RGB").save(buffer, format="PNG", optimize=True)
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f"![contact sheet](data:image/png;base64,{data})"
+
+
+def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
+    """The ``gate`` check's result: passed or not, each missing or bad shot with why.
+
+    Dagster 1.13 records a check returned by a partitioned asset without its partition,
+    so the partition is in the metadata and the description."""
+    listing = "\n".join(f"- {line}" for line in bad_shot_lines(gate)) or "every shot ok"
+    return AssetCheckResult(
+        check_name="gate",
+        passed=gate.passed,
+        severity=AssetCheckSeverity.ERROR,
+        description=f"partition {partition}: {gate.describe()}",
+        metadata={
+            "partition": partition,
+            "policy": gate.mode,
+            "shots": len(gate.verdicts),
+            "blocked": MetadataValue.json(gate.blocked),
+            "degraded": MetadataValue.json(gate.degraded),
+            "bad_shots": MetadataValue.md(listing),
+        },
+    )
+
+
+def _film_metadata(
+    film: FilmResult, cost: dict[str, float | int | None] | None
+) -> dict[str, object]:
+    """The film materialization's metadata: the film, then the cost report as numbers."""
+    metadata: dict[str, object] = {
+        "path": MetadataValue.path(str(film.path.resolve())),
+        "duration_s": MetadataValue.float(float(film.duration_s)),
+        "shot_count": film.shot_count,
+        "degraded_shots": MetadataValue.json(film.degraded),
+        "placeholder_shots": MetadataValue.json(film.placeholders),
+        "policy": film.gate.mode,
+        "draft": film.draft,
+        "concat_mode": film.concat_mode,
+        "contact_sheet": MetadataValue.md(_contact_sheet_md(film.contact_sheet)),
+        "contact_sheet_path": MetadataValue.path(str(film.contact_sheet.resolve())),
+    }
+    if film.concat_reason:
+        metadata["concat_reason"] = film.concat_reason
+    for key, value in (cost or {}).items():
+        if value is None:  # a strategy that never finishes (every attempt failed)
+            metadata[key] = MetadataValue.null()
+        elif isinstance(value, int):
+            metadata[key] = MetadataValue.int(value)
+        else:
+            metadata[key] = MetadataValue.float(float(value))
+    return metadata
+
+
+@asset(
+    partitions_def=job_files_partitions,
+    deps=[renders],
+    check_specs=[
+        AssetCheckSpec(
+            "gate",
+            asset="films",
+            blocking=True,
+            description=(
+                "Every shot is done, decodes fully and lasts its duration_s; under draft a "
+                "failed or broken shot may be a slate. Evaluated before the film is written."
+            ),
+        )
+    ],
+    kinds={"video"},
+)
+def films(
+    context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
+) -> Iterator[AssetCheckResult | MaterializeResult]:
+    """The partition's shots concatenated in ``shot`` order: ``<store>/<partition>/film.mp4``
+    (and ``film.contact.png``), for a job file whose jobs have ``shot`` numbers.
+
+    **Policy.** "delivery" (every shot must be rendered, decode fully and last its
+    ``duration_s`` within ``duration_tolerance``) or "draft" (a failed, missing or broken
+    shot becomes a slate of its duration_s and the film is marked DRAFT). It is declared in
+    the job file's header line, ``{"header": {"policy": "draft", "duration_tolerance":
+    0.1}}`` (default delivery, 0.1), and the run config's ``comfy.policy``
+    (``ComfyPoolResource.policy``) wins over it, for the render and the film alike.
+
+    **Gate.** The blocking check ``gate`` judges every shot before anything is written.
+    When it blocks, its result (passed=False, severity ERROR) lists each missing or bad
+    shot and why, then the step fails with ``Failure(allow_retries=False)``: no film is
+    written, no materialization is recorded (an earlier film and its materialization stay
+    as they were), assets downstream of ``films`` do not run, and the run fails. Returning
+    the failed check with a MaterializeResult instead would record a materialization of a
+    film that does not exist (Dagster 1.13 records it, then fails the step). The shots'
+    own files are never touched. Rendering the missing shots (``comfy-assets requeue`` for
+    a dead letter, or a fixed job line) and materializing again renders only those.
+
+    **Metadata.** path, duration_s (probed from the written film), shot_count,
+    degraded_shots, placeholder_shots, policy, draft, concat_mode (and concat_reason),
+    a small contact sheet image, and the cost report of ``comfy_assets.cost`` over every
+    recorded attempt of the job file's jobs: gpu_seconds (= gpu_seconds_success + gpu_seconds_wasted on
+    failed attempts), failure_rate, expected_s_skip_failures,
+    expected_s_rerun_whole_batch and expected_s_tiered_retry (seconds). A job file
+    without shots materializes with ``status: no shots`` and no film.
+    """
+    partition = context.partition_key
+    job_file = _load_partition_file(partition)
+    if not has_shots(job_file):
+        context.log.info(f"{job_file.path}: no job has a shot number; no film")
+        yield MaterializeResult(
+            metadata={"status": "no shots"},
+            check_results=[
+                AssetCheckResult(
+                    check_name="gate",
+                    passed=True,
+                    description=f"partition {partition}: no shots, no film to gate",
+                    metadata={"partition": partition, "status": "no shots"},
+                )
+            ],
+        )
+        return
+    try:
+        policy = film_policy(job_file, comfy.policy)
+    except ValueError as exc:
+        raise Failure(description=f"comfy.policy: {exc}", allow_retries=False) from exc
+
+    store = result_store.open()
+    try:
+        shots = shots_from_store(store, partition, job_file)
+        cost = film_cost_report(store, job_file)
+    finally:
+        store.close()
+
+    out = film_path(result_store.root, partition)
+    # Stills and slates are only needed until the concat; build_film creates the folder
+    # only once the gate has passed.
+    work_dir = out.parent / f".film-work-{uuid.uuid4().hex[:8]}"
+    try:
+        film = build_film(shots, policy, out, work_dir=work_dir)
+    except GateBlocked as blocked:
+        for line in bad_shot_lines(blocked.result):
+            context.log.error(line)
+        yield MaterializeResult(check_results=[_gate_check(blocked.result, partition)])
+        return
+        raise Failure(
+            description=blocked.result.describe(),
+            metadata={"blocked": MetadataValue.json(blocked.result.blocked)},
+            allow_retries=False,
+        ) from blocked
+    finally:
+        if work_dir.exists():
+            shutil.rmtree(work_dir)
+
+    how = f"draft, slates for shots {film.placeholders}" if film.draft else policy.mode
+    context.log.info(
+        f"film {film.path}: {film.shot_count} shots, {film.duration_s:.3f} s ({how}), "
+        f"concat {film.concat_mode}"
+    )
+    yield MaterializeResult(
+        metadata=_film_metadata(film, cost), check_results=[_gate_check(film.gate, partition)]
     )

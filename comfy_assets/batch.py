@@ -159,7 +159,9 @@ class Batch:
         consumers: int | None = None,
     ) -> None:
         self.jobs = list(jobs)
-        self.consumers = consumers or len(pool.servers)
+        # Twice the servers: a server freed at execution_success (while its previous job
+        # still downloads) finds a consumer waiting for it instead of sitting idle.
+        self.consumers = consumers or 2 * len(pool.servers)
         self.partition = partition
         self.pool = pool
         self.store = store
@@ -422,6 +424,20 @@ class Batch:
                     log.error("job %s: claim lost to another worker", job_id)
 
 
+def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, owner: str) -> Pool:
+    """The pool of ``servers`` with the leases, probes and polls of ``config``."""
+    return Pool(
+        servers,
+        store,
+        owner=owner,
+        lease_s=config.server_lease_s,
+        probe_timeout_s=config.probe_timeout_s,
+        max_queue=config.max_queue,
+        unhealthy_wait_s=config.unhealthy_wait_s,
+        poll_s=config.poll_s,
+    )
+
+
 def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:
     """(stop_on_fatal, draft) for a job file: the run config wins over the file header.
 
@@ -450,16 +466,7 @@ async def run_batch(
     owner = owner or new_owner()
     store.register_jobs(partition, job_file.jobs)
     stop_on_fatal, draft = resolve_policy(job_file, config)
-    pool = Pool(
-        servers,
-        store,
-        owner=owner,
-        lease_s=config.server_lease_s,
-        probe_timeout_s=config.probe_timeout_s,
-        max_queue=config.max_queue,
-        unhealthy_wait_s=config.unhealthy_wait_s,
-    )
-    async with pool:
+    async with make_pool(servers, store, config, owner) as pool:
         batch = Batch(
             job_file.jobs,
             partition=partition,

@@ -1,15 +1,17 @@
 """The Dagster definitions of comfy-assets (``workspace.yaml``, ``[tool.dagster]``).
 
 Job files dropped into the watched folders become partitions of ``renders`` through
-``job_file_sensor``, which launches ``render_job`` (renders + render_results) once per
-file version. ``all_results`` gathers every partition's table; materialize it from the UI.
+``job_file_sensor``, which launches ``render_job`` (renders + render_results + films) once
+per file version. ``films`` cuts a storyboard's shots into ``film.mp4`` behind its blocking
+``gate`` check (a file without shots materializes as "no shots"). ``all_results`` gathers
+every partition's table; materialize it from the UI.
 """
 
 from __future__ import annotations
 
 from dagster import Definitions, define_asset_job
 
-from comfy_assets.assets import all_results, render_results, renders
+from comfy_assets.assets import all_results, films, render_results, renders
 from comfy_assets.resources import default_resources
 from comfy_assets.sensors import job_file_sensor
 
@@ -17,13 +19,16 @@ from comfy_assets.sensors import job_file_sensor
 # worker died; the batch itself retries each job with backoff.
 render_job = define_asset_job(
     "render_job",
-    selection=[renders, render_results],  # partitioned by job_files, like both assets
+    selection=[renders, render_results, films],  # all partitioned by job_files
     tags={"dagster/max_retries": "2"},
-    description="Render every job of one job file and write its results CSV.",
+    description=(
+        "Render every job of one job file, write its results CSV and, for a storyboard, "
+        "its film (refused by the gate when a shot is missing or bad, unless draft)."
+    ),
 )
 
 defs = Definitions(
-    assets=[renders, render_results, all_results],
+    assets=[renders, render_results, films, all_results],
     sensors=[job_file_sensor],
     jobs=[render_job],
     resources=default_resources(),

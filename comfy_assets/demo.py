@@ -361,8 +361,9 @@ def report_partition(
         materialization = film.asset_materialization
         if materialization is not None:
             metadata = dict(materialization.metadata)
-            path = _meta_value(metadata, "path") or _meta_value(metadata, "film")
-            say(f"  film: {path}")
+            path = _meta_value(metadata, "path")
+            # A job file without shots materializes with only a status ("no shots").
+            say(f"  film: {path}" if path else f"  film: none ({_meta_value(metadata, 'status')})")
     return problems
 
 

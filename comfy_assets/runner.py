@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,7 +33,7 @@ from comfy_assets.comfy.errors import (
     ServerError,
 )
 from comfy_assets.comfy.follow import PromptFollower
-from comfy_assets.comfy.pool import CLIENT_ID_PREFIX, Pool, Slot
+from comfy_assets.comfy.pool import Pool, Slot
 from comfy_assets.comfy.types import DownloadedFile, HistoryEntry
 from comfy_assets.jobfile import Job
 
@@ -72,11 +71,6 @@ class AttemptHooks:
 
     submitted: Callable[[str], None] = lambda server: None
     rendering: Callable[[str, int], None] = lambda server, number: None
-
-
-def new_client_id() -> str:
-    """A fresh client id, recognisable as ours in any server's /queue."""
-    return CLIENT_ID_PREFIX + uuid.uuid4().hex
 
 
 def entry_timings(entry: HistoryEntry) -> tuple[float | None, float | None]:
@@ -193,57 +187,62 @@ class Attempt:
             self.slot = None
         if self.slot is None:
             self.slot = await self.pool.acquire(only=name, allow_prompt=pid)
+        self.slot.prompt_id = pid
         self.hooks.submitted(name)
         self.hooks.rendering(name, found.number)
-        return await self._follow(self.slot, found.number, new_client_id(), posted=False)
+        return await self._follow(self.slot, found.number, posted=False)
 
     # -- post and follow -----------------------------------------------------------------
 
     async def _post_and_follow(self, slot: Slot) -> AttemptResult:
         client, name, pid = slot.client, slot.name, self.job.prompt_id
-        client_id = new_client_id()
         try:
-            async with PromptFollower(client, client_id, poll_s=self.poll_s) as follower:
-                self.hooks.submitted(name)
-                self.on_server = (client, name)
-                try:
-                    post = await client.post_prompt(
-                        self.job.workflow, prompt_id=pid, client_id=client_id
-                    )
-                except ComfyError as e:
-                    self.on_server = None
-                    slot.release()  # refused by the server: nothing of ours is queued there
-                    kind: Kind = "transient" if e.transient else "permanent"
-                    return self.result(
-                        kind, describe_error(e, "POST /prompt"), server=name, posted=True
-                    )
-                log.info("%s on %s: POST /prompt 200, number %s", self.label, name, post.number)
-                self.hooks.rendering(name, post.number)
-                if post.node_errors:
-                    reason = "POST /prompt 200 with node_errors, outputs dropped: " + ", ".join(
-                        f"node {n}" for n in sorted(post.node_errors)
-                    )
-                    await self._evict(slot, post.number)
-                    return self.result(
-                        "permanent", reason, server=name, number=post.number, posted=True
-                    )
-                return await self._wait(follower, slot, post.number, posted=True)
-        except ComfyError as e:  # the socket could not be opened: nothing was posted
+            # The server's socket is open before we post (events are not replayed).
+            follower = await self.pool.follower(name)
+        except ComfyError as e:  # nothing was posted
             slot.release()
             return self.result("transient", describe_error(e, "GET /ws"), server=name)
-
-    async def _follow(
-        self, slot: Slot, number: int, client_id: str, *, posted: bool
-    ) -> AttemptResult:
+        self.hooks.submitted(name)
+        self.on_server = (client, name)
+        slot.prompt_id = pid
         try:
-            async with PromptFollower(slot.client, client_id, poll_s=self.poll_s) as follower:
-                self.on_server = (slot.client, slot.name)
-                return await self._wait(follower, slot, number, posted=posted)
+            post = await client.post_prompt(
+                self.job.workflow, prompt_id=pid, client_id=follower.client_id
+            )
+        except (ServerError, PromptRejected) as e:
+            self.on_server = None
+            slot.release()  # answered 5xx/400: nothing of ours is queued there
+            kind: Kind = "transient" if e.transient else "permanent"
+            return self.result(kind, describe_error(e, "POST /prompt"), server=name, posted=True)
+        except ComfyError as e:
+            # Reset or timeout: the server may have queued it all the same. Make sure it
+            # is gone before the slot is freed (a retry's catch-up finds a success).
+            await self._evict(slot, number=-1)
+            self.on_server = None
+            kind = "transient" if e.transient else "permanent"
+            return self.result(kind, describe_error(e, "POST /prompt"), server=name, posted=True)
+        slot.posted()
+        log.info("%s on %s: POST /prompt 200, number %s", self.label, name, post.number)
+        self.hooks.rendering(name, post.number)
+        if post.node_errors:
+            reason = "POST /prompt 200 with node_errors, outputs dropped: " + ", ".join(
+                f"node {n}" for n in sorted(post.node_errors)
+            )
+            await self._evict(slot, post.number)
+            self.on_server = None
+            return self.result("permanent", reason, server=name, number=post.number, posted=True)
+        return await self._wait(follower, slot, post.number, posted=True)
+
+    async def _follow(self, slot: Slot, number: int, *, posted: bool) -> AttemptResult:
+        try:
+            follower = await self.pool.follower(slot.name)
         except ComfyError as e:
             slot.abandon()
             return self.result(
                 "transient", describe_error(e, "GET /ws"), server=slot.name, number=number
             )
+        self.on_server = (slot.client, slot.name)
+        return await self._wait(follower, slot, number, posted=posted)
 
     async def _wait(
         self, follower: PromptFollower, slot: Slot, number: int, *, posted: bool
@@ -284,6 +283,7 @@ class Attempt:
         self.on_server = None
         slot.release()  # already done by on_finished; idempotent
         if outcome.status == "success" and outcome.history is not None:
+            await self.pool.dispatch_idle()  # the freed GPU gets its next prompt first
             return await self._download(client, name, outcome.history, number=number, posted=posted)
         gpu, wait = entry_timings(outcome.history) if outcome.history else (None, None)
         common = dict(server=name, number=number, posted=posted, gpu_seconds=gpu, queue_wait_s=wait)

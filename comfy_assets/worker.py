@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from comfy_assets import broker
-from comfy_assets.batch import BatchConfig, new_owner, run_one
+from comfy_assets.batch import BatchConfig, make_pool, new_owner, run_one
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
 from comfy_assets.commands import add_batch_options, batch_config
@@ -169,15 +169,7 @@ class Worker:
         requested (then the grace rule). Raises what stopped the worker, if something
         failed: ``broker.BrokerError`` (connection lost, refused declaration or
         publication) or the exception of a message's handling, after the shutdown."""
-        pool = Pool(
-            self.servers,
-            self.store,
-            owner=self.owner,
-            lease_s=self.config.server_lease_s,
-            probe_timeout_s=self.config.probe_timeout_s,
-            max_queue=self.config.max_queue,
-            unhealthy_wait_s=self.config.unhealthy_wait_s,
-        )
+        pool = make_pool(self.servers, self.store, self.config, self.owner)
         heartbeat: asyncio.Task[None] | None = None
         health_file = self.health_file
         async with pool:

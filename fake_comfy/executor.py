@@ -14,7 +14,6 @@ every socket. `status` always goes to every socket.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -126,7 +125,8 @@ class Executor:
             fake.records.end(run, "lost")
             fake.notify()
             return
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, Exception):
+            # Stopped with the server (or a bug of the fake, re-raised): never finished.
             fake.records.end(run, "lost")
             fake.notify()
             raise
@@ -295,10 +295,12 @@ class Executor:
         self.fake.new_session()
 
     async def stop(self, task: asyncio.Task[None]) -> None:
-        """Cancels the worker `task` (a running prompt ends as `lost`) and late writes."""
+        """Cancels the worker `task` (a running prompt ends as `lost`) and late writes.
+
+        A crash of the task is not raised here: FakeComfy.serve raises it once the server
+        is shut down."""
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await asyncio.wait([task])
         self.cancel_late()
 
 

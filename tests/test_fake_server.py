@@ -58,7 +58,7 @@ def recorded_run(case: str, client: str) -> list[dict[str, Any]]:
 
 
 def scrub(value: Any) -> Any:
-    """Replaces what differs between runs (timestamps, numbers) by placeholders."""
+    """Replaces what differs between runs (timestamps) by placeholders."""
     if isinstance(value, dict):
         return {
             k: ("<t>" if k in ("timestamp", "create_time") else scrub(v)) for k, v in value.items()
@@ -782,3 +782,49 @@ def test_serve_in_thread_serves_sync_callers(tmp_path: Path) -> None:
     assert {"prompt_id", "client_id", "number", "posted", "start", "end", "outcome"} == set(
         stats["runs"][0]
     )
+
+
+async def test_preview_images_are_served_from_the_temp_folder(fake: FakeComfy) -> None:
+    prompt = workflows.single_image(width=8, height=6)
+    prompt["2"] = {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        await post(c, prompt, None, "pv")
+        await fake.wait_idle(WAIT_S)
+        (item,) = (await c.get("/history/pv")).json()["pv"]["outputs"]["2"]["images"]
+        got = await c.get("/view", params=item)
+        as_output = await c.get("/view", params={**item, "type": "output"})
+    assert item["type"] == "temp" and item["filename"].startswith("ComfyUI_temp_")
+    assert Image.open(io.BytesIO(got.content)).size == (8, 6)
+    assert as_output.status_code == 404
+    assert list(fake.output_dir.iterdir()) == []
+
+
+async def test_clearing_the_queue_drops_every_pending_prompt(tmp_path: Path) -> None:
+    fake = FakeComfy(script=["hang"], prompt_seconds=NODE_S, output_dir=tmp_path)
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        sock = await Socket.open(url, "me")
+        for pid in ("run", "p1", "p2"):
+            await post(c, workflows.blur_chain(), "me", pid)
+        await sock.until("executing", node="2", prompt_id="run")
+        assert (await c.post("/queue", json={"clear": True})).status_code == 200
+        assert (await c.get("/queue")).json()["queue_pending"] == []
+        await c.post("/interrupt")
+        await fake.wait_idle(WAIT_S)
+        await sock.until_done("run")
+        await sock.close()
+    assert [r["prompt_id"] for r in fake.stats["runs"]] == ["run"]
+
+
+async def test_a_bug_in_the_fake_is_raised_not_swallowed(
+    fake: FakeComfy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(class_type: str, inputs: dict[str, Any]) -> tuple[Any, ...]:
+        raise ZeroDivisionError("fake bug")
+
+    monkeypatch.setattr("fake_comfy.nodes.compute", broken)
+    with pytest.raises(RuntimeError, match="executor crashed"):
+        async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+            await post(c, workflows.single_image(), None, "x")
+            with pytest.raises(RuntimeError, match="executor crashed"):
+                await fake.wait_idle(WAIT_S)
+    assert [r["outcome"] for r in fake.stats["runs"]] == ["lost"]

@@ -103,6 +103,16 @@ class PromptFollower:
         return self._ws is not None
 
     @property
+    def failed(self) -> bool:
+        """True once the socket met a permanent error: open a new follower."""
+        return self._fatal is not None
+
+    async def close(self) -> None:
+        """Close the socket, without raising what it failed with (see ``failed``)."""
+        self._fatal_raised = True
+        await self.__aexit__(None, None, None)
+
+    @property
     def reconnects(self) -> int:
         """Socket reconnects since the follower opened."""
         return self._reconnects

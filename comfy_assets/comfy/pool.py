@@ -16,12 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import ComfyError
+from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.comfy.servers import ServerSpec
 
 log = logging.getLogger("comfy_assets.pool")
@@ -29,6 +32,11 @@ log = logging.getLogger("comfy_assets.pool")
 # Every client_id we send starts with this, so a probe of /queue can tell our prompts
 # from those of people using the web UI (the /queue item's extra_data carries client_id).
 CLIENT_ID_PREFIX = "comfy-assets-"
+
+
+def new_client_id() -> str:
+    """A fresh client id, recognisable as ours in any server's /queue."""
+    return CLIENT_ID_PREFIX + uuid.uuid4().hex
 
 
 class ServerLeaseStore(Protocol):
@@ -66,6 +74,8 @@ class Slot:
     models: tuple[str, ...] = ()
     queue_lengths: dict[str, int] = field(default_factory=dict)
     released: bool = False
+    prompt_id: str | None = None  # ours on the server, once posted (set by the runner)
+    dispatching: bool = True  # held but not yet posted: the GPU waits on us
 
     @property
     def name(self) -> str:
@@ -74,8 +84,15 @@ class Slot:
     def release(self) -> None:
         """Give the server back (call once the prompt has left it). Safe to call twice."""
         if not self.released:
+            self.posted()
             self.released = True
             self.pool._release(self)
+
+    def posted(self) -> None:
+        """Say that the prompt has been posted (or won't be): the dispatch is over."""
+        if self.dispatching:
+            self.dispatching = False
+            self.pool._dispatch_done()
 
     def abandon(self) -> None:
         """Stop renewing without releasing: the lease expires by itself.
@@ -84,6 +101,7 @@ class Slot:
         process may take it only after the lease time, never while our prompt may run.
         """
         if not self.released:
+            self.posted()
             self.released = True
             self.pool._abandon(self)
 
@@ -101,6 +119,8 @@ class Pool:
     ``max_queue``: a server whose foreign queue is at or above it is not a candidate.
     ``unhealthy_wait_s``: wait before re-probing when no server is healthy (5 s).
     ``busy_poll_s``: how often to look again when every server is held by another process.
+    ``stats_ttl_s``: how long a healthy ``/system_stats`` answer stands (``/queue`` is
+    asked at every probe). ``poll_s``: /history poll period of the servers' followers.
     """
 
     def __init__(
@@ -114,6 +134,8 @@ class Pool:
         max_queue: int | None = None,
         unhealthy_wait_s: float = 5.0,
         busy_poll_s: float = 0.05,
+        stats_ttl_s: float = 2.0,
+        poll_s: float = 1.0,
     ) -> None:
         if not servers:
             raise ValueError("a pool needs at least one server")
@@ -125,12 +147,32 @@ class Pool:
         self.max_queue = max_queue
         self.unhealthy_wait_s = unhealthy_wait_s
         self.busy_poll_s = busy_poll_s
+        self.stats_ttl_s = stats_ttl_s
+        self.poll_s = poll_s
+        # One socket per server, kept open across prompts: ours run one at a time per
+        # server, and a socket opened per prompt costs a handshake while the GPU waits.
+        self._followers: dict[str, PromptFollower] = {}
+        self._opening: dict[str, asyncio.Lock] = {}
         self.clients = {s.name: ComfyClient(s.url, name=s.name) for s in self.servers}
         self._held: dict[str, Slot] = {}
         self._changed = asyncio.Event()
         self._renewer: asyncio.Task[None] | None = None
         self._reported: dict[str, str] = {}  # last state reported per server (log once)
         self.last_model: dict[str, str | None] = {}
+        # Prompts of ours that have finished: ComfyUI still lists a prompt in /queue while
+        # it writes its history, so a probe right after execution_success sees it; it no
+        # longer occupies the GPU and must not keep the server from its next prompt.
+        self._finished: OrderedDict[str, None] = OrderedDict()
+        self._probing: dict[str, asyncio.Future[ServerProbe]] = {}
+        self._line = asyncio.Lock()
+        self._stats_at: dict[str, float] = {}  # loop time of each server's last /system_stats
+        self._freed_at: dict[str, float] = {}  # loop time our last prompt left each server
+        # Dispatches under way (a server held or about to be handed over, not yet posted
+        # to): downloads and bookkeeping wait for them, so an idle GPU comes first.
+        self._dispatching = 0
+        self._handoffs = 0
+        self._dispatch_idle = asyncio.Event()
+        self._dispatch_idle.set()
 
     async def __aenter__(self) -> Pool:
         for client in self.clients.values():
@@ -144,6 +186,9 @@ class Pool:
             await asyncio.gather(self._renewer, return_exceptions=True)
         for slot in list(self._held.values()):
             slot.release()
+        for follower in self._followers.values():
+            await follower.__aexit__(None, None, None)
+        self._followers.clear()
         for client in self.clients.values():
             await client.__aexit__(None, None, None)
 
@@ -151,20 +196,59 @@ class Pool:
         """The shared client of server ``name`` (for catch-up and downloads)."""
         return self.clients[name]
 
+    async def follower(self, name: str) -> PromptFollower:
+        """The open socket of server ``name`` (``/ws`` with a client_id of ours), opened
+        on first use and again after a fatal failure; it reconnects by itself after a
+        drop. Raises the client's typed errors when it cannot be opened."""
+        follower = self._followers.get(name)
+        if follower is not None and not follower.failed:
+            return follower
+        async with self._opening.setdefault(name, asyncio.Lock()):
+            follower = self._followers.get(name)
+            if follower is not None and not follower.failed:
+                return follower
+            if follower is not None:
+                del self._followers[name]
+                await follower.close()
+            follower = PromptFollower(self.clients[name], new_client_id(), poll_s=self.poll_s)
+            await follower.__aenter__()
+            self._followers[name] = follower
+            return follower
+
     def spec(self, name: str) -> ServerSpec | None:
         return next((s for s in self.servers if s.name == name), None)
 
     # -- choosing -----------------------------------------------------------------------
 
     async def probe(self, spec: ServerSpec) -> ServerProbe:
-        """Probe ``/system_stats`` and ``/queue`` of one server within ``probe_timeout_s``."""
+        """Probe ``/system_stats`` and ``/queue`` of one server within ``probe_timeout_s``.
+
+        Consumers waiting at the same moment share one probe per server."""
+        running = self._probing.get(spec.name)
+        if running is None:
+            running = asyncio.ensure_future(self._probe(spec))
+            self._probing[spec.name] = running
+            running.add_done_callback(lambda _: self._probing.pop(spec.name, None))
+        return await asyncio.shield(running)
+
+    async def _probe(self, spec: ServerSpec) -> ServerProbe:
         client = self.clients[spec.name]
+        loop = asyncio.get_running_loop()
+        # /system_stats says the server is up and which device it has; it changes slowly,
+        # so a recent healthy answer stands in for it. /queue is always asked afresh.
+        fresh = loop.time() - self._stats_at.get(spec.name, -1e9) < self.stats_ttl_s
         try:
             async with asyncio.timeout(self.probe_timeout_s):
-                _, queue = await asyncio.gather(client.system_stats(), client.queue())
+                if fresh:
+                    queue = await client.queue()
+                else:
+                    _, queue = await asyncio.gather(client.system_stats(), client.queue())
+                    self._stats_at[spec.name] = loop.time()
         except TimeoutError:
+            self._stats_at.pop(spec.name, None)
             return ServerProbe(spec.name, False, reason=f"no answer in {self.probe_timeout_s} s")
         except ComfyError as e:
+            self._stats_at.pop(spec.name, None)
             return ServerProbe(spec.name, False, reason=f"{type(e).__name__}: {e}")
         entries = [*queue.running, *queue.pending]
         ours = tuple(
@@ -189,6 +273,21 @@ class Pool:
         ``allow_prompt``: that prompt_id of ours may be on it.
         Raises ``NoServerAvailable`` when ``wait`` is false and nothing is free.
         """
+        if only is not None:  # catch-up of one prompt: not in line with the others
+            return await self._acquire_loop(prefer, models, only, allow_prompt, wait)
+        # Consumers line up: only the first looks (FIFO), so a release wakes one
+        # consumer, not a stampede of probes and lease reads.
+        async with self._line:
+            return await self._acquire_loop(prefer, models, only, allow_prompt, wait)
+
+    async def _acquire_loop(
+        self,
+        prefer: str | None,
+        models: Sequence[str],
+        only: str | None,
+        allow_prompt: str | None,
+        wait: bool,
+    ) -> Slot:
         while True:
             self._changed.clear()
             slot, all_unhealthy = await self._try_acquire(prefer, models, only, allow_prompt)
@@ -200,7 +299,8 @@ class Pool:
             try:
                 # A local release wakes us at once; other processes' releases are seen
                 # on the next look at the leases.
-                await asyncio.wait_for(self._changed.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._changed.wait()
             except TimeoutError:
                 pass
 
@@ -225,13 +325,17 @@ class Pool:
             free.append(spec)
         if not free:
             return None, False
+        if len(free) == 1 and self.max_queue is None and self._just_freed(free[0].name):
+            # Our own prompt has just left this server, the only free one: there is no
+            # choice to make, and a probe would only keep the GPU waiting.
+            return self._take(free[0], models, {}), False
         probes = await asyncio.gather(*(self.probe(s) for s in free))
         self._report(probes)
         candidates = []
         for order, (spec, p) in enumerate(zip(free, probes, strict=True)):
             if not p.healthy:
                 continue
-            if any(pid != allow_prompt for pid in p.ours):
+            if any(pid != allow_prompt and pid not in self._finished for pid in p.ours):
                 continue  # a prompt of ours is still there (a dead holder's): not free
             if self.max_queue is not None and p.foreign_queue >= self.max_queue:
                 continue
@@ -244,20 +348,35 @@ class Pool:
         candidates.sort(key=lambda c: c[0])
         lengths = {p.name: p.foreign_queue for p in probes if p.healthy}
         for _, spec, _p in candidates:
-            # Another consumer of this process may have taken it while we probed; the
-            # store can't tell (same owner), so check here, with no await in between.
-            if spec.name in self._held:
-                continue
-            if self.leases.acquire_server(spec.name, self.owner, self.lease_s):
-                slot = Slot(spec, self.clients[spec.name], self, tuple(models), lengths)
-                self._held[spec.name] = slot
-                log.debug(
-                    "scheduler: %s chosen, queue lengths %s",
-                    spec.name,
-                    ", ".join(f"{n} {q}" for n, q in lengths.items()),
-                )
+            slot = self._take(spec, models, lengths)
+            if slot is not None:
                 return slot, False
         return None, False
+
+    def _take(self, spec: ServerSpec, models: Sequence[str], lengths: dict[str, int]) -> Slot | None:
+        """Take the server lease of ``spec``; None if someone else has it."""
+        # Another consumer of this process may have taken it while we probed; the store
+        # can't tell (same owner), so check here, with no await in between.
+        if spec.name in self._held:
+            return None
+        if not self.leases.acquire_server(spec.name, self.owner, self.lease_s):
+            return None
+        slot = Slot(spec, self.clients[spec.name], self, tuple(models), lengths)
+        self._held[spec.name] = slot
+        if self._handoffs:
+            self._handoffs -= 1  # counted as a dispatch when it was freed
+        else:
+            self._dispatch_started()
+        log.debug(
+            "scheduler: %s chosen, queue lengths %s",
+            spec.name,
+            ", ".join(f"{n} {q}" for n, q in lengths.items()) or "not probed (just freed)",
+        )
+        return slot
+
+    def _just_freed(self, name: str) -> bool:
+        freed = self._freed_at.get(name)
+        return freed is not None and asyncio.get_running_loop().time() - freed < self.stats_ttl_s
 
     def _last_model(self, name: str, leases: dict) -> str | None:
         lease = leases.get(name)
@@ -279,8 +398,38 @@ class Pool:
 
     # -- holding ------------------------------------------------------------------------
 
+    def _dispatch_started(self) -> None:
+        self._dispatching += 1
+        self._dispatch_idle.clear()
+
+    def _dispatch_done(self) -> None:
+        self._dispatching = max(self._dispatching - 1, 0)
+        if self._dispatching == 0:
+            self._handoffs = 0
+            self._dispatch_idle.set()
+
+    async def dispatch_idle(self, max_wait_s: float = 0.25) -> None:
+        """Wait (at most ``max_wait_s`` seconds) until no server of ours waits for its
+        next prompt: a finished prompt's downloads come after the next one's POST."""
+        if self._dispatch_idle.is_set():
+            return
+        try:
+            async with asyncio.timeout(max_wait_s):
+                await self._dispatch_idle.wait()
+        except TimeoutError:
+            pass
+
     def _release(self, slot: Slot) -> None:
         self._held.pop(slot.name, None)
+        if slot.prompt_id is not None and self._line.locked():
+            # A consumer is in line for a server: this one is about to be dispatched.
+            self._handoffs += 1
+            self._dispatch_started()
+        if slot.prompt_id is not None:
+            self._freed_at[slot.name] = asyncio.get_running_loop().time()
+            self._finished[slot.prompt_id] = None
+            while len(self._finished) > 4096:
+                self._finished.popitem(last=False)
         model = slot.models[0] if slot.models else None
         if model is not None:
             self.last_model[slot.name] = model

@@ -1,0 +1,114 @@
+"""``comfy-assets film``: cut a storyboard already rendered into the store into a film,
+without Dagster, behind the same gate as the ``films`` asset.
+
+Register it in ``cli.COMMANDS`` as ``add_film_parser``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+from comfy_assets.film_shots import (
+    bad_shot_lines,
+    film_path,
+    film_policy,
+    has_shots,
+    shots_from_store,
+)
+from comfy_assets.films import FilmResult, GateBlocked, build_film
+from comfy_assets.jobfile import POLICIES, JobFileError, load_job_file
+from comfy_assets.store import Store
+
+EXIT_OK = 0
+EXIT_BLOCKED = 1
+EXIT_BAD_INPUT = 2
+
+
+def add_film_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``film`` on the ``comfy-assets`` subparsers."""
+    p = sub.add_parser("film", help="cut a rendered storyboard into a film, behind the gate")
+    p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL) rendered")
+    p.add_argument("--store", type=Path, required=True, help="result store folder")
+    p.add_argument("--db-url", default=None, help="PostgreSQL URL (default: SQLite)")
+    p.add_argument("--partition", default=None, help="partition name (default: file stem)")
+    p.add_argument("--policy", choices=POLICIES, default=None, help="overrides the job file header")
+    p.add_argument(
+        "--out", type=Path, default=None, help="film path (default <store>/<partition>/film.mp4)"
+    )
+    p.set_defaults(func=film_command)
+
+
+def film_command(args: argparse.Namespace) -> int:
+    """Gate the shots of ``args.jobs`` as the store has them, then write the film.
+
+    Prints the film's path, then a one-line summary; the contact sheet goes beside the
+    film as ``<name>.contact.png``. Exit 0 when the film is written; 1 when the gate
+    blocks (nothing written; one line per missing or bad shot, with why); 2 for bad
+    input: an unreadable or invalid job file, a file without shots, no store at
+    ``--store``, or a partition holding none of the file's jobs. A failure to write the
+    film (MediaError) is raised.
+    """
+    try:
+        job_file = load_job_file(args.jobs)
+    except JobFileError as e:
+        return _bad_input(str(e))
+    if not has_shots(job_file):
+        return _bad_input(f"{args.jobs}: no job has a shot number; there is no film to cut")
+    if args.db_url is None and not (args.store / "store.db").is_file():
+        # Store() would create an empty one and the gate would call every shot pending.
+        return _bad_input(f"no result store at {args.store} (no store.db)")
+    partition = args.partition or args.jobs.stem
+    policy = film_policy(job_file, args.policy)
+
+    store = Store(args.store, args.db_url)
+    try:
+        registered = {record.job_id for record in store.jobs(partition)}
+        if not registered & {job.id for job in job_file.jobs}:
+            return _bad_input(
+                f"partition {partition!r} of {args.store} holds none of the jobs of "
+                f"{args.jobs}: render it first (comfy-assets run), or name the partition it "
+                "was rendered under with --partition"
+            )
+        shots = shots_from_store(store, partition, job_file)
+    finally:
+        store.close()
+
+    out: Path = args.out if args.out is not None else film_path(args.store, partition)
+    # build_film creates it only once the gate has passed; it is scratch for the concat.
+    work_dir = out.parent / f".film-work-{uuid.uuid4().hex[:8]}"
+    try:
+        film = build_film(shots, policy, out, work_dir=work_dir)
+    except GateBlocked as blocked:
+        print(blocked.result.describe().splitlines()[0])
+        for line in bad_shot_lines(blocked.result):
+            print(f"  {line}")
+        return EXIT_BLOCKED
+    finally:
+        if work_dir.exists():
+            shutil.rmtree(work_dir)
+    print(film.path)
+    print(summary_line(film))
+    return EXIT_OK
+
+
+def summary_line(film: FilmResult) -> str:
+    """``film: 6 shots, 7.750 s, delivery, concat copy``; a draft names its degraded shots."""
+    if film.draft:
+        kind = f"DRAFT (degraded shots {', '.join(map(str, film.degraded))}"
+        if film.placeholders:
+            kind += f"; slates for {', '.join(map(str, film.placeholders))}"
+        kind += ")"
+    else:
+        kind = film.gate.mode
+    return (
+        f"film: {film.shot_count} shots, {film.duration_s:.3f} s, {kind}, concat {film.concat_mode}"
+    )
+
+
+def _bad_input(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
