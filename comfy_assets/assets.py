@@ -416,8 +416,7 @@ def films(
     except GateBlocked as blocked:
         for line in bad_shot_lines(blocked.result):
             context.log.error(line)
-        yield MaterializeResult(check_results=[_gate_check(blocked.result, partition)])
-        return
+        yield _gate_check(blocked.result, partition)
         raise Failure(
             description=blocked.result.describe(),
             metadata={"blocked": MetadataValue.json(blocked.result.blocked)},

@@ -56,7 +56,11 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="comfy-assets", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="comfy-assets",
+        description="ComfyUI as a batch-rendering service: probe servers, run job files "
+        "exactly once, build films, and run the RabbitMQ worker.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in COMMANDS:
         add(sub)

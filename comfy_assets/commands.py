@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from pathlib import Path
 
@@ -49,8 +50,30 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--db-url", default=None, help="PostgreSQL URL (default: SQLite)")
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None)
+    p.add_argument(
+        "--events", action="store_true", help="also print every state transition as JSON"
+    )
+    p.add_argument(
+        "-v", "--verbose", action="store_true", help="log scheduling and protocol steps"
+    )
     add_batch_options(p)
     p.set_defaults(func=run_command)
+
+
+def show_logs(args: argparse.Namespace) -> None:
+    """Route the scheduler's and the state machine's log lines to stdout on request."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    if getattr(args, "events", False):
+        events = logging.getLogger("comfy_assets.events")
+        events.setLevel(logging.INFO)
+        events.addHandler(handler)
+        events.propagate = False
+    if getattr(args, "verbose", False):
+        for name in ("comfy_assets.pool", "comfy_assets.runner"):
+            logging.getLogger(name).setLevel(logging.INFO)
+            logging.getLogger(name).addHandler(handler)
+            logging.getLogger(name).propagate = False
 
 
 def run_command(args: argparse.Namespace) -> int:
@@ -63,6 +86,7 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     store = Store(args.store, args.db_url)
     partition = args.partition or args.jobs.stem
+    show_logs(args)
     summary = run_batch_sync(
         job_file,
         partition=partition,

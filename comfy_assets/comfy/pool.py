@@ -120,7 +120,8 @@ class Pool:
     ``unhealthy_wait_s``: wait before re-probing when no server is healthy (5 s).
     ``busy_poll_s``: how often to look again when every server is held by another process.
     ``stats_ttl_s``: how long a healthy ``/system_stats`` answer stands (``/queue`` is
-    asked at every probe). ``poll_s``: /history poll period of the servers' followers.
+    asked at every probe). ``probe_ttl_s``: how long a probe's /queue answer stands
+    for a server nobody took since. ``poll_s``: /history poll period of the followers.
     """
 
     def __init__(
@@ -135,6 +136,7 @@ class Pool:
         unhealthy_wait_s: float = 5.0,
         busy_poll_s: float = 0.05,
         stats_ttl_s: float = 2.0,
+        probe_ttl_s: float = 0.1,
         poll_s: float = 1.0,
     ) -> None:
         if not servers:
@@ -148,6 +150,7 @@ class Pool:
         self.unhealthy_wait_s = unhealthy_wait_s
         self.busy_poll_s = busy_poll_s
         self.stats_ttl_s = stats_ttl_s
+        self.probe_ttl_s = probe_ttl_s
         self.poll_s = poll_s
         # One socket per server, kept open across prompts: ours run one at a time per
         # server, and a socket opened per prompt costs a handshake while the GPU waits.
@@ -166,6 +169,7 @@ class Pool:
         self._probing: dict[str, asyncio.Future[ServerProbe]] = {}
         self._line = asyncio.Lock()
         self._stats_at: dict[str, float] = {}  # loop time of each server's last /system_stats
+        self._probed: dict[str, tuple[float, ServerProbe]] = {}  # last healthy probe
         self._freed_at: dict[str, float] = {}  # loop time our last prompt left each server
         # Dispatches under way (a server held or about to be handed over, not yet posted
         # to): downloads and bookkeeping wait for them, so an idle GPU comes first.
@@ -223,7 +227,12 @@ class Pool:
     async def probe(self, spec: ServerSpec) -> ServerProbe:
         """Probe ``/system_stats`` and ``/queue`` of one server within ``probe_timeout_s``.
 
-        Consumers waiting at the same moment share one probe per server."""
+        Consumers waiting at the same moment share one probe per server, and an answer
+        stands for ``probe_ttl_s`` (a burst of acquisitions, as at start, probes once).
+        """
+        cached = self._probed.get(spec.name)
+        if cached is not None and asyncio.get_running_loop().time() - cached[0] < self.probe_ttl_s:
+            return cached[1]
         running = self._probing.get(spec.name)
         if running is None:
             running = asyncio.ensure_future(self._probe(spec))
@@ -254,7 +263,9 @@ class Pool:
         ours = tuple(
             e.prompt_id for e in entries if (e.client_id or "").startswith(CLIENT_ID_PREFIX)
         )
-        return ServerProbe(spec.name, True, foreign_queue=len(entries) - len(ours), ours=ours)
+        probe = ServerProbe(spec.name, True, foreign_queue=len(entries) - len(ours), ours=ours)
+        self._probed[spec.name] = (loop.time(), probe)
+        return probe
 
     async def acquire(
         self,
@@ -363,11 +374,12 @@ class Pool:
             return None
         slot = Slot(spec, self.clients[spec.name], self, tuple(models), lengths)
         self._held[spec.name] = slot
+        self._probed.pop(spec.name, None)  # its queue is about to change
         if self._handoffs:
             self._handoffs -= 1  # counted as a dispatch when it was freed
         else:
             self._dispatch_started()
-        log.debug(
+        log.info(
             "scheduler: %s chosen, queue lengths %s",
             spec.name,
             ", ".join(f"{n} {q}" for n, q in lengths.items()) or "not probed (just freed)",
