@@ -91,6 +91,7 @@ def new_owner() -> str:
 class _Item:
     job: Job
     prev_server: str | None = None
+    attempts_before: int = 0  # the job's tries before its last requeue (store)
 
 
 class _JobQueue:
@@ -298,6 +299,7 @@ class Batch:
         if rec.state == "failed_retryable":
             store.transition(job.id, "pending", detail="retry")
         number = rec.attempts + 1
+        item.attempts_before = rec.attempts_before
         prev = rec.server if rec.prompt_id == job.prompt_id else None
         hooks = AttemptHooks(
             submitted=lambda server: store.transition(
@@ -351,12 +353,13 @@ class Batch:
         job, store, cfg = item.job, self.store, self.config
         store.record_attempt(
             job.id,
-            number,
+            item.attempts_before + number,  # rows go on numbering after a requeue
             server=r.server,
             prompt_id=r.prompt_id,
             number=r.number,
-            started_at=time.time() - r.seconds,
+            seconds=r.seconds,
             queue_wait_s=r.queue_wait_s,
+            gpu_seconds=r.gpu_seconds,
             outcome=r.kind,
             reason=r.reason or None,
         )

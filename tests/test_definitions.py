@@ -16,16 +16,21 @@ from comfy_assets.resources import ComfyPoolResource, ServerConfig, default_reso
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_render_job_renders_and_tabulates_one_job_file() -> None:
+def test_render_job_renders_tabulates_and_films_one_job_file() -> None:
     job = defs.resolve_job_def("render_job")
 
     assert job.partitions_def == job_files_partitions
     assert job.tags["dagster/max_retries"] == "2"
     graph = job.asset_layer.asset_graph
-    assert graph.executable_asset_keys == {AssetKey("renders"), AssetKey("render_results")}
+    assert graph.executable_asset_keys == {
+        AssetKey("renders"),
+        AssetKey("render_results"),
+        AssetKey("films"),
+    }
     assert graph.asset_check_keys == {
         AssetCheckKey(AssetKey("renders"), "no_dead_letters"),
         AssetCheckKey(AssetKey("renders"), "all_jobs_done"),
+        AssetCheckKey(AssetKey("films"), "gate"),
     }
 
 
@@ -34,6 +39,7 @@ def test_every_asset_and_the_sensor_are_defined() -> None:
         AssetKey("renders"),
         AssetKey("render_results"),
         AssetKey("all_results"),
+        AssetKey("films"),
     }
     sensor = defs.resolve_sensor_def("job_file_sensor")
     assert sensor.default_status == DefaultSensorStatus.RUNNING

@@ -193,11 +193,6 @@ def test_attempt_costs_count_successful_and_wasted_attempts(
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Store.requeue resets attempts to 0, so the rerun's attempt 1 replaces the "
-    "failed attempt 1 row (upsert on job_id, attempt) and its GPU time is lost",
-)
 def test_a_requeued_shot_keeps_the_gpu_time_its_failed_attempt_wasted(
     storyboard: Path, tmp_path: Path
 ) -> None:

@@ -663,3 +663,21 @@ def test_two_processes_never_hold_one_server_at_once(tmp_path):
     (won1, lost1), (won2, lost2) = results["p1"], results["p2"]
     assert sorted(won1 + won2) == list(range(40))  # every round exactly one winner
     assert (lost1, lost2) == (0, 0)
+
+
+def test_a_requeued_job_numbers_its_attempts_on_and_keeps_the_earlier_ones(store, workflow_dir):
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("film", [job])
+    run_to_rendering(store, job)
+    store.record_attempt(job.id, 1, outcome="permanent", seconds=4.0, reason="IndexError")
+    store.dead_letter(job.id, "w1", "IndexError")
+    assert store.requeue(job.id)
+    rec = store.get(job.id)
+    assert (rec.attempts, rec.attempts_before) == (0, 1)
+    run_to_rendering(store, job, now=200.0)
+    store.record_attempt(job.id, rec.attempts_before + 1, outcome="success", seconds=2.0)
+    assert [(a.attempt, a.outcome, a.seconds) for a in store.attempts(job.id)] == [
+        (1, "permanent", 4.0),
+        (2, "success", 2.0),
+    ]
+    assert store.get(job.id).attempts == 1  # the new budget counts one try

@@ -24,7 +24,9 @@ class ClaimStatus(StrEnum):
 class JobRecord:
     """One row of ``jobs``. Times in epoch seconds; durations in seconds.
 
-    ``line`` orders jobs within their file. ``attempts`` counts tries so far. ``seconds``
+    ``line`` orders jobs within their file. ``attempts`` counts tries since the job was
+    last requeued or its inputs changed, ``attempts_before`` the tries before: attempt
+    rows are numbered ``attempts_before + 1`` onwards. ``seconds``
     is the job's total wall time, ``queue_wait_s`` the time its prompts waited in
     ComfyUI's queue, ``gpu_seconds`` the time they ran. ``set`` is the job's overrides.
     """
@@ -39,6 +41,7 @@ class JobRecord:
     set: dict[str, Any]
     state: State
     attempts: int
+    attempts_before: int
     server: str | None
     number: int | None
     reason: str | None

@@ -150,6 +150,7 @@ def _reset_changed(
         .values(
             prompt_id=sa.bindparam("v_prompt_id"),
             state=PENDING.value,
+            attempts_before=J.attempts_before + J.attempts,
             attempts=0,
             reason=None,
             server=None,

@@ -27,6 +27,9 @@ jobs_table = sa.Table(
     sa.Column("set_json", sa.Text, nullable=False),
     sa.Column("state", sa.String(20), nullable=False),
     sa.Column("attempts", sa.Integer, nullable=False),
+    # Tries before the last requeue or change of inputs: attempt rows are numbered on
+    # from there, so a rerun never overwrites the history (and cost) of earlier tries.
+    sa.Column("attempts_before", sa.Integer, nullable=False, server_default="0"),
     sa.Column("server", sa.String(255)),
     sa.Column("number", sa.Integer),
     sa.Column("reason", sa.Text),

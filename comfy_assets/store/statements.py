@@ -71,7 +71,11 @@ BUMP_ATTEMPTS = (
     .where(J.job_id == _b("b_id"))
     .values(
         attempts=sa.case(
-            (J.attempts < _b("b_attempt", sa.Integer), _b("b_attempt")), else_=J.attempts
+            (
+                J.attempts < _b("b_attempt", sa.Integer) - J.attempts_before,
+                _b("b_attempt") - J.attempts_before,
+            ),
+            else_=J.attempts,
         ),
         updated_at=_b("v_now"),
     )

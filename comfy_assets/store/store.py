@@ -393,6 +393,7 @@ class Store:
                 "state": PENDING.value,
                 "reason": None,
                 "attempts": 0,
+                "attempts_before": row.attempts_before + row.attempts,
                 "finished_at": None,
                 "updated_at": now,
             }
