@@ -105,7 +105,9 @@ def one_size(args: argparse.Namespace) -> None:
         root = Path(tmp)
         path = write_jobs(root / "jobs", args.jobs)
         store = Store(root / "store", url)
-        rss_before_mb = mb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        rss_before_mb = mb(before.ru_maxrss)
+        cpu_before = before.ru_utime + before.ru_stime
         with fake_processes(args.servers, 0.0, root) as specs:
             config = BatchConfig(poll_s=1.0, base_delay_s=0.1)
             t0 = time.perf_counter()
@@ -127,8 +129,10 @@ def one_size(args: argparse.Namespace) -> None:
     executed = sum(len(r) for r in runs.values())
     busiest = max(len(r) for r in runs.values())
     idlest = min(len(r) for r in runs.values())
-    self_mb = mb(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-    children_mb = mb(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    self_mb = mb(me.ru_maxrss)
+    children_mb = mb(kids.ru_maxrss)
     jobs_per_s = args.jobs / wall
     print(f"jobs={args.jobs}")
     print(f"servers={args.servers}")
@@ -142,6 +146,12 @@ def one_size(args: argparse.Namespace) -> None:
     print(f"wall_s={wall:.2f}")
     print(f"jobs_per_s={jobs_per_s:.1f}")
     print(f"us_per_job={wall / args.jobs * 1e6:.0f}")
+    # Where the 2 cores went: this process (the batch) and the fake servers.
+    print(f"cpu_s_batch_process={me.ru_utime + me.ru_stime - cpu_before:.2f}")
+    print(f"cpu_s_fakes={kids.ru_utime + kids.ru_stime:.2f}")
+    print(
+        f"cpu_ms_per_job_batch_process={(me.ru_utime + me.ru_stime - cpu_before) / args.jobs * 1000:.2f}"
+    )
     print(f"rss_at_start_mb={rss_before_mb:.1f}")
     print(f"peak_rss_mb={self_mb:.1f}")
     print("peak_rss_includes_children=no")

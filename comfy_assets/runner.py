@@ -283,7 +283,7 @@ class Attempt:
         self.on_server = None
         slot.release()  # already done by on_finished; idempotent
         if outcome.status == "success" and outcome.history is not None:
-            await self.pool.dispatch_idle()  # the freed GPU gets its next prompt first
+            await self.pool.handed_over(slot)  # the freed GPU gets its next prompt first
             return await self._download(client, name, outcome.history, number=number, posted=posted)
         gpu, wait = entry_timings(outcome.history) if outcome.history else (None, None)
         common = dict(server=name, number=number, posted=posted, gpu_seconds=gpu, queue_wait_s=wait)

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -76,6 +76,7 @@ class Slot:
     released: bool = False
     prompt_id: str | None = None  # ours on the server, once posted (set by the runner)
     dispatching: bool = True  # held but not yet posted: the GPU waits on us
+    handover: asyncio.Event | None = None  # set once the next prompt here is posted
 
     @property
     def name(self) -> str:
@@ -173,10 +174,10 @@ class Pool:
         self._freed_at: dict[str, float] = {}  # loop time our last prompt left each server
         # Dispatches under way (a server held or about to be handed over, not yet posted
         # to): downloads and bookkeeping wait for them, so an idle GPU comes first.
-        self._dispatching = 0
-        self._handoffs = 0
-        self._dispatch_idle = asyncio.Event()
-        self._dispatch_idle.set()
+        # A server freed while a consumer waits in line is handed over: the freeing job's
+        # downloads wait (briefly) for that next prompt to be posted, so the GPU comes
+        # first. One event per handover, set by the next dispatch to finish.
+        self._handovers: deque[asyncio.Event] = deque()
 
     async def __aenter__(self) -> Pool:
         for client in self.clients.values():
@@ -375,10 +376,6 @@ class Pool:
         slot = Slot(spec, self.clients[spec.name], self, tuple(models), lengths)
         self._held[spec.name] = slot
         self._probed.pop(spec.name, None)  # its queue is about to change
-        if self._handoffs:
-            self._handoffs -= 1  # counted as a dispatch when it was freed
-        else:
-            self._dispatch_started()
         log.info(
             "scheduler: %s chosen, queue lengths %s",
             spec.name,
@@ -410,33 +407,26 @@ class Pool:
 
     # -- holding ------------------------------------------------------------------------
 
-    def _dispatch_started(self) -> None:
-        self._dispatching += 1
-        self._dispatch_idle.clear()
-
     def _dispatch_done(self) -> None:
-        self._dispatching = max(self._dispatching - 1, 0)
-        if self._dispatching == 0:
-            self._handoffs = 0
-            self._dispatch_idle.set()
+        if self._handovers:
+            self._handovers.popleft().set()
 
-    async def dispatch_idle(self, max_wait_s: float = 0.25) -> None:
-        """Wait (at most ``max_wait_s`` seconds) until no server of ours waits for its
-        next prompt: a finished prompt's downloads come after the next one's POST."""
-        if self._dispatch_idle.is_set():
+    async def handed_over(self, slot: Slot, max_wait_s: float = 0.25) -> None:
+        """Wait (at most ``max_wait_s`` seconds) until the server ``slot`` freed has its
+        next prompt posted, when a consumer was waiting for it; else return at once."""
+        if slot.handover is None or slot.handover.is_set():
             return
         try:
             async with asyncio.timeout(max_wait_s):
-                await self._dispatch_idle.wait()
+                await slot.handover.wait()
         except TimeoutError:
             pass
 
     def _release(self, slot: Slot) -> None:
         self._held.pop(slot.name, None)
         if slot.prompt_id is not None and self._line.locked():
-            # A consumer is in line for a server: this one is about to be dispatched.
-            self._handoffs += 1
-            self._dispatch_started()
+            slot.handover = asyncio.Event()  # a consumer is in line: it takes this server
+            self._handovers.append(slot.handover)
         if slot.prompt_id is not None:
             self._freed_at[slot.name] = asyncio.get_running_loop().time()
             self._finished[slot.prompt_id] = None
