@@ -28,6 +28,7 @@ from comfy_assets.comfy.pool import Pool, Slot
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import Job, JobFile
 from comfy_assets.runner import Attempt, AttemptHooks, AttemptResult
+from comfy_assets.states import InvalidTransition
 from comfy_assets.store import Store
 
 log = logging.getLogger("comfy_assets.batch")
@@ -83,8 +84,52 @@ class BatchSummary:
 
 
 def new_owner() -> str:
-    """A claim/lease owner id naming this host and process."""
+    """A claim/lease owner id naming this host and process: ``host:pid:random``."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def owner_alive(owner: str) -> bool:
+    """False only for an owner of this host whose process is gone (its claims need not
+    wait for their lease); True when unsure (another host, or an id of another shape)."""
+    host, _, rest = owner.partition(":")
+    pid_text = rest.split(":", 1)[0]
+    if host != socket.gethostname() or not pid_text.isdigit():
+        return True
+    pid = int(pid_text)
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def outputs_problem(store: Store, partition: str, job_id: str) -> str | None:
+    """None when every recorded output of a done job is on disk with its recorded size;
+    else what is wrong ("missing: a.png", "changed: b.png"). Sizes, not hashes: cheap
+    enough to check at every run."""
+    job_dir = store.job_dir(partition, job_id)
+    for f in store.files(job_id):
+        path = job_dir / f.path
+        if not path.is_file():
+            return f"missing: {f.path}"
+        if path.stat().st_size != f.bytes:
+            return f"changed: {f.path} ({path.stat().st_size} bytes, recorded {f.bytes})"
+    return None
+
+
+def remove_stale_outputs(job_dir: Path, keep: Sequence[object]) -> None:
+    """Delete files in a job's folder that its new outputs don't include (those of its
+    inputs before an edit), so the folder holds what the store says it holds."""
+    wanted = {str(getattr(f, "path", "")) for f in keep}
+    if not job_dir.is_dir():
+        return
+    for path in job_dir.rglob("*"):
+        if path.is_file() and path.relative_to(job_dir).as_posix() not in wanted:
+            path.unlink()
 
 
 @dataclass
@@ -174,6 +219,7 @@ class Batch:
         self.queue = _JobQueue()
         self.unresolved = len(self.jobs)
         self.claimed: set[str] = set()
+        self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
         self.stopped: str | None = None
         self.attempts: dict[str, Attempt] = {}
         self.finished = asyncio.Event()  # every job resolved, or stopped with none in flight
@@ -183,6 +229,8 @@ class Batch:
 
     async def run(self) -> None:
         """Run every job to done, dead letter, or (delivery stop) left pending."""
+        if not self.jobs:
+            return
         for job in self.jobs:
             self.queue.push(_Item(job))
         heartbeat = asyncio.create_task(self._heartbeat(), name="claim-heartbeat")
@@ -269,9 +317,23 @@ class Batch:
         job, cfg, store = item.job, self.config, self.store
         status = store.claim(job.id, self.owner, cfg.lease_s)
         if status == "done":
-            self.say(f"job {job.id}: already done, nothing posted")
-            self._resolve()
-            return slot
+            problem = outputs_problem(store, self.partition, job.id)
+            if problem is None:
+                self.say(f"job {job.id}: already done, nothing posted")
+                self._resolve()
+                return slot
+            # Done, but its files are gone or changed on disk: render it again, which
+            # catches up from the server's /history first (downloads, no new prompt).
+            try:
+                store.transition(job.id, "pending", detail=f"outputs {problem}; fetching again")
+                self.say(f"job {job.id}: outputs {problem}; fetching them again")
+            except InvalidTransition:
+                pass  # another worker reopened it a moment ago: claim decides who fetches
+            status = store.claim(job.id, self.owner, cfg.lease_s)
+            if status == "done":  # and that worker has already fetched them
+                self.say(f"job {job.id}: already done, nothing posted")
+                self._resolve()
+                return slot
         if status == "dead_lettered":
             rec = store.get(job.id)
             self.say(
@@ -281,6 +343,17 @@ class Batch:
             return slot
         if status == "held":
             rec = store.get(job.id)
+            holder = rec.claimed_by if rec else None
+            if holder and not owner_alive(holder):
+                status = store.claim(job.id, self.owner, cfg.lease_s, dead_holder=holder)
+                if status == "claimed":
+                    self.say(f"job {job.id}: claim of {holder} taken over (that process is gone)")
+        if status == "held":
+            rec = store.get(job.id)
+            if rec is not None and job.id not in self.told_held:
+                self.told_held.add(job.id)
+                until = time.strftime("%H:%M:%S", time.localtime(rec.claim_expires_at or 0))
+                self.say(f"job {job.id}: claimed by {rec.claimed_by} until {until}; waiting")
             wait = (
                 min(max((rec.claim_expires_at or 0) - time.time(), cfg.poll_s / 4), cfg.poll_s)
                 if rec
@@ -365,6 +438,7 @@ class Batch:
         )
         where = f" on {r.server}" if r.server else ""
         if r.kind == "success":
+            remove_stale_outputs(store.job_dir(self.partition, job.id), r.files)
             store.mark_done(
                 job.id,
                 self.owner,
@@ -483,7 +557,12 @@ async def run_batch(
         )
         await batch.run()
     return summarize(
-        store, partition, time.monotonic() - started, batch.stopped, pool.unreachable()
+        store,
+        partition,
+        time.monotonic() - started,
+        batch.stopped,
+        pool.unreachable(),
+        job_ids=[j.id for j in job_file.jobs],
     )
 
 
@@ -493,10 +572,17 @@ def summarize(
     seconds: float,
     stopped: str | None = None,
     unreachable: dict[str, str] | None = None,
+    job_ids: Sequence[str] | None = None,
 ) -> BatchSummary:
-    """The summary of a partition as the store has it now."""
+    """The summary of a partition as the store has it now; with ``job_ids``, of those
+    jobs only (a line deleted from the job file leaves its record, not its count)."""
     jobs = store.jobs(partition)
-    counts = store.counts(partition)
+    if job_ids is not None:
+        wanted = set(job_ids)
+        jobs = [j for j in jobs if j.job_id in wanted]
+    counts: dict[str, int] = {}
+    for j in jobs:
+        counts[str(j.state)] = counts.get(str(j.state), 0) + 1
     dead = [(j.job_id, j.reason or "") for j in jobs if j.state == "failed_fatal"]
     done = sum(1 for j in jobs if j.state in ("succeeded", "degraded"))
     gpu = sum(j.gpu_seconds or 0.0 for j in jobs)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from comfy_assets.comfy.health import probe_all
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.commands import add_requeue_parser, add_run_parser
+from comfy_assets.events_command import add_events_parser
 from comfy_assets.film_command import add_film_parser
 from comfy_assets.worker import add_enqueue_parser, add_worker_parser
 
@@ -51,6 +52,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     add_health,
     add_run_parser,
     add_requeue_parser,
+    add_events_parser,
     add_film_parser,
     add_enqueue_parser,
     add_worker_parser,

@@ -4,26 +4,62 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import signal
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_assets.batch import BatchConfig, run_batch_sync
 from comfy_assets.comfy.servers import parse_servers
-from comfy_assets.jobfile import JobFileError, load_job_file
-from comfy_assets.store import Store
+from comfy_assets.jobfile import JobFile, JobFileError, is_job_id, load_job_file
+from comfy_assets.results import RESULTS_CSV, results_table, write_csv
+from comfy_assets.store import PartitionConflict, Store
+
+
+def bounded(
+    kind: type[int] | type[float], low: float, *, strict: bool = False
+) -> Callable[[str], int | float]:
+    """An argparse ``type``: ``kind(text)``, finite and ``>= low`` (``> low`` if strict).
+
+    A bad value raises ``argparse.ArgumentTypeError``, which argparse prints after the
+    option's name (``argument --attempts: expected an integer >= 1, got '0'``) and exits 2.
+    """
+    what = "an integer" if kind is int else "a number"
+    expected = f"expected {what} {'>' if strict else '>='} {low:g}"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from e
+        # NaN compares false to everything, and an infinite lease or delay overflows later.
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return value
+
+    return parse
 
 
 def add_batch_options(p: argparse.ArgumentParser) -> None:
-    """Retry, deadline and lease knobs shared by ``run`` and ``worker`` (seconds)."""
-    p.add_argument("--attempts", type=int, default=4, help="attempts per job (4)")
-    p.add_argument("--base-delay-s", type=float, default=2.0, help="backoff base (2 s)")
-    p.add_argument("--max-delay-s", type=float, default=60.0, help="backoff cap (60 s)")
+    """Retry, deadline and lease knobs shared by ``run`` and ``worker`` (seconds).
+
+    Out-of-range values are argparse errors (exit 2) naming the option: attempts and
+    max queue >= 1, delays >= 0, timeouts, polls and leases > 0.
+    """
+    at_least_one = bounded(int, 1)
+    not_negative = bounded(float, 0)
+    positive = bounded(float, 0, strict=True)
+    p.add_argument("--attempts", type=at_least_one, default=4, help="attempts per job (4)")
+    p.add_argument("--base-delay-s", type=not_negative, default=2.0, help="backoff base (2 s)")
+    p.add_argument("--max-delay-s", type=not_negative, default=60.0, help="backoff cap (60 s)")
     p.add_argument("--no-jitter", action="store_true", help="exact exponential delays")
-    p.add_argument("--timeout-s", type=float, default=600.0, help="per-attempt deadline")
-    p.add_argument("--poll-s", type=float, default=1.0, help="/history poll interval")
-    p.add_argument("--lease-s", type=float, default=3600.0, help="job claim lease")
-    p.add_argument("--server-lease-s", type=float, default=30.0, help="server lease")
-    p.add_argument("--max-queue", type=int, default=None, help="skip servers this busy")
+    p.add_argument("--timeout-s", type=positive, default=600.0, help="per-attempt deadline")
+    p.add_argument("--poll-s", type=positive, default=1.0, help="/history poll interval")
+    p.add_argument("--lease-s", type=positive, default=3600.0, help="job claim lease")
+    p.add_argument("--server-lease-s", type=positive, default=30.0, help="server lease")
+    p.add_argument("--max-queue", type=at_least_one, default=None, help="skip servers this busy")
 
 
 def batch_config(args: argparse.Namespace) -> BatchConfig:
@@ -53,9 +89,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--events", action="store_true", help="also print every state transition as JSON"
     )
-    p.add_argument(
-        "-v", "--verbose", action="store_true", help="log scheduling and protocol steps"
-    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log scheduling and protocol steps")
     add_batch_options(p)
     p.set_defaults(func=run_command)
 
@@ -77,24 +111,47 @@ def show_logs(args: argparse.Namespace) -> None:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    """Exit 0 when every job is done, 1 when any is dead-lettered, 2 for bad input."""
+    """Exit 0 when every job is done, 1 when any is dead-lettered or not run, 2 for bad
+    input, 130 on Ctrl+C and 143 on SIGTERM (after cleaning up: prompts interrupted and
+    removed from their servers, claims and server leases released)."""
     try:
         servers = parse_servers(args.server)
         job_file = load_job_file(args.jobs)
     except (JobFileError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    store = Store(args.store, args.db_url)
     partition = args.partition or args.jobs.stem
+    try:
+        store = Store(args.store, args.db_url)
+        store.job_dir(partition, "check")  # a partition that can't be a folder: bad input
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     show_logs(args)
-    summary = run_batch_sync(
-        job_file,
-        partition=partition,
-        servers=servers,
-        store=store,
-        config=batch_config(args),
-        on_line=lambda line: print(line, flush=True),
-    )
+    try:
+        with stopped_by_signals() as stopped_by:
+            summary = run_batch_sync(
+                job_file,
+                partition=partition,
+                servers=servers,
+                store=store,
+                config=batch_config(args),
+                on_line=lambda line: print(line, flush=True),
+            )
+    except PartitionConflict as e:
+        print(
+            f"error: {e}; to render these jobs under their first partition, pass "
+            f"--partition {next(iter(e.conflicts.values()))}",
+            file=sys.stderr,
+        )
+        return 2
+    except KeyboardInterrupt:
+        print(
+            f"stopped by {stopped_by[0]}: prompts removed, claims released; run again "
+            "to finish (done jobs are not rendered again)",
+            file=sys.stderr,
+        )
+        return 143 if stopped_by[0] == "SIGTERM" else 130
     for name, why in summary.unreachable.items():
         print(f"server {name}: {why}")
     print(summary.line())
@@ -105,27 +162,85 @@ def run_command(args: argparse.Namespace) -> int:
     not_done = len(summary.jobs) - summary.done - summary.dead_lettered
     if not_done:
         print(f"  {not_done} not run")
+    try:
+        # Dead letters too: the table is where their reasons are read afterwards.
+        print(f"results: {write_results(store, partition, job_file)}")
+    finally:
+        store.close()
     return 0 if summary.dead_lettered == 0 and not_done == 0 else 1
 
 
+def write_results(store: Store, partition: str, job_file: JobFile) -> Path:
+    """Write ``<store>/<partition>/results.csv``, a row per job of ``job_file`` as the
+    store has it now (the same table as Dagster's ``render_results``); returns its path.
+
+    Records of jobs no longer in the file (a deleted line) are left out. Raises OSError
+    if the CSV cannot be written.
+    """
+    job_ids = [job.id for job in job_file.jobs]
+    in_file = set(job_ids)
+    records = [record for record in store.jobs(partition) if record.job_id in in_file]
+    files = {record.job_id: store.files(record.job_id) for record in records}
+    frame = results_table(records, files, job_ids=job_ids)
+    return write_csv(frame, store.root / partition / RESULTS_CSV)
+
+
+@contextmanager
+def stopped_by_signals() -> Iterator[list[str]]:
+    """SIGTERM (a container stop, ``timeout``) cleans up like Ctrl+C: both raise
+    KeyboardInterrupt in the main thread, which ``run_batch_sync`` turns into a clean
+    cancellation. Yields a one-item list naming the signal that stopped the run."""
+    stopped_by = ["Ctrl+C"]
+
+    def on_term(signum: int, frame: object) -> None:
+        stopped_by[0] = "SIGTERM"
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield stopped_by
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def add_requeue_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("requeue", help="clear a dead letter so the job can run again")
-    p.add_argument("job_id", nargs="+")
-    p.add_argument("--store", type=Path, default=Path("store"))
-    p.add_argument("--db-url", default=None)
+    """Register ``requeue JOB_ID... --store DIR [--db-url URL]``."""
+    p = sub.add_parser("requeue", help="clear dead letters so their jobs run again")
+    p.add_argument("job_id", nargs="+", metavar="JOB_ID", help="a dead letter's job id (UUID)")
+    p.add_argument(
+        "--store", type=Path, required=True, help="the result store folder (holds store.db)"
+    )
+    p.add_argument(
+        "--db-url",
+        default=None,
+        help="PostgreSQL URL of the store's database (default: SQLite at <store>/store.db)",
+    )
     p.set_defaults(func=requeue_command)
 
 
 def requeue_command(args: argparse.Namespace) -> int:
-    """Exit 0 when every named job was a dead letter and is pending again, 1 otherwise."""
+    """Exit 0 when every named job was a dead letter and is pending again, 1 otherwise;
+    2 for a job id that is not a lowercase UUID, or a ``--store`` folder without
+    ``store.db`` (and no ``--db-url``): nothing is created or changed then."""
+    bad = [job_id for job_id in args.job_id if not is_job_id(job_id)]
+    if bad:
+        print(f"error: not a job id (a lowercase UUID): {', '.join(bad)}", file=sys.stderr)
+        return 2
+    if args.db_url is None and not (args.store / "store.db").is_file():
+        # Store() would create an empty one, and every job would be "unknown".
+        print(f"error: no result store at {args.store} (no store.db)", file=sys.stderr)
+        return 2
     store = Store(args.store, args.db_url)
     code = 0
-    for job_id in args.job_id:
-        if store.requeue(job_id):
-            print(f"job {job_id}: requeued (pending)")
-        else:
-            rec = store.get(job_id)
-            state = rec.state if rec else "unknown job"
-            print(f"job {job_id}: not a dead letter ({state})", file=sys.stderr)
-            code = 1
+    try:
+        for job_id in args.job_id:
+            if store.requeue(job_id):
+                print(f"job {job_id}: requeued (pending)")
+            else:
+                rec = store.get(job_id)
+                state = rec.state if rec else "unknown job"
+                print(f"job {job_id}: not a dead letter ({state})", file=sys.stderr)
+                code = 1
+    finally:
+        store.close()
     return code

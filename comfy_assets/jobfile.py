@@ -7,7 +7,9 @@ A line::
 
 An optional first non-blank line ``{"header": {"policy": "delivery" | "draft",
 "duration_tolerance": 0.1}}`` sets the film policy. Unknown fields are errors, so a typo
-never passes silently. Every bad line is reported at once (``JobFileError``).
+never passes silently. Every bad line is reported at once (``JobFileError``), and so are a
+file with no jobs, a repeated ``id`` or ``shot``, and numbers JSON cannot carry (``NaN``,
+``Infinity``, ``1e400``) anywhere in a line: ComfyUI would refuse them at POST time.
 
 Each job gets an idempotency key: ``prompt_id = uuid5(NAMESPACE, f"{id}:{workflow_sha256}")``
 where ``workflow_sha256`` hashes the canonical JSON of the resolved workflow. The same job
@@ -46,6 +48,9 @@ MODEL_INPUTS = frozenset(
         "model_name",
     }
 )
+
+# Values quoted in errors are cut to this many characters (a whole workflow is no help).
+_SHOWN_CHARS = 80
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 _UI_MESSAGE = "is a UI workflow, not API format (export it with 'Export (API)')"
@@ -121,6 +126,11 @@ class JobFile:
         return self.header.policy
 
 
+def is_job_id(text: str) -> bool:
+    """True for a lowercase hyphenated UUID, the only form a job id takes."""
+    return _UUID.fullmatch(text) is not None
+
+
 def canonical_json(obj: Any) -> str:
     """The JSON text that is hashed: sorted keys, no spaces, ASCII only."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
@@ -136,7 +146,9 @@ def load_job_file(path: Path) -> JobFile:
 
     Workflow paths are relative to the job file's folder; each file is read once.
     Raises ``JobFileError`` listing every bad line (nothing is returned for a partly
-    valid file), including a missing or unreadable file (line 0, field "file").
+    valid file), including a missing or unreadable file and a file without a single job
+    line (both line 0, field "file"), a repeated ``id`` or ``shot`` (on the later line,
+    naming the first) and a non-finite number anywhere in a line.
     """
     path = Path(path)
     where = str(path)
@@ -152,7 +164,9 @@ def load_job_file(path: Path) -> JobFile:
     parser = _Parser(where, path.parent, _WorkflowCache())
     header = Header()
     seen_ids: dict[str, int] = {}
+    seen_shots: dict[int, int] = {}
     jobs: list[Job] = []
+    job_lines = 0  # non-blank lines that are not the header, valid or not
     first = True
     # split("\n"), not splitlines(): JSON strings may hold U+2028 and friends.
     for number, raw in enumerate(text.split("\n"), start=1):
@@ -168,6 +182,7 @@ def load_job_file(path: Path) -> JobFile:
             first = False
             continue
         first = False
+        job_lines += 1
         if obj is None:
             continue
         job = parser.job(obj, number)
@@ -177,8 +192,18 @@ def load_job_file(path: Path) -> JobFile:
                 parser.error(number, "id", f"{job_id} repeated; first on line {seen_ids[job_id]}")
             else:
                 seen_ids[job_id] = number
+        shot = obj.get("shot")
+        if _is_shot(shot):
+            # Two jobs for one shot: the film would have to pick one, so neither is taken.
+            if shot in seen_shots:
+                parser.error(number, "shot", f"{shot} repeated; first on line {seen_shots[shot]}")
+            else:
+                seen_shots[shot] = number
         if job is not None:
             jobs.append(job)
+    if job_lines == 0:
+        # An empty batch would wait forever for jobs that never come.
+        parser.error(0, "file", "no jobs in file")
     if parser.errors:
         raise JobFileError(parser.errors)
     return JobFile(path=path, sha256=hashlib.sha256(data).hexdigest(), header=header, jobs=jobs)
@@ -189,12 +214,12 @@ def job_from_dict(obj: Any, *, base_dir: Path, source: str, line: int = 1) -> Jo
 
     ``obj`` has the fields of one job line; workflow paths are relative to ``base_dir``;
     ``source`` and ``line`` name the origin in errors. Raises ``JobFileError`` listing
-    this job's problems.
+    this job's problems, including a non-finite float (``json.loads`` accepts ``NaN``).
     """
     parser = _Parser(source, Path(base_dir), _WorkflowCache())
     if not isinstance(obj, dict):
         parser.error(line, "job", f"expected a JSON object, got {_kind(obj)}")
-    else:
+    elif parser.finite(obj, line):
         job = parser.job(obj, line)
         if job is not None and not parser.errors:
             return job
@@ -235,9 +260,16 @@ class _WorkflowCache:
         except (OSError, UnicodeDecodeError) as e:
             return f"cannot read workflow file {path}: {e}"
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw, parse_float=_parse_float, parse_constant=_NonFinite)
         except json.JSONDecodeError as e:
             return f"workflow file {path} is not JSON: {e.msg} at line {e.lineno}"
+        except ValueError as e:  # an integer of more than 4300 digits
+            return f"workflow file {path} is not usable JSON: {e}"
+        text = _first_non_finite(obj)
+        if text is not None:
+            nodes = obj.items() if isinstance(obj, dict) else ()
+            node = next((f" node {k!r}" for k, v in nodes if _first_non_finite(v)), "")
+            return f"workflow file {path}{node} holds {text}; {_FINITE_HINT}"
         problem = _api_format_problem(obj)
         if problem:
             return f"workflow file {path} {problem}"
@@ -273,6 +305,16 @@ def _is_link(value: Any) -> bool:
     )
 
 
+def _is_shot(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _json(value: Any) -> str:
+    """``value`` as JSON spells it (``true``, ``null``, ``"text"``), cut to a readable length."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
 def _kind(value: Any) -> str:
     return {
         dict: "an object",
@@ -301,7 +343,48 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return obj
 
 
-_decoder = json.JSONDecoder(object_pairs_hook=_no_duplicates)
+_FINITE_HINT = "ComfyUI accepts finite numbers only: no NaN, Infinity or beyond 1.8e308"
+
+
+class _NonFinite:
+    """A number JSON cannot carry, as written in the file (``NaN``, ``-Infinity``,
+    ``1e400``): kept as a marker so the error can name it and its field."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def _parse_float(text: str) -> float | _NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+def _first_non_finite(value: Any) -> str | None:
+    """The first non-finite number inside ``value`` (any depth) as written, or None.
+
+    Finds the decoder's markers and also real ``nan``/``inf`` floats (a dict that came
+    from ``json.loads`` rather than from a job file).
+    """
+    if isinstance(value, _NonFinite):
+        return value.text
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)  # NaN, Infinity, -Infinity
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, list):
+        return None
+    for item in value:
+        text = _first_non_finite(item)
+        if text is not None:
+            return text
+    return None
+
+
+_decoder = json.JSONDecoder(
+    object_pairs_hook=_no_duplicates, parse_float=_parse_float, parse_constant=_NonFinite
+)
 
 
 def _models(workflow: Mapping[str, Any]) -> tuple[str, ...]:
@@ -334,10 +417,32 @@ class _Parser:
         except json.JSONDecodeError as e:
             self.error(line, "json", f"not JSON: {e.msg} at column {e.colno}")
             return None
+        except ValueError as e:  # an integer of more than 4300 digits
+            self.error(line, "json", f"not usable JSON: {e}")
+            return None
         if not isinstance(obj, dict):
             self.error(line, "json", f"expected a JSON object, got {_kind(obj)}")
             return None
-        return obj
+        return obj if self.finite(obj, line) else None
+
+    def finite(self, obj: dict[str, Any], line: int) -> bool:
+        """Record an error for each field of ``obj`` holding a non-finite number (at any
+        depth; ``set`` and ``header`` entries are named one by one). True if none does."""
+        errors_before = len(self.errors)
+        for key, value in obj.items():
+            if key in ("set", "header") and isinstance(value, dict):
+                fields = [(f"{key}.{sub}", inner) for sub, inner in value.items()]
+            else:
+                fields = [(key, value)]
+            for name, inner in fields:
+                text = _first_non_finite(inner)
+                if text is None:
+                    continue
+                if isinstance(inner, dict | list):
+                    self.error(line, name, f"holds {text}; {_FINITE_HINT}")
+                else:
+                    self.error(line, name, f"expected a finite number, got {text} ({_FINITE_HINT})")
+        return len(self.errors) == errors_before
 
     def header(self, obj: dict[str, Any], line: int) -> Header | None:
         errors_before = len(self.errors)
@@ -351,13 +456,15 @@ class _Parser:
         self._unknown_fields(body, HEADER_FIELDS, line, prefix="header.")
         policy = body.get("policy", "delivery")
         if policy not in POLICIES:
-            self.error(line, "header.policy", f"expected 'delivery' or 'draft', got {policy!r}")
+            self.error(
+                line, "header.policy", f'expected "delivery" or "draft", got {_json(policy)}'
+            )
         tolerance = body.get("duration_tolerance", 0.1)
         if not _is_number(tolerance) or not 0 <= tolerance <= 1:
             self.error(
                 line,
                 "header.duration_tolerance",
-                f"expected a fraction from 0 to 1, got {tolerance!r}",
+                f"expected a fraction from 0 to 1, got {_json(tolerance)}",
             )
         if len(self.errors) > errors_before:
             return None
@@ -369,14 +476,16 @@ class _Parser:
         self._unknown_fields(obj, JOB_FIELDS, line)
         job_id = self._job_id(obj, line)
         shot = obj.get("shot")
-        if shot is not None and (not isinstance(shot, int) or isinstance(shot, bool) or shot < 0):
-            self.error(line, "shot", f"expected an integer >= 0, got {shot!r}")
+        if shot is not None and not _is_shot(shot):
+            self.error(line, "shot", f"expected an integer >= 0, got {_json(shot)}")
         duration = obj.get("duration_s")
         if duration is not None and not (_is_number(duration) and duration > 0):
-            self.error(line, "duration_s", f"expected a number of seconds > 0, got {duration!r}")
+            self.error(
+                line, "duration_s", f"expected a number of seconds > 0, got {_json(duration)}"
+            )
         optional = obj.get("optional", False)
         if not isinstance(optional, bool):
-            self.error(line, "optional", f"expected true or false, got {optional!r}")
+            self.error(line, "optional", f"expected true or false, got {_json(optional)}")
         overrides = obj.get("set", {})
         if not isinstance(overrides, dict):
             self.error(line, "set", f"expected an object, got {_kind(overrides)}")
@@ -423,9 +532,9 @@ class _Parser:
         if _UUID.fullmatch(job_id):
             return job_id
         if _UUID.fullmatch(job_id.lower()):
-            self.error(line, "id", f"UUID must be lowercase: {job_id!r}")
+            self.error(line, "id", f"UUID must be lowercase: {_json(job_id)}")
         else:
-            self.error(line, "id", f"not a lowercase hyphenated UUID: {job_id!r}")
+            self.error(line, "id", f"not a lowercase hyphenated UUID: {_json(job_id)}")
         return None
 
     def _workflow(self, obj: dict[str, Any], line: int) -> dict[str, Any] | None:
@@ -441,7 +550,7 @@ class _Parser:
                 return None
             return json.loads(canonical_json(spec))
         if not isinstance(spec, str) or not spec:
-            self.error(line, "workflow", f"expected a file path or an object, got {spec!r}")
+            self.error(line, "workflow", f"expected a file path or an object, got {_json(spec)}")
             return None
         loaded = self.cache.get(self.base_dir, spec)
         if isinstance(loaded, str):
@@ -469,7 +578,7 @@ class _Parser:
                 self.error(line, name, f"{label} has no input {input_name!r} (inputs: {known})")
                 continue
             if _is_link(value):
-                self.error(line, name, f"value {value!r} is a link; set only literal values")
+                self.error(line, name, f"value {_json(value)} is a link; set only literal values")
                 continue
             if _is_link(inputs[input_name]):
                 self.error(

@@ -97,8 +97,8 @@ def describe_error(e: ComfyError, what: str) -> str:
     if isinstance(e, ServerError):
         first = (e.body or "").strip().splitlines()[:1]
         return f"{what} {e.status}, {first[0] if first else 'no body'}"
-    if isinstance(e, PromptRejected):
-        return f"{what} 400, {e.error_type}: {e.message}"
+    if isinstance(e, PromptRejected):  # its message reads "<server name>: POST /prompt 400, ..."
+        return e.message.split(": ", 1)[-1] if f": {what} 400" in e.message else e.message
     return f"{what}: {type(e).__name__}: {e}"
 
 
@@ -164,14 +164,18 @@ class Attempt:
         client = self.pool.client(name)
         pid = self.job.prompt_id
         try:
-            entry = await client.history(pid)
-            if entry is not None and entry.status_str == "success":
-                log.info("%s: caught up on %s: prompt %s already succeeded", self.label, name, pid)
-                return await self._download(client, name, entry, caught_up=True)
-            queue = await client.queue()
-        except ComfyError as e:
-            log.info("%s: catch-up on %s not possible (%s); posting anew", self.label, name, e)
+            # Bounded like a probe: a frozen server must not eat the attempt's deadline.
+            async with asyncio.timeout(self.pool.probe_timeout_s):
+                entry = await client.history(pid)
+                succeeded = entry is not None and entry.status_str == "success"
+                queue = None if succeeded else await client.queue()
+        except (ComfyError, TimeoutError) as e:
+            log.info("%s: catch-up on %s not possible (%r); posting anew", self.label, name, e)
             return None
+        if queue is None:
+            assert entry is not None
+            log.info("%s: caught up on %s: prompt %s already succeeded", self.label, name, pid)
+            return await self._download(client, name, entry, caught_up=True)
         found = next((q for q in [*queue.running, *queue.pending] if q.prompt_id == pid), None)
         if found is None:
             return None
@@ -294,7 +298,8 @@ class Attempt:
             return self.result("permanent", f"prompt ended with status {outcome.status}", **common)
         reason = (
             f"execution_error in node {err.node_id} ({err.node_type}): "
-            f"{err.exception_type}: {err.exception_message.strip()}"
+            # The first line: ComfyUI appends pages of tips to an OOM message.
+            f"{err.exception_type}: {(err.exception_message.strip().splitlines() or [''])[0]}"
         )
         if err.is_oom:
             try:

@@ -14,6 +14,7 @@ from comfy_assets.comfy.errors import (
     PromptLost,
     PromptRejected,
     ServerError,
+    ServerUnreachable,
 )
 from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
 from fake_comfy import FakeComfy
@@ -302,6 +303,22 @@ async def test_server_gone_mid_prompt_keeps_trying_until_the_deadline():
         with pytest.raises(DeadlineExceeded) as info:
             await follower.wait(pid, post.number, deadline_s=0.5)
         assert "server trouble" in str(info.value)
+    finally:
+        await follower.__aexit__(None, None, None)
+        await client.aclose()
+
+
+async def test_a_server_gone_longer_than_give_up_s_is_given_up_before_the_deadline():
+    fake = FakeComfy(script=["hang"], prompt_seconds=0.01)
+    pid, client_id = new_id(), uuid.uuid4().hex
+    async with fake.serve(port=0) as url:
+        client = ComfyClient(url, timeout_s=1.0)
+        follower = PromptFollower(client, client_id, poll_s=0.05, give_up_s=0.3)
+        await follower.__aenter__()
+        post = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+    try:  # the server is gone now: refused for good
+        with pytest.raises(ServerUnreachable, match="given up"):
+            await follower.wait(pid, post.number, deadline_s=60)
     finally:
         await follower.__aexit__(None, None, None)
         await client.aclose()

@@ -173,7 +173,7 @@ def test_the_sample_workflows_load_no_models(workflow_dir):
         ("[1, 2]", "json", "expected a JSON object, got an array"),
         ({"workflow": "image.json"}, "id", "missing"),
         (job(id_=7), "id", "expected a UUID string"),
-        (job(id_="job-1"), "id", "not a lowercase hyphenated UUID: 'job-1'"),
+        (job(id_="job-1"), "id", 'not a lowercase hyphenated UUID: "job-1"'),
         (job(id_="2f6a3c1e5b7d4e8f9a0b1c2d3e4f5a6b"), "id", "not a lowercase hyphenated UUID"),
         (job(id_=ID1.upper()), "id", "UUID must be lowercase"),
         ({"id": ID1}, "workflow", "missing"),
@@ -188,11 +188,15 @@ def test_the_sample_workflows_load_no_models(workflow_dir):
         (job(set={"2.image": 5}), "set.2.image", "is linked to node '1'"),
         (job(set=[1]), "set", "expected an object"),
         (job(shot="3"), "shot", "expected an integer"),
-        (job(shot=True), "shot", "expected an integer"),
         (job(shot=-1), "shot", "expected an integer >= 0"),
         (job(duration_s=0), "duration_s", "expected a number of seconds > 0"),
         (job(duration_s="4"), "duration_s", "expected a number of seconds > 0"),
-        (job(optional="yes"), "optional", "expected true or false"),
+        (job(optional="yes"), "optional", 'expected true or false, got "yes"'),
+        (job(optional=None), "optional", "expected true or false, got null"),
+        (job(shot=True), "shot", "expected an integer >= 0, got true"),
+        (job(shot=1.5), "shot", "expected an integer >= 0, got 1.5"),
+        (job(duration_s=False), "duration_s", "expected a number of seconds > 0, got false"),
+        (job(workflow=None), "workflow", "expected a file path or an object, got null"),
         (job(worklfow="image.json"), "worklfow", "unknown field (did you mean 'workflow'?)"),
         (f'{{"id": "{ID1}", "workflow": "image.json", "id": "{ID2}"}}', "id", "repeated"),
     ],
@@ -272,10 +276,110 @@ def test_a_missing_job_file_is_a_job_file_error(tmp_path):
     assert "cannot read" in e.message
 
 
-def test_an_empty_file_has_no_jobs(tmp_path):
+@pytest.mark.parametrize(
+    "text",
+    ["", "\n\n  \n", '{"header": {"policy": "draft"}}\n', '\n{"header": {}}\n\n'],
+    ids=["zero-bytes", "blank-lines", "header-only", "header-between-blanks"],
+)
+def test_a_file_without_jobs_is_an_error_naming_the_file(tmp_path, text):
     path = tmp_path / "empty.jsonl"
-    path.write_text("\n\n")
-    assert load_job_file(path).jobs == []
+    path.write_text(text)
+    with pytest.raises(JobFileError) as err:
+        load_job_file(path)
+    assert [(e.path, e.line, e.field, e.message) for e in err.value.errors] == [
+        (str(path), 0, "file", "no jobs in file")
+    ]
+    assert str(err.value) == f"{path}:0: file: no jobs in file"
+
+
+def test_a_file_whose_only_line_is_bad_reports_that_line_not_no_jobs(tmp_path):
+    (e,) = errors_of(write(tmp_path, "{oops"))
+    assert (e.line, e.field) == (1, "json")
+
+
+# Each line is written raw: json.dumps would refuse to write these numbers.
+@pytest.mark.parametrize(
+    "set_text, field, shown",
+    [
+        ('{"1.color": NaN}', "set.1.color", "got NaN"),
+        ('{"1.color": Infinity}', "set.1.color", "got Infinity"),
+        ('{"1.color": -Infinity}', "set.1.color", "got -Infinity"),
+        ('{"1.color": 1e400}', "set.1.color", "got 1e400"),
+        ('{"1.color": -1e400}', "set.1.color", "got -1e400"),
+        ('{"1.color": [1, {"a": [NaN]}]}', "set.1.color", "holds NaN"),
+        ('{"1.color": {"deep": 1e999}}', "set.1.color", "holds 1e999"),
+    ],
+)
+def test_a_non_finite_set_value_names_line_and_field(workflow_dir, set_text, field, shown):
+    line = f'{{"id": "{ID1}", "workflow": "image.json", "set": {set_text}}}'
+    path = write(workflow_dir, job(ID2), line)
+    (e,) = errors_of(path)
+    assert (e.path, e.line, e.field) == (str(path), 2, field)
+    assert shown in e.message
+    assert "finite" in e.message
+
+
+@pytest.mark.parametrize(
+    "line, field",
+    [
+        (f'{{"id": "{ID1}", "workflow": "image.json", "duration_s": NaN}}', "duration_s"),
+        (f'{{"id": "{ID1}", "workflow": "image.json", "shot": Infinity}}', "shot"),
+        (f'{{"id": "{ID1}", "workflow": "image.json", "extra": -Infinity}}', "extra"),
+        (
+            f'{{"id": "{ID1}", "workflow": {{"1": {{"class_type": "X", "inputs": '
+            '{"v": NaN}}}}',
+            "workflow",
+        ),
+        ('{"header": {"duration_tolerance": NaN}}', "header.duration_tolerance"),
+    ],
+)
+def test_a_nan_or_infinity_literal_in_any_field_is_an_error(workflow_dir, line, field):
+    path = write(workflow_dir, line, job(ID2))
+    (e,) = errors_of(path)
+    assert (e.line, e.field) == (1, field)
+    assert "finite" in e.message
+
+
+def test_a_workflow_file_holding_nan_is_an_error(workflow_dir):
+    (workflow_dir / "nan.json").write_text(
+        '{"1": {"class_type": "EmptyImage", "inputs": {"width": NaN}}}'
+    )
+    (e,) = errors_of(write(workflow_dir, job(workflow="nan.json")))
+    assert e.field == "workflow"
+    assert "nan.json node '1' holds NaN" in e.message
+
+
+def test_finite_floats_still_pass(workflow_dir):
+    line = f'{{"id": "{ID1}", "workflow": "image.json", "set": {{"1.color": 1.5e300}}}}'
+    (only,) = load_job_file(write(workflow_dir, line)).jobs
+    assert only.workflow["1"]["inputs"]["color"] == 1.5e300
+
+
+def test_a_queued_job_with_a_nan_float_is_rejected(workflow_dir):
+    with pytest.raises(JobFileError) as err:
+        job_from_dict(
+            job(set={"1.color": float("nan")}), base_dir=workflow_dir, source="queue", line=1
+        )
+    assert [(e.path, e.line, e.field) for e in err.value.errors] == [("queue", 1, "set.1.color")]
+    assert "got NaN" in err.value.errors[0].message
+
+
+def test_a_repeated_shot_is_an_error_on_the_later_line_naming_the_first(workflow_dir):
+    path = write(
+        workflow_dir,
+        job(shot=3),
+        job(ID2, shot=4),
+        "",
+        job("0b5a7c9e-3d1f-4a2b-8c6d-7e8f9a0b1c2d", shot=3),
+    )
+    (e,) = errors_of(path)
+    assert (e.line, e.field) == (4, "shot")
+    assert e.message == "3 repeated; first on line 1"
+
+
+def test_jobs_without_shots_and_distinct_shots_are_fine(workflow_dir):
+    jf = load_job_file(write(workflow_dir, job(shot=0), job(ID2)))
+    assert [j.shot for j in jf.jobs] == [0, None]
 
 
 def test_ten_thousand_jobs_share_one_workflow_file_read_once(workflow_dir, monkeypatch):

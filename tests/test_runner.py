@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -151,3 +154,74 @@ async def test_a_changed_input_renders_again_and_the_same_input_does_not(tmp_pat
     assert second.jobs[1].prompt_id != first.jobs[1].prompt_id
     assert [len(fake.stats["prompts"])] == [3]
     assert executed(fake, second.jobs[1].prompt_id) == 1
+
+
+async def test_a_deleted_output_is_fetched_again_without_rendering_again(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    job = jf.jobs[0]
+    store = Store(tmp_path / "store")
+    lines: list[str] = []
+    async with fake_servers(fake) as servers:
+        await run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        (first,) = [f for f in store.files(job.id) if "solid" in f.path]
+        (store.job_dir("p", job.id) / first.path).unlink()
+        summary = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(),
+            on_line=lines.append,
+        )
+    assert summary.done == 1
+    assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
+    data = (store.job_dir("p", job.id) / first.path).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == first.sha256
+    assert any(f"outputs missing: {first.path}" in line for line in lines)
+    assert any("caught up, nothing posted" in line for line in lines)
+
+
+async def test_an_edited_job_keeps_only_its_new_outputs(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    folder = tmp_path / "jobs"
+    store = Store(tmp_path / "store")
+    async with fake_servers(fake) as servers:
+        first = load_job_file(write_jobs(folder, 1))
+        await run_batch(first, partition="p", servers=servers, store=store, config=fast_config())
+        text = (folder / "jobs.jsonl").read_text().replace('"1.color": 1000', '"1.color": 5')
+        (folder / "jobs.jsonl").write_text(text)
+        second = load_job_file(folder / "jobs.jsonl")
+        await run_batch(second, partition="p", servers=servers, store=store, config=fast_config())
+    job_dir = store.job_dir("p", second.jobs[0].id)
+    on_disk = sorted(p.relative_to(job_dir).as_posix() for p in job_dir.rglob("*") if p.is_file())
+    assert on_disk == sorted(f.path for f in store.files(second.jobs[0].id))
+    assert len(on_disk) == 2
+
+
+async def test_the_claim_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    job = jf.jobs[0]
+    store = Store(tmp_path / "store")
+    store.register_jobs("p", jf.jobs)
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    dead_owner = f"{socket.gethostname()}:{int(gone.stdout)}:deadbeef"
+    assert store.claim(job.id, dead_owner, lease_s=3600.0) == "claimed"
+    lines: list[str] = []
+    async with fake_servers(fake) as servers:
+        summary = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(),
+            on_line=lines.append,
+        )
+    assert summary.done == 1
+    assert any(f"claim of {dead_owner} taken over" in line for line in lines)

@@ -33,13 +33,17 @@ from websockets.asyncio.client import ClientConnection
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import (
     ComfyError,
+    ConnectionLost,
     DeadlineExceeded,
     PromptLost,
+    RequestTimeout,
+    ServerUnreachable,
     UnexpectedAnswer,
 )
 from comfy_assets.comfy.types import ExecutionErrorInfo, HistoryEntry, Outcome
 
 _TERMINAL = frozenset({"execution_success", "execution_error", "execution_interrupted"})
+_PLAIN_ERRORS = (ServerUnreachable, ConnectionLost, RequestTimeout)  # (message, server=)
 _MAX_BUFFERED_PROMPTS = 1024  # prompt ids whose events are kept before anyone waits
 _RECONNECT_FIRST_S = 0.05
 
@@ -66,13 +70,16 @@ class _Run:
     finished: bool = False  # the server is done with it (on_finished called)
     ended_hint: bool = False  # some terminal event for this prompt_id arrived
     last_seen: str = "not yet seen"
+    trouble_since: float | None = None  # loop time the server stopped answering
 
 
 class PromptFollower:
     """One socket (``/ws?clientId=``) kept open, reconnected with the same clientId after
     a drop (capped exponential backoff, ``reconnect_max_s`` seconds), and ``wait`` for one
     prompt at a time or several concurrently. ``poll_s`` (seconds) is the /history poll
-    period. Entering raises the client's typed errors when the socket cannot be opened.
+    period. ``give_up_s``: a server that answers nothing for this long (seconds) is given
+    up on (the recorded restart refused connections for ~11 s: restart.json). Entering
+    raises the client's typed errors when the socket cannot be opened.
     """
 
     def __init__(
@@ -82,8 +89,10 @@ class PromptFollower:
         *,
         poll_s: float = 1.0,
         reconnect_max_s: float = 2.0,
+        give_up_s: float = 30.0,
     ) -> None:
         self.client = client
+        self.give_up_s = give_up_s
         self.client_id = client_id
         self.poll_s = poll_s
         self.reconnect_max_s = reconnect_max_s
@@ -265,6 +274,7 @@ class PromptFollower:
         try:
             async with asyncio.timeout_at(deadline):
                 entry = await self.client.history(run.prompt_id)
+                run.trouble_since = None  # it answers again
                 if entry is not None and entry.number == run.number:
                     return entry
                 if not suspect or run.ended_hint:
@@ -282,6 +292,16 @@ class PromptFollower:
         except ComfyError as exc:
             if not exc.transient:
                 raise
+            now = asyncio.get_running_loop().time()
+            if run.trouble_since is None:
+                run.trouble_since = now
+            elif now - run.trouble_since >= self.give_up_s:
+                if type(exc) not in _PLAIN_ERRORS:
+                    raise
+                silent_s = now - run.trouble_since
+                raise type(exc)(
+                    f"{exc.message}; no answer for {silent_s:.0f} s, given up", server=exc.server
+                ) from exc
             run.last_seen = f"server trouble: {exc.message}"
             return True  # ask /queue as soon as it answers again
         other = "" if entry is None else f" (history holds run {entry.number})"

@@ -365,7 +365,9 @@ class Pool:
                 return slot, False
         return None, False
 
-    def _take(self, spec: ServerSpec, models: Sequence[str], lengths: dict[str, int]) -> Slot | None:
+    def _take(
+        self, spec: ServerSpec, models: Sequence[str], lengths: dict[str, int]
+    ) -> Slot | None:
         """Take the server lease of ``spec``; None if someone else has it."""
         # Another consumer of this process may have taken it while we probed; the store
         # can't tell (same owner), so check here, with no await in between.

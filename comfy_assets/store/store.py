@@ -124,13 +124,21 @@ class Store:
     # --- claims --------------------------------------------------------------------
 
     def claim(
-        self, job_id: str, owner: str, lease_s: float = 3600.0, now: float | None = None
+        self,
+        job_id: str,
+        owner: str,
+        lease_s: float = 3600.0,
+        now: float | None = None,
+        *,
+        dead_holder: str | None = None,
     ) -> ClaimStatus:
         """Try to take ``job_id`` for ``owner`` until ``now + lease_s`` (seconds).
 
         CLAIMED if it was free, expired (taken over: an event names the old owner) or
         already ours (the lease is extended); HELD if another owner's claim is live;
-        DONE for succeeded/degraded; DEAD_LETTERED for failed_fatal. Raises UnknownJob.
+        DONE for succeeded/degraded; DEAD_LETTERED for failed_fatal. ``dead_holder``: an
+        owner known to be dead (a process of this host that no longer runs), whose claim
+        is taken over as if expired. Raises UnknownJob.
         """
         now = _now(now)
         event = None
@@ -142,6 +150,7 @@ class Store:
                 return ClaimStatus.DEAD_LETTERED
             holder = row.claimed_by
             live = row.claim_expires_at is not None and row.claim_expires_at > now
+            live = live and not (dead_holder is not None and holder == dead_holder)
             if holder not in (None, owner) and live:
                 return ClaimStatus.HELD
             params = {
@@ -588,6 +597,8 @@ def _now(now: float | None) -> float:
 def _safe_name(name: str, what: str) -> str:
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise ValueError(f"{what} {name!r} cannot be used as a folder name")
+    if name.startswith("store.db"):  # the SQLite file and its -wal/-shm live beside them
+        raise ValueError(f"{what} {name!r} would collide with the store's own database file")
     return name
 
 

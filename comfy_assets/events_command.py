@@ -1,0 +1,122 @@
+"""``comfy-assets events``: what happened to one job, or to shot 17, as one command.
+
+Reads the event rows of a result store (every state transition, oldest first) and prints
+one line per event, or one JSON object per line with ``--json``.
+
+Register it in ``cli.COMMANDS`` as ``add_events_parser``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+from comfy_assets.events import Event, event_json
+from comfy_assets.jobfile import is_job_id
+from comfy_assets.store import Store
+
+EXIT_OK = 0
+EXIT_NOTHING = 1
+EXIT_BAD_INPUT = 2
+
+
+def _shot(text: str) -> int:
+    """An argparse ``type`` for ``--shot``: an integer >= 0, as in job files."""
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from e
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def add_events_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``events --store DIR [--db-url URL] (--job ID | --partition P [--shot N])
+    [--json]`` on the ``comfy-assets`` subparsers."""
+    p = sub.add_parser(
+        "events", help="what happened to a job or a shot: its state transitions, oldest first"
+    )
+    p.add_argument(
+        "--store", type=Path, required=True, help="the result store folder (holds store.db)"
+    )
+    p.add_argument(
+        "--db-url",
+        default=None,
+        help="PostgreSQL URL of the store's database (default: SQLite at <store>/store.db)",
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--job", metavar="JOB_ID", help="one job's events")
+    which.add_argument("--partition", help="the events of a partition's jobs")
+    p.add_argument(
+        "--shot", type=_shot, default=None, help="with --partition: only this shot's job"
+    )
+    p.add_argument("--json", action="store_true", help="one JSON object per event and line")
+    p.set_defaults(func=events_command)
+
+
+def events_command(args: argparse.Namespace) -> int:
+    """Print the matching events, oldest first.
+
+    Exit 0 when at least one event matches; 1 when none does (an unknown job, partition
+    or shot); 2 for bad input: ``--shot`` without ``--partition``, a ``--job`` that is
+    not a lowercase UUID, or no ``store.db`` under ``--store`` (and no ``--db-url``).
+    """
+    if args.shot is not None and args.partition is None:
+        return _bad_input("--shot needs --partition (shot numbers are per job file)")
+    if args.job is not None and not is_job_id(args.job):
+        return _bad_input(f"--job {args.job!r} is not a job id (a lowercase UUID)")
+    if args.db_url is None and not (args.store / "store.db").is_file():
+        # Store() would create an empty one and answer "nothing happened".
+        return _bad_input(f"no result store at {args.store} (no store.db)")
+    store = Store(args.store, args.db_url)
+    try:
+        events = store.events(job_id=args.job, partition=args.partition, shot=args.shot)
+    finally:
+        store.close()
+    if not events:
+        print(f"no events for {_query(args)} in {args.store}", file=sys.stderr)
+        return EXIT_NOTHING
+    # Several jobs share the output of a partition query: name each line's job there.
+    many_jobs = len({event.job_id for event in events}) > 1
+    for event in events:
+        print(event_json(event) if args.json else event_line(event, with_job=many_jobs))
+    return EXIT_OK
+
+
+def event_line(event: Event, *, with_job: bool = False) -> str:
+    """``2025-01-31T12:00:00.123+00:00 pending → submitted gpu0 attempt 1 detail``.
+
+    The time is UTC ISO 8601 (milliseconds); ``-`` stands for no previous state (the
+    job's registration), no server or no attempt. ``with_job`` puts the job id after
+    the time.
+    """
+    when = datetime.fromtimestamp(event.time, tz=UTC).isoformat(timespec="milliseconds")
+    parts = [when]
+    if with_job:
+        parts.append(f"job {event.job_id}")
+    parts += [
+        event.from_state or "-",
+        "→",
+        event.to_state,
+        event.server or "-",
+        "-" if event.attempt is None else f"attempt {event.attempt}",
+    ]
+    if event.detail:
+        parts.append(event.detail)
+    return " ".join(parts)
+
+
+def _query(args: argparse.Namespace) -> str:
+    if args.job is not None:
+        return f"job {args.job}"
+    if args.shot is not None:
+        return f"shot {args.shot} of partition {args.partition!r}"
+    return f"partition {args.partition!r}"
+
+
+def _bad_input(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
