@@ -265,26 +265,16 @@ class Batch:
     def _check_finished(self) -> None:
         if self.unresolved <= 0 or (self.stopped and not self.attempts):
             self.finished.set()
+            self.pool.wake()  # a consumer waiting for a server sees it is over
         self.queue.changed.set()
 
     async def _acquire(self, head: _Item) -> Slot | None:
         """A free server for ``head``'s kind of job, or None once the batch is finished
         (a consumer must not wait forever for a server when nothing is left to run)."""
-        acquiring = asyncio.ensure_future(
-            self.pool.acquire(prefer=head.prev_server, models=head.job.models)
+        slot = await self.pool.acquire_until(
+            self.finished, prefer=head.prev_server, models=head.job.models
         )
-        finishing = asyncio.ensure_future(self.finished.wait())
-        try:
-            await asyncio.wait({acquiring, finishing}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            finishing.cancel()
-            if not acquiring.done():
-                acquiring.cancel()
-            await asyncio.gather(acquiring, finishing, return_exceptions=True)
-        if acquiring.cancelled():
-            return None
-        slot = acquiring.result()
-        if self.finished.is_set():
+        if slot is not None and self.finished.is_set():
             slot.release()
             return None
         return slot

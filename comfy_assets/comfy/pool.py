@@ -285,12 +285,34 @@ class Pool:
         ``allow_prompt``: that prompt_id of ours may be on it.
         Raises ``NoServerAvailable`` when ``wait`` is false and nothing is free.
         """
+        slot = await self.acquire_until(
+            None, prefer=prefer, models=models, only=only, allow_prompt=allow_prompt, wait=wait
+        )
+        assert slot is not None, "acquire without a stop event returns a slot"
+        return slot
+
+    async def acquire_until(
+        self,
+        stop: asyncio.Event | None,
+        *,
+        prefer: str | None = None,
+        models: Sequence[str] = (),
+        only: str | None = None,
+        allow_prompt: str | None = None,
+        wait: bool = True,
+    ) -> Slot | None:
+        """``acquire``, or None once ``stop`` is set (and ``wake()`` called): a consumer
+        with nothing left to run must not wait for a server for ever."""
         if only is not None:  # catch-up of one prompt: not in line with the others
-            return await self._acquire_loop(prefer, models, only, allow_prompt, wait)
+            return await self._acquire_loop(prefer, models, only, allow_prompt, wait, stop)
         # Consumers line up: only the first looks (FIFO), so a release wakes one
         # consumer, not a stampede of probes and lease reads.
         async with self._line:
-            return await self._acquire_loop(prefer, models, only, allow_prompt, wait)
+            return await self._acquire_loop(prefer, models, only, allow_prompt, wait, stop)
+
+    def wake(self) -> None:
+        """Wake the consumer waiting for a server (to see its stop event)."""
+        self._changed.set()
 
     async def _acquire_loop(
         self,
@@ -299,8 +321,11 @@ class Pool:
         only: str | None,
         allow_prompt: str | None,
         wait: bool,
-    ) -> Slot:
+        stop: asyncio.Event | None,
+    ) -> Slot | None:
         while True:
+            if stop is not None and stop.is_set():
+                return None
             self._changed.clear()
             slot, all_unhealthy = await self._try_acquire(prefer, models, only, allow_prompt)
             if slot is not None:

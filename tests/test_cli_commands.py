@@ -1,0 +1,345 @@
+"""``comfy-assets run``, ``requeue`` and ``events`` in process, against an in-thread fake:
+exit codes, printed lines, the results CSV, and what the fake was asked to render."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from comfy_assets.cli import main
+from comfy_assets.jobfile import load_job_file
+from fake_comfy import FakeComfy
+from tests.support import job_id, write_jobs
+
+# Tiny delays and polls, so a retry or a poll never makes a test slow.
+FAST = ["--base-delay-s", "0.01", "--max-delay-s", "0.05", "--no-jitter", "--poll-s", "0.05"]
+ISO_UTC = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00"
+
+
+@pytest.fixture
+def fake() -> FakeComfy:
+    return FakeComfy(prompt_seconds=0.005)
+
+
+@pytest.fixture
+def url(fake: FakeComfy) -> Iterator[str]:
+    with fake.serve_in_thread(port=0) as served:
+        yield served
+
+
+def run(jobs: Path, store: Path, url: str, *extra: str) -> int:
+    """``comfy-assets run`` on one fake server, with fast retries."""
+    return main(
+        ["run", "--jobs", str(jobs), "--server", f"gpu0={url}", "--store", str(store)]
+        + FAST
+        + list(extra)
+    )
+
+
+def rows(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="", encoding="utf-8") as handle:
+        return list(csv.DictReader(handle))
+
+
+def posts(fake: FakeComfy) -> dict[str, int]:
+    """How many times each prompt was posted to the fake."""
+    return {pid: p["posted"] for pid, p in fake.stats["prompts"].items()}
+
+
+# --- run: the results CSV ------------------------------------------------------------
+
+
+def test_run_writes_the_results_csv_and_prints_its_path(
+    tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    store = tmp_path / "store"
+
+    assert run(jobs, store, url) == 0
+
+    out = capsys.readouterr().out.splitlines()
+    csv_path = store / "jobs" / "results.csv"
+    assert "summary: 3 done, 0 dead-lettered" in out
+    assert out[-1] == f"results: {csv_path}"
+    table = rows(csv_path)
+    assert [r["job_id"] for r in table] == [job_id(i, "jobs.jsonl") for i in range(3)]
+    assert [r["1.color"] for r in table] == ["1000", "1001", "1002"]
+    assert {r["state"] for r in table} == {"succeeded"}
+    assert all(r["server"] == "gpu0" and r["files"] for r in table)
+    assert sorted(posts(fake).values()) == [1, 1, 1]
+
+
+def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
+    tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    store = tmp_path / "store"
+    fake.script.append("invalid")  # the first prompt posted fails validation: permanent
+
+    assert run(jobs, store, url) == 1
+
+    out = capsys.readouterr().out
+    (dead,) = re.findall(r"dead letter ([0-9a-f-]{36}):", out)
+    assert f"results: {store / 'jobs' / 'results.csv'}" in out.splitlines()
+    table = {r["job_id"]: r for r in rows(store / "jobs" / "results.csv")}
+    assert len(table) == 3
+    assert table[dead]["state"] == "failed_fatal"
+    assert "prompt_outputs_failed_validation" in table[dead]["reason"]
+    assert [r["state"] for i, r in table.items() if i != dead] == ["succeeded"] * 2
+
+    assert main(["requeue", dead, "--store", str(store)]) == 0
+    assert capsys.readouterr().out == f"job {dead}: requeued (pending)\n"
+    assert run(jobs, store, url) == 0
+    assert {r["state"] for r in rows(store / "jobs" / "results.csv")} == {"succeeded"}
+    prompt = {j.id: j.prompt_id for j in load_job_file(jobs).jobs}[dead]
+    counts = posts(fake)
+    assert counts.pop(prompt) == 2  # the dead letter again, nothing else
+    assert sorted(counts.values()) == [1, 1]
+
+
+def test_a_job_line_deleted_from_the_file_leaves_the_results_csv(
+    tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    store = tmp_path / "store"
+    assert run(jobs, store, url) == 0
+    lines = jobs.read_text().splitlines()
+    jobs.write_text("\n".join([lines[0], lines[2]]) + "\n")
+
+    assert run(jobs, store, url) == 0
+
+    table = rows(store / "jobs" / "results.csv")
+    assert [r["job_id"] for r in table] == [job_id(0, "jobs.jsonl"), job_id(2, "jobs.jsonl")]
+    assert sum(posts(fake).values()) == 3  # the second run rendered nothing again
+
+
+# --- run: bad input is exit 2, nothing posted -----------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", '{"header": {"policy": "draft"}}\n'])
+def test_a_job_file_without_jobs_is_exit_2_not_a_hang(
+    tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str], text: str
+) -> None:
+    jobs = tmp_path / "empty.jsonl"
+    jobs.write_text(text)
+
+    assert run(jobs, tmp_path / "store", url) == 2
+
+    assert capsys.readouterr().err == f"error: {jobs}:0: file: no jobs in file\n"
+    assert posts(fake) == {}
+
+
+def test_a_nan_set_value_is_exit_2_naming_line_and_field(
+    tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 2)
+    first, second = jobs.read_text().splitlines()
+    jobs.write_text(f"{first}\n{second.replace('1001', 'NaN')}\n")
+
+    assert run(jobs, tmp_path / "store", url) == 2
+
+    err = capsys.readouterr().err
+    assert f"{jobs}:2: set.1.color: expected a finite number, got NaN" in err
+    assert posts(fake) == {}
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--attempts", "0"),
+        ("--attempts", "two"),
+        ("--base-delay-s", "-1"),
+        ("--max-delay-s", "-0.5"),
+        ("--max-delay-s", "nan"),
+        ("--timeout-s", "0"),
+        ("--timeout-s", "inf"),
+        ("--poll-s", "0"),
+        ("--lease-s", "-5"),
+        ("--server-lease-s", "0"),
+        ("--max-queue", "0"),
+    ],
+)
+@pytest.mark.parametrize("command", ["run", "worker"])
+def test_an_out_of_range_batch_option_is_an_argparse_error_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str, option: str, value: str
+) -> None:
+    argv = [command, "--jobs", "j.jsonl", "--server", "gpu0=http://127.0.0.1:9"]
+    argv += ["--store", str(tmp_path / "store"), f"{option}={value}"]
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+
+    assert exited.value.code == 2
+    assert f"argument {option}: expected " in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()
+
+
+def test_the_smallest_allowed_batch_options_run(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    limits = ["--attempts", "1", "--base-delay-s", "0", "--max-delay-s", "0", "--max-queue", "1"]
+
+    assert run(jobs, tmp_path / "store", url, *limits) == 0
+    assert "summary: 1 done, 0 dead-lettered" in capsys.readouterr().out
+
+
+# --- requeue ---------------------------------------------------------------------------
+
+
+def test_requeue_needs_store(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["requeue", job_id(0)])
+    assert exited.value.code == 2
+    assert "--store" in capsys.readouterr().err
+
+
+def test_requeue_on_a_folder_without_a_store_is_exit_2_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "typo"
+
+    assert main(["requeue", job_id(0), "--store", str(folder)]) == 2
+
+    assert capsys.readouterr().err == f"error: no result store at {folder} (no store.db)\n"
+    assert not folder.exists()
+
+
+def test_requeue_names_ids_that_are_not_lowercase_uuids(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = job_id(0)
+    argv = ["requeue", good, "job-7", good.upper(), "--store", str(tmp_path)]
+
+    assert main(argv) == 2
+
+    err = capsys.readouterr().err
+    assert err == f"error: not a job id (a lowercase UUID): job-7, {good.upper()}\n"
+    assert not (tmp_path / "store.db").exists()
+
+
+def test_requeue_of_a_job_that_is_not_a_dead_letter_is_exit_1(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    assert run(jobs, tmp_path / "store", url) == 0
+    capsys.readouterr()
+
+    done, unknown = job_id(0, "jobs.jsonl"), job_id(99)
+    assert main(["requeue", done, unknown, "--store", str(tmp_path / "store")]) == 1
+
+    assert capsys.readouterr().err.splitlines() == [
+        f"job {done}: not a dead letter (succeeded)",
+        f"job {unknown}: not a dead letter (unknown job)",
+    ]
+
+
+# --- events ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def storyboard_store(tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]) -> Path:
+    """A store where three jobs with shots 1, 2 and 3 were rendered (partition "jobs")."""
+    extra = [{"shot": shot, "duration_s": 1.0} for shot in (1, 2, 3)]
+    jobs = write_jobs(tmp_path / "jobs", 3, extra=extra)
+    assert run(jobs, tmp_path / "store", url) == 0
+    capsys.readouterr()
+    return tmp_path / "store"
+
+
+def test_events_of_a_job_are_one_line_each_oldest_first(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = job_id(1, "jobs.jsonl")
+
+    assert main(["events", "--store", str(storyboard_store), "--job", job]) == 0
+
+    lines = capsys.readouterr().out.splitlines()
+    assert re.fullmatch(rf"{ISO_UTC} - → pending - - .*", lines[0])
+    assert re.fullmatch(rf"{ISO_UTC} pending → submitted gpu0 attempt 1( .*)?", lines[1])
+    assert re.fullmatch(rf"{ISO_UTC} \w+ → succeeded gpu0 attempt 1( .*)?", lines[-1])
+    assert not any(job in line for line in lines)  # one job: no job column
+
+
+def test_events_json_gives_one_object_per_line(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = job_id(0, "jobs.jsonl")
+
+    assert main(["events", "--store", str(storyboard_store), "--job", job, "--json"]) == 0
+
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {e["job_id"] for e in events} == {job}
+    assert events[0]["from_state"] is None and events[0]["to_state"] == "pending"
+    assert events[-1]["to_state"] == "succeeded"
+    assert [e["id"] for e in events] == sorted(e["id"] for e in events)
+
+
+def test_events_of_a_shot_are_only_that_shots_job(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["events", "--store", str(storyboard_store), "--partition", "jobs"]
+
+    assert main([*argv, "--shot", "2", "--json"]) == 0
+    shot_2 = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {e["job_id"] for e in shot_2} == {job_id(1, "jobs.jsonl")}
+
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) > len(shot_2)
+    assert all(re.match(rf"{ISO_UTC} job [0-9a-f-]{{36}} ", line) for line in lines)
+
+
+@pytest.mark.parametrize(
+    "query, named",
+    [
+        (["--partition", "jobs", "--shot", "7"], "shot 7 of partition 'jobs'"),
+        (["--partition", "nope"], "partition 'nope'"),
+        (["--job", job_id(99)], f"job {job_id(99)}"),
+    ],
+)
+def test_events_matching_nothing_is_exit_1(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str], query: list[str], named: str
+) -> None:
+    assert main(["events", "--store", str(storyboard_store), *query]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"no events for {named} in {storyboard_store}\n"
+
+
+def test_events_without_a_store_is_exit_2_and_creates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["events", "--store", str(tmp_path / "none"), "--job", job_id(0)]) == 2
+    assert "no result store at" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize(
+    "query, message",
+    [
+        (["--job", "17"], "is not a job id"),
+        (["--job", job_id(0), "--shot", "3"], "--shot needs --partition"),
+    ],
+)
+def test_events_bad_queries_are_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], query: list[str], message: str
+) -> None:
+    assert main(["events", "--store", str(tmp_path), *query]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "query", [[], ["--job", job_id(0), "--partition", "jobs"], ["--partition", "p", "--shot", "-1"]]
+)
+def test_events_argument_errors_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], query: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["events", "--store", str(tmp_path), *query])
+    assert exited.value.code == 2
