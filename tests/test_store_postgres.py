@@ -75,7 +75,7 @@ def test_register_keeps_done_jobs_and_resets_changed_ones(any_store, workflow_di
 
 def test_ten_thousand_jobs_register_in_bulk(any_store, workflow_dir):
     lines = [
-        {"id": str(uuid.UUID(int=i, version=4)), "workflow": "image.json", "shot": i % 7}
+        {"id": str(uuid.UUID(int=i, version=4)), "workflow": "image.json", "shot": 10_000 - i}
         for i in range(10_000)
     ]
     path = workflow_dir / "big.jsonl"
@@ -85,7 +85,7 @@ def test_ten_thousand_jobs_register_in_bulk(any_store, workflow_dir):
     assert any_store.counts("big")["pending"] == 10_000
     assert len(any_store.register_jobs("big", jobs).unchanged) == 10_000
     listed = any_store.jobs("big")
-    assert [(r.shot, r.line) for r in listed[:2]] == [(0, 1), (0, 8)]
+    assert [(r.shot, r.line) for r in listed[:2]] == [(1, 10_000), (2, 9_999)]  # by shot
 
 
 def test_claims_expire_and_are_taken_over(any_store, workflow_dir):
