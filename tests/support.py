@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 
@@ -81,3 +82,22 @@ def posted(fake: FakeComfy, prompt_id: str) -> int:
 
 def executed(fake: FakeComfy, prompt_id: str) -> int:
     return fake.stats["prompts"].get(prompt_id, {}).get("executed", 0)
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Wait for ``condition`` to hold, looking every 10 ms; fail after ``timeout_s``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not condition():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def running(fake: FakeComfy, prompt_id: str) -> bool:
+    """The fake is executing ``prompt_id`` right now (a run without an outcome yet)."""
+    return any(r["prompt_id"] == prompt_id and r["outcome"] is None for r in fake.stats["runs"])
+
+
+def outcomes(fake: FakeComfy, prompt_id: str) -> list[str | None]:
+    return [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == prompt_id]

@@ -139,17 +139,26 @@ async def test_partial_outputs_are_a_permanent_failure(tmp_path):
     assert posted(fake, jf.jobs[0].prompt_id) == 1
 
 
-async def test_a_changed_input_renders_again_and_the_same_input_does_not(tmp_path):
+async def render_edit_render(tmp_path, count: int, old: str, new: str):
+    """Render ``count`` jobs, replace ``old`` by ``new`` in the job file, render again;
+    returns (fake, first job file, second job file, store)."""
     fake = FakeComfy(prompt_seconds=0.005)
     folder = tmp_path / "jobs"
     store = Store(tmp_path / "store")
     async with fake_servers(fake) as servers:
-        first = load_job_file(write_jobs(folder, 2))
+        first = load_job_file(write_jobs(folder, count))
         await run_batch(first, partition="p", servers=servers, store=store, config=fast_config())
-        text = (folder / "jobs.jsonl").read_text().replace('"1.color": 1001', '"1.color": 7')
+        text = (folder / "jobs.jsonl").read_text().replace(old, new)
         (folder / "jobs.jsonl").write_text(text)
         second = load_job_file(folder / "jobs.jsonl")
         await run_batch(second, partition="p", servers=servers, store=store, config=fast_config())
+    return fake, first, second, store
+
+
+async def test_a_changed_input_renders_again_and_the_same_input_does_not(tmp_path):
+    fake, first, second, _ = await render_edit_render(
+        tmp_path, 2, '"1.color": 1001', '"1.color": 7'
+    )
     assert second.jobs[0].prompt_id == first.jobs[0].prompt_id
     assert second.jobs[1].prompt_id != first.jobs[1].prompt_id
     assert [len(fake.stats["prompts"])] == [3]
@@ -183,16 +192,10 @@ async def test_a_deleted_output_is_fetched_again_without_rendering_again(tmp_pat
 
 
 async def test_an_edited_job_keeps_only_its_new_outputs(tmp_path):
-    fake = FakeComfy(prompt_seconds=0.005)
-    folder = tmp_path / "jobs"
-    store = Store(tmp_path / "store")
-    async with fake_servers(fake) as servers:
-        first = load_job_file(write_jobs(folder, 1))
-        await run_batch(first, partition="p", servers=servers, store=store, config=fast_config())
-        text = (folder / "jobs.jsonl").read_text().replace('"1.color": 1000', '"1.color": 5')
-        (folder / "jobs.jsonl").write_text(text)
-        second = load_job_file(folder / "jobs.jsonl")
-        await run_batch(second, partition="p", servers=servers, store=store, config=fast_config())
+    _, first, second, store = await render_edit_render(
+        tmp_path, 1, '"1.color": 1000', '"1.color": 5'
+    )
+    assert first.jobs[0].prompt_id != second.jobs[0].prompt_id
     job_dir = store.job_dir("p", second.jobs[0].id)
     on_disk = sorted(p.relative_to(job_dir).as_posix() for p in job_dir.rglob("*") if p.is_file())
     assert on_disk == sorted(f.path for f in store.files(second.jobs[0].id))

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,26 +15,16 @@ from comfy_assets.sources import FileSource, MemoryDelivery, MemorySource, parse
 from comfy_assets.store import Store
 from comfy_assets.worker import Worker, build_parser, job_lines
 from fake_comfy import FakeComfy
-from tests.support import executed, fake_servers, fast_config, posted, write_jobs
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Wait for ``condition`` to hold, looking every 10 ms; fail after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-def running(fake: FakeComfy, prompt_id: str) -> bool:
-    """The fake is executing ``prompt_id`` right now (a run without an outcome yet)."""
-    return any(r["prompt_id"] == prompt_id and r["outcome"] is None for r in fake.stats["runs"])
-
-
-def outcomes(fake: FakeComfy, prompt_id: str) -> list[str | None]:
-    return [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == prompt_id]
+from tests.support import (
+    executed,
+    fake_servers,
+    fast_config,
+    outcomes,
+    posted,
+    running,
+    wait_until,
+    write_jobs,
+)
 
 
 def make_worker(source, specs, store: Store, folder: Path, **kwargs) -> Worker:

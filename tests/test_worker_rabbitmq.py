@@ -9,7 +9,7 @@ import os
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -23,29 +23,21 @@ from comfy_assets.sources import RabbitSource
 from comfy_assets.store import Store
 from comfy_assets.worker import Worker, job_lines
 from fake_comfy import FakeComfy
-from tests.support import ROOT, executed, fake_servers, fast_config, posted, write_jobs
+from tests.support import (
+    ROOT,
+    executed,
+    fake_servers,
+    fast_config,
+    outcomes,
+    posted,
+    running,
+    wait_until,
+    write_jobs,
+)
 
 pytestmark = pytest.mark.rabbitmq
 
 URL = os.environ.get("COMFY_ASSETS_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Wait for ``condition`` to hold, looking every 10 ms; fail after ``timeout_s``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not condition():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
-def running(fake: FakeComfy, prompt_id: str) -> bool:
-    return any(r["prompt_id"] == prompt_id and r["outcome"] is None for r in fake.stats["runs"])
-
-
-def outcomes(fake: FakeComfy, prompt_id: str) -> list[str | None]:
-    return [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == prompt_id]
 
 
 @pytest.fixture
