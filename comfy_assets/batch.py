@@ -401,6 +401,7 @@ class Batch:
         return kept
 
     async def _cancelled(self, job: Job, attempt: Attempt) -> None:
+        on_server = attempt.on_server is not None  # ours still queued or running there
         try:
             await attempt.cancel_cleanup()
         finally:
@@ -410,7 +411,8 @@ class Batch:
                     job.id, "failed_retryable", detail="run cancelled; prompt interrupted"
                 )
             self._release_claim(job.id)
-            self.say(f"job {job.id}: run cancelled, prompt removed, claim released")
+            what = "prompt interrupted and removed" if on_server else "nothing on a server"
+            self.say(f"job {job.id}: run cancelled, {what}, claim released")
 
     def _settle(self, item: _Item, number: int, r: AttemptResult) -> None:
         job, store, cfg = item.job, self.store, self.config

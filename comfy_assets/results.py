@@ -106,6 +106,7 @@ def write_csv(frame: pd.DataFrame, path: Path) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
             frame.to_csv(handle, index=False)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a results table is for everyone
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -57,7 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as ex:
         print(f"fake_comfy: {ex}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(fake, args.port, args.host))
+    try:
+        asyncio.run(_serve(fake, args.port, args.host))
+    except OSError as ex:  # the port is taken, the host is not ours: say so, no traceback
+        print(
+            f"fake_comfy: cannot listen on {args.host}:{args.port}: {ex.strerror}", file=sys.stderr
+        )
+        return 2
     return 0
 
 

@@ -34,6 +34,9 @@ log = logging.getLogger("comfy_assets.pool")
 CLIENT_ID_PREFIX = "comfy-assets-"
 
 
+REPORT_AGAIN_S = 60.0  # seconds between reminders that a server is still unreachable
+
+
 def new_client_id() -> str:
     """A fresh client id, recognisable as ours in any server's /queue."""
     return CLIENT_ID_PREFIX + uuid.uuid4().hex
@@ -162,6 +165,7 @@ class Pool:
         self._changed = asyncio.Event()
         self._renewer: asyncio.Task[None] | None = None
         self._reported: dict[str, str] = {}  # last state reported per server (log once)
+        self._reported_at: dict[str, float] = {}  # monotonic time of that report
         self.last_model: dict[str, str | None] = {}
         # Prompts of ours that have finished: ComfyUI still lists a prompt in /queue while
         # it writes its history, so a probe right after execution_success sees it; it no
@@ -420,12 +424,17 @@ class Pool:
         return stored or self.last_model.get(name)
 
     def _report(self, probes: Sequence[ServerProbe]) -> None:
-        """Log a server's state once when it changes, not at every probe."""
+        """Log a server's state when it changes, not at every probe; an unreachable
+        server is named again every ``REPORT_AGAIN_S`` so a long wait is not silent."""
+        now = time.monotonic()
         for p in probes:
             state = "healthy" if p.healthy else f"unreachable: {p.reason}"
-            if self._reported.get(p.name, "healthy") != state:
+            changed = self._reported.get(p.name, "healthy") != state
+            stale = not p.healthy and now - self._reported_at.get(p.name, now) >= REPORT_AGAIN_S
+            if changed or stale:
                 level = logging.INFO if p.healthy else logging.WARNING
                 log.log(level, "server %s %s", p.name, state)
+                self._reported_at[p.name] = now
             self._reported[p.name] = state
 
     def unreachable(self) -> dict[str, str]:
