@@ -1,9 +1,8 @@
 """The production profile on PostgreSQL: it loads, and two runs share the fake servers.
 
 Dagster's storage and the result store are two databases of the same server, as in
-``dagster_home/production/dagster.yaml``: both have a table named ``jobs``, so they can't
-share one database (the ``pg_url`` database holds the result store, a second database
-made here holds Dagster's runs, event logs and sensor state).
+``dagster_home/production/dagster.yaml`` (the ``pg_url`` database holds the result store,
+a second database made here holds Dagster's runs, event logs and sensor state).
 """
 
 from __future__ import annotations
@@ -127,7 +126,9 @@ def test_the_production_profile_loads_on_postgresql_with_its_queue_limits_and_re
         assert "profile-check" in instance.get_dynamic_partitions("job_files")
         assert list(instance.all_instigator_state()) == []
         with Store(tmp_path / "store", pg_url) as store:
-            assert store.partitions() is not None
+            assert store.acquire_server("profile-check", "profile-test", 30.0)
+            store.release_server("profile-check", "profile-test")
+            assert store.server_leases()["profile-check"].owner is None
         assert list(instance.all_instigator_state()) == []
     finally:
         instance.dispose()

@@ -352,6 +352,14 @@ class Pool:
         only: str | None,
         allow_prompt: str | None,
     ) -> tuple[Slot | None, bool]:
+        if only is None and self.max_queue is None:
+            rest = [s for s in self.servers if s.name not in self._held]
+            if len(rest) == 1 and self._just_freed(rest[0].name):
+                # We hold every other server and ours just left this one: nothing to
+                # choose, nothing to read; the lease itself says if another process won.
+                slot = self._take(rest[0], models, {})
+                if slot is not None:
+                    return slot, False
         now = time.time()
         leases = self.leases.server_leases()
         free = []

@@ -15,7 +15,7 @@ READ_ONLY = "comfy_assets_read_only"
 metadata = sa.MetaData()
 
 jobs_table = sa.Table(
-    "jobs",
+    "comfy_jobs",
     metadata,
     sa.Column("job_id", sa.String(36), primary_key=True),
     sa.Column("partition", sa.String(255), nullable=False),
@@ -42,13 +42,13 @@ jobs_table = sa.Table(
     sa.Column("seconds", sa.Double),
     sa.Column("queue_wait_s", sa.Double),
     sa.Column("gpu_seconds", sa.Double),
-    sa.Index("ix_jobs_partition_state", "partition", "state"),
+    sa.Index("ix_comfy_jobs_partition_state", "partition", "state"),
 )
 
 attempts_table = sa.Table(
-    "attempts",
+    "comfy_attempts",
     metadata,
-    sa.Column("job_id", sa.String(36), sa.ForeignKey("jobs.job_id"), primary_key=True),
+    sa.Column("job_id", sa.String(36), sa.ForeignKey("comfy_jobs.job_id"), primary_key=True),
     sa.Column("attempt", sa.Integer, primary_key=True),
     sa.Column("server", sa.String(255)),
     sa.Column("prompt_id", sa.String(36)),
@@ -63,9 +63,9 @@ attempts_table = sa.Table(
 )
 
 files_table = sa.Table(
-    "files",
+    "comfy_files",
     metadata,
-    sa.Column("job_id", sa.String(36), sa.ForeignKey("jobs.job_id"), primary_key=True),
+    sa.Column("job_id", sa.String(36), sa.ForeignKey("comfy_jobs.job_id"), primary_key=True),
     sa.Column("path", sa.Text, primary_key=True),  # relative to the job dir, "/" separated
     sa.Column("prompt_id", sa.String(36), nullable=False),
     sa.Column("sha256", sa.String(64), nullable=False),
@@ -75,24 +75,24 @@ files_table = sa.Table(
 )
 
 events_table = sa.Table(
-    "events",
+    "comfy_events",
     metadata,
     # SQLite auto-increments only an INTEGER PRIMARY KEY.
     sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
     sa.Column("time", sa.Double, nullable=False),
-    sa.Column("job_id", sa.String(36), sa.ForeignKey("jobs.job_id"), nullable=False),
+    sa.Column("job_id", sa.String(36), sa.ForeignKey("comfy_jobs.job_id"), nullable=False),
     sa.Column("partition", sa.String(255), nullable=False),
     sa.Column("from_state", sa.String(20)),
     sa.Column("to_state", sa.String(20), nullable=False),
     sa.Column("server", sa.String(255)),
     sa.Column("attempt", sa.Integer),
     sa.Column("detail", sa.Text),
-    sa.Index("ix_events_job_id", "job_id"),
-    sa.Index("ix_events_partition", "partition"),
+    sa.Index("ix_comfy_events_job_id", "job_id"),
+    sa.Index("ix_comfy_events_partition", "partition"),
 )
 
 server_leases_table = sa.Table(
-    "server_leases",
+    "comfy_server_leases",
     metadata,
     sa.Column("server", sa.String(255), primary_key=True),
     sa.Column("owner", sa.String(255)),

@@ -91,7 +91,7 @@ INSERT_FILES = files_table.insert()
 INSERT_EVENT = events_table.insert().returning(E.id)
 LAST_EVENT_ID = sa.select(sa.func.coalesce(sa.func.max(E.id), 0))
 NEXT_EVENT_IDS = sa.text(
-    "SELECT nextval(pg_get_serial_sequence('events', 'id')) FROM generate_series(1, :n)"
+    "SELECT nextval(pg_get_serial_sequence('comfy_events', 'id')) FROM generate_series(1, :n)"
 )
 
 RENEW_SERVER = (
