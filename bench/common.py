@@ -75,7 +75,9 @@ def utilization_and_gaps(runs: dict[str, list[dict]]) -> dict[str, float]:
     gaps.sort()
     # Where a gap goes: our POST arriving after the previous end, then the fake starting.
     post_gaps = sorted(
-        (b["posted"] - a["end"]) * 1000 for rs in done.values() for a, b in zip(rs, rs[1:], strict=False)
+        (b["posted"] - a["end"]) * 1000
+        for rs in done.values()
+        for a, b in zip(rs, rs[1:], strict=False)
     )
     start_lags = sorted((r["start"] - r["posted"]) * 1000 for rs in done.values() for r in rs)
     return {

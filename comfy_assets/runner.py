@@ -105,8 +105,10 @@ def describe_error(e: ComfyError, what: str) -> str:
 class Attempt:
     """One attempt of ``job`` over ``pool``; files land in ``dest_dir``.
 
-    ``prev_server``/``prev_number``: where and as which run the prompt was last posted
-    (from the store), for catch-up. ``deadline_s``: per-attempt deadline (seconds).
+    ``slot``: a server already held for it (else one is acquired). ``prev_server``: where
+    the prompt was last posted (from the store), for catch-up. ``deadline_s``: the
+    attempt's deadline (seconds, catch-up included); ``poll_s``: how often to look at
+    /queue while removing a prompt; ``evict_timeout_s``: how long that may take.
     """
 
     def __init__(
