@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from comfy_assets.batch import run_batch
@@ -174,3 +175,48 @@ async def test_affinity_keeps_a_model_on_the_server_that_last_ran_it(tmp_path):
             again = await pool.acquire(models=("sdxl.safetensors",))
             assert again.name == "gpu0"
             again.release()
+
+
+def test_two_runs_sharing_one_server_take_turns(tmp_path):
+    # Without turns, the first run hands the server to its own next job every time and
+    # the second run waits until the first has nothing left.
+    fake = FakeComfy(prompt_seconds=0.1)  # 4 nodes: 0.4 s a prompt
+    store = tmp_path / "store"
+    Store(store)
+    files = [write_jobs(tmp_path / f"jobs{i}", 8, name=f"run{i}.jsonl") for i in range(2)]
+    ids = [{j.prompt_id for j in load_job_file(f).jobs} for f in files]
+
+    def start(path: Path) -> subprocess.Popen:
+        return subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "comfy_assets.cli",
+                "run",
+                "--jobs",
+                str(path),
+                "--server",
+                f"gpu0={url}",
+                "--store",
+                str(store),
+                "--poll-s",
+                "0.05",
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    with fake.serve_in_thread(port=0) as url:
+        first = start(files[0])
+        deadline = time.monotonic() + 60
+        while not any(r["prompt_id"] in ids[0] for r in fake.stats["runs"]):
+            assert time.monotonic() < deadline, "the first run never started"
+            time.sleep(0.02)
+        second = start(files[1])
+        outs = [p.communicate(timeout=120)[0] for p in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0], outs
+    runs = sorted(fake.stats["runs"], key=lambda r: r["start"])
+    owners = [0 if r["prompt_id"] in ids[0] else 1 for r in runs]
+    assert owners.index(1) < len(owners) - 1 - owners[::-1].index(0), owners

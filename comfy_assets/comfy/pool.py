@@ -55,6 +55,10 @@ class ServerLeaseStore(Protocol):
 
     def server_leases(self) -> dict: ...
 
+    def mark_waiting(self, owner: str, wait_s: float) -> None: ...
+
+    def others_waiting(self, owner: str) -> bool: ...
+
 
 @dataclass
 class ServerProbe:
@@ -182,6 +186,11 @@ class Pool:
         # downloads wait (briefly) for that next prompt to be posted, so the GPU comes
         # first. One event per handover, set by the next dispatch to finish.
         self._handovers: deque[asyncio.Event] = deque()
+        # Fairness across processes: servers left to another waiting process until then.
+        self._yielded: dict[str, float] = {}
+        self._others = False
+        self._others_asked_at = -1e9
+        self._marked_at = -1e9
 
     async def __aenter__(self) -> Pool:
         for client in self.clients.values():
@@ -336,6 +345,8 @@ class Pool:
                 return slot
             if not wait:
                 raise NoServerAvailable("no free healthy server")
+            if not all_unhealthy:
+                self._mark_waiting()
             timeout = self.unhealthy_wait_s if all_unhealthy else self.busy_poll_s
             try:
                 # A local release wakes us at once; other processes' releases are seen
@@ -354,7 +365,11 @@ class Pool:
     ) -> tuple[Slot | None, bool]:
         if only is None and self.max_queue is None:
             rest = [s for s in self.servers if s.name not in self._held]
-            if len(rest) == 1 and self._just_freed(rest[0].name):
+            if (
+                len(rest) == 1
+                and self._just_freed(rest[0].name)
+                and not self._yielding(rest[0].name)
+            ):
                 # We hold every other server and ours just left this one: nothing to
                 # choose, nothing to read; the lease itself says if another process won.
                 slot = self._take(rest[0], models, {})
@@ -366,7 +381,7 @@ class Pool:
         for spec in self.servers:
             if only is not None and spec.name != only:
                 continue
-            if spec.name in self._held:
+            if spec.name in self._held or self._yielding(spec.name):
                 continue
             lease = leases.get(spec.name)
             if lease is not None and lease.owner and lease.expires_at > now:
@@ -422,6 +437,24 @@ class Pool:
         )
         return slot
 
+    def _others_waiting(self) -> bool:
+        """Whether another process waits for a server (asked at most every busy_poll_s)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._others_asked_at >= self.busy_poll_s:
+            self._others_asked_at = now
+            self._others = self.leases.others_waiting(self.owner)
+        return self._others
+
+    def _mark_waiting(self) -> None:
+        """Tell other processes that we wait for a server (renewed every busy_poll_s)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._marked_at >= self.busy_poll_s:
+            self._marked_at = now
+            self.leases.mark_waiting(self.owner, 4 * self.busy_poll_s)
+
+    def _yielding(self, name: str) -> bool:
+        return self._yielded.get(name, 0.0) > asyncio.get_running_loop().time()
+
     def _just_freed(self, name: str) -> bool:
         freed = self._freed_at.get(name)
         return freed is not None and asyncio.get_running_loop().time() - freed < self.stats_ttl_s
@@ -468,7 +501,12 @@ class Pool:
 
     def _release(self, slot: Slot) -> None:
         self._held.pop(slot.name, None)
-        if slot.prompt_id is not None and self._line.locked():
+        loop = asyncio.get_running_loop()
+        if self._line.locked() and self._others_waiting():
+            # Another process waits for a server too: leave this one to it for a moment
+            # rather than hand it to our own next job (runs that share servers all move).
+            self._yielded[slot.name] = loop.time() + 3 * self.busy_poll_s
+        elif slot.prompt_id is not None and self._line.locked():
             slot.handover = asyncio.Event()  # a consumer is in line: it takes this server
             self._handovers.append(slot.handover)
         if slot.prompt_id is not None:

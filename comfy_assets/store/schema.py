@@ -102,6 +102,15 @@ server_leases_table = sa.Table(
     sa.Column("updated_at", sa.Double, nullable=False),
 )
 
+# Pools with a consumer waiting for a server, so a pool that frees one hands it to another
+# process instead of keeping it for its own next job (fairness across concurrent runs).
+pool_waiters_table = sa.Table(
+    "comfy_pool_waiters",
+    metadata,
+    sa.Column("owner", sa.String(255), primary_key=True),
+    sa.Column("expires_at", sa.Double, nullable=False),
+)
+
 
 def make_engine(db_url: str) -> sa.Engine:
     """An engine for ``db_url``. SQLite gets WAL, a busy timeout and write transactions

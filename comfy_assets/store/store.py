@@ -43,6 +43,7 @@ from comfy_assets.store.schema import (
     files_table,
     jobs_table,
     make_engine,
+    pool_waiters_table,
     server_leases_table,
 )
 
@@ -536,6 +537,25 @@ class Store:
         with self._read() as conn:
             rows = conn.execute(sa.select(server_leases_table).order_by(q.L.server))
             return {r.server: ServerLease(**r._mapping) for r in rows}
+
+    def mark_waiting(self, owner: str, wait_s: float, now: float | None = None) -> None:
+        """Say that ``owner`` waits for a server, for the next ``wait_s`` seconds."""
+        now = _now(now)
+        insert = q.insert_for(self.dialect, pool_waiters_table).values(
+            owner=owner, expires_at=now + wait_s
+        )
+        upsert = insert.on_conflict_do_update(
+            index_elements=["owner"], set_={"expires_at": insert.excluded.expires_at}
+        )
+        with self._write() as conn:
+            conn.execute(upsert)
+
+    def others_waiting(self, owner: str, now: float | None = None) -> bool:
+        """True when another owner waits for a server now (see ``mark_waiting``)."""
+        t = pool_waiters_table.c
+        stmt = sa.select(t.owner).where(t.owner != owner, t.expires_at > _now(now)).limit(1)
+        with self._read() as conn:
+            return conn.execute(stmt).first() is not None
 
     # --- plumbing ------------------------------------------------------------------
 
