@@ -12,6 +12,7 @@ the variable's name, not its value); when unset, the default is a plain value, b
 ``EnvVar`` has no default and fails when its variable is missing.
 """
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -56,17 +57,18 @@ class ComfyPoolResource(ConfigurableResource):
     servers: list[ServerConfig] = Field(
         default_factory=list, description="The pool as a list; overrides servers_spec."
     )
-    attempts: int = 4
-    base_delay_s: float = 2.0
-    max_delay_s: float = 60.0
-    jitter: bool = True
-    timeout_s: float = 600.0
-    poll_s: float = 1.0
-    lease_s: float = 3600.0
-    server_lease_s: float = 30.0
-    max_queue: int | None = None
-    probe_timeout_s: float = 3.0
-    unhealthy_wait_s: float = 5.0
+    # Defaults are BatchConfig's own, so the CLI, the worker and Dagster agree.
+    attempts: int = BatchConfig.attempts
+    base_delay_s: float = BatchConfig.base_delay_s
+    max_delay_s: float = BatchConfig.max_delay_s
+    jitter: bool = BatchConfig.jitter
+    timeout_s: float = BatchConfig.timeout_s
+    poll_s: float = BatchConfig.poll_s
+    lease_s: float = BatchConfig.lease_s
+    server_lease_s: float = BatchConfig.server_lease_s
+    max_queue: int | None = BatchConfig.max_queue
+    probe_timeout_s: float = BatchConfig.probe_timeout_s
+    unhealthy_wait_s: float = BatchConfig.unhealthy_wait_s
     policy: str | None = Field(
         default=None,
         description='"delivery" or "draft" overrides the job file header; None follows it.',
@@ -81,18 +83,7 @@ class ComfyPoolResource(ConfigurableResource):
     def batch_config(self) -> BatchConfig:
         """Return the retry, timeout and lease settings for ``run_batch_sync``."""
         return BatchConfig(
-            attempts=self.attempts,
-            base_delay_s=self.base_delay_s,
-            max_delay_s=self.max_delay_s,
-            jitter=self.jitter,
-            timeout_s=self.timeout_s,
-            poll_s=self.poll_s,
-            lease_s=self.lease_s,
-            server_lease_s=self.server_lease_s,
-            max_queue=self.max_queue,
-            probe_timeout_s=self.probe_timeout_s,
-            unhealthy_wait_s=self.unhealthy_wait_s,
-            policy=self.policy,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(BatchConfig)}
         )
 
 
