@@ -183,7 +183,10 @@ def test_two_runs_sharing_one_server_take_turns(tmp_path):
     fake = FakeComfy(prompt_seconds=0.1)  # 4 nodes: 0.4 s a prompt
     store = tmp_path / "store"
     Store(store)
-    files = [write_jobs(tmp_path / f"jobs{i}", 8, name=f"run{i}.jsonl") for i in range(2)]
+    # The first run has 16 jobs (6 s of prompts): time enough for the second to start.
+    files = [
+        write_jobs(tmp_path / f"jobs{i}", n, name=f"run{i}.jsonl") for i, n in [(0, 16), (1, 8)]
+    ]
     ids = [{j.prompt_id for j in load_job_file(f).jobs} for f in files]
 
     def start(path: Path) -> subprocess.Popen:
