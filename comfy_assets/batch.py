@@ -12,6 +12,7 @@ JSON log line); people get one log line per decision, in the shape of STYLE.md.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -305,7 +306,7 @@ class Batch:
     async def _run_item(self, item: _Item, slot: Slot) -> Slot | None:
         """Claim and run one attempt of ``item``; returns the slot if it is still ours."""
         job, cfg, store = item.job, self.config, self.store
-        status = store.claim(job.id, self.owner, cfg.lease_s)
+        status, rec = store.claim_job(job.id, self.owner, cfg.lease_s)
         if status == "done":
             problem = outputs_problem(store, self.partition, job.id)
             if problem is None:
@@ -319,46 +320,34 @@ class Batch:
                 self.say(f"job {job.id}: outputs {problem}; fetching them again")
             except InvalidTransition:
                 pass  # another worker reopened it a moment ago: claim decides who fetches
-            status = store.claim(job.id, self.owner, cfg.lease_s)
+            status, rec = store.claim_job(job.id, self.owner, cfg.lease_s)
             if status == "done":  # and that worker has already fetched them
                 self.say(f"job {job.id}: already done, nothing posted")
                 self._resolve()
                 return slot
         if status == "dead_lettered":
-            rec = store.get(job.id)
-            self.say(
-                f"job {job.id}: dead-lettered earlier ({rec.reason if rec else '?'}); requeue it to run again"
-            )
+            self.say(f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again")
             self._resolve()
             return slot
+        if status == "held" and rec.claimed_by and not owner_alive(rec.claimed_by):
+            holder = rec.claimed_by
+            status, rec = store.claim_job(job.id, self.owner, cfg.lease_s, dead_holder=holder)
+            if status == "claimed":
+                self.say(f"job {job.id}: claim of {holder} taken over (that process is gone)")
         if status == "held":
-            rec = store.get(job.id)
-            holder = rec.claimed_by if rec else None
-            if holder and not owner_alive(holder):
-                status = store.claim(job.id, self.owner, cfg.lease_s, dead_holder=holder)
-                if status == "claimed":
-                    self.say(f"job {job.id}: claim of {holder} taken over (that process is gone)")
-        if status == "held":
-            rec = store.get(job.id)
-            if rec is not None and job.id not in self.told_held:
+            if job.id not in self.told_held:
                 self.told_held.add(job.id)
                 until = time.strftime("%H:%M:%S", time.localtime(rec.claim_expires_at or 0))
                 self.say(f"job {job.id}: claimed by {rec.claimed_by} until {until}; waiting")
-            wait = (
-                min(max((rec.claim_expires_at or 0) - time.time(), cfg.poll_s / 4), cfg.poll_s)
-                if rec
-                else cfg.poll_s
-            )
-            self.queue.push_later(item, wait)
+            left = (rec.claim_expires_at or 0) - time.time()
+            self.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
             return slot
         self.claimed.add(job.id)
-        rec = store.get(job.id)
-        assert rec is not None, f"job {job.id} was claimed but has no record"
         if rec.state in ("submitted", "rendering"):
             store.transition(
                 job.id, "failed_retryable", detail="previous holder lost; claim taken over"
             )
-            rec = store.get(job.id)
+            rec = dataclasses.replace(rec, state="failed_retryable")
         if rec.state == "failed_retryable":
             store.transition(job.id, "pending", detail="retry")
         number = rec.attempts + 1

@@ -681,3 +681,18 @@ def test_a_requeued_job_numbers_its_attempts_on_and_keeps_the_earlier_ones(store
         (2, "success", 2.0),
     ]
     assert store.get(job.id).attempts == 1  # the new budget counts one try
+
+
+def test_claim_job_returns_the_record_as_the_claim_left_it(store, workflow_dir):
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("film", [job])
+    status, rec = store.claim_job(job.id, "w1", lease_s=10.0, now=100.0)
+    assert (status, rec.claimed_by, rec.claim_expires_at, rec.state) == (
+        "claimed",
+        "w1",
+        110.0,
+        "pending",
+    )
+    assert store.get(job.id).claimed_by == "w1"
+    status, rec = store.claim_job(job.id, "w2", lease_s=10.0, now=105.0)
+    assert (status, rec.claimed_by) == ("held", "w1")

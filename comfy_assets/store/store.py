@@ -141,19 +141,33 @@ class Store:
         owner known to be dead (a process of this host that no longer runs), whose claim
         is taken over as if expired. Raises UnknownJob.
         """
+        return self.claim_job(job_id, owner, lease_s, now, dead_holder=dead_holder)[0]
+
+    def claim_job(
+        self,
+        job_id: str,
+        owner: str,
+        lease_s: float = 3600.0,
+        now: float | None = None,
+        *,
+        dead_holder: str | None = None,
+    ) -> tuple[ClaimStatus, JobRecord]:
+        """``claim``, and the job's record as the claim left it, in one transaction (a
+        runner needs both before it posts: one read less on the way to the GPU)."""
         now = _now(now)
         event = None
         with self._write() as conn:
             row = self._lock(conn, job_id)
+            record = _job_record(row)
             if row.state in DONE:
-                return ClaimStatus.DONE
+                return ClaimStatus.DONE, record
             if row.state == FAILED_FATAL:
-                return ClaimStatus.DEAD_LETTERED
+                return ClaimStatus.DEAD_LETTERED, record
             holder = row.claimed_by
             live = row.claim_expires_at is not None and row.claim_expires_at > now
             live = live and not (dead_holder is not None and holder == dead_holder)
             if holder not in (None, owner) and live:
-                return ClaimStatus.HELD
+                return ClaimStatus.HELD, record
             params = {
                 "b_id": job_id,
                 "b_state": row.state,
@@ -169,7 +183,10 @@ class Store:
                 event = self._insert_events(conn, [event])[0]
         if event:
             log_event(event)
-        return ClaimStatus.CLAIMED
+        claimed = dataclasses.replace(
+            record, claimed_by=owner, claim_expires_at=now + lease_s, updated_at=now
+        )
+        return ClaimStatus.CLAIMED, claimed
 
     def renew_claim(
         self, job_id: str, owner: str, lease_s: float = 3600.0, now: float | None = None
