@@ -8,6 +8,13 @@ died. Among free servers the pool probes ``/system_stats`` and ``/queue`` concur
 picks the shortest queue (prompts of other clients count), then the job's previous server,
 then a server that last ran the same model (affinity), then configuration order.
 
+Keeping GPUs busy: one socket per server stays open across prompts; consumers wait in one
+line (a release wakes the first, not all); a server is freed at ``execution_success`` and
+handed to the next consumer before the finished prompt's files are downloaded; a server
+our own prompt just left is retaken without a probe. Across processes, a pool that waits
+marks itself in the store and a pool that frees a server leaves it to that process for a
+moment, so runs that share servers take turns.
+
 No Dagster here: the batch runner, the CLI and the RabbitMQ worker all use this.
 """
 
@@ -32,8 +39,6 @@ log = logging.getLogger("comfy_assets.pool")
 # Every client_id we send starts with this, so a probe of /queue can tell our prompts
 # from those of people using the web UI (the /queue item's extra_data carries client_id).
 CLIENT_ID_PREFIX = "comfy-assets-"
-
-
 REPORT_AGAIN_S = 60.0  # seconds between reminders that a server is still unreachable
 
 
