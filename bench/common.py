@@ -7,11 +7,27 @@ import statistics
 import subprocess
 import sys
 import urllib.request
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_assets.comfy.servers import ServerSpec
+
+WORKFLOW = Path(__file__).resolve().parent.parent / "data" / "workflows" / "image.json"
+
+
+def write_jobs(folder: Path, count: int, name: str = "bench.jsonl") -> Path:
+    """``count`` image jobs beside a copy of image.json, each its own colour (so its own
+    prompt_id) and a fresh id (so a PostgreSQL store can be reused)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "image.json").write_text(WORKFLOW.read_text())
+    path = folder / name
+    with path.open("w") as f:
+        for i in range(count):
+            job = {"id": str(uuid.uuid4()), "workflow": "image.json", "set": {"1.color": i}}
+            f.write(json.dumps(job) + "\n")
+    return path
 
 
 @contextmanager

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 import tempfile
@@ -18,28 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import fake_processes, fake_runs, utilization_and_gaps
+from bench.common import fake_processes, fake_runs, utilization_and_gaps, write_jobs
 from comfy_assets.batch import BatchConfig, run_batch
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
 
-WORKFLOW = Path(__file__).resolve().parent.parent / "data" / "workflows" / "image.json"
 NODES_EXECUTED = 4  # the fake sleeps --prompt-seconds per executed node of image.json
-
-
-def write_jobs(folder: Path, count: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "image.json").write_text(WORKFLOW.read_text())
-    path = folder / "bench.jsonl"
-    with path.open("w") as f:
-        for i in range(count):
-            job = {
-                "id": f"00000000-0000-4000-8000-{i:012d}",
-                "workflow": "image.json",
-                "set": {"1.color": i},
-            }
-            f.write(json.dumps(job) + "\n")
-    return path
 
 
 def main() -> None:

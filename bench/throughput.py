@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import resource
 import subprocess
@@ -43,26 +42,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import fake_processes, fake_runs
+from bench.common import fake_processes, fake_runs, write_jobs
 from comfy_assets.batch import BatchConfig, run_batch
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
 
-WORKFLOW = Path(__file__).resolve().parent.parent / "data" / "workflows" / "image.json"
 TARGET_JOBS_PER_S = 300.0
 TARGET_RSS_MB = 300.0
-
-
-def write_jobs(folder: Path, count: int) -> Path:
-    """``count`` image jobs, each its own colour (so its own prompt_id), fresh ids."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "image.json").write_text(WORKFLOW.read_text())
-    path = folder / "throughput.jsonl"
-    with path.open("w") as f:
-        for i in range(count):
-            job = {"id": str(uuid.uuid4()), "workflow": "image.json", "set": {"1.color": i}}
-            f.write(json.dumps(job) + "\n")
-    return path
 
 
 @contextmanager

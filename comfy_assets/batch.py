@@ -656,7 +656,7 @@ async def run_one(
 
     Returns the job's final state: ``succeeded``/``degraded`` (done, also when it was
     done before: nothing is posted), ``failed_fatal`` (dead letter, with its reason in
-    the store), or ``held`` when another live worker holds its claim. Retries with
+    the store); while another live worker holds its claim it waits. Retries with
     backoff happen inside. Raises only on cancellation, after cleaning up.
     """
     store.register_jobs(partition, [job])
@@ -674,8 +674,3 @@ async def run_one(
     await batch.run()
     rec = store.get(job.id)
     return rec.state if rec is not None else "pending"
-
-
-def store_for(root: Path, db_url: str | None = None) -> Store:
-    """The result store at ``root`` (SQLite there unless ``db_url`` names PostgreSQL)."""
-    return Store(root, db_url)

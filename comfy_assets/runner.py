@@ -62,7 +62,6 @@ class AttemptResult:
     seconds: float = 0.0
     gpu_seconds: float | None = None
     queue_wait_s: float | None = None
-    oom: bool = False
 
 
 @dataclass
@@ -97,8 +96,8 @@ def describe_error(e: ComfyError, what: str) -> str:
     if isinstance(e, ServerError):
         first = (e.body or "").strip().splitlines()[:1]
         return f"{what} {e.status}, {first[0] if first else 'no body'}"
-    if isinstance(e, PromptRejected):  # its message reads "<server name>: POST /prompt 400, ..."
-        return e.message.split(": ", 1)[-1] if f": {what} 400" in e.message else e.message
+    if isinstance(e, PromptRejected):
+        return f"{what} 400, {e.detail}"
     return f"{what}: {type(e).__name__}: {e}"
 
 
@@ -309,7 +308,7 @@ class Attempt:
                 reason += "; POST /free sent"
             except ComfyError as e:
                 reason += f"; POST /free failed: {e}"
-            return self.result("transient", reason, oom=True, **common)
+            return self.result("transient", reason, **common)
         return self.result("permanent", reason, **common)
 
     async def _download(

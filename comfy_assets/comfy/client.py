@@ -300,6 +300,7 @@ class ComfyClient:
             server=self.base_url,
             error_type=error_type,
             node_errors=node_errors,
+            detail=text,
         )
 
     def _unexpected(self, route: str, what: str) -> UnexpectedAnswer:

@@ -52,7 +52,8 @@ class PromptRejected(ComfyError):
 
     ``error_type`` is ComfyUI's ``error.type`` (``prompt_outputs_failed_validation``,
     ``invalid_prompt``, ``prompt_no_outputs``, ``no_prompt``); ``node_errors`` is the dict
-    keyed by node id, as recorded in data/recorded/validation_errors.json.
+    keyed by node id, as recorded in data/recorded/validation_errors.json. ``detail`` is
+    the readable reason alone (type, message, node errors), without server and route.
     """
 
     transient = False
@@ -64,10 +65,12 @@ class PromptRejected(ComfyError):
         server: str = "",
         error_type: str,
         node_errors: dict[str, Any],
+        detail: str = "",
     ) -> None:
         super().__init__(message, server=server)
         self.error_type = error_type
         self.node_errors = node_errors
+        self.detail = detail or message
 
 
 class UnexpectedAnswer(ComfyError):

@@ -26,7 +26,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from comfy_assets.comfy.client import ComfyClient
@@ -84,7 +84,6 @@ class Slot:
     client: ComfyClient
     pool: Pool
     models: tuple[str, ...] = ()
-    queue_lengths: dict[str, int] = field(default_factory=dict)
     released: bool = False
     prompt_id: str | None = None  # ours on the server, once posted (set by the runner)
     dispatching: bool = True  # held but not yet posted: the GPU waits on us
@@ -117,10 +116,6 @@ class Slot:
             self.posted()
             self.released = True
             self.pool._abandon(self)
-
-
-class NoServerAvailable(Exception):
-    """Raised by ``Pool.acquire`` only when ``wait=False`` and no server is free."""
 
 
 class Pool:
@@ -293,7 +288,6 @@ class Pool:
         models: Sequence[str] = (),
         only: str | None = None,
         allow_prompt: str | None = None,
-        wait: bool = True,
     ) -> Slot:
         """Hold a free server for one prompt; wait (without spinning) until one is free.
 
@@ -301,10 +295,9 @@ class Pool:
         ``models``: the job's model names (affinity: a server that last ran one wins ties).
         ``only``: restrict to one server (catch-up of a prompt already queued there), and
         ``allow_prompt``: that prompt_id of ours may be on it.
-        Raises ``NoServerAvailable`` when ``wait`` is false and nothing is free.
         """
         slot = await self.acquire_until(
-            None, prefer=prefer, models=models, only=only, allow_prompt=allow_prompt, wait=wait
+            None, prefer=prefer, models=models, only=only, allow_prompt=allow_prompt
         )
         assert slot is not None, "acquire without a stop event returns a slot"
         return slot
@@ -317,16 +310,15 @@ class Pool:
         models: Sequence[str] = (),
         only: str | None = None,
         allow_prompt: str | None = None,
-        wait: bool = True,
     ) -> Slot | None:
         """``acquire``, or None once ``stop`` is set (and ``wake()`` called): a consumer
         with nothing left to run must not wait for a server for ever."""
         if only is not None:  # catch-up of one prompt: not in line with the others
-            return await self._acquire_loop(prefer, models, only, allow_prompt, wait, stop)
+            return await self._acquire_loop(prefer, models, only, allow_prompt, stop)
         # Consumers line up: only the first looks (FIFO), so a release wakes one
         # consumer, not a stampede of probes and lease reads.
         async with self._line:
-            return await self._acquire_loop(prefer, models, only, allow_prompt, wait, stop)
+            return await self._acquire_loop(prefer, models, only, allow_prompt, stop)
 
     def wake(self) -> None:
         """Wake the consumer waiting for a server (to see its stop event)."""
@@ -338,7 +330,6 @@ class Pool:
         models: Sequence[str],
         only: str | None,
         allow_prompt: str | None,
-        wait: bool,
         stop: asyncio.Event | None,
     ) -> Slot | None:
         while True:
@@ -348,8 +339,6 @@ class Pool:
             slot, all_unhealthy = await self._try_acquire(prefer, models, only, allow_prompt)
             if slot is not None:
                 return slot
-            if not wait:
-                raise NoServerAvailable("no free healthy server")
             if not all_unhealthy:
                 self._mark_waiting()
             timeout = self.unhealthy_wait_s if all_unhealthy else self.busy_poll_s
@@ -432,7 +421,7 @@ class Pool:
             return None
         if not self.leases.acquire_server(spec.name, self.owner, self.lease_s):
             return None
-        slot = Slot(spec, self.clients[spec.name], self, tuple(models), lengths)
+        slot = Slot(spec, self.clients[spec.name], self, tuple(models))
         self._held[spec.name] = slot
         self._probed.pop(spec.name, None)  # its queue is about to change
         log.info(
