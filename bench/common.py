@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -28,6 +30,26 @@ def write_jobs(folder: Path, count: int, name: str = "bench.jsonl") -> Path:
             job = {"id": str(uuid.uuid4()), "workflow": "image.json", "set": {"1.color": i}}
             f.write(json.dumps(job) + "\n")
     return path
+
+
+FAKE_PIDS: dict[str, int] = {}  # server name -> pid of the fakes now running
+
+
+def fakes_cpu_s() -> float:
+    """CPU seconds (user + system) the running fakes have used so far (from /proc)."""
+    ticks = 0
+    for pid in FAKE_PIDS.values():
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks += int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def scratch_dir() -> Path:
+    """Where fakes write their outputs: memory (/dev/shm) when there is some, since real
+    servers write to their own disks, not to ours; else a temporary folder."""
+    shm = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix="bench-fakes-", dir=shm if shm.is_dir() else None))
 
 
 @contextmanager
@@ -55,8 +77,10 @@ def fake_processes(count: int, prompt_seconds: float, out: Path) -> Iterator[lis
             procs.append(p)
             line = p.stdout.readline()
             specs.append(ServerSpec(f"gpu{i}", line.strip().rsplit(" ", 1)[-1]))
+            FAKE_PIDS[f"gpu{i}"] = p.pid
         yield specs
     finally:
+        FAKE_PIDS.clear()
         for p in procs:
             p.terminate()
         for p in procs:

@@ -30,7 +30,7 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import Job, JobFile
 from comfy_assets.runner import Attempt, AttemptHooks, AttemptResult
 from comfy_assets.states import InvalidTransition
-from comfy_assets.store import Store
+from comfy_assets.store import AttemptEntry, Store
 
 log = logging.getLogger("comfy_assets.batch")
 
@@ -405,8 +405,7 @@ class Batch:
 
     def _settle(self, item: _Item, number: int, r: AttemptResult) -> None:
         job, store, cfg = item.job, self.store, self.config
-        store.record_attempt(
-            job.id,
+        tried = AttemptEntry(  # written with the transition below, one transaction
             item.attempts_before + number,  # rows go on numbering after a requeue
             server=r.server,
             prompt_id=r.prompt_id,
@@ -428,6 +427,7 @@ class Batch:
                 server=r.server,
                 attempt=number,
                 number=r.number,
+                tried=tried,
             )
             self.claimed.discard(job.id)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
@@ -436,7 +436,12 @@ class Batch:
             return
         if r.kind == "transient" and number < cfg.attempts:
             store.transition(
-                job.id, "failed_retryable", server=r.server, attempt=number, detail=r.reason
+                job.id,
+                "failed_retryable",
+                server=r.server,
+                attempt=number,
+                detail=r.reason,
+                tried=tried,
             )
             delay = cfg.retry.delay(number)
             self.say(
@@ -458,10 +463,13 @@ class Batch:
                 server=r.server,
                 attempt=number,
                 reason=reason,
+                tried=tried,
             )
             self.say(f"job {job.id}: degraded (draft), {reason}")
         else:
-            store.dead_letter(job.id, self.owner, reason, server=r.server, attempt=number)
+            store.dead_letter(
+                job.id, self.owner, reason, server=r.server, attempt=number, tried=tried
+            )
             self.say(f"job {job.id}: dead-lettered, {reason}")
             if self.stop_on_fatal and not self.stopped:
                 self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"

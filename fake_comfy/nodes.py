@@ -103,6 +103,7 @@ def _failure_from(ex: BaseException) -> NodeFailure:
 
 
 _GREY = (0.5, 0.5, 0.5)
+INLINE_WRITE_BYTES = 1 << 20  # images up to this size are written on the loop thread
 
 
 def _as_images(value: Any) -> Images:
@@ -207,7 +208,11 @@ async def _save_images(class_type: str, inputs: dict[str, Any], ctx: SaveContext
         level,
     )
     names = [res.filename(i, "png", batch_number=i) for i in range(img.batch)]
-    await asyncio.to_thread(media.write_files, [(res.folder / n, data) for n in names])
+    files = [(res.folder / n, data) for n in names]
+    if len(data) * len(names) <= INLINE_WRITE_BYTES:
+        media.write_files(files)  # a thread hop costs more CPU than a small write
+    else:
+        await asyncio.to_thread(media.write_files, files)
     return {"images": [_entry(res, n, folder.kind) for n in names]}
 
 

@@ -32,6 +32,7 @@ FAKE_KEY: web.AppKey[FakeComfy] = web.AppKey("fake_comfy")
 
 # execution.SENSITIVE_EXTRA_DATA_KEYS: never stored in the queue or history.
 _SENSITIVE = ("auth_token_comfy_org", "api_key_comfy_org")
+INLINE_VIEW_BYTES = 1 << 20  # /view answers files up to this size from memory
 
 
 def _text_500() -> web.Response:
@@ -330,10 +331,12 @@ async def get_view(request: web.Request) -> web.StreamResponse:
         "text/css",
     }:
         content_type = "application/octet-stream"
-    return web.FileResponse(
-        path,
-        headers={"Content-Disposition": f'filename="{filename}"', "Content-Type": content_type},
-    )
+    headers = {"Content-Disposition": f'filename="{filename}"', "Content-Type": content_type}
+    if os.path.getsize(path) <= INLINE_VIEW_BYTES:
+        # A small file read here: FileResponse's thread hops cost more CPU than the read.
+        with open(path, "rb") as f:
+            return web.Response(body=f.read(), headers=headers)
+    return web.FileResponse(path, headers=headers)
 
 
 async def get_ws(request: web.Request) -> web.WebSocketResponse:

@@ -106,6 +106,10 @@ class PromptFollower:
         self._last_drop = ""
         self._fatal: ComfyError | None = None
         self._fatal_raised = False
+        # The server's queue as the socket tells it: `status` goes to every socket on
+        # every queue change (README fact 3), with queue_remaining = running + pending.
+        self._queue_remaining: int | None = None
+        self._ended_since_status: set[str] = set()
 
     @property
     def connected(self) -> bool:
@@ -120,6 +124,18 @@ class PromptFollower:
         """Close the socket, without raising what it failed with (see ``failed``)."""
         self._fatal_raised = True
         await self.__aexit__(None, None, None)
+
+    def queue_remaining(self) -> int | None:
+        """Prompts on the server (running + pending) that have not ended, as the socket
+        last told it; None while disconnected or before the first ``status``.
+
+        ``queue_remaining`` of the last ``status`` message, less the prompts whose end
+        arrived since: ComfyUI broadcasts ``status`` only after it has written a finished
+        prompt's history (success.json), so for a moment the count still holds it.
+        """
+        if self._ws is None or self._queue_remaining is None:
+            return None
+        return max(self._queue_remaining - len(self._ended_since_status), 0)
 
     @property
     def reconnects(self) -> int:
@@ -352,6 +368,7 @@ class PromptFollower:
             except websockets.ConnectionClosed as exc:
                 self._last_drop = str(exc)
             self._ws = None
+            self._queue_remaining = None  # the next socket's first `status` tells again
             self._drops += 1
             self._wake_all()
             if received:
@@ -379,9 +396,14 @@ class PromptFollower:
             return False
         if not isinstance(data, dict):
             return True
+        if kind == "status":
+            self._on_status(data)
+            return True
         prompt_id = data.get("prompt_id")
         if prompt_id is None:
-            return True  # status, or executing replayed on reconnect without prompt_id
+            return True  # executing replayed on reconnect without prompt_id
+        if kind in _TERMINAL:
+            self._ended_since_status.add(prompt_id)
         if kind == "executing":
             if data.get("node") is not None:
                 return True  # progress: only node=null (history written) matters
@@ -395,6 +417,14 @@ class PromptFollower:
         for waker in self._wakers.get(prompt_id, ()):
             waker.set()
         return True
+
+    def _on_status(self, data: dict[str, Any]) -> None:
+        """Keep ``status.exec_info.queue_remaining`` (three_in_a_row.json shows it)."""
+        info = (data.get("status") or {}).get("exec_info") or {}
+        remaining = info.get("queue_remaining")
+        if isinstance(remaining, int) and not isinstance(remaining, bool):
+            self._queue_remaining = remaining
+            self._ended_since_status.clear()
 
     def _evict_unwatched(self) -> None:
         """Bound the buffer: forget the oldest prompt ids nobody waits for (foreign

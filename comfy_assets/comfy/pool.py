@@ -11,7 +11,8 @@ then a server that last ran the same model (affinity), then configuration order.
 Keeping GPUs busy: one socket per server stays open across prompts; consumers wait in one
 line (a release wakes the first, not all); a server is freed at ``execution_success`` and
 handed to the next consumer before the finished prompt's files are downloaded; a server
-our own prompt just left is retaken without a probe. Across processes, a pool that waits
+our own prompt just left is retaken without a probe, and so is any server whose socket
+says its queue is empty (``status`` goes to every socket). Across processes, a pool that waits
 marks itself in the store and a pool that frees a server leaves it to that process for a
 moment, so runs that share servers take turns.
 
@@ -166,6 +167,10 @@ class Pool:
         self._opening: dict[str, asyncio.Lock] = {}
         self.clients = {s.name: ComfyClient(s.url, name=s.name) for s in self.servers}
         self._held: dict[str, Slot] = {}
+        # Servers freed by our prompt while a consumer of ours waited in line: the lease
+        # stays ours (loop time kept) and passes to that consumer without two writes to
+        # the store on the way from one prompt to the next.
+        self._kept: dict[str, float] = {}
         self._changed = asyncio.Event()
         self._renewer: asyncio.Task[None] | None = None
         self._reported: dict[str, str] = {}  # last state reported per server (log once)
@@ -204,6 +209,8 @@ class Pool:
             await asyncio.gather(self._renewer, return_exceptions=True)
         for slot in list(self._held.values()):
             slot.release()
+        for name in list(self._kept):
+            self._let_go(name)
         for follower in self._followers.values():
             await follower.__aexit__(None, None, None)
         self._followers.clear()
@@ -243,7 +250,13 @@ class Pool:
 
         Consumers waiting at the same moment share one probe per server, and an answer
         stands for ``probe_ttl_s`` (a burst of acquisitions, as at start, probes once).
+        A server whose open socket says its queue is empty needs no request at all: the
+        ``status`` broadcast (README fact 3) already told us, and nothing, ours or
+        anybody's, can be on it.
         """
+        follower = self._followers.get(spec.name)
+        if follower is not None and not follower.failed and follower.queue_remaining() == 0:
+            return ServerProbe(spec.name, True)
         cached = self._probed.get(spec.name)
         if cached is not None and asyncio.get_running_loop().time() - cached[0] < self.probe_ttl_s:
             return cached[1]
@@ -267,6 +280,9 @@ class Pool:
                 else:
                     _, queue = await asyncio.gather(client.system_stats(), client.queue())
                     self._stats_at[spec.name] = loop.time()
+                # A prompt needs the server's socket; once open, its `status` messages
+                # answer the next probes without a request.
+                await self.follower(spec.name)
         except TimeoutError:
             self._stats_at.pop(spec.name, None)
             return ServerProbe(spec.name, False, reason=f"no answer in {self.probe_timeout_s} s")
@@ -334,6 +350,8 @@ class Pool:
     ) -> Slot | None:
         while True:
             if stop is not None and stop.is_set():
+                for name in list(self._kept):
+                    self._let_go(name)
                 return None
             self._changed.clear()
             slot, all_unhealthy = await self._try_acquire(prefer, models, only, allow_prompt)
@@ -357,6 +375,16 @@ class Pool:
         only: str | None,
         allow_prompt: str | None,
     ) -> tuple[Slot | None, bool]:
+        for name in list(self._kept):
+            if only is not None and name != only:
+                continue
+            follower = self._followers.get(name)
+            spec = self.spec(name)
+            if spec is not None and follower is not None and follower.queue_remaining() == 0:
+                # Our prompt left it and nothing else is queued there: no queue is
+                # shorter, and the lease is already ours.
+                return self._take(spec, models, {}), False
+            self._let_go(name)
         if only is None and self.max_queue is None:
             rest = [s for s in self.servers if s.name not in self._held]
             if (
@@ -419,7 +447,8 @@ class Pool:
         # can't tell (same owner), so check here, with no await in between.
         if spec.name in self._held:
             return None
-        if not self.leases.acquire_server(spec.name, self.owner, self.lease_s):
+        kept = self._kept.pop(spec.name, None) is not None
+        if not kept and not self.leases.acquire_server(spec.name, self.owner, self.lease_s):
             return None
         slot = Slot(spec, self.clients[spec.name], self, tuple(models))
         self._held[spec.name] = slot
@@ -427,7 +456,8 @@ class Pool:
         log.info(
             "scheduler: %s chosen, queue lengths %s",
             spec.name,
-            ", ".join(f"{n} {q}" for n, q in lengths.items()) or "not probed (just freed)",
+            ", ".join(f"{n} {q}" for n, q in lengths.items())
+            or ("kept (our prompt just left it)" if kept else "not probed (just freed)"),
         )
         return slot
 
@@ -503,6 +533,9 @@ class Pool:
         elif slot.prompt_id is not None and self._line.locked():
             slot.handover = asyncio.Event()  # a consumer is in line: it takes this server
             self._handovers.append(slot.handover)
+            kept_at = self._kept[slot.name] = loop.time()
+            # Nobody came for it after all (the batch ended, say): give it back.
+            loop.call_later(3 * self.busy_poll_s, self._let_go, slot.name, kept_at)
         if slot.prompt_id is not None:
             self._freed_at[slot.name] = asyncio.get_running_loop().time()
             self._finished[slot.prompt_id] = None
@@ -511,7 +544,16 @@ class Pool:
         model = slot.models[0] if slot.models else None
         if model is not None:
             self.last_model[slot.name] = model
-        self.leases.release_server(slot.name, self.owner, last_model=model)
+        if slot.name not in self._kept:
+            self.leases.release_server(slot.name, self.owner, last_model=model)
+        self._changed.set()
+
+    def _let_go(self, name: str, kept_at: float | None = None) -> None:
+        """Release the lease of a kept server (only if kept since ``kept_at``, if given)."""
+        if name not in self._kept or (kept_at is not None and self._kept[name] != kept_at):
+            return
+        del self._kept[name]
+        self.leases.release_server(name, self.owner, last_model=self.last_model.get(name))
         self._changed.set()
 
     def _abandon(self, slot: Slot) -> None:
@@ -525,6 +567,6 @@ class Pool:
     async def _renew_forever(self) -> None:
         while True:
             await asyncio.sleep(self.lease_s / 3)
-            for name in list(self._held):
+            for name in [*self._held, *self._kept]:
                 if not self.leases.renew_server(name, self.owner, self.lease_s):
                     log.error("server %s: lease lost before the prompt left it", name)

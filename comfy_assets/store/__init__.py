@@ -10,6 +10,7 @@ SQLite (``<root>/store.db``, WAL) by default, PostgreSQL by URL, the same code f
 """
 
 from comfy_assets.store.records import (
+    AttemptEntry,
     AttemptRecord,
     ClaimLost,
     ClaimStatus,
@@ -29,6 +30,7 @@ from comfy_assets.store.store import OUTCOMES, TRANSITION_FIELDS, Store
 __all__ = [
     "OUTCOMES",
     "TRANSITION_FIELDS",
+    "AttemptEntry",
     "AttemptRecord",
     "ClaimLost",
     "ClaimStatus",

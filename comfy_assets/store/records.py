@@ -124,6 +124,25 @@ class AttemptRecord:
 
 
 @dataclass(frozen=True)
+class AttemptEntry:
+    """One try to write with the transition it leads to (``tried=`` of
+    ``Store.transition``, ``mark_done`` and ``dead_letter``): one transaction, not two.
+    Fields as ``Store.record_attempt``; seconds; ``attempt`` is the row's number."""
+
+    attempt: int
+    outcome: str
+    server: str | None = None
+    prompt_id: str | None = None
+    number: int | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+    seconds: float | None = None
+    queue_wait_s: float | None = None
+    gpu_seconds: float | None = None
+    reason: str | None = None
+
+
+@dataclass(frozen=True)
 class ServerLease:
     """Who holds a GPU server and until when (epoch seconds). ``owner`` is None once
     released; ``last_model`` survives the release (model affinity)."""

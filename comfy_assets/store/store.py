@@ -24,6 +24,7 @@ from comfy_assets.jobfile import Job
 from comfy_assets.states import DONE, FAILED_FATAL, PENDING, SUBMITTED, State, check_transition
 from comfy_assets.store import statements as q
 from comfy_assets.store.records import (
+    AttemptEntry,
     AttemptRecord,
     ClaimLost,
     ClaimStatus,
@@ -215,9 +216,11 @@ class Store:
         attempt: int | None = None,
         detail: str | None = None,
         now: float | None = None,
+        tried: AttemptEntry | None = None,
         **fields: Any,
     ) -> None:
         """Move ``job_id`` to ``to_state``; write an event row and a JSON log line.
+        ``tried``: the attempt that led here, recorded in the same transaction.
 
         Checked against the state in the database. ``fields`` sets other columns
         (TRANSITION_FIELDS: prompt_id, number, reason, seconds, attempts, ...); ``server``
@@ -231,11 +234,14 @@ class Store:
             raise TypeError(f"transition() got unknown fields: {', '.join(sorted(unknown))}")
         to = str(to_state)
         now = _now(now)
+        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
             row = self._lock(conn, job_id)
             if owner is not None and row.claimed_by != owner:
                 raise ClaimLost(job_id, owner, row.claimed_by)
             check_transition(row.state, to, job_id=job_id)
+            if tried_row is not None:
+                self._write_attempt(conn, tried_row, now)
             values: dict[str, Any] = {"state": to, "updated_at": now}
             if server is not None:
                 values["server"] = server
@@ -276,35 +282,23 @@ class Store:
         (time the prompt ran) is kept as given. The job's ``attempts`` becomes at least
         ``attempt``. Raises UnknownJob, ValueError (unknown outcome, no duration).
         """
-        if outcome not in OUTCOMES:
-            raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}, got {outcome!r}")
-        if started_at is None and seconds is None:
-            raise ValueError(f"job {job_id} attempt {attempt}: give started_at or seconds")
+        entry = AttemptEntry(
+            attempt,
+            outcome,
+            server=server,
+            prompt_id=prompt_id,
+            number=number,
+            started_at=started_at,
+            ended_at=ended_at,
+            seconds=seconds,
+            queue_wait_s=queue_wait_s,
+            gpu_seconds=gpu_seconds,
+            reason=reason,
+        )
         now = _now(now)
-        ended_at = now if ended_at is None else ended_at
-        if seconds is None:
-            seconds = ended_at - started_at  # type: ignore[operator]
-        if started_at is None:
-            started_at = ended_at - seconds
-        row = {
-            "job_id": job_id,
-            "attempt": attempt,
-            "server": server,
-            "prompt_id": prompt_id,
-            "number": number,
-            "started_at": started_at,
-            "ended_at": ended_at,
-            "seconds": seconds,
-            "queue_wait_s": queue_wait_s,
-            "gpu_seconds": gpu_seconds,
-            "outcome": outcome,
-            "reason": reason,
-        }
+        row = _attempt_row(job_id, entry, now)
         with self._write() as conn:
-            bump = {"b_id": job_id, "b_attempt": attempt, "v_now": now}
-            if conn.execute(q.BUMP_ATTEMPTS, bump).rowcount != 1:
-                raise UnknownJob(job_id)
-            conn.execute(q.upsert_attempt(self.dialect), row)
+            self._write_attempt(conn, row, now)
 
     def mark_done(
         self,
@@ -322,10 +316,12 @@ class Store:
         reason: str | None = None,
         detail: str | None = None,
         now: float | None = None,
+        tried: AttemptEntry | None = None,
     ) -> None:
         """Finish ``job_id`` as succeeded or degraded, all in ONE transaction: its files
         (paths relative to the job dir, with sha256 and bytes; they replace earlier
-        ones), totals, the transition and its event, the claim released.
+        ones), totals, the transition and its event, the claim released, and ``tried``
+        (the last attempt's row, counted in the totals).
 
         Totals default from the job and its attempts: ``seconds`` = now -
         first_submitted_at, ``queue_wait_s`` = sum of waits, ``gpu_seconds`` = sum of
@@ -337,11 +333,14 @@ class Store:
             raise ValueError(f"mark_done state must be succeeded or degraded, got {state!r}")
         rows = [_file_row(job_id, f) for f in files]
         now = _now(now)
+        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
             row = self._lock(conn, job_id)
             if row.claimed_by != owner:
                 raise ClaimLost(job_id, owner, row.claimed_by)
             check_transition(row.state, state, job_id=job_id)
+            if tried_row is not None:
+                self._write_attempt(conn, tried_row, now)
             if seconds is None or queue_wait_s is None or gpu_seconds is None:
                 n, total, waited, ran = conn.execute(q.TOTALS, {"b_id": job_id}).one()
                 if seconds is None:
@@ -383,16 +382,20 @@ class Store:
         server: str | None = None,
         attempt: int | None = None,
         now: float | None = None,
+        tried: AttemptEntry | None = None,
     ) -> None:
-        """Give up on ``job_id``: failed_fatal with ``reason``, claim freed, in one
-        transaction. Raises ClaimLost unless ``owner`` holds the claim,
-        InvalidTransition (a done job, say), UnknownJob."""
+        """Give up on ``job_id``: failed_fatal with ``reason``, claim freed, ``tried``
+        (the last attempt's row) recorded, in one transaction. Raises ClaimLost unless
+        ``owner`` holds the claim, InvalidTransition (a done job, say), UnknownJob."""
         now = _now(now)
+        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
             row = self._lock(conn, job_id)
             if row.claimed_by != owner:
                 raise ClaimLost(job_id, owner, row.claimed_by)
             check_transition(row.state, FAILED_FATAL, job_id=job_id)
+            if tried_row is not None:
+                self._write_attempt(conn, tried_row, now)
             values: dict[str, Any] = {
                 "state": FAILED_FATAL.value,
                 "reason": reason,
@@ -601,6 +604,13 @@ class Store:
         params.update(b_id=row.job_id, b_state=row.state, b_holder=row.claimed_by)
         q.expect_rows(conn.execute(stmt, params), 1, f"update job {row.job_id}")
 
+    def _write_attempt(self, conn: sa.Connection, row: dict[str, Any], now: float) -> None:
+        """The attempt row (replacing the same number) and the job's ``attempts``."""
+        bump = {"b_id": row["job_id"], "b_attempt": row["attempt"], "v_now": now}
+        if conn.execute(q.BUMP_ATTEMPTS, bump).rowcount != 1:
+            raise UnknownJob(row["job_id"])
+        conn.execute(q.upsert_attempt(self.dialect), row)
+
     def _insert_events(self, conn: sa.Connection, events: list[Event]) -> list[Event]:
         """Write event rows; returns the events with their ids."""
         if not events:
@@ -658,6 +668,33 @@ def _event(
         attempt=attempt,
         detail=detail,
     )
+
+
+def _attempt_row(job_id: str, entry: AttemptEntry, now: float) -> dict[str, Any]:
+    """The attempts-table row of ``entry``; raises ValueError (outcome, no duration)."""
+    if entry.outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}, got {entry.outcome!r}")
+    if entry.started_at is None and entry.seconds is None:
+        raise ValueError(f"job {job_id} attempt {entry.attempt}: give started_at or seconds")
+    ended_at = now if entry.ended_at is None else entry.ended_at
+    seconds = entry.seconds
+    if seconds is None:
+        seconds = ended_at - entry.started_at  # type: ignore[operator]
+    started_at = ended_at - seconds if entry.started_at is None else entry.started_at
+    return {
+        "job_id": job_id,
+        "attempt": entry.attempt,
+        "server": entry.server,
+        "prompt_id": entry.prompt_id,
+        "number": entry.number,
+        "started_at": started_at,
+        "ended_at": ended_at,
+        "seconds": seconds,
+        "queue_wait_s": entry.queue_wait_s,
+        "gpu_seconds": entry.gpu_seconds,
+        "outcome": entry.outcome,
+        "reason": entry.reason,
+    }
 
 
 def _job_record(row: sa.Row) -> JobRecord:
