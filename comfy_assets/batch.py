@@ -30,7 +30,7 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import Job, JobFile
 from comfy_assets.runner import Attempt, AttemptHooks, AttemptResult
 from comfy_assets.states import InvalidTransition
-from comfy_assets.store import AttemptEntry, Store
+from comfy_assets.store import AttemptEntry, JobRecord, Store
 
 log = logging.getLogger("comfy_assets.batch")
 
@@ -291,20 +291,30 @@ class Batch:
                     self.queue.changed.clear()
                     await self.queue.changed.wait()
                     continue
-                if slot is None or slot.released:
-                    slot = await self._acquire(self.queue.ready[0])
-                    continue  # the line may have changed while we waited
-                item = self.queue.pop_for(slot)
+                held = slot is not None and not slot.released
+                item = self.queue.pop_for(slot) if held else self.queue.ready.popleft()
                 if item is None:
                     continue
-                slot = await self._run_item(item, slot)
+                # The job is claimed before we wait for a server, so a server handed to
+                # us goes straight to the submit and the POST: one store write less
+                # between two prompts on a GPU.
+                rec = self._claim(item)
+                if rec is None:
+                    continue
+                if slot is None or slot.released:
+                    slot = await self._acquire(item)
+                    if slot is None:  # stopped while we waited: the job stays pending
+                        self._release_claim(item.job.id)
+                        continue
+                slot = await self._run_item(item, rec, slot)
         finally:
             if slot is not None:
                 slot.release()
             self.queue.changed.set()  # wake the other consumers to see the end
 
-    async def _run_item(self, item: _Item, slot: Slot) -> Slot | None:
-        """Claim and run one attempt of ``item``; returns the slot if it is still ours."""
+    def _claim(self, item: _Item) -> JobRecord | None:
+        """Claim ``item``'s job; its record when it is ours to run, else None (done,
+        dead-lettered, or held by another worker: then it is resolved or put back)."""
         job, cfg, store = item.job, self.config, self.store
         status, rec = store.claim_job(job.id, self.owner, cfg.lease_s)
         if status == "done":
@@ -312,7 +322,7 @@ class Batch:
             if problem is None:
                 self.say(f"job {job.id}: already done, nothing posted")
                 self._resolve()
-                return slot
+                return None
             # Done, but its files are gone or changed on disk: render it again, which
             # catches up from the server's /history first (downloads, no new prompt).
             try:
@@ -324,11 +334,11 @@ class Batch:
             if status == "done":  # and that worker has already fetched them
                 self.say(f"job {job.id}: already done, nothing posted")
                 self._resolve()
-                return slot
+                return None
         if status == "dead_lettered":
             self.say(f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again")
             self._resolve()
-            return slot
+            return None
         if status == "held" and rec.claimed_by and not owner_alive(rec.claimed_by):
             holder = rec.claimed_by
             status, rec = store.claim_job(job.id, self.owner, cfg.lease_s, dead_holder=holder)
@@ -341,7 +351,7 @@ class Batch:
                 self.say(f"job {job.id}: claimed by {rec.claimed_by} until {until}; waiting")
             left = (rec.claim_expires_at or 0) - time.time()
             self.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
-            return slot
+            return None
         self.claimed.add(job.id)
         if rec.state in ("submitted", "rendering"):
             store.transition(
@@ -350,6 +360,12 @@ class Batch:
             rec = dataclasses.replace(rec, state="failed_retryable")
         if rec.state == "failed_retryable":
             store.transition(job.id, "pending", detail="retry")
+        return rec
+
+    async def _run_item(self, item: _Item, rec: JobRecord, slot: Slot) -> Slot | None:
+        """Run one attempt of ``item`` (claimed: ``rec``) on ``slot`` or the server it
+        catches up on; returns the slot if it is still ours."""
+        job, cfg, store = item.job, self.config, self.store
         number = rec.attempts + 1
         item.attempts_before = rec.attempts_before
         prev = rec.server if rec.prompt_id == job.prompt_id else None

@@ -2,11 +2,13 @@
 
 `snapshot()` (= GET /fake/stats = `FakeComfy.stats`) is
     {"prompts": {prompt_id: {"posted": N, "executed": N}},
-     "runs": [{"prompt_id", "client_id", "number", "posted", "start", "end", "outcome"}]}
+     "runs": [{"prompt_id", "client_id", "number", "posted", "start", "end", "outcome"}],
+     "requests": {"GET /queue": N, "GET /history/{prompt_id}": N, ...}}
 posted: every POST /prompt carrying that id (also those answered 500 or 400);
 executed: executions that started. Times are seconds since the epoch (floats); `end` and
 `outcome` are None while the run is under way; outcome is "success", "error",
-"interrupted" or "lost" (the server stopped or "restarted" under it).
+"interrupted" or "lost" (the server stopped or "restarted" under it). `requests` counts
+every HTTP request by method and route (how many probes, downloads, polls a client made).
 Records survive restarts and new `serve()` sessions. Thread-safe: tests may read them from
 another thread while the server's loop writes.
 """
@@ -27,6 +29,12 @@ class Records:
         self._prompts: dict[str, dict[str, int]] = {}
         self._runs: list[dict[str, Any]] = []
         self._ended = 0
+        self._requests: dict[str, int] = {}
+
+    def request(self, route: str) -> None:
+        """Counts one HTTP request, ``route`` as "METHOD /path/{name}"."""
+        with self._lock:
+            self._requests[route] = self._requests.get(route, 0) + 1
 
     def _counts(self, prompt_id: str) -> dict[str, int]:
         counts = self._prompts.get(prompt_id)
@@ -79,4 +87,8 @@ class Records:
     def snapshot(self) -> dict[str, Any]:
         """A deep copy of the records in the /fake/stats shape."""
         with self._lock:
-            return {"prompts": copy.deepcopy(self._prompts), "runs": copy.deepcopy(self._runs)}
+            return {
+                "prompts": copy.deepcopy(self._prompts),
+                "runs": copy.deepcopy(self._runs),
+                "requests": dict(self._requests),
+            }

@@ -17,6 +17,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 
 from fake_comfy import recorded
 from fake_comfy.graph import is_link
@@ -387,9 +388,18 @@ async def get_fake_stats(request: web.Request) -> web.Response:
     return web.json_response(request.app[FAKE_KEY].records.snapshot())
 
 
+@web.middleware
+async def _count_request(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Counts the request in the fake's records (``requests`` of /fake/stats)."""
+    route = request.match_info.route.resource
+    path = route.canonical if route is not None else request.path
+    request.app[FAKE_KEY].records.request(f"{request.method} {path}")
+    return await handler(request)
+
+
 def build_app(fake: FakeComfy) -> web.Application:
     """The aiohttp application serving `fake`."""
-    app = web.Application(client_max_size=100 * 1024 * 1024)
+    app = web.Application(client_max_size=100 * 1024 * 1024, middlewares=[_count_request])
     app[FAKE_KEY] = fake
     app.add_routes(
         [

@@ -170,8 +170,8 @@ def test_attempt_costs_count_successful_and_wasted_attempts(
     storyboard: Path, tmp_path: Path
 ) -> None:
     job_file = load_job_file(storyboard)
-    # Draft: every shot runs. Shot 1's first post is answered 500 and retried; shot 4
-    # fails for good.
+    # Draft: every shot runs. Shot 1's first post is answered 500 and retried; the
+    # fifth post fails for good.
     script = ["500", "ok", "ok", "ok", "error"]
     with Store(tmp_path / "store") as store:
         render(job_file, store, script, fast_config(policy="draft"))
@@ -179,9 +179,12 @@ def test_attempt_costs_count_successful_and_wasted_attempts(
         report = film_cost_report(store, job_file)
 
     outcomes = [(c.job_id, c.outcome) for c in costs]
-    first, fourth = job_file.jobs[0].id, job_file.jobs[3].id
+    first = job_file.jobs[0].id
     assert outcomes[:2] == [(first, "transient"), (first, "success")]
-    assert (fourth, "permanent") in outcomes
+    # Whichever shot the fifth POST carried failed for good (which one depends on how
+    # the consumers take turns), and only that one.
+    failed = [job_id for job_id, outcome in outcomes if outcome == "permanent"]
+    assert len(failed) == 1 and failed[0] != first
     assert len(costs) == 7
     assert all(c.seconds >= 0 for c in costs)
     assert report is not None

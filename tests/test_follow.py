@@ -3,7 +3,9 @@ client sees it, with posted/executed counts from the fake's own records."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,6 +22,8 @@ from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
 from fake_comfy import FakeComfy
 
 pytestmark = pytest.mark.timeout(30)
+
+RECORDED = Path(__file__).resolve().parent.parent / "data" / "recorded"
 
 # The two-output image workflow of success.json.
 IMAGE = {
@@ -344,3 +348,28 @@ async def test_a_server_restarted_on_the_same_port_has_forgotten_the_prompt():
         await client.aclose()
     assert counts(first, pid)[0] == 1
     assert counts(second, pid) == (0, 0)
+
+
+async def test_the_socket_tells_the_queue_length_and_an_ended_prompt_leaves_it_at_once():
+    # success.json's first prompt: `status` counts it until the status that follows its
+    # execution_success, but from execution_success on it no longer occupies the server.
+    exchanges = json.loads((RECORDED / "success.json").read_text())["exchanges"]
+    messages = [e["message"] for e in exchanges if e["kind"] == "ws"]
+    end = next(
+        i
+        for i, m in enumerate(messages)
+        if m["type"] == "executing" and m["data"].get("node") is None
+    )
+    fake = FakeComfy()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        async with PromptFollower(client, uuid.uuid4().hex) as follower:
+            seen = []
+            for message in messages[: end + 1]:
+                follower._on_message(json.dumps(message))
+                seen.append((message["type"], follower.queue_remaining()))
+        assert follower.queue_remaining() is None  # closed: nothing known
+    success = next(i for i, (kind, _) in enumerate(seen) if kind == "execution_success")
+    assert seen[0] == ("status", 0)
+    assert [n for _, n in seen[1:success]] == [1] * (success - 1)
+    assert [n for _, n in seen[success:]] == [0, 0, 0]
+    assert [kind for kind, _ in seen[success:]] == ["execution_success", "status", "executing"]

@@ -19,7 +19,7 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import ROOT, fake_servers, fast_config, write_jobs
+from tests.support import ROOT, fake_servers, fast_config, wait_until, write_jobs
 
 
 def ran_on(fake: FakeComfy, prompt_ids: set[str]) -> int:
@@ -223,3 +223,54 @@ def test_two_runs_sharing_one_server_take_turns(tmp_path):
     runs = sorted(fake.stats["runs"], key=lambda r: r["start"])
     owners = [0 if r["prompt_id"] in ids[0] else 1 for r in runs]
     assert owners.index(1) < len(owners) - 1 - owners[::-1].index(0), owners
+
+
+class CountingStore(Store):
+    """The store, counting the server-lease writes the pool makes."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.acquired = self.released = 0
+
+    def acquire_server(self, *args: object, **kwargs: object) -> bool:
+        self.acquired += 1
+        return super().acquire_server(*args, **kwargs)  # type: ignore[arg-type]
+
+    def release_server(self, *args: object, **kwargs: object) -> None:
+        self.released += 1
+        super().release_server(*args, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_server_whose_socket_says_it_is_empty_is_not_probed(tmp_path):
+    # Two idle servers, each probe answer good for no time at all: /queue is asked once
+    # per server, while its socket is not open yet; after that the `status` messages on
+    # the socket say the server is empty, and an empty server needs no probe.
+    fakes = [FakeComfy(), FakeComfy()]
+    async with fake_servers(*fakes) as servers:
+        async with Pool(servers, Store(tmp_path / "s"), owner="me", probe_ttl_s=0.0) as pool:
+            (await pool.acquire()).release()
+            followers = [await pool.follower(s.name) for s in servers]
+            await wait_until(
+                lambda: all(f.queue_remaining() == 0 for f in followers), 5.0, "status"
+            )
+            for _ in range(5):
+                (await pool.acquire()).release()
+    assert [f.stats["requests"].get("GET /queue", 0) for f in fakes] == [1, 1]
+
+
+async def test_a_server_our_prompt_leaves_goes_to_our_next_prompt_without_a_new_lease(tmp_path):
+    # One server, six jobs, two consumers: the lease is taken once and given back once;
+    # in between the server passes from each prompt to the next inside this process.
+    fake = FakeComfy(prompt_seconds=0.01)
+    store = CountingStore(tmp_path / "s")
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 6))
+    async with fake_servers(fake) as servers:
+        summary = await run_batch(
+            jf, partition="p", servers=servers, store=store, config=fast_config()
+        )
+    runs = sorted(fake.stats["runs"], key=lambda r: r["start"])
+    assert summary.done == 6
+    assert len(runs) == 6
+    assert all(a["end"] <= b["start"] for a, b in zip(runs, runs[1:], strict=False))
+    assert (store.acquired, store.released) == (1, 1)
+    assert store.server_leases()["gpu0"].owner is None

@@ -15,6 +15,7 @@ import pytest
 from comfy_assets.jobfile import Job, job_from_dict, load_job_file
 from comfy_assets.states import InvalidTransition
 from comfy_assets.store import (
+    AttemptEntry,
     ClaimLost,
     OutputFile,
     PartitionConflict,
@@ -397,6 +398,43 @@ def test_mark_done_without_the_claim_writes_nothing(store, workflow_dir):
         store.mark_done(job.id, "w2", files=files("a.png"))
     assert store.files(job.id) == []
     assert store.get(job.id).state == "rendering"
+
+
+def test_the_attempt_that_finished_a_job_is_written_with_its_done_record(store, workflow_dir):
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("film", [job])
+    run_to_rendering(store, job)  # first submitted at 101
+    tried = AttemptEntry(1, "success", server="gpu0", started_at=101.0, queue_wait_s=2.0)
+    with pytest.raises(ClaimLost):  # not the holder: neither the attempt nor the done
+        store.mark_done(job.id, "w2", files=files("a.png"), now=111.0, tried=tried)
+    assert (store.attempts(job.id), store.get(job.id).state) == ([], "rendering")
+    store.mark_done(job.id, "w1", files=files("a.png"), now=111.0, tried=tried)
+    (attempt,) = store.attempts(job.id)
+    assert (attempt.server, attempt.seconds, attempt.outcome) == ("gpu0", 10.0, "success")
+    rec = store.get(job.id)
+    assert (rec.state, rec.attempts, rec.queue_wait_s, rec.gpu_seconds) == (
+        "succeeded",
+        1,
+        2.0,
+        8.0,
+    )
+
+
+def test_a_failed_attempt_is_written_with_its_transition_or_dead_letter(store, workflow_dir):
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("film", [job])
+    run_to_rendering(store, job)
+    first = AttemptEntry(1, "transient", seconds=1.0, reason="POST /prompt 500")
+    store.transition(job.id, "failed_retryable", attempt=1, tried=first)
+    store.transition(job.id, "pending")
+    store.transition(job.id, "submitted")
+    second = AttemptEntry(2, "permanent", seconds=2.0, reason="IndexError")
+    store.dead_letter(job.id, "w1", "IndexError", attempt=2, tried=second)
+    assert [(a.attempt, a.outcome) for a in store.attempts(job.id)] == [
+        (1, "transient"),
+        (2, "permanent"),
+    ]
+    assert (store.get(job.id).state, store.get(job.id).attempts) == ("failed_fatal", 2)
 
 
 def test_a_refused_done_record_leaves_no_files_behind(store, workflow_dir):
