@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -64,12 +64,17 @@ class AttemptResult:
     queue_wait_s: float | None = None
 
 
+async def _nothing(*args: object) -> None:
+    return None
+
+
 @dataclass
 class AttemptHooks:
-    """Callbacks the attempt makes at state changes (the store writes transitions)."""
+    """Coroutines the attempt awaits at state changes (the store writes transitions):
+    ``submitted(server)`` before the POST, ``rendering(server, number)`` after it."""
 
-    submitted: Callable[[str], None] = lambda server: None
-    rendering: Callable[[str, int], None] = lambda server, number: None
+    submitted: Callable[[str], Awaitable[None]] = _nothing
+    rendering: Callable[[str, int], Awaitable[None]] = _nothing
 
 
 def entry_timings(entry: HistoryEntry) -> tuple[float | None, float | None]:
@@ -193,8 +198,8 @@ class Attempt:
         if self.slot is None:
             self.slot = await self.pool.acquire(only=name, allow_prompt=pid)
         self.slot.prompt_id = pid
-        self.hooks.submitted(name)
-        self.hooks.rendering(name, found.number)
+        await self.hooks.submitted(name)
+        await self.hooks.rendering(name, found.number)
         return await self._follow(self.slot, found.number, posted=False)
 
     # -- post and follow -----------------------------------------------------------------
@@ -207,7 +212,7 @@ class Attempt:
         except ComfyError as e:  # nothing was posted
             slot.release()
             return self.result("transient", describe_error(e, "GET /ws"), server=name)
-        self.hooks.submitted(name)
+        await self.hooks.submitted(name)
         self.on_server = (client, name)
         slot.prompt_id = pid
         try:
@@ -228,7 +233,7 @@ class Attempt:
             return self.result(kind, describe_error(e, "POST /prompt"), server=name, posted=True)
         slot.posted()
         log.info("%s on %s: POST /prompt 200, number %s", self.label, name, post.number)
-        self.hooks.rendering(name, post.number)
+        await self.hooks.rendering(name, post.number)
         if post.node_errors:
             reason = "POST /prompt 200 with node_errors, outputs dropped: " + ", ".join(
                 f"node {n}" for n in sorted(post.node_errors)
