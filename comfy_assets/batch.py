@@ -3,18 +3,21 @@
 Used by the Dagster asset, ``comfy-assets run`` and the RabbitMQ worker alike.
 
 Two consumer loops per server: a loop takes the next job and claims it, then waits for
-a server (the job's previous server and model count in the choice), so a server handed
-over at the end of a prompt goes straight to the next POST; a loop that still holds a
+a server, so a server handed over at the end of a prompt goes straight to the next POST
+(among free servers the job's previous server and model count; a server our prompt just
+left goes to the next consumer in line whatever its job); a loop that still holds a
 server takes the waiting job that fits it best. A job waiting for its backoff delay holds
 its claim but no server. Every state change goes through the store (an event row and a
 JSON log line); people get one log line per decision, in the shape of STYLE.md. With
-PostgreSQL the store's calls run on worker threads, so a network round trip never
-stalls the event loop that follows every server's socket.
+PostgreSQL the batch's own store calls (claims, transitions, done records) run on worker
+threads, so their network round trips don't stall the event loop that reads every
+server's socket; the pool's lease calls stay on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -36,7 +39,7 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import Job, JobFile
 from comfy_assets.runner import Attempt, AttemptHooks, AttemptResult
 from comfy_assets.states import InvalidTransition
-from comfy_assets.store import AttemptEntry, JobRecord, Store
+from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store
 
 log = logging.getLogger("comfy_assets.batch")
 
@@ -243,16 +246,26 @@ class Batch:
             if store.dialect == "postgresql"
             else None
         )
+        # Store calls under way on those threads: a cancelled await does not stop one,
+        # so cleanup waits for them before it reads or releases anything.
+        self._in_flight: set[concurrent.futures.Future[object]] = set()
+        self.claiming: set[str] = set()  # claims asked for and not yet answered
 
     async def _db(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
         """``fn(*args, **kwargs)`` (a store call): on a worker thread for PostgreSQL,
         inline for SQLite. Raises what ``fn`` raises."""
         if self._store_threads is None:
             return fn(*args, **kwargs)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._store_threads, functools.partial(fn, *args, **kwargs)
-        )
+        future = self._store_threads.submit(functools.partial(fn, *args, **kwargs))
+        self._in_flight.add(future)  # type: ignore[arg-type]
+        future.add_done_callback(self._in_flight.discard)  # type: ignore[arg-type]
+        return await asyncio.wrap_future(future)
+
+    async def _landed(self) -> None:
+        """Wait until every store call under way on a worker thread has finished."""
+        if self._in_flight:
+            pending = [asyncio.wrap_future(f) for f in list(self._in_flight)]
+            await asyncio.gather(*pending, return_exceptions=True)
 
     def say(self, text: str) -> None:
         self.on_line(text)
@@ -283,12 +296,13 @@ class Batch:
         finally:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
+            await self._landed()  # a claim that lands now must be released below
             for item in self.queue.cancel_all():
                 self._release_claim(item.job.id)
-            for job_id in list(self.claimed):
+            for job_id in [*self.claimed, *self.claiming]:
                 self._release_claim(job_id)
             if self._store_threads is not None:
-                self._store_threads.shutdown(wait=True)  # every call was awaited already
+                self._store_threads.shutdown(wait=False)  # nothing is under way any more
 
     def _resolve(self) -> None:
         self.unresolved -= 1
@@ -332,11 +346,13 @@ class Batch:
                 rec = await self._claim(item)
                 if rec is None:
                     continue
-                if slot is None or slot.released:
+                if (slot is None or slot.released) and not self.stopped:
                     slot = await self._acquire(item)
-                    if slot is None:  # stopped while we waited: the job stays pending
-                        self._release_claim(item.job.id)
-                        continue
+                if slot is None or self.stopped:
+                    # Stopped (delivery policy) while we claimed or waited: the job
+                    # stays pending, unposted.
+                    self._release_claim(item.job.id)
+                    break
                 slot = await self._run_item(item, rec, slot)
         finally:
             if slot is not None:
@@ -347,11 +363,7 @@ class Batch:
         """Claim ``item``'s job; its record when it is ours to run, else None (done,
         dead-lettered, or held by another worker: then it is resolved or put back)."""
         job, cfg, store = item.job, self.config, self.store
-        # Noted first: a claim that lands while we are cancelled is still released.
-        self.claimed.add(job.id)
-        status, rec = await self._db(store.claim_job, job.id, self.owner, cfg.lease_s)
-        if status != "claimed":
-            self.claimed.discard(job.id)
+        status, rec = await self._claim_job(job.id)
         if status == "done":
             problem = await self._db(outputs_problem, store, self.partition, job.id)
             if problem is None:
@@ -367,10 +379,7 @@ class Batch:
                 self.say(f"job {job.id}: outputs {problem}; fetching them again")
             except InvalidTransition:
                 pass  # another worker reopened it a moment ago: claim decides who fetches
-            self.claimed.add(job.id)
-            status, rec = await self._db(store.claim_job, job.id, self.owner, cfg.lease_s)
-            if status != "claimed":
-                self.claimed.discard(job.id)
+            status, rec = await self._claim_job(job.id)
             if status == "done":  # and that worker has already fetched them
                 self.say(f"job {job.id}: already done, nothing posted")
                 self._resolve()
@@ -381,12 +390,7 @@ class Batch:
             return None
         if status == "held" and rec.claimed_by and not owner_alive(rec.claimed_by):
             holder = rec.claimed_by
-            self.claimed.add(job.id)
-            status, rec = await self._db(
-                store.claim_job, job.id, self.owner, cfg.lease_s, dead_holder=holder
-            )
-            if status != "claimed":
-                self.claimed.discard(job.id)
+            status, rec = await self._claim_job(job.id, dead_holder=holder)
             if status == "claimed":
                 self.say(f"job {job.id}: claim of {holder} taken over (that process is gone)")
         if status == "held":
@@ -409,6 +413,26 @@ class Batch:
             await self._db(store.transition, job.id, "pending", detail="retry")
         return rec
 
+    async def _claim_job(
+        self, job_id: str, dead_holder: str | None = None
+    ) -> tuple[str, JobRecord]:
+        """``Store.claim_job`` for us; a claim taken is noted in ``claimed`` (renewed by
+        the heartbeat, released at the end), one under way in ``claiming``."""
+        # Kept in `claiming` if we are cancelled meanwhile: the claim may still land on
+        # its worker thread, and the batch's cleanup releases it then.
+        self.claiming.add(job_id)
+        status, rec = await self._db(
+            self.store.claim_job,
+            job_id,
+            self.owner,
+            self.config.lease_s,
+            dead_holder=dead_holder,
+        )
+        self.claiming.discard(job_id)
+        if status == "claimed":
+            self.claimed.add(job_id)
+        return status, rec
+
     async def _run_item(self, item: _Item, rec: JobRecord, slot: Slot) -> Slot | None:
         """Run one attempt of ``item`` (claimed: ``rec``) on ``slot`` or the server it
         catches up on; returns the slot if it is still ours."""
@@ -418,10 +442,13 @@ class Batch:
         prev = rec.server if rec.prompt_id == job.prompt_id else None
 
         async def submitted(server: str) -> None:
+            # With our owner: a claim lost while we waited (the job re-registered with
+            # new inputs, say) raises ClaimLost here, before anything is posted.
             await self._db(
                 store.transition,
                 job.id,
                 "submitted",
+                owner=self.owner,
                 server=server,
                 attempt=number,
                 prompt_id=job.prompt_id,
@@ -429,7 +456,13 @@ class Batch:
 
         async def rendering(server: str, n: int) -> None:
             await self._db(
-                store.transition, job.id, "rendering", server=server, attempt=number, number=n
+                store.transition,
+                job.id,
+                "rendering",
+                owner=self.owner,
+                server=server,
+                attempt=number,
+                number=n,
             )
 
         hooks = AttemptHooks(submitted=submitted, rendering=rendering)
@@ -450,18 +483,33 @@ class Batch:
         except asyncio.CancelledError:
             await asyncio.shield(self._cancelled(job, attempt))
             raise
+        except ClaimLost as e:
+            await attempt.cancel_cleanup()  # our prompt, if posted, is stale: remove it
+            self._lost(job, e)
+            return None
         finally:
             self.attempts.pop(job.id, None)
-        await self._settle(item, number, result)
+        try:
+            await self._settle(item, number, result)
+        except ClaimLost as e:
+            self._lost(job, e)
         self._check_finished()
         kept = attempt.slot if attempt.slot is not None and not attempt.slot.released else None
         return kept
+
+    def _lost(self, job: Job, e: ClaimLost) -> None:
+        """Our claim on ``job`` went to another run (it re-registered the job with new
+        inputs, say): the job is theirs now; nothing more of ours is written for it."""
+        self.claimed.discard(job.id)
+        self.say(f"job {job.id}: claim lost ({e}); left to its holder")
+        self._resolve()
 
     async def _cancelled(self, job: Job, attempt: Attempt) -> None:
         on_server = attempt.on_server is not None  # ours still queued or running there
         try:
             await attempt.cancel_cleanup()
         finally:
+            await self._landed()  # a `submitted` still being written lands first
             rec = await self._db(self.store.get, job.id)
             if rec is not None and rec.state in ("submitted", "rendering"):
                 await self._db(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import socket
 import subprocess
@@ -14,7 +15,15 @@ from comfy_assets.batch import run_batch
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import executed, fake_servers, fast_config, posted, write_jobs
+from tests.support import (
+    executed,
+    fake_servers,
+    fast_config,
+    posted,
+    running,
+    wait_until,
+    write_jobs,
+)
 
 
 async def render(tmp_path: Path, script: list[str], count: int = 1, **config: object):
@@ -228,3 +237,66 @@ async def test_the_claim_of_a_dead_process_on_this_host_is_taken_over_at_once(tm
         )
     assert summary.done == 1
     assert any(f"claim of {dead_owner} taken over" in line for line in lines)
+
+
+async def test_delivery_posts_nothing_after_a_fatal_failure_while_another_server_renders(
+    tmp_path,
+):
+    # A storyboard on two servers: shot 1 fails for good on gpu0 while gpu1 is still
+    # rendering shot 2; the consumers already waiting in line with their shots claimed
+    # must not post them once the delivery policy has stopped the batch.
+    failing = FakeComfy(script=["error"], prompt_seconds=0.005)
+    slow = FakeComfy(prompt_seconds=0.1)
+    shots = [{"shot": i + 1} for i in range(8)]
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 8, extra=shots))
+    store = Store(tmp_path / "store")
+    async with fake_servers(failing, slow) as servers:
+        summary = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(policy="delivery", attempts=1),
+        )
+    runs = failing.stats["runs"] + slow.stats["runs"]
+    (fatal,) = [r for r in runs if r["outcome"] == "error"]
+    assert summary.dead_lettered == 1
+    assert [r for r in runs if r["start"] > fatal["end"]] == []
+    assert all(j.claimed_by is None for j in store.jobs("p"))
+
+
+async def test_a_job_whose_inputs_change_while_it_waits_for_a_server_is_not_posted(tmp_path):
+    # One slow server, three jobs: while job 1 renders, job 2 waits in line, claimed.
+    # Another run re-registers the partition with job 2's inputs changed, which drops the
+    # claim. This run must not post job 2's old prompt: it leaves the job to its holder.
+    fake = FakeComfy(prompt_seconds=0.05)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 3))
+    edited = [{}, {"set": {"1.color": 7}}, {}]
+    jf2 = load_job_file(write_jobs(tmp_path / "jobs2", 3, name="jobs.jsonl", extra=edited))
+    first, second = jf.jobs[0], jf.jobs[1]
+    assert jf2.jobs[1].id == second.id and jf2.jobs[1].prompt_id != second.prompt_id
+    store = Store(tmp_path / "store")
+    lines: list[str] = []
+    async with fake_servers(fake) as servers:
+        batch = asyncio.create_task(
+            run_batch(
+                jf,
+                partition="p",
+                servers=servers,
+                store=store,
+                config=fast_config(),
+                on_line=lines.append,
+            )
+        )
+        await wait_until(
+            lambda: running(fake, first.prompt_id) and store.get(second.id).claimed_by,
+            10.0,
+            "job 1 rendering, job 2 claimed",
+        )
+        store.register_jobs("p", jf2.jobs)
+        await batch
+    assert posted(fake, second.prompt_id) == 0
+    assert [executed(fake, j.prompt_id) for j in (first, jf.jobs[2])] == [1, 1]
+    rec = store.get(second.id)
+    assert (rec.state, rec.prompt_id, rec.claimed_by) == ("pending", jf2.jobs[1].prompt_id, None)
+    assert any(f"job {second.id}: claim lost" in line for line in lines)

@@ -3,18 +3,20 @@
 ComfyUI executes one prompt at a time per server (data/recorded/README.md, fact 1), so a
 server is a slot. A slot is held through a **server lease** in the result store (the same
 SQLite/PostgreSQL database every process shares): taken atomically, renewed while the
-prompt runs, released as soon as the prompt has left the server, or expired if the holder
-died. Among free servers the pool probes ``/system_stats`` and ``/queue`` concurrently and
-picks the shortest queue (prompts of other clients count), then the job's previous server,
-then a server that last ran the same model (affinity), then configuration order.
+prompt runs, released once the prompt has left the server (or passed, still ours, to our
+next prompt there), or expired if the holder died. Among free servers the pool picks the
+shortest queue (prompts of other clients count), then the job's previous server, then a
+server that last ran the same model (affinity), then configuration order. A server's
+queue comes from the ``status`` messages on its socket (ComfyUI sends them to every
+socket on every queue change); ``/system_stats`` and ``/queue`` are asked only when the
+socket says the server is not empty, or is not open yet.
 
 Keeping GPUs busy: one socket per server stays open across prompts; consumers wait in one
 line (a release wakes the first, not all); a server is freed at ``execution_success`` and
-handed to the next consumer before the finished prompt's files are downloaded; a server
-our own prompt just left is retaken without a probe, and so is any server whose socket
-says its queue is empty (``status`` goes to every socket). Across processes, a pool that waits
-marks itself in the store and a pool that frees a server leaves it to that process for a
-moment, so runs that share servers take turns.
+handed, lease and all, to the next consumer in line before the finished prompt's files
+are downloaded; a server our own prompt just left is retaken without a probe. Across
+processes, a pool that waits marks itself in the store and a pool that frees a server
+leaves it to that process for a moment, so runs that share servers take turns.
 
 No Dagster here: the batch runner, the CLI and the RabbitMQ worker all use this.
 """
@@ -251,8 +253,10 @@ class Pool:
         Consumers waiting at the same moment share one probe per server, and an answer
         stands for ``probe_ttl_s`` (a burst of acquisitions, as at start, probes once).
         A server whose open socket says its queue is empty needs no request at all: the
-        ``status`` broadcast (README fact 3) already told us, and nothing, ours or
-        anybody's, can be on it.
+        ``status`` broadcast (README fact 3) already told us (a prompt posted a moment ago
+        may not be counted yet; it would queue ahead of ours, as after any probe). A
+        healthy server's socket is opened by its first probe: a server whose ``/ws``
+        fails is unreachable for us, as we could not follow a prompt there.
         """
         follower = self._followers.get(spec.name)
         if follower is not None and not follower.failed and follower.queue_remaining() == 0:
@@ -569,4 +573,5 @@ class Pool:
             await asyncio.sleep(self.lease_s / 3)
             for name in [*self._held, *self._kept]:
                 if not self.leases.renew_server(name, self.owner, self.lease_s):
-                    log.error("server %s: lease lost before the prompt left it", name)
+                    log.error("server %s: lease lost while we held it", name)
+                    self._kept.pop(name, None)  # not ours to hand to our next prompt
