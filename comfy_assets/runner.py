@@ -261,7 +261,12 @@ class Attempt:
         remaining = max(self.deadline_s - (time.monotonic() - self.started), 0.1)
         try:
             outcome = await follower.wait(
-                pid, number, deadline_s=remaining, on_finished=slot.release
+                pid,
+                number,
+                deadline_s=remaining,
+                on_finished=slot.release,
+                # The freed GPU gets its next prompt before we ask /history or download.
+                then=lambda: self.pool.handed_over(slot),
             )
         except DeadlineExceeded:
             won = await self._evict(slot, number)
@@ -293,7 +298,6 @@ class Attempt:
         self.on_server = None
         slot.release()  # already done by on_finished; idempotent
         if outcome.status == "success" and outcome.history is not None:
-            await self.pool.handed_over(slot)  # the freed GPU gets its next prompt first
             return await self._download(client, name, outcome.history, number=number, posted=posted)
         gpu, wait = entry_timings(outcome.history) if outcome.history else (None, None)
         common = dict(server=name, number=number, posted=posted, gpu_seconds=gpu, queue_wait_s=wait)

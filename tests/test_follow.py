@@ -373,3 +373,23 @@ async def test_the_socket_tells_the_queue_length_and_an_ended_prompt_leaves_it_a
     assert [n for _, n in seen[1:success]] == [1] * (success - 1)
     assert [n for _, n in seen[success:]] == [0, 0, 0]
     assert [kind for kind, _ in seen[success:]] == ["execution_success", "status", "executing"]
+
+
+async def test_then_runs_after_the_finish_and_before_history_is_asked():
+    # The pool's hand-over: the server's next prompt is posted in `then`, before this
+    # run's /history request (so neither the request nor its answer delays it).
+    fake = FakeComfy(script=["ok"], prompt_seconds=0.01)
+    transport, pid, finished = CountingTransport(), new_id(), Recorder()
+    seen_in_then: list[tuple[int, list[str]]] = []
+
+    async def then() -> None:
+        seen_in_then.append((finished.calls, list(transport.paths)))
+
+    async with fake.serve(port=0) as url, ComfyClient(url, transport=transport) as client:
+        client_id = uuid.uuid4().hex
+        async with PromptFollower(client, client_id, poll_s=30.0) as follower:
+            post = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+            outcome = await follower.wait(pid, post.number, on_finished=finished, then=then)
+    assert outcome.status == "success"
+    assert seen_in_then == [(1, ["/prompt"])]
+    assert transport.paths == ["/prompt", f"/history/{pid}"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -170,13 +170,16 @@ class PromptFollower:
         *,
         deadline_s: float = 600.0,
         on_finished: Callable[[], object] | None = None,
+        then: Callable[[], Awaitable[object]] | None = None,
     ) -> PromptOutcome:
         """Wait until run ``number`` of ``prompt_id`` ends; works for a prompt posted
         through this follower's clientId or one found queued/running during catch-up.
 
         ``on_finished`` is called once, as soon as the server is done with the run (a
         terminal event after our execution_start, or its history entry), before this
-        returns. Raises PromptLost when the run is in neither /queue nor /history,
+        returns. ``then`` is awaited once right after it, before /history is asked for
+        the finished run: the server's next prompt (the pool's hand-over) goes first, and
+        neither our request nor the server's answer stands in its way. Raises PromptLost when the run is in neither /queue nor /history,
         DeadlineExceeded after ``deadline_s`` seconds (interrupt it yourself),
         UnexpectedAnswer (or another permanent ComfyError) for answers not understood.
         Transient server trouble (refused, reset, 5xx) is retried until the deadline.
@@ -192,6 +195,7 @@ class PromptFollower:
         next_poll = loop.time() + self.poll_s
         seen_drops, seen_reconnects = self._drops, self._reconnects
         suspect = False  # the server may have forgotten the prompt: ask /queue
+        then_done = then is None
 
         def finish(
             status: Outcome, history: HistoryEntry | None, error: ExecutionErrorInfo | None
@@ -221,6 +225,10 @@ class PromptFollower:
                 if self._reconnects != seen_reconnects:
                     seen_reconnects = self._reconnects
                     check_now = True  # a finish missed while disconnected is only in /history
+                if run.finished and not then_done:
+                    then_done = True
+                    await then()  # type: ignore[misc]
+                    continue  # events may have come meanwhile
 
                 now = loop.time()
                 if now >= deadline:
