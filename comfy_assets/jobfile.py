@@ -141,10 +141,11 @@ def prompt_id_for(job_id: str, workflow_sha256: str) -> str:
     return str(uuid.uuid5(NAMESPACE, f"{job_id}:{workflow_sha256}"))
 
 
-def load_job_file(path: Path) -> JobFile:
+def load_job_file(path: Path, workflows: WorkflowCache | None = None) -> JobFile:
     """Read and validate the JSONL job file at ``path``.
 
-    Workflow paths are relative to the job file's folder; each file is read once.
+    Workflow paths are relative to the job file's folder; each file is read once, or
+    once for every job file loaded with the same ``workflows`` (the sensor's tick).
     Raises ``JobFileError`` listing every bad line (nothing is returned for a partly
     valid file), including a missing or unreadable file and a file without a single job
     line (both line 0, field "file"), a repeated ``id`` or ``shot`` (on the later line,
@@ -161,7 +162,7 @@ def load_job_file(path: Path) -> JobFile:
     except UnicodeDecodeError as e:
         raise JobFileError([LineError(where, 0, "file", f"not UTF-8: {e.reason}")]) from e
 
-    parser = _Parser(where, path.parent, _WorkflowCache())
+    parser = _Parser(where, path.parent, workflows or WorkflowCache())
     header = Header()
     seen_ids: dict[str, int] = {}
     seen_shots: dict[int, int] = {}
@@ -216,7 +217,7 @@ def job_from_dict(obj: Any, *, base_dir: Path, source: str, line: int = 1) -> Jo
     ``source`` and ``line`` name the origin in errors. Raises ``JobFileError`` listing
     this job's problems, including a non-finite float (``json.loads`` accepts ``NaN``).
     """
-    parser = _Parser(source, Path(base_dir), _WorkflowCache())
+    parser = _Parser(source, Path(base_dir), WorkflowCache())
     if not isinstance(obj, dict):
         parser.error(line, "job", f"expected a JSON object, got {_kind(obj)}")
     elif parser.finite(obj, line):
@@ -236,8 +237,10 @@ class _Workflow:
     text: str
 
 
-class _WorkflowCache:
-    """Workflow files read once per load: 10,000 jobs sharing a file parse it once."""
+class WorkflowCache:
+    """Workflow files read once: 10,000 jobs sharing a file parse it once, and so do
+    5,000 job files loaded with the same cache. It never looks at a file again: keep
+    one only as long as the files can be taken as unchanged (one sensor tick)."""
 
     def __init__(self) -> None:
         # Keyed by the raw string: building a Path per line costs more than the rest.
@@ -399,7 +402,7 @@ def _models(workflow: Mapping[str, Any]) -> tuple[str, ...]:
 class _Parser:
     """Validates lines of one source, collecting every error instead of stopping."""
 
-    def __init__(self, source: str, base_dir: Path, cache: _WorkflowCache) -> None:
+    def __init__(self, source: str, base_dir: Path, cache: WorkflowCache) -> None:
         self.source = source
         self.base_dir = base_dir
         self.cache = cache

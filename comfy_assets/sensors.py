@@ -33,7 +33,7 @@ from dagster import (
     sensor,
 )
 
-from comfy_assets.jobfile import JobFileError, load_job_file
+from comfy_assets.jobfile import JobFileError, WorkflowCache, load_job_file
 from comfy_assets.partitions import (
     iter_job_files,
     job_dirs_from_env,
@@ -152,6 +152,7 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
 
     run_requests: list[RunRequest] = []
     deferred = 0
+    workflows = WorkflowCache()  # files dropped together share a workflow: read it once
     for _, key, path, stat in sorted(candidates, key=lambda item: (item[0], item[1])):
         old = previous.get(key)
         if len(run_requests) >= max_runs:
@@ -165,7 +166,7 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
             seen[key] = SeenFile(old.sha, stat.st_size, stat.st_mtime_ns, True)
             continue
         try:
-            job_file = load_job_file(path)
+            job_file = load_job_file(path, workflows)
         except JobFileError as exc:
             problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
             seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, False)

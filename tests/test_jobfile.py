@@ -13,6 +13,7 @@ from comfy_assets.jobfile import (
     NAMESPACE,
     JobFileError,
     LineError,
+    WorkflowCache,
     canonical_json,
     job_from_dict,
     load_job_file,
@@ -423,3 +424,19 @@ def test_job_from_dict_rejects_a_non_object(workflow_dir):
 
 def test_canonical_json_is_sorted_and_compact():
     assert canonical_json({"b": 1, "a": [1, {"d": 2, "c": 3}]}) == '{"a":[1,{"c":3,"d":2}],"b":1}'
+
+
+def test_job_files_loaded_with_one_workflow_cache_read_a_shared_workflow_once(workflow_dir):
+    class Counting(WorkflowCache):
+        reads = 0
+
+        def _load(self, path: Path):  # type: ignore[override]
+            Counting.reads += 1
+            return super()._load(path)
+
+    first = write(workflow_dir, job(ID1), name="a.jsonl")
+    second = write(workflow_dir, job(ID2), name="b.jsonl")
+    cache = Counting()
+    a, b = load_job_file(first, cache), load_job_file(second, cache)
+    assert Counting.reads == 1
+    assert a.jobs[0].workflow == b.jobs[0].workflow
