@@ -96,6 +96,18 @@ def fake_runs(specs: list[ServerSpec]) -> dict[str, list[dict]]:
     return runs
 
 
+def fake_requests(specs: list[ServerSpec]) -> dict[str, int]:
+    """HTTP requests the servers received, by "METHOD /route", summed over servers (from
+    each ``/fake/stats``; the ``/fake/stats`` requests themselves left out)."""
+    total: dict[str, int] = {}
+    for s in specs:
+        with urllib.request.urlopen(f"{s.url}/fake/stats") as r:
+            for route, n in json.load(r)["requests"].items():
+                if route != "GET /fake/stats":
+                    total[route] = total.get(route, 0) + n
+    return total
+
+
 def utilization_and_gaps(runs: dict[str, list[dict]]) -> dict[str, float]:
     """Pool utilization (busy time / (servers x makespan)) and the gap between one
     prompt's end and the next one's start on a server, in ms."""

@@ -43,7 +43,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import fake_processes, fake_runs, fakes_cpu_s, scratch_dir, write_jobs
+from bench.common import (
+    fake_processes,
+    fake_requests,
+    fake_runs,
+    fakes_cpu_s,
+    scratch_dir,
+    write_jobs,
+)
 from comfy_assets.batch import BatchConfig, run_batch
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
@@ -115,6 +122,7 @@ def one_size(args: argparse.Namespace) -> None:
             wall = time.perf_counter() - t0
             fakes_cpu = fakes_cpu_s() - fakes_cpu_before
             runs = fake_runs(specs)
+            requests = fake_requests(specs)
         shutil.rmtree(fakes_out)
         store.close()
     executed = sum(len(r) for r in runs.values())
@@ -144,6 +152,8 @@ def one_size(args: argparse.Namespace) -> None:
     print(
         f"cpu_ms_per_job_batch_process={(me.ru_utime + me.ru_stime - cpu_before) / args.jobs * 1000:.2f}"
     )
+    for route, n in sorted(requests.items()):  # e.g. requests_per_job_GET_/view=2.000
+        print(f"requests_per_job_{route.replace(' ', '_')}={n / args.jobs:.3f}")
     print(f"rss_at_start_mb={rss_before_mb:.1f}")
     print(f"peak_rss_mb={self_mb:.1f}")
     print("peak_rss_includes_children=no")

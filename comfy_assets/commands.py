@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -110,6 +111,22 @@ def show_logs(args: argparse.Namespace) -> None:
             logging.getLogger(name).propagate = False
 
 
+def say(line: str) -> None:
+    """Print one line of ``run``'s output. When the reader has gone away (``run | head``)
+    the run goes on without its lines (one note on stderr): the renders, the store and
+    results.csv matter more than the progress lines nobody reads any more."""
+    try:
+        print(line, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # later lines, and the exit flush, go nowhere
+        os.close(devnull)
+        print(
+            "comfy-assets: standard output was closed; the run goes on without progress lines",
+            file=sys.stderr,
+        )
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Exit 0 when every job is done, 1 when any is dead-lettered or not run, 2 for bad
     input, 130 on Ctrl+C and 143 on SIGTERM (after cleaning up: prompts interrupted and
@@ -136,7 +153,7 @@ def run_command(args: argparse.Namespace) -> int:
                 servers=servers,
                 store=store,
                 config=batch_config(args),
-                on_line=lambda line: print(line, flush=True),
+                on_line=say,
             )
     except PartitionConflict as e:
         print(
@@ -153,18 +170,18 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return 143 if stopped_by[0] == "SIGTERM" else 130
     for name, why in summary.unreachable.items():
-        print(f"server {name}: {why}")
-    print(summary.line())
+        say(f"server {name}: {why}")
+    say(summary.line())
     for job_id, reason in summary.dead_letters:
-        print(f"  dead letter {job_id}: {reason}")
+        say(f"  dead letter {job_id}: {reason}")
     if summary.stopped:
-        print(f"  {summary.stopped}")
+        say(f"  {summary.stopped}")
     not_done = len(summary.jobs) - summary.done - summary.dead_lettered
     if not_done:
-        print(f"  {not_done} not run")
+        say(f"  {not_done} not run")
     try:
         # Dead letters too: the table is where their reasons are read afterwards.
-        print(f"results: {write_results(store, partition, job_file)}")
+        say(f"results: {write_results(store, partition, job_file)}")
     finally:
         store.close()
     return 0 if summary.dead_lettered == 0 and not_done == 0 else 1

@@ -6,6 +6,8 @@ from __future__ import annotations
 import csv
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import pytest
 from comfy_assets.cli import main
 from comfy_assets.jobfile import load_job_file
 from fake_comfy import FakeComfy
-from tests.support import job_id, write_jobs
+from tests.support import ROOT, job_id, write_jobs
 
 # Tiny delays and polls, so a retry or a poll never makes a test slow.
 FAST = ["--base-delay-s", "0.01", "--max-delay-s", "0.05", "--no-jitter", "--poll-s", "0.05"]
@@ -72,6 +74,29 @@ def test_run_writes_the_results_csv_and_prints_its_path(
     assert {r["state"] for r in table} == {"succeeded"}
     assert all(r["server"] == "gpu0" and r["files"] for r in table)
     assert sorted(posts(fake).values()) == [1, 1, 1]
+
+
+def test_run_piped_into_a_reader_that_stops_early_still_renders_every_job(
+    tmp_path: Path, fake: FakeComfy, url: str
+) -> None:
+    # `comfy-assets run ... | head -1`: the reader goes away after the first line; the
+    # run goes on, renders every job, writes the CSV and exits 0, with one note.
+    jobs = write_jobs(tmp_path / "jobs", 6)
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+    cmd += ["--server", f"gpu0={url}", "--store", str(store), *FAST]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 0, err
+    assert first.startswith(b"job ")
+    assert "standard output was closed; the run goes on" in err
+    assert "Traceback" not in err
+    assert {r["state"] for r in rows(store / "jobs" / "results.csv")} == {"succeeded"}
+    assert len(rows(store / "jobs" / "results.csv")) == 6
+    assert sorted(posts(fake).values()) == [1] * 6
 
 
 def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(

@@ -97,6 +97,15 @@ def test_health_exits_1_when_no_server_is_healthy(capsys):
     assert capsys.readouterr().out == f"gpu1 unreachable: connection refused ({dead})\n"
 
 
+def test_a_name_that_does_not_resolve_is_not_called_a_refused_connection(capsys):
+    url = "http://no-such-host.invalid:8188"  # .invalid never resolves (RFC 6761)
+    code = main(["health", "--server", f"gpu1={url}", "--timeout-s", "2"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert out.startswith("gpu1 unreachable: cannot connect: ") and out.endswith(f"({url})\n")
+    assert "refused" not in out
+
+
 def test_health_exits_2_for_a_bad_server_list(capsys):
     code = main(["health", "--server", "gpu0=nonsense"])
     assert code == 2

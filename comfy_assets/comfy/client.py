@@ -200,12 +200,15 @@ class ComfyClient:
             ) from exc
         except ConnectionRefusedError as exc:
             raise ServerUnreachable(
-                f"{self.name}: {route}: connection refused ({self.base_url})", server=self.base_url
+                f"{self.name}: {route}: connection refused ({self.base_url})",
+                server=self.base_url,
+                reason="connection refused",
             ) from exc
         except OSError as exc:
             raise ServerUnreachable(
                 f"{self.name}: {route}: cannot connect ({exc}) ({self.base_url})",
                 server=self.base_url,
+                reason=f"cannot connect: {exc}",
             ) from exc
 
     # -- plumbing ---------------------------------------------------------------------
@@ -221,9 +224,12 @@ class ComfyClient:
                 f"{where}: no answer within {self.timeout_s:g} s", server=self.base_url
             ) from exc
         except httpx.ConnectError as exc:
-            reason = "connection refused" if _is_refused(exc) else f"cannot connect ({exc})"
+            refused = _is_refused(exc)
+            reason = "connection refused" if refused else f"cannot connect ({exc})"
             raise ServerUnreachable(
-                f"{where}: {reason} ({self.base_url})", server=self.base_url
+                f"{where}: {reason} ({self.base_url})",
+                server=self.base_url,
+                reason="connection refused" if refused else f"cannot connect: {exc}",
             ) from exc
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise ConnectionLost(

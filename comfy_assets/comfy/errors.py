@@ -25,7 +25,13 @@ class ComfyError(Exception):
 
 
 class ServerUnreachable(ComfyError):
-    """The TCP connection was refused or could not be made (server down, restarting)."""
+    """The TCP connection was refused or could not be made (server down, restarting, a
+    name that does not resolve). ``reason`` says which, in a few words for people
+    ("connection refused", "cannot connect: [Errno -2] Name or service not known")."""
+
+    def __init__(self, message: str, *, server: str = "", reason: str = "") -> None:
+        super().__init__(message, server=server)
+        self.reason = reason or "cannot connect"
 
 
 class ConnectionLost(ComfyError):

@@ -58,7 +58,7 @@ class ServerHealth:
 def _describe(error: ComfyError, timeout_s: float) -> tuple[str, str]:
     """(state, reason) from the error's type, not its text."""
     if isinstance(error, ServerUnreachable):
-        return "unreachable", "connection refused"
+        return "unreachable", error.reason
     if isinstance(error, RequestTimeout):
         return "unreachable", f"no answer within {timeout_s:g} s"
     if isinstance(error, ConnectionLost):
