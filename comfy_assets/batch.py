@@ -449,6 +449,7 @@ class Batch:
                 job.id,
                 "submitted",
                 owner=self.owner,
+                from_state="pending",  # as _claim left it: one statement on PostgreSQL
                 server=server,
                 attempt=number,
                 prompt_id=job.prompt_id,
@@ -460,6 +461,7 @@ class Batch:
                 job.id,
                 "rendering",
                 owner=self.owner,
+                from_state="submitted",
                 server=server,
                 attempt=number,
                 number=n,

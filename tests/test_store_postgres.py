@@ -199,3 +199,69 @@ def test_two_processes_registering_the_same_jobs_insert_each_once(backend, any_s
     assert sorted(ins1 + ins2) == sorted(ids)
     assert sorted(same1 + same2) == sorted(ids)
     assert len(any_store.events(partition="film")) == 200
+
+
+def test_a_move_from_a_known_state_writes_the_same_rows_as_the_checked_way(any_store, workflow_dir):
+    # On PostgreSQL `from_state` makes submitted and rendering one statement; the job and
+    # its events must come out as the checked way writes them, on both backends.
+    fast, checked = make_jobs(workflow_dir, 2)
+    any_store.register_jobs("film", [fast, checked])
+    moved: list[object] = []  # events the one-statement way wrote
+    one_statement = any_store._move_in_one
+    any_store._move_in_one = lambda *args: moved.append(one_statement(*args)) or moved[-1]
+    for job, known in ((fast, True), (checked, False)):
+        assert any_store.claim(job.id, "w1", now=100.0) == "claimed"
+        hint = {"from_state": "pending"} if known else {}
+        any_store.transition(
+            job.id,
+            "submitted",
+            owner="w1",
+            server="gpu0",
+            attempt=1,
+            now=101.0,
+            prompt_id=job.prompt_id,
+            **hint,
+        )
+        hint = {"from_state": "submitted"} if known else {}
+        any_store.transition(
+            job.id,
+            "rendering",
+            owner="w1",
+            server="gpu0",
+            attempt=1,
+            number=7,
+            now=102.0,
+            detail="number 7",
+            **hint,
+        )
+
+    def shape(job_id):
+        rec = any_store.get(job_id)
+        events = [
+            (e.time, e.from_state, e.to_state, e.server, e.attempt, e.detail)
+            for e in any_store.events(job_id=job_id)
+        ]
+        fields = (rec.state, rec.server, rec.number, rec.first_submitted_at, rec.claimed_by)
+        return fields, events
+
+    assert shape(fast.id) == shape(checked.id)
+    assert shape(fast.id)[0] == ("rendering", "gpu0", 7, 101.0, "w1")
+    postgresql = any_store.dialect == "postgresql"
+    assert len(moved) == (2 if postgresql else 0) and all(moved)  # SQLite: checked way
+
+
+def test_a_move_from_a_wrong_known_state_or_by_another_owner_goes_the_checked_way(
+    any_store, workflow_dir
+):
+    job = make_job(workflow_dir, 0)
+    any_store.register_jobs("film", [job])
+    assert any_store.claim(job.id, "w1", now=100.0) == "claimed"
+    with pytest.raises(ClaimLost):
+        any_store.transition(job.id, "submitted", owner="w2", from_state="pending")
+    with pytest.raises(InvalidTransition):  # the job is pending, not submitted
+        any_store.transition(job.id, "rendering", owner="w1", from_state="submitted")
+    # Said to be rendering (from where submitted is not allowed) but really pending: the
+    # checked way moves it.
+    any_store.transition(job.id, "submitted", owner="w1", from_state="rendering")
+    assert any_store.get(job.id).state == "submitted"
+    assert [e.to_state for e in any_store.events(job_id=job.id)][-1] == "submitted"

@@ -130,6 +130,42 @@ def guarded_update(columns: tuple[str, ...]) -> sa.Update:
 
 
 @cache
+def move_and_log(columns: tuple[str, ...]) -> sa.Insert:
+    """PostgreSQL only: one statement that sets ``columns`` (binds ``v_<column>``;
+    ``first_submitted_at`` only where it is NULL) on the job ``b_id`` if it is in state
+    ``b_state`` and claimed by ``b_owner``, and inserts its event (binds ``e_*``),
+    returning the event's id: no rows when the job is not as the caller said. A
+    data-modifying CTE, so in autocommit the change is one round trip and still atomic."""
+    values: dict[str, Any] = {c: _b(f"v_{c}") for c in columns}
+    if "first_submitted_at" in values:
+        values["first_submitted_at"] = sa.func.coalesce(J.first_submitted_at, _b("v_now"))
+    moved = (
+        jobs_table.update()
+        .where(J.job_id == _b("b_id"), J.state == _b("b_state"), J.claimed_by == _b("b_owner"))
+        .values(values)
+        .returning(J.job_id, J.partition)
+        .cte("moved")
+    )
+    event = sa.select(
+        sa.cast(_b("e_time"), sa.Double),
+        moved.c.job_id,
+        moved.c.partition,
+        sa.cast(_b("e_from"), sa.String),
+        sa.cast(_b("e_to"), sa.String),
+        sa.cast(_b("e_server"), sa.String),
+        sa.cast(_b("e_attempt"), sa.Integer),
+        sa.cast(_b("e_detail"), sa.Text),
+    )
+    names = ["time", "job_id", "partition", "from_state", "to_state", "server", "attempt"]
+    return (
+        events_table.insert()
+        .from_select([*names, "detail"], event)
+        .returning(E.id, E.partition)
+        .add_cte(moved)
+    )
+
+
+@cache
 def upsert_attempt(dialect: str) -> Any:
     """INSERT an attempt row (binds are the column names), replacing the same number."""
     insert = insert_for(dialect, attempts_table)

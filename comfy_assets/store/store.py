@@ -21,7 +21,15 @@ import sqlalchemy as sa
 
 from comfy_assets.events import Event, log_event
 from comfy_assets.jobfile import Job
-from comfy_assets.states import DONE, FAILED_FATAL, PENDING, SUBMITTED, State, check_transition
+from comfy_assets.states import (
+    DONE,
+    FAILED_FATAL,
+    PENDING,
+    SUBMITTED,
+    State,
+    check_transition,
+    is_allowed,
+)
 from comfy_assets.store import statements as q
 from comfy_assets.store.records import (
     AttemptEntry,
@@ -217,10 +225,15 @@ class Store:
         detail: str | None = None,
         now: float | None = None,
         tried: AttemptEntry | None = None,
+        from_state: str | None = None,
         **fields: Any,
     ) -> None:
         """Move ``job_id`` to ``to_state``; write an event row and a JSON log line.
         ``tried``: the attempt that led here, recorded in the same transaction.
+        ``from_state`` (with ``owner``): the state the caller knows the job is in. On
+        PostgreSQL a move to a state that is neither pending nor final is then one
+        statement, one round trip (this is on the way to every POST); a job not in that
+        state or not ``owner``'s goes the checked way below, which raises.
 
         Checked against the state in the database. ``fields`` sets other columns
         (TRANSITION_FIELDS: prompt_id, number, reason, seconds, attempts, ...); ``server``
@@ -234,6 +247,23 @@ class Store:
             raise TypeError(f"transition() got unknown fields: {', '.join(sorted(unknown))}")
         to = str(to_state)
         now = _now(now)
+        fast = (
+            self.dialect == "postgresql"
+            and from_state is not None
+            and owner is not None
+            and tried is None
+            and to not in _TERMINAL
+            and to != PENDING
+            and is_allowed(from_state, to)
+        )
+        if fast:
+            assert from_state is not None and owner is not None
+            event = self._move_in_one(
+                job_id, from_state, to, owner, server, attempt, detail, now, fields
+            )
+            if event is not None:
+                log_event(event)
+                return
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
             row = self._lock(conn, job_id)
@@ -603,6 +633,46 @@ class Store:
         params = {f"v_{k}": v for k, v in values.items()}
         params.update(b_id=row.job_id, b_state=row.state, b_holder=row.claimed_by)
         q.expect_rows(conn.execute(stmt, params), 1, f"update job {row.job_id}")
+
+    def _move_in_one(
+        self,
+        job_id: str,
+        from_state: str,
+        to: str,
+        owner: str,
+        server: str | None,
+        attempt: int | None,
+        detail: str | None,
+        now: float,
+        fields: dict[str, Any],
+    ) -> Event | None:
+        """``transition``'s one-statement way (PostgreSQL, autocommit); the event written,
+        or None when the job is not in ``from_state`` or not ``owner``'s."""
+        values: dict[str, Any] = {"state": to, "updated_at": now, **fields}
+        if server is not None:
+            values["server"] = server
+        if to == SUBMITTED:
+            values["first_submitted_at"] = now  # kept where already set (COALESCE)
+        params = {f"v_{k}": v for k, v in values.items()}
+        params.update(
+            v_now=now,
+            b_id=job_id,
+            b_state=from_state,
+            b_owner=owner,
+            e_time=now,
+            e_from=from_state,
+            e_to=to,
+            e_server=server,
+            e_attempt=attempt,
+            e_detail=detail,
+        )
+        stmt = q.move_and_log(tuple(sorted(values)))
+        with self.engine.connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            row = conn.execute(stmt, params).first()
+        if row is None:
+            return None
+        return Event(row.id, now, job_id, row.partition, from_state, to, server, attempt, detail)
 
     def _write_attempt(self, conn: sa.Connection, row: dict[str, Any], now: float) -> None:
         """The attempt row (replacing the same number) and the job's ``attempts``."""
