@@ -179,7 +179,8 @@ class PromptFollower:
         terminal event after our execution_start, or its history entry), before this
         returns. ``then`` is awaited once right after it, before /history is asked for
         the finished run: the server's next prompt (the pool's hand-over) goes first, and
-        neither our request nor the server's answer stands in its way. Raises PromptLost when the run is in neither /queue nor /history,
+        neither our request nor the server's answer stands in its way. Raises PromptLost
+        when the run is in neither /queue nor /history,
         DeadlineExceeded after ``deadline_s`` seconds (interrupt it yourself),
         UnexpectedAnswer (or another permanent ComfyError) for answers not understood.
         Transient server trouble (refused, reset, 5xx) is retried until the deadline.

@@ -266,12 +266,7 @@ class Store:
                 return
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
-            row = self._lock(conn, job_id)
-            if owner is not None and row.claimed_by != owner:
-                raise ClaimLost(job_id, owner, row.claimed_by)
-            check_transition(row.state, to, job_id=job_id)
-            if tried_row is not None:
-                self._write_attempt(conn, tried_row, now)
+            row = self._locked_for_move(conn, job_id, owner, to, tried_row, now)
             values: dict[str, Any] = {"state": to, "updated_at": now}
             if server is not None:
                 values["server"] = server
@@ -365,12 +360,7 @@ class Store:
         now = _now(now)
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
-            row = self._lock(conn, job_id)
-            if row.claimed_by != owner:
-                raise ClaimLost(job_id, owner, row.claimed_by)
-            check_transition(row.state, state, job_id=job_id)
-            if tried_row is not None:
-                self._write_attempt(conn, tried_row, now)
+            row = self._locked_for_move(conn, job_id, owner, state, tried_row, now)
             if seconds is None or queue_wait_s is None or gpu_seconds is None:
                 n, total, waited, ran = conn.execute(q.TOTALS, {"b_id": job_id}).one()
                 if seconds is None:
@@ -420,12 +410,7 @@ class Store:
         now = _now(now)
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
-            row = self._lock(conn, job_id)
-            if row.claimed_by != owner:
-                raise ClaimLost(job_id, owner, row.claimed_by)
-            check_transition(row.state, FAILED_FATAL, job_id=job_id)
-            if tried_row is not None:
-                self._write_attempt(conn, tried_row, now)
+            row = self._locked_for_move(conn, job_id, owner, FAILED_FATAL, tried_row, now)
             values: dict[str, Any] = {
                 "state": FAILED_FATAL.value,
                 "reason": reason,
@@ -673,6 +658,26 @@ class Store:
         if row is None:
             return None
         return Event(row.id, now, job_id, row.partition, from_state, to, server, attempt, detail)
+
+    def _locked_for_move(
+        self,
+        conn: sa.Connection,
+        job_id: str,
+        owner: str | None,
+        to: str,
+        tried_row: dict[str, Any] | None,
+        now: float,
+    ) -> sa.Row:
+        """The job's row, locked, once the claim (when ``owner``) and the move to ``to``
+        are checked; ``tried_row`` written. Raises UnknownJob, ClaimLost,
+        InvalidTransition."""
+        row = self._lock(conn, job_id)
+        if owner is not None and row.claimed_by != owner:
+            raise ClaimLost(job_id, owner, row.claimed_by)
+        check_transition(row.state, to, job_id=job_id)
+        if tried_row is not None:
+            self._write_attempt(conn, tried_row, now)
+        return row
 
     def _write_attempt(self, conn: sa.Connection, row: dict[str, Any], now: float) -> None:
         """The attempt row (replacing the same number) and the job's ``attempts``."""
