@@ -8,6 +8,7 @@ each after that many milliseconds of idleness; 0 = back to back).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import statistics
 import sys
@@ -38,6 +39,7 @@ async def measure(url: str) -> None:
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     with tempfile.TemporaryDirectory() as tmp, fake_processes(1, 0.0, Path(tmp)) as specs:
         asyncio.run(measure(specs[0].url))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -75,7 +76,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) and run the command; returns the exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except BrokenPipeError:
+        # `comfy-assets events ... | head`: the reader has what it wanted. Exit as a
+        # program killed by SIGPIPE would (128 + 13), without a traceback or a failed
+        # flush at exit. (`run` goes on rendering instead: commands.say.)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 141
 
 
 if __name__ == "__main__":

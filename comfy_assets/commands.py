@@ -163,6 +163,9 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return 2
     except KeyboardInterrupt:
+        # The table of what is done so far: every run writes it, a stopped one too.
+        say(f"results: {write_results(store, partition, job_file)}")
+        store.close()
         print(
             f"stopped by {stopped_by[0]}: prompts removed, claims released; run again "
             "to finish (done jobs are not rendered again)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -97,6 +98,29 @@ def test_run_piped_into_a_reader_that_stops_early_still_renders_every_job(
     assert {r["state"] for r in rows(store / "jobs" / "results.csv")} == {"succeeded"}
     assert len(rows(store / "jobs" / "results.csv")) == 6
     assert sorted(posts(fake).values()) == [1] * 6
+
+
+def test_run_stopped_by_sigterm_exits_143_and_still_writes_the_results_csv(tmp_path: Path) -> None:
+    # The CSV is the table of what is done: a stopped run writes it too, with a row per
+    # job (the ones not done yet say so).
+    fake = FakeComfy(prompt_seconds=0.1)
+    jobs = write_jobs(tmp_path / "jobs", 8)
+    store = tmp_path / "store"
+    with fake.serve_in_thread(port=0) as url:
+        cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+        cmd += ["--server", f"gpu0={url}", "--store", str(store), *FAST]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        assert proc.stdout is not None and proc.stderr is not None
+        assert b"succeeded" in proc.stdout.readline()  # one job is done: stop the run now
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err.decode()
+    assert "stopped by SIGTERM" in err.decode()
+    csv_path = store / "jobs" / "results.csv"
+    assert f"results: {csv_path}" in out.decode()
+    table = rows(csv_path)
+    assert len(table) == 8
+    assert 1 <= sum(r["state"] == "succeeded" for r in table) < 8
 
 
 def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
@@ -318,6 +342,26 @@ def test_events_of_a_shot_are_only_that_shots_job(
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) > len(shot_2)
     assert all(re.match(rf"{ISO_UTC} job [0-9a-f-]{{36}} ", line) for line in lines)
+
+
+def test_events_piped_into_a_reader_that_stops_early_exits_quietly(
+    tmp_path: Path, url: str
+) -> None:
+    # `comfy-assets events ... | head -1`: no traceback, the exit status of a program
+    # stopped by SIGPIPE (141).
+    jobs = write_jobs(tmp_path / "jobs", 40)
+    store = tmp_path / "store"
+    assert run(jobs, store, url) == 0
+    cmd = [sys.executable, "-m", "comfy_assets.cli", "events", "--store", str(store)]
+    proc = subprocess.Popen(
+        [*cmd, "--partition", "jobs"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 141, err
+    assert first and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

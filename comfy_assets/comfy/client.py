@@ -10,6 +10,7 @@ Shapes: data/recorded/*.json (ComfyUI v0.8.0).
 from __future__ import annotations
 
 import json
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Self, TypeVar
@@ -208,7 +209,7 @@ class ComfyClient:
             raise ServerUnreachable(
                 f"{self.name}: {route}: cannot connect ({exc}) ({self.base_url})",
                 server=self.base_url,
-                reason=f"cannot connect: {exc}",
+                reason=_unreachable_reason(exc, self.base_url),
             ) from exc
 
     # -- plumbing ---------------------------------------------------------------------
@@ -229,7 +230,7 @@ class ComfyClient:
             raise ServerUnreachable(
                 f"{where}: {reason} ({self.base_url})",
                 server=self.base_url,
-                reason="connection refused" if refused else f"cannot connect: {exc}",
+                reason=_unreachable_reason(exc, self.base_url),
             ) from exc
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise ConnectionLost(
@@ -316,6 +317,19 @@ class ComfyClient:
 def _excerpt(text: str) -> str:
     text = text.strip()
     return text if len(text) <= _BODY_EXCERPT else text[:_BODY_EXCERPT] + "..."
+
+
+def _unreachable_reason(exc: BaseException, base_url: str) -> str:
+    """A few words for people: "connection refused", "host not found: NAME", or
+    "cannot connect: <the error>"."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(seen, socket.gaierror):
+            return f"host not found: {httpx.URL(base_url).host}"
+        seen = seen.__cause__ or seen.__context__
+    return f"cannot connect: {exc}"
 
 
 def _is_refused(exc: BaseException) -> bool:

@@ -27,7 +27,7 @@ class ComfyError(Exception):
 class ServerUnreachable(ComfyError):
     """The TCP connection was refused or could not be made (server down, restarting, a
     name that does not resolve). ``reason`` says which, in a few words for people
-    ("connection refused", "cannot connect: [Errno -2] Name or service not known")."""
+    ("connection refused", "host not found: gpu7.example")."""
 
     def __init__(self, message: str, *, server: str = "", reason: str = "") -> None:
         super().__init__(message, server=server)
