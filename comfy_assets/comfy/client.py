@@ -225,12 +225,9 @@ class ComfyClient:
                 f"{where}: no answer within {self.timeout_s:g} s", server=self.base_url
             ) from exc
         except httpx.ConnectError as exc:
-            refused = _is_refused(exc)
-            reason = "connection refused" if refused else f"cannot connect ({exc})"
+            reason = _unreachable_reason(exc, self.base_url)
             raise ServerUnreachable(
-                f"{where}: {reason} ({self.base_url})",
-                server=self.base_url,
-                reason=_unreachable_reason(exc, self.base_url),
+                f"{where}: {reason} ({self.base_url})", server=self.base_url, reason=reason
             ) from exc
         except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
             raise ConnectionLost(
@@ -320,8 +317,8 @@ def _excerpt(text: str) -> str:
 
 
 def _unreachable_reason(exc: BaseException, base_url: str) -> str:
-    """A few words for people: "connection refused", "host not found: NAME", or
-    "cannot connect: <the error>"."""
+    """A few words for people, from the cause chain (httpx wraps the OS error twice):
+    "connection refused", "host not found: NAME", or "cannot connect: <the error>"."""
     seen: BaseException | None = exc
     while seen is not None:
         if isinstance(seen, ConnectionRefusedError):
@@ -330,13 +327,3 @@ def _unreachable_reason(exc: BaseException, base_url: str) -> str:
             return f"host not found: {httpx.URL(base_url).host}"
         seen = seen.__cause__ or seen.__context__
     return f"cannot connect: {exc}"
-
-
-def _is_refused(exc: BaseException) -> bool:
-    """True when a ConnectionRefusedError is in the cause chain (httpx wraps it twice)."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ConnectionRefusedError):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
