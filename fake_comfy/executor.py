@@ -28,7 +28,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LATE_HISTORY_S = 0.3  # the `late` word: history written this long after execution_success
+# The `late` word: history written this long after execution_success. The prompt stays
+# running in /queue meanwhile, as in ComfyUI, whose worker thread writes the history and
+# takes the prompt off the queue in one step (PromptQueue.task_done) after the message.
+LATE_HISTORY_S = 0.3
 SLOW_FACTOR = 10  # the `slow` word: per-node time multiplier
 
 # A small workflow for the prompts of busy=N (another client's backlog).
@@ -56,7 +59,6 @@ class Executor:
     def __init__(self, fake: FakeComfy) -> None:
         self.fake = fake
         self.busy_client_id = uuid.uuid4().hex
-        self._late: set[asyncio.Task[None]] = set()
 
     # -- queueing -----------------------------------------------------------------
 
@@ -87,17 +89,6 @@ class Executor:
                 posted=time.time(),
             )
             self.enqueue(item)
-
-    @property
-    def late_pending(self) -> int:
-        """History writes of `late` prompts still to come."""
-        return len(self._late)
-
-    def cancel_late(self) -> None:
-        """Drops the pending history writes of `late` prompts (a crash loses them)."""
-        for task in self._late:
-            task.cancel()
-        self._late.clear()
 
     # -- the worker loop ----------------------------------------------------------
 
@@ -139,7 +130,8 @@ class Executor:
 
     async def _execute(self, item: QueueItem) -> str:
         """Runs the nodes of `item`; returns "success", "error" or "interrupted" after
-        writing (or scheduling, for `late`) the history entry. Raises _Restarted."""
+        writing the history entry (`late`: LATE_HISTORY_S after the last message, the
+        prompt still running meanwhile). Raises _Restarted."""
         fake = self.fake
         session = fake.session
         hub = fake.hub
@@ -272,36 +264,23 @@ class Executor:
             "meta": meta,
         }
         if word == "late":
-            self._write_late(session, pid, entry)
-        else:
-            session.write_history(pid, entry)
-        return outcome
-
-    def _write_late(self, session: Any, prompt_id: str, entry: dict[str, Any]) -> None:
-        async def write() -> None:
             await asyncio.sleep(LATE_HISTORY_S)
-            session.write_history(prompt_id, entry)
-            self._late.discard(task)
-            self.fake.notify()
-
-        task = asyncio.create_task(write(), name=f"fake_comfy late history {prompt_id}")
-        self._late.add(task)
+        session.write_history(pid, entry)
+        return outcome
 
     def _restart(self) -> None:
         """The `restart` word: cut every socket, forget queue, history and numbers."""
         log.info("fake_comfy: script word restart: cutting sockets, forgetting queue and history")
         self.fake.hub.cut(None)
-        self.cancel_late()
         self.fake.new_session()
 
     async def stop(self, task: asyncio.Task[None]) -> None:
-        """Cancels the worker `task` (a running prompt ends as `lost`) and late writes.
+        """Cancels the worker `task` (a running prompt ends as `lost`).
 
         A crash of the task is not raised here: FakeComfy.serve raises it once the server
         is shut down."""
         task.cancel()
         await asyncio.wait([task])
-        self.cancel_late()
 
 
 def _progress(prompt_id: str, node_id: str, value: float, state: str) -> dict[str, Any]:

@@ -217,13 +217,12 @@ class FakeComfy:
     # -- waiting (tests never sleep) ----------------------------------------------
 
     async def wait_idle(self, timeout_s: float) -> None:
-        """Waits until the queue is empty, nothing runs and no `late` history write is
-        pending. Raises TimeoutError after `timeout_s` seconds, RuntimeError if not serving
+        """Waits until the queue is empty and nothing runs. Raises TimeoutError after `timeout_s` seconds, RuntimeError if not serving
         or if the executor crashed. May be awaited from another event loop."""
 
         def idle() -> bool:
             s = self.session
-            return not s.queue and s.running is None and self.executor.late_pending == 0
+            return not s.queue and s.running is None
 
         await self._wait(idle, timeout_s, "idle (empty queue, nothing running)")
 

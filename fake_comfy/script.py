@@ -12,7 +12,8 @@ used up every prompt is `ok`. Words:
 - hang: stops at the second node until interrupted, then execution_interrupted.
 - slow: ten times the per-node time.
 - partial: 200 with non-empty node_errors; its first output node is dropped.
-- late: history written 300 ms after execution_success.
+- late: history written 300 ms after execution_success; the prompt stays running in /queue
+  until then (ComfyUI takes it off the queue and writes its history in one step).
 - silent: its client gets nothing about it after the enqueue `status`; it runs all the same.
 - restart: at the second node every socket is cut and queue and history are forgotten,
   as after a crash and restart; the run's outcome is `lost`.

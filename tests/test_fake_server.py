@@ -546,16 +546,21 @@ async def test_partial_answers_node_errors_and_runs_the_other_output(tmp_path: P
     assert [p.name for p in tmp_path.iterdir()] == ["inverted_00001_.png"]
 
 
-async def test_late_writes_history_after_the_prompt_finished(tmp_path: Path) -> None:
+async def test_late_writes_history_after_execution_success_and_keeps_the_prompt_queued(
+    tmp_path: Path,
+) -> None:
     fake = FakeComfy(script=["late"], prompt_seconds=NODE_S, output_dir=tmp_path)
     async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
         sock = await Socket.open(url, "me")
         await post(c, workflows.solid_and_inverted(), "me", "l")
-        messages = await sock.until_done("l")
-        assert "execution_success" in [m["type"] for m in messages]
+        await sock.until("execution_success", prompt_id="l")
         assert (await c.get("/history/l")).json() == {}
-        await fake.wait_idle(WAIT_S)
+        running = (await c.get("/queue")).json()["queue_running"]
+        assert [item[1] for item in running] == ["l"]
+        messages = await sock.until_done("l")
         assert (await c.get("/history/l")).json()["l"]["status"]["status_str"] == "success"
+        assert (await c.get("/queue")).json()["queue_running"] == []
+        assert [m["type"] for m in messages][-2:] == ["status", "executing"]
         await sock.close()
 
 

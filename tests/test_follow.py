@@ -20,6 +20,7 @@ from comfy_assets.comfy.errors import (
 )
 from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
 from fake_comfy import FakeComfy
+from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -228,6 +229,30 @@ async def test_restart_mid_prompt_is_lost_not_waited_for_until_the_deadline():
     assert pid in str(info.value)
     assert finished.calls == 0
     assert counts(fake, pid)[0] == 1
+
+
+async def test_a_success_forgotten_by_a_restart_before_history_was_read_is_lost():
+    # Our prompt ends with execution_success; the next prompt on the server restarts it
+    # before we read /history: the run is in neither /queue nor /history any more.
+    fake = FakeComfy(script=["ok", "restart"], prompt_seconds=0.01)
+    pid, other, client_id = new_id(), new_id(), uuid.uuid4().hex
+    restarted = {"seen": False}
+
+    async def after_finish() -> None:
+        # Hold the /history request until the next prompt has restarted the server.
+        lost = lambda: any(r["outcome"] == "lost" for r in fake.stats["runs"])  # noqa: E731
+        await wait_until(lost, 10.0, "the restart")
+        restarted["seen"] = True
+
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
+        async with PromptFollower(client, client_id, poll_s=60.0) as follower:
+            post = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
+            await client.post_prompt(IMAGE, prompt_id=other, client_id=uuid.uuid4().hex)
+            with pytest.raises(PromptLost) as info:
+                await follower.wait(pid, post.number, deadline_s=20, then=after_finish)
+    assert restarted["seen"]
+    assert "forgot" in str(info.value)
+    assert fake.stats["prompts"][pid]["executed"] == 1
 
 
 async def test_hang_exceeds_the_deadline_then_an_interrupt_ends_it_as_interrupted():

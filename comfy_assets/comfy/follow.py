@@ -15,7 +15,8 @@ Facts it lives with (data/recorded/, README):
   is only in /history (interrupt_reconnect.json, broadcast_and_missed.json);
 - /history keeps the last run of a prompt_id: accept only ``prompt[0] == number``
   (duplicate_prompt_id.json); it may lag ``execution_success`` (README fact 5), but is
-  written before ``executing`` with ``node: null``;
+  written before ``executing`` with ``node: null``, and the prompt stays in /queue until
+  it is (PromptQueue.task_done);
 - after a restart the prompt is in neither /queue nor /history: lost (restart.json).
 """
 
@@ -292,17 +293,20 @@ class PromptFollower:
     async def _check(
         self, run: _Run, suspect: bool, deadline: float, deadline_s: float
     ) -> HistoryEntry | bool:
-        """Poll /history; when suspect and no terminal event was seen, also /queue then
-        /history again (in that order: a prompt leaves the queue only once its history
-        is written, so no finish falls between the two). Returns the run's entry, or
-        whether the server is still suspect. Raises PromptLost, DeadlineExceeded."""
+        """Poll /history; when suspect, also /queue then /history again (in that order:
+        a prompt leaves the queue only once its history is written, so no finish falls
+        between the two). A run whose terminal event arrived but whose history did not
+        is still in /queue until the history is written (ComfyUI's task_done does both
+        at once), so a server that restarted in between is seen to have forgotten it.
+        Returns the run's entry, or whether the server is still suspect. Raises
+        PromptLost, DeadlineExceeded."""
         try:
             async with asyncio.timeout_at(deadline):
                 entry = await self.client.history(run.prompt_id)
                 run.trouble_since = None  # it answers again
                 if entry is not None and entry.number == run.number:
                     return entry
-                if not suspect or run.ended_hint:
+                if not suspect:
                     return False  # history may lag the terminal event: keep polling
                 queue = await self.client.queue()
                 found = queue.find(run.prompt_id, run.number)
