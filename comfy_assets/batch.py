@@ -55,7 +55,9 @@ STORE_THREADS = 2
 class BatchConfig:
     """Knobs of a batch (seconds everywhere). ``policy``: None follows the job file's
     header; "delivery" stops submitting a storyboard's shots at its first fatal failure;
-    "draft" turns permanent failures (and failed optional shots) into ``degraded``."""
+    "draft" turns permanent failures (and failed optional shots) into ``degraded``.
+    ``catch_up_s``: how long a job's previous server is asked again before the job is
+    posted elsewhere (``runner.Attempt``)."""
 
     attempts: int = 4
     base_delay_s: float = 2.0
@@ -68,6 +70,7 @@ class BatchConfig:
     max_queue: int | None = None
     probe_timeout_s: float = 3.0
     unhealthy_wait_s: float = 5.0
+    catch_up_s: float = 60.0
     policy: str | None = None
 
     @property
@@ -154,6 +157,7 @@ class _Item:
     job: Job
     prev_server: str | None = None
     attempts_before: int = 0  # the job's tries before its last requeue (store)
+    fresh: bool = False  # its outputs are gone from the server: render anew
 
 
 class _JobQueue:
@@ -169,12 +173,15 @@ class _JobQueue:
         self.changed.set()
 
     def push_later(self, item: _Item, delay_s: float) -> None:
+        """Put ``item`` back after ``delay_s`` seconds, at the head of the line: it has
+        waited longest."""
         loop = asyncio.get_running_loop()
         handle: asyncio.TimerHandle
 
         def fire() -> None:
             self._timers.discard(handle)
-            self.push(item)
+            self.ready.appendleft(item)
+            self.changed.set()
 
         handle = loop.call_later(delay_s, fire)
         self._timers.add(handle)
@@ -441,7 +448,7 @@ class Batch:
         item.attempts_before = rec.attempts_before
         prev = rec.server if rec.prompt_id == job.prompt_id else None
 
-        async def submitted(server: str) -> None:
+        async def submitted(server: str, detail: str | None) -> None:
             # With our owner: a claim lost while we waited (the job re-registered with
             # new inputs, say) raises ClaimLost here, before anything is posted.
             await self._db(
@@ -453,6 +460,7 @@ class Batch:
                 server=server,
                 attempt=number,
                 prompt_id=job.prompt_id,
+                detail=detail,
             )
 
         async def rendering(server: str, n: int) -> None:
@@ -476,6 +484,8 @@ class Batch:
             prev_server=prev,
             deadline_s=cfg.timeout_s,
             poll_s=cfg.poll_s,
+            catch_up_s=cfg.catch_up_s,
+            fresh=item.fresh,
             hooks=hooks,
             label=f"job {job.id}",
         )
@@ -507,9 +517,9 @@ class Batch:
         self._resolve()
 
     async def _cancelled(self, job: Job, attempt: Attempt) -> None:
-        on_server = attempt.on_server is not None  # ours still queued or running there
+        what = "cleanup did not finish"
         try:
-            await attempt.cancel_cleanup()
+            what = await attempt.cancel_cleanup()
         finally:
             await self._landed()  # a `submitted` still being written lands first
             rec = await self._db(self.store.get, job.id)
@@ -521,7 +531,6 @@ class Batch:
                     detail="run cancelled; prompt interrupted",
                 )
             self._release_claim(job.id)
-            what = "prompt interrupted and removed" if on_server else "nothing on a server"
             self.say(f"job {job.id}: run cancelled, {what}, claim released")
 
     async def _settle(self, item: _Item, number: int, r: AttemptResult) -> None:
@@ -568,9 +577,11 @@ class Batch:
             )
             delay = cfg.retry.delay(number)
             self.say(
-                f"job {job.id}: attempt {number} failed{where}, {r.reason}; retry in {delay * 1000:.0f} ms"
+                f"job {job.id}: attempt {number} failed{where}, {r.reason}; "
+                f"retry in {delay * 1000:.0f} ms, ahead of the jobs not yet tried"
             )
-            self.queue.push_later(_Item(job, prev_server=r.server), delay)
+            again = _Item(job, prev_server=r.server, fresh=r.outputs_missing)
+            self.queue.push_later(again, delay)
             return
         reason = (
             r.reason

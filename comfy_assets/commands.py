@@ -167,8 +167,9 @@ def run_command(args: argparse.Namespace) -> int:
         say(f"results: {write_results(store, partition, job_file)}")
         store.close()
         print(
-            f"stopped by {stopped_by[0]}: prompts removed, claims released; run again "
-            "to finish (done jobs are not rendered again)",
+            f"stopped by {stopped_by[0]}: each job's line above says whether its prompt "
+            "was removed; claims released; run again to finish (done jobs are not "
+            "rendered again)",
             file=sys.stderr,
         )
         return 143 if stopped_by[0] == "SIGTERM" else 130

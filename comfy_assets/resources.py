@@ -69,6 +69,11 @@ class ComfyPoolResource(ConfigurableResource):
     max_queue: int | None = BatchConfig.max_queue
     probe_timeout_s: float = BatchConfig.probe_timeout_s
     unhealthy_wait_s: float = BatchConfig.unhealthy_wait_s
+    catch_up_s: float = Field(
+        default=BatchConfig.catch_up_s,
+        description="Seconds to keep asking a job's previous server (where its prompt may "
+        "still run) before posting it elsewhere, which may render it twice.",
+    )
     policy: str | None = Field(
         default=None,
         description='"delivery" or "draft" overrides the job file header; None follows it.',

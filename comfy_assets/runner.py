@@ -5,12 +5,14 @@ where we posted it → download, don't post; still in that server's /queue → f
 else holds a server, posts, follows and downloads. It returns an ``AttemptResult`` and
 never raises for anything a server does; only cancellation propagates.
 
-Classification (issue 3): POST 400 → permanent; 5xx, refused, reset, timeout, lost →
-transient; ``execution_error`` of out-of-memory type → transient (``POST /free`` first);
-any other ``execution_error`` → permanent; our prompt interrupted by someone else →
-transient; 200 with ``node_errors`` → permanent (outputs were dropped,
+Classification: POST 400 → permanent; 5xx, refused, reset, timeout, lost → transient;
+``execution_error`` of out-of-memory type → transient (``POST /free`` first); any other
+``execution_error`` → permanent; our prompt interrupted by someone else → transient; 200
+with ``node_errors`` → permanent (outputs were dropped,
 data/recorded/validation_errors.json); a deadline → interrupt, delete from the queue, wait
-until it is gone, transient.
+until it is gone, transient; an output that /history lists and /view answers 404 for →
+transient, and the next attempt renders anew after freeing ComfyUI's cache (an identical
+prompt would replay the missing names: README fact 11, cache_replay.json).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from comfy_assets.comfy.download import download_outputs
 from comfy_assets.comfy.errors import (
     ComfyError,
     DeadlineExceeded,
+    OutputMissing,
     PromptLost,
     PromptRejected,
     ServerError,
@@ -48,7 +51,8 @@ class AttemptResult:
 
     ``gpu_seconds`` and ``queue_wait_s`` come from the server's own timestamps in the
     /history entry (execution_start, execution_success/error; extra_data.create_time),
-    ``seconds`` is this attempt's wall time.
+    ``seconds`` is this attempt's wall time. ``outputs_missing``: the run succeeded but
+    the server no longer has its files, so the next attempt must render anew.
     """
 
     kind: Kind
@@ -62,6 +66,20 @@ class AttemptResult:
     seconds: float = 0.0
     gpu_seconds: float | None = None
     queue_wait_s: float | None = None
+    outputs_missing: bool = False
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What removing our prompt from a server came to. ``was_there``: still queued or
+    running when we looked; ``confirmed``: it has left the server (False when the
+    server could not be asked: ``problem`` says why); ``won``: its history entry when
+    that run succeeded after all."""
+
+    was_there: bool
+    confirmed: bool
+    won: HistoryEntry | None = None
+    problem: str = ""
 
 
 async def _nothing(*args: object) -> None:
@@ -71,9 +89,10 @@ async def _nothing(*args: object) -> None:
 @dataclass
 class AttemptHooks:
     """Coroutines the attempt awaits at state changes (the store writes transitions):
-    ``submitted(server)`` before the POST, ``rendering(server, number)`` after it."""
+    ``submitted(server, detail)`` before the POST (``detail``: why this post may render
+    the job a second time, or None), ``rendering(server, number)`` after it."""
 
-    submitted: Callable[[str], Awaitable[None]] = _nothing
+    submitted: Callable[[str, str | None], Awaitable[None]] = _nothing
     rendering: Callable[[str, int], Awaitable[None]] = _nothing
 
 
@@ -111,8 +130,12 @@ class Attempt:
 
     ``slot``: a server already held for it (else one is acquired). ``prev_server``: where
     the prompt was last posted (from the store), for catch-up. ``deadline_s``: the
-    attempt's deadline (seconds, catch-up included); ``poll_s``: how often to look at
-    /queue while removing a prompt; ``evict_timeout_s``: how long that may take.
+    attempt's deadline (seconds, from the catch-up or, after a catch-up that waited for
+    an unreachable server, from the post); ``poll_s``: how often to look at /queue while
+    removing a prompt; ``evict_timeout_s``: how long that may take. ``catch_up_s``: how
+    long to keep asking an unreachable ``prev_server`` before posting elsewhere (which
+    may render the job twice). ``fresh``: the last run's outputs are gone from the
+    server: skip the catch-up and free ComfyUI's cache before posting.
     """
 
     def __init__(
@@ -126,6 +149,8 @@ class Attempt:
         deadline_s: float = 600.0,
         poll_s: float = 1.0,
         evict_timeout_s: float = 120.0,
+        catch_up_s: float = 60.0,
+        fresh: bool = False,
         hooks: AttemptHooks | None = None,
         label: str = "",
     ) -> None:
@@ -137,10 +162,14 @@ class Attempt:
         self.deadline_s = deadline_s
         self.poll_s = poll_s
         self.evict_timeout_s = evict_timeout_s
+        self.catch_up_s = catch_up_s
+        self.fresh = fresh
         self.hooks = hooks or AttemptHooks()
         self.label = label or f"job {job.id[:8]}"
         self.on_server: tuple[ComfyClient, str] | None = None  # (client, server) while ours runs
         self.started = time.monotonic()
+        self.deadline_from = self.started  # the deadline counts from here
+        self.twice: str | None = None  # why posting now may render the job a second time
 
     def result(self, kind: Kind, reason: str = "", **kw: object) -> AttemptResult:
         return AttemptResult(
@@ -153,9 +182,12 @@ class Attempt:
 
     async def run(self) -> AttemptResult:
         """Run the attempt; returns the classified result. Never raises a ComfyError."""
-        caught = await self._catch_up()
-        if caught is not None:
-            return caught
+        if self.fresh:
+            self.twice = "outputs missing on the server: ComfyUI's cache freed, rendering anew"
+        else:
+            caught = await self._catch_up()
+            if caught is not None:
+                return caught
         if self.slot is None:
             self.slot = await self.pool.acquire(prefer=self.prev_server, models=self.job.models)
         return await self._post_and_follow(self.slot)
@@ -163,21 +195,49 @@ class Attempt:
     # -- catch-up ------------------------------------------------------------------------
 
     async def _catch_up(self) -> AttemptResult | None:
-        """Look where the prompt was last posted before posting again (exactly once)."""
+        """Look where the prompt was last posted before posting again (exactly once).
+
+        A server that cannot be asked is asked again (capped exponential backoff, no
+        server held meanwhile) for ``catch_up_s`` seconds: posting elsewhere while our
+        prompt may still run there would render the job twice."""
         name = self.prev_server
         if name is None or self.pool.spec(name) is None:
             return None
         client = self.pool.client(name)
         pid = self.job.prompt_id
-        try:
-            # Bounded like a probe: a frozen server must not eat the attempt's deadline.
-            async with asyncio.timeout(self.pool.probe_timeout_s):
-                entry = await client.history(pid)
-                succeeded = entry is not None and entry.status_str == "success"
-                queue = None if succeeded else await client.queue()
-        except (ComfyError, TimeoutError) as e:
-            log.info("%s: catch-up on %s not possible (%r); posting anew", self.label, name, e)
-            return None
+        give_up_at = time.monotonic() + self.catch_up_s
+        delay = 0.1
+        while True:
+            try:
+                # Bounded like a probe: a frozen server must not eat the attempt's deadline.
+                async with asyncio.timeout(self.pool.probe_timeout_s):
+                    entry = await client.history(pid)
+                    succeeded = entry is not None and entry.status_str == "success"
+                    queue = None if succeeded else await client.queue()
+                break
+            except (ComfyError, TimeoutError) as e:
+                why = str(e) or f"no answer in {self.pool.probe_timeout_s:g} s"
+                if self.slot is not None and self.slot.name != name:
+                    self.slot.release()  # nothing posted: another job may use it meanwhile
+                    self.slot = None
+                left = give_up_at - time.monotonic()
+                if left <= 0:
+                    self.twice = (
+                        f"catch-up on {name} not possible for {self.catch_up_s:g} s ({why}); "
+                        "posting anew: the job may render twice"
+                    )
+                    log.warning("%s: %s", self.label, self.twice)
+                    self.deadline_from = time.monotonic()
+                    return None
+                log.info(
+                    "%s: catch-up on %s not possible (%s); asking again in %.1f s",
+                    self.label,
+                    name,
+                    why,
+                    min(delay, left),
+                )
+                await asyncio.sleep(min(delay, left))
+                delay = min(delay * 2, 5.0)
         if queue is None:
             assert entry is not None
             log.info("%s: caught up on %s: prompt %s already succeeded", self.label, name, pid)
@@ -198,7 +258,7 @@ class Attempt:
         if self.slot is None:
             self.slot = await self.pool.acquire(only=name, allow_prompt=pid)
         self.slot.prompt_id = pid
-        await self.hooks.submitted(name)
+        await self.hooks.submitted(name, None)
         await self.hooks.rendering(name, found.number)
         return await self._follow(self.slot, found.number, posted=False)
 
@@ -211,8 +271,20 @@ class Attempt:
             follower = await self.pool.follower(name)
         except ComfyError as e:  # nothing was posted
             slot.release()
-            return self.result("transient", describe_error(e, "GET /ws"), server=name)
-        await self.hooks.submitted(name)
+            return self.result(
+                "transient", describe_error(e, "GET /ws"), server=name, outputs_missing=self.fresh
+            )
+        if self.fresh:
+            try:
+                # An identical prompt is fully cached and replays the missing names
+                # (README fact 11); free_memory resets the cache before our prompt runs.
+                await client.free(unload_models=False, free_memory=True)
+            except ComfyError as e:
+                slot.release()  # nothing posted
+                return self.result(
+                    "transient", describe_error(e, "POST /free"), server=name, outputs_missing=True
+                )
+        await self.hooks.submitted(name, self.twice)
         self.on_server = (client, name)
         slot.prompt_id = pid
         try:
@@ -238,8 +310,10 @@ class Attempt:
             reason = "POST /prompt 200 with node_errors, outputs dropped: " + ", ".join(
                 f"node {n}" for n in sorted(post.node_errors)
             )
-            await self._evict(slot, post.number)
+            gone = await self._evict(slot, post.number)
             self.on_server = None
+            if not gone.confirmed:
+                reason += f"; could not remove it from {name} ({gone.problem})"
             return self.result("permanent", reason, server=name, number=post.number, posted=True)
         return await self._wait(follower, slot, post.number, posted=True)
 
@@ -258,7 +332,7 @@ class Attempt:
         self, follower: PromptFollower, slot: Slot, number: int, *, posted: bool
     ) -> AttemptResult:
         client, name, pid = slot.client, slot.name, self.job.prompt_id
-        remaining = max(self.deadline_s - (time.monotonic() - self.started), 0.1)
+        remaining = max(self.deadline_s - (time.monotonic() - self.deadline_from), 0.1)
         try:
             outcome = await follower.wait(
                 pid,
@@ -269,12 +343,20 @@ class Attempt:
                 then=lambda: self.pool.handed_over(slot),
             )
         except DeadlineExceeded:
-            won = await self._evict(slot, number)
-            if won is not None:  # it finished while we interrupted it: take the result
-                return await self._download(client, name, won, number=number, posted=posted)
+            gone = await self._evict(slot, number)
+            if gone.won is not None:  # it finished while we interrupted it: take the result
+                return await self._download(client, name, gone.won, number=number, posted=posted)
+            if not gone.confirmed:
+                what = f"could not remove it from {name} ({gone.problem})"
+            elif gone.was_there:
+                what = "prompt interrupted and removed from the queue"
+            else:
+                what = (
+                    f"prompt lost: in neither /queue nor /history of {name} (the server forgot it)"
+                )
             return self.result(
                 "transient",
-                f"deadline of {self.deadline_s:g} s exceeded; interrupted and removed from the queue",
+                f"deadline of {self.deadline_s:g} s exceeded; {what}",
                 server=name,
                 number=number,
                 posted=posted,
@@ -341,6 +423,14 @@ class Attempt:
         )
         try:
             files = await download_outputs(client, entry, self.dest_dir)
+        except OutputMissing as e:
+            return self.result(
+                "transient",
+                f"outputs missing: {e.message} (listed in /history, gone from the server); "
+                "the next attempt renders anew",
+                outputs_missing=True,
+                **common,
+            )
         except ComfyError as e:
             kind: Kind = "transient" if e.transient else "permanent"
             return self.result(kind, describe_error(e, "download"), **common)
@@ -352,43 +442,55 @@ class Attempt:
 
     # -- removing a prompt of ours from a server ----------------------------------------
 
-    async def _evict(self, slot: Slot, number: int) -> HistoryEntry | None:
+    async def _evict(self, slot: Slot, number: int) -> Eviction:
         """Interrupt our prompt, delete it from the queue, and wait until it has left
         /queue (an interrupt lands only between nodes and a delete can lose the race:
-        data/recorded/README.md fact 7). Returns the history entry if it succeeded after
-        all. The slot is released once it has left; abandoned if that can't be confirmed.
-        """
+        data/recorded/README.md fact 7); then read its history, in case run ``number``
+        succeeded after all. The slot is released once the prompt has left; abandoned
+        (its lease left to expire) if that can't be confirmed."""
         client, pid = slot.client, self.job.prompt_id
         deadline = time.monotonic() + self.evict_timeout_s
         try:
-            await client.delete_from_queue([pid])
-            await client.interrupt(pid)
-            while True:
-                queue = await client.queue()
-                if not any(q.prompt_id == pid for q in [*queue.running, *queue.pending]):
-                    break
+            queue = await client.queue()
+            was_there = queue.find(pid) is not None
+            if was_there:
+                await client.delete_from_queue([pid])
+                await client.interrupt(pid)
+            while queue.find(pid) is not None:
                 if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"prompt {pid} still on {slot.name} after {self.evict_timeout_s:g} s"
-                    )
+                    raise TimeoutError(f"still there after {self.evict_timeout_s:g} s")
                 await asyncio.sleep(self.poll_s)
+                queue = await client.queue()
             entry = await client.history(pid)
         except (ComfyError, TimeoutError) as e:
-            log.warning("%s: could not confirm prompt left %s: %s", self.label, slot.name, e)
+            problem = str(e) or type(e).__name__
+            log.warning(
+                "%s: could not confirm prompt %s left %s: %s", self.label, pid, slot.name, problem
+            )
             slot.abandon()
-            return None
+            return Eviction(was_there=True, confirmed=False, problem=problem)
         slot.release()
-        if entry is not None and entry.number == number and entry.status_str == "success":
-            return entry
-        return None
+        won = entry.number == number and entry.status_str == "success" if entry else False
+        return Eviction(was_there=was_there, confirmed=True, won=entry if won else None)
 
-    async def cancel_cleanup(self) -> None:
-        """On cancellation: interrupt and remove our prompt, then free the slot.
+    async def cancel_cleanup(self) -> str:
+        """On cancellation: interrupt and remove our prompt, then free the slot. Returns
+        what happened, for people ("prompt interrupted and removed from gpu0", "could not
+        remove prompt ... from gpu0 (...)", "nothing on a server").
 
         Bounded by ``evict_timeout_s``; used by the batch's cancellation path."""
         if self.slot is None or self.slot.released:
-            return
-        if self.on_server is not None:
-            await self._evict(self.slot, number=-1)
-        else:
+            return "nothing on a server"
+        name = self.slot.name
+        if self.on_server is None:
             self.slot.release()
+            return "nothing on a server"
+        gone = await self._evict(self.slot, number=-1)
+        if not gone.confirmed:
+            return (
+                f"could not remove prompt {self.job.prompt_id} from {name} ({gone.problem}); "
+                f"its server lease expires in {self.pool.lease_s:g} s"
+            )
+        if gone.was_there:
+            return f"prompt interrupted and removed from {name}"
+        return f"prompt no longer on {name}"

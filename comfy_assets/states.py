@@ -39,8 +39,9 @@ _NAMES = frozenset(s.value for s in State)
 
 ALLOWED: Mapping[State, frozenset[State]] = {
     # succeeded: caught up (already in /history); failed_fatal: a policy stopped it;
-    # degraded: a draft skipped an optional shot.
-    PENDING: frozenset({SUBMITTED, SUCCEEDED, FAILED_FATAL, DEGRADED}),
+    # degraded: a draft skipped an optional shot; failed_retryable: an attempt that failed
+    # before it posted (a caught-up download, the server's socket would not open).
+    PENDING: frozenset({SUBMITTED, SUCCEEDED, FAILED_FATAL, DEGRADED, FAILED_RETRYABLE}),
     # succeeded straight from submitted: a fully cached prompt never reports rendering.
     SUBMITTED: frozenset({RENDERING, SUCCEEDED, DEGRADED, FAILED_RETRYABLE, FAILED_FATAL}),
     RENDERING: frozenset({SUCCEEDED, DEGRADED, FAILED_RETRYABLE, FAILED_FATAL}),

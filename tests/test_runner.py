@@ -300,3 +300,112 @@ async def test_a_job_whose_inputs_change_while_it_waits_for_a_server_is_not_post
     rec = store.get(second.id)
     assert (rec.state, rec.prompt_id, rec.claimed_by) == ("pending", jf2.jobs[1].prompt_id, None)
     assert any(f"job {second.id}: claim lost" in line for line in lines)
+
+
+def server_bytes(fake: FakeComfy) -> dict[str, str]:
+    """sha256 of every file in the fake's output folder, by file name."""
+    return {
+        p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in fake.output_dir.rglob("*")
+        if p.is_file()
+    }
+
+
+async def test_outputs_gone_from_the_server_are_rendered_anew_after_the_cache_is_freed(tmp_path):
+    # The server's output folder was cleaned while /history still lists the files: the
+    # catch-up's download gets 404, and the next attempt renders anew (after POST /free:
+    # an identical prompt would replay the missing names, README fact 11).
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    job = jf.jobs[0]
+    store = Store(tmp_path / "store")
+    lines: list[str] = []
+    async with fake_servers(fake) as servers:
+        await run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        for f in store.files(job.id):
+            (store.job_dir("p", job.id) / f.path).unlink()
+        for p in fake.output_dir.rglob("*.png"):
+            p.unlink()
+        summary = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(),
+            on_line=lines.append,
+        )
+    assert summary.done == 1, lines
+    assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (2, 2)
+    assert fake.stats["requests"].get("POST /free") == 1
+    on_server = server_bytes(fake)
+    files = store.files(job.id)
+    assert len(files) == 2
+    for f in files:
+        data = (store.job_dir("p", job.id) / f.path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f.sha256 == on_server[Path(f.path).name]
+    details = [e.detail or "" for e in store.events(job.id)]
+    assert any("outputs missing" in d for d in details)
+    assert any("ComfyUI's cache freed" in d for d in details)
+
+
+async def test_outputs_that_stay_missing_end_as_a_dead_letter_naming_the_404(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    job = jf.jobs[0]
+    store = Store(tmp_path / "store")
+    stop = asyncio.Event()
+
+    async def clean_output_folder() -> None:
+        # Like a cron job that empties the server's output folder as files appear.
+        while not stop.is_set():
+            for p in fake.output_dir.rglob("*.png"):
+                p.unlink(missing_ok=True)
+            await asyncio.sleep(0)
+
+    async with fake_servers(fake) as servers:
+        cleaner = asyncio.create_task(clean_output_folder())
+        summary = await run_batch(
+            jf, partition="p", servers=servers, store=store, config=fast_config(attempts=3)
+        )
+        stop.set()
+        await cleaner
+    assert summary.dead_lettered == 1
+    (reason,) = [r for _, r in summary.dead_letters]
+    assert reason.startswith("gave up after 3 attempts, last: outputs missing:")
+    assert "404" in reason
+    assert executed(fake, job.prompt_id) == 3
+
+
+async def test_a_catch_up_that_cannot_reach_the_previous_server_waits_before_posting_elsewhere(
+    tmp_path,
+):
+    # The job was posted to gpu0 (the store says so), then gpu0 stops answering. Posting
+    # on gpu1 at once could render it twice; the attempt asks gpu0 again for catch_up_s.
+    gpu0, gpu1 = FakeComfy(prompt_seconds=0.005), FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    job = jf.jobs[0]
+    store = Store(tmp_path / "store")
+    store.register_jobs("p", jf.jobs)
+    store.claim_job(job.id, "host:1:gone", 60.0)
+    store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
+    store.release_claim(job.id, "host:1:gone")
+    lines: list[str] = []
+    async with fake_servers(gpu0, gpu1) as servers:
+        # gpu0 refuses connections from now on: a port nobody listens on.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        servers[0] = type(servers[0])("gpu0", dead)
+        summary = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(catch_up_s=0.3, probe_timeout_s=0.2),
+            on_line=lines.append,
+        )
+    assert summary.done == 1, lines
+    assert (posted(gpu1, job.prompt_id), executed(gpu1, job.prompt_id)) == (1, 1)
+    details = [e.detail or "" for e in store.events(job.id)]
+    assert any("catch-up on gpu0 not possible for 0.3 s" in d for d in details)
+    assert any("may render twice" in d for d in details)

@@ -19,6 +19,7 @@ EXPECTED = {
     ("pending", "succeeded"),
     ("pending", "failed_fatal"),
     ("pending", "degraded"),
+    ("pending", "failed_retryable"),
     ("submitted", "rendering"),
     ("submitted", "succeeded"),
     ("submitted", "failed_retryable"),
