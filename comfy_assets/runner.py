@@ -297,12 +297,9 @@ class Attempt:
             kind: Kind = "transient" if e.transient else "permanent"
             return self.result(kind, describe_error(e, "POST /prompt"), server=name, posted=True)
         except ComfyError as e:
-            # Reset or timeout: the server may have queued it all the same. Make sure it
-            # is gone before the slot is freed (a retry's catch-up finds a success).
-            await self._evict(slot, number=-1)
-            self.on_server = None
-            kind = "transient" if e.transient else "permanent"
-            return self.result(kind, describe_error(e, "POST /prompt"), server=name, posted=True)
+            # Reset or timeout: the server may have queued it all the same. Look before
+            # deciding: a prompt that runs or ran is followed or taken, not posted again.
+            return await self._after_unanswered_post(follower, slot, e)
         slot.posted()
         log.info("%s on %s: POST /prompt 200, number %s", self.label, name, post.number)
         await self.hooks.rendering(name, post.number)
@@ -316,6 +313,48 @@ class Attempt:
                 reason += f"; could not remove it from {name} ({gone.problem})"
             return self.result("permanent", reason, server=name, number=post.number, posted=True)
         return await self._wait(follower, slot, post.number, posted=True)
+
+    async def _after_unanswered_post(
+        self, follower: PromptFollower, slot: Slot, error: ComfyError
+    ) -> AttemptResult:
+        """POST /prompt got no answer (reset, timeout): the prompt may be queued, running
+        or even finished. /queue then /history (a prompt leaves the queue only once its
+        history is written, so no run falls between the two): followed if there, taken
+        if it succeeded, else nothing of ours is on the server and the attempt failed.
+        A server that can't be asked gets the eviction (or its lease left to expire)."""
+        client, name, pid = slot.client, slot.name, self.job.prompt_id
+        reason = describe_error(error, "POST /prompt")
+        try:
+            async with asyncio.timeout(self.pool.probe_timeout_s):
+                queue = await client.queue()
+                entry = await client.history(pid)
+        except (ComfyError, TimeoutError):
+            gone = await self._evict(slot, number=-1)
+            self.on_server = None
+            if not gone.confirmed:
+                reason += f"; could not remove it from {name} ({gone.problem})"
+            return self.result("transient", reason, server=name, posted=True)
+        found = queue.find(pid)
+        if found is not None:
+            slot.posted()
+            log.info(
+                "%s on %s: %s, but the prompt is queued as #%s",
+                self.label,
+                name,
+                reason,
+                found.number,
+            )
+            await self.hooks.rendering(name, found.number)
+            return await self._wait(follower, slot, found.number, posted=True)
+        self.on_server = None
+        slot.release()  # nothing of ours queued or running there
+        if entry is not None and entry.status_str == "success":
+            log.info(
+                "%s on %s: %s, but the prompt ran: taking its outputs", self.label, name, reason
+            )
+            return await self._download(client, name, entry, posted=True)
+        kind: Kind = "transient" if error.transient else "permanent"
+        return self.result(kind, reason, server=name, posted=True)
 
     async def _follow(self, slot: Slot, number: int, *, posted: bool) -> AttemptResult:
         try:
