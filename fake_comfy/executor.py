@@ -1,10 +1,15 @@
 """The one-at-a-time prompt worker and the script words that act while a prompt runs.
 
 Per prompt, as recorded (success.json, execution_error.json, interrupt_reconnect.json):
-status (dequeued) → execution_start → execution_cached (nodes: []) → per node:
-progress_state (running) → executing → [interrupt check] → executed (output nodes) →
-progress_state (finished) → execution_success | execution_error | execution_interrupted →
-history written → status → executing with node null.
+status (dequeued) → execution_start → execution_cached (nodes: the cached ones) → per
+node that runs: progress_state (running) → executing → [interrupt check] → executed
+(output nodes) → progress_state (finished) → execution_success | execution_error |
+execution_interrupted → history written → status → executing with node null.
+
+A cached node does not run (fake_comfy.cache, cache_replay.json): a cached output node
+sends only `executed` with the previous run's UI output and a finished progress_state, and
+writes nothing. A prompt posted with a word that acts at its second node (error, oom,
+hang, drop, restart) runs in full whatever the cache holds, so the word always fires.
 
 Routing (README fact 3, broadcast_and_missed.json): with a client_id every event goes to
 that client only; without one, only progress_state and execution_interrupted are sent, to
@@ -20,6 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from fake_comfy import nodes, recorded
+from fake_comfy.cache import CacheEntry
 from fake_comfy.graph import execution_order, is_link
 from fake_comfy.state import QueueItem
 
@@ -33,6 +39,8 @@ log = logging.getLogger(__name__)
 # takes the prompt off the queue in one step (PromptQueue.task_done) after the message.
 LATE_HISTORY_S = 0.3
 SLOW_FACTOR = 10  # the `slow` word: per-node time multiplier
+# Words that act at a prompt's second node: such a prompt runs every node, cache or not.
+FULL_RUN_WORDS = frozenset({"error", "oom", "hang", "drop", "restart"})
 
 # A small workflow for the prompts of busy=N (another client's backlog).
 BUSY_PROMPT: dict[str, Any] = {
@@ -101,6 +109,21 @@ class Executor:
                 await session.work.wait()
                 continue
             await self._run_one(item)
+            self.apply_free()
+
+    def request_free(self) -> None:
+        """POST /free with free_memory: reset the cache between two prompts (main.py
+        prompt_worker reads the flag after each prompt, or at once when it is idle)."""
+        session = self.fake.session
+        session.free_requested = True
+        if session.running is None and not session.queue:
+            self.apply_free()
+
+    def apply_free(self) -> None:
+        session = self.fake.session
+        if session.free_requested:
+            session.free_requested = False
+            session.cache.reset()
 
     async def _run_one(self, item: QueueItem) -> None:
         fake = self.fake
@@ -156,7 +179,10 @@ class Executor:
                 emit(event, data)
 
         add_message("execution_start", {"prompt_id": pid}, False)
-        add_message("execution_cached", {"nodes": [], "prompt_id": pid}, False)
+        keys = session.cache.start_prompt(item.prompt)
+        full = word in FULL_RUN_WORDS
+        cached = [] if full else [n for n in item.prompt if session.cache.get(keys[n])]
+        add_message("execution_cached", {"nodes": cached, "prompt_id": pid}, False)
 
         info = recorded.object_info()
         output_classes = {k for k, v in info.items() if v.get("output_node") is True}
@@ -175,6 +201,26 @@ class Executor:
 
         for index, node_id in enumerate(order):
             class_type = item.prompt[node_id]["class_type"]
+            hit = None if full else session.cache.get(keys[node_id])
+            if hit is not None:
+                if hit.ui is None:
+                    results[node_id] = hit.results  # read by the nodes that run
+                    continue
+                ui_outputs[node_id] = hit.ui
+                meta[node_id] = _meta(node_id)
+                if client is not None:
+                    emit(
+                        "executed",
+                        {
+                            "node": node_id,
+                            "display_node": node_id,
+                            "output": hit.ui,
+                            "prompt_id": pid,
+                        },
+                    )
+                progress[node_id] = _progress(pid, node_id, 1, "finished")
+                emit("progress_state", {"prompt_id": pid, "nodes": dict(progress)})
+                continue
             progress[node_id] = _progress(pid, node_id, 0.0, "running")
             emit("progress_state", {"prompt_id": pid, "nodes": dict(progress)})
             if client is not None:
@@ -213,8 +259,10 @@ class Executor:
                 await asyncio.sleep(node_s)
                 if class_type in output_classes:
                     ui = await nodes.save(class_type, inputs, ctx)
+                    session.cache.set(keys[node_id], CacheEntry(ui=ui))
                 else:
                     results[node_id] = nodes.compute(class_type, inputs)
+                    session.cache.set(keys[node_id], CacheEntry(results=results[node_id]))
             except nodes.NodeFailure as failure:
                 add_message(
                     "execution_error",
@@ -235,12 +283,7 @@ class Executor:
                 break
             if class_type in output_classes:
                 ui_outputs[node_id] = ui
-                meta[node_id] = {
-                    "node_id": node_id,
-                    "display_node": node_id,
-                    "parent_node": None,
-                    "real_node_id": node_id,
-                }
+                meta[node_id] = _meta(node_id)
                 if client is not None:
                     emit(
                         "executed",
@@ -283,10 +326,22 @@ class Executor:
         await asyncio.wait([task])
 
 
+def _meta(node_id: str) -> dict[str, Any]:
+    """A history entry's `meta` of an output node (success.json)."""
+    return {
+        "node_id": node_id,
+        "display_node": node_id,
+        "parent_node": None,
+        "real_node_id": node_id,
+    }
+
+
 def _progress(prompt_id: str, node_id: str, value: float, state: str) -> dict[str, Any]:
+    """A progress_state node entry; a cached node's is `value: 1, max: 1` as integers
+    (cache_replay.json), a node that ran has floats (success.json)."""
     return {
         "value": value,
-        "max": 1.0,
+        "max": 1.0 if isinstance(value, float) else 1,
         "state": state,
         "node_id": node_id,
         "prompt_id": prompt_id,

@@ -76,8 +76,11 @@ def _expand_vars(prefix: str, width: int, height: int) -> str:
 class OutputFolder:
     """Allocates file names in one ComfyUI directory (output or temp).
 
-    Counters are read from the disk once per (folder, prefix) and then kept in memory, since
-    the fake is the only writer; the real server rescans the folder on every save.
+    The real server rescans the folder on every save and takes one more than the highest
+    counter there (folder_paths.get_save_image_path), so deleting the newest files makes
+    it reuse their names (cache_replay.json). The fake keeps counters in memory and reads
+    the disk again only when the newest file it wrote is gone: the same names, without a
+    folder listing per save.
     """
 
     def __init__(self, root: Path, kind: str) -> None:
@@ -109,10 +112,20 @@ class OutputFolder:
         key = (folder, os.path.normcase(stem))
         with self._lock:
             first = self._counters.get(key)
-            if first is None:
+            if first is None or not _newest_exists(Path(folder), stem, first - 1):
                 first = _next_counter(Path(folder), stem)
             self._counters[key] = first + count
         return Reservation(Path(folder), subfolder, stem, first)
+
+
+_EXTENSIONS = ("png", "mp4", "webp")  # what the fake's output nodes write
+
+
+def _newest_exists(folder: Path, stem: str, counter: int) -> bool:
+    """Whether the file of ``counter`` (the newest one reserved) is still on disk."""
+    if "%batch_num%" in stem:
+        return True  # names vary per image of a batch: keep the counter
+    return any(os.path.exists(folder / f"{stem}_{counter:05}_.{ext}") for ext in _EXTENSIONS)
 
 
 def _next_counter(folder: Path, stem: str) -> int:

@@ -284,12 +284,15 @@ async def post_interrupt(request: web.Request) -> web.Response:
 
 
 async def post_free(request: web.Request) -> web.Response:
-    """POST /free: 200, empty body; nothing to free in the fake."""
+    """POST /free: 200, empty body. ``free_memory: true`` resets the node output cache
+    between two prompts (at once when idle; cache_replay.json); models are not modelled."""
     try:
-        await _json_body(request)
+        body = await _json_body(request)
     except ValueError as ex:
         log.warning("fake_comfy: %s", ex)
         return _text_500()
+    if isinstance(body, dict) and body.get("free_memory"):
+        request.app[FAKE_KEY].executor.request_free()
     return _empty_200()
 
 

@@ -1,4 +1,5 @@
-"""What a ComfyUI process keeps in memory, lost when it crashes: queue, history, numbers.
+"""What a ComfyUI process keeps in memory, lost when it crashes: queue, history, numbers,
+the node output cache.
 
 The queue is a heap ordered by `number` (README fact 1); /queue lists it in heap order as
 `[number, prompt_id, prompt, extra_data, outputs_to_execute]` (three_in_a_row.json).
@@ -13,6 +14,8 @@ import heapq
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
+
+from fake_comfy.cache import NodeCache
 
 MAXIMUM_HISTORY_SIZE = 10000  # execution.py: the oldest entry goes beyond this
 
@@ -53,6 +56,8 @@ class Session:
         self.last_node_id: str | None = None  # node being executed (for reconnects)
         self.interrupt = asyncio.Event()  # set by /interrupt; checked before each node
         self.work = asyncio.Event()  # set when the queue may have an item
+        self.cache = NodeCache()  # node outputs shared by consecutive prompts
+        self.free_requested = False  # POST /free free_memory, applied between prompts
 
     def take_number(self, body: dict[str, Any]) -> float:
         """The number of a POST /prompt body: its "number" if given, else the next counter

@@ -261,8 +261,10 @@ async def test_video_matches_the_recording_and_lasts_frames_over_fps(fake: FakeC
 
 async def test_file_counters_continue_per_prefix_and_keep_subfolders(fake: FakeComfy) -> None:
     async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        for pid in ("a", "b"):
-            await post(c, workflows.single_image(prefix="shots/take", batch_size=2), None, pid)
+        # Two colours: the same workflow twice would be cached and write nothing.
+        for pid, color in (("a", 1), ("b", 2)):
+            image = workflows.single_image(prefix="shots/take", batch_size=2, color=color)
+            await post(c, image, None, pid)
         await fake.wait_idle(WAIT_S)
         names = [
             item["filename"]
@@ -353,6 +355,125 @@ async def test_out_of_range_and_combo_values_are_rejected_with_node_errors(fake:
         "channel: 'purple' not in ['red', 'green', 'blue', 'alpha']",
     )
     assert fake.stats["runs"] == []
+
+
+# -- the node output cache (cache_replay.json) ------------------------------------------
+
+
+def recorded_prompt_messages(case: str, prompt_id: str) -> list[dict[str, Any]]:
+    """The recorded socket messages that name ``prompt_id``, in order."""
+    return [
+        ex["message"]
+        for ex in recording(case)["exchanges"]
+        if ex["kind"] == "ws" and (ex["message"].get("data") or {}).get("prompt_id") == prompt_id
+    ]
+
+
+def of_prompt(messages: list[dict[str, Any]], prompt_id: str) -> list[dict[str, Any]]:
+    return [m for m in messages if (m.get("data") or {}).get("prompt_id") == prompt_id]
+
+
+async def test_the_cache_replays_deleted_files_until_free_as_recorded(fake: FakeComfy) -> None:
+    posts = [
+        ex
+        for ex in recording("cache_replay")["exchanges"]
+        if ex["kind"] == "http" and ex["request"]["path"] == "/prompt"
+    ]
+    bodies = [ex["request"]["body"] for ex in posts]
+    assert len(bodies) == 5
+    client_id = bodies[0]["client_id"]
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        sock = await Socket.open(url, client_id)
+
+        async def run(body: dict[str, Any]) -> dict[str, Any]:
+            pid = body["prompt_id"]
+            assert (await c.post("/prompt", json=body)).status_code == 200
+            messages = of_prompt(await sock.until_done(pid), pid)
+            want = recorded_prompt_messages("cache_replay", pid)
+            if want[-1]["type"] != "executing":  # the recording ends before the last one
+                want.append({"type": "executing", "data": {"node": None, "prompt_id": pid}})
+            assert scrub(messages) == scrub(want)
+            return (await c.get(f"/history/{pid}")).json()[pid]
+
+        first = await run(bodies[0])
+        image = first["outputs"]["2"]["images"][0]
+        assert image == {"filename": "cachecase_00001_.png", "subfolder": "", "type": "output"}
+        (fake.output_dir / image["filename"]).unlink()
+
+        # The same workflow again: every node cached, the deleted name replayed.
+        second = await run(bodies[1])
+        assert second["outputs"] == first["outputs"]
+        assert (await c.get("/view", params=image)).status_code == 404
+        assert not (fake.output_dir / image["filename"]).exists()
+
+        # free_memory on an idle server resets the cache: the next run writes the file.
+        assert (await c.post("/free", json={"free_memory": True})).status_code == 200
+        await run(bodies[2])
+        assert (await c.get("/view", params=image)).status_code == 200
+
+        await run(bodies[3])  # cached again, from run 3
+        fifth = await run(bodies[4])  # filename_prefix changed: only SaveImage runs
+        assert fifth["outputs"]["2"]["images"][0]["filename"] == "cachecase_b_00001_.png"
+        await sock.close()
+    executed = {pid: n["executed"] for pid, n in fake.stats["prompts"].items()}
+    assert executed == {b["prompt_id"]: 1 for b in bodies}
+    assert sorted(p.name for p in fake.output_dir.iterdir()) == [
+        "cachecase_00001_.png",
+        "cachecase_b_00001_.png",
+    ]
+
+
+async def test_only_consecutive_prompts_share_the_cache(fake: FakeComfy) -> None:
+    a, b = workflows.single_image(prefix="a", color=1), workflows.single_image(prefix="b", color=2)
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        for pid, prompt in (("a1", a), ("b1", b), ("a2", a), ("a3", a)):
+            await post(c, prompt, None, pid)
+        await fake.wait_idle(WAIT_S)
+        names = {
+            pid: (await c.get(f"/history/{pid}")).json()[pid]["outputs"]["2"]["images"][0]
+            for pid in ("a1", "a2", "a3")
+        }
+    # b1 evicted a1's nodes, so a2 ran and wrote a file of its own; a3 replays a2's.
+    assert [names[p]["filename"] for p in ("a1", "a2", "a3")] == [
+        "a_00001_.png",
+        "a_00002_.png",
+        "a_00002_.png",
+    ]
+
+
+async def test_free_during_a_prompt_resets_the_cache_after_it(tmp_path: Path) -> None:
+    fake = FakeComfy(script=["ok", "hang"], prompt_seconds=NODE_S, output_dir=tmp_path / "out")
+    image = workflows.single_image(prefix="x")
+    client_id = new_id()
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        sock = await Socket.open(url, client_id)
+        await post(c, image, None, "warm")
+        await fake.wait_idle(WAIT_S)
+        other = workflows.single_image(prefix="y")
+        await post(c, other, client_id, "hung")  # the script's `hang`: runs until interrupted
+        await sock.until("executing", node="2", prompt_id="hung")
+        await c.post("/free", json={"free_memory": True})
+        await c.post("/interrupt", json={})
+        await sock.until_done("hung")
+        await post(c, other, None, "after")
+        await fake.wait_idle(WAIT_S)
+        await sock.close()
+        after = (await c.get("/history/after")).json()["after"]
+    cached = [m for m in after["status"]["messages"] if m[0] == "execution_cached"]
+    assert cached[0][1]["nodes"] == []  # the hung run's node 1 was cached, then freed
+
+
+async def test_a_word_acting_at_the_second_node_runs_a_cached_prompt_in_full(
+    tmp_path: Path,
+) -> None:
+    fake = FakeComfy(script=["ok", "error"], prompt_seconds=NODE_S, output_dir=tmp_path / "out")
+    image = workflows.single_image(prefix="x")
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        await post(c, image, None, "first")
+        await post(c, image, None, "second")
+        await fake.wait_idle(WAIT_S)
+        second = (await c.get("/history/second")).json()["second"]
+    assert second["status"]["status_str"] == "error"
 
 
 # -- errors as recorded (execution_error.json) ------------------------------------------
