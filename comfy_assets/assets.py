@@ -21,6 +21,7 @@ from dagster import (
     Failure,
     MaterializeResult,
     MetadataValue,
+    RetryRequested,
     asset,
 )
 from PIL import Image
@@ -57,6 +58,8 @@ THUMBNAIL_SCAN_JOBS = 20
 JOB_TABLE_ROWS = 50
 # The contact sheet shown in the UI is shrunk to fit this box: metadata lives in the event log.
 CONTACT_SHEET_PX = 480
+# A render stopped because no server was reachable is tried again this much later.
+NO_SERVER_RETRY_WAIT_S = 60
 
 
 def _load_partition_file(partition: str) -> JobFile:
@@ -171,6 +174,11 @@ def renders(
         context.log.error(summary.stopped)
     for server, why in summary.unreachable.items():
         context.log.warning(f"server {server} unreachable: {why}")
+    if summary.no_server:
+        # Nothing is wrong with the jobs: the step fails, and Dagster tries it again later.
+        raise RetryRequested(
+            max_retries=comfy.no_server_retries, seconds_to_wait=NO_SERVER_RETRY_WAIT_S
+        ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
     metadata: dict[str, object] = {

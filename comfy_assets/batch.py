@@ -34,10 +34,11 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from comfy_assets.backoff import RetryPolicy
+from comfy_assets.comfy.errors import NoServerReachable
 from comfy_assets.comfy.pool import Pool, Slot
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import Job, JobFile
-from comfy_assets.runner import Attempt, AttemptHooks, AttemptResult
+from comfy_assets.runner import Attempt, AttemptHooks, AttemptResult, NotPosted
 from comfy_assets.states import InvalidTransition
 from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store
 
@@ -57,7 +58,9 @@ class BatchConfig:
     header; "delivery" stops submitting a storyboard's shots at its first fatal failure;
     "draft" turns permanent failures (and failed optional shots) into ``degraded``.
     ``catch_up_s``: how long a job's previous server is asked again before the job is
-    posted elsewhere (``runner.Attempt``)."""
+    posted elsewhere (``runner.Attempt``). ``unreachable_timeout_s``: with no server
+    reachable for this long the batch stops, its unrun jobs left pending (None: wait for
+    ever, as the worker service does)."""
 
     attempts: int = 4
     base_delay_s: float = 2.0
@@ -71,6 +74,7 @@ class BatchConfig:
     probe_timeout_s: float = 3.0
     unhealthy_wait_s: float = 5.0
     catch_up_s: float = 60.0
+    unreachable_timeout_s: float | None = 600.0
     policy: str | None = None
 
     @property
@@ -98,6 +102,7 @@ class BatchSummary:
     seconds: float
     stopped: str | None = None
     unreachable: dict[str, str] = field(default_factory=dict)
+    no_server: bool = False  # stopped because no server was reachable (worth a retry)
 
     def line(self) -> str:
         return f"summary: {self.done} done, {self.dead_lettered} dead-lettered"
@@ -245,7 +250,13 @@ class Batch:
         self.claimed: set[str] = set()
         self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
         self.stopped: str | None = None
+        self.no_server = False
         self.attempts: dict[str, Attempt] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}  # the consumer running each attempt
+        # Epoch time until which each claim of ours stands for sure (the store said so).
+        self.claim_until: dict[str, float] = {}
+        # Jobs whose final record is being written: no longer renewed, released at the end.
+        self.finishing: set[str] = set()
         self.finished = asyncio.Event()  # every job resolved, or stopped with none in flight
         # SQLite is a local file: a call costs less than a hop to a thread and back.
         self._store_threads = (
@@ -283,6 +294,7 @@ class Batch:
             return
         for job in self.jobs:
             self.queue.push(_Item(job))
+        self.pool.lost_listeners.append(self._on_lost_slot)
         heartbeat = asyncio.create_task(self._heartbeat(), name="claim-heartbeat")
         workers = [
             asyncio.create_task(self._consumer(), name=f"consumer-{i}")
@@ -301,12 +313,13 @@ class Batch:
             await asyncio.gather(*workers, return_exceptions=True)
             raise
         finally:
+            self.pool.lost_listeners.remove(self._on_lost_slot)
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
             await self._landed()  # a claim that lands now must be released below
             for item in self.queue.cancel_all():
                 self._release_claim(item.job.id)
-            for job_id in [*self.claimed, *self.claiming]:
+            for job_id in [*self.claimed, *self.claiming, *self.finishing]:
                 self._release_claim(job_id)
             if self._store_threads is not None:
                 self._store_threads.shutdown(wait=False)  # nothing is under way any more
@@ -353,14 +366,19 @@ class Batch:
                 rec = await self._claim(item)
                 if rec is None:
                     continue
-                if (slot is None or slot.released) and not self.stopped:
-                    slot = await self._acquire(item)
-                if slot is None or self.stopped:
-                    # Stopped (delivery policy) while we claimed or waited: the job
-                    # stays pending, unposted.
-                    self._release_claim(item.job.id)
+                try:
+                    if (slot is None or slot.released) and not self.stopped:
+                        slot = await self._acquire(item)
+                    if slot is None or self.stopped:
+                        # Stopped (delivery policy) while we claimed or waited: the job
+                        # stays pending, unposted.
+                        self._release_claim(item.job.id)
+                        break
+                    slot = await self._run_item(item, rec, slot)
+                except NoServerReachable as e:
+                    self._release_claim(item.job.id)  # unposted: it stays pending
+                    self._stop_unreachable(e)
                     break
-                slot = await self._run_item(item, rec, slot)
         finally:
             if slot is not None:
                 slot.release()
@@ -409,13 +427,27 @@ class Batch:
             self.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
             return None
         if rec.state in ("submitted", "rendering"):
+            # The lost holder's attempt never settled: count it, so attempt numbers and
+            # results.csv say how many times the job was tried.
+            lost = AttemptEntry(
+                rec.attempts_before + rec.attempts + 1,
+                outcome="transient",
+                server=rec.server,
+                prompt_id=rec.prompt_id,
+                number=rec.number,
+                started_at=rec.updated_at,
+                reason="its holder was lost mid-attempt",
+            )
             await self._db(
                 store.transition,
                 job.id,
                 "failed_retryable",
                 detail="previous holder lost; claim taken over",
+                attempt=rec.attempts + 1,
+                server=rec.server,
+                tried=lost,
             )
-            rec = dataclasses.replace(rec, state="failed_retryable")
+            rec = dataclasses.replace(rec, state="failed_retryable", attempts=rec.attempts + 1)
         if rec.state == "failed_retryable":
             await self._db(store.transition, job.id, "pending", detail="retry")
         return rec
@@ -438,6 +470,7 @@ class Batch:
         self.claiming.discard(job_id)
         if status == "claimed":
             self.claimed.add(job_id)
+            self.claim_until[job_id] = rec.claim_expires_at or 0.0
         return status, rec
 
     async def _run_item(self, item: _Item, rec: JobRecord, slot: Slot) -> Slot | None:
@@ -475,13 +508,14 @@ class Batch:
                 number=n,
             )
 
-        hooks = AttemptHooks(submitted=submitted, rendering=rendering)
+        hooks = AttemptHooks(submitted=submitted, rendering=rendering, stopped=lambda: self.stopped)
         attempt = Attempt(
             job,
             self.pool,
             store.job_dir(self.partition, job.id),
             slot=slot,
             prev_server=prev,
+            prev_number=rec.number if prev is not None else None,
             deadline_s=cfg.timeout_s,
             poll_s=cfg.poll_s,
             catch_up_s=cfg.catch_up_s,
@@ -489,34 +523,89 @@ class Batch:
             hooks=hooks,
             label=f"job {job.id}",
         )
+        me = asyncio.current_task()
+        assert me is not None
         self.attempts[job.id] = attempt
+        self._tasks[job.id] = me  # a lost server lease or claim cancels it (``_abort``)
         try:
-            result = await attempt.run()
+            try:
+                result = await attempt.run()
+            finally:
+                del self._tasks[job.id]  # from here on nothing cancels us for the attempt
         except asyncio.CancelledError:
-            await asyncio.shield(self._cancelled(job, attempt))
-            raise
+            if attempt.aborted is None or me.cancelling() > 1:
+                await asyncio.shield(self._cancelled(job, attempt, number, rec.attempts_before))
+                raise
+            me.uncancel()  # only the attempt was stopped, not the batch
+            # The lease still keeps other processes away while our prompt is removed.
+            what = await asyncio.shield(attempt.cancel_cleanup())
+            await self._landed()  # a transition still being written lands first
+            if attempt.claim_lost:
+                await self._left_to_holder(job, attempt, number, attempt.aborted, what)
+                return None
+            result = attempt.aborted_result(what)
         except ClaimLost as e:
-            await attempt.cancel_cleanup()  # our prompt, if posted, is stale: remove it
-            self._lost(job, e)
+            what = await attempt.cancel_cleanup()  # our prompt, if posted, is stale: remove it
+            await self._left_to_holder(job, attempt, number, f"claim lost ({e})", what)
             return None
+        except NotPosted:
+            self._release_claim(job.id)  # the batch stopped first: the job stays pending
+            return None
+        except NoServerReachable:
+            self._release_claim(job.id)  # nothing posted: the job stays pending
+            raise
         finally:
             self.attempts.pop(job.id, None)
         try:
             await self._settle(item, number, result)
         except ClaimLost as e:
-            self._lost(job, e)
+            outcome = f"its result ({result.kind}) not recorded"
+            await self._left_to_holder(job, attempt, number, f"claim lost ({e})", outcome)
         self._check_finished()
         kept = attempt.slot if attempt.slot is not None and not attempt.slot.released else None
         return kept
 
-    def _lost(self, job: Job, e: ClaimLost) -> None:
-        """Our claim on ``job`` went to another run (it re-registered the job with new
-        inputs, say): the job is theirs now; nothing more of ours is written for it."""
+    def _stop_unreachable(self, e: NoServerReachable) -> None:
+        if not self.stopped:
+            self.no_server = True
+            self.stopped = f"stopped: {e}; the jobs not done stay pending (run again)"
+            self.say(self.stopped)
+        self._check_finished()
+
+    async def _left_to_holder(
+        self, job: Job, attempt: Attempt, number: int, why: str, cleanup: str
+    ) -> None:
+        """The job's claim went to another worker while attempt ``number`` ran: say so
+        (an event that changes nothing, and a line) and leave the job to its holder."""
+        server = attempt.slot.name if attempt.slot is not None else None
+        detail = f"{why} during attempt {number}; {cleanup}"
+        await self._db(self.store.note, job.id, detail, server=server, attempt=number)
         self.claimed.discard(job.id)
-        self.say(f"job {job.id}: claim lost ({e}); left to its holder")
+        self.claim_until.pop(job.id, None)
+        self.say(f"job {job.id}: {detail}; left to its holder")
         self._resolve()
 
-    async def _cancelled(self, job: Job, attempt: Attempt) -> None:
+    def _on_lost_slot(self, slot: Slot) -> None:
+        """The pool lost the server lease of ``slot``: stop the attempt holding it (its
+        prompt is removed while the lease still keeps other processes away)."""
+        for job_id, attempt in self.attempts.items():
+            if attempt.slot is slot:
+                self._abort(job_id, f"server lease lost ({slot.lost})")
+
+    def _abort(self, job_id: str, why: str, *, claim: bool = False) -> None:
+        """Stop the running attempt of ``job_id`` from outside: its consumer is cancelled
+        once, and ``_run_item`` tells that from a cancelled batch (``cancelling() == 1``
+        with ``aborted`` set), cleans up and goes on; ``claim``: the job is no longer ours."""
+        attempt, task = self.attempts.get(job_id), self._tasks.get(job_id)
+        if attempt is None or task is None or attempt.aborted is not None:
+            return
+        attempt.aborted = why
+        attempt.claim_lost = claim
+        task.cancel()
+
+    async def _cancelled(self, job: Job, attempt: Attempt, number: int, before: int) -> None:
+        """The batch is cancelled during attempt ``number`` (``before``: the job's tries
+        before its last requeue): remove our prompt, record the attempt, free the claim."""
         what = "cleanup did not finish"
         try:
             what = await attempt.cancel_cleanup()
@@ -524,11 +613,23 @@ class Batch:
             await self._landed()  # a `submitted` still being written lands first
             rec = await self._db(self.store.get, job.id)
             if rec is not None and rec.state in ("submitted", "rendering"):
+                reason = f"run cancelled; {what}"
+                tried = AttemptEntry(
+                    before + number,
+                    outcome="transient",
+                    server=rec.server,
+                    prompt_id=job.prompt_id,
+                    number=rec.number,
+                    seconds=time.monotonic() - attempt.started,
+                    reason=reason,
+                )
                 await self._db(
                     self.store.transition,
                     job.id,
                     "failed_retryable",
-                    detail="run cancelled; prompt interrupted",
+                    detail=reason,
+                    attempt=number,
+                    tried=tried,
                 )
             self._release_claim(job.id)
             self.say(f"job {job.id}: run cancelled, {what}, claim released")
@@ -549,6 +650,7 @@ class Batch:
         where = f" on {r.server}" if r.server else ""
         if r.kind == "success":
             remove_stale_outputs(store.job_dir(self.partition, job.id), r.files)
+            self._finishing(job.id)
             await self._db(
                 store.mark_done,
                 job.id,
@@ -560,7 +662,7 @@ class Batch:
                 number=r.number,
                 tried=tried,
             )
-            self.claimed.discard(job.id)
+            self.finishing.discard(job.id)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
             self.say(f"job {job.id} attempt {number}{where}: succeeded ({how})")
             self._resolve()
@@ -575,6 +677,14 @@ class Batch:
                 detail=r.reason,
                 tried=tried,
             )
+            if self.stopped:  # no consumer takes it any more: the next run does
+                self._release_claim(job.id)
+                self.say(
+                    f"job {job.id}: attempt {number} failed{where}, {r.reason}; not retried "
+                    f"in this run ({self.stopped})"
+                )
+                self._resolve()
+                return
             delay = cfg.retry.delay(number)
             self.say(
                 f"job {job.id}: attempt {number} failed{where}, {r.reason}; "
@@ -588,6 +698,7 @@ class Batch:
             if r.kind == "permanent"
             else f"gave up after {number} attempts, last: {r.reason}"
         )
+        self._finishing(job.id)
         if self.draft and (r.kind == "permanent" or job.optional):
             await self._db(
                 store.mark_done,
@@ -615,21 +726,64 @@ class Batch:
             if self.stop_on_fatal and not self.stopped:
                 self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
                 self.say(f"delivery policy: {self.stopped}; no new shots are submitted")
-        self.claimed.discard(job.id)
+        self.finishing.discard(job.id)
         self._resolve()
+
+    def _finishing(self, job_id: str) -> None:
+        """The job's final record is about to be written, which drops its claim: the
+        heartbeat must not take that for a lost claim."""
+        self.claimed.discard(job_id)
+        self.claim_until.pop(job_id, None)
+        self.finishing.add(job_id)
 
     def _release_claim(self, job_id: str) -> None:
         self.claimed.discard(job_id)
+        self.claim_until.pop(job_id, None)
+        self.finishing.discard(job_id)
         self.store.release_claim(job_id, self.owner)
 
     async def _heartbeat(self) -> None:
-        """Renew every claim we hold so a long job never loses it."""
+        """Renew every claim we hold each third of ``lease_s``, so a long job never loses
+        it; while the store fails, try again every thirtieth. A claim that another worker
+        took, or that can't be renewed before only a third of it is left, is lost: its
+        attempt is stopped (our prompt removed) and the job left to whoever holds it."""
+        failing = False
         while True:
-            await asyncio.sleep(self.config.lease_s / 3)
+            await asyncio.sleep(self.config.lease_s / (30 if failing else 3))
+            failing = False
             for job_id in list(self.claimed):
-                renew = self.store.renew_claim
-                if not await self._db(renew, job_id, self.owner, self.config.lease_s):
-                    log.error("job %s: claim lost to another worker", job_id)
+                failing = not await self._renew_claim(job_id) or failing
+
+    async def _renew_claim(self, job_id: str) -> bool:
+        """Renew one claim; False when the store failed and the claim still stands."""
+        lease_s = self.config.lease_s
+        asked_at = time.time()
+        try:
+            renewed = await self._db(self.store.renew_claim, job_id, self.owner, lease_s)
+        except Exception as e:  # the store, whatever its driver: judged by the time left
+            left = self.claim_until.get(job_id, asked_at) - asked_at
+            why = f"{type(e).__name__}: {e}"
+            if left > lease_s / 3:
+                log.warning("job %s: claim not renewed (%s); %.0f s left", job_id, why, left)
+                return False
+            self._claim_gone(job_id, f"claim not renewed ({why}) and {left:.0f} s left")
+            return True
+        if job_id not in self.claimed:
+            return True  # finished or released while we asked
+        if renewed:
+            self.claim_until[job_id] = asked_at + lease_s
+        else:
+            self._claim_gone(job_id, "claim taken by another worker")
+        return True
+
+    def _claim_gone(self, job_id: str, why: str) -> None:
+        log.error("job %s: %s; its attempt is stopped", job_id, why)
+        if job_id in self.attempts:
+            self._abort(job_id, why, claim=True)
+        else:
+            # Waiting for a server or its retry: the next claim finds out who holds it.
+            self.claimed.discard(job_id)
+            self.claim_until.pop(job_id, None)
 
 
 def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, owner: str) -> Pool:
@@ -643,6 +797,7 @@ def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, 
         max_queue=config.max_queue,
         unhealthy_wait_s=config.unhealthy_wait_s,
         poll_s=config.poll_s,
+        unreachable_timeout_s=config.unreachable_timeout_s,
     )
 
 
@@ -687,7 +842,7 @@ async def run_batch(
             on_line=on_line,
         )
         await batch.run()
-    return summarize(
+    summary = summarize(
         store,
         partition,
         time.monotonic() - started,
@@ -695,6 +850,8 @@ async def run_batch(
         pool.unreachable(),
         job_ids=[j.id for j in job_file.jobs],
     )
+    summary.no_server = batch.no_server
+    return summary
 
 
 def summarize(

@@ -64,7 +64,8 @@ def add_batch_options(p: argparse.ArgumentParser) -> None:
 
 
 def batch_config(args: argparse.Namespace) -> BatchConfig:
-    """A BatchConfig from the options of ``add_batch_options``."""
+    """A BatchConfig from the options of ``add_batch_options`` (and ``run``'s
+    ``--unreachable-timeout-s``; a service that waits for its servers has none)."""
     return BatchConfig(
         attempts=args.attempts,
         base_delay_s=args.base_delay_s,
@@ -75,6 +76,7 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
         lease_s=args.lease_s,
         server_lease_s=args.server_lease_s,
         max_queue=args.max_queue,
+        unreachable_timeout_s=getattr(args, "unreachable_timeout_s", None),
         policy=getattr(args, "policy", None),
     )
 
@@ -92,6 +94,12 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log scheduling and protocol steps")
     add_batch_options(p)
+    p.add_argument(
+        "--unreachable-timeout-s",
+        type=bounded(float, 0, strict=True),
+        default=BatchConfig.unreachable_timeout_s,
+        help="end the run when no server answers for this long; unrun jobs stay pending (600 s)",
+    )
     p.set_defaults(func=run_command)
 
 

@@ -74,6 +74,16 @@ class ComfyPoolResource(ConfigurableResource):
         description="Seconds to keep asking a job's previous server (where its prompt may "
         "still run) before posting it elsewhere, which may render it twice.",
     )
+    unreachable_timeout_s: float | None = Field(
+        default=BatchConfig.unreachable_timeout_s,
+        description="Seconds with no server reachable after which the step fails, its "
+        "unrun jobs left pending for a retry; None waits for ever.",
+    )
+    no_server_retries: int = Field(
+        default=2,
+        description="How many times a render stopped by unreachable_timeout_s is tried "
+        "again (a minute apart) before its step fails.",
+    )
     policy: str | None = Field(
         default=None,
         description='"delivery" or "draft" overrides the job file header; None follows it.',

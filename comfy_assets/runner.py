@@ -90,10 +90,18 @@ async def _nothing(*args: object) -> None:
 class AttemptHooks:
     """Coroutines the attempt awaits at state changes (the store writes transitions):
     ``submitted(server, detail)`` before the POST (``detail``: why this post may render
-    the job a second time, or None), ``rendering(server, number)`` after it."""
+    the job a second time, or None), ``rendering(server, number)`` after it.
+    ``stopped()``: why nothing may be posted any more (the batch stopped), else None;
+    asked right before ``submitted`` and again right before the POST."""
 
     submitted: Callable[[str, str | None], Awaitable[None]] = _nothing
     rendering: Callable[[str, int], Awaitable[None]] = _nothing
+    stopped: Callable[[], str | None] = lambda: None
+
+
+class NotPosted(Exception):
+    """The batch stopped before this attempt posted anything (``AttemptHooks.stopped``):
+    the job is still pending, and its slot is released."""
 
 
 def entry_timings(entry: HistoryEntry) -> tuple[float | None, float | None]:
@@ -129,7 +137,8 @@ class Attempt:
     """One attempt of ``job`` over ``pool``; files land in ``dest_dir``.
 
     ``slot``: a server already held for it (else one is acquired). ``prev_server``: where
-    the prompt was last posted (from the store), for catch-up. ``deadline_s``: the
+    the prompt was last posted (from the store), for catch-up; ``prev_number``: the run
+    number that post got (when it was accepted). ``deadline_s``: the
     attempt's deadline (seconds, from the catch-up or, after a catch-up that waited for
     an unreachable server, from the post); ``poll_s``: how often to look at /queue while
     removing a prompt; ``evict_timeout_s``: how long that may take. ``catch_up_s``: how
@@ -146,6 +155,7 @@ class Attempt:
         *,
         slot: Slot | None = None,
         prev_server: str | None = None,
+        prev_number: int | None = None,
         deadline_s: float = 600.0,
         poll_s: float = 1.0,
         evict_timeout_s: float = 120.0,
@@ -159,6 +169,7 @@ class Attempt:
         self.dest_dir = dest_dir
         self.slot = slot
         self.prev_server = prev_server
+        self.prev_number = prev_number
         self.deadline_s = deadline_s
         self.poll_s = poll_s
         self.evict_timeout_s = evict_timeout_s
@@ -170,6 +181,19 @@ class Attempt:
         self.started = time.monotonic()
         self.deadline_from = self.started  # the deadline counts from here
         self.twice: str | None = None  # why posting now may render the job a second time
+        # Why the batch stopped this attempt from outside (a lost server lease or claim);
+        # ``claim_lost``: the job is no longer ours to record.
+        self.aborted: str | None = None
+        self.claim_lost = False
+        self.posted = False  # a POST /prompt of this attempt may have reached the server
+
+    def aborted_result(self, cleanup: str) -> AttemptResult:
+        """The transient result of an attempt the batch stopped (``aborted``), once
+        ``cancel_cleanup`` has said what became of its prompt (``cleanup``)."""
+        server = self.slot.name if self.slot is not None else self.prev_server
+        return self.result(
+            "transient", f"{self.aborted}; {cleanup}", server=server, posted=self.posted
+        )
 
     def result(self, kind: Kind, reason: str = "", **kw: object) -> AttemptResult:
         return AttemptResult(
@@ -241,9 +265,17 @@ class Attempt:
         if queue is None:
             assert entry is not None
             log.info("%s: caught up on %s: prompt %s already succeeded", self.label, name, pid)
-            return await self._download(client, name, entry, caught_up=True)
-        found = next((q for q in [*queue.running, *queue.pending] if q.prompt_id == pid), None)
+            return await self._download(client, name, entry, caught_up=True, verify=True)
+        found = queue.find(pid)
         if found is None:
+            if entry is None and self.prev_number is not None:
+                # Accepted as run N, yet unknown to the server now: taken off the queue
+                # before it ran, or forgotten by a restart after it ran.
+                self.twice = (
+                    f"catch-up on {name}: run {self.prev_number} in neither /history nor "
+                    "/queue (removed before it ran, or forgotten by a restart): posting "
+                    "anew, the job may render twice"
+                )
             return None
         log.info(
             "%s: caught up on %s: prompt %s still queued as #%s",
@@ -261,6 +293,27 @@ class Attempt:
         await self.hooks.submitted(name, None)
         await self.hooks.rendering(name, found.number)
         return await self._follow(self.slot, found.number, posted=False)
+
+    async def _dropped(self, client: ComfyClient, listed: tuple[str, ...] | None) -> str:
+        """Why a run of our prompt renders less than the workflow asks ("outputs dropped:
+        node 3 ..."), or "" when it rendered every output node. Raises the client's
+        errors (it may ask /object_info).
+
+        A POST answered 200 with ``node_errors`` (validation_errors.json) queues the
+        prompt without the output nodes that failed: a run found by a catch-up or after
+        an unanswered POST tells it only by its ``outputs_to_execute``."""
+        if listed is None:
+            return ""
+        missing = [n for n in self.job.workflow if n not in listed]
+        dropped = [
+            n
+            for n in missing
+            if await client.is_output_node(str(self.job.workflow[n].get("class_type")))
+        ]
+        if not dropped:
+            return ""
+        nodes = ", ".join(f"node {n}" for n in sorted(dropped))
+        return f"outputs dropped: {nodes} not among the outputs the server runs"
 
     # -- post and follow -----------------------------------------------------------------
 
@@ -284,9 +337,19 @@ class Attempt:
                 return self.result(
                     "transient", describe_error(e, "POST /free"), server=name, outputs_missing=True
                 )
+        stop = self.hooks.stopped()
+        if stop is not None:
+            slot.release()
+            raise NotPosted(stop)
         await self.hooks.submitted(name, self.twice)
+        # The last moment to find out, nothing posted yet (the job is submitted now).
+        stop = slot.lost or self.hooks.stopped()
+        if stop is not None:
+            slot.release()
+            return self.result("transient", f"not posted: {stop}", server=name)
         self.on_server = (client, name)
         slot.prompt_id = pid
+        self.posted = True
         try:
             post = await client.post_prompt(
                 self.job.workflow, prompt_id=pid, client_id=follower.client_id
@@ -345,14 +408,14 @@ class Attempt:
                 found.number,
             )
             await self.hooks.rendering(name, found.number)
-            return await self._wait(follower, slot, found.number, posted=True)
+            return await self._wait(follower, slot, found.number, posted=True, verify=True)
         self.on_server = None
         slot.release()  # nothing of ours queued or running there
         if entry is not None and entry.status_str == "success":
             log.info(
                 "%s on %s: %s, but the prompt ran: taking its outputs", self.label, name, reason
             )
-            return await self._download(client, name, entry, posted=True)
+            return await self._download(client, name, entry, posted=True, verify=True)
         kind: Kind = "transient" if error.transient else "permanent"
         return self.result(kind, reason, server=name, posted=True)
 
@@ -365,11 +428,19 @@ class Attempt:
                 "transient", describe_error(e, "GET /ws"), server=slot.name, number=number
             )
         self.on_server = (slot.client, slot.name)
-        return await self._wait(follower, slot, number, posted=posted)
+        return await self._wait(follower, slot, number, posted=posted, verify=True)
 
     async def _wait(
-        self, follower: PromptFollower, slot: Slot, number: int, *, posted: bool
+        self,
+        follower: PromptFollower,
+        slot: Slot,
+        number: int,
+        *,
+        posted: bool,
+        verify: bool = False,
     ) -> AttemptResult:
+        """Follow run ``number`` to its end and classify it; ``verify``: the POST's answer
+        was not seen, so check the run kept every output node (``_dropped``)."""
         client, name, pid = slot.client, slot.name, self.job.prompt_id
         remaining = max(self.deadline_s - (time.monotonic() - self.deadline_from), 0.1)
         try:
@@ -384,7 +455,9 @@ class Attempt:
         except DeadlineExceeded:
             gone = await self._evict(slot, number)
             if gone.won is not None:  # it finished while we interrupted it: take the result
-                return await self._download(client, name, gone.won, number=number, posted=posted)
+                return await self._download(
+                    client, name, gone.won, number=number, posted=posted, verify=verify
+                )
             if not gone.confirmed:
                 what = f"could not remove it from {name} ({gone.problem})"
             elif gone.was_there:
@@ -419,7 +492,9 @@ class Attempt:
         self.on_server = None
         slot.release()  # already done by on_finished; idempotent
         if outcome.status == "success" and outcome.history is not None:
-            return await self._download(client, name, outcome.history, number=number, posted=posted)
+            return await self._download(
+                client, name, outcome.history, number=number, posted=posted, verify=verify
+            )
         gpu, wait = entry_timings(outcome.history) if outcome.history else (None, None)
         common = dict(server=name, number=number, posted=posted, gpu_seconds=gpu, queue_wait_s=wait)
         if outcome.status == "interrupted":
@@ -450,7 +525,10 @@ class Attempt:
         caught_up: bool = False,
         number: int | None = None,
         posted: bool = False,
+        verify: bool = False,
     ) -> AttemptResult:
+        """Download a successful run's outputs; ``verify``: first check it rendered every
+        output node of the workflow (its POST's answer, which would say, was not seen)."""
         gpu, wait = entry_timings(entry)
         common = dict(
             server=name,
@@ -461,6 +539,10 @@ class Attempt:
             queue_wait_s=wait,
         )
         try:
+            dropped = await self._dropped(client, entry.outputs_to_execute) if verify else ""
+            if dropped:
+                where = f" (run {entry.number} on {name})"
+                return self.result("permanent", dropped + where, **common)
             files = await download_outputs(client, entry, self.dest_dir)
         except OutputMissing as e:
             return self.result(

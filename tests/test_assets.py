@@ -302,3 +302,25 @@ def test_a_cancelled_run_leaves_no_prompt_of_ours_on_the_servers(
         records = store.jobs("long")
     assert not [r for r in records if r.state in ("submitted", "rendering")]
     assert not [r for r in records if r.claimed_by]
+
+
+def test_with_no_server_reachable_the_render_step_fails_for_a_retry_and_jobs_stay_pending(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    write_job_file(jobs_dir, "dark", [1, 2])
+    comfy = ComfyPoolResource(
+        servers=[ServerConfig(name="gpu0", url="http://127.0.0.1:9")],
+        unhealthy_wait_s=0.05,
+        unreachable_timeout_s=0.3,
+        no_server_retries=0,
+    )
+    result = render(instance, "dark", comfy, tmp_path / "store")
+
+    assert not result.success
+    (failure,) = result.get_step_failure_events()
+    assert "no server reachable for" in str(failure.step_failure_data.error)
+    assert "gpu0 unreachable: ServerUnreachable: gpu0: GET /system_stats: connection refused" in str(
+        failure.step_failure_data.error
+    )
+    store = Store(tmp_path / "store")
+    assert [(j.state, j.claimed_by) for j in store.jobs("dark")] == [("pending", None)] * 2

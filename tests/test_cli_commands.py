@@ -412,3 +412,18 @@ def test_events_argument_errors_exit_2(
     with pytest.raises(SystemExit) as exited:
         main(["events", "--store", str(tmp_path), *query])
     assert exited.value.code == 2
+
+
+def test_run_with_no_server_reachable_gives_up_after_the_timeout_and_writes_the_csv(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 2)
+    store = tmp_path / "store"
+    code = run(jobs, store, "http://127.0.0.1:9", "--unreachable-timeout-s", "0.2")
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "stopped: no server reachable for " in out
+    assert "the jobs not done stay pending (run again)" in out
+    assert "  2 not run" in out
+    table = rows(store / "jobs" / "results.csv")
+    assert [r["state"] for r in table] == ["pending", "pending"]

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from comfy_assets.batch import run_batch
@@ -237,6 +238,86 @@ async def test_the_claim_of_a_dead_process_on_this_host_is_taken_over_at_once(tm
         )
     assert summary.done == 1
     assert any(f"claim of {dead_owner} taken over" in line for line in lines)
+
+
+def dead_owner() -> str:
+    """A claim owner of this host whose process has ended."""
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return f"{socket.gethostname()}:{int(gone.stdout)}:deadbeef"
+
+
+async def post_as_a_killed_run(store: Store, job, url: str, server: str) -> None:
+    """What a run killed right after its POST leaves: the job submitted on ``server``
+    under a dead owner's claim, and its prompt queued there."""
+    owner = dead_owner()
+    assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
+    store.transition(
+        job.id, "submitted", owner=owner, server=server, attempt=1, prompt_id=job.prompt_id
+    )
+    async with httpx.AsyncClient(base_url=url) as http:
+        body = {"prompt": job.workflow, "prompt_id": job.prompt_id, "client_id": "killed"}
+        answer = (await http.post("/prompt", json=body)).json()
+    store.transition(
+        job.id, "rendering", owner=owner, server=server, attempt=1, number=answer["number"]
+    )
+
+
+async def test_a_run_that_validation_cut_short_is_a_dead_letter_when_caught_up(tmp_path):
+    # The killed run's POST was answered 200 with node_errors (the word `partial`: node 3
+    # dropped); nobody saw the answer. The catch-up finds the run in /history: it
+    # rendered one of the two outputs, which is the same permanent failure.
+    fake = FakeComfy(script=["partial"], prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    (job,) = jf.jobs
+    store = Store(tmp_path / "store")
+    store.register_jobs("p", jf.jobs)
+    async with fake_servers(fake) as servers:
+        await post_as_a_killed_run(store, job, servers[0].url, "gpu0")
+        await fake.wait_idle(5.0)
+        summary = await run_batch(
+            jf, partition="p", servers=servers, store=store, config=fast_config()
+        )
+    assert summary.dead_letters == [
+        (job.id, "outputs dropped: node 3 not among the outputs the server runs (run 0 on gpu0)")
+    ]
+    assert posted(fake, job.prompt_id) == 1
+    assert store.files(job.id) == []
+
+
+async def test_a_claim_taken_over_mid_attempt_counts_the_lost_attempt(tmp_path):
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    (job,) = jf.jobs
+    store = Store(tmp_path / "store")
+    store.register_jobs("p", jf.jobs)
+    async with fake_servers(fake) as servers:
+        await post_as_a_killed_run(store, job, servers[0].url, "gpu0")
+        summary = await run_batch(
+            jf, partition="p", servers=servers, store=store, config=fast_config()
+        )
+    assert summary.done == 1
+    assert posted(fake, job.prompt_id) == 1  # caught up, not posted again
+    tries = store.attempts(job.id)
+    assert [(t.attempt, t.outcome) for t in tries] == [(1, "transient"), (2, "success")]
+    assert tries[0].reason == "its holder was lost mid-attempt"
+    assert store.get(job.id).attempts == 2
+
+
+async def test_a_prompt_the_server_forgot_is_posted_again_saying_it_may_render_twice(tmp_path):
+    fake, jf, store, summary = await render(tmp_path, ["restart"])
+    (job,) = jf.jobs
+    assert summary.done == 1
+    submitted = [e for e in store.events(job.id) if e.to_state == "submitted"]
+    assert [e.detail for e in submitted] == [
+        None,
+        "catch-up on gpu0: run 0 in neither /history nor /queue (removed before it ran, or "
+        "forgotten by a restart): posting anew, the job may render twice",
+    ]
 
 
 async def test_delivery_posts_nothing_after_a_fatal_failure_while_another_server_renders(

@@ -76,6 +76,7 @@ class ComfyClient:
             # Loading the CA bundle costs 15 ms a client; plain http:// never uses it.
             verify=self.base_url.startswith("https://"),
         )
+        self._output_classes: dict[str, bool] = {}  # is_output_node answers
 
     async def __aenter__(self) -> Self:
         return self
@@ -134,6 +135,22 @@ class ComfyClient:
         """POST /queue ``{"delete": [...]}``. Loses the race against a prompt that already
         started: check /queue and /history afterwards (interrupt_reconnect.json)."""
         await self._post_ok("/queue", {"delete": list(prompt_ids)})
+
+    async def is_output_node(self, class_type: str) -> bool:
+        """Whether ``class_type`` is an output node on this server (``output_node`` of
+        GET /object_info/{class}; basics.json). Asked once per class per client; an
+        unknown class (``{}``) is not one."""
+        known = self._output_classes.get(class_type)
+        if known is not None:
+            return known
+        route = f"GET /object_info/{class_type}"
+        body = await self._get_json(f"/object_info/{quote(class_type, safe='')}", route)
+        if not isinstance(body, dict):
+            raise self._unexpected(route, f"body is {type(body).__name__}, not an object")
+        info = body.get(class_type)
+        answer = isinstance(info, dict) and info.get("output_node") is True
+        self._output_classes[class_type] = answer
+        return answer
 
     async def free(self, unload_models: bool = True, free_memory: bool = True) -> None:
         """POST /free (basics.json)."""

@@ -109,3 +109,16 @@ class PromptLost(ComfyError):
 class DeadlineExceeded(ComfyError):
     """The prompt did not finish within the caller's deadline (seconds). Transient; the
     caller should interrupt the prompt so the server is free again."""
+
+
+class NoServerReachable(Exception):
+    """No server of the pool answered for ``waited_s`` seconds (each one's last probe
+    failed; ``reasons`` by server name). Not a ComfyError on purpose: it is no attempt's
+    failure (retrying would only burn attempts), it ends the batch with its unrun jobs
+    still pending."""
+
+    def __init__(self, waited_s: float, reasons: dict[str, str]) -> None:
+        listed = "; ".join(f"{name} {why}" for name, why in reasons.items())
+        super().__init__(f"no server reachable for {waited_s:.3g} s ({listed})")
+        self.waited_s = waited_s
+        self.reasons = reasons

@@ -28,12 +28,12 @@ import logging
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from comfy_assets.comfy.client import ComfyClient
-from comfy_assets.comfy.errors import ComfyError
+from comfy_assets.comfy.errors import ComfyError, NoServerReachable
 from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.comfy.servers import ServerSpec
 
@@ -91,6 +91,7 @@ class Slot:
     prompt_id: str | None = None  # ours on the server, once posted (set by the runner)
     dispatching: bool = True  # held but not yet posted: the GPU waits on us
     handover: asyncio.Event | None = None  # set once the next prompt here is posted
+    lost: str | None = None  # why our server lease was lost while held (set by the pool)
 
     @property
     def name(self) -> str:
@@ -124,6 +125,16 @@ class Slot:
 class Pool:
     """Named ComfyUI servers shared through server leases.
 
+    A lease that can't be renewed (the store fails until only a third of it is left) or
+    that another process took is **lost**: the pool stops renewing it, marks the slot
+    (``Slot.lost``) and calls each of ``lost_listeners`` with the slot, so its holder stops
+    posting there and removes its prompt while the lease still keeps other processes
+    away. A lost slot is not offered again until it is released; its release writes
+    nothing to the store.
+
+    ``unreachable_timeout_s``: once every server has failed its last probe for this long,
+    ``acquire`` raises NoServerReachable (None: it waits for ever).
+
     ``servers``: configuration order matters (last tie-break). ``leases``: the store.
     ``owner``: this process's lease owner id. ``lease_s``: server lease time in seconds
     (renewed every third of it while held). ``probe_timeout_s``: per probe (3 s).
@@ -149,9 +160,13 @@ class Pool:
         stats_ttl_s: float = 2.0,
         probe_ttl_s: float = 0.1,
         poll_s: float = 1.0,
+        unreachable_timeout_s: float | None = None,
     ) -> None:
         if not servers:
             raise ValueError("a pool needs at least one server")
+        self.lost_listeners: list[Callable[[Slot], None]] = []
+        self.unreachable_timeout_s = unreachable_timeout_s
+        self._none_reachable_since: float | None = None  # loop time
         self.servers = list(servers)
         self.leases = leases
         self.owner = owner
@@ -198,6 +213,9 @@ class Pool:
         self._others = False
         self._others_asked_at = -1e9
         self._marked_at = -1e9
+        # Loop time until which each lease we hold or keep is ours for sure (the last
+        # acquire or renewal that the store confirmed, plus lease_s).
+        self._lease_until: dict[str, float] = {}
 
     async def __aenter__(self) -> Pool:
         for client in self.clients.values():
@@ -340,6 +358,15 @@ class Pool:
         async with self._line:
             return await self._acquire_loop(prefer, models, only, allow_prompt, stop)
 
+    def _check_reachable(self) -> None:
+        """Raise NoServerReachable once no server has answered for unreachable_timeout_s."""
+        since, limit = self._none_reachable_since, self.unreachable_timeout_s
+        if since is None or limit is None:
+            return
+        waited = asyncio.get_running_loop().time() - since
+        if waited >= limit:
+            raise NoServerReachable(waited, self.unreachable())
+
     def wake(self) -> None:
         """Wake the consumer waiting for a server (to see its stop event)."""
         self._changed.set()
@@ -361,9 +388,14 @@ class Pool:
             slot, all_unhealthy = await self._try_acquire(prefer, models, only, allow_prompt)
             if slot is not None:
                 return slot
+            self._check_reachable()
             if not all_unhealthy:
                 self._mark_waiting()
             timeout = self.unhealthy_wait_s if all_unhealthy else self.busy_poll_s
+            since, limit = self._none_reachable_since, self.unreachable_timeout_s
+            if since is not None and limit is not None:  # look again when it runs out
+                left = since + limit - asyncio.get_running_loop().time()
+                timeout = max(min(timeout, left), 0.0)
             try:
                 # A local release wakes us at once; other processes' releases are seen
                 # on the next look at the leases.
@@ -452,8 +484,11 @@ class Pool:
         if spec.name in self._held:
             return None
         kept = self._kept.pop(spec.name, None) is not None
-        if not kept and not self.leases.acquire_server(spec.name, self.owner, self.lease_s):
-            return None
+        if not kept:
+            asked_at = asyncio.get_running_loop().time()
+            if not self.leases.acquire_server(spec.name, self.owner, self.lease_s):
+                return None
+            self._lease_until[spec.name] = asked_at + self.lease_s
         slot = Slot(spec, self.clients[spec.name], self, tuple(models))
         self._held[spec.name] = slot
         self._probed.pop(spec.name, None)  # its queue is about to change
@@ -505,6 +540,10 @@ class Pool:
                 log.log(level, "server %s %s", p.name, state)
                 self._reported_at[p.name] = now
             self._reported[p.name] = state
+        if len(self.unreachable()) < len(self.servers):
+            self._none_reachable_since = None
+        elif self._none_reachable_since is None:
+            self._none_reachable_since = asyncio.get_running_loop().time()
 
     def unreachable(self) -> dict[str, str]:
         """Servers last seen unreachable, with the reason: for summaries and metadata."""
@@ -528,6 +567,13 @@ class Pool:
             pass
 
     def _release(self, slot: Slot) -> None:
+        if slot.lost is not None:
+            # The lease is not ours to give (taken, or the store can't be written): it
+            # expires by itself, and the server can be offered again.
+            if self._held.get(slot.name) is slot:
+                del self._held[slot.name]
+            self._changed.set()
+            return
         self._held.pop(slot.name, None)
         loop = asyncio.get_running_loop()
         if self._line.locked() and self._others_waiting():
@@ -549,19 +595,36 @@ class Pool:
         if model is not None:
             self.last_model[slot.name] = model
         if slot.name not in self._kept:
-            self.leases.release_server(slot.name, self.owner, last_model=model)
+            self._release_lease(slot.name, model)
         self._changed.set()
+
+    def _release_lease(self, name: str, model: str | None) -> None:
+        """Give the lease back in the store. If the store fails, the lease is left to
+        expire (nobody else uses the server meanwhile), and the log says so."""
+        self._lease_until.pop(name, None)
+        try:
+            self.leases.release_server(name, self.owner, last_model=model)
+        except Exception as e:  # the store, whatever its driver: the lease expires by itself
+            log.warning(
+                "server %s: server lease not released (%s: %s); it expires within %.0f s",
+                name,
+                type(e).__name__,
+                e,
+                self.lease_s,
+            )
 
     def _let_go(self, name: str, kept_at: float | None = None) -> None:
         """Release the lease of a kept server (only if kept since ``kept_at``, if given)."""
         if name not in self._kept or (kept_at is not None and self._kept[name] != kept_at):
             return
         del self._kept[name]
-        self.leases.release_server(name, self.owner, last_model=self.last_model.get(name))
+        self._release_lease(name, self.last_model.get(name))
         self._changed.set()
 
     def _abandon(self, slot: Slot) -> None:
-        self._held.pop(slot.name, None)
+        if self._held.get(slot.name) is slot:
+            del self._held[slot.name]
+        self._lease_until.pop(slot.name, None)
         log.warning(
             "server %s: our prompt may still be there; its lease will expire in %.0f s",
             slot.name,
@@ -569,9 +632,52 @@ class Pool:
         )
 
     async def _renew_forever(self) -> None:
+        """Renew every lease we hold or keep each third of ``lease_s``; while the store
+        fails, try again every thirtieth, and give a lease up as lost once only a third
+        of it is left (``_lose``)."""
+        failing = False
         while True:
-            await asyncio.sleep(self.lease_s / 3)
-            for name in [*self._held, *self._kept]:
-                if not self.leases.renew_server(name, self.owner, self.lease_s):
-                    log.error("server %s: lease lost while we held it", name)
-                    self._kept.pop(name, None)  # not ours to hand to our next prompt
+            await asyncio.sleep(self.lease_s / (30 if failing else 3))
+            failing = False
+            held = [n for n, slot in self._held.items() if slot.lost is None]
+            for name in [*held, *self._kept]:
+                failing = not self._renew(name) or failing
+
+    def _renew(self, name: str) -> bool:
+        """Renew one lease; False when the store failed and the lease is still ours."""
+        loop = asyncio.get_running_loop()
+        asked_at = loop.time()
+        try:
+            renewed = self.leases.renew_server(name, self.owner, self.lease_s)
+        except Exception as e:  # the store, whatever its driver: judged by the time left
+            left = self._lease_until.get(name, asked_at) - asked_at
+            why = f"{type(e).__name__}: {e}"
+            if left > self.lease_s / 3:
+                log.warning(
+                    "server %s: server lease not renewed (%s); %.0f s left, trying again",
+                    name,
+                    why,
+                    left,
+                )
+                return False
+            self._lose(name, f"server lease not renewed ({why}) and {left:.0f} s left")
+            return True
+        if renewed:
+            self._lease_until[name] = asked_at + self.lease_s
+        else:
+            self._lose(name, "server lease taken by another process")
+        return True
+
+    def _lose(self, name: str, why: str) -> None:
+        """Stop using server ``name``: the lease is no longer ours for sure."""
+        self._lease_until.pop(name, None)
+        kept = self._kept.pop(name, None) is not None
+        slot = self._held.get(name)
+        if slot is None or slot.lost is not None:
+            if kept:
+                log.error("server %s: %s; not posting there", name, why)
+            return
+        slot.lost = f"{name}: {why}"
+        log.error("server %s: %s; not posting there, our prompt there is removed", name, why)
+        for listener in list(self.lost_listeners):
+            listener(slot)

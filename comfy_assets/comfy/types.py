@@ -64,11 +64,13 @@ class SystemStats:
 class QueueEntry:
     """One item of /queue: ``[number, prompt_id, prompt, extra_data, outputs]``;
     ``client_id`` comes from ``extra_data`` and is None for an anonymous prompt
-    (interrupt_reconnect.json, broadcast_and_missed.json)."""
+    (interrupt_reconnect.json, broadcast_and_missed.json). ``outputs_to_execute``: the
+    output node ids the server will run (those validation kept), None if not given."""
 
     number: int
     prompt_id: str
     client_id: str | None
+    outputs_to_execute: tuple[str, ...] | None = None
 
     @classmethod
     def from_json(cls, item: list[Any]) -> QueueEntry:
@@ -78,7 +80,15 @@ class QueueEntry:
             number=int(item[0]),
             prompt_id=str(item[1]),
             client_id=None if client_id is None else str(client_id),
+            outputs_to_execute=_node_ids(item[4]) if len(item) > 4 else None,
         )
+
+
+def _node_ids(value: Any) -> tuple[str, ...] | None:
+    """A list of node ids (``outputs_to_execute``), or None for anything else."""
+    if not isinstance(value, list):
+        return None
+    return tuple(str(v) for v in value)
 
 
 @dataclass(frozen=True)
@@ -207,7 +217,8 @@ class HistoryEntry:
     same prompt_id apart (duplicate_prompt_id.json). ``outputs`` is the raw dict, node id →
     {key → list}; ``messages`` the ``status.messages`` pairs ``(type, data)`` (their
     ``timestamp`` in server milliseconds). ``client_id`` and ``create_time`` (server
-    milliseconds) come from ``prompt[3]``, the extra_data (success.json).
+    milliseconds) come from ``prompt[3]``, the extra_data (success.json);
+    ``outputs_to_execute`` from ``prompt[4]`` (the output nodes validation kept).
     """
 
     prompt_id: str
@@ -218,6 +229,7 @@ class HistoryEntry:
     messages: tuple[tuple[str, dict[str, Any]], ...]
     client_id: str | None = None
     create_time: int | None = None
+    outputs_to_execute: tuple[str, ...] | None = None
 
     @classmethod
     def from_json(cls, prompt_id: str, entry: Mapping[str, Any]) -> HistoryEntry:
@@ -238,6 +250,7 @@ class HistoryEntry:
             messages=messages,
             client_id=None if client_id is None else str(client_id),
             create_time=None if create_time is None else int(create_time),
+            outputs_to_execute=_node_ids(prompt[4]) if len(prompt) > 4 else None,
         )
 
     @property

@@ -426,6 +426,24 @@ class Store:
             event = self._insert_events(conn, [event])[0]
         log_event(event)
 
+    def note(
+        self,
+        job_id: str,
+        detail: str,
+        *,
+        server: str | None = None,
+        attempt: int | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Write an event that changes nothing (``from_state == to_state``): something a
+        worker did to a job it no longer holds, say. Raises UnknownJob."""
+        now = _now(now)
+        with self._write() as conn:
+            row = self._lock(conn, job_id)
+            event = _event(now, row, row.state, detail, server, attempt)
+            event = self._insert_events(conn, [event])[0]
+        log_event(event)
+
     def requeue(self, job_id: str, now: float | None = None) -> bool:
         """Send a dead-lettered job back to pending (reason cleared, attempts 0).
         False, and nothing changes, if it is not failed_fatal or not in the store."""
