@@ -1,0 +1,144 @@
+"""Orchestration cost per job: ``comfy-assets run`` beside the bare websockets_api_example
+pattern (bench/bare_client.py), each on a fake of its own, in one run.
+
+Run:
+    python bench/overhead.py                       # 200 and 1,200 jobs each
+    python bench/overhead.py --small 200 --large 1200
+    COMFYUI_URL=http://127.0.0.1:8188 python bench/overhead.py   # also a real server
+
+Each side runs as its own process, twice (``--small`` then ``--large`` jobs), on its own
+fake (a separate process, ``--prompt-seconds 0``: no GPU time). The CPU a process used
+comes from ``wait4`` (user + system), start-up included; the **marginal** CPU per job is
+(cpu(large) - cpu(small)) / (large - small), which leaves start-up out. Lines:
+``cpu_ms_per_job_ours``, ``cpu_ms_per_job_bare``, ``ratio`` (ours / bare), and each run's
+``cpu_s_*`` and ``wall_s_*``. Both sides download every output and write it to disk; ours
+also claims, records, checks and hashes (the product).
+
+With ``COMFYUI_URL``: ``--real-jobs`` (100) tiny prompts of distinct colours through each
+side on that server, one after the other: ``wall_ms_per_job_real_ours`` and
+``wall_ms_per_job_real_bare``, start-up included (what the GPU waits between prompts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import fake_processes, scratch_dir
+from comfy_assets.jobfile import load_job_file
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKFLOWS = {
+    "image": ROOT / "data" / "workflows" / "image.json",
+}
+TINY = {  # one 64-pixel image: the cheapest prompt a real server runs
+    "1": {
+        "class_type": "EmptyImage",
+        "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 0},
+    },
+    "2": {
+        "class_type": "SaveImage",
+        "inputs": {"images": ["1", 0], "filename_prefix": "overhead"},
+    },
+}
+
+
+def job_file(folder: Path, count: int, offset: int, workflow: dict | None = None) -> Path:
+    """``count`` jobs of image.json (or ``workflow``), colours from ``offset`` on, so no
+    two prompts of a run are alike (ComfyUI's cache would skip them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(workflow) if workflow else WORKFLOWS["image"].read_text()
+    (folder / "w.json").write_text(text)
+    path = folder / "jobs.jsonl"
+    stamp = f"{time.time_ns():x}"[-8:]
+    with path.open("w") as f:
+        for i in range(count):
+            n = offset + i
+            job_id = f"{n:08x}-{stamp[:4]}-4000-8000-{stamp}{n % 10000:04d}"
+            f.write(json.dumps({"id": job_id, "workflow": "w.json", "set": {"1.color": n}}))
+            f.write("\n")
+    return path
+
+
+def timed(argv: list[str]) -> tuple[float, float]:
+    """(cpu seconds, wall seconds) of running ``argv`` to its end; raises on failure."""
+    started = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.monotonic() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    err = proc.stderr.read().decode() if proc.stderr else ""
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:4])} ... exited {proc.returncode}: {err[-2000:]}")
+    return usage.ru_utime + usage.ru_stime, wall
+
+
+def ours(url: str, jobs: Path, work: Path) -> tuple[float, float]:
+    store = work / "store"
+    shutil.rmtree(store, ignore_errors=True)
+    cli = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+    return timed([*cli, "--server", f"gpu0={url}", "--store", str(store)])
+
+
+def bare(url: str, jobs: Path, work: Path) -> tuple[float, float]:
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = work / "prompts.json"
+    prompts.write_text(json.dumps([job.workflow for job in load_job_file(jobs).jobs]))
+    out = work / "bare-out"
+    shutil.rmtree(out, ignore_errors=True)
+    return timed(
+        [sys.executable, str(ROOT / "bench" / "bare_client.py"), url, str(prompts), str(out)]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--small", type=int, default=200, help="jobs of the first run (200)")
+    parser.add_argument("--large", type=int, default=1200, help="jobs of the second run (1200)")
+    parser.add_argument("--real-jobs", type=int, default=100, help="jobs on COMFYUI_URL (100)")
+    args = parser.parse_args()
+    if args.large <= args.small:
+        parser.error("--large must be more than --small")
+    work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
+    out = scratch_dir()
+    figures: dict[str, float] = {}
+    try:
+        with fake_processes(2, 0.0, out) as (ours_fake, bare_fake):
+            offset = 0
+            for size in (args.small, args.large):
+                for name, side, fake in (("ours", ours, ours_fake), ("bare", bare, bare_fake)):
+                    jobs = job_file(work / f"{name}-{size}", size, offset)
+                    cpu, wall = side(fake.url, jobs, work / name)
+                    figures[f"cpu_s_{name}_{size}"] = cpu
+                    figures[f"wall_s_{name}_{size}"] = wall
+                offset += size
+        extra = args.large - args.small
+        for name in ("ours", "bare"):
+            marginal = figures[f"cpu_s_{name}_{args.large}"] - figures[f"cpu_s_{name}_{args.small}"]
+            figures[f"cpu_ms_per_job_{name}"] = marginal / extra * 1000
+        figures["ratio"] = figures["cpu_ms_per_job_ours"] / figures["cpu_ms_per_job_bare"]
+        real = os.environ.get("COMFYUI_URL")
+        if real:
+            for name, side in (("ours", ours), ("bare", bare)):
+                seed = time.time_ns() % (1 << 23)
+                jobs = job_file(work / f"real-{name}", args.real_jobs, seed, TINY)
+                _, wall = side(real, jobs, work / f"real-{name}")
+                figures[f"wall_ms_per_job_real_{name}"] = wall / args.real_jobs * 1000
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    for key, value in figures.items():
+        print(f"{key}={value:.3f}")
+
+
+if __name__ == "__main__":
+    main()
