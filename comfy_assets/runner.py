@@ -331,6 +331,8 @@ class Attempt:
             try:
                 # An identical prompt is fully cached and replays the missing names
                 # (README fact 11); free_memory resets the cache before our prompt runs.
+                # It unloads the models too: main.py reads unload_models with free_memory
+                # as its default, so a fresh render may load its model again.
                 await client.free(unload_models=False, free_memory=True)
             except ComfyError as e:
                 slot.release()  # nothing posted
