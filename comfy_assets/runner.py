@@ -425,10 +425,8 @@ class Attempt:
         try:
             follower = await self.pool.follower(slot.name)
         except ComfyError as e:
-            slot.abandon()
-            return self.result(
-                "transient", describe_error(e, "GET /ws"), server=slot.name, number=number
-            )
+            reason = describe_error(e, "GET /ws") + "; " + await self._remove(slot, number)
+            return self.result("transient", reason, server=slot.name, number=number)
         self.on_server = (slot.client, slot.name)
         return await self._wait(follower, slot, number, posted=posted, verify=True)
 
@@ -481,14 +479,10 @@ class Attempt:
                 "transient", f"prompt lost: {e}", server=name, number=number, posted=posted
             )
         except ComfyError as e:
-            slot.abandon()
-            return self.result(
-                "transient",
-                describe_error(e, "following"),
-                server=name,
-                number=number,
-                posted=posted,
-            )
+            # Our prompt may still run there: removed, so that nothing of ours is left on
+            # the server that nobody follows (its lease is left to expire if it can't be).
+            reason = describe_error(e, "following") + "; " + await self._remove(slot, number)
+            return self.result("transient", reason, server=name, number=number, posted=posted)
         # Not in a `finally`: on cancellation `on_server` must stay set, so the cancel
         # cleanup knows to interrupt and remove our prompt on that server.
         self.on_server = None
@@ -596,6 +590,22 @@ class Attempt:
         won = entry.number == number and entry.status_str == "success" if entry else False
         return Eviction(was_there=was_there, confirmed=True, won=entry if won else None)
 
+    async def _remove(self, slot: Slot, number: int) -> str:
+        """``_evict`` our run ``number`` from ``slot``'s server; what came of it, for
+        people. A run that succeeded meanwhile is left for the next attempt's catch-up."""
+        gone = await self._evict(slot, number)
+        self.on_server = None
+        if not gone.confirmed:
+            return (
+                f"could not remove prompt {self.job.prompt_id} from {slot.name} "
+                f"({gone.problem}); its server lease expires in {self.pool.lease_s:g} s"
+            )
+        if gone.won is not None:
+            return f"it succeeded on {slot.name} meanwhile (the next attempt takes it)"
+        if gone.was_there:
+            return f"prompt interrupted and removed from {slot.name}"
+        return f"prompt no longer on {slot.name}"
+
     async def cancel_cleanup(self) -> str:
         """On cancellation: interrupt and remove our prompt, then free the slot. Returns
         what happened, for people ("prompt interrupted and removed from gpu0", "could not
@@ -604,16 +614,7 @@ class Attempt:
         Bounded by ``evict_timeout_s``; used by the batch's cancellation path."""
         if self.slot is None or self.slot.released:
             return "nothing on a server"
-        name = self.slot.name
         if self.on_server is None:
             self.slot.release()
             return "nothing on a server"
-        gone = await self._evict(self.slot, number=-1)
-        if not gone.confirmed:
-            return (
-                f"could not remove prompt {self.job.prompt_id} from {name} ({gone.problem}); "
-                f"its server lease expires in {self.pool.lease_s:g} s"
-            )
-        if gone.was_there:
-            return f"prompt interrupted and removed from {name}"
-        return f"prompt no longer on {name}"
+        return await self._remove(self.slot, number=-1)

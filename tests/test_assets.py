@@ -319,8 +319,9 @@ def test_with_no_server_reachable_the_render_step_fails_for_a_retry_and_jobs_sta
     assert not result.success
     (failure,) = result.get_step_failure_events()
     assert "no server reachable for" in str(failure.step_failure_data.error)
-    assert "gpu0 unreachable: ServerUnreachable: gpu0: GET /system_stats: connection refused" in str(
-        failure.step_failure_data.error
+    assert (
+        "gpu0 unreachable: ServerUnreachable: gpu0: GET /system_stats: connection refused"
+        in str(failure.step_failure_data.error)
     )
     store = Store(tmp_path / "store")
     assert [(j.state, j.claimed_by) for j in store.jobs("dark")] == [("pending", None)] * 2

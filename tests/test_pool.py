@@ -4,6 +4,7 @@ per server even across processes, leases expire, model affinity."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -11,15 +12,26 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
+import httpx
+
 from comfy_assets.batch import run_batch
-from comfy_assets.comfy.pool import Pool
+from comfy_assets.comfy.pool import Pool, new_client_id
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import ROOT, fake_servers, fast_config, wait_until, write_jobs
+from tests.support import (
+    ROOT,
+    fake_servers,
+    fast_config,
+    outcomes,
+    running,
+    wait_until,
+    write_jobs,
+)
 
 
 def ran_on(fake: FakeComfy, prompt_ids: set[str]) -> int:
@@ -274,3 +286,38 @@ async def test_a_server_our_prompt_leaves_goes_to_our_next_prompt_without_a_new_
     assert all(a["end"] <= b["start"] for a, b in zip(runs, runs[1:], strict=False))
     assert (store.acquired, store.released) == (1, 1)
     assert store.server_leases()["gpu0"].owner is None
+
+
+async def test_a_prompt_of_ours_that_nobody_follows_is_removed_after_a_grace(tmp_path, caplog):
+    # A dead run's prompt (ours by its client_id) hangs on the only server: the pool
+    # leaves it a grace for a catch-up to adopt it, then removes it and goes on.
+    fake = FakeComfy(script=["hang"], prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 2))
+    store = Store(tmp_path / "store")
+    orphan = str(uuid.uuid4())
+    async with fake_servers(fake) as servers:
+        async with httpx.AsyncClient(base_url=servers[0].url) as http:
+            body = {
+                "prompt": jf.jobs[0].workflow,
+                "prompt_id": orphan,
+                "client_id": new_client_id(),
+            }
+            assert (await http.post("/prompt", json=body)).status_code == 200
+        await wait_until(lambda: running(fake, orphan), 5.0, "the orphan to run")
+        with caplog.at_level(logging.WARNING, logger="comfy_assets.pool"):
+            summary = await asyncio.wait_for(
+                run_batch(
+                    jf,
+                    partition="p",
+                    servers=servers,
+                    store=store,
+                    config=fast_config(server_lease_s=0.5),
+                ),
+                20.0,
+            )
+    assert outcomes(fake, orphan) == ["interrupted"]
+    assert summary.done == 2
+    assert any(
+        f"server gpu0: removed prompts of ours that nobody followed: {orphan}" in r.message
+        for r in caplog.records
+    )

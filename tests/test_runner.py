@@ -13,6 +13,8 @@ import httpx
 import pytest
 
 from comfy_assets.batch import run_batch
+from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.errors import UnexpectedAnswer
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
@@ -490,3 +492,34 @@ async def test_a_catch_up_that_cannot_reach_the_previous_server_waits_before_pos
     details = [e.detail or "" for e in store.events(job.id)]
     assert any("catch-up on gpu0 not possible for 0.3 s" in d for d in details)
     assert any("may render twice" in d for d in details)
+
+
+async def test_a_prompt_that_cannot_be_followed_is_removed_not_left_running(tmp_path, monkeypatch):
+    # The server answers, but not /history of one prompt (an HTML page, say): that run
+    # is interrupted and removed, not left hanging on the GPU for nobody.
+    fake = FakeComfy(script=["ok", "hang"], prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 3))
+    hung = jf.jobs[1].prompt_id
+    history = ComfyClient.history
+    garbled: list[str] = []
+
+    async def garbled_once(self: ComfyClient, prompt_id: str):
+        if prompt_id == hung and not garbled:
+            garbled.append(prompt_id)
+            raise UnexpectedAnswer(f"{self.name}: GET /history/{prompt_id}: body is not JSON")
+        return await history(self, prompt_id)
+
+    monkeypatch.setattr(ComfyClient, "history", garbled_once)
+    store = Store(tmp_path / "store")
+    async with fake_servers(fake) as servers:
+        summary = await asyncio.wait_for(
+            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config()),
+            20.0,
+        )
+    assert summary.done == 3
+    assert [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == hung] == [
+        "interrupted",
+        "success",
+    ]
+    (failed,) = [e for e in store.events(jf.jobs[1].id) if e.to_state == "failed_retryable"]
+    assert failed.detail.endswith("; prompt interrupted and removed from gpu0")

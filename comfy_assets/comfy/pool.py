@@ -135,6 +135,12 @@ class Pool:
     ``unreachable_timeout_s``: once every server has failed its last probe for this long,
     ``acquire`` raises NoServerReachable (None: it waits for ever).
 
+    A prompt of ours that nobody follows any more (its holder died, or gave up on it
+    while the server answered nothing sensible) keeps its server from us. Once a probe has
+    found such an **orphan** on a free server for ``orphan_grace_s`` (a retry's catch-up
+    may still adopt it meanwhile), the pool takes the lease and removes it (interrupt,
+    delete, wait until it left /queue), and says so.
+
     ``servers``: configuration order matters (last tie-break). ``leases``: the store.
     ``owner``: this process's lease owner id. ``lease_s``: server lease time in seconds
     (renewed every third of it while held). ``probe_timeout_s``: per probe (3 s).
@@ -161,12 +167,16 @@ class Pool:
         probe_ttl_s: float = 0.1,
         poll_s: float = 1.0,
         unreachable_timeout_s: float | None = None,
+        orphan_grace_s: float | None = None,
     ) -> None:
         if not servers:
             raise ValueError("a pool needs at least one server")
         self.lost_listeners: list[Callable[[Slot], None]] = []
         self.unreachable_timeout_s = unreachable_timeout_s
         self._none_reachable_since: float | None = None  # loop time
+        self.orphan_grace_s = 2 * lease_s if orphan_grace_s is None else orphan_grace_s
+        self._orphans_since: dict[str, float] = {}  # loop time orphans were first seen
+        self._sweeps: dict[str, asyncio.Task[None]] = {}  # orphan removals under way
         self.servers = list(servers)
         self.leases = leases
         self.owner = owner
@@ -227,6 +237,10 @@ class Pool:
         if self._renewer:
             self._renewer.cancel()
             await asyncio.gather(self._renewer, return_exceptions=True)
+        if self._sweeps:  # a removal half done leaves a lease to expire, nothing worse
+            for sweep in self._sweeps.values():
+                sweep.cancel()
+            await asyncio.gather(*self._sweeps.values(), return_exceptions=True)
         for slot in list(self._held.values()):
             slot.release()
         for name in list(self._kept):
@@ -457,7 +471,9 @@ class Pool:
         for order, (spec, p) in enumerate(zip(free, probes, strict=True)):
             if not p.healthy:
                 continue
-            if any(pid != allow_prompt and pid not in self._finished for pid in p.ours):
+            orphans = [pid for pid in p.ours if pid != allow_prompt and pid not in self._finished]
+            self._watch_orphans(spec, orphans)
+            if orphans:
                 continue  # a prompt of ours is still there (a dead holder's): not free
             if self.max_queue is not None and p.foreign_queue >= self.max_queue:
                 continue
@@ -476,9 +492,14 @@ class Pool:
         return None, False
 
     def _take(
-        self, spec: ServerSpec, models: Sequence[str], lengths: dict[str, int]
+        self,
+        spec: ServerSpec,
+        models: Sequence[str],
+        lengths: dict[str, int],
+        purpose: str = "",
     ) -> Slot | None:
-        """Take the server lease of ``spec``; None if someone else has it."""
+        """Take the server lease of ``spec``; None if someone else has it. ``purpose``:
+        why, in the log line, when it is not a prompt (default: the scheduler's choice)."""
         # Another consumer of this process may have taken it while we probed; the store
         # can't tell (same owner), so check here, with no await in between.
         if spec.name in self._held:
@@ -492,6 +513,9 @@ class Pool:
         slot = Slot(spec, self.clients[spec.name], self, tuple(models))
         self._held[spec.name] = slot
         self._probed.pop(spec.name, None)  # its queue is about to change
+        if purpose:
+            log.info("scheduler: %s taken %s", spec.name, purpose)
+            return slot
         log.info(
             "scheduler: %s chosen, queue lengths %s",
             spec.name,
@@ -499,6 +523,56 @@ class Pool:
             or ("kept (our prompt just left it)" if kept else "not probed (just freed)"),
         )
         return slot
+
+    def _watch_orphans(self, spec: ServerSpec, orphans: list[str]) -> None:
+        """Note prompts of ours found on a free server; remove them once they have been
+        there for ``orphan_grace_s``."""
+        loop = asyncio.get_running_loop()
+        if not orphans:
+            self._orphans_since.pop(spec.name, None)
+            return
+        since = self._orphans_since.setdefault(spec.name, loop.time())
+        if loop.time() - since < self.orphan_grace_s or spec.name in self._sweeps:
+            return
+        sweep = asyncio.create_task(
+            self._remove_orphans(spec, orphans), name=f"orphans {spec.name}"
+        )
+        self._sweeps[spec.name] = sweep
+        sweep.add_done_callback(lambda _: self._sweeps.pop(spec.name, None))
+
+    async def _remove_orphans(self, spec: ServerSpec, orphans: list[str]) -> None:
+        """Take the server's lease, interrupt and delete ``orphans`` there, wait until they
+        left its /queue (README fact 7: a delete can lose the race), give the lease back."""
+        slot = self._take(spec, (), {}, purpose="to remove prompts of ours nobody follows")
+        if slot is None:
+            return  # someone took the server: they see the orphans too
+        slot.posted()  # no prompt of ours goes there meanwhile
+        client = self.clients[spec.name]
+        deadline = asyncio.get_running_loop().time() + self.orphan_grace_s
+        try:
+            await client.delete_from_queue(orphans)
+            for pid in orphans:
+                await client.interrupt(pid)
+            while (await client.queue()).find_any(orphans):
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(f"still there after {self.orphan_grace_s:g} s")
+                await asyncio.sleep(self.poll_s)
+        except (ComfyError, TimeoutError) as e:
+            log.warning(
+                "server %s: could not remove prompts of ours nobody follows (%s): %s",
+                spec.name,
+                e,
+                ", ".join(orphans),
+            )
+            slot.abandon()
+            return
+        self._orphans_since.pop(spec.name, None)
+        log.warning(
+            "server %s: removed prompts of ours that nobody followed: %s",
+            spec.name,
+            ", ".join(orphans),
+        )
+        slot.release()
 
     def _others_waiting(self) -> bool:
         """Whether another process waits for a server (asked at most every busy_poll_s)."""
@@ -625,6 +699,8 @@ class Pool:
         if self._held.get(slot.name) is slot:
             del self._held[slot.name]
         self._lease_until.pop(slot.name, None)
+        # Not "just freed": the next prompt may go there only once a probe shows ours gone.
+        self._freed_at.pop(slot.name, None)
         log.warning(
             "server %s: our prompt may still be there; its lease will expire in %.0f s",
             slot.name,

@@ -7,7 +7,7 @@ that is not the recorded shape; ``client.py`` turns those into ``UnexpectedAnswe
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -116,6 +116,11 @@ class QueueState:
             if entry.prompt_id == prompt_id and (number is None or entry.number == number):
                 return entry
         return None
+
+    def find_any(self, prompt_ids: Sequence[str]) -> QueueEntry | None:
+        """The first entry, running first, whose prompt_id is one of ``prompt_ids``."""
+        wanted = set(prompt_ids)
+        return next((e for e in (*self.running, *self.pending) if e.prompt_id in wanted), None)
 
     def contains(self, prompt_id: str, number: int | None = None) -> bool:
         """True when the prompt (optionally that run number) is running or pending."""
