@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from comfy_assets.backoff import RetryPolicy
+from comfy_assets.comfy.download import MAX_OUTPUT_BYTES
 from comfy_assets.comfy.pool import Pool, Slot
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import Job, JobFile
@@ -57,7 +58,8 @@ class BatchConfig:
     header; "delivery" stops submitting a storyboard's shots at its first fatal failure;
     "draft" turns permanent failures (and failed optional shots) into ``degraded``.
     ``catch_up_s``: how long a job's previous server is asked again before the job is
-    posted elsewhere (``runner.Attempt``)."""
+    posted elsewhere (``runner.Attempt``). ``max_output_bytes``: the most one output
+    file may have (bytes); a larger one is a permanent failure."""
 
     attempts: int = 4
     base_delay_s: float = 2.0
@@ -72,6 +74,7 @@ class BatchConfig:
     unhealthy_wait_s: float = 5.0
     catch_up_s: float = 60.0
     policy: str | None = None
+    max_output_bytes: int = MAX_OUTPUT_BYTES
 
     @property
     def retry(self) -> RetryPolicy:
@@ -488,6 +491,7 @@ class Batch:
             fresh=item.fresh,
             hooks=hooks,
             label=f"job {job.id}",
+            max_output_bytes=cfg.max_output_bytes,
         )
         self.attempts[job.id] = attempt
         try:

@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -43,11 +44,29 @@ def bounded(
     return parse
 
 
+_BYTE_SIZE = re.compile(r"\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*", re.IGNORECASE)
+_BYTE_UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def byte_size(text: str) -> int:
+    """An argparse ``type``: a size in bytes >= 1, as an integer or with a binary unit
+    (``4GiB``, ``512MiB``, ``64KiB``, ``100B``; case does not matter). Raises
+    ``argparse.ArgumentTypeError`` otherwise."""
+    match = _BYTE_SIZE.fullmatch(text)
+    size = int(match[1]) * _BYTE_UNITS[(match[2] or "b").lower()] if match else 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes >= 1 (an integer, or with B, KiB, MiB, GiB, TiB), "
+            f"got {text!r}"
+        )
+    return size
+
+
 def add_batch_options(p: argparse.ArgumentParser) -> None:
     """Retry, deadline and lease knobs shared by ``run`` and ``worker`` (seconds).
 
     Out-of-range values are argparse errors (exit 2) naming the option: attempts and
-    max queue >= 1, delays >= 0, timeouts, polls and leases > 0.
+    max queue >= 1, delays >= 0, timeouts, polls and leases > 0, sizes >= 1 byte.
     """
     at_least_one = bounded(int, 1)
     not_negative = bounded(float, 0)
@@ -61,6 +80,13 @@ def add_batch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-s", type=positive, default=3600.0, help="job claim lease")
     p.add_argument("--server-lease-s", type=positive, default=30.0, help="server lease")
     p.add_argument("--max-queue", type=at_least_one, default=None, help="skip servers this busy")
+    p.add_argument(
+        "--max-output-bytes",
+        type=byte_size,
+        default=BatchConfig.max_output_bytes,
+        metavar="SIZE",
+        help="most bytes one output file may have (4GiB); a larger one fails its job for good",
+    )
 
 
 def batch_config(args: argparse.Namespace) -> BatchConfig:
@@ -76,6 +102,7 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
         server_lease_s=args.server_lease_s,
         max_queue=args.max_queue,
         policy=getattr(args, "policy", None),
+        max_output_bytes=args.max_output_bytes,
     )
 
 

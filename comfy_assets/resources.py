@@ -74,6 +74,11 @@ class ComfyPoolResource(ConfigurableResource):
         description="Seconds to keep asking a job's previous server (where its prompt may "
         "still run) before posting it elsewhere, which may render it twice.",
     )
+    max_output_bytes: int = Field(
+        default=BatchConfig.max_output_bytes,
+        description="Bytes one output file may have at most; a larger one fails its job "
+        "for good (the same prompt writes the same file again).",
+    )
     policy: str | None = Field(
         default=None,
         description='"delivery" or "draft" overrides the job file header; None follows it.',

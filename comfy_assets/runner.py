@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from comfy_assets.comfy.client import ComfyClient
-from comfy_assets.comfy.download import download_outputs
+from comfy_assets.comfy.download import MAX_OUTPUT_BYTES, download_outputs
 from comfy_assets.comfy.errors import (
     ComfyError,
     DeadlineExceeded,
@@ -136,6 +136,7 @@ class Attempt:
     long to keep asking an unreachable ``prev_server`` before posting elsewhere (which
     may render the job twice). ``fresh``: the last run's outputs are gone from the
     server: skip the catch-up and free ComfyUI's cache before posting.
+    ``max_output_bytes``: the most one output file may have (bytes).
     """
 
     def __init__(
@@ -153,6 +154,7 @@ class Attempt:
         fresh: bool = False,
         hooks: AttemptHooks | None = None,
         label: str = "",
+        max_output_bytes: int | None = MAX_OUTPUT_BYTES,
     ) -> None:
         self.job = job
         self.pool = pool
@@ -164,6 +166,7 @@ class Attempt:
         self.evict_timeout_s = evict_timeout_s
         self.catch_up_s = catch_up_s
         self.fresh = fresh
+        self.max_output_bytes = max_output_bytes
         self.hooks = hooks or AttemptHooks()
         self.label = label or f"job {job.id[:8]}"
         self.on_server: tuple[ComfyClient, str] | None = None  # (client, server) while ours runs
@@ -461,7 +464,9 @@ class Attempt:
             queue_wait_s=wait,
         )
         try:
-            files = await download_outputs(client, entry, self.dest_dir)
+            files = await download_outputs(
+                client, entry, self.dest_dir, max_bytes=self.max_output_bytes
+            )
         except OutputMissing as e:
             return self.result(
                 "transient",

@@ -151,6 +151,43 @@ def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
     assert sorted(counts.values()) == [1, 1]
 
 
+def test_an_output_over_max_output_bytes_dead_letters_its_job_and_the_others_finish(
+    tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 64x64 solid PNGs are about 540 bytes; 1024x1024 ones about 5.7 KB.
+    big = {"set": {"1.color": 1001, "1.width": 1024, "1.height": 1024}}
+    jobs = write_jobs(tmp_path / "jobs", 3, extra=[{}, big, {}])
+    store = tmp_path / "store"
+    loaded = load_job_file(jobs).jobs
+
+    assert run(jobs, store, url, "--max-output-bytes", "2KiB") == 1
+
+    out = capsys.readouterr().out
+    table = {r["job_id"]: r for r in rows(store / "jobs" / "results.csv")}
+    assert [table[j.id]["state"] for j in loaded] == ["succeeded", "failed_fatal", "succeeded"]
+    reason = table[loaded[1].id]["reason"]
+    assert "OutputTooLarge" in reason and "over the limit of 2048 bytes" in reason
+    assert f"dead letter {loaded[1].id}: download: OutputTooLarge" in out
+    # No file of the big job, not even a part; the others have both of theirs.
+    assert not (store / "jobs" / loaded[1].id).exists() or not any(
+        (store / "jobs" / loaded[1].id).iterdir()
+    )
+    for job in (loaded[0], loaded[2]):
+        assert len(list((store / "jobs" / job.id).glob("*.png"))) == 2
+    # Permanent: rendered once, not posted again.
+    assert posts(fake) == {j.prompt_id: 1 for j in loaded}
+
+
+def test_max_output_bytes_takes_a_size_and_refuses_anything_else(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    with pytest.raises(SystemExit) as info:
+        run(jobs, tmp_path / "store", url, "--max-output-bytes", "4GB")
+    assert info.value.code == 2
+    assert "argument --max-output-bytes: expected a size in bytes" in capsys.readouterr().err
+
+
 def test_a_job_line_deleted_from_the_file_leaves_the_results_csv(
     tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

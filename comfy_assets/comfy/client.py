@@ -24,6 +24,7 @@ from comfy_assets.comfy.errors import (
     ComfyError,
     ConnectionLost,
     OutputMissing,
+    OutputTooLarge,
     PromptRejected,
     RequestTimeout,
     ServerError,
@@ -145,11 +146,19 @@ class ComfyClient:
         return b"".join(chunks)
 
     async def iter_view(
-        self, filename: str, subfolder: str, type: str, *, chunk_bytes: int = 1 << 16
+        self,
+        filename: str,
+        subfolder: str,
+        type: str,
+        *,
+        chunk_bytes: int = 1 << 16,
+        max_bytes: int | None = None,
     ) -> AsyncIterator[bytes]:
         """GET /view streamed in chunks of up to ``chunk_bytes`` bytes. Raises
-        OutputMissing on 404, UnexpectedAnswer on 400/403 (basics.json). Close it with
-        ``contextlib.aclosing`` when not read to the end."""
+        OutputMissing on 404, UnexpectedAnswer on 400/403 (basics.json), OutputTooLarge
+        when the file is over ``max_bytes`` bytes (by its Content-Length, before any
+        chunk, or once the chunks pass it). Close it with ``contextlib.aclosing`` when
+        not read to the end."""
         query = urlencode({"filename": filename, "subfolder": subfolder, "type": type})
         route = f"GET /view {subfolder + '/' if subfolder else ''}{filename}"
         async with self._mapped(route):
@@ -161,8 +170,23 @@ class ComfyClient:
                             f"{self.name}: {route}: 404 not found", server=self.base_url
                         )
                     self._check(route, response)
+                if max_bytes is not None:
+                    length = response.headers.get("content-length", "")
+                    if length.isdigit() and int(length) > max_bytes:
+                        raise self._too_large(route, f"{int(length)} bytes", max_bytes)
+                size = 0
                 async for chunk in response.aiter_bytes(chunk_bytes):
+                    size += len(chunk)
+                    if max_bytes is not None and size > max_bytes:
+                        raise self._too_large(route, f"more than {max_bytes} bytes", max_bytes)
                     yield chunk
+
+    def _too_large(self, route: str, size: str, limit: int) -> OutputTooLarge:
+        return OutputTooLarge(
+            f"{self.name}: {route}: {size}, over the limit of {limit} bytes (max_output_bytes)",
+            server=self.base_url,
+            limit=limit,
+        )
 
     def ws_url(self, client_id: str) -> str:
         """``ws://host:port/ws?clientId=...`` (wss for https)."""
