@@ -24,6 +24,9 @@ from aio_pika.abc import (
     DeliveryMode,
 )
 
+# The broker URL from the environment (`enqueue`, `worker`): a password there does not
+# show in `ps` as a --rabbitmq would.
+RABBITMQ_URL_ENV = "COMFY_ASSETS_RABBITMQ_URL"
 QUEUE_ARGUMENTS: dict[str, Any] = {"x-queue-type": "quorum"}
 REASON_HEADER = "x-worker-reason"
 # The reason rides in the content header frame, which must fit in one frame (128 KiB by

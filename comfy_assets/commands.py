@@ -17,7 +17,7 @@ from comfy_assets.batch import BatchConfig, run_batch_sync
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobfile import JobFile, JobFileError, is_job_id, load_job_file
 from comfy_assets.results import RESULTS_CSV, results_table, write_csv
-from comfy_assets.store import PartitionConflict, Store
+from comfy_assets.store import DB_URL_ENV, PartitionConflict, Store
 
 
 def bounded(
@@ -106,12 +106,25 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
     )
 
 
+def add_db_url_option(p: argparse.ArgumentParser) -> None:
+    """``--db-url URL``, by default ``$COMFY_ASSETS_DB_URL`` (read when the parser is
+    built), else None: SQLite at ``<store>/store.db``."""
+    p.add_argument(
+        "--db-url",
+        metavar="URL",
+        default=os.environ.get(DB_URL_ENV) or None,
+        help=f"the store's database, postgresql+psycopg://user:pass@host/db (default: "
+        f"${DB_URL_ENV}, which keeps the password out of ps; else SQLite at "
+        "<store>/store.db)",
+    )
+
+
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a job file over the servers, without Dagster")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
     p.add_argument("--server", action="append", required=True, help="gpu0=http://host:port")
     p.add_argument("--store", type=Path, required=True, help="result store folder")
-    p.add_argument("--db-url", default=None, help="PostgreSQL URL (default: SQLite)")
+    add_db_url_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None)
     p.add_argument(
@@ -258,11 +271,7 @@ def add_requeue_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--store", type=Path, required=True, help="the result store folder (holds store.db)"
     )
-    p.add_argument(
-        "--db-url",
-        default=None,
-        help="PostgreSQL URL of the store's database (default: SQLite at <store>/store.db)",
-    )
+    add_db_url_option(p)
     p.set_defaults(func=requeue_command)
 
 

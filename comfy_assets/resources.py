@@ -21,11 +21,10 @@ from pydantic import Field
 
 from comfy_assets.batch import BatchConfig
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
-from comfy_assets.store import Store
+from comfy_assets.store import DB_URL_ENV, Store
 
 SERVERS_ENV = "COMFY_ASSETS_SERVERS"
 STORE_ENV = "COMFY_ASSETS_STORE"
-DB_URL_ENV = "COMFY_ASSETS_DB_URL"
 DEFAULT_SERVERS = "gpu0=http://127.0.0.1:8188,gpu1=http://127.0.0.1:8189"
 DEFAULT_STORE = "store"
 

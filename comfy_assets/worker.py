@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections import Counter
@@ -34,7 +35,7 @@ from comfy_assets import broker
 from comfy_assets.batch import BatchConfig, make_pool, new_owner, run_one
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
-from comfy_assets.commands import add_batch_options, batch_config
+from comfy_assets.commands import add_batch_options, add_db_url_option, batch_config
 from comfy_assets.jobfile import JobFileError, load_job_file
 from comfy_assets.sources import (
     Delivery,
@@ -442,16 +443,39 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "enqueue", help="validate a job file and publish its jobs to a RabbitMQ queue"
     )
-    p.add_argument("--rabbitmq", required=True, metavar="URL", help="amqp://user:pass@host:5672/")
+    add_rabbitmq_option(p)
     p.add_argument("--queue", required=True, help="job queue (quorum); dead letters: QUEUE.dead")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
     p.set_defaults(func=enqueue_command)
 
 
+def add_rabbitmq_option(p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
+    """``--rabbitmq URL``, by default ``$COMFY_ASSETS_RABBITMQ_URL`` (read when the
+    parser is built), which keeps the password out of ``ps``."""
+    p.add_argument(
+        "--rabbitmq",
+        metavar="URL",
+        default=os.environ.get(broker.RABBITMQ_URL_ENV) or None,
+        help=f"amqp://user:pass@host:5672/ (default: ${broker.RABBITMQ_URL_ENV}, which "
+        "keeps the password out of ps)",
+    )
+
+
+def _needs_rabbitmq(args: argparse.Namespace) -> str | None:
+    """What is missing when no RabbitMQ URL was given, by option or environment."""
+    if args.rabbitmq:
+        return None
+    return f"no RabbitMQ URL: give --rabbitmq URL or set ${broker.RABBITMQ_URL_ENV}"
+
+
 def enqueue_command(args: argparse.Namespace) -> int:
     """Publish every job of ``args.jobs`` to ``args.queue`` with confirms; print
     ``enqueued N jobs to NAME``. Exit 0; 2 for an invalid file (every error printed,
-    nothing published); 1 when RabbitMQ fails."""
+    nothing published) or no RabbitMQ URL; 1 when RabbitMQ fails."""
+    missing = _needs_rabbitmq(args)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     try:
         jobs = job_lines(args.jobs)
     except JobFileError as e:
@@ -475,8 +499,8 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``worker``: a RabbitMQ queue (``--rabbitmq --queue``) or a job file
     (``--jobs``) over ``--server``s, with the retry knobs of ``run``."""
     p = subparsers.add_parser("worker", help="run jobs from a RabbitMQ queue (or a job file)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--rabbitmq", metavar="URL", help="amqp://user:pass@host:5672/")
+    src = p.add_mutually_exclusive_group()
+    add_rabbitmq_option(src)
     src.add_argument("--jobs", type=Path, help="a job file instead of a queue")
     p.add_argument("--queue", help="job queue (with --rabbitmq); dead letters: QUEUE.dead")
     p.add_argument(
@@ -487,7 +511,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
         help="gpu0=http://host:port (repeat)",
     )
     p.add_argument("--store", type=Path, required=True, help="result store folder")
-    p.add_argument("--db-url", default=None, help="PostgreSQL URL (default: SQLite in --store)")
+    add_db_url_option(p)
     p.add_argument(
         "--partition", default=None, help="store partition (default: the queue name or file stem)"
     )
@@ -541,6 +565,10 @@ def worker_command(args: argparse.Namespace) -> int:
             print(f"error: {args.jobs}:\n{e}", file=sys.stderr)
             return 2
     else:
+        missing = _needs_rabbitmq(args)
+        if missing:
+            print(f"error: {missing}, or --jobs FILE", file=sys.stderr)
+            return 2
         if not args.queue:
             print("error: --rabbitmq needs --queue", file=sys.stderr)
             return 2

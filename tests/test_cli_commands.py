@@ -449,3 +449,49 @@ def test_events_argument_errors_exit_2(
     with pytest.raises(SystemExit) as exited:
         main(["events", "--store", str(tmp_path), *query])
     assert exited.value.code == 2
+
+
+# --- URLs with passwords from the environment -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, variables",
+    [
+        ("run", ["COMFY_ASSETS_DB_URL"]),
+        ("requeue", ["COMFY_ASSETS_DB_URL"]),
+        ("events", ["COMFY_ASSETS_DB_URL"]),
+        ("film", ["COMFY_ASSETS_DB_URL"]),
+        ("enqueue", ["COMFY_ASSETS_RABBITMQ_URL"]),
+        ("worker", ["COMFY_ASSETS_DB_URL", "COMFY_ASSETS_RABBITMQ_URL"]),
+    ],
+)
+def test_help_says_which_variable_can_hold_a_url_with_its_password(
+    command: str, variables: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for variable in variables:
+        assert f"${variable}, which keeps the password out of ps" in text
+
+
+def test_the_database_url_comes_from_the_environment_when_no_db_url_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A SQLite URL elsewhere than <store>/store.db shows which one was used.
+    db = tmp_path / "elsewhere.db"
+    monkeypatch.setenv("COMFY_ASSETS_DB_URL", f"sqlite:///{db}")
+    store = tmp_path / "store"
+    assert main(["events", "--store", str(store), "--job", job_id(1)]) == 1
+    assert db.is_file() and not (store / "store.db").exists()
+    assert f"no events for job {job_id(1)}" in capsys.readouterr().err
+
+
+def test_a_worker_without_a_queue_url_or_a_job_file_is_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("COMFY_ASSETS_RABBITMQ_URL", raising=False)
+    args = ["worker", "--queue", "q", "--server", "gpu0=http://127.0.0.1:1"]
+    assert main([*args, "--store", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "no RabbitMQ URL: give --rabbitmq URL or set $COMFY_ASSETS_RABBITMQ_URL" in err
