@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
 from comfy_assets.batch import BatchConfig
@@ -101,3 +103,32 @@ def running(fake: FakeComfy, prompt_id: str) -> bool:
 
 def outcomes(fake: FakeComfy, prompt_id: str) -> list[str | None]:
     return [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == prompt_id]
+
+
+_WATCHERS: list[list[str]] = []
+_AUDIT_HOOK_ADDED = False
+
+
+def _on_audit(event: str, args: tuple) -> None:
+    # Every open() and os.open() of the process raises the "open" audit event (PEP 578)
+    # with the path before the file is touched.
+    if event == "open" and _WATCHERS and isinstance(args[0], str | bytes | os.PathLike):
+        path = os.path.realpath(os.fsdecode(args[0]))
+        for seen in _WATCHERS:
+            seen.append(path)
+
+
+@contextmanager
+def opened_files() -> Iterator[list[str]]:
+    """Yields a list that fills with the real path of every file this process opens
+    (any thread) until the block ends: proof that a file was, or was not, read."""
+    global _AUDIT_HOOK_ADDED
+    if not _AUDIT_HOOK_ADDED:
+        sys.addaudithook(_on_audit)  # cannot be removed: it does nothing when unwatched
+        _AUDIT_HOOK_ADDED = True
+    seen: list[str] = []
+    _WATCHERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _WATCHERS.remove(seen)
