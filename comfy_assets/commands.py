@@ -122,7 +122,14 @@ def add_db_url_option(p: argparse.ArgumentParser) -> None:
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a job file over the servers, without Dagster")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
-    p.add_argument("--server", action="append", required=True, help="gpu0=http://host:port")
+    p.add_argument(
+        "--server",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="gpu0=http://host:port (repeat); a user:password@ in the URL is sent as basic "
+        "auth, never printed",
+    )
     p.add_argument("--store", type=Path, required=True, help="result store folder")
     add_db_url_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")

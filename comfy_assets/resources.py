@@ -9,7 +9,10 @@ One deployment differs from another by environment only:
 
 When a variable is set, :func:`env_or_default` passes it as an ``EnvVar`` (the UI shows
 the variable's name, not its value); when unset, the default is a plain value, because an
-``EnvVar`` has no default and fails when its variable is missing.
+``EnvVar`` has no default and fails when its variable is missing. So a server URL with
+``user:password@`` (sent as basic auth, shown nowhere: ``comfy.servers``) or a database
+URL with a password belongs in the environment, not in Python or run config, which the
+UI shows as written.
 """
 
 import dataclasses

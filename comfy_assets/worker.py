@@ -530,7 +530,8 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         required=True,
         metavar="NAME=URL",
-        help="gpu0=http://host:port (repeat)",
+        help="gpu0=http://host:port (repeat); a user:password@ in the URL is sent as basic "
+        "auth, never printed",
     )
     p.add_argument("--store", type=Path, required=True, help="result store folder")
     add_db_url_option(p)
