@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from comfy_assets.backoff import RetryPolicy
+from comfy_assets.comfy.download import MAX_OUTPUT_BYTES
 from comfy_assets.comfy.errors import NoServerReachable
 from comfy_assets.comfy.pool import Pool, Slot
 from comfy_assets.comfy.servers import ServerSpec
@@ -60,7 +61,8 @@ class BatchConfig:
     ``catch_up_s``: how long a job's previous server is asked again before the job is
     posted elsewhere (``runner.Attempt``). ``unreachable_timeout_s``: with no server
     reachable for this long the batch stops, its unrun jobs left pending (None: wait for
-    ever, as the worker service does)."""
+    ever, as the worker service does). ``max_output_bytes``: the most one output file may
+    have (bytes); a larger one is a permanent failure."""
 
     attempts: int = 4
     base_delay_s: float = 2.0
@@ -76,6 +78,7 @@ class BatchConfig:
     catch_up_s: float = 60.0
     unreachable_timeout_s: float | None = 600.0
     policy: str | None = None
+    max_output_bytes: int = MAX_OUTPUT_BYTES
 
     @property
     def retry(self) -> RetryPolicy:
@@ -522,6 +525,7 @@ class Batch:
             fresh=item.fresh,
             hooks=hooks,
             label=f"job {job.id}",
+            max_output_bytes=cfg.max_output_bytes,
         )
         me = asyncio.current_task()
         assert me is not None

@@ -24,6 +24,9 @@ from aio_pika.abc import (
     DeliveryMode,
 )
 
+# The broker URL from the environment (`enqueue`, `worker`): a password there does not
+# show in `ps` as a --rabbitmq would.
+RABBITMQ_URL_ENV = "COMFY_ASSETS_RABBITMQ_URL"
 QUEUE_ARGUMENTS: dict[str, Any] = {"x-queue-type": "quorum"}
 REASON_HEADER = "x-worker-reason"
 # The reason rides in the content header frame, which must fit in one frame (128 KiB by
@@ -50,14 +53,17 @@ async def connect(
     Not robust on purpose: after a reconnect the broker has already requeued our
     unacknowledged messages, so a worker must stop rather than ack on a new channel.
     ``name`` shows in the management UI. Raises ``BrokerError`` when the broker cannot
-    be reached within ``timeout_s`` seconds or refuses the login.
+    be reached within ``timeout_s`` seconds, refuses the login, or the URL is not one
+    (the URL in its message shows no password).
     """
     try:
         return await aio_pika.connect(
             url, timeout=timeout_s, client_properties={"connection_name": name}
         )
+    except ValueError as e:  # yarl: "Port out of range 0-65535", "Invalid IPv6 URL"
+        raise BrokerError(f"not a RabbitMQ URL: {safe_url(url)}: {e}") from e
     except (OSError, TimeoutError, aio_pika.exceptions.AMQPError) as e:
-        raise BrokerError(f"cannot connect to RabbitMQ at {_safe_url(url)}: {e!r}") from e
+        raise BrokerError(f"cannot connect to RabbitMQ at {safe_url(url)}: {e!r}") from e
 
 
 async def open_channel(
@@ -173,8 +179,9 @@ async def enqueue(url: str, queue: str, jobs: Iterable[tuple[str, bytes]]) -> in
         return await publish_jobs(channel, queue, jobs)
 
 
-def _safe_url(url: str) -> str:
-    """``url`` without its password, for messages and logs."""
+def safe_url(url: str) -> str:
+    """``url`` with its password shown as ``***`` (``amqp://render:***@rabbit:5672/``),
+    for messages and logs."""
     scheme, sep, rest = url.partition("://")
     creds, at, host = rest.rpartition("@")
     if not at:

@@ -29,7 +29,8 @@ def add_health(sub: argparse._SubParsersAction) -> None:
         action="append",
         required=True,
         metavar="NAME=URL",
-        help="gpu0=http://127.0.0.1:8188 (repeat, or comma-separate)",
+        help="gpu0=http://127.0.0.1:8188 (repeat, or comma-separate); a user:password@ "
+        "in the URL is sent as basic auth, never printed",
     )
     p.add_argument("--timeout-s", type=float, default=3.0, help="per request (3 s)")
     p.set_defaults(func=health)

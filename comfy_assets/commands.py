@@ -6,6 +6,7 @@ import argparse
 import logging
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ from comfy_assets.batch import BatchConfig, run_batch_sync
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobfile import JobFile, JobFileError, is_job_id, load_job_file
 from comfy_assets.results import RESULTS_CSV, results_table, write_csv
-from comfy_assets.store import PartitionConflict, Store
+from comfy_assets.store import DB_URL_ENV, PartitionConflict, Store
 
 
 def bounded(
@@ -43,11 +44,29 @@ def bounded(
     return parse
 
 
+_BYTE_SIZE = re.compile(r"\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*", re.IGNORECASE)
+_BYTE_UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def byte_size(text: str) -> int:
+    """An argparse ``type``: a size in bytes >= 1, as an integer or with a binary unit
+    (``4GiB``, ``512MiB``, ``64KiB``, ``100B``; case does not matter). Raises
+    ``argparse.ArgumentTypeError`` otherwise."""
+    match = _BYTE_SIZE.fullmatch(text)
+    size = int(match[1]) * _BYTE_UNITS[(match[2] or "b").lower()] if match else 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes >= 1 (an integer, or with B, KiB, MiB, GiB, TiB), "
+            f"got {text!r}"
+        )
+    return size
+
+
 def add_batch_options(p: argparse.ArgumentParser) -> None:
     """Retry, deadline and lease knobs shared by ``run`` and ``worker`` (seconds).
 
     Out-of-range values are argparse errors (exit 2) naming the option: attempts and
-    max queue >= 1, delays >= 0, timeouts, polls and leases > 0.
+    max queue >= 1, delays >= 0, timeouts, polls and leases > 0, sizes >= 1 byte.
     """
     at_least_one = bounded(int, 1)
     not_negative = bounded(float, 0)
@@ -61,6 +80,13 @@ def add_batch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lease-s", type=positive, default=3600.0, help="job claim lease")
     p.add_argument("--server-lease-s", type=positive, default=30.0, help="server lease")
     p.add_argument("--max-queue", type=at_least_one, default=None, help="skip servers this busy")
+    p.add_argument(
+        "--max-output-bytes",
+        type=byte_size,
+        default=BatchConfig.max_output_bytes,
+        metavar="SIZE",
+        help="most bytes one output file may have (4GiB); a larger one fails its job for good",
+    )
 
 
 def batch_config(args: argparse.Namespace) -> BatchConfig:
@@ -78,15 +104,36 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
         max_queue=args.max_queue,
         unreachable_timeout_s=getattr(args, "unreachable_timeout_s", None),
         policy=getattr(args, "policy", None),
+        max_output_bytes=args.max_output_bytes,
+    )
+
+
+def add_db_url_option(p: argparse.ArgumentParser) -> None:
+    """``--db-url URL``, by default ``$COMFY_ASSETS_DB_URL`` (read when the parser is
+    built), else None: SQLite at ``<store>/store.db``."""
+    p.add_argument(
+        "--db-url",
+        metavar="URL",
+        default=os.environ.get(DB_URL_ENV) or None,
+        help=f"the store's database, postgresql+psycopg://user:pass@host/db (default: "
+        f"${DB_URL_ENV}, which keeps the password out of ps; else SQLite at "
+        "<store>/store.db)",
     )
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a job file over the servers, without Dagster")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
-    p.add_argument("--server", action="append", required=True, help="gpu0=http://host:port")
+    p.add_argument(
+        "--server",
+        action="append",
+        required=True,
+        metavar="NAME=URL",
+        help="gpu0=http://host:port (repeat); a user:password@ in the URL is sent as basic "
+        "auth, never printed",
+    )
     p.add_argument("--store", type=Path, required=True, help="result store folder")
-    p.add_argument("--db-url", default=None, help="PostgreSQL URL (default: SQLite)")
+    add_db_url_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None)
     p.add_argument(
@@ -239,11 +286,7 @@ def add_requeue_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--store", type=Path, required=True, help="the result store folder (holds store.db)"
     )
-    p.add_argument(
-        "--db-url",
-        default=None,
-        help="PostgreSQL URL of the store's database (default: SQLite at <store>/store.db)",
-    )
+    add_db_url_option(p)
     p.set_defaults(func=requeue_command)
 
 

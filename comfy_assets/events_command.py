@@ -13,6 +13,7 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
+from comfy_assets.commands import add_db_url_option
 from comfy_assets.events import Event, event_json
 from comfy_assets.jobfile import is_job_id
 from comfy_assets.store import Store
@@ -42,11 +43,7 @@ def add_events_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--store", type=Path, required=True, help="the result store folder (holds store.db)"
     )
-    p.add_argument(
-        "--db-url",
-        default=None,
-        help="PostgreSQL URL of the store's database (default: SQLite at <store>/store.db)",
-    )
+    add_db_url_option(p)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--job", metavar="JOB_ID", help="one job's events")
     which.add_argument("--partition", help="the events of a partition's jobs")

@@ -12,6 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from comfy_assets.commands import add_db_url_option
 from comfy_assets.film_shots import (
     bad_shot_lines,
     film_path,
@@ -33,7 +34,7 @@ def add_film_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("film", help="cut a rendered storyboard into a film, behind the gate")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL) rendered")
     p.add_argument("--store", type=Path, required=True, help="result store folder")
-    p.add_argument("--db-url", default=None, help="PostgreSQL URL (default: SQLite)")
+    add_db_url_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=POLICIES, default=None, help="overrides the job file header")
     p.add_argument(

@@ -262,6 +262,8 @@ class WorkflowCache:
             return f"workflow file not found: {path}"
         except (OSError, UnicodeDecodeError) as e:
             return f"cannot read workflow file {path}: {e}"
+        except ValueError as e:  # a NUL in the path: no file can have that name
+            return f"cannot read workflow file {str(path)!r}: {e}"
         try:
             obj = json.loads(raw, parse_float=_parse_float, parse_constant=_NonFinite)
         except json.JSONDecodeError as e:

@@ -9,7 +9,10 @@ One deployment differs from another by environment only:
 
 When a variable is set, :func:`env_or_default` passes it as an ``EnvVar`` (the UI shows
 the variable's name, not its value); when unset, the default is a plain value, because an
-``EnvVar`` has no default and fails when its variable is missing.
+``EnvVar`` has no default and fails when its variable is missing. So a server URL with
+``user:password@`` (sent as basic auth, shown nowhere: ``comfy.servers``) or a database
+URL with a password belongs in the environment, not in Python or run config, which the
+UI shows as written.
 """
 
 import dataclasses
@@ -21,11 +24,10 @@ from pydantic import Field
 
 from comfy_assets.batch import BatchConfig
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
-from comfy_assets.store import Store
+from comfy_assets.store import DB_URL_ENV, Store
 
 SERVERS_ENV = "COMFY_ASSETS_SERVERS"
 STORE_ENV = "COMFY_ASSETS_STORE"
-DB_URL_ENV = "COMFY_ASSETS_DB_URL"
 DEFAULT_SERVERS = "gpu0=http://127.0.0.1:8188,gpu1=http://127.0.0.1:8189"
 DEFAULT_STORE = "store"
 
@@ -83,6 +85,11 @@ class ComfyPoolResource(ConfigurableResource):
         default=2,
         description="How many times a render stopped by unreachable_timeout_s is tried "
         "again (a minute apart) before its step fails.",
+    )
+    max_output_bytes: int = Field(
+        default=BatchConfig.max_output_bytes,
+        description="Bytes one output file may have at most; a larger one fails its job "
+        "for good (the same prompt writes the same file again).",
     )
     policy: str | None = Field(
         default=None,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from comfy_assets.comfy.client import ComfyClient
-from comfy_assets.comfy.download import download_outputs
+from comfy_assets.comfy.download import MAX_OUTPUT_BYTES, download_outputs
 from comfy_assets.comfy.errors import (
     ComfyError,
     DeadlineExceeded,
@@ -145,6 +145,7 @@ class Attempt:
     long to keep asking an unreachable ``prev_server`` before posting elsewhere (which
     may render the job twice). ``fresh``: the last run's outputs are gone from the
     server: skip the catch-up and free ComfyUI's cache before posting.
+    ``max_output_bytes``: the most one output file may have (bytes).
     """
 
     def __init__(
@@ -163,6 +164,7 @@ class Attempt:
         fresh: bool = False,
         hooks: AttemptHooks | None = None,
         label: str = "",
+        max_output_bytes: int | None = MAX_OUTPUT_BYTES,
     ) -> None:
         self.job = job
         self.pool = pool
@@ -175,6 +177,7 @@ class Attempt:
         self.evict_timeout_s = evict_timeout_s
         self.catch_up_s = catch_up_s
         self.fresh = fresh
+        self.max_output_bytes = max_output_bytes
         self.hooks = hooks or AttemptHooks()
         self.label = label or f"job {job.id[:8]}"
         self.on_server: tuple[ComfyClient, str] | None = None  # (client, server) while ours runs
@@ -539,7 +542,9 @@ class Attempt:
             if dropped:
                 where = f" (run {entry.number} on {name})"
                 return self.result("permanent", dropped + where, **common)
-            files = await download_outputs(client, entry, self.dest_dir)
+            files = await download_outputs(
+                client, entry, self.dest_dir, max_bytes=self.max_output_bytes
+            )
         except OutputMissing as e:
             return self.result(
                 "transient",

@@ -14,7 +14,6 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 from aio_pika.abc import (
@@ -26,7 +25,7 @@ from aio_pika.abc import (
 )
 
 from comfy_assets import broker
-from comfy_assets.jobfile import Job, JobFile, JobFileError, LineError, job_from_dict
+from comfy_assets.jobfile import Job, JobFile, Policy
 
 log = logging.getLogger("comfy_assets.sources")
 
@@ -38,16 +37,18 @@ OnLost = Callable[[str], None]
 class Delivery(ABC):
     """One job handed to the worker.
 
-    ``body``: the message as sent (one job line of JSON; empty for a job file's job,
-    which comes already validated as ``job``). ``message_id``: the publisher's id (the
-    job id for ``comfy-assets enqueue``), None if unset. ``redelivered``: an earlier
-    delivery of this message was not acknowledged (a worker died or gave it back).
+    ``body``: the message as sent (one job of JSON, ``comfy_assets.messages``; empty for
+    a job file's job, which comes already validated as ``job``, with its file's header
+    ``policy``). ``message_id``: the publisher's id (the job id for ``comfy-assets
+    enqueue``), None if unset. ``redelivered``: an earlier delivery of this message was
+    not acknowledged (a worker died or gave it back).
     """
 
     body: bytes
     message_id: str | None
     redelivered: bool
     job: Job | None
+    policy: Policy | None = None
 
     @abstractmethod
     async def ack(self) -> None:
@@ -88,24 +89,6 @@ class JobSource(ABC):
     @abstractmethod
     async def close(self) -> None:
         """Release everything (connections). Deliveries not answered go back."""
-
-
-def parse_message(body: bytes, *, workflows_dir: Path, source: str) -> Job:
-    """Validate one message body: a job line as UTF-8 JSON.
-
-    A relative ``workflow`` path is resolved against ``workflows_dir``; an inline
-    workflow object is used as is. ``source`` names the message in errors. Raises
-    ``JobFileError`` listing every problem (the same checks as a job file's line).
-    """
-    try:
-        obj = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise JobFileError([LineError(source, 1, "body", f"not UTF-8: {e.reason}")]) from e
-    except json.JSONDecodeError as e:
-        raise JobFileError(
-            [LineError(source, 1, "json", f"not JSON: {e.msg} at column {e.colno}")]
-        ) from e
-    return job_from_dict(obj, base_dir=workflows_dir, source=source, line=1)
 
 
 # --- RabbitMQ ------------------------------------------------------------------------
@@ -365,6 +348,7 @@ class FileDelivery(Delivery):
     def __init__(self, source: FileSource, job: Job) -> None:
         self.source = source
         self.job = job
+        self.policy = source.job_file.policy
         self.body = b""
         self.message_id = job.id
         self.redelivered = False

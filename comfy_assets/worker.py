@@ -6,7 +6,8 @@ Per message, one outcome and one log line:
 - done (now, or before: nothing posted) -> ack;
 - dead-lettered by this run -> publish to ``<queue>.dead`` with ``x-worker-reason``, ack;
 - dead-lettered by an earlier delivery -> ack only (published then, not again);
-- not a valid job (bad JSON, bad id, ...) -> ``<queue>.dead`` with the validation error, ack;
+- not a valid job (bad JSON, bad id, a workflow path outside ``--workflows-dir``, a body
+  over ``--max-message-bytes``, ...) -> ``<queue>.dead`` with the validation error, ack;
 - still running when the shutdown grace ran out -> run cancelled (prompt interrupted and
   removed, claim and server lease released), nack with requeue.
 
@@ -22,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
+import os
 import signal
 import sys
 from collections import Counter
@@ -34,15 +37,10 @@ from comfy_assets import broker
 from comfy_assets.batch import BatchConfig, make_pool, new_owner, run_one
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
-from comfy_assets.commands import add_batch_options, batch_config
+from comfy_assets.commands import add_batch_options, add_db_url_option, batch_config, byte_size
 from comfy_assets.jobfile import JobFileError, load_job_file
-from comfy_assets.sources import (
-    Delivery,
-    FileSource,
-    JobSource,
-    RabbitSource,
-    parse_message,
-)
+from comfy_assets.messages import MAX_MESSAGE_BYTES, file_messages, oversized, parse_message
+from comfy_assets.sources import Delivery, FileSource, JobSource, RabbitSource
 from comfy_assets.states import DONE, FAILED_FATAL
 from comfy_assets.store import PartitionConflict, Store
 
@@ -81,8 +79,10 @@ class Worker:
     ``store``: the result store (shared by every worker using the same servers).
     ``config``: retries, deadlines, leases (seconds). ``grace_s``: seconds running jobs
     get after a stop request before they are cancelled and requeued. ``workflows_dir``:
-    where relative ``workflow`` paths of messages are resolved. ``health_file``: touched
-    every ``heartbeat_s`` seconds while the worker runs (liveness), removed at exit.
+    where relative ``workflow`` paths of messages are resolved (never outside it).
+    ``max_message_bytes``: a body larger than this is dead-lettered unparsed.
+    ``health_file``: touched every ``heartbeat_s`` seconds while the worker runs
+    (liveness), removed at exit.
 
     ``run()`` returns when the source has no more jobs and every job has finished, or
     after a stop request; ``counts`` then says what happened to each message (OUTCOMES).
@@ -97,6 +97,7 @@ class Worker:
         config: BatchConfig,
         grace_s: float = 60.0,
         workflows_dir: Path = Path("."),
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
         health_file: Path | None = None,
         heartbeat_s: float = 5.0,
         owner: str | None = None,
@@ -109,6 +110,7 @@ class Worker:
         self.config = config
         self.grace_s = grace_s
         self.workflows_dir = Path(workflows_dir)
+        self.max_message_bytes = max_message_bytes
         self.health_file = health_file
         self.heartbeat_s = heartbeat_s
         self.owner = owner or new_owner()
@@ -322,15 +324,22 @@ class Worker:
     async def _handle(self, d: Delivery, pool: Pool) -> None:
         """Run one delivery's job and answer the delivery (see the module docstring)."""
         label = f"message {d.message_id or '(no message_id)'}"
-        job = d.job
+        job, policy = d.job, d.policy
         if job is None:
             try:
-                job = parse_message(
-                    d.body, workflows_dir=self.workflows_dir, source=f"{self.partition} {label}"
+                queued = parse_message(
+                    d.body,
+                    workflows_dir=self.workflows_dir,
+                    source=f"{self.partition} {label}",
+                    max_bytes=self.max_message_bytes,
                 )
             except JobFileError as e:
                 await self._invalid(d, label, "; ".join(str(x) for x in e.errors))
                 return
+            job, policy = queued.job, queued.policy
+        config = self.config
+        if config.policy is None and policy is not None:
+            config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
         before = self.store.get(job.id)
         watch = _DeadLetterWatch(self.store)
         # A claim owner per run: two deliveries of one job in this worker must not both
@@ -345,7 +354,7 @@ class Worker:
                 partition=self.partition,
                 pool=pool,
                 store=cast(Store, watch),
-                config=self.config,
+                config=config,
                 owner=claim_owner,
             ),
             name=f"job {job.id}",
@@ -425,16 +434,19 @@ class Worker:
 # --- enqueue -------------------------------------------------------------------------
 
 
-def job_lines(path: Path) -> list[tuple[str, bytes]]:
-    """Validate the job file at ``path`` and return ``(job_id, line)`` per job, in file
-    order: the line exactly as written (stripped), to become a message body. Raises
-    ``JobFileError`` listing every problem; nothing is returned for a partly valid file.
+def job_messages(path: Path, max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, bytes]]:
+    """Validate the job file at ``path`` and return ``(job_id, body)`` per job, in file
+    order: self-contained messages (``comfy_assets.messages``: the workflow inline, so a
+    worker anywhere posts what was validated, under the same prompt_id as ``run``).
+    Raises ``JobFileError`` listing every problem, a message over ``max_bytes`` bytes
+    included; nothing is returned for a partly valid file.
     """
     job_file = load_job_file(path)
-    # Same decoding and line split as load_job_file, so Job.line numbers match.
-    text = Path(path).read_bytes().decode("utf-8-sig")
-    lines = text.split("\n")
-    return [(job.id, lines[job.line - 1].strip().encode()) for job in job_file.jobs]
+    messages = file_messages(job_file)
+    too_big = oversized(job_file, messages, max_bytes)
+    if too_big:
+        raise JobFileError(too_big)
+    return messages
 
 
 def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -442,18 +454,52 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "enqueue", help="validate a job file and publish its jobs to a RabbitMQ queue"
     )
-    p.add_argument("--rabbitmq", required=True, metavar="URL", help="amqp://user:pass@host:5672/")
+    add_rabbitmq_option(p)
     p.add_argument("--queue", required=True, help="job queue (quorum); dead letters: QUEUE.dead")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
+    add_max_message_option(p, "a job whose message is larger is an error; nothing is sent")
     p.set_defaults(func=enqueue_command)
+
+
+def add_rabbitmq_option(p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
+    """``--rabbitmq URL``, by default ``$COMFY_ASSETS_RABBITMQ_URL`` (read when the
+    parser is built), which keeps the password out of ``ps``."""
+    p.add_argument(
+        "--rabbitmq",
+        metavar="URL",
+        default=os.environ.get(broker.RABBITMQ_URL_ENV) or None,
+        help=f"amqp://user:pass@host:5672/ (default: ${broker.RABBITMQ_URL_ENV}, which "
+        "keeps the password out of ps)",
+    )
+
+
+def add_max_message_option(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--max-message-bytes",
+        type=byte_size,
+        default=MAX_MESSAGE_BYTES,
+        metavar="SIZE",
+        help=f"most bytes one message may have (4MiB); {what}",
+    )
+
+
+def _needs_rabbitmq(args: argparse.Namespace) -> str | None:
+    """What is missing when no RabbitMQ URL was given, by option or environment."""
+    if args.rabbitmq:
+        return None
+    return f"no RabbitMQ URL: give --rabbitmq URL or set ${broker.RABBITMQ_URL_ENV}"
 
 
 def enqueue_command(args: argparse.Namespace) -> int:
     """Publish every job of ``args.jobs`` to ``args.queue`` with confirms; print
     ``enqueued N jobs to NAME``. Exit 0; 2 for an invalid file (every error printed,
-    nothing published); 1 when RabbitMQ fails."""
+    nothing published) or no RabbitMQ URL; 1 when RabbitMQ fails."""
+    missing = _needs_rabbitmq(args)
+    if missing:
+        print(f"error: {missing}", file=sys.stderr)
+        return 2
     try:
-        jobs = job_lines(args.jobs)
+        jobs = job_messages(args.jobs, args.max_message_bytes)
     except JobFileError as e:
         print(f"error: {args.jobs}: {len(e.errors)} problem(s), nothing enqueued", file=sys.stderr)
         for err in e.errors:
@@ -475,8 +521,8 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``worker``: a RabbitMQ queue (``--rabbitmq --queue``) or a job file
     (``--jobs``) over ``--server``s, with the retry knobs of ``run``."""
     p = subparsers.add_parser("worker", help="run jobs from a RabbitMQ queue (or a job file)")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--rabbitmq", metavar="URL", help="amqp://user:pass@host:5672/")
+    src = p.add_mutually_exclusive_group()
+    add_rabbitmq_option(src)
     src.add_argument("--jobs", type=Path, help="a job file instead of a queue")
     p.add_argument("--queue", help="job queue (with --rabbitmq); dead letters: QUEUE.dead")
     p.add_argument(
@@ -484,10 +530,11 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
         action="append",
         required=True,
         metavar="NAME=URL",
-        help="gpu0=http://host:port (repeat)",
+        help="gpu0=http://host:port (repeat); a user:password@ in the URL is sent as basic "
+        "auth, never printed",
     )
     p.add_argument("--store", type=Path, required=True, help="result store folder")
-    p.add_argument("--db-url", default=None, help="PostgreSQL URL (default: SQLite in --store)")
+    add_db_url_option(p)
     p.add_argument(
         "--partition", default=None, help="store partition (default: the queue name or file stem)"
     )
@@ -498,8 +545,13 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
         help="running jobs' time to finish at shutdown (60 s)",
     )
     p.add_argument(
-        "--workflows-dir", type=Path, default=Path("."), help="base of relative workflow paths (.)"
+        "--workflows-dir",
+        type=Path,
+        default=Path("."),
+        help="where messages that name their workflow by path find it, never outside (.); "
+        "messages from enqueue carry theirs inline",
     )
+    add_max_message_option(p, "a larger message is dead-lettered unparsed")
     p.add_argument(
         "--health-file", type=Path, default=None, help="touched every --heartbeat-s while alive"
     )
@@ -541,6 +593,10 @@ def worker_command(args: argparse.Namespace) -> int:
             print(f"error: {args.jobs}:\n{e}", file=sys.stderr)
             return 2
     else:
+        missing = _needs_rabbitmq(args)
+        if missing:
+            print(f"error: {missing}, or --jobs FILE", file=sys.stderr)
+            return 2
         if not args.queue:
             print("error: --rabbitmq needs --queue", file=sys.stderr)
             return 2
@@ -554,6 +610,7 @@ def worker_command(args: argparse.Namespace) -> int:
         config=batch_config(args),
         grace_s=args.grace_s,
         workflows_dir=args.workflows_dir,
+        max_message_bytes=args.max_message_bytes,
         health_file=args.health_file,
         heartbeat_s=args.heartbeat_s,
     )

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import os
 import shutil
+import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
+import pytest
+from aiohttp import web
+
+import fake_comfy.fake
 from comfy_assets.batch import BatchConfig
 from comfy_assets.comfy.servers import ServerSpec
 from fake_comfy import FakeComfy
@@ -101,3 +108,75 @@ def running(fake: FakeComfy, prompt_id: str) -> bool:
 
 def outcomes(fake: FakeComfy, prompt_id: str) -> list[str | None]:
     return [r["outcome"] for r in fake.stats["runs"] if r["prompt_id"] == prompt_id]
+
+
+class BasicAuthGate:
+    """An authenticating proxy in front of fakes (ComfyUI itself has no authentication):
+    every request, /ws handshakes included, must carry ``Authorization: Basic``
+    with the given user and password, else it is answered 401. ``allowed`` and
+    ``refused`` count the requests."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.expected: dict[int, str] = {}  # id(fake) -> the header value it wants
+        self.allowed = 0
+        self.refused = 0
+        build_app = fake_comfy.fake.build_app
+
+        def gated(fake: FakeComfy) -> web.Application:
+            app = build_app(fake)
+            wanted = self.expected.get(id(fake))
+            if wanted is not None:
+                app.middlewares.append(self._middleware(wanted))
+            return app
+
+        monkeypatch.setattr(fake_comfy.fake, "build_app", gated)
+
+    def protect(self, fake: FakeComfy, user: str, password: str) -> FakeComfy:
+        """Require ``user``/``password`` on ``fake`` from its next ``serve()``."""
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        self.expected[id(fake)] = f"Basic {token}"
+        return fake
+
+    def _middleware(
+        self, wanted: str
+    ) -> Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]], Awaitable]:
+        @web.middleware
+        async def check(request: web.Request, handler):  # type: ignore[no-untyped-def]
+            if request.headers.get("Authorization") != wanted:
+                self.refused += 1
+                return web.Response(
+                    status=401, text="401 Unauthorized", headers={"WWW-Authenticate": "Basic"}
+                )
+            self.allowed += 1
+            return await handler(request)
+
+        return check
+
+
+_WATCHERS: list[list[str]] = []
+_AUDIT_HOOK_ADDED = False
+
+
+def _on_audit(event: str, args: tuple) -> None:
+    # Every open() and os.open() of the process raises the "open" audit event (PEP 578)
+    # with the path before the file is touched.
+    if event == "open" and _WATCHERS and isinstance(args[0], str | bytes | os.PathLike):
+        path = os.path.realpath(os.fsdecode(args[0]))
+        for seen in _WATCHERS:
+            seen.append(path)
+
+
+@contextmanager
+def opened_files() -> Iterator[list[str]]:
+    """Yields a list that fills with the real path of every file this process opens
+    (any thread) until the block ends: proof that a file was, or was not, read."""
+    global _AUDIT_HOOK_ADDED
+    if not _AUDIT_HOOK_ADDED:
+        sys.addaudithook(_on_audit)  # cannot be removed: it does nothing when unwatched
+        _AUDIT_HOOK_ADDED = True
+    seen: list[str] = []
+    _WATCHERS.append(seen)
+    try:
+        yield seen
+    finally:
+        _WATCHERS.remove(seen)

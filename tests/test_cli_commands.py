@@ -151,6 +151,43 @@ def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
     assert sorted(counts.values()) == [1, 1]
 
 
+def test_an_output_over_max_output_bytes_dead_letters_its_job_and_the_others_finish(
+    tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 64x64 solid PNGs are about 540 bytes; 1024x1024 ones about 5.7 KB.
+    big = {"set": {"1.color": 1001, "1.width": 1024, "1.height": 1024}}
+    jobs = write_jobs(tmp_path / "jobs", 3, extra=[{}, big, {}])
+    store = tmp_path / "store"
+    loaded = load_job_file(jobs).jobs
+
+    assert run(jobs, store, url, "--max-output-bytes", "2KiB") == 1
+
+    out = capsys.readouterr().out
+    table = {r["job_id"]: r for r in rows(store / "jobs" / "results.csv")}
+    assert [table[j.id]["state"] for j in loaded] == ["succeeded", "failed_fatal", "succeeded"]
+    reason = table[loaded[1].id]["reason"]
+    assert "OutputTooLarge" in reason and "over the limit of 2048 bytes" in reason
+    assert f"dead letter {loaded[1].id}: download: OutputTooLarge" in out
+    # No file of the big job, not even a part; the others have both of theirs.
+    assert not (store / "jobs" / loaded[1].id).exists() or not any(
+        (store / "jobs" / loaded[1].id).iterdir()
+    )
+    for job in (loaded[0], loaded[2]):
+        assert len(list((store / "jobs" / job.id).glob("*.png"))) == 2
+    # Permanent: rendered once, not posted again.
+    assert posts(fake) == {j.prompt_id: 1 for j in loaded}
+
+
+def test_max_output_bytes_takes_a_size_and_refuses_anything_else(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    with pytest.raises(SystemExit) as info:
+        run(jobs, tmp_path / "store", url, "--max-output-bytes", "4GB")
+    assert info.value.code == 2
+    assert "argument --max-output-bytes: expected a size in bytes" in capsys.readouterr().err
+
+
 def test_a_job_line_deleted_from_the_file_leaves_the_results_csv(
     tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -427,3 +464,49 @@ def test_run_with_no_server_reachable_gives_up_after_the_timeout_and_writes_the_
     assert "  2 not run" in out
     table = rows(store / "jobs" / "results.csv")
     assert [r["state"] for r in table] == ["pending", "pending"]
+
+
+# --- URLs with passwords from the environment -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "command, variables",
+    [
+        ("run", ["COMFY_ASSETS_DB_URL"]),
+        ("requeue", ["COMFY_ASSETS_DB_URL"]),
+        ("events", ["COMFY_ASSETS_DB_URL"]),
+        ("film", ["COMFY_ASSETS_DB_URL"]),
+        ("enqueue", ["COMFY_ASSETS_RABBITMQ_URL"]),
+        ("worker", ["COMFY_ASSETS_DB_URL", "COMFY_ASSETS_RABBITMQ_URL"]),
+    ],
+)
+def test_help_says_which_variable_can_hold_a_url_with_its_password(
+    command: str, variables: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for variable in variables:
+        assert f"${variable}, which keeps the password out of ps" in text
+
+
+def test_the_database_url_comes_from_the_environment_when_no_db_url_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A SQLite URL elsewhere than <store>/store.db shows which one was used.
+    db = tmp_path / "elsewhere.db"
+    monkeypatch.setenv("COMFY_ASSETS_DB_URL", f"sqlite:///{db}")
+    store = tmp_path / "store"
+    assert main(["events", "--store", str(store), "--job", job_id(1)]) == 1
+    assert db.is_file() and not (store / "store.db").exists()
+    assert f"no events for job {job_id(1)}" in capsys.readouterr().err
+
+
+def test_a_worker_without_a_queue_url_or_a_job_file_is_exit_2(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("COMFY_ASSETS_RABBITMQ_URL", raising=False)
+    args = ["worker", "--queue", "q", "--server", "gpu0=http://127.0.0.1:1"]
+    assert main([*args, "--store", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert "no RabbitMQ URL: give --rabbitmq URL or set $COMFY_ASSETS_RABBITMQ_URL" in err

@@ -10,7 +10,12 @@ import pytest
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.download import download_outputs, safe_output_path
-from comfy_assets.comfy.errors import ConnectionLost, OutputMissing, UnsafeOutputName
+from comfy_assets.comfy.errors import (
+    ConnectionLost,
+    OutputMissing,
+    OutputTooLarge,
+    UnsafeOutputName,
+)
 from comfy_assets.comfy.types import HistoryEntry
 from tests.test_client import Replay
 
@@ -49,6 +54,13 @@ def all_files(folder: Path) -> list[str]:
         ("\\windows", "x.png"),
         ("C:", "x.png"),
         ("ok", "C:x.png"),
+        ("", "two\nlines.png"),
+        ("", "cr\r.png"),
+        ("", "tab\t.png"),
+        ("", "del\x7f.png"),
+        ("", "c1\x85.png"),
+        ("video\ntakes", "x.png"),
+        ("video/ta\x1bkes", "x.png"),
     ],
 )
 def test_unsafe_names_are_refused(tmp_path, subfolder, filename):
@@ -159,4 +171,46 @@ async def test_a_missing_output_is_output_missing(tmp_path):
     async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
         with pytest.raises(OutputMissing, match="gone.png"):
             await download_outputs(client, entry, tmp_path)
+    assert all_files(tmp_path) == []
+
+
+async def test_a_file_over_the_limit_by_its_content_length_is_refused_before_a_byte_is_written(
+    tmp_path,
+):
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=b"x" * 101)  # Content-Length: 101
+
+    entry = entry_with({"filename": "big.png", "subfolder": "", "type": "output"})
+    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+        with pytest.raises(OutputTooLarge, match="big.png: 101 bytes, over the limit of 100"):
+            await download_outputs(client, entry, tmp_path, max_bytes=100)
+        files = await download_outputs(client, entry, tmp_path, max_bytes=101)
+    assert [(f.path, f.bytes) for f in files] == [("big.png", 101)]
+    assert all_files(tmp_path) == ["big.png"]
+
+
+class _Endless(httpx.AsyncByteStream):
+    """A body without Content-Length that never ends, as a broken server might send."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+
+    async def __aiter__(self):
+        while True:
+            self.sent += 1000
+            yield b"y" * 1000
+
+
+async def test_a_stream_past_the_limit_fails_and_leaves_no_partial_file(tmp_path):
+    stream = _Endless()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=stream)
+
+    entry = entry_with({"filename": "endless.mp4", "subfolder": "video", "type": "output"})
+    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+        with pytest.raises(OutputTooLarge, match="endless.mp4: more than 2500 bytes") as info:
+            await download_outputs(client, entry, tmp_path, max_bytes=2500)
+    assert not info.value.transient  # the same prompt writes the same file again
+    assert stream.sent <= 2500 + (1 << 16)  # stopped within one chunk past the limit
     assert all_files(tmp_path) == []

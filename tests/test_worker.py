@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from comfy_assets.jobfile import JobFileError, load_job_file
-from comfy_assets.sources import FileSource, MemoryDelivery, MemorySource, parse_message
+from comfy_assets.messages import parse_message
+from comfy_assets.sources import FileSource, MemoryDelivery, MemorySource
 from comfy_assets.store import Store
-from comfy_assets.worker import Worker, build_parser, job_lines
+from comfy_assets.worker import Worker, build_parser, job_messages
 from fake_comfy import FakeComfy
 from tests.support import (
     executed,
@@ -260,7 +261,7 @@ def test_parse_message_resolves_workflows_against_the_given_folder_or_takes_them
     by_value = parse_message(
         json.dumps({"id": job_id, "workflow": inline}).encode(), workflows_dir=Path("/"), source="q"
     )
-    assert by_path.prompt_id == by_value.prompt_id
+    assert by_path.job.prompt_id == by_value.job.prompt_id
     with pytest.raises(JobFileError, match="workflow file not found"):
         parse_message(
             json.dumps({"id": job_id, "workflow": "image.json"}).encode(),
@@ -269,7 +270,7 @@ def test_parse_message_resolves_workflows_against_the_given_folder_or_takes_them
         )
 
 
-def test_job_lines_are_the_file_lines_as_written_without_header_or_blanks(tmp_path):
+def test_job_messages_are_one_per_job_without_header_or_blanks_each_self_contained(tmp_path):
     jobs = write_jobs(tmp_path / "jobs", 2)
     lines = jobs.read_text().splitlines()
     jobs.write_text(
@@ -280,8 +281,16 @@ def test_job_lines_are_the_file_lines_as_written_without_header_or_blanks(tmp_pa
         + lines[1]
         + "\n"
     )
-    ids = [j.id for j in load_job_file(jobs).jobs]
-    assert job_lines(jobs) == [(ids[0], lines[0].encode()), (ids[1], lines[1].encode())]
+    loaded = load_job_file(jobs).jobs
+    messages = job_messages(jobs)
+    assert [job_id for job_id, _ in messages] == [j.id for j in loaded]
+    for (_, body), job in zip(messages, loaded, strict=True):
+        obj = json.loads(body)
+        assert obj["workflow"] == job.workflow and obj["set"] == job.set
+        assert obj["policy"] == "draft"
+        # Read with a folder that has no workflow at all: the message needs none.
+        queued = parse_message(body, workflows_dir=tmp_path / "empty", source="q")
+        assert queued.job.prompt_id == job.prompt_id and queued.policy == "draft"
 
 
 def test_enqueue_rejects_an_invalid_file_whole_listing_every_error(tmp_path, capsys):

@@ -5,6 +5,7 @@ and a graceful SIGTERM."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -21,7 +22,7 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import load_job_file
 from comfy_assets.sources import RabbitSource
 from comfy_assets.store import Store
-from comfy_assets.worker import Worker, job_lines
+from comfy_assets.worker import Worker, job_messages
 from fake_comfy import FakeComfy
 from tests.support import (
     ROOT,
@@ -131,9 +132,8 @@ async def start(args: list[str], log: Path) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(*args, cwd=ROOT, stdout=out, stderr=out)
 
 
-async def test_enqueue_publishes_each_job_line_persistent_to_a_quorum_queue(tmp_path, queue):
+async def test_enqueue_publishes_each_job_persistent_to_a_quorum_queue(tmp_path, queue):
     jobs = write_jobs(tmp_path / "jobs", 3)
-    lines = jobs.read_text().splitlines()
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -153,9 +153,9 @@ async def test_enqueue_publishes_each_job_line_persistent_to_a_quorum_queue(tmp_
     assert proc.returncode == 0, err.decode()
     assert out.decode() == f"enqueued 3 jobs to {queue}\n"
     messages = await drain(queue)
-    ids = [j.id for j in load_job_file(jobs).jobs]
-    assert [m.body.decode() for m in messages] == lines
-    assert [m.message_id for m in messages] == ids
+    loaded = load_job_file(jobs).jobs
+    assert [json.loads(m.body)["workflow"] for m in messages] == [j.workflow for j in loaded]
+    assert [m.message_id for m in messages] == [j.id for j in loaded]
     assert {m.content_type for m in messages} == {"application/json"}
     assert {m.delivery_mode for m in messages} == {aio_pika.DeliveryMode.PERSISTENT}
     # Declared quorum (and durable): declaring either as a classic queue is refused.
@@ -174,7 +174,7 @@ async def test_every_job_of_a_file_enqueued_twice_runs_once_and_every_message_is
     n = 6
     jobs = write_jobs(tmp_path / "jobs", n)
     for _ in range(2):
-        assert await broker.enqueue(URL, queue, job_lines(jobs)) == n
+        assert await broker.enqueue(URL, queue, job_messages(jobs)) == n
     fakes = [FakeComfy(prompt_seconds=0.005), FakeComfy(prompt_seconds=0.005)]
     store = Store(tmp_path / "store")
     async with fake_servers(*fakes) as specs:
@@ -194,7 +194,7 @@ async def test_every_job_of_a_file_enqueued_twice_runs_once_and_every_message_is
 async def test_prefetch_keeps_a_one_server_worker_from_holding_a_second_message(tmp_path, queue):
     jobs = write_jobs(tmp_path / "jobs", 2)
     first, second = load_job_file(jobs).jobs
-    await broker.enqueue(URL, queue, job_lines(jobs))
+    await broker.enqueue(URL, queue, job_messages(jobs))
     fake_a = FakeComfy(script=["hang"], prompt_seconds=0.005)
     fake_b = FakeComfy(prompt_seconds=0.005)
     store = Store(tmp_path / "store")
@@ -253,7 +253,7 @@ async def test_a_worker_killed_mid_job_is_finished_by_another_without_a_second_e
     # right after the fake's own record says success leaves the message unacked.
     jobs = write_jobs(tmp_path / "jobs", 1)
     job = load_job_file(jobs).jobs[0]
-    await broker.enqueue(URL, queue, job_lines(jobs))
+    await broker.enqueue(URL, queue, job_messages(jobs))
     fake = FakeComfy(script=["silent"], prompt_seconds=0.005)
     store_dir = tmp_path / "store"
     Store(store_dir)  # schema created before two processes share it
@@ -293,7 +293,7 @@ async def test_sigterm_interrupts_the_running_prompt_requeues_and_exits_0_then_i
 ):
     jobs = write_jobs(tmp_path / "jobs", 1)
     job = load_job_file(jobs).jobs[0]
-    await broker.enqueue(URL, queue, job_lines(jobs))
+    await broker.enqueue(URL, queue, job_messages(jobs))
     fake = FakeComfy(script=["hang"], prompt_seconds=0.005)
     store_dir = tmp_path / "store"
     Store(store_dir)
@@ -328,7 +328,7 @@ async def test_sigterm_interrupts_the_running_prompt_requeues_and_exits_0_then_i
 async def test_a_second_sigterm_is_logged_and_the_running_job_still_gets_its_grace(tmp_path, queue):
     jobs = write_jobs(tmp_path / "jobs", 1)
     job = load_job_file(jobs).jobs[0]
-    await broker.enqueue(URL, queue, job_lines(jobs))
+    await broker.enqueue(URL, queue, job_messages(jobs))
     fake = FakeComfy(script=["slow"], prompt_seconds=0.1)  # 10 x 0.1 s a node
     store_dir = tmp_path / "store"
     Store(store_dir)

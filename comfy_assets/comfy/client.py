@@ -5,11 +5,17 @@ refused / cannot connect → ServerUnreachable; reset, closed, protocol error �
 any timeout → RequestTimeout; 5xx → ServerError; POST /prompt 400 → PromptRejected;
 GET /view 404 → OutputMissing; any other unexpected status or body → UnexpectedAnswer.
 Shapes: data/recorded/*.json (ComfyUI v0.8.0).
+
+Credentials (a server behind an authenticating proxy) travel only as HTTP basic auth, on
+every request and on the ``/ws`` handshake; ``base_url``, ``name`` and every error
+carry the URL without them.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,12 +30,14 @@ from comfy_assets.comfy.errors import (
     ComfyError,
     ConnectionLost,
     OutputMissing,
+    OutputTooLarge,
     PromptRejected,
     RequestTimeout,
     ServerError,
     ServerUnreachable,
     UnexpectedAnswer,
 )
+from comfy_assets.comfy.servers import Credentials, split_credentials
 from comfy_assets.comfy.types import (
     HistoryEntry,
     PostResult,
@@ -42,14 +50,34 @@ T = TypeVar("T")
 
 _BODY_EXCERPT = 300  # characters of an unexpected body kept in error messages
 _WS_MAX_MESSAGE = 64 * 1024 * 1024  # bytes; binary previews can exceed websockets' 1 MiB
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization"})
+
+
+class _HideSecretHeaders(logging.Filter):
+    """websockets logs every handshake header at DEBUG ("> %s: %s"): the Authorization
+    value (base64 of user:password) is shown as ``***``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 2 and str(args[0]).lower() in _SECRET_HEADERS:
+            record.args = (args[0], "***")
+        return True
+
+
+# A child of websockets' own logger: its level and handlers apply, and the filter only
+# to our sockets.
+_WS_LOG = logging.getLogger("websockets.client.comfy_assets")
+_WS_LOG.addFilter(_HideSecretHeaders())
 
 
 class ComfyClient:
     """HTTP client of one ComfyUI server over one ``httpx.AsyncClient``.
 
-    ``base_url`` like ``http://127.0.0.1:8188``; ``name`` (default: the URL) prefixes
-    error messages; ``timeout_s`` bounds each request (seconds). Use as
-    ``async with ComfyClient(url) as client: ...``. ``transport`` is for tests.
+    ``base_url`` like ``http://127.0.0.1:8188``; ``credentials`` (or a
+    ``user:password@`` in ``base_url``, taken out of it) are sent as HTTP basic auth on
+    every request and on the ``/ws`` handshake. ``name`` (default: the URL without
+    credentials) prefixes error messages; ``timeout_s`` bounds each request (seconds).
+    Use as ``async with ComfyClient(url) as client: ...``. ``transport`` is for tests.
     Raises ``ValueError`` for a URL that is not http(s)://host[:port].
     """
 
@@ -57,18 +85,30 @@ class ComfyClient:
         self,
         base_url: str,
         *,
+        credentials: Credentials | None = None,
         name: str | None = None,
         timeout_s: float = 30.0,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        base_url, in_url = split_credentials(base_url)
+        credentials = credentials or in_url
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) server URL: {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self.name = name or self.base_url
         self.timeout_s = timeout_s
+        self._authenticated = credentials is not None
+        self._ws_headers: dict[str, str] = {}
+        auth: httpx.BasicAuth | None = None
+        if credentials is not None:
+            auth = httpx.BasicAuth(credentials.user, credentials.password)
+            # The header httpx's BasicAuth sends (user:password in UTF-8, base64).
+            token = f"{credentials.user}:{credentials.password}".encode()
+            self._ws_headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
+            auth=auth,
             timeout=httpx.Timeout(timeout_s),
             transport=transport,
             # Many followers of one server share this client (pool benchmark).
@@ -162,11 +202,19 @@ class ComfyClient:
         return b"".join(chunks)
 
     async def iter_view(
-        self, filename: str, subfolder: str, type: str, *, chunk_bytes: int = 1 << 16
+        self,
+        filename: str,
+        subfolder: str,
+        type: str,
+        *,
+        chunk_bytes: int = 1 << 16,
+        max_bytes: int | None = None,
     ) -> AsyncIterator[bytes]:
         """GET /view streamed in chunks of up to ``chunk_bytes`` bytes. Raises
-        OutputMissing on 404, UnexpectedAnswer on 400/403 (basics.json). Close it with
-        ``contextlib.aclosing`` when not read to the end."""
+        OutputMissing on 404, UnexpectedAnswer on 400/403 (basics.json), OutputTooLarge
+        when the file is over ``max_bytes`` bytes (by its Content-Length, before any
+        chunk, or once the chunks pass it). Close it with ``contextlib.aclosing`` when
+        not read to the end."""
         query = urlencode({"filename": filename, "subfolder": subfolder, "type": type})
         route = f"GET /view {subfolder + '/' if subfolder else ''}{filename}"
         async with self._mapped(route):
@@ -178,8 +226,23 @@ class ComfyClient:
                             f"{self.name}: {route}: 404 not found", server=self.base_url
                         )
                     self._check(route, response)
+                if max_bytes is not None:
+                    length = response.headers.get("content-length", "")
+                    if length.isdigit() and int(length) > max_bytes:
+                        raise self._too_large(route, f"{int(length)} bytes", max_bytes)
+                size = 0
                 async for chunk in response.aiter_bytes(chunk_bytes):
+                    size += len(chunk)
+                    if max_bytes is not None and size > max_bytes:
+                        raise self._too_large(route, f"more than {max_bytes} bytes", max_bytes)
                     yield chunk
+
+    def _too_large(self, route: str, size: str, limit: int) -> OutputTooLarge:
+        return OutputTooLarge(
+            f"{self.name}: {route}: {size}, over the limit of {limit} bytes (max_output_bytes)",
+            server=self.base_url,
+            limit=limit,
+        )
 
     def ws_url(self, client_id: str) -> str:
         """``ws://host:port/ws?clientId=...`` (wss for https)."""
@@ -194,6 +257,8 @@ class ComfyClient:
         try:
             return await websockets.connect(
                 self.ws_url(client_id),
+                additional_headers=self._ws_headers or None,
+                logger=_WS_LOG,
                 open_timeout=self.timeout_s,
                 max_size=_WS_MAX_MESSAGE,
                 compression=None,  # local JSON messages: deflate costs CPU, saves nothing
@@ -209,7 +274,7 @@ class ComfyClient:
                     status=status,
                     body=body,
                 ) from exc
-            raise self._unexpected(route, f"status {status}") from exc
+            raise self._unexpected(route, self._status_text(status, body)) from exc
         except (websockets.InvalidHandshake, websockets.ConnectionClosed) as exc:
             raise ConnectionLost(f"{self.name}: {route}: {exc}", server=self.base_url) from exc
         except TimeoutError as exc:
@@ -283,7 +348,19 @@ class ComfyClient:
                 status=status,
                 body=body,
             )
-        raise self._unexpected(route, f"status {status} {_excerpt(body)}".rstrip())
+        raise self._unexpected(route, self._status_text(status, body))
+
+    def _status_text(self, status: int, body: str) -> str:
+        """``status 404 <body>``; for a 401 what to do about it instead of the body (a
+        proxy's login page)."""
+        if status == 401:
+            if self._authenticated:
+                return "status 401 (the user and password of the server URL were refused)"
+            return (
+                "status 401 (the server or a proxy in front of it wants a user and password: "
+                "give them in the URL, http://user:password@host:port)"
+            )
+        return f"status {status} {_excerpt(body)}".rstrip()
 
     def _json(self, route: str, response: httpx.Response) -> Any:
         try:

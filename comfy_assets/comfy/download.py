@@ -1,15 +1,18 @@
 """Outputs listed in /history, written to our disk.
 
 Names come from the server, so they are untrusted (README fact 10): every subfolder part
-and file name is checked, and the final path must resolve inside the destination. Each
-file streams to a hidden temp name in its final folder and is renamed when complete, so a
-reader never sees half a file; sha256 and size are computed while streaming.
+and file name is checked (no ``..``, separators, drive letters or control characters),
+and the final path must resolve inside the destination. Each file streams to a hidden
+temp name in its final folder and is renamed when complete, so a reader never sees half
+a file; sha256 and size are computed while streaming, and a file over the size limit
+stops the download (its temp file removed).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import unicodedata
 import uuid
 from contextlib import aclosing
 from pathlib import Path, PurePosixPath
@@ -19,13 +22,21 @@ from comfy_assets.comfy.errors import UnsafeOutputName
 from comfy_assets.comfy.types import DownloadedFile, HistoryEntry, OutputFile
 
 _SEPARATORS = ("/", "\\")
+# Per output file: generous for video (a minute of 4K ProRes 4444 is about 1.3 GB), and
+# still a bound on what a broken or hostile server can write to our disk.
+MAX_OUTPUT_BYTES = 4 * 1024**3
 
 
 def _check_part(part: str, what: str, full: str) -> None:
     if part in ("", ".", ".."):
         raise UnsafeOutputName(f"unsafe output {what} {full!r}: empty, '.' or '..' part")
-    if "\x00" in part:
-        raise UnsafeOutputName(f"unsafe output {what} {full!r}: NUL character")
+    control = next((c for c in part if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        # C0 (NUL, newline...), DEL and C1: a newline would split a line of FFmpeg's
+        # concat list, and none of them belongs in a file name we write.
+        raise UnsafeOutputName(
+            f"unsafe output {what} {full!r}: control character U+{ord(control):04X}"
+        )
     if any(sep in part for sep in _SEPARATORS):
         raise UnsafeOutputName(f"unsafe output {what} {full!r}: path separator")
     if len(part) >= 2 and part[1] == ":":
@@ -37,8 +48,9 @@ def safe_output_path(dest_dir: Path, subfolder: str, filename: str) -> Path:
 
     ``subfolder`` may be nested (``video/takes``; ComfyUI on Windows may use ``\\``);
     ``filename`` must be a plain name. Raises UnsafeOutputName for ``..``, absolute paths,
-    separators or NUL in the file name, or anything resolving outside ``dest_dir``
-    (an existing symlink included).
+    separators in the file name, control characters (Unicode category Cc: C0 with NUL
+    and newline, DEL, C1) anywhere, or anything resolving outside ``dest_dir`` (an
+    existing symlink included).
     """
     _check_part(filename, "filename", filename)
     parts: list[str] = []
@@ -58,13 +70,19 @@ def safe_output_path(dest_dir: Path, subfolder: str, filename: str) -> Path:
 
 
 async def download_outputs(
-    client: ComfyClient, entry: HistoryEntry, dest_dir: Path
+    client: ComfyClient,
+    entry: HistoryEntry,
+    dest_dir: Path,
+    *,
+    max_bytes: int | None = MAX_OUTPUT_BYTES,
 ) -> list[DownloadedFile]:
     """Download every ``type: output`` file of a history entry under ``dest_dir``.
 
     Previews (``temp``) and anything else not ``output`` are skipped; a file listed twice
-    is written once. Names are validated before any request. Raises UnsafeOutputName,
-    the client's typed errors (OutputMissing for a 404), OSError for our disk.
+    is written once. Names are validated before any request. Each file may have up to
+    ``max_bytes`` bytes (None: no limit). Raises UnsafeOutputName, OutputTooLarge (the
+    file over the limit is not left on disk, not even in part), the client's typed
+    errors (OutputMissing for a 404), OSError for our disk.
     """
     wanted: dict[Path, OutputFile] = {}
     for out in entry.output_files:
@@ -73,12 +91,12 @@ async def download_outputs(
         wanted.setdefault(safe_output_path(dest_dir, out.subfolder, out.filename), out)
     results = []
     for path, out in wanted.items():
-        results.append(await _download_one(client, out, path, dest_dir))
+        results.append(await _download_one(client, out, path, dest_dir, max_bytes))
     return results
 
 
 async def _download_one(
-    client: ComfyClient, out: OutputFile, path: Path, dest_dir: Path
+    client: ComfyClient, out: OutputFile, path: Path, dest_dir: Path, max_bytes: int | None
 ) -> DownloadedFile:
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
@@ -86,7 +104,8 @@ async def _download_one(
     size = 0
     try:
         with temp.open("wb") as f:
-            async with aclosing(client.iter_view(out.filename, out.subfolder, out.type)) as chunks:
+            view = client.iter_view(out.filename, out.subfolder, out.type, max_bytes=max_bytes)
+            async with aclosing(view) as chunks:
                 async for chunk in chunks:
                     f.write(chunk)
                     digest.update(chunk)

@@ -89,9 +89,23 @@ class UnexpectedAnswer(ComfyError):
 
 class UnsafeOutputName(ComfyError):
     """A filename or subfolder from /history would escape the destination folder
-    (``..``, an absolute path, a separator inside a file name). Permanent."""
+    (``..``, an absolute path, a separator inside a file name) or holds a control
+    character (a newline breaks line-based lists such as FFmpeg's concat file).
+    Permanent."""
 
     transient = False
+
+
+class OutputTooLarge(ComfyError):
+    """An output of /view is larger than the caller's limit (``limit`` bytes), by its
+    Content-Length or by the bytes it sent. Permanent: the same prompt writes the same
+    file again."""
+
+    transient = False
+
+    def __init__(self, message: str, *, server: str = "", limit: int) -> None:
+        super().__init__(message, server=server)
+        self.limit = limit
 
 
 class OutputMissing(ComfyError):

@@ -43,7 +43,8 @@ class ServerHealth:
 
     def line(self) -> str:
         """``gpu0 healthy device=cpu free_vram_mib=23089 queue=0`` or
-        ``gpu1 unreachable: connection refused (http://127.0.0.1:9)``."""
+        ``gpu1 unreachable: connection refused (http://127.0.0.1:9)``; the URL never
+        shows a user or password (``ServerSpec``)."""
         name = self.spec.name
         if self.error is None:
             device = self.stats.devices[0].label if self.stats and self.stats.devices else "none"
@@ -71,7 +72,10 @@ def _describe(error: ComfyError, timeout_s: float) -> tuple[str, str]:
 async def probe(spec: ServerSpec, timeout_s: float = 3.0) -> ServerHealth:
     """Probe one server; never raises for what the server does (the error is in the
     result). ``timeout_s`` bounds each request (seconds)."""
-    async with ComfyClient(spec.url, name=spec.name, timeout_s=timeout_s) as client:
+    client = ComfyClient(
+        spec.url, credentials=spec.credentials, name=spec.name, timeout_s=timeout_s
+    )
+    async with client:
         results = await asyncio.gather(
             client.system_stats(), client.queue(), return_exceptions=True
         )

@@ -192,7 +192,9 @@ class Pool:
         # server, and a socket opened per prompt costs a handshake while the GPU waits.
         self._followers: dict[str, PromptFollower] = {}
         self._opening: dict[str, asyncio.Lock] = {}
-        self.clients = {s.name: ComfyClient(s.url, name=s.name) for s in self.servers}
+        self.clients = {
+            s.name: ComfyClient(s.url, credentials=s.credentials, name=s.name) for s in self.servers
+        }
         self._held: dict[str, Slot] = {}
         # Servers freed by our prompt while a consumer of ours waited in line: the lease
         # stays ours (loop time kept) and passes to that consumer without two writes to

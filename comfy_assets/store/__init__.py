@@ -25,9 +25,10 @@ from comfy_assets.store.records import (
     UnknownJob,
 )
 from comfy_assets.store.schema import metadata
-from comfy_assets.store.store import OUTCOMES, TRANSITION_FIELDS, Store
+from comfy_assets.store.store import DB_URL_ENV, OUTCOMES, TRANSITION_FIELDS, Store
 
 __all__ = [
+    "DB_URL_ENV",
     "OUTCOMES",
     "TRANSITION_FIELDS",
     "AttemptEntry",

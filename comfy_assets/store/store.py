@@ -73,6 +73,9 @@ TRANSITION_FIELDS = frozenset(
     }
 )
 _TERMINAL = DONE | {FAILED_FATAL}
+# The store's database URL from the environment, for every command and the Dagster
+# resource: a password there does not show in `ps` as a --db-url would.
+DB_URL_ENV = "COMFY_ASSETS_DB_URL"
 
 
 class Store:
