@@ -8,10 +8,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.client import ComfyClient, view_content_type
 from comfy_assets.comfy.download import download_outputs, safe_output_path
 from comfy_assets.comfy.errors import (
     ConnectionLost,
+    NotTheFile,
     OutputMissing,
     OutputTooLarge,
     UnsafeOutputName,
@@ -214,3 +215,31 @@ async def test_a_stream_past_the_limit_fails_and_leaves_no_partial_file(tmp_path
     assert not info.value.transient  # the same prompt writes the same file again
     assert stream.sent <= 2500 + (1 << 16)  # stopped within one chunk past the limit
     assert all_files(tmp_path) == []
+
+
+async def test_a_view_answer_that_is_not_the_file_is_refused_and_nothing_is_kept(tmp_path):
+    # A login page of a proxy in between answers 200 text/html: not the PNG /history lists.
+    def handle(request: httpx.Request) -> httpx.Response:
+        page = b"<html>please log in</html>"
+        return httpx.Response(200, content=page, headers={"content-type": "text/html"})
+
+    entry = entry_with({"filename": "solid_00001_.png", "subfolder": "", "type": "output"})
+    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+        with pytest.raises(NotTheFile) as info:
+            await download_outputs(client, entry, tmp_path)
+    assert "answered text/html, not the file (image/png expected)" in str(info.value)
+    assert info.value.transient
+    assert all_files(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("filename", "content_type"),
+    [
+        ("a.png", "image/png"),
+        ("clip.mp4", "video/mp4"),
+        ("page.html", "application/octet-stream"),  # ComfyUI never serves HTML as HTML
+        ("mesh.unknownext", "application/octet-stream"),
+    ],
+)
+def test_the_view_content_type_is_the_one_comfyui_sends(filename, content_type):
+    assert view_content_type(filename) == content_type

@@ -3,7 +3,8 @@
 Error mapping (what failed, so callers classify by type):
 refused / cannot connect → ServerUnreachable; reset, closed, protocol error → ConnectionLost;
 any timeout → RequestTimeout; 5xx → ServerError; POST /prompt 400 → PromptRejected;
-GET /view 404 → OutputMissing; any other unexpected status or body → UnexpectedAnswer.
+GET /view 404 → OutputMissing; a /view answer of another type than the file → NotTheFile;
+any other unexpected status or body → UnexpectedAnswer.
 Shapes: data/recorded/*.json (ComfyUI v0.8.0).
 
 Credentials (a server behind an authenticating proxy) travel only as HTTP basic auth, on
@@ -16,6 +17,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import mimetypes
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -29,6 +31,7 @@ from websockets.asyncio.client import ClientConnection
 from comfy_assets.comfy.errors import (
     ComfyError,
     ConnectionLost,
+    NotTheFile,
     OutputMissing,
     OutputTooLarge,
     PromptRejected,
@@ -226,6 +229,7 @@ class ComfyClient:
                             f"{self.name}: {route}: 404 not found", server=self.base_url
                         )
                     self._check(route, response)
+                self._check_view_type(route, filename, response)
                 if max_bytes is not None:
                     length = response.headers.get("content-length", "")
                     if length.isdigit() and int(length) > max_bytes:
@@ -236,6 +240,21 @@ class ComfyClient:
                     if max_bytes is not None and size > max_bytes:
                         raise self._too_large(route, f"more than {max_bytes} bytes", max_bytes)
                     yield chunk
+
+    def _check_view_type(self, route: str, filename: str, response: httpx.Response) -> None:
+        """Raise NotTheFile when the answer's media type is not the one ComfyUI sends for
+        ``filename`` (``view_content_type``). Accepted besides: no Content-Type at all (it
+        says nothing), and application/octet-stream on either side, since two machines'
+        MIME tables may disagree on a rare extension."""
+        got = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        expected = view_content_type(filename)
+        if not got or got == expected or "application/octet-stream" in (got, expected):
+            return
+        raise NotTheFile(
+            f"{self.name}: {route}: answered {got}, not the file "
+            f"({expected} expected): something between us and ComfyUI answered instead?",
+            server=self.base_url,
+        )
 
     def _too_large(self, route: str, size: str, limit: int) -> OutputTooLarge:
         return OutputTooLarge(
@@ -403,6 +422,19 @@ class ComfyClient:
 
     def _unexpected(self, route: str, what: str) -> UnexpectedAnswer:
         return UnexpectedAnswer(f"{self.name}: {route}: {what}", server=self.base_url)
+
+
+# Types ComfyUI's /view sends as application/octet-stream, so a browser won't show them.
+_FORCED_DOWNLOAD = frozenset(
+    {"text/html", "text/html-sandboxed", "application/xhtml+xml", "text/javascript", "text/css"}
+)
+
+
+def view_content_type(filename: str) -> str:
+    """The Content-Type ComfyUI v0.8.0 sends for a file of ``/view``: its MIME type by
+    name, or application/octet-stream (server.py ``view_image``)."""
+    guessed = mimetypes.guess_type(filename)[0] or "application/octet-stream"
+    return "application/octet-stream" if guessed in _FORCED_DOWNLOAD else guessed
 
 
 def _excerpt(text: str) -> str:

@@ -96,6 +96,12 @@ class UnsafeOutputName(ComfyError):
     transient = False
 
 
+class NotTheFile(ComfyError):
+    """GET /view answered 200 with a Content-Type ComfyUI never sends for that file name
+    (an HTML login page of a proxy in between, say). Transient: the next attempt asks
+    again; the bytes are not kept."""
+
+
 class OutputTooLarge(ComfyError):
     """An output of /view is larger than the caller's limit (``limit`` bytes), by its
     Content-Length or by the bytes it sent. Permanent: the same prompt writes the same
