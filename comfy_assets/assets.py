@@ -47,7 +47,7 @@ from comfy_assets.results import (
     write_csv,
 )
 from comfy_assets.sensors import JOB_FILE_SHA_TAG
-from comfy_assets.store import Store
+from comfy_assets.store import Store, StoreUnavailable
 
 DONE_STATES = frozenset({"succeeded", "degraded"})
 DEAD_LETTER_STATE = "failed_fatal"
@@ -161,6 +161,11 @@ def renders(
             on_line=context.log.info,
         )
         thumbnails = _thumbnails(store, partition, job_ids)
+    except StoreUnavailable as e:
+        # The batch stopped and removed its prompts; Dagster tries the step again later.
+        raise RetryRequested(
+            max_retries=comfy.no_server_retries, seconds_to_wait=NO_SERVER_RETRY_WAIT_S
+        ) from e
     finally:
         store.close()
 

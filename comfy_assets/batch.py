@@ -41,7 +41,7 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobfile import Job, JobFile
 from comfy_assets.runner import Attempt, AttemptHooks, AttemptResult, NotPosted
 from comfy_assets.states import InvalidTransition
-from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store
+from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store, StoreUnavailable
 
 log = logging.getLogger("comfy_assets.batch")
 
@@ -320,10 +320,8 @@ class Batch:
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
             await self._landed()  # a claim that lands now must be released below
-            for item in self.queue.cancel_all():
-                self._release_claim(item.job.id)
-            for job_id in [*self.claimed, *self.claiming, *self.finishing]:
-                self._release_claim(job_id)
+            left = [item.job.id for item in self.queue.cancel_all()]
+            self._release_claims([*left, *self.claimed, *self.claiming, *self.finishing])
             if self._store_threads is not None:
                 self._store_threads.shutdown(wait=False)  # nothing is under way any more
 
@@ -614,29 +612,40 @@ class Batch:
         try:
             what = await attempt.cancel_cleanup()
         finally:
-            await self._landed()  # a `submitted` still being written lands first
-            rec = await self._db(self.store.get, job.id)
-            if rec is not None and rec.state in ("submitted", "rendering"):
-                reason = f"run cancelled; {what}"
-                tried = AttemptEntry(
-                    before + number,
-                    outcome="transient",
-                    server=rec.server,
-                    prompt_id=job.prompt_id,
-                    number=rec.number,
-                    seconds=time.monotonic() - attempt.started,
-                    reason=reason,
-                )
-                await self._db(
-                    self.store.transition,
-                    job.id,
-                    "failed_retryable",
-                    detail=reason,
-                    attempt=number,
-                    tried=tried,
-                )
-            self._release_claim(job.id)
-            self.say(f"job {job.id}: run cancelled, {what}, claim released")
+            try:
+                await self._record_cancel(job, attempt, number, before, what)
+                what += ", claim released"
+            except StoreUnavailable as e:
+                what += f"; neither recorded nor its claim released ({e})"
+            self.say(f"job {job.id}: run cancelled, {what}")
+
+    async def _record_cancel(
+        self, job: Job, attempt: Attempt, number: int, before: int, what: str
+    ) -> None:
+        """Record the cancelled attempt (its job back to failed_retryable) and free the
+        claim. Raises StoreUnavailable."""
+        await self._landed()  # a `submitted` still being written lands first
+        rec = await self._db(self.store.get, job.id)
+        if rec is not None and rec.state in ("submitted", "rendering"):
+            reason = f"run cancelled; {what}"
+            tried = AttemptEntry(
+                before + number,
+                outcome="transient",
+                server=rec.server,
+                prompt_id=job.prompt_id,
+                number=rec.number,
+                seconds=time.monotonic() - attempt.started,
+                reason=reason,
+            )
+            await self._db(
+                self.store.transition,
+                job.id,
+                "failed_retryable",
+                detail=reason,
+                attempt=number,
+                tried=tried,
+            )
+        self._release_claim(job.id)
 
     async def _settle(self, item: _Item, number: int, r: AttemptResult) -> None:
         job, store, cfg = item.job, self.store, self.config
@@ -739,6 +748,21 @@ class Batch:
         self.claimed.discard(job_id)
         self.claim_until.pop(job_id, None)
         self.finishing.add(job_id)
+
+    def _release_claims(self, job_ids: Sequence[str]) -> None:
+        """Release our claims on ``job_ids`` at the end; with the store unreachable they
+        are left to expire (each after its lease), which the log says."""
+        for i, job_id in enumerate(job_ids):
+            try:
+                self._release_claim(job_id)
+            except StoreUnavailable as e:
+                log.warning(
+                    "%d claims not released (%s); they expire within %.0f s",
+                    len(job_ids) - i,
+                    e,
+                    self.config.lease_s,
+                )
+                return
 
     def _release_claim(self, job_id: str) -> None:
         self.claimed.discard(job_id)

@@ -17,7 +17,7 @@ from comfy_assets.batch import BatchConfig, run_batch_sync
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobfile import JobFile, JobFileError, is_job_id, load_job_file
 from comfy_assets.results import RESULTS_CSV, results_table, write_csv
-from comfy_assets.store import DB_URL_ENV, PartitionConflict, Store
+from comfy_assets.store import DB_URL_ENV, PartitionConflict, Store, StoreUnavailable
 
 
 def bounded(
@@ -219,15 +219,24 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         # The table of what is done so far: every run writes it, a stopped one too.
-        say(f"results: {write_results(store, partition, job_file)}")
+        results_line(store, partition, job_file)
         store.close()
         print(
             f"stopped by {stopped_by[0]}: each job's line above says whether its prompt "
-            "was removed; claims released; run again to finish (done jobs are not "
+            "was removed and its claim released; run again to finish (done jobs are not "
             "rendered again)",
             file=sys.stderr,
         )
         return 143 if stopped_by[0] == "SIGTERM" else 130
+    except StoreUnavailable as e:
+        results_line(store, partition, job_file)
+        store.close()
+        print(
+            f"error: {e}; the run stopped: each job's line above says what became of its "
+            "prompt; run again to finish (done jobs are not rendered again)",
+            file=sys.stderr,
+        )
+        return 1
     for name, why in summary.unreachable.items():
         say(f"server {name}: {why}")
     say(summary.line())
@@ -240,10 +249,18 @@ def run_command(args: argparse.Namespace) -> int:
         say(f"  {not_done} not run")
     try:
         # Dead letters too: the table is where their reasons are read afterwards.
-        say(f"results: {write_results(store, partition, job_file)}")
+        results_line(store, partition, job_file)
     finally:
         store.close()
     return 0 if summary.dead_lettered == 0 and not_done == 0 else 1
+
+
+def results_line(store: Store, partition: str, job_file: JobFile) -> None:
+    """Write results.csv and print its path, or say why it could not be written."""
+    try:
+        say(f"results: {write_results(store, partition, job_file)}")
+    except StoreUnavailable as e:
+        print(f"results.csv not written: {e}", file=sys.stderr)
 
 
 def write_results(store: Store, partition: str, job_file: JobFile) -> Path:

@@ -42,7 +42,7 @@ from comfy_assets.jobfile import JobFileError, load_job_file
 from comfy_assets.messages import MAX_MESSAGE_BYTES, file_messages, oversized, parse_message
 from comfy_assets.sources import Delivery, FileSource, JobSource, RabbitSource
 from comfy_assets.states import DONE, FAILED_FATAL
-from comfy_assets.store import PartitionConflict, Store
+from comfy_assets.store import PartitionConflict, Store, StoreUnavailable
 
 log = logging.getLogger("comfy_assets.worker")
 T = TypeVar("T")
@@ -303,7 +303,10 @@ class Worker:
         if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None:
+        if isinstance(exc, StoreUnavailable):  # its message was requeued
+            log.error("worker: %s; stopping", exc)
+            self._fail(exc)
+        elif exc is not None:
             log.error("worker: a message's handling failed: %r", exc, exc_info=exc)
             self._fail(exc)
 
@@ -373,6 +376,10 @@ class Worker:
         except PartitionConflict as e:
             await self._invalid(d, f"job {job.id}", str(e))
             return
+        except StoreUnavailable:
+            await d.requeue()  # nothing is lost: the next worker catches up
+            self.counts["requeued"] += 1
+            raise
         finally:
             self._runs.pop(me, None)
 
@@ -616,7 +623,7 @@ def worker_command(args: argparse.Namespace) -> int:
     )
     try:
         asyncio.run(_serve(worker))
-    except broker.BrokerError as e:
+    except (broker.BrokerError, StoreUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if worker.stop_reason is None and isinstance(source, FileSource):

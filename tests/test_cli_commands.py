@@ -4,7 +4,9 @@ exit codes, printed lines, the results CSV, and what the fake was asked to rende
 from __future__ import annotations
 
 import csv
+import fcntl
 import json
+import os
 import re
 import signal
 import subprocess
@@ -390,10 +392,16 @@ def test_events_piped_into_a_reader_that_stops_early_exits_quietly(
     store = tmp_path / "store"
     assert run(jobs, store, url) == 0
     cmd = [sys.executable, "-m", "comfy_assets.cli", "events", "--store", str(store)]
+    read_end, write_end = os.pipe()
+    # The smallest pipe (one page): the events (about 20 KB) can't all fit in it and in
+    # the writer's buffer, so the writer is still writing when the reader goes away.
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)
     proc = subprocess.Popen(
-        [*cmd, "--partition", "jobs"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT
+        [*cmd, "--partition", "jobs"], stdout=write_end, stderr=subprocess.PIPE, cwd=ROOT
     )
-    assert proc.stdout is not None and proc.stderr is not None
+    os.close(write_end)
+    proc.stdout = os.fdopen(read_end, "rb")
+    assert proc.stderr is not None
     first = proc.stdout.readline()
     proc.stdout.close()
     err = proc.stderr.read().decode()

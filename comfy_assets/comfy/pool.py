@@ -30,7 +30,7 @@ import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import ComfyError, NoServerReachable
@@ -38,6 +38,7 @@ from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.comfy.servers import ServerSpec
 
 log = logging.getLogger("comfy_assets.pool")
+T = TypeVar("T")
 
 # Every client_id we send starts with this, so a probe of /queue can tell our prompts
 # from those of people using the web UI (the /queue item's extra_data carries client_id).
@@ -132,6 +133,9 @@ class Pool:
     away. A lost slot is not offered again until it is released; its release writes
     nothing to the store.
 
+    A lease store that fails (a database failover) takes nothing meanwhile: consumers
+    look again; after ``store_timeout_s`` seconds of failures its error is raised.
+
     ``unreachable_timeout_s``: once every server has failed its last probe for this long,
     ``acquire`` raises NoServerReachable (None: it waits for ever).
 
@@ -168,10 +172,13 @@ class Pool:
         poll_s: float = 1.0,
         unreachable_timeout_s: float | None = None,
         orphan_grace_s: float | None = None,
+        store_timeout_s: float = 30.0,
     ) -> None:
         if not servers:
             raise ValueError("a pool needs at least one server")
         self.lost_listeners: list[Callable[[Slot], None]] = []
+        self.store_timeout_s = store_timeout_s
+        self._store_failing_since: float | None = None  # loop time
         self.unreachable_timeout_s = unreachable_timeout_s
         self._none_reachable_since: float | None = None  # loop time
         self.orphan_grace_s = 2 * lease_s if orphan_grace_s is None else orphan_grace_s
@@ -450,7 +457,7 @@ class Pool:
                 if slot is not None:
                     return slot, False
         now = time.time()
-        leases = self.leases.server_leases()
+        leases = self._ask_leases(self.leases.server_leases, {})
         free = []
         for spec in self.servers:
             if only is not None and spec.name != only:
@@ -509,7 +516,8 @@ class Pool:
         kept = self._kept.pop(spec.name, None) is not None
         if not kept:
             asked_at = asyncio.get_running_loop().time()
-            if not self.leases.acquire_server(spec.name, self.owner, self.lease_s):
+            acquire = self.leases.acquire_server
+            if not self._ask_leases(acquire, False, spec.name, self.owner, self.lease_s):
                 return None
             self._lease_until[spec.name] = asked_at + self.lease_s
         slot = Slot(spec, self.clients[spec.name], self, tuple(models))
@@ -576,12 +584,31 @@ class Pool:
         )
         slot.release()
 
+    def _ask_leases(self, call: Callable[..., T], failed: T, *args: object) -> T:
+        """``call(*args)`` on the lease store; while the store fails, ``failed`` (nothing
+        is taken on a store that can't record it) and the consumer looks again later.
+        Raises the store's error once it has failed for ``store_timeout_s`` on end."""
+        try:
+            answer = call(*args)
+        except Exception as e:  # the store, whatever its driver: see the timeout below
+            now = asyncio.get_running_loop().time()
+            if self._store_failing_since is None:
+                self._store_failing_since = now
+                log.warning(
+                    "server leases: the store failed (%s: %s); trying again", type(e).__name__, e
+                )
+            if now - self._store_failing_since >= self.store_timeout_s:
+                raise
+            return failed
+        self._store_failing_since = None
+        return answer
+
     def _others_waiting(self) -> bool:
         """Whether another process waits for a server (asked at most every busy_poll_s)."""
         now = asyncio.get_running_loop().time()
         if now - self._others_asked_at >= self.busy_poll_s:
             self._others_asked_at = now
-            self._others = self.leases.others_waiting(self.owner)
+            self._others = self._ask_leases(self.leases.others_waiting, False, self.owner)
         return self._others
 
     def _mark_waiting(self) -> None:
@@ -589,7 +616,7 @@ class Pool:
         now = asyncio.get_running_loop().time()
         if now - self._marked_at >= self.busy_poll_s:
             self._marked_at = now
-            self.leases.mark_waiting(self.owner, 4 * self.busy_poll_s)
+            self._ask_leases(self.leases.mark_waiting, None, self.owner, 4 * self.busy_poll_s)
 
     def _yielding(self, name: str) -> bool:
         return self._yielded.get(name, 0.0) > asyncio.get_running_loop().time()

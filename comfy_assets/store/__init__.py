@@ -6,6 +6,7 @@ SQLite (``<root>/store.db``, WAL) by default, PostgreSQL by URL, the same code f
 - ``records``: what the store returns and raises
 - ``statements``: prebuilt hot statements (compare-and-set updates, upserts)
 - ``register``: registering a job file's jobs in bulk
+- ``retry``: calls that lose their database connection, tried again
 - ``store``: the ``Store`` class
 """
 
@@ -24,6 +25,7 @@ from comfy_assets.store.records import (
     StoreConflict,
     UnknownJob,
 )
+from comfy_assets.store.retry import StoreUnavailable
 from comfy_assets.store.schema import metadata
 from comfy_assets.store.store import DB_URL_ENV, OUTCOMES, TRANSITION_FIELDS, Store
 
@@ -44,6 +46,7 @@ __all__ = [
     "ServerLease",
     "Store",
     "StoreConflict",
+    "StoreUnavailable",
     "UnknownJob",
     "metadata",
 ]

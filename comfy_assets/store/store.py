@@ -44,6 +44,13 @@ from comfy_assets.store.records import (
     UnknownJob,
 )
 from comfy_assets.store.register import register
+from comfy_assets.store.retry import (
+    RETRYING,
+    AlreadyApplied,
+    mark_commit_unknown,
+    mark_connecting,
+    retried,
+)
 from comfy_assets.store.schema import (
     READ_ONLY,
     attempts_table,
@@ -83,11 +90,13 @@ class Store:
     such as ``postgresql+psycopg://postgres@127.0.0.1/db``); creates missing tables.
 
     ``root`` also holds the outputs (``job_dir``). Make one Store per process (a new one
-    after fork); threads may share it.
+    after fork); threads may share it. A call whose database connection is lost is tried
+    again for ``retry_s`` seconds, then raises StoreUnavailable (``store.retry``).
     """
 
-    def __init__(self, root: Path, db_url: str | None = None) -> None:
+    def __init__(self, root: Path, db_url: str | None = None, *, retry_s: float = 30.0) -> None:
         self.root = Path(root)
+        self.retry_s = retry_s  # how long a call that loses its connection is tried again
         if db_url is None:
             self.root.mkdir(parents=True, exist_ok=True)
             db_url = f"sqlite:///{self.root / 'store.db'}"
@@ -112,6 +121,7 @@ class Store:
 
     # --- registration --------------------------------------------------------------
 
+    @retried
     def register_jobs(
         self, partition: str, jobs: Sequence[Job], *, now: float | None = None
     ) -> RegisterResult:
@@ -155,6 +165,7 @@ class Store:
         """
         return self.claim_job(job_id, owner, lease_s, now, dead_holder=dead_holder)[0]
 
+    @retried
     def claim_job(
         self,
         job_id: str,
@@ -200,6 +211,7 @@ class Store:
         )
         return ClaimStatus.CLAIMED, claimed
 
+    @retried
     def renew_claim(
         self, job_id: str, owner: str, lease_s: float = 3600.0, now: float | None = None
     ) -> bool:
@@ -210,6 +222,7 @@ class Store:
         with self._write() as conn:
             return conn.execute(q.RENEW_CLAIM, params).rowcount == 1
 
+    @retried
     def release_claim(self, job_id: str, owner: str) -> bool:
         """Drop ``owner``'s claim. False, and nothing changes, if ``owner`` lacks it."""
         with self._write() as conn:
@@ -217,6 +230,7 @@ class Store:
 
     # --- transitions ---------------------------------------------------------------
 
+    @retried
     def transition(
         self,
         job_id: str,
@@ -285,6 +299,7 @@ class Store:
             event = self._insert_events(conn, [event])[0]
         log_event(event)
 
+    @retried
     def record_attempt(
         self,
         job_id: str,
@@ -328,6 +343,7 @@ class Store:
         with self._write() as conn:
             self._write_attempt(conn, row, now)
 
+    @retried
     def mark_done(
         self,
         job_id: str,
@@ -396,6 +412,7 @@ class Store:
             event = self._insert_events(conn, [event])[0]
         log_event(event)
 
+    @retried
     def dead_letter(
         self,
         job_id: str,
@@ -429,6 +446,7 @@ class Store:
             event = self._insert_events(conn, [event])[0]
         log_event(event)
 
+    @retried
     def note(
         self,
         job_id: str,
@@ -447,6 +465,7 @@ class Store:
             event = self._insert_events(conn, [event])[0]
         log_event(event)
 
+    @retried
     def requeue(self, job_id: str, now: float | None = None) -> bool:
         """Send a dead-lettered job back to pending (reason cleared, attempts 0).
         False, and nothing changes, if it is not failed_fatal or not in the store."""
@@ -470,12 +489,14 @@ class Store:
 
     # --- reading -------------------------------------------------------------------
 
+    @retried
     def get(self, job_id: str) -> JobRecord | None:
         """The job's row, or None if unknown."""
         with self._read() as conn:
             row = conn.execute(q.SELECT_JOB, {"b_id": job_id}).first()
         return None if row is None else _job_record(row)
 
+    @retried
     def jobs(self, partition: str) -> list[JobRecord]:
         """Jobs of ``partition`` by shot (jobs without one last), then line."""
         stmt = (
@@ -486,6 +507,7 @@ class Store:
         with self._read() as conn:
             return [_job_record(r) for r in conn.execute(stmt)]
 
+    @retried
     def files(self, job_id: str) -> list[FileRecord]:
         """Files of the job's done record, by path."""
         t = files_table.c
@@ -493,6 +515,7 @@ class Store:
         with self._read() as conn:
             return [FileRecord(**r._mapping) for r in conn.execute(stmt)]
 
+    @retried
     def attempts(self, job_id: str) -> list[AttemptRecord]:
         """Tries of the job, by attempt number."""
         t = attempts_table.c
@@ -500,6 +523,7 @@ class Store:
         with self._read() as conn:
             return [AttemptRecord(**r._mapping) for r in conn.execute(stmt)]
 
+    @retried
     def events(
         self,
         job_id: str | None = None,
@@ -520,6 +544,7 @@ class Store:
         with self._read() as conn:
             return [Event(**r._mapping) for r in conn.execute(stmt)]
 
+    @retried
     def dead_letters(self, partition: str | None = None) -> list[JobRecord]:
         """failed_fatal jobs, of one partition or all, by partition, shot, line."""
         stmt = (
@@ -532,6 +557,7 @@ class Store:
         with self._read() as conn:
             return [_job_record(r) for r in conn.execute(stmt)]
 
+    @retried
     def counts(self, partition: str) -> dict[str, int]:
         """Jobs of ``partition`` per state; every state is present (0 if none)."""
         stmt = sa.select(J.state, sa.func.count()).where(J.partition == partition).group_by(J.state)
@@ -540,6 +566,7 @@ class Store:
             counts.update({state: n for state, n in conn.execute(stmt)})
         return counts
 
+    @retried
     def partitions(self) -> list[str]:
         """Partitions that have jobs, sorted."""
         stmt = sa.select(J.partition).distinct().order_by(J.partition)
@@ -548,6 +575,7 @@ class Store:
 
     # --- server leases -------------------------------------------------------------
 
+    @retried
     def acquire_server(
         self,
         server: str,
@@ -570,6 +598,7 @@ class Store:
         with self._write() as conn:
             return conn.execute(q.acquire_server(self.dialect), params).rowcount == 1
 
+    @retried
     def renew_server(
         self, server: str, owner: str, lease_s: float, now: float | None = None
     ) -> bool:
@@ -579,6 +608,7 @@ class Store:
         with self._write() as conn:
             return conn.execute(q.RENEW_SERVER, params).rowcount == 1
 
+    @retried
     def release_server(
         self, server: str, owner: str, last_model: str | None = None, now: float | None = None
     ) -> bool:
@@ -588,12 +618,14 @@ class Store:
         with self._write() as conn:
             return conn.execute(q.RELEASE_SERVER, params).rowcount == 1
 
+    @retried
     def server_leases(self) -> dict[str, ServerLease]:
         """Every server ever leased, by name (a released one has ``owner`` None)."""
         with self._read() as conn:
             rows = conn.execute(sa.select(server_leases_table).order_by(q.L.server))
             return {r.server: ServerLease(**r._mapping) for r in rows}
 
+    @retried
     def mark_waiting(self, owner: str, wait_s: float, now: float | None = None) -> None:
         """Say that ``owner`` waits for a server, for the next ``wait_s`` seconds."""
         now = _now(now)
@@ -606,6 +638,7 @@ class Store:
         with self._write() as conn:
             conn.execute(upsert)
 
+    @retried
     def others_waiting(self, owner: str, now: float | None = None) -> bool:
         """True when another owner waits for a server now (see ``mark_waiting``)."""
         t = pool_waiters_table.c
@@ -617,15 +650,30 @@ class Store:
 
     @contextmanager
     def _write(self) -> Iterator[sa.Connection]:
-        with self.engine.begin() as conn:
-            yield conn
+        with self._connect() as conn:
+            body_done = False
+            try:
+                with conn.begin():
+                    yield conn
+                    body_done = True
+            except sa.exc.DBAPIError as error:
+                if body_done:  # the commit itself failed: done or not, nobody knows
+                    mark_commit_unknown(error)
+                raise
 
     @contextmanager
     def _read(self) -> Iterator[sa.Connection]:
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             conn.execution_options(**{READ_ONLY: True})
             with conn.begin():
                 yield conn
+
+    def _connect(self) -> sa.Connection:
+        try:
+            return self.engine.connect()
+        except sa.exc.DBAPIError as error:
+            mark_connecting(error)
+            raise
 
     def _lock(self, conn: sa.Connection, job_id: str) -> sa.Row:
         row = conn.execute(q.LOCK_JOB, {"b_id": job_id}).first()
@@ -673,9 +721,13 @@ class Store:
             e_detail=detail,
         )
         stmt = q.move_and_log(tuple(sorted(values)))
-        with self.engine.connect() as conn:
+        with self._connect() as conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            row = conn.execute(stmt, params).first()
+            try:
+                row = conn.execute(stmt, params).first()
+            except sa.exc.DBAPIError as error:
+                mark_commit_unknown(error)  # autocommit: it may have been applied
+                raise
         if row is None:
             return None
         return Event(row.id, now, job_id, row.partition, from_state, to, server, attempt, detail)
@@ -693,6 +745,8 @@ class Store:
         are checked; ``tried_row`` written. Raises UnknownJob, ClaimLost,
         InvalidTransition."""
         row = self._lock(conn, job_id)
+        if RETRYING.get() and str(row.state) == str(to):
+            raise AlreadyApplied  # the first try's commit went through after all
         if owner is not None and row.claimed_by != owner:
             raise ClaimLost(job_id, owner, row.claimed_by)
         check_transition(row.state, to, job_id=job_id)
