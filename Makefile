@@ -23,7 +23,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 demo: $(STAMP)
-	$(BIN)/python -m comfy_assets.demo $(if $(KEEP),--keep,)
+	$(BIN)/python -m comfy_assets.cli.demo $(if $(KEEP),--keep,)
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .ruff_cache

@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import fake_processes, scratch_dir
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = {

@@ -18,8 +18,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import fake_processes, fake_runs, utilization_and_gaps, write_jobs
-from comfy_assets.batch import BatchConfig, run_batch
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 
 NODES_EXECUTED = 4  # the fake sleeps --prompt-seconds per executed node of image.json

@@ -51,8 +51,9 @@ from bench.common import (
     scratch_dir,
     write_jobs,
 )
-from comfy_assets.batch import BatchConfig, run_batch
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 
 TARGET_JOBS_PER_S = 300.0

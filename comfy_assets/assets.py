@@ -1,9 +1,9 @@
 """The Dagster assets: render a job file's partition, tabulate it, gather every table,
 and cut a storyboard's shots into a film.
 
-Thin on purpose: the work is ``comfy_assets.batch.run_batch_sync``, the table is
-``comfy_assets.results`` and the film is ``comfy_assets.films.build_film`` (fed by
-``comfy_assets.film_shots``); this module turns their answers into Dagster events.
+Thin on purpose: the work is ``comfy_assets.render.batch.run_batch_sync``, the table is
+``comfy_assets.render.results`` and the film is ``comfy_assets.film.gate.build_film`` (fed by
+``comfy_assets.film.shots``); this module turns their answers into Dagster events.
 """
 
 import base64
@@ -26,8 +26,8 @@ from dagster import (
 )
 from PIL import Image
 
-from comfy_assets.batch import BatchSummary, run_batch_sync
-from comfy_assets.film_shots import (
+from comfy_assets.film.gate import FilmResult, GateBlocked, GateResult, build_film
+from comfy_assets.film.shots import (
     bad_shot_lines,
     film_cost_report,
     film_path,
@@ -35,17 +35,19 @@ from comfy_assets.film_shots import (
     has_shots,
     shots_from_store,
 )
-from comfy_assets.films import FilmResult, GateBlocked, GateResult, build_film
-from comfy_assets.jobfile import JobFile, JobFileError, load_job_file
+from comfy_assets.jobs.model import JobFile, JobFileError
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, job_files_partitions
-from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
-from comfy_assets.results import (
+from comfy_assets.render.results import (
     RESULTS_CSV,
     combine_results,
     markdown_table,
     results_table,
     write_csv,
 )
+from comfy_assets.render.run import run_batch_sync
+from comfy_assets.render.summary import BatchSummary
+from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.sensors import JOB_FILE_SHA_TAG
 from comfy_assets.store import Store, StoreUnavailable
 
@@ -386,7 +388,7 @@ def films(
 
     **Metadata.** path, duration_s (probed from the written film), shot_count,
     degraded_shots, placeholder_shots, policy, draft, concat_mode (and concat_reason),
-    a small contact sheet image, and the cost report of ``comfy_assets.cost`` over every
+    a small contact sheet image, and the cost report of ``comfy_assets.render.cost`` over every
     recorded attempt of the job file's jobs: gpu_seconds (= gpu_seconds_success + gpu_seconds_wasted on
     failed attempts), failure_rate, expected_s_skip_failures,
     expected_s_rerun_whole_batch and expected_s_tiered_retry (seconds). A job file

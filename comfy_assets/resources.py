@@ -22,8 +22,8 @@ from pathlib import Path
 from dagster import Config, ConfigurableResource, EnvVar
 from pydantic import Field
 
-from comfy_assets.batch import BatchConfig
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
+from comfy_assets.render.config import BatchConfig
 from comfy_assets.store import DB_URL_ENV, Store
 
 SERVERS_ENV = "COMFY_ASSETS_SERVERS"

@@ -33,7 +33,9 @@ from dagster import (
     sensor,
 )
 
-from comfy_assets.jobfile import JobFileError, WorkflowCache, load_job_file
+from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.workflows import WorkflowCache
 from comfy_assets.partitions import (
     iter_job_files,
     job_dirs_from_env,

@@ -17,8 +17,8 @@ import pytest
 from aiohttp import web
 
 import fake_comfy.fake
-from comfy_assets.batch import BatchConfig
 from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.render.config import BatchConfig
 from fake_comfy import FakeComfy
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,7 +24,7 @@ from dagster import (
 )
 
 from comfy_assets.assets import all_results, render_results, renders
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource, ServerConfig
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from comfy_assets.backoff import RetryPolicy, backoff_delay
+from comfy_assets.render.backoff import RetryPolicy, backoff_delay
 
 
 def test_without_jitter_the_delay_doubles_from_the_base_up_to_the_cap():

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.cli import main
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.cli.main import main
+from comfy_assets.jobs.parse import load_job_file
 from fake_comfy import FakeComfy
 from tests.support import ROOT, job_id, write_jobs
 

@@ -26,7 +26,7 @@ from dagster._core.run_coordinator import QueuedRunCoordinator
 from dagster._core.storage.local_compute_log_manager import LocalComputeLogManager
 from dagster_postgres import PostgresEventLogStorage, PostgresRunStorage, PostgresScheduleStorage
 
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import ROOT, write_jobs

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from comfy_assets.cost import AttemptCost, cost_report
+from comfy_assets.render.cost import AttemptCost, cost_report
 
 
 def test_spent_seconds_failure_rate_and_three_strategies_by_hand():

@@ -19,19 +19,20 @@ import pytest
 import sqlalchemy as sa
 from dagster import instance_for_test, materialize
 
-from comfy_assets import broker
 from comfy_assets.assets import render_results, renders
-from comfy_assets.batch import new_owner
-from comfy_assets.cli import main
+from comfy_assets.cli.main import main
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import UnexpectedAnswer
 from comfy_assets.comfy.health import probe
 from comfy_assets.comfy.servers import Credentials, ServerSpec, parse_servers
-from comfy_assets.jobfile import Job, load_job_file
+from comfy_assets.jobs.model import Job
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.owners import new_owner
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
-from comfy_assets.sources import RabbitSource
+from comfy_assets.service import broker
+from comfy_assets.service.sources import RabbitSource
+from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store, metadata
-from comfy_assets.worker import Worker, job_messages
 from fake_comfy import FakeComfy
 from tests.support import (
     BasicAuthGate,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.timeout(240)
 
 def run_demo(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "comfy_assets.demo", "--no-ui", "--timeout", "150", *args],
+        [sys.executable, "-m", "comfy_assets.cli.demo", "--no-ui", "--timeout", "150", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

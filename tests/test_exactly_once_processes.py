@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import ROOT, executed, posted, write_jobs

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.batch import run_batch_sync
+from comfy_assets.cli.film import add_film_parser
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.film_command import add_film_parser
-from comfy_assets.jobfile import JobFile, load_job_file
-from comfy_assets.media import probe
+from comfy_assets.film.media import probe
+from comfy_assets.jobs.model import JobFile
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_batch_sync
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import fast_config, write_jobs

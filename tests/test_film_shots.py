@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.batch import BatchConfig, run_batch_sync
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.film_shots import (
+from comfy_assets.film.gate import gate
+from comfy_assets.film.media import probe
+from comfy_assets.film.shots import (
     attempt_costs,
     attempt_seconds,
     bad_shot_lines,
@@ -20,9 +21,10 @@ from comfy_assets.film_shots import (
     has_shots,
     shots_from_store,
 )
-from comfy_assets.films import gate
-from comfy_assets.jobfile import JobFile, load_job_file
-from comfy_assets.media import probe
+from comfy_assets.jobs.model import JobFile
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.run import run_batch_sync
 from comfy_assets.store import AttemptRecord, Store
 from fake_comfy import FakeComfy
 from tests.support import fast_config, write_jobs

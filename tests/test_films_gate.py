@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from comfy_assets.films import GateBlocked, Policy, Shot, build_film, gate
-from comfy_assets.media import probe
+from comfy_assets.film.gate import GateBlocked, Policy, Shot, build_film, gate
+from comfy_assets.film.media import probe
 
 COLOURS = [
     (230, 20, 20),

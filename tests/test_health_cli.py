@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from comfy_assets.cli import main
+from comfy_assets.cli.main import main
 from comfy_assets.comfy.health import probe
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
 from fake_comfy import FakeComfy

@@ -9,15 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.jobfile import (
-    NAMESPACE,
-    JobFileError,
-    LineError,
-    WorkflowCache,
-    canonical_json,
-    job_from_dict,
-    load_job_file,
-)
+from comfy_assets.jobs.model import NAMESPACE, JobFileError, LineError, canonical_json
+from comfy_assets.jobs.parse import job_from_dict, load_job_file
+from comfy_assets.jobs.workflows import WorkflowCache
 from tests.conftest import IMAGE_WORKFLOW, VIDEO_WORKFLOW
 
 ROOT = Path(__file__).resolve().parent.parent

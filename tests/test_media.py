@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from comfy_assets.media import (
+from comfy_assets.film.media import (
     MediaError,
     concat,
     contact_sheet,

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import httpx
 
-from comfy_assets.batch import run_batch
-from comfy_assets.comfy.pool import Pool, new_client_id
+from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.comfy.slot import new_client_id
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import (

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.batch import run_batch
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from tests.support import fast_config, wait_until
 

@@ -9,9 +9,9 @@ import time
 
 import sqlalchemy as sa
 
-from comfy_assets.batch import run_batch
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from comfy_assets.store.schema import jobs_table, server_leases_table
 from fake_comfy import FakeComfy
@@ -55,7 +55,12 @@ async def render_while(tmp_path, fakes, config, during) -> tuple:
                 jf, partition="p", servers=servers, store=store, config=config, on_line=lines.append
             )
         )
-        await wait_until(lambda: running(fakes[0], job.prompt_id), WAIT_S, "the hung prompt")
+
+        def rendering() -> bool:
+            record = store.get(job.id)
+            return running(fakes[0], job.prompt_id) and record.state == "rendering"
+
+        await wait_until(rendering, WAIT_S, "the hung prompt, recorded as rendering")
         during(store, job)
         summary = await asyncio.wait_for(batch, WAIT_S)
         await fakes[0].wait_idle(WAIT_S)
@@ -114,7 +119,7 @@ async def test_a_claim_taken_by_another_worker_stops_our_attempt_and_leaves_the_
 ):
     hung = FakeComfy(script=["hang"])
     config = fast_config(lease_s=0.3, timeout_s=60.0)
-    with caplog.at_level(logging.ERROR, logger="comfy_assets.batch"):
+    with caplog.at_level(logging.ERROR, logger="comfy_assets.render.batch"):
         summary, store, job, lines = await render_while(
             tmp_path, [hung], config, lambda s, j: take_claim(s, j.id, "other-worker")
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from comfy_assets.results import (
+from comfy_assets.render.results import (
     combine_results,
     markdown_table,
     results_table,

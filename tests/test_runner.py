@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from comfy_assets.batch import run_batch
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import UnexpectedAnswer
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import (

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from comfy_assets.states import (
+from comfy_assets.jobs.states import (
     DONE,
     InvalidTransition,
     State,

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.jobfile import Job, job_from_dict, load_job_file
-from comfy_assets.states import InvalidTransition
+from comfy_assets.jobs.model import Job
+from comfy_assets.jobs.parse import job_from_dict, load_job_file
+from comfy_assets.jobs.states import InvalidTransition
 from comfy_assets.store import (
     AttemptEntry,
     ClaimLost,
@@ -244,7 +245,7 @@ def test_transition_updates_the_row_and_writes_event_and_log_line(store, workflo
     (job,) = make_jobs(workflow_dir, 1)
     store.register_jobs("film", [job])
     store.claim(job.id, "w1", now=100.0)
-    with caplog.at_level(logging.INFO, logger="comfy_assets.events"):
+    with caplog.at_level(logging.INFO, logger="comfy_assets.jobs.events"):
         store.transition(
             job.id, "submitted", owner="w1", server="gpu1", attempt=1, now=101.0, number=12
         )
@@ -263,7 +264,7 @@ def test_transition_updates_the_row_and_writes_event_and_log_line(store, workflo
         1,
         101.0,
     )
-    (record,) = [r for r in caplog.records if r.name == "comfy_assets.events"]
+    (record,) = [r for r in caplog.records if r.name == "comfy_assets.jobs.events"]
     line = json.loads(record.getMessage())
     assert line == {
         "id": event.id,

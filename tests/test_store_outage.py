@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from comfy_assets.batch import run_batch
-from comfy_assets.jobfile import load_job_file
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, StoreUnavailable, metadata
 from fake_comfy import FakeComfy
 from tests.support import executed, fake_servers, fast_config, running, wait_until, write_jobs
@@ -67,7 +67,12 @@ async def test_a_database_that_stays_away_stops_the_run_and_removes_its_prompts(
         batch = asyncio.create_task(
             run_batch(jf, partition="p", servers=servers, store=pg_store, config=fast_config())
         )
-        await wait_until(lambda: running(fake, jf.jobs[0].prompt_id), 20.0, "the hung prompt")
+
+        # Two consumers claim two jobs: whichever posts first gets the script's `hang`.
+        def hung() -> bool:
+            return any(r["outcome"] is None for r in fake.stats["runs"])
+
+        await wait_until(hung, 20.0, "the hung prompt")
         # The database goes away for good: every new connection is refused.
         pg_store.engine.dispose()
         pg_store.engine = sa.create_engine("postgresql+psycopg://postgres@127.0.0.1:9/gone")

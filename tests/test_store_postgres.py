@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from comfy_assets.jobfile import load_job_file
-from comfy_assets.states import InvalidTransition
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.states import InvalidTransition
 from comfy_assets.store import ClaimLost, PartitionConflict, Store, metadata
 from tests.test_store import (
     claim_race,

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.jobfile import JobFileError, load_job_file
-from comfy_assets.messages import parse_message
-from comfy_assets.sources import FileSource, MemoryDelivery, MemorySource
+from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.service.messages import parse_message
+from comfy_assets.service.sources import FileSource, MemoryDelivery, MemorySource
+from comfy_assets.service.worker import Worker, build_parser, job_messages
 from comfy_assets.store import Store
-from comfy_assets.worker import Worker, build_parser, job_messages
 from fake_comfy import FakeComfy
 from tests.support import (
     executed,
@@ -177,7 +178,7 @@ async def test_a_job_that_ends_within_the_grace_is_acked_and_no_new_message_is_t
         task = asyncio.create_task(worker.run())
         await wait_until(lambda: running(fake, first.prompt_id), 30, "the first prompt to run")
         source.put(lines[1])  # arrives after the stop request is made: never taken
-        with caplog.at_level(logging.INFO, logger="comfy_assets.worker"):
+        with caplog.at_level(logging.INFO, logger="comfy_assets.service.worker"):
             worker.request_stop("SIGTERM")
             worker.request_stop("SIGTERM")
             await asyncio.wait_for(task, 60)

@@ -17,12 +17,12 @@ from pathlib import Path
 import aio_pika
 import pytest
 
-from comfy_assets import broker
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.jobfile import load_job_file
-from comfy_assets.sources import RabbitSource
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.service import broker
+from comfy_assets.service.sources import RabbitSource
+from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store
-from comfy_assets.worker import Worker, job_messages
 from fake_comfy import FakeComfy
 from tests.support import (
     ROOT,
@@ -107,7 +107,7 @@ def worker_args(queue_name: str, url: str, store: Path, folder: Path, *extra: st
     return [
         sys.executable,
         "-m",
-        "comfy_assets.worker",
+        "comfy_assets.service.worker",
         "worker",
         "--rabbitmq",
         URL,
@@ -137,7 +137,7 @@ async def test_enqueue_publishes_each_job_persistent_to_a_quorum_queue(tmp_path,
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "comfy_assets.worker",
+        "comfy_assets.service.worker",
         "enqueue",
         "--rabbitmq",
         URL,

@@ -26,104 +26,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Protocol, TypeVar
 
 from comfy_assets.comfy.client import ComfyClient
-from comfy_assets.comfy.errors import ComfyError, NoServerReachable
 from comfy_assets.comfy.follow import PromptFollower
+from comfy_assets.comfy.lease_keeping import LeaseKeeping
+from comfy_assets.comfy.orphans import Orphans
+from comfy_assets.comfy.probing import Probing
 from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.comfy.slot import (
+    ServerLeaseStore,
+    ServerProbe,
+    Slot,
+    new_client_id,
+)
 
 log = logging.getLogger("comfy_assets.pool")
-T = TypeVar("T")
-
-# Every client_id we send starts with this, so a probe of /queue can tell our prompts
-# from those of people using the web UI (the /queue item's extra_data carries client_id).
-CLIENT_ID_PREFIX = "comfy-assets-"
-REPORT_AGAIN_S = 60.0  # seconds between reminders that a server is still unreachable
 
 
-def new_client_id() -> str:
-    """A fresh client id, recognisable as ours in any server's /queue."""
-    return CLIENT_ID_PREFIX + uuid.uuid4().hex
-
-
-class ServerLeaseStore(Protocol):
-    """What the pool needs of the result store (``comfy_assets.store.Store`` has it)."""
-
-    def acquire_server(
-        self, server: str, owner: str, lease_s: float, prompt_id: str | None = None
-    ) -> bool: ...
-
-    def renew_server(self, server: str, owner: str, lease_s: float) -> bool: ...
-
-    def release_server(self, server: str, owner: str, last_model: str | None = None) -> None: ...
-
-    def server_leases(self) -> dict: ...
-
-    def mark_waiting(self, owner: str, wait_s: float) -> None: ...
-
-    def others_waiting(self, owner: str) -> bool: ...
-
-
-@dataclass
-class ServerProbe:
-    """One probe of one server: healthy, or why not; queue lengths from ``/queue``."""
-
-    name: str
-    healthy: bool
-    foreign_queue: int = 0  # prompts of other clients, running + pending
-    ours: tuple[str, ...] = ()  # prompt_ids of ours found on the server
-    reason: str = ""
-
-
-@dataclass
-class Slot:
-    """A server held by this process for one prompt. ``release()`` is idempotent."""
-
-    spec: ServerSpec
-    client: ComfyClient
-    pool: Pool
-    models: tuple[str, ...] = ()
-    released: bool = False
-    prompt_id: str | None = None  # ours on the server, once posted (set by the runner)
-    dispatching: bool = True  # held but not yet posted: the GPU waits on us
-    handover: asyncio.Event | None = None  # set once the next prompt here is posted
-    lost: str | None = None  # why our server lease was lost while held (set by the pool)
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    def release(self) -> None:
-        """Give the server back (call once the prompt has left it). Safe to call twice."""
-        if not self.released:
-            self.posted()
-            self.released = True
-            self.pool._release(self)
-
-    def posted(self) -> None:
-        """Say that the prompt has been posted (or won't be): the dispatch is over."""
-        if self.dispatching:
-            self.dispatching = False
-            self.pool._dispatch_done()
-
-    def abandon(self) -> None:
-        """Stop renewing without releasing: the lease expires by itself.
-
-        For when we can't confirm our prompt left the server (it is unreachable): another
-        process may take it only after the lease time, never while our prompt may run.
-        """
-        if not self.released:
-            self.posted()
-            self.released = True
-            self.pool._abandon(self)
-
-
-class Pool:
+class Pool(Probing, LeaseKeeping, Orphans):
     """Named ComfyUI servers shared through server leases.
 
     A lease that can't be renewed (the store fails until only a third of it is left) or
@@ -288,60 +210,6 @@ class Pool:
 
     # -- choosing -----------------------------------------------------------------------
 
-    async def probe(self, spec: ServerSpec) -> ServerProbe:
-        """Probe ``/system_stats`` and ``/queue`` of one server within ``probe_timeout_s``.
-
-        Consumers waiting at the same moment share one probe per server, and an answer
-        stands for ``probe_ttl_s`` (a burst of acquisitions, as at start, probes once).
-        A server whose open socket says its queue is empty needs no request at all: the
-        ``status`` broadcast (README fact 3) already told us (a prompt posted a moment ago
-        may not be counted yet; it would queue ahead of ours, as after any probe). A
-        healthy server's socket is opened by its first probe: a server whose ``/ws``
-        fails is unreachable for us, as we could not follow a prompt there.
-        """
-        follower = self._followers.get(spec.name)
-        if follower is not None and not follower.failed and follower.queue_remaining() == 0:
-            return ServerProbe(spec.name, True)
-        cached = self._probed.get(spec.name)
-        if cached is not None and asyncio.get_running_loop().time() - cached[0] < self.probe_ttl_s:
-            return cached[1]
-        running = self._probing.get(spec.name)
-        if running is None:
-            running = asyncio.ensure_future(self._probe(spec))
-            self._probing[spec.name] = running
-            running.add_done_callback(lambda _: self._probing.pop(spec.name, None))
-        return await asyncio.shield(running)
-
-    async def _probe(self, spec: ServerSpec) -> ServerProbe:
-        client = self.clients[spec.name]
-        loop = asyncio.get_running_loop()
-        # /system_stats says the server is up and which device it has; it changes slowly,
-        # so a recent healthy answer stands in for it. /queue is always asked afresh.
-        fresh = loop.time() - self._stats_at.get(spec.name, -1e9) < self.stats_ttl_s
-        try:
-            async with asyncio.timeout(self.probe_timeout_s):
-                if fresh:
-                    queue = await client.queue()
-                else:
-                    _, queue = await asyncio.gather(client.system_stats(), client.queue())
-                    self._stats_at[spec.name] = loop.time()
-                # A prompt needs the server's socket; once open, its `status` messages
-                # answer the next probes without a request.
-                await self.follower(spec.name)
-        except TimeoutError:
-            self._stats_at.pop(spec.name, None)
-            return ServerProbe(spec.name, False, reason=f"no answer in {self.probe_timeout_s} s")
-        except ComfyError as e:
-            self._stats_at.pop(spec.name, None)
-            return ServerProbe(spec.name, False, reason=f"{type(e).__name__}: {e}")
-        entries = [*queue.running, *queue.pending]
-        ours = tuple(
-            e.prompt_id for e in entries if (e.client_id or "").startswith(CLIENT_ID_PREFIX)
-        )
-        probe = ServerProbe(spec.name, True, foreign_queue=len(entries) - len(ours), ours=ours)
-        self._probed[spec.name] = (loop.time(), probe)
-        return probe
-
     async def acquire(
         self,
         *,
@@ -380,15 +248,6 @@ class Pool:
         # consumer, not a stampede of probes and lease reads.
         async with self._line:
             return await self._acquire_loop(prefer, models, only, allow_prompt, stop)
-
-    def _check_reachable(self) -> None:
-        """Raise NoServerReachable once no server has answered for unreachable_timeout_s."""
-        since, limit = self._none_reachable_since, self.unreachable_timeout_s
-        if since is None or limit is None:
-            return
-        waited = asyncio.get_running_loop().time() - since
-        if waited >= limit:
-            raise NoServerReachable(waited, self.unreachable())
 
     def wake(self) -> None:
         """Wake the consumer waiting for a server (to see its stop event)."""
@@ -534,75 +393,6 @@ class Pool:
         )
         return slot
 
-    def _watch_orphans(self, spec: ServerSpec, orphans: list[str]) -> None:
-        """Note prompts of ours found on a free server; remove them once they have been
-        there for ``orphan_grace_s``."""
-        loop = asyncio.get_running_loop()
-        if not orphans:
-            self._orphans_since.pop(spec.name, None)
-            return
-        since = self._orphans_since.setdefault(spec.name, loop.time())
-        if loop.time() - since < self.orphan_grace_s or spec.name in self._sweeps:
-            return
-        sweep = asyncio.create_task(
-            self._remove_orphans(spec, orphans), name=f"orphans {spec.name}"
-        )
-        self._sweeps[spec.name] = sweep
-        sweep.add_done_callback(lambda _: self._sweeps.pop(spec.name, None))
-
-    async def _remove_orphans(self, spec: ServerSpec, orphans: list[str]) -> None:
-        """Take the server's lease, interrupt and delete ``orphans`` there, wait until they
-        left its /queue (README fact 7: a delete can lose the race), give the lease back."""
-        slot = self._take(spec, (), {}, purpose="to remove prompts of ours nobody follows")
-        if slot is None:
-            return  # someone took the server: they see the orphans too
-        slot.posted()  # no prompt of ours goes there meanwhile
-        client = self.clients[spec.name]
-        deadline = asyncio.get_running_loop().time() + self.orphan_grace_s
-        try:
-            await client.delete_from_queue(orphans)
-            for pid in orphans:
-                await client.interrupt(pid)
-            while (await client.queue()).find_any(orphans):
-                if asyncio.get_running_loop().time() > deadline:
-                    raise TimeoutError(f"still there after {self.orphan_grace_s:g} s")
-                await asyncio.sleep(self.poll_s)
-        except (ComfyError, TimeoutError) as e:
-            log.warning(
-                "server %s: could not remove prompts of ours nobody follows (%s): %s",
-                spec.name,
-                e,
-                ", ".join(orphans),
-            )
-            slot.abandon()
-            return
-        self._orphans_since.pop(spec.name, None)
-        log.warning(
-            "server %s: removed prompts of ours that nobody followed: %s",
-            spec.name,
-            ", ".join(orphans),
-        )
-        slot.release()
-
-    def _ask_leases(self, call: Callable[..., T], failed: T, *args: object) -> T:
-        """``call(*args)`` on the lease store; while the store fails, ``failed`` (nothing
-        is taken on a store that can't record it) and the consumer looks again later.
-        Raises the store's error once it has failed for ``store_timeout_s`` on end."""
-        try:
-            answer = call(*args)
-        except Exception as e:  # the store, whatever its driver: see the timeout below
-            now = asyncio.get_running_loop().time()
-            if self._store_failing_since is None:
-                self._store_failing_since = now
-                log.warning(
-                    "server leases: the store failed (%s: %s); trying again", type(e).__name__, e
-                )
-            if now - self._store_failing_since >= self.store_timeout_s:
-                raise
-            return failed
-        self._store_failing_since = None
-        return answer
-
     def _others_waiting(self) -> bool:
         """Whether another process waits for a server (asked at most every busy_poll_s)."""
         now = asyncio.get_running_loop().time()
@@ -630,31 +420,10 @@ class Pool:
         stored = getattr(lease, "last_model", None) if lease is not None else None
         return stored or self.last_model.get(name)
 
-    def _report(self, probes: Sequence[ServerProbe]) -> None:
-        """Log a server's state when it changes, not at every probe; an unreachable
-        server is named again every ``REPORT_AGAIN_S`` so a long wait is not silent."""
-        now = time.monotonic()
-        for p in probes:
-            state = "healthy" if p.healthy else f"unreachable: {p.reason}"
-            changed = self._reported.get(p.name, "healthy") != state
-            stale = not p.healthy and now - self._reported_at.get(p.name, now) >= REPORT_AGAIN_S
-            if changed or stale:
-                level = logging.INFO if p.healthy else logging.WARNING
-                log.log(level, "server %s %s", p.name, state)
-                self._reported_at[p.name] = now
-            self._reported[p.name] = state
-        if len(self.unreachable()) < len(self.servers):
-            self._none_reachable_since = None
-        elif self._none_reachable_since is None:
-            self._none_reachable_since = asyncio.get_running_loop().time()
-
-    def unreachable(self) -> dict[str, str]:
-        """Servers last seen unreachable, with the reason: for summaries and metadata."""
-        return {n: s for n, s in self._reported.items() if s != "healthy"}
-
     # -- holding ------------------------------------------------------------------------
 
-    def _dispatch_done(self) -> None:
+    def dispatch_done(self) -> None:
+        """``Slot.posted``: a dispatch is over; the oldest hand-over waiting is done."""
         if self._handovers:
             self._handovers.popleft().set()
 
@@ -669,7 +438,8 @@ class Pool:
         except TimeoutError:
             pass
 
-    def _release(self, slot: Slot) -> None:
+    def slot_released(self, slot: Slot) -> None:
+        """``Slot.release``: give the server back, or keep it for our next prompt."""
         if slot.lost is not None:
             # The lease is not ours to give (taken, or the store can't be written): it
             # expires by itself, and the server can be offered again.
@@ -701,21 +471,6 @@ class Pool:
             self._release_lease(slot.name, model)
         self._changed.set()
 
-    def _release_lease(self, name: str, model: str | None) -> None:
-        """Give the lease back in the store. If the store fails, the lease is left to
-        expire (nobody else uses the server meanwhile), and the log says so."""
-        self._lease_until.pop(name, None)
-        try:
-            self.leases.release_server(name, self.owner, last_model=model)
-        except Exception as e:  # the store, whatever its driver: the lease expires by itself
-            log.warning(
-                "server %s: server lease not released (%s: %s); it expires within %.0f s",
-                name,
-                type(e).__name__,
-                e,
-                self.lease_s,
-            )
-
     def _let_go(self, name: str, kept_at: float | None = None) -> None:
         """Release the lease of a kept server (only if kept since ``kept_at``, if given)."""
         if name not in self._kept or (kept_at is not None and self._kept[name] != kept_at):
@@ -724,7 +479,8 @@ class Pool:
         self._release_lease(name, self.last_model.get(name))
         self._changed.set()
 
-    def _abandon(self, slot: Slot) -> None:
+    def slot_abandoned(self, slot: Slot) -> None:
+        """``Slot.abandon``: stop renewing; the lease expires by itself."""
         if self._held.get(slot.name) is slot:
             del self._held[slot.name]
         self._lease_until.pop(slot.name, None)
@@ -735,54 +491,3 @@ class Pool:
             slot.name,
             self.lease_s,
         )
-
-    async def _renew_forever(self) -> None:
-        """Renew every lease we hold or keep each third of ``lease_s``; while the store
-        fails, try again every thirtieth, and give a lease up as lost once only a third
-        of it is left (``_lose``)."""
-        failing = False
-        while True:
-            await asyncio.sleep(self.lease_s / (30 if failing else 3))
-            failing = False
-            held = [n for n, slot in self._held.items() if slot.lost is None]
-            for name in [*held, *self._kept]:
-                failing = not self._renew(name) or failing
-
-    def _renew(self, name: str) -> bool:
-        """Renew one lease; False when the store failed and the lease is still ours."""
-        loop = asyncio.get_running_loop()
-        asked_at = loop.time()
-        try:
-            renewed = self.leases.renew_server(name, self.owner, self.lease_s)
-        except Exception as e:  # the store, whatever its driver: judged by the time left
-            left = self._lease_until.get(name, asked_at) - asked_at
-            why = f"{type(e).__name__}: {e}"
-            if left > self.lease_s / 3:
-                log.warning(
-                    "server %s: server lease not renewed (%s); %.0f s left, trying again",
-                    name,
-                    why,
-                    left,
-                )
-                return False
-            self._lose(name, f"server lease not renewed ({why}) and {left:.0f} s left")
-            return True
-        if renewed:
-            self._lease_until[name] = asked_at + self.lease_s
-        else:
-            self._lose(name, "server lease taken by another process")
-        return True
-
-    def _lose(self, name: str, why: str) -> None:
-        """Stop using server ``name``: the lease is no longer ours for sure."""
-        self._lease_until.pop(name, None)
-        kept = self._kept.pop(name, None) is not None
-        slot = self._held.get(name)
-        if slot is None or slot.lost is not None:
-            if kept:
-                log.error("server %s: %s; not posting there", name, why)
-            return
-        slot.lost = f"{name}: {why}"
-        log.error("server %s: %s; not posting there, our prompt there is removed", name, why)
-        for listener in list(self.lost_listeners):
-            listener(slot)

@@ -8,7 +8,7 @@ from enum import StrEnum
 from pathlib import PurePosixPath
 from typing import Any, Protocol
 
-from comfy_assets.states import DONE, State
+from comfy_assets.jobs.states import DONE, State
 
 
 class ClaimStatus(StrEnum):

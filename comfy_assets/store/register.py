@@ -9,9 +9,9 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
-from comfy_assets.events import Event
-from comfy_assets.jobfile import Job
-from comfy_assets.states import FAILED_RETRYABLE, IN_FLIGHT, PENDING
+from comfy_assets.jobs.events import Event
+from comfy_assets.jobs.model import Job
+from comfy_assets.jobs.states import FAILED_RETRYABLE, IN_FLIGHT, PENDING
 from comfy_assets.store.records import PartitionConflict, RegisterResult, StoreConflict
 from comfy_assets.store.schema import jobs_table
 from comfy_assets.store.statements import J, expect_rows, insert_for

@@ -24,10 +24,10 @@ from aio_pika.abc import (
     ConsumerTag,
 )
 
-from comfy_assets import broker
-from comfy_assets.jobfile import Job, JobFile, Policy
+from comfy_assets.jobs.model import Job, JobFile, Policy
+from comfy_assets.service import broker
 
-log = logging.getLogger("comfy_assets.sources")
+log = logging.getLogger("comfy_assets.service.sources")
 
 # Called once if the source breaks while in use (RabbitMQ connection or channel lost);
 # the argument says what happened.
@@ -37,7 +37,7 @@ OnLost = Callable[[str], None]
 class Delivery(ABC):
     """One job handed to the worker.
 
-    ``body``: the message as sent (one job of JSON, ``comfy_assets.messages``; empty for
+    ``body``: the message as sent (one job of JSON, ``comfy_assets.service.messages``; empty for
     a job file's job, which comes already validated as ``job``, with its file's header
     ``policy``). ``message_id``: the publisher's id (the job id for ``comfy-assets
     enqueue``), None if unset. ``redelivered``: an earlier delivery of this message was

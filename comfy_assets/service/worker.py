@@ -33,18 +33,21 @@ from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from comfy_assets import broker
-from comfy_assets.batch import BatchConfig, make_pool, new_owner, run_one
+from comfy_assets.cli.run import add_batch_options, add_db_url_option, batch_config, byte_size
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
-from comfy_assets.commands import add_batch_options, add_db_url_option, batch_config, byte_size
-from comfy_assets.jobfile import JobFileError, load_job_file
-from comfy_assets.messages import MAX_MESSAGE_BYTES, file_messages, oversized, parse_message
-from comfy_assets.sources import Delivery, FileSource, JobSource, RabbitSource
-from comfy_assets.states import DONE, FAILED_FATAL
+from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.states import DONE, FAILED_FATAL
+from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.owners import new_owner
+from comfy_assets.render.run import make_pool, run_one
+from comfy_assets.service import broker
+from comfy_assets.service.messages import MAX_MESSAGE_BYTES, file_messages, oversized, parse_message
+from comfy_assets.service.sources import Delivery, FileSource, JobSource, RabbitSource
 from comfy_assets.store import PartitionConflict, Store, StoreUnavailable
 
-log = logging.getLogger("comfy_assets.worker")
+log = logging.getLogger("comfy_assets.service.worker")
 T = TypeVar("T")
 
 # Outcome counters (Worker.counts): "acked" counts every ack; the others say why.
@@ -443,7 +446,7 @@ class Worker:
 
 def job_messages(path: Path, max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, bytes]]:
     """Validate the job file at ``path`` and return ``(job_id, body)`` per job, in file
-    order: self-contained messages (``comfy_assets.messages``: the workflow inline, so a
+    order: self-contained messages (``comfy_assets.service.messages``: the workflow inline, so a
     worker anywhere posts what was validated, under the same prompt_id as ``run``).
     Raises ``JobFileError`` listing every problem, a message over ``max_bytes`` bytes
     included; nothing is returned for a partly valid file.
@@ -645,8 +648,8 @@ async def _serve(worker: Worker) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m comfy_assets.worker {enqueue,worker} ...``."""
-    parser = argparse.ArgumentParser(prog="python -m comfy_assets.worker")
+    """The parser of ``python -m comfy_assets.service.worker {enqueue,worker} ...``."""
+    parser = argparse.ArgumentParser(prog="python -m comfy_assets.service.worker")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_enqueue_parser(sub)
     add_worker_parser(sub)
@@ -654,7 +657,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m comfy_assets.worker``; returns the exit code."""
+    """Entry point of ``python -m comfy_assets.service.worker``; returns the exit code."""
     args = build_parser().parse_args(argv)
     return int(args.func(args))
 

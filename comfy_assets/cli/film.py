@@ -12,16 +12,17 @@ import sys
 import uuid
 from pathlib import Path
 
-from comfy_assets.commands import add_db_url_option
-from comfy_assets.film_shots import (
+from comfy_assets.cli.run import add_db_url_option
+from comfy_assets.film.gate import FilmResult, GateBlocked, build_film
+from comfy_assets.film.shots import (
     bad_shot_lines,
     film_path,
     film_policy,
     has_shots,
     shots_from_store,
 )
-from comfy_assets.films import FilmResult, GateBlocked, build_film
-from comfy_assets.jobfile import POLICIES, JobFileError, load_job_file
+from comfy_assets.jobs.model import POLICIES, JobFileError
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store
 
 EXIT_OK = 0

@@ -15,7 +15,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
-from comfy_assets.media import (
+from comfy_assets.film.media import (
     VIDEO_SUFFIXES,
     MediaError,
     MediaInfo,

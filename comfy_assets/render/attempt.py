@@ -36,11 +36,12 @@ from comfy_assets.comfy.errors import (
     ServerError,
 )
 from comfy_assets.comfy.follow import PromptFollower
-from comfy_assets.comfy.pool import Pool, Slot
+from comfy_assets.comfy.pool import Pool
+from comfy_assets.comfy.slot import Slot
 from comfy_assets.comfy.types import DownloadedFile, HistoryEntry
-from comfy_assets.jobfile import Job
+from comfy_assets.jobs.model import Job
 
-log = logging.getLogger("comfy_assets.runner")
+log = logging.getLogger("comfy_assets.render.attempt")
 
 Kind = Literal["success", "transient", "permanent"]
 
@@ -241,6 +242,12 @@ class Attempt:
                     entry = await client.history(pid)
                     succeeded = entry is not None and entry.status_str == "success"
                     queue = None if succeeded else await client.queue()
+                    if queue is not None and queue.find(pid) is None:
+                        # It may have finished between the two: a prompt leaves /queue
+                        # only once its history is written, so /history now tells.
+                        entry = await client.history(pid)
+                        if entry is not None and entry.status_str == "success":
+                            queue = None
                 break
             except (ComfyError, TimeoutError) as e:
                 why = str(e) or f"no answer in {self.pool.probe_timeout_s:g} s"

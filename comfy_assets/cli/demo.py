@@ -1,6 +1,6 @@
 """End-to-end demo: fake ComfyUI servers, the Dagster daemon, the sensor, the CSVs.
 
-``python -m comfy_assets.demo [--keep] [--no-ui]`` (``make demo``, ``make demo KEEP=1``):
+``python -m comfy_assets.cli.demo [--keep] [--no-ui]`` (``make demo``, ``make demo KEEP=1``):
 
 1. creates ``.demo/`` afresh (an old one is deleted, so the sensor sees every file anew)
    with ``dagster_home/`` (a copy of the template ``dagster_home/dagster.yaml``);
@@ -47,11 +47,12 @@ from dagster import (
 )
 
 from comfy_assets.assets import results_csv_path
-from comfy_assets.jobfile import JobFileError, load_job_file
+from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.partitions import iter_job_files, partition_key_for
 from comfy_assets.sensors import JOB_FILE_SHA_TAG
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 TEMPLATE = ROOT / "dagster_home" / "dagster.yaml"
 JOBS_DIR = ROOT / "data" / "jobs"
@@ -404,7 +405,7 @@ def run_demo(
     if (demo_dir / PIDS_FILE).exists():
         raise DemoFailed(
             f"a kept demo may still be running ({demo_dir / PIDS_FILE}); "
-            "stop it first: python -m comfy_assets.demo --stop"
+            "stop it first: python -m comfy_assets.cli.demo --stop"
         )
     if ui and not port_free(port):
         raise DemoFailed(f"port {port} is taken; pass --port N or --no-ui")
@@ -486,7 +487,7 @@ def run_demo(
             say(f"kept running: {', '.join(f'{c.name} pid {c.proc.pid}' for c in children.items)}")
             if ui:
                 say(f"open the UI at {ui_url}")
-            say("stop them with: python -m comfy_assets.demo --stop")
+            say("stop them with: python -m comfy_assets.cli.demo --stop")
         return 0
     finally:
         if not kept:
@@ -496,7 +497,7 @@ def run_demo(
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point."""
     parser = argparse.ArgumentParser(
-        prog="python -m comfy_assets.demo", description=__doc__.split("\n")[0]
+        prog="python -m comfy_assets.cli.demo", description=__doc__.split("\n")[0]
     )
     parser.add_argument(
         "--keep", action="store_true", help="leave the servers, daemon and UI running"

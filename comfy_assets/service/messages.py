@@ -26,15 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
-from comfy_assets.jobfile import (
-    POLICIES,
-    Job,
-    JobFile,
-    JobFileError,
-    LineError,
-    Policy,
-    job_from_dict,
-)
+from comfy_assets.jobs.model import POLICIES, Job, JobFile, JobFileError, LineError, Policy
+from comfy_assets.jobs.parse import job_from_dict
 
 # A job with its workflow inline is a few KiB; a workflow with embedded data (a base64
 # image input) can reach a few MiB. RabbitMQ itself accepts up to 16 MiB (4.x default).

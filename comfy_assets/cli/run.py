@@ -13,10 +13,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from comfy_assets.batch import BatchConfig, run_batch_sync
 from comfy_assets.comfy.servers import parse_servers
-from comfy_assets.jobfile import JobFile, JobFileError, is_job_id, load_job_file
-from comfy_assets.results import RESULTS_CSV, results_table, write_csv
+from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.results import RESULTS_CSV, results_table, write_csv
+from comfy_assets.render.run import run_batch_sync
 from comfy_assets.store import DB_URL_ENV, PartitionConflict, Store, StoreUnavailable
 
 
@@ -155,12 +157,12 @@ def show_logs(args: argparse.Namespace) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     if getattr(args, "events", False):
-        events = logging.getLogger("comfy_assets.events")
+        events = logging.getLogger("comfy_assets.jobs.events")
         events.setLevel(logging.INFO)
         events.addHandler(handler)
         events.propagate = False
     if getattr(args, "verbose", False):
-        for name in ("comfy_assets.pool", "comfy_assets.runner"):
+        for name in ("comfy_assets.pool", "comfy_assets.render.attempt"):
             logging.getLogger(name).setLevel(logging.INFO)
             logging.getLogger(name).addHandler(handler)
             logging.getLogger(name).propagate = False

@@ -1,6 +1,6 @@
 """Job events: the row the store keeps and the JSON log line beside it.
 
-Every event row has a matching log line on the ``comfy_assets.events`` logger (INFO), one
+Every event row has a matching log line on the ``comfy_assets.jobs.events`` logger (INFO), one
 JSON object per line with the same fields, so machines can follow a batch without the
 database. This module configures no handler: the application chooses where lines go.
 """
@@ -12,7 +12,7 @@ import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
-LOGGER = logging.getLogger("comfy_assets.events")
+LOGGER = logging.getLogger("comfy_assets.jobs.events")
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def event_json(event: Event) -> str:
 
 
 def log_event(event: Event) -> None:
-    """Write ``event`` as a JSON line at INFO on ``comfy_assets.events``.
+    """Write ``event`` as a JSON line at INFO on ``comfy_assets.jobs.events``.
 
     The dict is also attached as ``record.event`` for handlers that want the fields.
     """

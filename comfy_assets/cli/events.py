@@ -13,9 +13,9 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from comfy_assets.commands import add_db_url_option
-from comfy_assets.events import Event, event_json
-from comfy_assets.jobfile import is_job_id
+from comfy_assets.cli.run import add_db_url_option
+from comfy_assets.jobs.events import Event, event_json
+from comfy_assets.jobs.model import is_job_id
 from comfy_assets.store import Store
 
 EXIT_OK = 0

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from comfy_assets.cost import AttemptCost, cost_report
-from comfy_assets.films import GateResult, Policy, Shot
-from comfy_assets.jobfile import JobFile
+from comfy_assets.film.gate import GateResult, Policy, Shot
+from comfy_assets.jobs.model import JobFile
+from comfy_assets.render.cost import AttemptCost, cost_report
 from comfy_assets.store import AttemptRecord, JobRecord, Store
 
 FILM_NAME = "film.mp4"

@@ -1,0 +1,1 @@
+"""The comfy-assets commands and the demo."""

@@ -1,0 +1,97 @@
+"""A server held for one prompt (``Slot``), what a probe of a server says
+(``ServerProbe``), what the pool needs of the store (``ServerLeaseStore``), and the
+client ids that mark our prompts in any server's /queue."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.servers import ServerSpec
+
+if TYPE_CHECKING:  # the pool makes slots; a slot tells its pool
+    from comfy_assets.comfy.pool import Pool
+
+# Every client_id we send starts with this, so a probe of /queue can tell our prompts
+# from those of people using the web UI (the /queue item's extra_data carries client_id).
+CLIENT_ID_PREFIX = "comfy-assets-"
+
+
+def new_client_id() -> str:
+    """A fresh client id, recognisable as ours in any server's /queue."""
+    return CLIENT_ID_PREFIX + uuid.uuid4().hex
+
+
+class ServerLeaseStore(Protocol):
+    """What the pool needs of the result store (``comfy_assets.store.Store`` has it)."""
+
+    def acquire_server(
+        self, server: str, owner: str, lease_s: float, prompt_id: str | None = None
+    ) -> bool: ...
+
+    def renew_server(self, server: str, owner: str, lease_s: float) -> bool: ...
+
+    def release_server(self, server: str, owner: str, last_model: str | None = None) -> None: ...
+
+    def server_leases(self) -> dict: ...
+
+    def mark_waiting(self, owner: str, wait_s: float) -> None: ...
+
+    def others_waiting(self, owner: str) -> bool: ...
+
+
+@dataclass
+class ServerProbe:
+    """One probe of one server: healthy, or why not; queue lengths from ``/queue``."""
+
+    name: str
+    healthy: bool
+    foreign_queue: int = 0  # prompts of other clients, running + pending
+    ours: tuple[str, ...] = ()  # prompt_ids of ours found on the server
+    reason: str = ""
+
+
+@dataclass
+class Slot:
+    """A server held by this process for one prompt. ``release()`` is idempotent."""
+
+    spec: ServerSpec
+    client: ComfyClient
+    pool: Pool
+    models: tuple[str, ...] = ()
+    released: bool = False
+    prompt_id: str | None = None  # ours on the server, once posted (set by the runner)
+    dispatching: bool = True  # held but not yet posted: the GPU waits on us
+    handover: asyncio.Event | None = None  # set once the next prompt here is posted
+    lost: str | None = None  # why our server lease was lost while held (set by the pool)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def release(self) -> None:
+        """Give the server back (call once the prompt has left it). Safe to call twice."""
+        if not self.released:
+            self.posted()
+            self.released = True
+            self.pool.slot_released(self)
+
+    def posted(self) -> None:
+        """Say that the prompt has been posted (or won't be): the dispatch is over."""
+        if self.dispatching:
+            self.dispatching = False
+            self.pool.dispatch_done()
+
+    def abandon(self) -> None:
+        """Stop renewing without releasing: the lease expires by itself.
+
+        For when we can't confirm our prompt left the server (it is unreachable): another
+        process may take it only after the lease time, never while our prompt may run.
+        """
+        if not self.released:
+            self.posted()
+            self.released = True
+            self.pool.slot_abandoned(self)

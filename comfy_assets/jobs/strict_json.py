@@ -1,0 +1,108 @@
+"""JSON as job files need it: no repeated keys, no numbers JSON cannot carry (NaN,
+Infinity, 1e400), and values quoted short in error messages."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+# Values quoted in errors are cut to this many characters (a whole workflow is no help).
+_SHOWN_CHARS = 80
+
+
+def is_link(value: Any) -> bool:
+    """ComfyUI's API format writes a link as ``["<node id>", <output index>]``."""
+    return (
+        isinstance(value, list)
+        and len(value) == 2
+        and isinstance(value[0], str)
+        and isinstance(value[1], int)
+        and not isinstance(value[1], bool)
+    )
+
+
+def is_shot(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def quoted(value: Any) -> str:
+    """``value`` as JSON spells it (``true``, ``null``, ``"text"``), cut to a readable length."""
+    text = json.dumps(value, ensure_ascii=False, default=repr)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
+def kind_of(value: Any) -> str:
+    return {
+        dict: "an object",
+        list: "an array",
+        str: "a string",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        type(None): "null",
+    }.get(type(value), type(value).__name__)
+
+
+class DuplicateKey(ValueError):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # json.loads keeps the last of two equal keys; a repeated "set" key is a typo to report.
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise DuplicateKey(key)
+            seen.add(key)
+    return obj
+
+
+FINITE_HINT = "ComfyUI accepts finite numbers only: no NaN, Infinity or beyond 1.8e308"
+
+
+class NonFinite:
+    """A number JSON cannot carry, as written in the file (``NaN``, ``-Infinity``,
+    ``1e400``): kept as a marker so the error can name it and its field."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+def parse_float(text: str) -> float | NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else NonFinite(text)
+
+
+def first_non_finite(value: Any) -> str | None:
+    """The first non-finite number inside ``value`` (any depth) as written, or None.
+
+    Finds the decoder's markers and also real ``nan``/``inf`` floats (a dict that came
+    from ``json.loads`` rather than from a job file).
+    """
+    if isinstance(value, NonFinite):
+        return value.text
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)  # NaN, Infinity, -Infinity
+    if isinstance(value, dict):
+        value = value.values()
+    elif not isinstance(value, list):
+        return None
+    for item in value:
+        text = first_non_finite(item)
+        if text is not None:
+            return text
+    return None
+
+
+decoder = json.JSONDecoder(
+    object_pairs_hook=_no_duplicates, parse_float=parse_float, parse_constant=NonFinite
+)
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

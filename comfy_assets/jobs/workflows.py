@@ -1,0 +1,113 @@
+"""API-format workflows: read once per file (``WorkflowCache``), checked to be API format
+(not a UI export), and the model files they name (for the pool's affinity)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from comfy_assets.jobs.model import canonical_json
+from comfy_assets.jobs.strict_json import (
+    FINITE_HINT,
+    NonFinite,
+    first_non_finite,
+    kind_of,
+    parse_float,
+)
+
+# Loader inputs that name a model file; "clip_name1" (DualCLIPLoader) counts as clip_name.
+MODEL_INPUTS = frozenset(
+    {
+        "ckpt_name",
+        "unet_name",
+        "lora_name",
+        "vae_name",
+        "clip_name",
+        "control_net_name",
+        "model_name",
+    }
+)
+
+
+_UI_MESSAGE = "is a UI workflow, not API format (export it with 'Export (API)')"
+
+
+@dataclass(frozen=True)
+class _Workflow:
+    """A validated API-format workflow: its canonical text (for cheap deep copies)."""
+
+    text: str
+
+
+class WorkflowCache:
+    """Workflow files read once: 10,000 jobs sharing a file parse it once, and so do
+    5,000 job files loaded with the same cache. It never looks at a file again: keep
+    one only as long as the files can be taken as unchanged (one sensor tick)."""
+
+    def __init__(self) -> None:
+        # Keyed by the raw string: building a Path per line costs more than the rest.
+        self._by_spec: dict[tuple[Path, str], _Workflow | str] = {}
+
+    def get(self, base_dir: Path, spec: str) -> _Workflow | str:
+        """The workflow at ``base_dir / spec`` or an error message."""
+        key = (base_dir, spec)
+        found = self._by_spec.get(key)
+        if found is None:
+            found = self._by_spec[key] = self._load(base_dir / spec)
+        return found
+
+    @staticmethod
+    def _load(path: Path) -> _Workflow | str:
+        try:
+            raw = path.read_text(encoding="utf-8-sig")
+        except FileNotFoundError:
+            return f"workflow file not found: {path}"
+        except (OSError, UnicodeDecodeError) as e:
+            return f"cannot read workflow file {path}: {e}"
+        except ValueError as e:  # a NUL in the path: no file can have that name
+            return f"cannot read workflow file {str(path)!r}: {e}"
+        try:
+            obj = json.loads(raw, parse_float=parse_float, parse_constant=NonFinite)
+        except json.JSONDecodeError as e:
+            return f"workflow file {path} is not JSON: {e.msg} at line {e.lineno}"
+        except ValueError as e:  # an integer of more than 4300 digits
+            return f"workflow file {path} is not usable JSON: {e}"
+        text = first_non_finite(obj)
+        if text is not None:
+            nodes = obj.items() if isinstance(obj, dict) else ()
+            node = next((f" node {k!r}" for k, v in nodes if first_non_finite(v)), "")
+            return f"workflow file {path}{node} holds {text}; {FINITE_HINT}"
+        problem = api_format_problem(obj)
+        if problem:
+            return f"workflow file {path} {problem}"
+        return _Workflow(canonical_json(obj))
+
+
+def api_format_problem(obj: Any) -> str | None:
+    """Why ``obj`` is not an API-format workflow, or None if it is."""
+    if not isinstance(obj, dict):
+        return f"is not API format: expected a JSON object of nodes, got {kind_of(obj)}"
+    if "nodes" in obj and "links" in obj:
+        return _UI_MESSAGE
+    if not obj:
+        return "is not API format: it has no nodes"
+    for node_id, node in obj.items():
+        if not isinstance(node, dict):
+            return f"is not API format: node {node_id!r} is {kind_of(node)}, not an object"
+        if not isinstance(node.get("class_type"), str):
+            return f"is not API format: node {node_id!r} has no class_type"
+        if not isinstance(node.get("inputs"), dict):
+            return f"is not API format: node {node_id!r} has no inputs object"
+    return None
+
+
+def model_names(workflow: Mapping[str, Any]) -> tuple[str, ...]:
+    names: set[str] = set()
+    for node in workflow.values():
+        for name, value in node["inputs"].items():
+            if isinstance(value, str) and name.rstrip("0123456789") in MODEL_INPUTS:
+                names.add(value)
+    return tuple(sorted(names))

@@ -1,0 +1,1 @@
+"""Rendering jobs: one attempt, the batch, backoff, the results table, costs."""

@@ -1,0 +1,181 @@
+"""Running a batch: the pool, the policy and the summary around ``Batch`` (``run_batch``),
+for sync callers (``run_batch_sync``: Dagster, the CLI), and one queued job (``run_one``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from comfy_assets.comfy.pool import Pool
+from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.jobs.model import Job, JobFile
+from comfy_assets.render.batch import Batch
+from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.owners import new_owner
+from comfy_assets.render.summary import BatchSummary, summarize
+from comfy_assets.store import Store
+
+
+def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, owner: str) -> Pool:
+    """The pool of ``servers`` with the leases, probes and polls of ``config``."""
+    return Pool(
+        servers,
+        store,
+        owner=owner,
+        lease_s=config.server_lease_s,
+        probe_timeout_s=config.probe_timeout_s,
+        max_queue=config.max_queue,
+        unhealthy_wait_s=config.unhealthy_wait_s,
+        poll_s=config.poll_s,
+        unreachable_timeout_s=config.unreachable_timeout_s,
+    )
+
+
+def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:
+    """(stop_on_fatal, draft) for a job file: the run config wins over the file header.
+
+    Only a storyboard (a file whose jobs have ``shot``) stops at its first fatal failure
+    under ``delivery``; an image batch renders every job and dead-letters the failures.
+    """
+    mode = config.policy or job_file.policy
+    storyboard = any(j.shot is not None for j in job_file.jobs)
+    return (mode == "delivery" and storyboard), mode == "draft"
+
+
+async def run_batch(
+    job_file: JobFile,
+    *,
+    partition: str,
+    servers: Sequence[ServerSpec],
+    store: Store,
+    config: BatchConfig,
+    owner: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> BatchSummary:
+    """Register the jobs of ``job_file`` as ``partition`` and run them all over a pool of
+    ``servers``; returns the summary. Raises only on cancellation (after cleaning up:
+    prompts interrupted and removed, claims and server leases released)."""
+    started = time.monotonic()
+    owner = owner or new_owner()
+    store.register_jobs(partition, job_file.jobs)
+    stop_on_fatal, draft = resolve_policy(job_file, config)
+    async with make_pool(servers, store, config, owner) as pool:
+        batch = Batch(
+            job_file.jobs,
+            partition=partition,
+            pool=pool,
+            store=store,
+            config=config,
+            owner=owner,
+            stop_on_fatal=stop_on_fatal,
+            draft=draft,
+            on_line=on_line,
+        )
+        await batch.run()
+    summary = summarize(
+        store,
+        partition,
+        time.monotonic() - started,
+        batch.stopped,
+        pool.unreachable(),
+        job_ids=[j.id for j in job_file.jobs],
+    )
+    summary.no_server = batch.no_server
+    return summary
+
+
+def run_batch_sync(
+    job_file: JobFile,
+    *,
+    partition: str,
+    servers: Sequence[ServerSpec],
+    store: Store,
+    config: BatchConfig,
+    owner: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> BatchSummary:
+    """``run_batch`` for sync callers (Dagster, the CLI); blocks until it ends.
+
+    The event loop runs in a thread of its own while the calling thread waits in
+    ``join()``. A BaseException raised in the calling thread (Dagster turns a cancel into
+    DagsterExecutionInterruptedError in the main thread; Ctrl+C) then cancels the batch
+    from outside, waits for its cleanup (prompts interrupted and removed from the queue,
+    claims and server leases released) and re-raises. Raised inside a loop step instead,
+    asyncio would store it in whichever task was running and the cleanup would not run.
+    """
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(
+        run_batch(
+            job_file,
+            partition=partition,
+            servers=servers,
+            store=store,
+            config=config,
+            owner=owner,
+            on_line=on_line,
+        )
+    )
+    outcome: dict[str, object] = {}
+    finished = threading.Event()
+
+    def drive() -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            outcome["value"] = loop.run_until_complete(task)
+        except BaseException as e:  # handed to the calling thread below
+            outcome["error"] = e
+        finally:
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+            finished.set()
+
+    threading.Thread(target=drive, name=f"batch-{partition}", daemon=True).start()
+    try:
+        # Wait in short steps on an Event, not Thread.join(): a simulated signal (Dagster's
+        # interrupt_main) runs its handler only when the main thread wakes, and a join()
+        # interrupted by an exception marks a running thread as stopped (CPython < 3.13).
+        while not finished.wait(0.2):
+            pass
+    except BaseException:
+        loop.call_soon_threadsafe(task.cancel)
+        finished.wait()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]  # type: ignore[misc]
+    return outcome["value"]  # type: ignore[return-value]
+
+
+async def run_one(
+    job: Job,
+    *,
+    partition: str,
+    pool: Pool,
+    store: Store,
+    config: BatchConfig,
+    owner: str,
+    on_line: Callable[[str], None] | None = None,
+) -> str:
+    """Run one job (a message from a queue) to its end over a long-lived ``pool``.
+
+    Returns the job's final state: ``succeeded``/``degraded`` (done, also when it was
+    done before: nothing is posted), ``failed_fatal`` (dead letter, with its reason in
+    the store); while another live worker holds its claim it waits. Retries with
+    backoff happen inside. Raises only on cancellation, after cleaning up.
+    """
+    store.register_jobs(partition, [job])
+    batch = Batch(
+        [job],
+        partition=partition,
+        pool=pool,
+        store=store,
+        config=config,
+        owner=owner,
+        draft=config.policy == "draft",
+        on_line=on_line,
+        consumers=1,
+    )
+    await batch.run()
+    rec = store.get(job.id)
+    return rec.state if rec is not None else "pending"

@@ -1,0 +1,1 @@
+"""The RabbitMQ worker service: message sources, the broker, queue messages."""

@@ -1,0 +1,159 @@
+"""What every part of the ``Store`` shares: connections, transactions, row locks,
+compare-and-set updates, event rows, and the small conversions between rows and records.
+
+Every method of the store is one short transaction, safe when many processes share the
+database: SQLite write transactions start with ``BEGIN IMMEDIATE`` (one writer at a
+time), PostgreSQL rows are locked with ``SELECT ... FOR UPDATE``, and every UPDATE repeats
+what it read in its WHERE clause (compare-and-set) and checks the rowcount. Times are
+epoch seconds; every time-dependent method takes ``now``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+
+from comfy_assets.jobs.events import Event
+from comfy_assets.jobs.states import (
+    DONE,
+    FAILED_FATAL,
+    State,
+)
+from comfy_assets.store import statements as q
+from comfy_assets.store.records import (
+    JobRecord,
+    UnknownJob,
+)
+from comfy_assets.store.retry import (
+    mark_commit_unknown,
+    mark_connecting,
+)
+from comfy_assets.store.schema import (
+    READ_ONLY,
+    events_table,
+)
+
+J = q.J
+_TERMINAL = DONE | {FAILED_FATAL}
+
+
+class StoreBase:
+    """The engine and the transaction plumbing the store's parts share."""
+
+    root: Path
+    engine: sa.Engine
+    dialect: str
+    retry_s: float
+
+    @contextmanager
+    def _write(self) -> Iterator[sa.Connection]:
+        with self._connect() as conn:
+            body_done = False
+            try:
+                with conn.begin():
+                    yield conn
+                    body_done = True
+            except sa.exc.DBAPIError as error:
+                if body_done:  # the commit itself failed: done or not, nobody knows
+                    mark_commit_unknown(error)
+                raise
+
+    @contextmanager
+    def _read(self) -> Iterator[sa.Connection]:
+        with self._connect() as conn:
+            conn.execution_options(**{READ_ONLY: True})
+            with conn.begin():
+                yield conn
+
+    def _connect(self) -> sa.Connection:
+        try:
+            return self.engine.connect()
+        except sa.exc.DBAPIError as error:
+            mark_connecting(error)
+            raise
+
+    def _lock(self, conn: sa.Connection, job_id: str) -> sa.Row:
+        row = conn.execute(q.LOCK_JOB, {"b_id": job_id}).first()
+        if row is None:
+            raise UnknownJob(job_id)
+        return row
+
+    def _update(self, conn: sa.Connection, row: sa.Row, values: dict[str, Any]) -> None:
+        """Set ``values`` on the job only if its state and claim are still as read."""
+        stmt = q.guarded_update(tuple(sorted(values)))
+        params = {f"v_{k}": v for k, v in values.items()}
+        params.update(b_id=row.job_id, b_state=row.state, b_holder=row.claimed_by)
+        q.expect_rows(conn.execute(stmt, params), 1, f"update job {row.job_id}")
+
+    def _insert_events(self, conn: sa.Connection, events: list[Event]) -> list[Event]:
+        """Write event rows; returns the events with their ids."""
+        if not events:
+            return []
+        rows = [e.to_dict() for e in events]
+        for r in rows:
+            del r["id"]
+        if len(rows) == 1:
+            ids = [conn.execute(q.INSERT_EVENT, rows[0]).scalar_one()]
+        else:
+            # Ids first, then a plain executemany: far faster than INSERT ... RETURNING
+            # for the 10,000 events of a big registration.
+            ids = self._event_ids(conn, len(rows))
+            conn.execute(
+                events_table.insert(), [{**r, "id": i} for r, i in zip(rows, ids, strict=True)]
+            )
+        return [dataclasses.replace(e, id=i) for e, i in zip(events, ids, strict=True)]
+
+    def _event_ids(self, conn: sa.Connection, n: int) -> list[int]:
+        if self.dialect == "postgresql":
+            return sorted(conn.execute(q.NEXT_EVENT_IDS, {"n": n}).scalars())
+        # SQLite: this transaction holds the write lock, so nobody else takes these ids.
+        last = conn.execute(q.LAST_EVENT_ID).scalar_one()
+        return list(range(last + 1, last + 1 + n))
+
+
+def _now(now: float | None) -> float:
+    return time.time() if now is None else now
+
+
+def _safe_name(name: str, what: str) -> str:
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"{what} {name!r} cannot be used as a folder name")
+    if name.startswith("store.db"):  # the SQLite file and its -wal/-shm live beside them
+        raise ValueError(f"{what} {name!r} would collide with the store's own database file")
+    return name
+
+
+def _event(
+    now: float,
+    row: sa.Row,
+    to_state: str,
+    detail: str | None = None,
+    server: str | None = None,
+    attempt: int | None = None,
+) -> Event:
+    return Event(
+        id=None,
+        time=now,
+        job_id=row.job_id,
+        partition=row.partition,
+        from_state=row.state,
+        to_state=str(to_state),
+        server=server,
+        attempt=attempt,
+        detail=detail,
+    )
+
+
+def _job_record(row: sa.Row) -> JobRecord:
+    values = dict(row._mapping)
+    values["set"] = json.loads(values.pop("set_json"))
+    values["state"] = State(values["state"])
+    values["optional"] = bool(values["optional"])
+    return JobRecord(**values)

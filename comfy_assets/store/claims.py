@@ -1,0 +1,134 @@
+"""Registering a job file's jobs, and the claims on them (a lease per job, so one worker
+runs it at a time)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from comfy_assets.jobs.events import log_event
+from comfy_assets.jobs.model import Job
+from comfy_assets.jobs.states import (
+    DONE,
+    FAILED_FATAL,
+)
+from comfy_assets.store import statements as q
+from comfy_assets.store.base import StoreBase, _event, _job_record, _now, _safe_name
+from comfy_assets.store.records import (
+    ClaimStatus,
+    JobRecord,
+    RegisterResult,
+)
+from comfy_assets.store.register import register
+from comfy_assets.store.retry import (
+    retried,
+)
+
+
+class Claims(StoreBase):
+    """Registration and job claims (a part of ``Store``)."""
+
+    @retried
+    def register_jobs(
+        self, partition: str, jobs: Sequence[Job], *, now: float | None = None
+    ) -> RegisterResult:
+        """Record ``jobs`` (a job file's, say) under ``partition``, in one transaction.
+
+        New jobs start pending (event "registered"). A known job with the same
+        prompt_id keeps its state: a done job stays done (shot, line and flags are
+        refreshed). A known job whose prompt_id changed (its inputs changed) goes back to
+        pending with attempts 0 and no claim (event "inputs changed"); one in flight
+        passes through failed_retryable first, so its old attempt cannot finish it.
+        Raises PartitionConflict if an id is registered in another partition, ValueError
+        for an id given twice or a bad partition name.
+        """
+        _safe_name(partition, "partition")
+        now = _now(now)
+        with self._write() as conn:
+            result, events = register(conn, self.dialect, partition, jobs, now)
+            events = self._insert_events(conn, events)
+        for event in events:
+            log_event(event)
+        return result
+
+    def claim(
+        self,
+        job_id: str,
+        owner: str,
+        lease_s: float = 3600.0,
+        now: float | None = None,
+        *,
+        dead_holder: str | None = None,
+    ) -> ClaimStatus:
+        """Try to take ``job_id`` for ``owner`` until ``now + lease_s`` (seconds).
+
+        CLAIMED if it was free, expired (taken over: an event names the old owner) or
+        already ours (the lease is extended); HELD if another owner's claim is live;
+        DONE for succeeded/degraded; DEAD_LETTERED for failed_fatal. ``dead_holder``: an
+        owner known to be dead (a process of this host that no longer runs), whose claim
+        is taken over as if expired. Raises UnknownJob.
+        """
+        return self.claim_job(job_id, owner, lease_s, now, dead_holder=dead_holder)[0]
+
+    @retried
+    def claim_job(
+        self,
+        job_id: str,
+        owner: str,
+        lease_s: float = 3600.0,
+        now: float | None = None,
+        *,
+        dead_holder: str | None = None,
+    ) -> tuple[ClaimStatus, JobRecord]:
+        """``claim``, and the job's record as the claim left it, in one transaction (a
+        runner needs both before it posts: one read less on the way to the GPU)."""
+        now = _now(now)
+        event = None
+        with self._write() as conn:
+            row = self._lock(conn, job_id)
+            record = _job_record(row)
+            if row.state in DONE:
+                return ClaimStatus.DONE, record
+            if row.state == FAILED_FATAL:
+                return ClaimStatus.DEAD_LETTERED, record
+            holder = row.claimed_by
+            live = row.claim_expires_at is not None and row.claim_expires_at > now
+            live = live and not (dead_holder is not None and holder == dead_holder)
+            if holder not in (None, owner) and live:
+                return ClaimStatus.HELD, record
+            params = {
+                "b_id": job_id,
+                "b_state": row.state,
+                "b_holder": holder,
+                "v_owner": owner,
+                "v_expires": now + lease_s,
+                "v_now": now,
+            }
+            q.expect_rows(conn.execute(q.CLAIM, params), 1, f"claim job {job_id}")
+            if holder not in (None, owner):
+                detail = f"claim taken over from {holder}"
+                event = _event(now, row, row.state, detail)
+                event = self._insert_events(conn, [event])[0]
+        if event:
+            log_event(event)
+        claimed = dataclasses.replace(
+            record, claimed_by=owner, claim_expires_at=now + lease_s, updated_at=now
+        )
+        return ClaimStatus.CLAIMED, claimed
+
+    @retried
+    def renew_claim(
+        self, job_id: str, owner: str, lease_s: float = 3600.0, now: float | None = None
+    ) -> bool:
+        """Extend ``owner``'s claim to ``now + lease_s``. False if lost (released, taken
+        over, or the job finished). An expired claim nobody took over is renewed."""
+        now = _now(now)
+        params = {"b_id": job_id, "b_owner": owner, "v_expires": now + lease_s, "v_now": now}
+        with self._write() as conn:
+            return conn.execute(q.RENEW_CLAIM, params).rowcount == 1
+
+    @retried
+    def release_claim(self, job_id: str, owner: str) -> bool:
+        """Drop ``owner``'s claim. False, and nothing changes, if ``owner`` lacks it."""
+        with self._write() as conn:
+            return conn.execute(q.RELEASE_CLAIM, {"b_id": job_id, "b_owner": owner}).rowcount == 1

@@ -1,0 +1,94 @@
+"""Server leases: one prompt of ours per ComfyUI server across every process (an atomic
+upsert each), and the marks of pools waiting for a server (fairness across runs)."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from comfy_assets.store import statements as q
+from comfy_assets.store.base import StoreBase, _now
+from comfy_assets.store.records import (
+    ServerLease,
+)
+from comfy_assets.store.retry import (
+    retried,
+)
+from comfy_assets.store.schema import (
+    pool_waiters_table,
+    server_leases_table,
+)
+
+
+class ServerLeases(StoreBase):
+    """Leases on servers (a part of ``Store``; the pool's ``ServerLeaseStore``)."""
+
+    @retried
+    def acquire_server(
+        self,
+        server: str,
+        owner: str,
+        lease_s: float,
+        prompt_id: str | None = None,
+        now: float | None = None,
+    ) -> bool:
+        """Take ``server`` for ``owner`` until ``now + lease_s`` (seconds), only if it is
+        free, expired or already ours: one atomic upsert, so two processes never hold it
+        at once. True if ``owner`` holds it now."""
+        now = _now(now)
+        params = {
+            "v_server": server,
+            "v_owner": owner,
+            "v_expires": now + lease_s,
+            "v_prompt": prompt_id,
+            "v_now": now,
+        }
+        with self._write() as conn:
+            return conn.execute(q.acquire_server(self.dialect), params).rowcount == 1
+
+    @retried
+    def renew_server(
+        self, server: str, owner: str, lease_s: float, now: float | None = None
+    ) -> bool:
+        """Extend ``owner``'s lease to ``now + lease_s``; False if it is not ours now."""
+        now = _now(now)
+        params = {"b_server": server, "b_owner": owner, "v_expires": now + lease_s, "v_now": now}
+        with self._write() as conn:
+            return conn.execute(q.RENEW_SERVER, params).rowcount == 1
+
+    @retried
+    def release_server(
+        self, server: str, owner: str, last_model: str | None = None, now: float | None = None
+    ) -> bool:
+        """Free ``server`` if ``owner`` holds it, remembering ``last_model`` (unchanged
+        when None). False, and nothing changes, if ``owner`` did not hold it."""
+        params = {"b_server": server, "b_owner": owner, "v_model": last_model, "v_now": _now(now)}
+        with self._write() as conn:
+            return conn.execute(q.RELEASE_SERVER, params).rowcount == 1
+
+    @retried
+    def server_leases(self) -> dict[str, ServerLease]:
+        """Every server ever leased, by name (a released one has ``owner`` None)."""
+        with self._read() as conn:
+            rows = conn.execute(sa.select(server_leases_table).order_by(q.L.server))
+            return {r.server: ServerLease(**r._mapping) for r in rows}
+
+    @retried
+    def mark_waiting(self, owner: str, wait_s: float, now: float | None = None) -> None:
+        """Say that ``owner`` waits for a server, for the next ``wait_s`` seconds."""
+        now = _now(now)
+        insert = q.insert_for(self.dialect, pool_waiters_table).values(
+            owner=owner, expires_at=now + wait_s
+        )
+        upsert = insert.on_conflict_do_update(
+            index_elements=["owner"], set_={"expires_at": insert.excluded.expires_at}
+        )
+        with self._write() as conn:
+            conn.execute(upsert)
+
+    @retried
+    def others_waiting(self, owner: str, now: float | None = None) -> bool:
+        """True when another owner waits for a server now (see ``mark_waiting``)."""
+        t = pool_waiters_table.c
+        stmt = sa.select(t.owner).where(t.owner != owner, t.expires_at > _now(now)).limit(1)
+        with self._read() as conn:
+            return conn.execute(stmt).first() is not None

@@ -1,0 +1,115 @@
+"""Reading the store: a job, a partition's jobs, files, attempts, events, dead letters."""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+from comfy_assets.jobs.events import Event
+from comfy_assets.jobs.states import (
+    FAILED_FATAL,
+    State,
+)
+from comfy_assets.store import statements as q
+from comfy_assets.store.base import J, StoreBase, _job_record
+from comfy_assets.store.records import (
+    AttemptRecord,
+    FileRecord,
+    JobRecord,
+)
+from comfy_assets.store.retry import (
+    retried,
+)
+from comfy_assets.store.schema import (
+    attempts_table,
+    events_table,
+    files_table,
+    jobs_table,
+)
+
+
+class Queries(StoreBase):
+    """What the store holds (a part of ``Store``)."""
+
+    @retried
+    def get(self, job_id: str) -> JobRecord | None:
+        """The job's row, or None if unknown."""
+        with self._read() as conn:
+            row = conn.execute(q.SELECT_JOB, {"b_id": job_id}).first()
+        return None if row is None else _job_record(row)
+
+    @retried
+    def jobs(self, partition: str) -> list[JobRecord]:
+        """Jobs of ``partition`` by shot (jobs without one last), then line."""
+        stmt = (
+            sa.select(jobs_table)
+            .where(J.partition == partition)
+            .order_by(sa.nulls_last(J.shot.asc()), J.line, J.job_id)
+        )
+        with self._read() as conn:
+            return [_job_record(r) for r in conn.execute(stmt)]
+
+    @retried
+    def files(self, job_id: str) -> list[FileRecord]:
+        """Files of the job's done record, by path."""
+        t = files_table.c
+        stmt = sa.select(files_table).where(t.job_id == job_id).order_by(t.path)
+        with self._read() as conn:
+            return [FileRecord(**r._mapping) for r in conn.execute(stmt)]
+
+    @retried
+    def attempts(self, job_id: str) -> list[AttemptRecord]:
+        """Tries of the job, by attempt number."""
+        t = attempts_table.c
+        stmt = sa.select(attempts_table).where(t.job_id == job_id).order_by(t.attempt)
+        with self._read() as conn:
+            return [AttemptRecord(**r._mapping) for r in conn.execute(stmt)]
+
+    @retried
+    def events(
+        self,
+        job_id: str | None = None,
+        partition: str | None = None,
+        *,
+        shot: int | None = None,
+    ) -> list[Event]:
+        """Events, oldest first, of one job, partition and/or shot number:
+        ``events(partition="film", shot=17)`` tells what happened to shot 17."""
+        t = events_table.c
+        stmt = sa.select(events_table).order_by(t.id)
+        if job_id is not None:
+            stmt = stmt.where(t.job_id == job_id)
+        if partition is not None:
+            stmt = stmt.where(t.partition == partition)
+        if shot is not None:
+            stmt = stmt.join(jobs_table, J.job_id == t.job_id).where(J.shot == shot)
+        with self._read() as conn:
+            return [Event(**r._mapping) for r in conn.execute(stmt)]
+
+    @retried
+    def dead_letters(self, partition: str | None = None) -> list[JobRecord]:
+        """failed_fatal jobs, of one partition or all, by partition, shot, line."""
+        stmt = (
+            sa.select(jobs_table)
+            .where(J.state == FAILED_FATAL.value)
+            .order_by(J.partition, sa.nulls_last(J.shot.asc()), J.line, J.job_id)
+        )
+        if partition is not None:
+            stmt = stmt.where(J.partition == partition)
+        with self._read() as conn:
+            return [_job_record(r) for r in conn.execute(stmt)]
+
+    @retried
+    def counts(self, partition: str) -> dict[str, int]:
+        """Jobs of ``partition`` per state; every state is present (0 if none)."""
+        stmt = sa.select(J.state, sa.func.count()).where(J.partition == partition).group_by(J.state)
+        counts = {s.value: 0 for s in State}
+        with self._read() as conn:
+            counts.update({state: n for state, n in conn.execute(stmt)})
+        return counts
+
+    @retried
+    def partitions(self) -> list[str]:
+        """Partitions that have jobs, sorted."""
+        stmt = sa.select(J.partition).distinct().order_by(J.partition)
+        with self._read() as conn:
+            return list(conn.execute(stmt).scalars())

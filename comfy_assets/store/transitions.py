@@ -1,0 +1,427 @@
+"""Moving a job through its states: transitions, attempts, done records, dead letters,
+requeues and notes, each with its event row and JSON log line, in one transaction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import PurePosixPath
+from typing import Any
+
+import sqlalchemy as sa
+
+from comfy_assets.jobs.events import Event, log_event
+from comfy_assets.jobs.states import (
+    DONE,
+    FAILED_FATAL,
+    PENDING,
+    SUBMITTED,
+    check_transition,
+    is_allowed,
+)
+from comfy_assets.store import statements as q
+from comfy_assets.store.base import _TERMINAL, StoreBase, _event, _now
+from comfy_assets.store.records import (
+    AttemptEntry,
+    ClaimLost,
+    OutputFileLike,
+    UnknownJob,
+)
+from comfy_assets.store.retry import (
+    RETRYING,
+    AlreadyApplied,
+    mark_commit_unknown,
+    retried,
+)
+
+OUTCOMES = ("success", "transient", "permanent")
+# Columns transition() may set besides state; anything else is a caller's typo.
+TRANSITION_FIELDS = frozenset(
+    {
+        "prompt_id",
+        "number",
+        "reason",
+        "seconds",
+        "queue_wait_s",
+        "gpu_seconds",
+        "attempts",
+        "first_submitted_at",
+        "finished_at",
+    }
+)
+
+
+class Transitions(StoreBase):
+    """State changes of jobs (a part of ``Store``)."""
+
+    @retried
+    def transition(
+        self,
+        job_id: str,
+        to_state: str,
+        *,
+        owner: str | None = None,
+        server: str | None = None,
+        attempt: int | None = None,
+        detail: str | None = None,
+        now: float | None = None,
+        tried: AttemptEntry | None = None,
+        from_state: str | None = None,
+        **fields: Any,
+    ) -> None:
+        """Move ``job_id`` to ``to_state``; write an event row and a JSON log line.
+        ``tried``: the attempt that led here, recorded in the same transaction.
+        ``from_state`` (with ``owner``): the state the caller knows the job is in. On
+        PostgreSQL a move to a state that is neither pending nor final is then one
+        statement, one round trip (this is on the way to every POST); a job not in that
+        state or not ``owner``'s goes the checked way below, which raises.
+
+        Checked against the state in the database. ``fields`` sets other columns
+        (TRANSITION_FIELDS: prompt_id, number, reason, seconds, attempts, ...); ``server``
+        is stored on the job and, with ``attempt``, in the event. The first submission
+        stamps ``first_submitted_at``; succeeded, degraded and failed_fatal stamp
+        ``finished_at`` and drop the claim. With ``owner``, the caller must hold the
+        claim. Raises InvalidTransition, UnknownJob, ClaimLost, TypeError (unknown field).
+        """
+        unknown = set(fields) - TRANSITION_FIELDS
+        if unknown:
+            raise TypeError(f"transition() got unknown fields: {', '.join(sorted(unknown))}")
+        to = str(to_state)
+        now = _now(now)
+        fast = (
+            self.dialect == "postgresql"
+            and from_state is not None
+            and owner is not None
+            and tried is None
+            and to not in _TERMINAL
+            and to != PENDING
+            and is_allowed(from_state, to)
+        )
+        if fast:
+            assert from_state is not None and owner is not None
+            event = self._move_in_one(
+                job_id, from_state, to, owner, server, attempt, detail, now, fields
+            )
+            if event is not None:
+                log_event(event)
+                return
+        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
+        with self._write() as conn:
+            row = self._locked_for_move(conn, job_id, owner, to, tried_row, now)
+            values: dict[str, Any] = {"state": to, "updated_at": now}
+            if server is not None:
+                values["server"] = server
+            if to == SUBMITTED and row.first_submitted_at is None:
+                values["first_submitted_at"] = now
+            if to in _TERMINAL:
+                values.update(finished_at=now, claimed_by=None, claim_expires_at=None)
+            elif to == PENDING:
+                values["finished_at"] = None
+            values.update(fields)
+            self._update(conn, row, values)
+            event = _event(now, row, to, detail, server, attempt)
+            event = self._insert_events(conn, [event])[0]
+        log_event(event)
+
+    @retried
+    def record_attempt(
+        self,
+        job_id: str,
+        attempt: int,
+        *,
+        outcome: str,
+        server: str | None = None,
+        prompt_id: str | None = None,
+        number: int | None = None,
+        started_at: float | None = None,
+        ended_at: float | None = None,
+        seconds: float | None = None,
+        queue_wait_s: float | None = None,
+        gpu_seconds: float | None = None,
+        reason: str | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Record try number ``attempt`` (1-based) of ``job_id``; the same number again
+        replaces the row. ``outcome``: "success", "transient" or "permanent".
+
+        ``ended_at`` defaults to ``now``; ``seconds`` (wall, queue included) to
+        ended_at - started_at; ``started_at`` to ended_at - seconds. ``gpu_seconds``
+        (time the prompt ran) is kept as given. The job's ``attempts`` becomes at least
+        ``attempt``. Raises UnknownJob, ValueError (unknown outcome, no duration).
+        """
+        entry = AttemptEntry(
+            attempt,
+            outcome,
+            server=server,
+            prompt_id=prompt_id,
+            number=number,
+            started_at=started_at,
+            ended_at=ended_at,
+            seconds=seconds,
+            queue_wait_s=queue_wait_s,
+            gpu_seconds=gpu_seconds,
+            reason=reason,
+        )
+        now = _now(now)
+        row = _attempt_row(job_id, entry, now)
+        with self._write() as conn:
+            self._write_attempt(conn, row, now)
+
+    @retried
+    def mark_done(
+        self,
+        job_id: str,
+        owner: str,
+        state: str = "succeeded",
+        files: Sequence[OutputFileLike] = (),
+        *,
+        seconds: float | None = None,
+        queue_wait_s: float | None = None,
+        gpu_seconds: float | None = None,
+        server: str | None = None,
+        attempt: int | None = None,
+        number: int | None = None,
+        reason: str | None = None,
+        detail: str | None = None,
+        now: float | None = None,
+        tried: AttemptEntry | None = None,
+    ) -> None:
+        """Finish ``job_id`` as succeeded or degraded, all in ONE transaction: its files
+        (paths relative to the job dir, with sha256 and bytes; they replace earlier
+        ones), totals, the transition and its event, the claim released, and ``tried``
+        (the last attempt's row, counted in the totals).
+
+        Totals default from the job and its attempts: ``seconds`` = now -
+        first_submitted_at, ``queue_wait_s`` = sum of waits, ``gpu_seconds`` = sum of
+        the attempts' (else their seconds minus waits). ``reason`` says why a job is
+        degraded. Raises ClaimLost unless ``owner`` holds the claim, InvalidTransition,
+        UnknownJob, ValueError (state not done, file path outside the job dir).
+        """
+        if state not in DONE:
+            raise ValueError(f"mark_done state must be succeeded or degraded, got {state!r}")
+        rows = [_file_row(job_id, f) for f in files]
+        now = _now(now)
+        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
+        with self._write() as conn:
+            row = self._locked_for_move(conn, job_id, owner, state, tried_row, now)
+            if seconds is None or queue_wait_s is None or gpu_seconds is None:
+                n, total, waited, ran = conn.execute(q.TOTALS, {"b_id": job_id}).one()
+                if seconds is None:
+                    started = row.first_submitted_at
+                    seconds = total if started is None else now - started
+                queue_wait_s = waited if queue_wait_s is None else queue_wait_s
+                gpu_seconds = (ran if n else None) if gpu_seconds is None else gpu_seconds
+            values: dict[str, Any] = {
+                "state": str(state),
+                "finished_at": now,
+                "updated_at": now,
+                "claimed_by": None,
+                "claim_expires_at": None,
+                "reason": reason,
+                "seconds": seconds,
+                "queue_wait_s": queue_wait_s,
+                "gpu_seconds": gpu_seconds,
+            }
+            for name, value in (("server", server), ("attempts", attempt), ("number", number)):
+                if value is not None:
+                    values[name] = value
+            self._update(conn, row, values)
+            conn.execute(q.DELETE_FILES, {"b_id": job_id})
+            if rows:
+                conn.execute(q.INSERT_FILES, [{**r, "prompt_id": row.prompt_id} for r in rows])
+            text = detail or (f"{len(rows)} file" + ("" if len(rows) == 1 else "s"))
+            if reason and not detail:
+                text += f"; {reason}"
+            event = _event(now, row, state, text, server, attempt)
+            event = self._insert_events(conn, [event])[0]
+        log_event(event)
+
+    @retried
+    def dead_letter(
+        self,
+        job_id: str,
+        owner: str,
+        reason: str,
+        *,
+        server: str | None = None,
+        attempt: int | None = None,
+        now: float | None = None,
+        tried: AttemptEntry | None = None,
+    ) -> None:
+        """Give up on ``job_id``: failed_fatal with ``reason``, claim freed, ``tried``
+        (the last attempt's row) recorded, in one transaction. Raises ClaimLost unless
+        ``owner`` holds the claim, InvalidTransition (a done job, say), UnknownJob."""
+        now = _now(now)
+        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
+        with self._write() as conn:
+            row = self._locked_for_move(conn, job_id, owner, FAILED_FATAL, tried_row, now)
+            values: dict[str, Any] = {
+                "state": FAILED_FATAL.value,
+                "reason": reason,
+                "finished_at": now,
+                "updated_at": now,
+                "claimed_by": None,
+                "claim_expires_at": None,
+            }
+            if server is not None:
+                values["server"] = server
+            self._update(conn, row, values)
+            event = _event(now, row, FAILED_FATAL, reason, server, attempt)
+            event = self._insert_events(conn, [event])[0]
+        log_event(event)
+
+    @retried
+    def note(
+        self,
+        job_id: str,
+        detail: str,
+        *,
+        server: str | None = None,
+        attempt: int | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Write an event that changes nothing (``from_state == to_state``): something a
+        worker did to a job it no longer holds, say. Raises UnknownJob."""
+        now = _now(now)
+        with self._write() as conn:
+            row = self._lock(conn, job_id)
+            event = _event(now, row, row.state, detail, server, attempt)
+            event = self._insert_events(conn, [event])[0]
+        log_event(event)
+
+    @retried
+    def requeue(self, job_id: str, now: float | None = None) -> bool:
+        """Send a dead-lettered job back to pending (reason cleared, attempts 0).
+        False, and nothing changes, if it is not failed_fatal or not in the store."""
+        now = _now(now)
+        with self._write() as conn:
+            row = conn.execute(q.LOCK_JOB, {"b_id": job_id}).first()
+            if row is None or row.state != FAILED_FATAL:
+                return False
+            values = {
+                "state": PENDING.value,
+                "reason": None,
+                "attempts": 0,
+                "attempts_before": row.attempts_before + row.attempts,
+                "finished_at": None,
+                "updated_at": now,
+            }
+            self._update(conn, row, values)
+            event = self._insert_events(conn, [_event(now, row, PENDING, "requeued")])[0]
+        log_event(event)
+        return True
+
+    def _move_in_one(
+        self,
+        job_id: str,
+        from_state: str,
+        to: str,
+        owner: str,
+        server: str | None,
+        attempt: int | None,
+        detail: str | None,
+        now: float,
+        fields: dict[str, Any],
+    ) -> Event | None:
+        """``transition``'s one-statement way (PostgreSQL, autocommit); the event written,
+        or None when the job is not in ``from_state`` or not ``owner``'s."""
+        values: dict[str, Any] = {"state": to, "updated_at": now, **fields}
+        if server is not None:
+            values["server"] = server
+        if to == SUBMITTED:
+            values["first_submitted_at"] = now  # kept where already set (COALESCE)
+        params = {f"v_{k}": v for k, v in values.items()}
+        params.update(
+            v_now=now,
+            b_id=job_id,
+            b_state=from_state,
+            b_owner=owner,
+            e_time=now,
+            e_from=from_state,
+            e_to=to,
+            e_server=server,
+            e_attempt=attempt,
+            e_detail=detail,
+        )
+        stmt = q.move_and_log(tuple(sorted(values)))
+        with self._connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                row = conn.execute(stmt, params).first()
+            except sa.exc.DBAPIError as error:
+                mark_commit_unknown(error)  # autocommit: it may have been applied
+                raise
+        if row is None:
+            return None
+        return Event(row.id, now, job_id, row.partition, from_state, to, server, attempt, detail)
+
+    def _locked_for_move(
+        self,
+        conn: sa.Connection,
+        job_id: str,
+        owner: str | None,
+        to: str,
+        tried_row: dict[str, Any] | None,
+        now: float,
+    ) -> sa.Row:
+        """The job's row, locked, once the claim (when ``owner``) and the move to ``to``
+        are checked; ``tried_row`` written. Raises UnknownJob, ClaimLost,
+        InvalidTransition."""
+        row = self._lock(conn, job_id)
+        if RETRYING.get() and str(row.state) == str(to):
+            raise AlreadyApplied  # the first try's commit went through after all
+        if owner is not None and row.claimed_by != owner:
+            raise ClaimLost(job_id, owner, row.claimed_by)
+        check_transition(row.state, to, job_id=job_id)
+        if tried_row is not None:
+            self._write_attempt(conn, tried_row, now)
+        return row
+
+    def _write_attempt(self, conn: sa.Connection, row: dict[str, Any], now: float) -> None:
+        """The attempt row (replacing the same number) and the job's ``attempts``."""
+        bump = {"b_id": row["job_id"], "b_attempt": row["attempt"], "v_now": now}
+        if conn.execute(q.BUMP_ATTEMPTS, bump).rowcount != 1:
+            raise UnknownJob(row["job_id"])
+        conn.execute(q.upsert_attempt(self.dialect), row)
+
+
+def _attempt_row(job_id: str, entry: AttemptEntry, now: float) -> dict[str, Any]:
+    """The attempts-table row of ``entry``; raises ValueError (outcome, no duration)."""
+    if entry.outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {', '.join(OUTCOMES)}, got {entry.outcome!r}")
+    if entry.started_at is None and entry.seconds is None:
+        raise ValueError(f"job {job_id} attempt {entry.attempt}: give started_at or seconds")
+    ended_at = now if entry.ended_at is None else entry.ended_at
+    seconds = entry.seconds
+    if seconds is None:
+        seconds = ended_at - entry.started_at  # type: ignore[operator]
+    started_at = ended_at - seconds if entry.started_at is None else entry.started_at
+    return {
+        "job_id": job_id,
+        "attempt": entry.attempt,
+        "server": entry.server,
+        "prompt_id": entry.prompt_id,
+        "number": entry.number,
+        "started_at": started_at,
+        "ended_at": ended_at,
+        "seconds": seconds,
+        "queue_wait_s": entry.queue_wait_s,
+        "gpu_seconds": entry.gpu_seconds,
+        "outcome": entry.outcome,
+        "reason": entry.reason,
+    }
+
+
+def _file_row(job_id: str, f: OutputFileLike) -> dict[str, Any]:
+    path = PurePosixPath(f.path)
+    if path.is_absolute() or not path.parts or ".." in path.parts:
+        raise ValueError(f"job {job_id}: file path {str(f.path)!r} is not inside the job dir")
+    if f.bytes < 0 or len(f.sha256) != 64:
+        raise ValueError(f"job {job_id}: file {str(path)!r} needs a sha256 hex digest and bytes")
+    return {
+        "job_id": job_id,
+        "path": path.as_posix(),
+        "sha256": f.sha256,
+        "bytes": f.bytes,
+        "node_id": f.node_id,
+        "key": f.key,
+    }
