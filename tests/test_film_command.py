@@ -10,7 +10,7 @@ import pytest
 
 from comfy_assets.cli.film import add_film_parser
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.film.media import probe
+from comfy_assets.film.probe import probe
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.run import run_batch_sync

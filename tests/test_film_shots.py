@@ -10,7 +10,7 @@ import pytest
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.film.gate import gate
-from comfy_assets.film.media import probe
+from comfy_assets.film.probe import probe
 from comfy_assets.film.shots import (
     attempt_costs,
     attempt_seconds,

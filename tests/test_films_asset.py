@@ -26,7 +26,7 @@ from dagster import (
 
 from comfy_assets.assets import films, render_results, renders
 from comfy_assets.definitions import defs
-from comfy_assets.film.media import probe
+from comfy_assets.film.probe import probe
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.store import Store

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from comfy_assets.film.gate import GateBlocked, Policy, Shot, build_film, gate
-from comfy_assets.film.media import probe
+from comfy_assets.film.probe import probe
 
 COLOURS = [
     (230, 20, 20),

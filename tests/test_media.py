@@ -10,14 +10,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from comfy_assets.film.media import (
-    MediaError,
-    concat,
-    contact_sheet,
-    probe,
-    slate_clip,
-    still_clip,
-)
+from comfy_assets.film.concat import concat
+from comfy_assets.film.contact import contact_sheet
+from comfy_assets.film.probe import MediaError, probe
+from comfy_assets.film.stills import slate_clip, still_clip
 
 RECORDED_VIDEO = Path(__file__).parent.parent / "data/recorded/files/video-shot_00001_.mp4"
 RED, GREEN, BLUE = (230, 20, 20), (20, 230, 20), (20, 20, 230)

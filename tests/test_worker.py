@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from comfy_assets.cli.main import build_parser
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service.messages import parse_message
 from comfy_assets.service.sources import FileSource, MemoryDelivery, MemorySource
-from comfy_assets.service.worker import Worker, build_parser, job_messages
+from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import (

@@ -107,7 +107,7 @@ def worker_args(queue_name: str, url: str, store: Path, folder: Path, *extra: st
     return [
         sys.executable,
         "-m",
-        "comfy_assets.service.worker",
+        "comfy_assets.cli",
         "worker",
         "--rabbitmq",
         URL,
@@ -137,7 +137,7 @@ async def test_enqueue_publishes_each_job_persistent_to_a_quorum_queue(tmp_path,
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "comfy_assets.service.worker",
+        "comfy_assets.cli",
         "enqueue",
         "--rabbitmq",
         URL,

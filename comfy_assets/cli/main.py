@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from comfy_assets.cli.events import add_events_parser
 from comfy_assets.cli.film import add_film_parser
 from comfy_assets.cli.run import add_requeue_parser, add_run_parser
+from comfy_assets.cli.worker import add_enqueue_parser, add_worker_parser
 from comfy_assets.comfy.health import probe_all
 from comfy_assets.comfy.servers import parse_servers
-from comfy_assets.service.worker import add_enqueue_parser, add_worker_parser
 
 
 def add_health(sub: argparse._SubParsersAction) -> None:

@@ -15,16 +15,10 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
-from comfy_assets.film.media import (
-    VIDEO_SUFFIXES,
-    MediaError,
-    MediaInfo,
-    concat,
-    contact_sheet,
-    probe,
-    slate_clip,
-    still_clip,
-)
+from comfy_assets.film.concat import concat
+from comfy_assets.film.contact import contact_sheet
+from comfy_assets.film.probe import VIDEO_SUFFIXES, MediaError, MediaInfo, probe
+from comfy_assets.film.stills import slate_clip, still_clip
 
 KNOWN_STATES = frozenset(
     {

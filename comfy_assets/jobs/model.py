@@ -17,12 +17,9 @@ from typing import Any, Literal
 # Fixed forever: changing it changes every prompt_id and so re-renders everything.
 NAMESPACE = uuid.UUID("d20cb511-11c0-5807-a7e6-7f81477668c7")
 
-
 Policy = Literal["delivery", "draft"]
 
-
 POLICIES: tuple[str, ...] = ("delivery", "draft")
-
 
 UUID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 

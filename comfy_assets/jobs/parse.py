@@ -46,7 +46,6 @@ from comfy_assets.jobs.workflows import WorkflowCache, api_format_problem, model
 
 JOB_FIELDS = frozenset({"id", "workflow", "set", "shot", "duration_s", "optional"})
 
-
 HEADER_FIELDS = frozenset({"policy", "duration_tolerance"})
 
 

@@ -20,10 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.download import MAX_OUTPUT_BYTES, download_outputs
@@ -38,103 +35,23 @@ from comfy_assets.comfy.errors import (
 from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.slot import Slot
-from comfy_assets.comfy.types import DownloadedFile, HistoryEntry
+from comfy_assets.comfy.types import HistoryEntry
 from comfy_assets.jobs.model import Job
+from comfy_assets.render.catch_up import CatchUp
+from comfy_assets.render.outcome import (
+    AttemptHooks,
+    AttemptResult,
+    Kind,
+    NotPosted,
+    describe_error,
+    entry_timings,
+)
+from comfy_assets.render.removal import Removal
 
 log = logging.getLogger("comfy_assets.render.attempt")
 
-Kind = Literal["success", "transient", "permanent"]
 
-
-@dataclass
-class AttemptResult:
-    """What one attempt came to. ``reason`` is for people (empty on success).
-
-    ``gpu_seconds`` and ``queue_wait_s`` come from the server's own timestamps in the
-    /history entry (execution_start, execution_success/error; extra_data.create_time),
-    ``seconds`` is this attempt's wall time. ``outputs_missing``: the run succeeded but
-    the server no longer has its files, so the next attempt must render anew.
-    """
-
-    kind: Kind
-    reason: str = ""
-    server: str | None = None
-    prompt_id: str | None = None
-    number: int | None = None
-    posted: bool = False
-    caught_up: bool = False
-    files: list[DownloadedFile] = field(default_factory=list)
-    seconds: float = 0.0
-    gpu_seconds: float | None = None
-    queue_wait_s: float | None = None
-    outputs_missing: bool = False
-
-
-@dataclass(frozen=True)
-class Eviction:
-    """What removing our prompt from a server came to. ``was_there``: still queued or
-    running when we looked; ``confirmed``: it has left the server (False when the
-    server could not be asked: ``problem`` says why); ``won``: its history entry when
-    that run succeeded after all."""
-
-    was_there: bool
-    confirmed: bool
-    won: HistoryEntry | None = None
-    problem: str = ""
-
-
-async def _nothing(*args: object) -> None:
-    return None
-
-
-@dataclass
-class AttemptHooks:
-    """Coroutines the attempt awaits at state changes (the store writes transitions):
-    ``submitted(server, detail)`` before the POST (``detail``: why this post may render
-    the job a second time, or None), ``rendering(server, number)`` after it.
-    ``stopped()``: why nothing may be posted any more (the batch stopped), else None;
-    asked right before ``submitted`` and again right before the POST."""
-
-    submitted: Callable[[str, str | None], Awaitable[None]] = _nothing
-    rendering: Callable[[str, int], Awaitable[None]] = _nothing
-    stopped: Callable[[], str | None] = lambda: None
-
-
-class NotPosted(Exception):
-    """The batch stopped before this attempt posted anything (``AttemptHooks.stopped``):
-    the job is still pending, and its slot is released."""
-
-
-def entry_timings(entry: HistoryEntry) -> tuple[float | None, float | None]:
-    """(gpu_seconds, queue_wait_s) from a /history entry's status messages and create_time
-    (all server-side milliseconds; success.json shows the shapes)."""
-    start = end = None
-    for item in entry.messages or []:
-        kind, data = item[0], item[1] if len(item) > 1 else {}
-        ts = data.get("timestamp") if isinstance(data, dict) else None
-        if ts is None:
-            continue
-        if kind == "execution_start":
-            start = ts
-        elif kind in ("execution_success", "execution_error", "execution_interrupted"):
-            end = ts
-    created = getattr(entry, "create_time", None)  # ms; None where the entry lacks it
-    gpu = (end - start) / 1000 if start is not None and end is not None else None
-    wait = (start - created) / 1000 if start is not None and created is not None else None
-    return gpu, (max(wait, 0.0) if wait is not None else None)
-
-
-def describe_error(e: ComfyError, what: str) -> str:
-    """A reason a person can read, in the shape of the log lines in STYLE.md."""
-    if isinstance(e, ServerError):
-        first = (e.body or "").strip().splitlines()[:1]
-        return f"{what} {e.status}, {first[0] if first else 'no body'}"
-    if isinstance(e, PromptRejected):
-        return f"{what} 400, {e.detail}"
-    return f"{what}: {type(e).__name__}: {e}"
-
-
-class Attempt:
+class Attempt(CatchUp, Removal):
     """One attempt of ``job`` over ``pool``; files land in ``dest_dir``.
 
     ``slot``: a server already held for it (else one is acquired). ``prev_server``: where
@@ -221,109 +138,6 @@ class Attempt:
         return await self._post_and_follow(self.slot)
 
     # -- catch-up ------------------------------------------------------------------------
-
-    async def _catch_up(self) -> AttemptResult | None:
-        """Look where the prompt was last posted before posting again (exactly once).
-
-        A server that cannot be asked is asked again (capped exponential backoff, no
-        server held meanwhile) for ``catch_up_s`` seconds: posting elsewhere while our
-        prompt may still run there would render the job twice."""
-        name = self.prev_server
-        if name is None or self.pool.spec(name) is None:
-            return None
-        client = self.pool.client(name)
-        pid = self.job.prompt_id
-        give_up_at = time.monotonic() + self.catch_up_s
-        delay = 0.1
-        while True:
-            try:
-                # Bounded like a probe: a frozen server must not eat the attempt's deadline.
-                async with asyncio.timeout(self.pool.probe_timeout_s):
-                    entry = await client.history(pid)
-                    succeeded = entry is not None and entry.status_str == "success"
-                    queue = None if succeeded else await client.queue()
-                    if queue is not None and queue.find(pid) is None:
-                        # It may have finished between the two: a prompt leaves /queue
-                        # only once its history is written, so /history now tells.
-                        entry = await client.history(pid)
-                        if entry is not None and entry.status_str == "success":
-                            queue = None
-                break
-            except (ComfyError, TimeoutError) as e:
-                why = str(e) or f"no answer in {self.pool.probe_timeout_s:g} s"
-                if self.slot is not None and self.slot.name != name:
-                    self.slot.release()  # nothing posted: another job may use it meanwhile
-                    self.slot = None
-                left = give_up_at - time.monotonic()
-                if left <= 0:
-                    self.twice = (
-                        f"catch-up on {name} not possible for {self.catch_up_s:g} s ({why}); "
-                        "posting anew: the job may render twice"
-                    )
-                    log.warning("%s: %s", self.label, self.twice)
-                    self.deadline_from = time.monotonic()
-                    return None
-                log.info(
-                    "%s: catch-up on %s not possible (%s); asking again in %.1f s",
-                    self.label,
-                    name,
-                    why,
-                    min(delay, left),
-                )
-                await asyncio.sleep(min(delay, left))
-                delay = min(delay * 2, 5.0)
-        if queue is None:
-            assert entry is not None
-            log.info("%s: caught up on %s: prompt %s already succeeded", self.label, name, pid)
-            return await self._download(client, name, entry, caught_up=True, verify=True)
-        found = queue.find(pid)
-        if found is None:
-            if entry is None and self.prev_number is not None:
-                # Accepted as run N, yet unknown to the server now: taken off the queue
-                # before it ran, or forgotten by a restart after it ran.
-                self.twice = (
-                    f"catch-up on {name}: run {self.prev_number} in neither /history nor "
-                    "/queue (removed before it ran, or forgotten by a restart): posting "
-                    "anew, the job may render twice"
-                )
-            return None
-        log.info(
-            "%s: caught up on %s: prompt %s still queued as #%s",
-            self.label,
-            name,
-            pid,
-            found.number,
-        )
-        if self.slot is not None and self.slot.name != name:
-            self.slot.release()
-            self.slot = None
-        if self.slot is None:
-            self.slot = await self.pool.acquire(only=name, allow_prompt=pid)
-        self.slot.prompt_id = pid
-        await self.hooks.submitted(name, None)
-        await self.hooks.rendering(name, found.number)
-        return await self._follow(self.slot, found.number, posted=False)
-
-    async def _dropped(self, client: ComfyClient, listed: tuple[str, ...] | None) -> str:
-        """Why a run of our prompt renders less than the workflow asks ("outputs dropped:
-        node 3 ..."), or "" when it rendered every output node. Raises the client's
-        errors (it may ask /object_info).
-
-        A POST answered 200 with ``node_errors`` (validation_errors.json) queues the
-        prompt without the output nodes that failed: a run found by a catch-up or after
-        an unanswered POST tells it only by its ``outputs_to_execute``."""
-        if listed is None:
-            return ""
-        missing = [n for n in self.job.workflow if n not in listed]
-        dropped = [
-            n
-            for n in missing
-            if await client.is_output_node(str(self.job.workflow[n].get("class_type")))
-        ]
-        if not dropped:
-            return ""
-        nodes = ", ".join(f"node {n}" for n in sorted(dropped))
-        return f"outputs dropped: {nodes} not among the outputs the server runs"
 
     # -- post and follow -----------------------------------------------------------------
 
@@ -570,63 +384,3 @@ class Attempt:
         return self.result("success", files=files, **common)
 
     # -- removing a prompt of ours from a server ----------------------------------------
-
-    async def _evict(self, slot: Slot, number: int) -> Eviction:
-        """Interrupt our prompt, delete it from the queue, and wait until it has left
-        /queue (an interrupt lands only between nodes and a delete can lose the race:
-        data/recorded/README.md fact 7); then read its history, in case run ``number``
-        succeeded after all. The slot is released once the prompt has left; abandoned
-        (its lease left to expire) if that can't be confirmed."""
-        client, pid = slot.client, self.job.prompt_id
-        deadline = time.monotonic() + self.evict_timeout_s
-        try:
-            queue = await client.queue()
-            was_there = queue.find(pid) is not None
-            if was_there:
-                await client.delete_from_queue([pid])
-                await client.interrupt(pid)
-            while queue.find(pid) is not None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"still there after {self.evict_timeout_s:g} s")
-                await asyncio.sleep(self.poll_s)
-                queue = await client.queue()
-            entry = await client.history(pid)
-        except (ComfyError, TimeoutError) as e:
-            problem = str(e) or type(e).__name__
-            log.warning(
-                "%s: could not confirm prompt %s left %s: %s", self.label, pid, slot.name, problem
-            )
-            slot.abandon()
-            return Eviction(was_there=True, confirmed=False, problem=problem)
-        slot.release()
-        won = entry.number == number and entry.status_str == "success" if entry else False
-        return Eviction(was_there=was_there, confirmed=True, won=entry if won else None)
-
-    async def _remove(self, slot: Slot, number: int) -> str:
-        """``_evict`` our run ``number`` from ``slot``'s server; what came of it, for
-        people. A run that succeeded meanwhile is left for the next attempt's catch-up."""
-        gone = await self._evict(slot, number)
-        self.on_server = None
-        if not gone.confirmed:
-            return (
-                f"could not remove prompt {self.job.prompt_id} from {slot.name} "
-                f"({gone.problem}); its server lease expires in {self.pool.lease_s:g} s"
-            )
-        if gone.won is not None:
-            return f"it succeeded on {slot.name} meanwhile (the next attempt takes it)"
-        if gone.was_there:
-            return f"prompt interrupted and removed from {slot.name}"
-        return f"prompt no longer on {slot.name}"
-
-    async def cancel_cleanup(self) -> str:
-        """On cancellation: interrupt and remove our prompt, then free the slot. Returns
-        what happened, for people ("prompt interrupted and removed from gpu0", "could not
-        remove prompt ... from gpu0 (...)", "nothing on a server").
-
-        Bounded by ``evict_timeout_s``; used by the batch's cancellation path."""
-        if self.slot is None or self.slot.released:
-            return "nothing on a server"
-        if self.on_server is None:
-            self.slot.release()
-            return "nothing on a server"
-        return await self._remove(self.slot, number=-1)

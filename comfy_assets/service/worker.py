@@ -21,21 +21,16 @@ Shutdown (SIGTERM/SIGINT, or ``Worker.request_stop``): stop consuming, give runn
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
-import os
-import signal
-import sys
 from collections import Counter
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from comfy_assets.cli.run import add_batch_options, add_db_url_option, batch_config, byte_size
 from comfy_assets.comfy.pool import Pool
-from comfy_assets.comfy.servers import ServerSpec, parse_servers
+from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
@@ -44,10 +39,11 @@ from comfy_assets.render.owners import new_owner
 from comfy_assets.render.run import make_pool, run_one
 from comfy_assets.service import broker
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES, file_messages, oversized, parse_message
-from comfy_assets.service.sources import Delivery, FileSource, JobSource, RabbitSource
+from comfy_assets.service.sources import Delivery, JobSource
 from comfy_assets.store import PartitionConflict, Store, StoreUnavailable
 
 log = logging.getLogger("comfy_assets.service.worker")
+
 T = TypeVar("T")
 
 # Outcome counters (Worker.counts): "acked" counts every ack; the others say why.
@@ -441,9 +437,6 @@ class Worker:
         self.counts["acked"] += 1
 
 
-# --- enqueue -------------------------------------------------------------------------
-
-
 def job_messages(path: Path, max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, bytes]]:
     """Validate the job file at ``path`` and return ``(job_id, body)`` per job, in file
     order: self-contained messages (``comfy_assets.service.messages``: the workflow inline, so a
@@ -457,210 +450,3 @@ def job_messages(path: Path, max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[s
     if too_big:
         raise JobFileError(too_big)
     return messages
-
-
-def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``enqueue``: ``--rabbitmq URL --queue NAME --jobs FILE``."""
-    p = subparsers.add_parser(
-        "enqueue", help="validate a job file and publish its jobs to a RabbitMQ queue"
-    )
-    add_rabbitmq_option(p)
-    p.add_argument("--queue", required=True, help="job queue (quorum); dead letters: QUEUE.dead")
-    p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
-    add_max_message_option(p, "a job whose message is larger is an error; nothing is sent")
-    p.set_defaults(func=enqueue_command)
-
-
-def add_rabbitmq_option(p: argparse.ArgumentParser | argparse._MutuallyExclusiveGroup) -> None:
-    """``--rabbitmq URL``, by default ``$COMFY_ASSETS_RABBITMQ_URL`` (read when the
-    parser is built), which keeps the password out of ``ps``."""
-    p.add_argument(
-        "--rabbitmq",
-        metavar="URL",
-        default=os.environ.get(broker.RABBITMQ_URL_ENV) or None,
-        help=f"amqp://user:pass@host:5672/ (default: ${broker.RABBITMQ_URL_ENV}, which "
-        "keeps the password out of ps)",
-    )
-
-
-def add_max_message_option(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
-        "--max-message-bytes",
-        type=byte_size,
-        default=MAX_MESSAGE_BYTES,
-        metavar="SIZE",
-        help=f"most bytes one message may have (4MiB); {what}",
-    )
-
-
-def _needs_rabbitmq(args: argparse.Namespace) -> str | None:
-    """What is missing when no RabbitMQ URL was given, by option or environment."""
-    if args.rabbitmq:
-        return None
-    return f"no RabbitMQ URL: give --rabbitmq URL or set ${broker.RABBITMQ_URL_ENV}"
-
-
-def enqueue_command(args: argparse.Namespace) -> int:
-    """Publish every job of ``args.jobs`` to ``args.queue`` with confirms; print
-    ``enqueued N jobs to NAME``. Exit 0; 2 for an invalid file (every error printed,
-    nothing published) or no RabbitMQ URL; 1 when RabbitMQ fails."""
-    missing = _needs_rabbitmq(args)
-    if missing:
-        print(f"error: {missing}", file=sys.stderr)
-        return 2
-    try:
-        jobs = job_messages(args.jobs, args.max_message_bytes)
-    except JobFileError as e:
-        print(f"error: {args.jobs}: {len(e.errors)} problem(s), nothing enqueued", file=sys.stderr)
-        for err in e.errors:
-            print(f"  {err}", file=sys.stderr)
-        return 2
-    try:
-        count = asyncio.run(broker.enqueue(args.rabbitmq, args.queue, jobs))
-    except broker.BrokerError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(f"enqueued {count} jobs to {args.queue}", flush=True)
-    return 0
-
-
-# --- worker --------------------------------------------------------------------------
-
-
-def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``worker``: a RabbitMQ queue (``--rabbitmq --queue``) or a job file
-    (``--jobs``) over ``--server``s, with the retry knobs of ``run``."""
-    p = subparsers.add_parser("worker", help="run jobs from a RabbitMQ queue (or a job file)")
-    src = p.add_mutually_exclusive_group()
-    add_rabbitmq_option(src)
-    src.add_argument("--jobs", type=Path, help="a job file instead of a queue")
-    p.add_argument("--queue", help="job queue (with --rabbitmq); dead letters: QUEUE.dead")
-    p.add_argument(
-        "--server",
-        action="append",
-        required=True,
-        metavar="NAME=URL",
-        help="gpu0=http://host:port (repeat); a user:password@ in the URL is sent as basic "
-        "auth, never printed",
-    )
-    p.add_argument("--store", type=Path, required=True, help="result store folder")
-    add_db_url_option(p)
-    p.add_argument(
-        "--partition", default=None, help="store partition (default: the queue name or file stem)"
-    )
-    p.add_argument(
-        "--grace-s",
-        type=float,
-        default=60.0,
-        help="running jobs' time to finish at shutdown (60 s)",
-    )
-    p.add_argument(
-        "--workflows-dir",
-        type=Path,
-        default=Path("."),
-        help="where messages that name their workflow by path find it, never outside (.); "
-        "messages from enqueue carry theirs inline",
-    )
-    add_max_message_option(p, "a larger message is dead-lettered unparsed")
-    p.add_argument(
-        "--health-file", type=Path, default=None, help="touched every --heartbeat-s while alive"
-    )
-    p.add_argument("--heartbeat-s", type=float, default=5.0, help="health file interval (5 s)")
-    p.add_argument("--policy", choices=["delivery", "draft"], default=None)
-    add_batch_options(p)
-    p.set_defaults(func=worker_command)
-
-
-def _configure_logging() -> None:
-    # A service logs to stderr with times; an application that configured logging keeps it.
-    if not logging.getLogger().handlers:
-        logging.basicConfig(
-            level=logging.INFO,
-            stream=sys.stderr,
-            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        )
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns ours
-
-
-def worker_command(args: argparse.Namespace) -> int:
-    """Run the worker until SIGTERM/SIGINT (a queue) or the end of the file (``--jobs``).
-
-    Exit 0 after a graceful stop or a file whose jobs are all done; 1 when a file's job
-    was dead-lettered, RabbitMQ failed or was lost, or a message's handling failed;
-    2 for bad arguments or an invalid job file.
-    """
-    _configure_logging()
-    try:
-        servers = parse_servers(args.server)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    source: JobSource
-    if args.jobs is not None:
-        try:
-            source = FileSource(load_job_file(args.jobs), partition=args.partition)
-        except JobFileError as e:
-            print(f"error: {args.jobs}:\n{e}", file=sys.stderr)
-            return 2
-    else:
-        missing = _needs_rabbitmq(args)
-        if missing:
-            print(f"error: {missing}, or --jobs FILE", file=sys.stderr)
-            return 2
-        if not args.queue:
-            print("error: --rabbitmq needs --queue", file=sys.stderr)
-            return 2
-        source = RabbitSource(args.rabbitmq, args.queue)
-        if args.partition:
-            source.partition = args.partition
-    worker = Worker(
-        source,
-        servers=servers,
-        store=Store(args.store, args.db_url),
-        config=batch_config(args),
-        grace_s=args.grace_s,
-        workflows_dir=args.workflows_dir,
-        max_message_bytes=args.max_message_bytes,
-        health_file=args.health_file,
-        heartbeat_s=args.heartbeat_s,
-    )
-    try:
-        asyncio.run(_serve(worker))
-    except (broker.BrokerError, StoreUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if worker.stop_reason is None and isinstance(source, FileSource):
-        dead = worker.counts["dead_lettered"] + worker.counts["dead_before"]
-        return 1 if dead else 0
-    return 0
-
-
-async def _serve(worker: Worker) -> None:
-    """``worker.run()`` with SIGTERM and SIGINT asking it to stop gracefully."""
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.request_stop, sig.name)
-    try:
-        await worker.run()
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(sig)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The parser of ``python -m comfy_assets.service.worker {enqueue,worker} ...``."""
-    parser = argparse.ArgumentParser(prog="python -m comfy_assets.service.worker")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    add_enqueue_parser(sub)
-    add_worker_parser(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m comfy_assets.service.worker``; returns the exit code."""
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,205 @@
+"""What the demo expects of each job file and what it found: the runs Dagster made, each
+partition's materializations, its results CSV and film, said a line each."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+from dagster import (
+    AssetKey,
+    AssetRecordsFilter,
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRunStatus,
+    RunsFilter,
+)
+
+from comfy_assets.assets import results_csv_path
+from comfy_assets.cli.demo_processes import Child, DemoFailed, say, tail
+from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.partitions import iter_job_files, partition_key_for
+from comfy_assets.sensors import JOB_FILE_SHA_TAG
+
+DONE_STATES = ("succeeded", "degraded")
+
+# Asset whose materializations are films; printed once such an asset exists (films.py).
+FILMS_ASSET = "films"
+
+
+@dataclass
+class Expected:
+    """A job file the demo waits for: its partition and current version."""
+
+    key: str
+    path: Path
+    sha256: str
+    job_ids: list[str]
+
+
+def expected_files(jobs_dir: Path) -> list[Expected]:
+    """Every job file of ``jobs_dir``, validated now so a bad one fails fast."""
+    found: list[Expected] = []
+    problems: list[str] = []
+    for entry in sorted(iter_job_files([jobs_dir]), key=lambda e: e.name):
+        path = Path(entry.path)
+        try:
+            job_file = load_job_file(path)
+        except JobFileError as exc:
+            problems.append(str(exc))
+            continue
+        found.append(
+            Expected(partition_key_for(path), path, job_file.sha256, [j.id for j in job_file.jobs])
+        )
+    if problems:
+        raise DemoFailed("invalid job files:\n" + "\n".join(problems))
+    if not found:
+        raise DemoFailed(f"no job files (*.jsonl) in {jobs_dir}")
+    return found
+
+
+@dataclass
+class PartitionState:
+    """Where one job file stands: ``waiting``, ``running``, ``success`` or ``failed``."""
+
+    state: str
+    detail: str
+    run_id: str | None = None
+
+
+def partition_state(instance: DagsterInstance, item: Expected) -> PartitionState:
+    """The state of the runs for this file version (retries keep the parent's tags)."""
+    runs = instance.get_runs(
+        filters=RunsFilter(tags={"dagster/partition": item.key, JOB_FILE_SHA_TAG: item.sha256})
+    )
+    if not runs:
+        return PartitionState("waiting", "no run yet (the sensor ticks every 2 s)")
+    for run in runs:
+        if run.status == DagsterRunStatus.SUCCESS:
+            return PartitionState("success", "SUCCESS", run.run_id)
+    newest = runs[0]  # get_runs lists the newest first
+    status = newest.status.value
+    if not newest.is_finished:
+        return PartitionState("running", f"run {newest.run_id[:8]} {status}", newest.run_id)
+    if (
+        newest.status == DagsterRunStatus.FAILURE
+        and newest.tags.get("dagster/will_retry") == "true"
+    ):
+        return PartitionState(
+            "running", f"run {newest.run_id[:8]} failed, retry coming", newest.run_id
+        )
+    return PartitionState("failed", f"run {newest.run_id[:8]} {status}", newest.run_id)
+
+
+def run_errors(instance: DagsterInstance, run_id: str) -> str:
+    """The step and run failures of a run, from its event log."""
+    lines: list[str] = []
+    kinds = {DagsterEventType.STEP_FAILURE, DagsterEventType.RUN_FAILURE}
+    for record in instance.all_logs(run_id, of_type=kinds):
+        event = record.dagster_event
+        if event is None:
+            continue
+        lines.append(f"  {event.event_type_value} {event.step_key or ''}: {event.message or ''}")
+        error = getattr(event.event_specific_data, "error", None)
+        if error is not None:
+            lines.append("    " + error.to_string().strip().replace("\n", "\n    "))
+    return "\n".join(lines) or "  (no step errors in the event log)"
+
+
+def wait_for_runs(
+    instance: DagsterInstance, expected: list[Expected], watched: list[Child], timeout_s: float
+) -> dict[str, PartitionState]:
+    """Poll the instance until every file version has a successful run, or fail."""
+    deadline = time.monotonic() + timeout_s
+    last: dict[str, str] = {}
+    last_print = 0.0
+    while True:
+        for child in watched:
+            if not child.alive():
+                raise DemoFailed(
+                    f"{child.name} exited with {child.proc.returncode}:\n{tail(child.log)}"
+                )
+        states = {item.key: partition_state(instance, item) for item in expected}
+        failed = {key: s for key, s in states.items() if s.state == "failed"}
+        if failed:
+            report = [
+                f"partition {key}: {s.detail}\n{run_errors(instance, s.run_id or '')}"
+                for key, s in failed.items()
+            ]
+            raise DemoFailed("runs failed:\n" + "\n".join(report))
+        now = time.monotonic()
+        snapshot = {key: s.detail for key, s in states.items()}
+        parts = ", ".join(f"{key}: {s.detail}" for key, s in states.items())
+        if snapshot != last or now - last_print > 15:
+            done = sum(1 for s in states.values() if s.state == "success")
+            say(f"{done}/{len(expected)} job files rendered ({parts})")
+            last, last_print = snapshot, now
+        if all(s.state == "success" for s in states.values()):
+            return states
+        if now > deadline:
+            daemon = next((c for c in watched if c.name == "daemon"), None)
+            log = f"\ndaemon log:\n{tail(daemon.log)}" if daemon else ""
+            raise DemoFailed(f"timed out after {timeout_s:.0f} s waiting for runs ({parts}){log}")
+        time.sleep(1.0)
+
+
+def _meta_value(metadata: dict, key: str) -> object:
+    entry = metadata.get(key)
+    return getattr(entry, "value", entry)
+
+
+def report_partition(
+    instance: DagsterInstance, item: Expected, run_id: str, store_root: Path
+) -> list[str]:
+    """Print a partition's summary and results CSV; return what is wrong with it."""
+    problems: list[str] = []
+    counts: object = None
+    for record in instance.all_logs(run_id, of_type=DagsterEventType.ASSET_MATERIALIZATION):
+        materialization = record.asset_materialization
+        if materialization and materialization.asset_key == AssetKey("renders"):
+            counts = _meta_value(dict(materialization.metadata), "counts")
+    checks = []
+    for record in instance.all_logs(run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION):
+        event = record.dagster_event
+        evaluation = event.event_specific_data if event else None
+        if evaluation is not None:
+            checks.append(f"{evaluation.check_name} {'passed' if evaluation.passed else 'FAILED'}")
+            if not evaluation.passed:
+                problems.append(f"{item.key}: check {evaluation.check_name} failed")
+    say(f"partition {item.key} ({item.path.name}, {len(item.job_ids)} jobs): counts {counts}")
+    say(f"  checks: {', '.join(checks) or 'none recorded'}")
+
+    csv_path = results_csv_path(store_root, item.key)
+    if not csv_path.exists():
+        return [*problems, f"{item.key}: no results CSV at {csv_path}"]
+    frame = pd.read_csv(csv_path, dtype=str, keep_default_na=False)
+    say(f"  results: {csv_path} ({len(frame)} rows)")
+    rows = frame["job_id"].tolist()
+    if rows != item.job_ids:
+        missing = sorted(set(item.job_ids) - set(rows))
+        extra = sorted(set(rows) - set(item.job_ids))
+        problems.append(
+            f"{item.key}: CSV rows do not match the job lines "
+            f"({len(rows)} rows, {len(item.job_ids)} lines; missing {missing}, extra {extra})"
+        )
+    not_done = frame[~frame["state"].isin(DONE_STATES)]
+    for _, row in not_done.iterrows():
+        problems.append(f"{item.key}: job {row['job_id']} is {row['state']}: {row['reason']}")
+
+    # Hook for films (films.py): printed as soon as a `films` asset is materialized.
+    films = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey(FILMS_ASSET), asset_partitions=[item.key]),
+        limit=1,
+        ascending=False,
+    )
+    for film in films.records:
+        materialization = film.asset_materialization
+        if materialization is not None:
+            metadata = dict(materialization.metadata)
+            path = _meta_value(metadata, "path")
+            # A job file without shots materializes with only a status ("no shots").
+            say(f"  film: {path}" if path else f"  film: none ({_meta_value(metadata, 'status')})")
+    return problems

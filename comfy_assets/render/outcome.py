@@ -1,0 +1,106 @@
+"""What an attempt comes to (``AttemptResult``, ``Eviction``), the hooks it calls on the
+way (``AttemptHooks``), and the readable reasons and timings taken from what ComfyUI
+answered (``describe_error``, ``entry_timings``)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from comfy_assets.comfy.errors import (
+    ComfyError,
+    PromptRejected,
+    ServerError,
+)
+from comfy_assets.comfy.types import DownloadedFile, HistoryEntry
+
+Kind = Literal["success", "transient", "permanent"]
+
+
+@dataclass
+class AttemptResult:
+    """What one attempt came to. ``reason`` is for people (empty on success).
+
+    ``gpu_seconds`` and ``queue_wait_s`` come from the server's own timestamps in the
+    /history entry (execution_start, execution_success/error; extra_data.create_time),
+    ``seconds`` is this attempt's wall time. ``outputs_missing``: the run succeeded but
+    the server no longer has its files, so the next attempt must render anew.
+    """
+
+    kind: Kind
+    reason: str = ""
+    server: str | None = None
+    prompt_id: str | None = None
+    number: int | None = None
+    posted: bool = False
+    caught_up: bool = False
+    files: list[DownloadedFile] = field(default_factory=list)
+    seconds: float = 0.0
+    gpu_seconds: float | None = None
+    queue_wait_s: float | None = None
+    outputs_missing: bool = False
+
+
+@dataclass(frozen=True)
+class Eviction:
+    """What removing our prompt from a server came to. ``was_there``: still queued or
+    running when we looked; ``confirmed``: it has left the server (False when the
+    server could not be asked: ``problem`` says why); ``won``: its history entry when
+    that run succeeded after all."""
+
+    was_there: bool
+    confirmed: bool
+    won: HistoryEntry | None = None
+    problem: str = ""
+
+
+async def _nothing(*args: object) -> None:
+    return None
+
+
+@dataclass
+class AttemptHooks:
+    """Coroutines the attempt awaits at state changes (the store writes transitions):
+    ``submitted(server, detail)`` before the POST (``detail``: why this post may render
+    the job a second time, or None), ``rendering(server, number)`` after it.
+    ``stopped()``: why nothing may be posted any more (the batch stopped), else None;
+    asked right before ``submitted`` and again right before the POST."""
+
+    submitted: Callable[[str, str | None], Awaitable[None]] = _nothing
+    rendering: Callable[[str, int], Awaitable[None]] = _nothing
+    stopped: Callable[[], str | None] = lambda: None
+
+
+class NotPosted(Exception):
+    """The batch stopped before this attempt posted anything (``AttemptHooks.stopped``):
+    the job is still pending, and its slot is released."""
+
+
+def entry_timings(entry: HistoryEntry) -> tuple[float | None, float | None]:
+    """(gpu_seconds, queue_wait_s) from a /history entry's status messages and create_time
+    (all server-side milliseconds; success.json shows the shapes)."""
+    start = end = None
+    for item in entry.messages or []:
+        kind, data = item[0], item[1] if len(item) > 1 else {}
+        ts = data.get("timestamp") if isinstance(data, dict) else None
+        if ts is None:
+            continue
+        if kind == "execution_start":
+            start = ts
+        elif kind in ("execution_success", "execution_error", "execution_interrupted"):
+            end = ts
+    created = getattr(entry, "create_time", None)  # ms; None where the entry lacks it
+    gpu = (end - start) / 1000 if start is not None and end is not None else None
+    wait = (start - created) / 1000 if start is not None and created is not None else None
+    return gpu, (max(wait, 0.0) if wait is not None else None)
+
+
+def describe_error(e: ComfyError, what: str) -> str:
+    """A reason a person can read, in the shape of the log lines in STYLE.md."""
+    if isinstance(e, ServerError):
+        first = (e.body or "").strip().splitlines()[:1]
+        return f"{what} {e.status}, {first[0] if first else 'no body'}"
+    if isinstance(e, PromptRejected):
+        return f"{what} 400, {e.detail}"
+    return f"{what}: {type(e).__name__}: {e}"

@@ -1,0 +1,83 @@
+"""Removing our prompt from a server: interrupt, delete from the queue, wait until it left
+/queue (an interrupt lands between nodes, a delete can lose the race: README fact 7),
+and read its history in case it succeeded after all."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from comfy_assets.comfy.errors import (
+    ComfyError,
+)
+from comfy_assets.comfy.slot import Slot
+from comfy_assets.render.outcome import (
+    Eviction,
+)
+
+log = logging.getLogger("comfy_assets.render.attempt")
+
+
+class Removal:
+    """How an attempt removes its prompt (a part of ``Attempt``)."""
+
+    async def _evict(self, slot: Slot, number: int) -> Eviction:
+        """Interrupt our prompt, delete it from the queue, and wait until it has left
+        /queue (an interrupt lands only between nodes and a delete can lose the race:
+        data/recorded/README.md fact 7); then read its history, in case run ``number``
+        succeeded after all. The slot is released once the prompt has left; abandoned
+        (its lease left to expire) if that can't be confirmed."""
+        client, pid = slot.client, self.job.prompt_id
+        deadline = time.monotonic() + self.evict_timeout_s
+        try:
+            queue = await client.queue()
+            was_there = queue.find(pid) is not None
+            if was_there:
+                await client.delete_from_queue([pid])
+                await client.interrupt(pid)
+            while queue.find(pid) is not None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"still there after {self.evict_timeout_s:g} s")
+                await asyncio.sleep(self.poll_s)
+                queue = await client.queue()
+            entry = await client.history(pid)
+        except (ComfyError, TimeoutError) as e:
+            problem = str(e) or type(e).__name__
+            log.warning(
+                "%s: could not confirm prompt %s left %s: %s", self.label, pid, slot.name, problem
+            )
+            slot.abandon()
+            return Eviction(was_there=True, confirmed=False, problem=problem)
+        slot.release()
+        won = entry.number == number and entry.status_str == "success" if entry else False
+        return Eviction(was_there=was_there, confirmed=True, won=entry if won else None)
+
+    async def _remove(self, slot: Slot, number: int) -> str:
+        """``_evict`` our run ``number`` from ``slot``'s server; what came of it, for
+        people. A run that succeeded meanwhile is left for the next attempt's catch-up."""
+        gone = await self._evict(slot, number)
+        self.on_server = None
+        if not gone.confirmed:
+            return (
+                f"could not remove prompt {self.job.prompt_id} from {slot.name} "
+                f"({gone.problem}); its server lease expires in {self.pool.lease_s:g} s"
+            )
+        if gone.won is not None:
+            return f"it succeeded on {slot.name} meanwhile (the next attempt takes it)"
+        if gone.was_there:
+            return f"prompt interrupted and removed from {slot.name}"
+        return f"prompt no longer on {slot.name}"
+
+    async def cancel_cleanup(self) -> str:
+        """On cancellation: interrupt and remove our prompt, then free the slot. Returns
+        what happened, for people ("prompt interrupted and removed from gpu0", "could not
+        remove prompt ... from gpu0 (...)", "nothing on a server").
+
+        Bounded by ``evict_timeout_s``; used by the batch's cancellation path."""
+        if self.slot is None or self.slot.released:
+            return "nothing on a server"
+        if self.on_server is None:
+            self.slot.release()
+            return "nothing on a server"
+        return await self._remove(self.slot, number=-1)

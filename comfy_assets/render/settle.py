@@ -1,0 +1,155 @@
+"""What an attempt's result does to its job: succeeded (the done record), tried again
+after a backoff delay, degraded (draft policy) or dead-lettered (and, under the delivery
+policy, the storyboard stopped); and an attempt cut short by a cancelled run, recorded."""
+
+from __future__ import annotations
+
+import time
+
+from comfy_assets.jobs.model import Job
+from comfy_assets.render.attempt import Attempt
+from comfy_assets.render.outcome import AttemptResult
+from comfy_assets.render.outputs import remove_stale_outputs
+from comfy_assets.render.queue import Item
+from comfy_assets.store import AttemptEntry, StoreUnavailable
+
+
+class Settle:
+    """The store's side of each attempt's end (a part of ``Batch``)."""
+
+    async def _settle(self, item: Item, number: int, r: AttemptResult) -> None:
+        job, store, cfg = item.job, self.store, self.config
+        tried = AttemptEntry(  # written with the transition below, one transaction
+            item.attempts_before + number,  # rows go on numbering after a requeue
+            server=r.server,
+            prompt_id=r.prompt_id,
+            number=r.number,
+            seconds=r.seconds,
+            queue_wait_s=r.queue_wait_s,
+            gpu_seconds=r.gpu_seconds,
+            outcome=r.kind,
+            reason=r.reason or None,
+        )
+        where = f" on {r.server}" if r.server else ""
+        if r.kind == "success":
+            remove_stale_outputs(store.job_dir(self.partition, job.id), r.files)
+            self.claims.finishing_now(job.id)
+            await self._db(
+                store.mark_done,
+                job.id,
+                self.owner,
+                state="succeeded",
+                files=r.files,
+                server=r.server,
+                attempt=number,
+                number=r.number,
+                tried=tried,
+            )
+            self.claims.finished(job.id)
+            how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
+            self.say(f"job {job.id} attempt {number}{where}: succeeded ({how})")
+            self._resolve()
+            return
+        if r.kind == "transient" and number < cfg.attempts:
+            await self._db(
+                store.transition,
+                job.id,
+                "failed_retryable",
+                server=r.server,
+                attempt=number,
+                detail=r.reason,
+                tried=tried,
+            )
+            if self.stopped:  # no consumer takes it any more: the next run does
+                self.claims.release(job.id)
+                self.say(
+                    f"job {job.id}: attempt {number} failed{where}, {r.reason}; not retried "
+                    f"in this run ({self.stopped})"
+                )
+                self._resolve()
+                return
+            delay = cfg.retry.delay(number)
+            self.say(
+                f"job {job.id}: attempt {number} failed{where}, {r.reason}; "
+                f"retry in {delay * 1000:.0f} ms, ahead of the jobs not yet tried"
+            )
+            again = Item(job, prev_server=r.server, fresh=r.outputs_missing)
+            self.queue.push_later(again, delay)
+            return
+        reason = (
+            r.reason
+            if r.kind == "permanent"
+            else f"gave up after {number} attempts, last: {r.reason}"
+        )
+        self.claims.finishing_now(job.id)
+        if self.draft and (r.kind == "permanent" or job.optional):
+            await self._db(
+                store.mark_done,
+                job.id,
+                self.owner,
+                state="degraded",
+                files=[],
+                server=r.server,
+                attempt=number,
+                reason=reason,
+                tried=tried,
+            )
+            self.say(f"job {job.id}: degraded (draft), {reason}")
+        else:
+            await self._db(
+                store.dead_letter,
+                job.id,
+                self.owner,
+                reason,
+                server=r.server,
+                attempt=number,
+                tried=tried,
+            )
+            self.say(f"job {job.id}: dead-lettered, {reason}")
+            if self.stop_on_fatal and not self.stopped:
+                self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
+                self.say(f"delivery policy: {self.stopped}; no new shots are submitted")
+        self.claims.finished(job.id)
+        self._resolve()
+
+    async def _cancelled(self, job: Job, attempt: Attempt, number: int, before: int) -> None:
+        """The batch is cancelled during attempt ``number`` (``before``: the job's tries
+        before its last requeue): remove our prompt, record the attempt, free the claim."""
+        what = "cleanup did not finish"
+        try:
+            what = await attempt.cancel_cleanup()
+        finally:
+            try:
+                await self._record_cancel(job, attempt, number, before, what)
+                what += ", claim released"
+            except StoreUnavailable as e:
+                what += f"; neither recorded nor its claim released ({e})"
+            self.say(f"job {job.id}: run cancelled, {what}")
+
+    async def _record_cancel(
+        self, job: Job, attempt: Attempt, number: int, before: int, what: str
+    ) -> None:
+        """Record the cancelled attempt (its job back to failed_retryable) and free the
+        claim. Raises StoreUnavailable."""
+        await self._landed()  # a `submitted` still being written lands first
+        rec = await self._db(self.store.get, job.id)
+        if rec is not None and rec.state in ("submitted", "rendering"):
+            reason = f"run cancelled; {what}"
+            tried = AttemptEntry(
+                before + number,
+                outcome="transient",
+                server=rec.server,
+                prompt_id=job.prompt_id,
+                number=rec.number,
+                seconds=time.monotonic() - attempt.started,
+                reason=reason,
+            )
+            await self._db(
+                self.store.transition,
+                job.id,
+                "failed_retryable",
+                detail=reason,
+                attempt=number,
+                tried=tried,
+            )
+        self.claims.release(job.id)
