@@ -8,8 +8,6 @@ Thin on purpose: the work is ``comfy_assets.render.batch.run_batch_sync``, the t
 
 import base64
 import io
-import shutil
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -26,24 +24,26 @@ from dagster import (
 )
 from PIL import Image
 
-from comfy_assets.film.gate import FilmResult, GateBlocked, GateResult, build_film
+from comfy_assets.film.gate import FilmResult, GateBlocked, GateResult
+from comfy_assets.film.make import make_film
 from comfy_assets.film.shots import (
     bad_shot_lines,
     film_cost_report,
     film_path,
     film_policy,
     has_shots,
-    shots_from_store,
 )
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.states import DONE
 from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, job_files_partitions
 from comfy_assets.render.results import (
     RESULTS_CSV,
     combine_results,
     markdown_table,
-    results_table,
+    results_csv_path,
     write_csv,
+    write_results,
 )
 from comfy_assets.render.run import run_batch_sync
 from comfy_assets.render.summary import BatchSummary
@@ -51,8 +51,6 @@ from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.sensors import JOB_FILE_SHA_TAG
 from comfy_assets.store import Store, StoreUnavailable
 
-DONE_STATES = frozenset({"succeeded", "degraded"})
-DEAD_LETTER_STATE = "failed_fatal"
 THUMBNAILS = 4
 THUMBNAIL_PX = 64
 # Thumbnails come from the first jobs only: a video batch has no PNG to find.
@@ -173,7 +171,7 @@ def renders(
 
     in_file = set(job_ids)
     current = [record for record in summary.jobs if record.job_id in in_file]
-    done = sum(1 for record in current if record.state in DONE_STATES)
+    done = sum(1 for record in current if record.state in DONE)
     dead = [(job_id, reason) for job_id, reason in summary.dead_letters if job_id in in_file]
     for job_id, reason in dead:
         context.log.error(f"job {job_id}: DEAD LETTER, {reason}")
@@ -226,11 +224,6 @@ def renders(
     )
 
 
-def results_csv_path(root: Path, partition: str) -> Path:
-    """Where a partition's results CSV is written: ``<store>/<partition>/results.csv``."""
-    return root / partition / RESULTS_CSV
-
-
 @asset(partitions_def=job_files_partitions, deps=[renders], kinds={"pandas", "csv"})
 def render_results(
     context: AssetExecutionContext, result_store: ResultStoreResource
@@ -245,12 +238,9 @@ def render_results(
     job_ids = [job.id for job in job_file.jobs]
     store = result_store.open()
     try:
-        records = store.jobs(partition)
-        files = {record.job_id: store.files(record.job_id) for record in records}
+        path, frame = write_results(store, partition, job_ids)
     finally:
         store.close()
-    frame = results_table(records, files, job_ids=job_ids)
-    path = write_csv(frame, results_csv_path(result_store.root, partition))
     context.log.info(f"wrote {len(frame)} rows to {path}")
     return MaterializeResult(
         metadata={
@@ -411,23 +401,16 @@ def films(
         )
         return
     try:
-        policy = film_policy(job_file, comfy.policy)
+        film_policy(job_file, comfy.policy)
     except ValueError as exc:
         raise Failure(description=f"comfy.policy: {exc}", allow_retries=False) from exc
 
     store = result_store.open()
     try:
-        shots = shots_from_store(store, partition, job_file)
         cost = film_cost_report(store, job_file)
-    finally:
-        store.close()
-
-    out = film_path(result_store.root, partition)
-    # Stills and slates are only needed until the concat; build_film creates the folder
-    # only once the gate has passed.
-    work_dir = out.parent / f".film-work-{uuid.uuid4().hex[:8]}"
-    try:
-        film = build_film(shots, policy, out, work_dir=work_dir)
+        film = make_film(
+            store, partition, job_file, film_path(result_store.root, partition), comfy.policy
+        )
     except GateBlocked as blocked:
         for line in bad_shot_lines(blocked.result):
             context.log.error(line)
@@ -438,8 +421,8 @@ def films(
             allow_retries=False,
         ) from blocked
     finally:
-        if work_dir.exists():
-            shutil.rmtree(work_dir)
+        store.close()
+    policy = film_policy(job_file, comfy.policy)
 
     how = f"draft, slates for shots {film.placeholders}" if film.draft else policy.mode
     context.log.info(

@@ -20,6 +20,7 @@ Without ``--keep`` everything it started is stopped on exit, Ctrl+C included. Wi
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import signal
@@ -178,6 +179,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo_dir = args.dir.resolve()
     if args.stop:
         return stop_kept(demo_dir)
+    if importlib.util.find_spec("aiohttp") is None:
+        say("FAILED: the demo runs on the fake ComfyUI servers: pip install 'comfy-assets[fake]'")
+        return 1
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
         return run_demo(

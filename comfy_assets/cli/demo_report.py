@@ -17,14 +17,13 @@ from dagster import (
     RunsFilter,
 )
 
-from comfy_assets.assets import results_csv_path
 from comfy_assets.cli.demo_processes import Child, DemoFailed, say, tail
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.states import DONE
 from comfy_assets.partitions import iter_job_files, partition_key_for
+from comfy_assets.render.results import results_csv_path
 from comfy_assets.sensors import JOB_FILE_SHA_TAG
-
-DONE_STATES = ("succeeded", "degraded")
 
 # Asset whose materializations are films; printed once such an asset exists (films.py).
 FILMS_ASSET = "films"
@@ -185,7 +184,7 @@ def report_partition(
             f"{item.key}: CSV rows do not match the job lines "
             f"({len(rows)} rows, {len(item.job_ids)} lines; missing {missing}, extra {extra})"
         )
-    not_done = frame[~frame["state"].isin(DONE_STATES)]
+    not_done = frame[~frame["state"].isin(sorted(DONE))]
     for _, row in not_done.iterrows():
         problems.append(f"{item.key}: job {row['job_id']} is {row['state']}: {row['reason']}")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from comfy_assets.cli.run import add_db_url_option
 from comfy_assets.jobs.events import Event, event_json
 from comfy_assets.jobs.model import is_job_id
-from comfy_assets.store import Store
+from comfy_assets.store import NoStore, Store
 
 EXIT_OK = 0
 EXIT_NOTHING = 1
@@ -65,10 +65,10 @@ def events_command(args: argparse.Namespace) -> int:
         return _bad_input("--shot needs --partition (shot numbers are per job file)")
     if args.job is not None and not is_job_id(args.job):
         return _bad_input(f"--job {args.job!r} is not a job id (a lowercase UUID)")
-    if args.db_url is None and not (args.store / "store.db").is_file():
-        # Store() would create an empty one and answer "nothing happened".
-        return _bad_input(f"no result store at {args.store} (no store.db)")
-    store = Store(args.store, args.db_url)
+    try:
+        store = Store.existing(args.store, args.db_url)
+    except NoStore as e:
+        return _bad_input(str(e))
     try:
         events = store.events(job_id=args.job, partition=args.partition, shot=args.shot)
     finally:

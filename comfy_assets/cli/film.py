@@ -7,23 +7,20 @@ Register it in ``cli.COMMANDS`` as ``add_film_parser``.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import uuid
 from pathlib import Path
 
 from comfy_assets.cli.run import add_db_url_option
-from comfy_assets.film.gate import FilmResult, GateBlocked, build_film
+from comfy_assets.film.gate import FilmResult, GateBlocked
+from comfy_assets.film.make import make_film
 from comfy_assets.film.shots import (
     bad_shot_lines,
     film_path,
-    film_policy,
     has_shots,
-    shots_from_store,
 )
 from comfy_assets.jobs.model import POLICIES, JobFileError
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.store import Store
+from comfy_assets.store import NoStore, Store
 
 EXIT_OK = 0
 EXIT_BLOCKED = 1
@@ -60,13 +57,11 @@ def film_command(args: argparse.Namespace) -> int:
         return _bad_input(str(e))
     if not has_shots(job_file):
         return _bad_input(f"{args.jobs}: no job has a shot number; there is no film to cut")
-    if args.db_url is None and not (args.store / "store.db").is_file():
-        # Store() would create an empty one and the gate would call every shot pending.
-        return _bad_input(f"no result store at {args.store} (no store.db)")
     partition = args.partition or args.jobs.stem
-    policy = film_policy(job_file, args.policy)
-
-    store = Store(args.store, args.db_url)
+    try:
+        store = Store.existing(args.store, args.db_url)
+    except NoStore as e:
+        return _bad_input(str(e))
     try:
         registered = {record.job_id for record in store.jobs(partition)}
         if not registered & {job.id for job in job_file.jobs}:
@@ -75,23 +70,15 @@ def film_command(args: argparse.Namespace) -> int:
                 f"{args.jobs}: render it first (comfy-assets run), or name the partition it "
                 "was rendered under with --partition"
             )
-        shots = shots_from_store(store, partition, job_file)
-    finally:
-        store.close()
-
-    out: Path = args.out if args.out is not None else film_path(args.store, partition)
-    # build_film creates it only once the gate has passed; it is scratch for the concat.
-    work_dir = out.parent / f".film-work-{uuid.uuid4().hex[:8]}"
-    try:
-        film = build_film(shots, policy, out, work_dir=work_dir)
+        out: Path = args.out if args.out is not None else film_path(args.store, partition)
+        film = make_film(store, partition, job_file, out, args.policy)
     except GateBlocked as blocked:
         print(blocked.result.describe().splitlines()[0])
         for line in bad_shot_lines(blocked.result):
             print(f"  {line}")
         return EXIT_BLOCKED
     finally:
-        if work_dir.exists():
-            shutil.rmtree(work_dir)
+        store.close()
     print(film.path)
     print(summary_line(film))
     return EXIT_OK

@@ -17,9 +17,9 @@ from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.results import RESULTS_CSV, results_table, write_csv
+from comfy_assets.render.results import write_results
 from comfy_assets.render.run import run_batch_sync
-from comfy_assets.store import DB_URL_ENV, PartitionConflict, Store, StoreUnavailable
+from comfy_assets.store import DB_URL_ENV, NoStore, PartitionConflict, Store, StoreUnavailable
 
 
 def bounded(
@@ -73,19 +73,28 @@ def add_batch_options(p: argparse.ArgumentParser) -> None:
     at_least_one = bounded(int, 1)
     not_negative = bounded(float, 0)
     positive = bounded(float, 0, strict=True)
-    p.add_argument("--attempts", type=at_least_one, default=4, help="attempts per job (4)")
-    p.add_argument("--base-delay-s", type=not_negative, default=2.0, help="backoff base (2 s)")
-    p.add_argument("--max-delay-s", type=not_negative, default=60.0, help="backoff cap (60 s)")
+    d = BatchConfig  # every default is BatchConfig's, as in Dagster's resource
+
+    def option(name: str, kind: Callable[[str], object], default: object, text: str) -> None:
+        shown = f"{default:g} s" if isinstance(default, float) else default
+        p.add_argument(name, type=kind, default=default, help=f"{text} ({shown})")
+
+    option("--attempts", at_least_one, d.attempts, "attempts per job")
+    option("--base-delay-s", not_negative, d.base_delay_s, "backoff base")
+    option("--max-delay-s", not_negative, d.max_delay_s, "backoff cap")
     p.add_argument("--no-jitter", action="store_true", help="exact exponential delays")
-    p.add_argument("--timeout-s", type=positive, default=600.0, help="per-attempt deadline")
-    p.add_argument("--poll-s", type=positive, default=1.0, help="/history poll interval")
-    p.add_argument("--lease-s", type=positive, default=3600.0, help="job claim lease")
-    p.add_argument("--server-lease-s", type=positive, default=30.0, help="server lease")
+    option("--timeout-s", positive, d.timeout_s, "per-attempt deadline")
+    option("--poll-s", positive, d.poll_s, "/history poll interval")
+    option("--lease-s", positive, d.lease_s, "job claim lease")
+    option("--server-lease-s", positive, d.server_lease_s, "server lease")
+    option("--probe-timeout-s", positive, d.probe_timeout_s, "per server probe")
+    option("--unhealthy-wait-s", positive, d.unhealthy_wait_s, "wait with no server healthy")
+    option("--catch-up-s", not_negative, d.catch_up_s, "ask a job's previous server this long")
     p.add_argument("--max-queue", type=at_least_one, default=None, help="skip servers this busy")
     p.add_argument(
         "--max-output-bytes",
         type=byte_size,
-        default=BatchConfig.max_output_bytes,
+        default=d.max_output_bytes,
         metavar="SIZE",
         help="most bytes one output file may have (4GiB); a larger one fails its job for good",
     )
@@ -104,6 +113,9 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
         lease_s=args.lease_s,
         server_lease_s=args.server_lease_s,
         max_queue=args.max_queue,
+        probe_timeout_s=args.probe_timeout_s,
+        unhealthy_wait_s=args.unhealthy_wait_s,
+        catch_up_s=args.catch_up_s,
         unreachable_timeout_s=getattr(args, "unreachable_timeout_s", None),
         policy=getattr(args, "policy", None),
         max_output_bytes=args.max_output_bytes,
@@ -260,24 +272,10 @@ def run_command(args: argparse.Namespace) -> int:
 def results_line(store: Store, partition: str, job_file: JobFile) -> None:
     """Write results.csv and print its path, or say why it could not be written."""
     try:
-        say(f"results: {write_results(store, partition, job_file)}")
+        path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
+        say(f"results: {path}")
     except StoreUnavailable as e:
         print(f"results.csv not written: {e}", file=sys.stderr)
-
-
-def write_results(store: Store, partition: str, job_file: JobFile) -> Path:
-    """Write ``<store>/<partition>/results.csv``, a row per job of ``job_file`` as the
-    store has it now (the same table as Dagster's ``render_results``); returns its path.
-
-    Records of jobs no longer in the file (a deleted line) are left out. Raises OSError
-    if the CSV cannot be written.
-    """
-    job_ids = [job.id for job in job_file.jobs]
-    in_file = set(job_ids)
-    records = [record for record in store.jobs(partition) if record.job_id in in_file]
-    files = {record.job_id: store.files(record.job_id) for record in records}
-    frame = results_table(records, files, job_ids=job_ids)
-    return write_csv(frame, store.root / partition / RESULTS_CSV)
 
 
 @contextmanager
@@ -317,11 +315,11 @@ def requeue_command(args: argparse.Namespace) -> int:
     if bad:
         print(f"error: not a job id (a lowercase UUID): {', '.join(bad)}", file=sys.stderr)
         return 2
-    if args.db_url is None and not (args.store / "store.db").is_file():
-        # Store() would create an empty one, and every job would be "unknown".
-        print(f"error: no result store at {args.store} (no store.db)", file=sys.stderr)
+    try:
+        store = Store.existing(args.store, args.db_url)
+    except NoStore as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
-    store = Store(args.store, args.db_url)
     code = 0
     try:
         for job_id in args.job_id:

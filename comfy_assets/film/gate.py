@@ -19,6 +19,7 @@ from comfy_assets.film.concat import concat
 from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.probe import VIDEO_SUFFIXES, MediaError, MediaInfo, probe
 from comfy_assets.film.stills import slate_clip, still_clip
+from comfy_assets.jobs.states import UNFINISHED
 
 KNOWN_STATES = frozenset(
     {
@@ -32,7 +33,6 @@ KNOWN_STATES = frozenset(
     }
 )
 # Not finished yet: the shot may still succeed or fail, so no verdict can be given.
-IN_FLIGHT_STATES = frozenset({"pending", "submitted", "rendering", "failed_retryable"})
 DEFAULT_HOLD_S = 2.0  # a slate or still for a shot without a usable duration_s
 DEFAULT_SIZE = (1280, 720)  # only when no shot gives a size (every shot is a slate)
 DEFAULT_FPS = Fraction(24)
@@ -233,7 +233,7 @@ def _judge(s: Shot, policy: Policy) -> ShotVerdict:
     draft = policy.mode == "draft"
     if s.state not in KNOWN_STATES:
         return _blocked(s, f"unknown state {s.state!r}")
-    if s.state in IN_FLIGHT_STATES:
+    if s.state in UNFINISHED:
         if draft and s.optional:
             return _slate(s, f"optional shot not finished ({s.state})")
         return _blocked(s, f"not finished: {s.state}")

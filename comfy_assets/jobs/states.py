@@ -34,6 +34,8 @@ FAILED_FATAL = State.FAILED_FATAL
 DONE: frozenset[State] = frozenset({SUCCEEDED, DEGRADED})
 # Someone may be working on it right now.
 IN_FLIGHT: frozenset[State] = frozenset({SUBMITTED, RENDERING})
+# Not finished: it may still end either way (neither done nor a dead letter).
+UNFINISHED: frozenset[State] = frozenset({PENDING, SUBMITTED, RENDERING, FAILED_RETRYABLE})
 
 _NAMES = frozenset(s.value for s in State)
 

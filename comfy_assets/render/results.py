@@ -1,4 +1,6 @@
-"""The results table of a partition, built from result-store records (pure, no Dagster).
+"""The results table of a partition: built from result-store records, written as
+``<store>/<partition>/results.csv`` by ``write_results`` (the one writer: the ``run``
+command, the ``render_results`` asset and the worker all call it).
 
 One row per job: ``job_id``, one column per ``set`` key of the job file (named as in the
 file, ``"<node id>.<input name>"``, so they never clash with the fixed columns), then
@@ -16,6 +18,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import pandas as pd
+
+from comfy_assets.store import Store
 
 FIXED_BEFORE = ["job_id"]
 FIXED_AFTER = ["state", "server", "attempts", "seconds", "files", "reason"]
@@ -97,6 +101,28 @@ def results_table(
     frame["attempts"] = frame["attempts"].astype("Int64")
     frame["seconds"] = frame["seconds"].astype("Float64")
     return frame
+
+
+def results_csv_path(root: Path, partition: str) -> Path:
+    """Where a partition's results CSV is: ``<store root>/<partition>/results.csv``."""
+    return Path(root) / partition / RESULTS_CSV
+
+
+def write_results(
+    store: Store, partition: str, job_ids: Sequence[str] | None = None
+) -> tuple[Path, pd.DataFrame]:
+    """Write ``partition``'s results CSV as the store has it now; returns its path and the
+    table. ``job_ids`` (a job file's, in line order) selects and orders the rows, and a
+    record of a job no longer in the file (a deleted line) is left out; without it every
+    job registered in the partition is a row, by shot then line. Raises OSError if the
+    CSV cannot be written, StoreUnavailable."""
+    records = store.jobs(partition)
+    if job_ids is not None:
+        wanted = set(job_ids)
+        records = [record for record in records if record.job_id in wanted]
+    files = {record.job_id: store.files(record.job_id) for record in records}
+    frame = results_table(records, files, job_ids=job_ids)
+    return write_csv(frame, results_csv_path(store.root, partition)), frame
 
 
 def write_csv(frame: pd.DataFrame, path: Path) -> Path:

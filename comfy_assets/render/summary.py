@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from comfy_assets.jobs.states import DONE
 from comfy_assets.store import Store
 
 
@@ -46,7 +47,7 @@ def summarize(
     for j in jobs:
         counts[str(j.state)] = counts.get(str(j.state), 0) + 1
     dead = [(j.job_id, j.reason or "") for j in jobs if j.state == "failed_fatal"]
-    done = sum(1 for j in jobs if j.state in ("succeeded", "degraded"))
+    done = sum(1 for j in jobs if j.state in DONE)
     gpu = sum(j.gpu_seconds or 0.0 for j in jobs)
     return BatchSummary(
         partition,

@@ -27,7 +27,7 @@ from comfy_assets.store.records import (
 )
 from comfy_assets.store.retry import StoreUnavailable
 from comfy_assets.store.schema import metadata
-from comfy_assets.store.store import DB_URL_ENV, OUTCOMES, TRANSITION_FIELDS, Store
+from comfy_assets.store.store import DB_URL_ENV, OUTCOMES, TRANSITION_FIELDS, NoStore, Store
 
 __all__ = [
     "DB_URL_ENV",
@@ -38,6 +38,7 @@ __all__ = [
     "ClaimLost",
     "ClaimStatus",
     "FileRecord",
+    "NoStore",
     "JobRecord",
     "OutputFile",
     "OutputFileLike",

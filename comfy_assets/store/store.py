@@ -23,7 +23,12 @@ from comfy_assets.store.transitions import OUTCOMES, TRANSITION_FIELDS, Transiti
 # resource: a password there does not show in `ps` as a --db-url would.
 DB_URL_ENV = "COMFY_ASSETS_DB_URL"
 
-__all__ = ["DB_URL_ENV", "OUTCOMES", "TRANSITION_FIELDS", "Store"]
+
+class NoStore(ValueError):
+    """No result store where one was expected (``Store.existing``)."""
+
+
+__all__ = ["DB_URL_ENV", "OUTCOMES", "TRANSITION_FIELDS", "NoStore", "Store"]
 
 
 class Store(Claims, Transitions, Queries, ServerLeases):
@@ -44,6 +49,14 @@ class Store(Claims, Transitions, Queries, ServerLeases):
         self.engine = make_engine(db_url)
         self.dialect = self.engine.dialect.name
         create_tables(self.engine)
+
+    @classmethod
+    def existing(cls, root: Path, db_url: str | None = None) -> Store:
+        """The store at ``root`` (or ``db_url``) for a command that reads or changes it:
+        raises NoStore rather than create an empty SQLite store where none was."""
+        if db_url is None and not (Path(root) / "store.db").is_file():
+            raise NoStore(f"no result store at {root} (no store.db)")
+        return cls(root, db_url)
 
     def close(self) -> None:
         """Close pooled connections."""
