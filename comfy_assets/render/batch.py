@@ -37,6 +37,7 @@ from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outcome import AttemptHooks, NotPosted
 from comfy_assets.render.outputs import outputs_problem
 from comfy_assets.render.owners import owner_alive
+from comfy_assets.render.progress import Ended, Progress
 from comfy_assets.render.queue import Item, JobQueue
 from comfy_assets.render.settle import Settle
 from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store
@@ -69,6 +70,7 @@ class Batch(Settle):
         draft: bool = False,
         on_line: Callable[[str], None] | None = None,
         consumers: int | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
     ) -> None:
         self.jobs = list(jobs)
         # Twice the servers: a server freed at execution_success (while its previous job
@@ -82,6 +84,9 @@ class Batch(Settle):
         self.stop_on_fatal = stop_on_fatal
         self.draft = draft
         self.on_line = on_line or log.info
+        self.on_progress = on_progress
+        self.started = time.monotonic()
+        self.progress = Progress(len(self.jobs))
         self.queue = JobQueue()
         self.unresolved = len(self.jobs)
         self.claims = Claims(store, owner, config.lease_s, self._db, self._claim_gone)
@@ -154,8 +159,20 @@ class Batch(Settle):
             if self._store_threads is not None:
                 self._store_threads.shutdown(wait=False)  # nothing is under way any more
 
-    def _resolve(self) -> None:
+    def _resolve(self, ended: Ended = "not_run") -> None:
         self.unresolved -= 1
+        counts = {"done": 0, "dead_lettered": 0, "not_run": 0}
+        counts[ended] = 1
+        p = self.progress
+        self.progress = Progress(
+            p.total,
+            p.done + counts["done"],
+            p.dead_lettered + counts["dead_lettered"],
+            p.not_run + counts["not_run"],
+            time.monotonic() - self.started,
+        )
+        if self.on_progress is not None:
+            self.on_progress(self.progress)
         self._check_finished()
 
     def _check_finished(self) -> None:
@@ -223,7 +240,7 @@ class Batch(Settle):
             problem = await self._db(outputs_problem, store, self.partition, job.id)
             if problem is None:
                 self.say(f"job {job.id}: already done, nothing posted")
-                self._resolve()
+                self._resolve("done")
                 return None
             # Done, but its files are gone or changed on disk: render it again, which
             # catches up from the server's /history first (downloads, no new prompt).
@@ -237,11 +254,11 @@ class Batch(Settle):
             status, rec = await self.claims.claim(job.id)
             if status == "done":  # and that worker has already fetched them
                 self.say(f"job {job.id}: already done, nothing posted")
-                self._resolve()
+                self._resolve("done")
                 return None
         if status == "dead_lettered":
             self.say(f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again")
-            self._resolve()
+            self._resolve("dead_lettered")
             return None
         if status == "held" and rec.claimed_by and not owner_alive(rec.claimed_by):
             holder = rec.claimed_by

@@ -14,6 +14,7 @@ from comfy_assets.jobs.model import Job, JobFile
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import new_owner
+from comfy_assets.render.progress import Progress
 from comfy_assets.render.summary import BatchSummary, summarize
 from comfy_assets.store import Store
 
@@ -53,6 +54,7 @@ async def run_batch(
     config: BatchConfig,
     owner: str | None = None,
     on_line: Callable[[str], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> BatchSummary:
     """Register the jobs of ``job_file`` as ``partition`` and run them all over a pool of
     ``servers``; returns the summary. Raises only on cancellation (after cleaning up:
@@ -72,6 +74,7 @@ async def run_batch(
             stop_on_fatal=stop_on_fatal,
             draft=draft,
             on_line=on_line,
+            on_progress=on_progress,
         )
         await batch.run()
     summary = summarize(
@@ -95,6 +98,7 @@ def run_batch_sync(
     config: BatchConfig,
     owner: str | None = None,
     on_line: Callable[[str], None] | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
 ) -> BatchSummary:
     """``run_batch`` for sync callers (Dagster, the CLI); blocks until it ends.
 
@@ -104,6 +108,7 @@ def run_batch_sync(
     from outside, waits for its cleanup (prompts interrupted and removed from the queue,
     claims and server leases released) and re-raises. Raised inside a loop step instead,
     asyncio would store it in whichever task was running and the cleanup would not run.
+    ``on_line`` and ``on_progress`` are called on that thread, not the caller's.
     """
     loop = asyncio.new_event_loop()
     task = loop.create_task(
@@ -115,6 +120,7 @@ def run_batch_sync(
             config=config,
             owner=owner,
             on_line=on_line,
+            on_progress=on_progress,
         )
     )
     outcome: dict[str, object] = {}

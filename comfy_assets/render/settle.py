@@ -48,7 +48,7 @@ class Settle:
             self.claims.finished(job.id)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
             self.say(f"job {job.id} attempt {number}{where}: succeeded ({how})")
-            self._resolve()
+            self._resolve("done")
             return
         if r.kind == "transient" and number < cfg.attempts:
             await self._db(
@@ -82,7 +82,8 @@ class Settle:
             else f"gave up after {number} attempts, last: {r.reason}"
         )
         self.claims.finishing_now(job.id)
-        if self.draft and (r.kind == "permanent" or job.optional):
+        degraded = self.draft and (r.kind == "permanent" or job.optional)
+        if degraded:
             await self._db(
                 store.mark_done,
                 job.id,
@@ -110,7 +111,7 @@ class Settle:
                 self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
                 self.say(f"delivery policy: {self.stopped}; no new shots are submitted")
         self.claims.finished(job.id)
-        self._resolve()
+        self._resolve("done" if degraded else "dead_lettered")
 
     async def _cancelled(self, job: Job, attempt: Attempt, number: int, before: int) -> None:
         """The batch is cancelled during attempt ``number`` (``before``: the job's tries
