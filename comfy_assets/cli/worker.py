@@ -20,6 +20,7 @@ from comfy_assets.service.messages import MAX_MESSAGE_BYTES
 from comfy_assets.service.sources import FileSource, JobSource, RabbitSource
 from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store, StoreUnavailable
+from comfy_assets.store.base import folder_name
 
 
 def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -30,6 +31,11 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
     add_rabbitmq_option(p)
     p.add_argument("--queue", required=True, help="job queue (quorum); dead letters: QUEUE.dead")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
+    p.add_argument(
+        "--partition",
+        default=None,
+        help="partition the worker renders them under (default: the file's stem, as in run)",
+    )
     add_max_message_option(p, "a job whose message is larger is an error; nothing is sent")
     p.set_defaults(func=enqueue_command)
 
@@ -72,11 +78,16 @@ def enqueue_command(args: argparse.Namespace) -> int:
         print(f"error: {missing}", file=sys.stderr)
         return 2
     try:
-        jobs = job_messages(args.jobs, args.max_message_bytes)
+        if args.partition is not None:
+            folder_name(args.partition, "--partition")
+        jobs = job_messages(args.jobs, args.max_message_bytes, args.partition)
     except JobFileError as e:
         print(f"error: {args.jobs}: {len(e.errors)} problem(s), nothing enqueued", file=sys.stderr)
         for err in e.errors:
             print(f"  {err}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # the --partition name
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         count = asyncio.run(broker.enqueue(args.rabbitmq, args.queue, jobs))

@@ -114,12 +114,15 @@ def write_results(
     """Write ``partition``'s results CSV as the store has it now; returns its path and the
     table. ``job_ids`` (a job file's, in line order) selects and orders the rows, and a
     record of a job no longer in the file (a deleted line) is left out; without it every
-    job registered in the partition is a row, by shot then line. Raises OSError if the
-    CSV cannot be written, StoreUnavailable."""
+    job registered in the partition is a row, in line order (the order of ``job_ids``
+    for a file whose jobs all got there). Raises OSError if the CSV cannot be written,
+    StoreUnavailable."""
     records = store.jobs(partition)
     if job_ids is not None:
         wanted = set(job_ids)
         records = [record for record in records if record.job_id in wanted]
+    else:
+        records = sorted(records, key=lambda record: (record.line, record.job_id))
     files = {record.job_id: store.files(record.job_id) for record in records}
     frame = results_table(records, files, job_ids=job_ids)
     return write_csv(frame, results_csv_path(store.root, partition)), frame

@@ -3,10 +3,13 @@
 ``comfy-assets enqueue`` writes, per job of a validated job file::
 
     {"id": "<job id>", "workflow": {...the resolved API-format workflow...},
-     "set": {...}, "shot": 3, "duration_s": 4.0, "optional": true, "policy": "draft"}
+     "set": {...}, "shot": 3, "duration_s": 4.0, "optional": true, "policy": "draft",
+     "partition": "storyboard", "line": 4}
 
 (``shot``, ``duration_s`` and ``optional`` only when the job line has them; ``policy``
-is the job file's header policy.) The workflow is inline with ``set`` already applied,
+is the job file's header policy; ``partition`` the file's partition, its stem unless
+``enqueue --partition`` says otherwise; ``line`` the job's line in its file, so the
+worker's results.csv lists the jobs in file order, as ``run``'s does.) The workflow is inline with ``set`` already applied,
 and ``set`` is kept (for the results table); applying it again changes nothing, so a
 worker on any host, in any folder, posts exactly the prompt that was validated, under
 the prompt_id ``comfy-assets run`` computes for that job line.
@@ -28,6 +31,7 @@ from typing import Any
 
 from comfy_assets.jobs.model import POLICIES, Job, JobFile, JobFileError, LineError, Policy
 from comfy_assets.jobs.parse import job_from_dict
+from comfy_assets.store.base import folder_name
 
 # A job with its workflow inline is a few KiB; a workflow with embedded data (a base64
 # image input) can reach a few MiB. RabbitMQ itself accepts up to 16 MiB (4.x default).
@@ -37,17 +41,22 @@ WORKFLOWS_DIR = "--workflows-dir"
 
 @dataclass(frozen=True)
 class QueuedJob:
-    """A validated message: its ``job`` and the ``policy`` it was enqueued with (the job
-    file's header policy), or None when the message names none."""
+    """A validated message: its ``job``, the ``policy`` it was enqueued with (the job
+    file's header policy) and its file's ``partition``, each None when the message names
+    none."""
 
     job: Job
     policy: Policy | None = None
+    partition: str | None = None
 
 
-def job_message(job: Job, policy: Policy | None = None) -> bytes:
+def job_message(job: Job, policy: Policy | None = None, partition: str | None = None) -> bytes:
     """The message body of ``job`` (see the module docstring): UTF-8 JSON, ASCII only,
     so any string round-trips."""
     obj: dict[str, Any] = {"id": job.id, "workflow": job.workflow, "set": job.set}
+    obj["line"] = job.line
+    if partition is not None:
+        obj["partition"] = partition
     if job.shot is not None:
         obj["shot"] = job.shot
     if job.duration_s is not None:
@@ -59,9 +68,11 @@ def job_message(job: Job, policy: Policy | None = None) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def file_messages(job_file: JobFile) -> list[tuple[str, bytes]]:
-    """``(job_id, body)`` of every job of a loaded job file, in file order."""
-    return [(job.id, job_message(job, job_file.policy)) for job in job_file.jobs]
+def file_messages(job_file: JobFile, partition: str | None = None) -> list[tuple[str, bytes]]:
+    """``(job_id, body)`` of every job of a loaded job file, in file order, under
+    ``partition`` (default: the file's stem, as ``comfy-assets run`` names it)."""
+    name = partition or job_file.path.stem
+    return [(job.id, job_message(job, job_file.policy, name)) for job in job_file.jobs]
 
 
 def oversized(
@@ -143,9 +154,27 @@ def parse_message(
     except ValueError as e:  # an integer of more than 4300 digits
         raise JobFileError([LineError(source, 1, "json", f"not usable JSON: {e}")]) from e
     policy: Policy | None = None
+    partition: str | None = None
+    line = 1
     errors: list[LineError] = []
     if isinstance(obj, dict):
         obj = dict(obj)
+        if "partition" in obj:
+            given = obj.pop("partition")
+            try:
+                partition = folder_name(given, "partition")
+            except ValueError as e:
+                errors.append(LineError(source, 1, "partition", str(e)))
+        if "line" in obj:
+            given = obj.pop("line")
+            if isinstance(given, int) and not isinstance(given, bool) and given >= 1:
+                line = given
+            else:
+                errors.append(
+                    LineError(
+                        source, 1, "line", f"expected an integer >= 1, got {json.dumps(given)[:80]}"
+                    )
+                )
         spec = obj.get("workflow")
         if isinstance(spec, str) and spec:
             problem = outside_problem(workflows_dir, spec)
@@ -163,9 +192,9 @@ def parse_message(
                     LineError(source, 1, "policy", f'expected "delivery" or "draft", got {shown}')
                 )
     try:
-        job = job_from_dict(obj, base_dir=workflows_dir, source=source, line=1)
+        job = job_from_dict(obj, base_dir=workflows_dir, source=source, line=line)
     except JobFileError as e:
         raise JobFileError([*e.errors, *errors]) from None
     if errors:
         raise JobFileError(errors)
-    return QueuedJob(job, policy)
+    return QueuedJob(job, policy, partition)

@@ -31,11 +31,12 @@ from typing import Any, TypeVar, cast
 
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import new_owner
+from comfy_assets.render.results import write_results
 from comfy_assets.render.run import make_pool, run_one
 from comfy_assets.service import broker
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES, file_messages, oversized, parse_message
@@ -47,7 +48,16 @@ log = logging.getLogger("comfy_assets.service.worker")
 T = TypeVar("T")
 
 # Outcome counters (Worker.counts): "acked" counts every ack; the others say why.
-OUTCOMES = ("acked", "done", "done_before", "dead_lettered", "dead_before", "invalid", "requeued")
+OUTCOMES = (
+    "acked",
+    "done",
+    "done_before",
+    "dead_lettered",
+    "dead_before",
+    "invalid",
+    "stopped",
+    "requeued",
+)
 
 
 class _DeadLetterWatch:
@@ -100,6 +110,7 @@ class Worker:
         health_file: Path | None = None,
         heartbeat_s: float = 5.0,
         owner: str | None = None,
+        results_every_s: float = 5.0,
     ) -> None:
         if not servers:
             raise ValueError("a worker needs at least one server")
@@ -124,6 +135,8 @@ class Worker:
         self._runs: dict[asyncio.Task[Any], asyncio.Task[str]] = {}  # handler -> its run
         self._slots = asyncio.Semaphore(len(self.servers))
         self._run_number = 0
+        self._touched: set[str] = set()  # partitions whose results.csv is out of date
+        self.results_every_s = results_every_s
 
     # -- control --------------------------------------------------------------------
 
@@ -172,6 +185,7 @@ class Worker:
         publication) or the exception of a message's handling, after the shutdown."""
         pool = make_pool(self.servers, self.store, self.config, self.owner)
         heartbeat: asyncio.Task[None] | None = None
+        results: asyncio.Task[None] | None = None
         health_file = self.health_file
         async with pool:
             await self.source.open(len(self.servers), self._lost)
@@ -180,6 +194,9 @@ class Worker:
                     health_file.touch()  # fail now, not in the background
                     heartbeat = asyncio.create_task(self._heartbeat(health_file), name="heartbeat")
                     heartbeat.add_done_callback(self._background_done)
+                results = asyncio.create_task(
+                    self._write_results(self.results_every_s), name="results"
+                )
                 self.consuming.set()
                 log.info(
                     "worker %s: taking jobs of %s with %d server%s (%s)",
@@ -201,6 +218,10 @@ class Worker:
             finally:
                 self.consuming.clear()
                 await self._cancel_all()
+                if results is not None:
+                    results.cancel()
+                    await asyncio.wait({results})
+                self._flush_results()
                 if heartbeat is not None and health_file is not None:
                     heartbeat.cancel()
                     await asyncio.wait({heartbeat})
@@ -209,7 +230,7 @@ class Worker:
         c = self.counts
         log.info(
             "worker %s: %d acked (%d done, %d done before, %d dead-lettered, %d dead before, "
-            "%d invalid), %d requeued",
+            "%d invalid, %d stopped by the delivery policy), %d requeued",
             self.owner,
             c["acked"],
             c["done"],
@@ -217,6 +238,7 @@ class Worker:
             c["dead_lettered"],
             c["dead_before"],
             c["invalid"],
+            c["stopped"],
             c["requeued"],
         )
         if self._failure is not None:
@@ -326,7 +348,7 @@ class Worker:
     async def _handle(self, d: Delivery, pool: Pool) -> None:
         """Run one delivery's job and answer the delivery (see the module docstring)."""
         label = f"message {d.message_id or '(no message_id)'}"
-        job, policy = d.job, d.policy
+        job, policy, partition = d.job, d.policy, self.partition
         if job is None:
             try:
                 queued = parse_message(
@@ -339,9 +361,19 @@ class Worker:
                 await self._invalid(d, label, "; ".join(str(x) for x in e.errors))
                 return
             job, policy = queued.job, queued.policy
+            partition = queued.partition or self.partition
         config = self.config
         if config.policy is None and policy is not None:
             config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
+        self._touched.add(partition)  # its results.csv is written again soon
+        stopped = self._storyboard_stopped(job, partition, config)
+        if stopped is not None:
+            self.store.register_jobs(partition, [job])  # listed, pending, in results.csv
+            await d.dead_letter(stopped)
+            await self._ack(d)
+            self.counts["stopped"] += 1
+            log.warning("job %s: not rendered, %s; message acked", job.id, stopped)
+            return
         before = self.store.get(job.id)
         watch = _DeadLetterWatch(self.store)
         # A claim owner per run: two deliveries of one job in this worker must not both
@@ -353,7 +385,7 @@ class Worker:
         run = asyncio.create_task(
             run_one(
                 job,
-                partition=self.partition,
+                partition=partition,
                 pool=pool,
                 store=cast(Store, watch),
                 config=config,
@@ -420,6 +452,39 @@ class Worker:
             "dead-lettered; message requeued"
         )
 
+    def _storyboard_stopped(self, job: Job, partition: str, config: BatchConfig) -> str | None:
+        """Under the delivery policy a storyboard's shots stop at its first fatal failure,
+        as in ``comfy-assets run``: why this shot is not rendered (another shot of its
+        partition is a dead letter), or None."""
+        if job.shot is None or (config.policy or "delivery") != "delivery":
+            return None
+        dead = [r for r in self.store.dead_letters(partition) if r.shot is not None]
+        dead = [r for r in dead if r.job_id != job.id]
+        if not dead:
+            return None
+        first = dead[0]
+        return (
+            f"delivery policy: storyboard {partition} stopped after the fatal failure of "
+            f"shot {first.shot} (job {first.job_id}): {first.reason}; requeue that job and "
+            "enqueue the file again"
+        )
+
+    async def _write_results(self, every_s: float) -> None:
+        """Write the results.csv of every partition a message touched, every ``every_s``
+        seconds (and once more when the worker stops): the same table ``run`` writes."""
+        while True:
+            await asyncio.sleep(every_s)
+            self._flush_results()
+
+    def _flush_results(self) -> None:
+        touched, self._touched = self._touched, set()
+        for partition in sorted(touched):
+            try:
+                write_results(self.store, partition)
+            except (OSError, StoreUnavailable) as e:
+                self._touched.add(partition)  # tried again next time
+                log.warning("results.csv of %s not written: %s", partition, e)
+
     async def _invalid(self, d: Delivery, label: str, error: str) -> None:
         reason = f"invalid job: {error}"
         await d.dead_letter(reason)
@@ -437,15 +502,18 @@ class Worker:
         self.counts["acked"] += 1
 
 
-def job_messages(path: Path, max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, bytes]]:
+def job_messages(
+    path: Path, max_bytes: int = MAX_MESSAGE_BYTES, partition: str | None = None
+) -> list[tuple[str, bytes]]:
     """Validate the job file at ``path`` and return ``(job_id, body)`` per job, in file
-    order: self-contained messages (``comfy_assets.service.messages``: the workflow inline, so a
-    worker anywhere posts what was validated, under the same prompt_id as ``run``).
+    order: self-contained messages (``comfy_assets.service.messages``: the workflow inline,
+    so a worker anywhere posts what was validated, under the same prompt_id as ``run``),
+    under ``partition`` (default: the file's stem, as ``run`` names it).
     Raises ``JobFileError`` listing every problem, a message over ``max_bytes`` bytes
     included; nothing is returned for a partly valid file.
     """
     job_file = load_job_file(path)
-    messages = file_messages(job_file)
+    messages = file_messages(job_file, partition)
     too_big = oversized(job_file, messages, max_bytes)
     if too_big:
         raise JobFileError(too_big)

@@ -122,7 +122,9 @@ def _now(now: float | None) -> float:
     return time.time() if now is None else now
 
 
-def _safe_name(name: str, what: str) -> str:
+def folder_name(name: str, what: str) -> str:
+    """``name`` when it can be a folder of the store (a partition, a job id); raises
+    ValueError naming ``what`` for "", ".", "..", a separator, NUL, or store.db*."""
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise ValueError(f"{what} {name!r} cannot be used as a folder name")
     if name.startswith("store.db"):  # the SQLite file and its -wal/-shm live beside them

@@ -13,7 +13,7 @@ from comfy_assets.jobs.states import (
     FAILED_FATAL,
 )
 from comfy_assets.store import statements as q
-from comfy_assets.store.base import StoreBase, _event, _job_record, _now, _safe_name
+from comfy_assets.store.base import StoreBase, _event, _job_record, _now, folder_name
 from comfy_assets.store.records import (
     ClaimStatus,
     JobRecord,
@@ -42,7 +42,7 @@ class Claims(StoreBase):
         Raises PartitionConflict if an id is registered in another partition, ValueError
         for an id given twice or a bad partition name.
         """
-        _safe_name(partition, "partition")
+        folder_name(partition, "partition")
         now = _now(now)
         with self._write() as conn:
             result, events = register(conn, self.dialect, partition, jobs, now)

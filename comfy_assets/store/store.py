@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from comfy_assets.store.base import _safe_name
+from comfy_assets.store.base import folder_name
 from comfy_assets.store.claims import Claims
 from comfy_assets.store.leases import ServerLeases
 from comfy_assets.store.queries import Queries
@@ -71,4 +71,4 @@ class Store(Claims, Transitions, Queries, ServerLeases):
     def job_dir(self, partition: str, job_id: str) -> Path:
         """``<root>/<partition>/<job id>/`` (not created). Raises ValueError for a name
         that would leave the root (empty, ".", "..", or holding a slash)."""
-        return self.root / _safe_name(partition, "partition") / _safe_name(job_id, "job id")
+        return self.root / folder_name(partition, "partition") / folder_name(job_id, "job id")
