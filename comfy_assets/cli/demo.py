@@ -38,9 +38,9 @@ from comfy_assets.cli.demo_processes import (
     ROOT,
     Children,
     DemoFailed,
+    announce,
     port_free,
     save_pids,
-    say,
     stop_kept,
     wait_for_listening,
     wait_for_ui,
@@ -115,7 +115,7 @@ def run_demo(
             urls.append(wait_for_listening(child))
         servers = ",".join(f"gpu{i}={url}" for i, url in enumerate(urls))
         env["COMFY_ASSETS_SERVERS"] = servers
-        say(f"fake ComfyUI servers: {servers}")
+        announce(f"fake ComfyUI servers: {servers}")
 
         # Create the instance's SQLite storage here, once: the daemon and the UI starting
         # on an empty DAGSTER_HOME at the same time race to create it.
@@ -130,8 +130,8 @@ def run_demo(
                 webserver = [str(BIN / "dagster-webserver"), "-w", workspace]
                 webserver += ["-h", "127.0.0.1", "-p", str(port)]
                 watched.append(children.start("webserver", webserver, env))
-                say(f"web UI starting at {ui_url}")
-            say(f"Dagster home {home}; logs in {logs}")
+                announce(f"web UI starting at {ui_url}")
+            announce(f"Dagster home {home}; logs in {logs}")
 
             states = wait_for_runs(instance, expected, watched, timeout_s)
             problems: list[str] = []
@@ -140,17 +140,19 @@ def run_demo(
                 problems += report_partition(instance, item, run_id, store)
         if problems:
             raise DemoFailed("the results are not complete:\n  " + "\n  ".join(problems))
-        say(f"all {len(expected)} job files rendered; every job line has its row")
+        announce(f"all {len(expected)} job files rendered; every job line has its row")
 
         if keep:
             if ui:
                 wait_for_ui(ui_url, watched[-1])
             save_pids(demo_dir, children)
             kept = True
-            say(f"kept running: {', '.join(f'{c.name} pid {c.proc.pid}' for c in children.items)}")
+            announce(
+                f"kept running: {', '.join(f'{c.name} pid {c.proc.pid}' for c in children.items)}"
+            )
             if ui:
-                say(f"open the UI at {ui_url}")
-            say("stop them with: python -m comfy_assets.cli.demo --stop")
+                announce(f"open the UI at {ui_url}")
+            announce("stop them with: python -m comfy_assets.cli.demo --stop")
         return 0
     finally:
         if not kept:
@@ -180,7 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.stop:
         return stop_kept(demo_dir)
     if importlib.util.find_spec("aiohttp") is None:
-        say("FAILED: the demo runs on the fake ComfyUI servers: pip install 'comfy-assets[fake]'")
+        announce(
+            "FAILED: the demo runs on the fake ComfyUI servers: pip install 'comfy-assets[fake]'"
+        )
         return 1
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
     try:
@@ -193,10 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             jobs_dir=args.jobs.resolve(),
         )
     except DemoFailed as exc:
-        say(f"FAILED: {exc}")
+        announce(f"FAILED: {exc}")
         return 1
     except KeyboardInterrupt:
-        say("interrupted; stopped everything the demo started")
+        announce("interrupted; stopped everything the demo started")
         return 130
 
 

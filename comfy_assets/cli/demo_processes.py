@@ -27,7 +27,7 @@ class DemoFailed(Exception):
     """The demo could not show a complete, correct render; the message says why."""
 
 
-def say(text: str) -> None:
+def announce(text: str) -> None:
     """One progress line, flushed at once (the demo is watched live)."""
     print(f"[demo] {text}", flush=True)
 
@@ -81,13 +81,13 @@ class Children:
         """SIGTERM each process group, then SIGKILL what is still there after 20 s."""
         for child in reversed(self.items):
             if child.alive():
-                say(f"stopping {child.name} (pid {child.proc.pid})")
+                announce(f"stopping {child.name} (pid {child.proc.pid})")
                 signal_group(child.proc.pid, signal.SIGTERM)
         for child in reversed(self.items):
             try:
                 child.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
-                say(f"{child.name} did not stop in 20 s; killing it")
+                announce(f"{child.name} did not stop in 20 s; killing it")
                 signal_group(child.proc.pid, signal.SIGKILL)
                 child.proc.wait(timeout=10)
         self.items.clear()
@@ -114,7 +114,7 @@ def wait_for_listening(child: Child, timeout_s: float = 60.0) -> str:
             )
         time.sleep(0.05)
     raise DemoFailed(
-        f"{child.name} did not say it was listening in {timeout_s:.0f} s:\n{tail(child.log)}"
+        f"{child.name} did not announce it was listening in {timeout_s:.0f} s:\n{tail(child.log)}"
     )
 
 
@@ -153,10 +153,10 @@ def stop_kept(demo_dir: Path) -> int:
     """End the process groups a ``--keep`` demo left running."""
     pids_file = demo_dir / PIDS_FILE
     if not pids_file.exists():
-        say(f"nothing to stop ({pids_file} does not exist)")
+        announce(f"nothing to stop ({pids_file} does not exist)")
         return 0
     for name, pid in json.loads(pids_file.read_text()).items():
-        say(f"stopping {name} (process group {pid})")
+        announce(f"stopping {name} (process group {pid})")
         signal_group(int(pid), signal.SIGTERM)
     pids_file.unlink()
     return 0

@@ -17,7 +17,7 @@ from dagster import (
     RunsFilter,
 )
 
-from comfy_assets.cli.demo_processes import Child, DemoFailed, say, tail
+from comfy_assets.cli.demo_processes import Child, DemoFailed, announce, tail
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE
@@ -134,7 +134,7 @@ def wait_for_runs(
         parts = ", ".join(f"{key}: {s.detail}" for key, s in states.items())
         if snapshot != last or now - last_print > 15:
             done = sum(1 for s in states.values() if s.state == "success")
-            say(f"{done}/{len(expected)} job files rendered ({parts})")
+            announce(f"{done}/{len(expected)} job files rendered ({parts})")
             last, last_print = snapshot, now
         if all(s.state == "success" for s in states.values()):
             return states
@@ -168,14 +168,14 @@ def report_partition(
             checks.append(f"{evaluation.check_name} {'passed' if evaluation.passed else 'FAILED'}")
             if not evaluation.passed:
                 problems.append(f"{item.key}: check {evaluation.check_name} failed")
-    say(f"partition {item.key} ({item.path.name}, {len(item.job_ids)} jobs): counts {counts}")
-    say(f"  checks: {', '.join(checks) or 'none recorded'}")
+    announce(f"partition {item.key} ({item.path.name}, {len(item.job_ids)} jobs): counts {counts}")
+    announce(f"  checks: {', '.join(checks) or 'none recorded'}")
 
     csv_path = results_csv_path(store_root, item.key)
     if not csv_path.exists():
         return [*problems, f"{item.key}: no results CSV at {csv_path}"]
     frame = pd.read_csv(csv_path, dtype=str, keep_default_na=False)
-    say(f"  results: {csv_path} ({len(frame)} rows)")
+    announce(f"  results: {csv_path} ({len(frame)} rows)")
     rows = frame["job_id"].tolist()
     if rows != item.job_ids:
         missing = sorted(set(item.job_ids) - set(rows))
@@ -200,5 +200,7 @@ def report_partition(
             metadata = dict(materialization.metadata)
             path = _meta_value(metadata, "path")
             # A job file without shots materializes with only a status ("no shots").
-            say(f"  film: {path}" if path else f"  film: none ({_meta_value(metadata, 'status')})")
+            announce(
+                f"  film: {path}" if path else f"  film: none ({_meta_value(metadata, 'status')})"
+            )
     return problems

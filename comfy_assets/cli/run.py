@@ -180,7 +180,7 @@ def show_logs(args: argparse.Namespace) -> None:
             logging.getLogger(name).propagate = False
 
 
-def say(line: str) -> None:
+def print_line(line: str) -> None:
     """Print one line of ``run``'s output. When the reader has gone away (``run | head``)
     the run goes on without its lines (one note on stderr): the renders, the store and
     results.csv matter more than the progress lines nobody reads any more."""
@@ -222,7 +222,7 @@ def run_command(args: argparse.Namespace) -> int:
                 servers=servers,
                 store=store,
                 config=batch_config(args),
-                on_line=say,
+                on_line=print_line,
             )
     except PartitionConflict as e:
         print(
@@ -252,15 +252,15 @@ def run_command(args: argparse.Namespace) -> int:
         )
         return 1
     for name, why in summary.unreachable.items():
-        say(f"server {name}: {why}")
-    say(summary.line())
+        print_line(f"server {name}: {why}")
+    print_line(summary.line())
     for job_id, reason in summary.dead_letters:
-        say(f"  dead letter {job_id}: {reason}")
+        print_line(f"  dead letter {job_id}: {reason}")
     if summary.stopped:
-        say(f"  {summary.stopped}")
+        print_line(f"  {summary.stopped}")
     not_done = len(summary.jobs) - summary.done - summary.dead_lettered
     if not_done:
-        say(f"  {not_done} not run")
+        print_line(f"  {not_done} not run")
     try:
         # Dead letters too: the table is where their reasons are read afterwards.
         results_line(store, partition, job_file)
@@ -273,7 +273,7 @@ def results_line(store: Store, partition: str, job_file: JobFile) -> None:
     """Write results.csv and print its path, or say why it could not be written."""
     try:
         path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
-        say(f"results: {path}")
+        print_line(f"results: {path}")
     except StoreUnavailable as e:
         print(f"results.csv not written: {e}", file=sys.stderr)
 

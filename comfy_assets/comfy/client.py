@@ -114,9 +114,9 @@ class ComfyClient:
             auth=auth,
             timeout=httpx.Timeout(timeout_s),
             transport=transport,
-            # Many followers of one server share this client (pool benchmark).
+            # Many followers of one server share this client.
             limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
-            # Loading the CA bundle costs 15 ms a client; plain http:// never uses it.
+            # Loading the CA bundle is slow, and plain http:// never uses it.
             verify=self.base_url.startswith("https://"),
         )
         self._output_classes: dict[str, bool] = {}  # is_output_node answers

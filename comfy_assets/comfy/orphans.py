@@ -38,7 +38,7 @@ class Orphans:
         slot = self._take(spec, (), {}, purpose="to remove prompts of ours nobody follows")
         if slot is None:
             return  # someone took the server: they see the orphans too
-        slot.posted()  # no prompt of ours goes there meanwhile
+        slot.dispatched()  # no prompt of ours goes there meanwhile
         client = self.clients[spec.name]
         deadline = asyncio.get_running_loop().time() + self.orphan_grace_s
         try:

@@ -75,11 +75,11 @@ class Slot:
     def release(self) -> None:
         """Give the server back (call once the prompt has left it). Safe to call twice."""
         if not self.released:
-            self.posted()
+            self.dispatched()
             self.released = True
             self.pool.slot_released(self)
 
-    def posted(self) -> None:
+    def dispatched(self) -> None:
         """Say that the prompt has been posted (or won't be): the dispatch is over."""
         if self.dispatching:
             self.dispatching = False
@@ -92,6 +92,6 @@ class Slot:
         process may take it only after the lease time, never while our prompt may run.
         """
         if not self.released:
-            self.posted()
+            self.dispatched()
             self.released = True
             self.pool.slot_abandoned(self)

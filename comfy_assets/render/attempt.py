@@ -189,7 +189,7 @@ class Attempt(CatchUp, Removal):
             # Reset or timeout: the server may have queued it all the same. Look before
             # deciding: a prompt that runs or ran is followed or taken, not posted again.
             return await self._after_unanswered_post(follower, slot, e)
-        slot.posted()
+        slot.dispatched()
         log.info("%s on %s: POST /prompt 200, number %s", self.label, name, post.number)
         await self.hooks.rendering(name, post.number)
         if post.node_errors:
@@ -225,7 +225,7 @@ class Attempt(CatchUp, Removal):
             return self.result("transient", reason, server=name, posted=True)
         found = queue.find(pid)
         if found is not None:
-            slot.posted()
+            slot.dispatched()
             log.info(
                 "%s on %s: %s, but the prompt is queued as #%s",
                 self.label,

@@ -49,8 +49,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 # Worker threads for a networked store (PostgreSQL): two, so one call can wait on the
-# network while another runs; more only adds GIL contention (bench/throughput.py on
-# PostgreSQL, 2,000 jobs: 1 thread 67.7, 2 threads 74.8, 4 threads 66.6 jobs/s).
+# network while another runs; more only add GIL contention (docs/performance.md).
 STORE_THREADS = 2
 
 
@@ -122,7 +121,8 @@ class Batch(Settle):
             pending = [asyncio.wrap_future(f) for f in list(self._in_flight)]
             await asyncio.gather(*pending, return_exceptions=True)
 
-    def say(self, text: str) -> None:
+    def report(self, text: str) -> None:
+        """One line for people (``on_line``), in the shape of STYLE.md."""
         self.on_line(text)
 
     async def run(self) -> None:
@@ -239,7 +239,7 @@ class Batch(Settle):
         if status == "done":
             problem = await self._db(outputs_problem, store, self.partition, job.id)
             if problem is None:
-                self.say(f"job {job.id}: already done, nothing posted")
+                self.report(f"job {job.id}: already done, nothing posted")
                 self._resolve("done")
                 return None
             # Done, but its files are gone or changed on disk: render it again, which
@@ -248,28 +248,30 @@ class Batch(Settle):
                 await self._db(
                     store.transition, job.id, "pending", detail=f"outputs {problem}; fetching again"
                 )
-                self.say(f"job {job.id}: outputs {problem}; fetching them again")
+                self.report(f"job {job.id}: outputs {problem}; fetching them again")
             except InvalidTransition:
                 pass  # another worker reopened it a moment ago: claim decides who fetches
             status, rec = await self.claims.claim(job.id)
             if status == "done":  # and that worker has already fetched them
-                self.say(f"job {job.id}: already done, nothing posted")
+                self.report(f"job {job.id}: already done, nothing posted")
                 self._resolve("done")
                 return None
         if status == "dead_lettered":
-            self.say(f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again")
+            self.report(
+                f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again"
+            )
             self._resolve("dead_lettered")
             return None
         if status == "held" and rec.claimed_by and not owner_alive(rec.claimed_by):
             holder = rec.claimed_by
             status, rec = await self.claims.claim(job.id, dead_holder=holder)
             if status == "claimed":
-                self.say(f"job {job.id}: claim of {holder} taken over (that process is gone)")
+                self.report(f"job {job.id}: claim of {holder} taken over (that process is gone)")
         if status == "held":
             if job.id not in self.told_held:
                 self.told_held.add(job.id)
                 until = time.strftime("%H:%M:%S", time.localtime(rec.claim_expires_at or 0))
-                self.say(f"job {job.id}: claimed by {rec.claimed_by} until {until}; waiting")
+                self.report(f"job {job.id}: claimed by {rec.claimed_by} until {until}; waiting")
             left = (rec.claim_expires_at or 0) - time.time()
             self.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
             return None
@@ -303,7 +305,7 @@ class Batch(Settle):
         """Run one attempt of ``item`` (claimed: ``rec``) on ``slot`` or the server it
         catches up on; returns the slot if it is still ours."""
         job, cfg, store = item.job, self.config, self.store
-        number = rec.attempts + 1
+        attempt_number = rec.attempts + 1  # ours; ComfyUI's run `number` is another thing
         item.attempts_before = rec.attempts_before
         prev = rec.server if rec.prompt_id == job.prompt_id else None
 
@@ -317,7 +319,7 @@ class Batch(Settle):
                 owner=self.owner,
                 from_state="pending",  # as _claim left it: one statement on PostgreSQL
                 server=server,
-                attempt=number,
+                attempt=attempt_number,
                 prompt_id=job.prompt_id,
                 detail=detail,
             )
@@ -330,7 +332,7 @@ class Batch(Settle):
                 owner=self.owner,
                 from_state="submitted",
                 server=server,
-                attempt=number,
+                attempt=attempt_number,
                 number=n,
             )
 
@@ -361,19 +363,21 @@ class Batch(Settle):
                 del self._tasks[job.id]  # from here on nothing cancels us for the attempt
         except asyncio.CancelledError:
             if attempt.aborted is None or me.cancelling() > 1:
-                await asyncio.shield(self._cancelled(job, attempt, number, rec.attempts_before))
+                await asyncio.shield(
+                    self._cancelled(job, attempt, attempt_number, rec.attempts_before)
+                )
                 raise
             me.uncancel()  # only the attempt was stopped, not the batch
             # The lease still keeps other processes away while our prompt is removed.
             what = await asyncio.shield(attempt.cancel_cleanup())
             await self._landed()  # a transition still being written lands first
             if attempt.claim_lost:
-                await self._left_to_holder(job, attempt, number, attempt.aborted, what)
+                await self._left_to_holder(job, attempt, attempt_number, attempt.aborted, what)
                 return None
             result = attempt.aborted_result(what)
         except ClaimLost as e:
             what = await attempt.cancel_cleanup()  # our prompt, if posted, is stale: remove it
-            await self._left_to_holder(job, attempt, number, f"claim lost ({e})", what)
+            await self._left_to_holder(job, attempt, attempt_number, f"claim lost ({e})", what)
             return None
         except NotPosted:
             self.claims.release(job.id)  # the batch stopped first: the job stays pending
@@ -384,10 +388,10 @@ class Batch(Settle):
         finally:
             self.attempts.pop(job.id, None)
         try:
-            await self._settle(item, number, result)
+            await self._settle(item, attempt_number, result)
         except ClaimLost as e:
             outcome = f"its result ({result.kind}) not recorded"
-            await self._left_to_holder(job, attempt, number, f"claim lost ({e})", outcome)
+            await self._left_to_holder(job, attempt, attempt_number, f"claim lost ({e})", outcome)
         self._check_finished()
         kept = attempt.slot if attempt.slot is not None and not attempt.slot.released else None
         return kept
@@ -396,19 +400,19 @@ class Batch(Settle):
         if not self.stopped:
             self.no_server = True
             self.stopped = f"stopped: {e}; the jobs not done stay pending (run again)"
-            self.say(self.stopped)
+            self.report(self.stopped)
         self._check_finished()
 
     async def _left_to_holder(
-        self, job: Job, attempt: Attempt, number: int, why: str, cleanup: str
+        self, job: Job, attempt: Attempt, attempt_number: int, why: str, cleanup: str
     ) -> None:
-        """The job's claim went to another worker while attempt ``number`` ran: say so
+        """The job's claim went to another worker while attempt ``attempt_number`` ran: say so
         (an event that changes nothing, and a line) and leave the job to its holder."""
         server = attempt.slot.name if attempt.slot is not None else None
-        detail = f"{why} during attempt {number}; {cleanup}"
-        await self._db(self.store.note, job.id, detail, server=server, attempt=number)
+        detail = f"{why} during attempt {attempt_number}; {cleanup}"
+        await self._db(self.store.note, job.id, detail, server=server, attempt=attempt_number)
         self.claims.forget(job.id)
-        self.say(f"job {job.id}: {detail}; left to its holder")
+        self.report(f"job {job.id}: {detail}; left to its holder")
         self._resolve()
 
     def _on_lost_slot(self, slot: Slot) -> None:

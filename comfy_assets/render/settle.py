@@ -17,10 +17,10 @@ from comfy_assets.store import AttemptEntry, StoreUnavailable
 class Settle:
     """The store's side of each attempt's end (a part of ``Batch``)."""
 
-    async def _settle(self, item: Item, number: int, r: AttemptResult) -> None:
+    async def _settle(self, item: Item, attempt_number: int, r: AttemptResult) -> None:
         job, store, cfg = item.job, self.store, self.config
         tried = AttemptEntry(  # written with the transition below, one transaction
-            item.attempts_before + number,  # rows go on numbering after a requeue
+            item.attempts_before + attempt_number,  # rows go on numbering after a requeue
             server=r.server,
             prompt_id=r.prompt_id,
             number=r.number,
@@ -41,36 +41,36 @@ class Settle:
                 state="succeeded",
                 files=r.files,
                 server=r.server,
-                attempt=number,
+                attempt=attempt_number,
                 number=r.number,
                 tried=tried,
             )
             self.claims.finished(job.id)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
-            self.say(f"job {job.id} attempt {number}{where}: succeeded ({how})")
+            self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
             self._resolve("done")
             return
-        if r.kind == "transient" and number < cfg.attempts:
+        if r.kind == "transient" and attempt_number < cfg.attempts:
             await self._db(
                 store.transition,
                 job.id,
                 "failed_retryable",
                 server=r.server,
-                attempt=number,
+                attempt=attempt_number,
                 detail=r.reason,
                 tried=tried,
             )
             if self.stopped:  # no consumer takes it any more: the next run does
                 self.claims.release(job.id)
-                self.say(
-                    f"job {job.id}: attempt {number} failed{where}, {r.reason}; not retried "
+                self.report(
+                    f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; not retried "
                     f"in this run ({self.stopped})"
                 )
                 self._resolve()
                 return
-            delay = cfg.retry.delay(number)
-            self.say(
-                f"job {job.id}: attempt {number} failed{where}, {r.reason}; "
+            delay = cfg.retry.delay(attempt_number)
+            self.report(
+                f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; "
                 f"retry in {delay * 1000:.0f} ms, ahead of the jobs not yet tried"
             )
             again = Item(job, prev_server=r.server, fresh=r.outputs_missing)
@@ -79,7 +79,7 @@ class Settle:
         reason = (
             r.reason
             if r.kind == "permanent"
-            else f"gave up after {number} attempts, last: {r.reason}"
+            else f"gave up after {attempt_number} attempts, last: {r.reason}"
         )
         self.claims.finishing_now(job.id)
         degraded = self.draft and (r.kind == "permanent" or job.optional)
@@ -91,11 +91,11 @@ class Settle:
                 state="degraded",
                 files=[],
                 server=r.server,
-                attempt=number,
+                attempt=attempt_number,
                 reason=reason,
                 tried=tried,
             )
-            self.say(f"job {job.id}: degraded (draft), {reason}")
+            self.report(f"job {job.id}: degraded (draft), {reason}")
         else:
             await self._db(
                 store.dead_letter,
@@ -103,32 +103,34 @@ class Settle:
                 self.owner,
                 reason,
                 server=r.server,
-                attempt=number,
+                attempt=attempt_number,
                 tried=tried,
             )
-            self.say(f"job {job.id}: dead-lettered, {reason}")
+            self.report(f"job {job.id}: dead-lettered, {reason}")
             if self.stop_on_fatal and not self.stopped:
                 self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
-                self.say(f"delivery policy: {self.stopped}; no new shots are submitted")
+                self.report(f"delivery policy: {self.stopped}; no new shots are submitted")
         self.claims.finished(job.id)
         self._resolve("done" if degraded else "dead_lettered")
 
-    async def _cancelled(self, job: Job, attempt: Attempt, number: int, before: int) -> None:
-        """The batch is cancelled during attempt ``number`` (``before``: the job's tries
+    async def _cancelled(
+        self, job: Job, attempt: Attempt, attempt_number: int, before: int
+    ) -> None:
+        """The batch is cancelled during attempt ``attempt_number`` (``before``: the job's tries
         before its last requeue): remove our prompt, record the attempt, free the claim."""
         what = "cleanup did not finish"
         try:
             what = await attempt.cancel_cleanup()
         finally:
             try:
-                await self._record_cancel(job, attempt, number, before, what)
+                await self._record_cancel(job, attempt, attempt_number, before, what)
                 what += ", claim released"
             except StoreUnavailable as e:
                 what += f"; neither recorded nor its claim released ({e})"
-            self.say(f"job {job.id}: run cancelled, {what}")
+            self.report(f"job {job.id}: run cancelled, {what}")
 
     async def _record_cancel(
-        self, job: Job, attempt: Attempt, number: int, before: int, what: str
+        self, job: Job, attempt: Attempt, attempt_number: int, before: int, what: str
     ) -> None:
         """Record the cancelled attempt (its job back to failed_retryable) and free the
         claim. Raises StoreUnavailable."""
@@ -137,7 +139,7 @@ class Settle:
         if rec is not None and rec.state in ("submitted", "rendering"):
             reason = f"run cancelled; {what}"
             tried = AttemptEntry(
-                before + number,
+                before + attempt_number,
                 outcome="transient",
                 server=rec.server,
                 prompt_id=job.prompt_id,
@@ -150,7 +152,7 @@ class Settle:
                 job.id,
                 "failed_retryable",
                 detail=reason,
-                attempt=number,
+                attempt=attempt_number,
                 tried=tried,
             )
         self.claims.release(job.id)

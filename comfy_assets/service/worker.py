@@ -173,7 +173,7 @@ class Worker:
         if not self._stop.is_set():  # a later error is logged where it happened
             self.request_stop(f"error: {exc}")
 
-    def _lost(self, why: str) -> None:
+    def _broker_lost(self, why: str) -> None:
         self._fail(broker.BrokerError(why))
 
     # -- the service ----------------------------------------------------------------
@@ -188,7 +188,7 @@ class Worker:
         results: asyncio.Task[None] | None = None
         health_file = self.health_file
         async with pool:
-            await self.source.open(len(self.servers), self._lost)
+            await self.source.open(len(self.servers), self._broker_lost)
             try:
                 if health_file is not None:
                     health_file.touch()  # fail now, not in the background

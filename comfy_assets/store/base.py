@@ -40,7 +40,6 @@ from comfy_assets.store.schema import (
     events_table,
 )
 
-J = q.J
 _TERMINAL = DONE | {FAILED_FATAL}
 
 

@@ -69,7 +69,7 @@ class ServerLeases(StoreBase):
     def server_leases(self) -> dict[str, ServerLease]:
         """Every server ever leased, by name (a released one has ``owner`` None)."""
         with self._read() as conn:
-            rows = conn.execute(sa.select(server_leases_table).order_by(q.L.server))
+            rows = conn.execute(sa.select(server_leases_table).order_by(q.LEASE.server))
             return {r.server: ServerLease(**r._mapping) for r in rows}
 
     @retried

@@ -10,7 +10,7 @@ from comfy_assets.jobs.states import (
     State,
 )
 from comfy_assets.store import statements as q
-from comfy_assets.store.base import J, StoreBase, _job_record
+from comfy_assets.store.base import StoreBase, _job_record
 from comfy_assets.store.records import (
     AttemptRecord,
     FileRecord,
@@ -42,8 +42,8 @@ class Queries(StoreBase):
         """Jobs of ``partition`` by shot (jobs without one last), then line."""
         stmt = (
             sa.select(jobs_table)
-            .where(J.partition == partition)
-            .order_by(sa.nulls_last(J.shot.asc()), J.line, J.job_id)
+            .where(q.JOB.partition == partition)
+            .order_by(sa.nulls_last(q.JOB.shot.asc()), q.JOB.line, q.JOB.job_id)
         )
         with self._read() as conn:
             return [_job_record(r) for r in conn.execute(stmt)]
@@ -81,7 +81,7 @@ class Queries(StoreBase):
         if partition is not None:
             stmt = stmt.where(t.partition == partition)
         if shot is not None:
-            stmt = stmt.join(jobs_table, J.job_id == t.job_id).where(J.shot == shot)
+            stmt = stmt.join(jobs_table, q.JOB.job_id == t.job_id).where(q.JOB.shot == shot)
         with self._read() as conn:
             return [Event(**r._mapping) for r in conn.execute(stmt)]
 
@@ -90,18 +90,22 @@ class Queries(StoreBase):
         """failed_fatal jobs, of one partition or all, by partition, shot, line."""
         stmt = (
             sa.select(jobs_table)
-            .where(J.state == FAILED_FATAL.value)
-            .order_by(J.partition, sa.nulls_last(J.shot.asc()), J.line, J.job_id)
+            .where(q.JOB.state == FAILED_FATAL.value)
+            .order_by(q.JOB.partition, sa.nulls_last(q.JOB.shot.asc()), q.JOB.line, q.JOB.job_id)
         )
         if partition is not None:
-            stmt = stmt.where(J.partition == partition)
+            stmt = stmt.where(q.JOB.partition == partition)
         with self._read() as conn:
             return [_job_record(r) for r in conn.execute(stmt)]
 
     @retried
     def counts(self, partition: str) -> dict[str, int]:
         """Jobs of ``partition`` per state; every state is present (0 if none)."""
-        stmt = sa.select(J.state, sa.func.count()).where(J.partition == partition).group_by(J.state)
+        stmt = (
+            sa.select(q.JOB.state, sa.func.count())
+            .where(q.JOB.partition == partition)
+            .group_by(q.JOB.state)
+        )
         counts = {s.value: 0 for s in State}
         with self._read() as conn:
             counts.update({state: n for state, n in conn.execute(stmt)})
@@ -110,6 +114,6 @@ class Queries(StoreBase):
     @retried
     def partitions(self) -> list[str]:
         """Partitions that have jobs, sorted."""
-        stmt = sa.select(J.partition).distinct().order_by(J.partition)
+        stmt = sa.select(q.JOB.partition).distinct().order_by(q.JOB.partition)
         with self._read() as conn:
             return list(conn.execute(stmt).scalars())

@@ -14,7 +14,7 @@ from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.states import FAILED_RETRYABLE, IN_FLIGHT, PENDING
 from comfy_assets.store.records import PartitionConflict, RegisterResult, StoreConflict
 from comfy_assets.store.schema import jobs_table
-from comfy_assets.store.statements import J, expect_rows, insert_for
+from comfy_assets.store.statements import JOB, expect_rows, insert_for
 
 _CHUNK = 500  # ids per IN (...): well under SQLite's and PostgreSQL's parameter limits
 # Columns that describe a job without changing what it renders.
@@ -83,12 +83,17 @@ def _lock_rows(conn: sa.Connection, dialect: str, job_ids: list[str]) -> dict[st
     if dialect == "postgresql":
         # One array parameter: a 10,000-item IN list is slow to send and to plan.
         ids = sa.bindparam("ids", job_ids, type_=postgresql.ARRAY(sa.String))
-        stmt = sa.select(jobs_table).where(J.job_id == sa.any_(ids))
-        rows = conn.execute(stmt.order_by(J.job_id).with_for_update())
+        stmt = sa.select(jobs_table).where(JOB.job_id == sa.any_(ids))
+        rows = conn.execute(stmt.order_by(JOB.job_id).with_for_update())
         return {row.job_id: row for row in rows}
     for i in range(0, len(job_ids), _CHUNK):
         chunk = job_ids[i : i + _CHUNK]
-        stmt = sa.select(jobs_table).where(J.job_id.in_(chunk)).order_by(J.job_id).with_for_update()
+        stmt = (
+            sa.select(jobs_table)
+            .where(JOB.job_id.in_(chunk))
+            .order_by(JOB.job_id)
+            .with_for_update()
+        )
         found.update((row.job_id, row) for row in conn.execute(stmt))
     return found
 
@@ -146,11 +151,11 @@ def _reset_changed(
         )
     stmt = (
         jobs_table.update()
-        .where(J.job_id == sa.bindparam("b_id"), J.prompt_id == sa.bindparam("b_old"))
+        .where(JOB.job_id == sa.bindparam("b_id"), JOB.prompt_id == sa.bindparam("b_old"))
         .values(
             prompt_id=sa.bindparam("v_prompt_id"),
             state=PENDING.value,
-            attempts_before=J.attempts_before + J.attempts,
+            attempts_before=JOB.attempts_before + JOB.attempts,
             attempts=0,
             reason=None,
             server=None,
@@ -182,7 +187,7 @@ def _refresh_metadata(
     if params:
         stmt = (
             jobs_table.update()
-            .where(J.job_id == sa.bindparam("b_id"))
+            .where(JOB.job_id == sa.bindparam("b_id"))
             .values(updated_at=now, **{k: sa.bindparam(f"v_{k}") for k in _METADATA})
         )
         expect_rows(conn.execute(stmt, params), len(params), "refresh job shot/line/flags")

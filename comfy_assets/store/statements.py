@@ -22,11 +22,11 @@ from comfy_assets.store.schema import (
     server_leases_table,
 )
 
-J = jobs_table.c
-A = attempts_table.c
-F = files_table.c
-E = events_table.c
-L = server_leases_table.c
+JOB = jobs_table.c  # columns
+ATTEMPT = attempts_table.c  # columns
+FILE = files_table.c  # columns
+EVENT = events_table.c  # columns
+LEASE = server_leases_table.c  # columns
 
 
 def expect_rows(result: sa.CursorResult, expected: int, what: str) -> None:
@@ -44,69 +44,73 @@ def insert_for(dialect: str, table: sa.Table) -> Any:
     return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
 
 
-SELECT_JOB = sa.select(jobs_table).where(J.job_id == _b("b_id"))
+SELECT_JOB = sa.select(jobs_table).where(JOB.job_id == _b("b_id"))
 LOCK_JOB = SELECT_JOB.with_for_update()
 
 CLAIM = (
     jobs_table.update()
     .where(
-        J.job_id == _b("b_id"),
-        J.state == _b("b_state"),
-        J.claimed_by.is_not_distinct_from(_b("b_holder", sa.String)),
+        JOB.job_id == _b("b_id"),
+        JOB.state == _b("b_state"),
+        JOB.claimed_by.is_not_distinct_from(_b("b_holder", sa.String)),
     )
     .values(claimed_by=_b("v_owner"), claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
 )
 RENEW_CLAIM = (
     jobs_table.update()
-    .where(J.job_id == _b("b_id"), J.claimed_by == _b("b_owner"))
+    .where(JOB.job_id == _b("b_id"), JOB.claimed_by == _b("b_owner"))
     .values(claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
 )
 RELEASE_CLAIM = (
     jobs_table.update()
-    .where(J.job_id == _b("b_id"), J.claimed_by == _b("b_owner"))
+    .where(JOB.job_id == _b("b_id"), JOB.claimed_by == _b("b_owner"))
     .values(claimed_by=None, claim_expires_at=None)
 )
 BUMP_ATTEMPTS = (
     jobs_table.update()
-    .where(J.job_id == _b("b_id"))
+    .where(JOB.job_id == _b("b_id"))
     .values(
         attempts=sa.case(
             (
-                J.attempts < _b("b_attempt", sa.Integer) - J.attempts_before,
-                _b("b_attempt") - J.attempts_before,
+                JOB.attempts < _b("b_attempt", sa.Integer) - JOB.attempts_before,
+                _b("b_attempt") - JOB.attempts_before,
             ),
-            else_=J.attempts,
+            else_=JOB.attempts,
         ),
         updated_at=_b("v_now"),
     )
 )
 TOTALS = sa.select(
     sa.func.count(),
-    sa.func.sum(A.seconds),
-    sa.func.sum(A.queue_wait_s),
-    sa.func.sum(sa.func.coalesce(A.gpu_seconds, A.seconds - sa.func.coalesce(A.queue_wait_s, 0.0))),
-).where(A.job_id == _b("b_id"))
-DELETE_FILES = files_table.delete().where(F.job_id == _b("b_id"))
+    sa.func.sum(ATTEMPT.seconds),
+    sa.func.sum(ATTEMPT.queue_wait_s),
+    sa.func.sum(
+        sa.func.coalesce(
+            ATTEMPT.gpu_seconds, ATTEMPT.seconds - sa.func.coalesce(ATTEMPT.queue_wait_s, 0.0)
+        )
+    ),
+).where(ATTEMPT.job_id == _b("b_id"))
+DELETE_FILES = files_table.delete().where(FILE.job_id == _b("b_id"))
 INSERT_FILES = files_table.insert()
-INSERT_EVENT = events_table.insert().returning(E.id)
-LAST_EVENT_ID = sa.select(sa.func.coalesce(sa.func.max(E.id), 0))
+INSERT_EVENT = events_table.insert().returning(EVENT.id)
+LAST_EVENT_ID = sa.select(sa.func.coalesce(sa.func.max(EVENT.id), 0))
 NEXT_EVENT_IDS = sa.text(
     "SELECT nextval(pg_get_serial_sequence('comfy_events', 'id')) FROM generate_series(1, :n)"
 )
 
 RENEW_SERVER = (
     server_leases_table.update()
-    .where(L.server == _b("b_server"), L.owner == _b("b_owner"))
+    .where(LEASE.server == _b("b_server"), LEASE.owner == _b("b_owner"))
     .values(expires_at=_b("v_expires"), updated_at=_b("v_now"))
 )
 RELEASE_SERVER = (
     server_leases_table.update()
-    .where(L.server == _b("b_server"), L.owner == _b("b_owner"))
+    .where(LEASE.server == _b("b_server"), LEASE.owner == _b("b_owner"))
     .values(
         owner=None,
         expires_at=None,
         prompt_id=None,
-        last_model=sa.func.coalesce(_b("v_model", sa.Text), L.last_model),
+        last_model=sa.func.coalesce(_b("v_model", sa.Text), LEASE.last_model),
         updated_at=_b("v_now"),
     )
 )
@@ -121,9 +125,9 @@ def guarded_update(columns: tuple[str, ...]) -> sa.Update:
     return (
         jobs_table.update()
         .where(
-            J.job_id == _b("b_id"),
-            J.state == _b("b_state"),
-            J.claimed_by.is_not_distinct_from(_b("b_holder", sa.String)),
+            JOB.job_id == _b("b_id"),
+            JOB.state == _b("b_state"),
+            JOB.claimed_by.is_not_distinct_from(_b("b_holder", sa.String)),
         )
         .values({c: _b(f"v_{c}") for c in columns})
     )
@@ -138,12 +142,14 @@ def move_and_log(columns: tuple[str, ...]) -> sa.Insert:
     data-modifying CTE, so in autocommit the change is one round trip and still atomic."""
     values: dict[str, Any] = {c: _b(f"v_{c}") for c in columns}
     if "first_submitted_at" in values:
-        values["first_submitted_at"] = sa.func.coalesce(J.first_submitted_at, _b("v_now"))
+        values["first_submitted_at"] = sa.func.coalesce(JOB.first_submitted_at, _b("v_now"))
     moved = (
         jobs_table.update()
-        .where(J.job_id == _b("b_id"), J.state == _b("b_state"), J.claimed_by == _b("b_owner"))
+        .where(
+            JOB.job_id == _b("b_id"), JOB.state == _b("b_state"), JOB.claimed_by == _b("b_owner")
+        )
         .values(values)
-        .returning(J.job_id, J.partition)
+        .returning(JOB.job_id, JOB.partition)
         .cte("moved")
     )
     event = sa.select(
@@ -160,7 +166,7 @@ def move_and_log(columns: tuple[str, ...]) -> sa.Insert:
     return (
         events_table.insert()
         .from_select([*names, "detail"], event)
-        .returning(E.id, E.partition)
+        .returning(EVENT.id, EVENT.partition)
         .add_cte(moved)
     )
 
@@ -196,9 +202,9 @@ def acquire_server(dialect: str) -> Any:
         },
         # Compared with the row as it stands when the conflict is found: atomic.
         where=sa.or_(
-            L.owner.is_(None),
-            L.owner == insert.excluded.owner,
-            L.expires_at <= insert.excluded.updated_at,
+            LEASE.owner.is_(None),
+            LEASE.owner == insert.excluded.owner,
+            LEASE.expires_at <= insert.excluded.updated_at,
         ),
     )
     # SQLAlchemy keeps an INSERT's rowcount only when asked; 0 means "not taken".

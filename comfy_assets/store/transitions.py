@@ -68,19 +68,17 @@ class Transitions(StoreBase):
         from_state: str | None = None,
         **fields: Any,
     ) -> None:
-        """Move ``job_id`` to ``to_state``; write an event row and a JSON log line.
-        ``tried``: the attempt that led here, recorded in the same transaction.
-        ``from_state`` (with ``owner``): the state the caller knows the job is in. On
-        PostgreSQL a move to a state that is neither pending nor final is then one
-        statement, one round trip (this is on the way to every POST); a job not in that
-        state or not ``owner``'s goes the checked way below, which raises.
+        """Move ``job_id`` to ``to_state`` if the state machine allows it from the state in
+        the database, with an event row and a JSON log line, in one transaction.
 
-        Checked against the state in the database. ``fields`` sets other columns
-        (TRANSITION_FIELDS: prompt_id, number, reason, seconds, attempts, ...); ``server``
-        is stored on the job and, with ``attempt``, in the event. The first submission
-        stamps ``first_submitted_at``; succeeded, degraded and failed_fatal stamp
-        ``finished_at`` and drop the claim. With ``owner``, the caller must hold the
-        claim. Raises InvalidTransition, UnknownJob, ClaimLost, TypeError (unknown field).
+        ``owner``: the caller must hold the job's claim. ``server`` is stored on the job
+        and, with ``attempt``, in the event; ``detail`` is the event's text. ``tried``: the
+        attempt that led here, recorded with it. ``fields``: other columns
+        (TRANSITION_FIELDS). The first submission stamps ``first_submitted_at``;
+        succeeded, degraded and failed_fatal stamp ``finished_at`` and drop the claim.
+        ``from_state`` (with ``owner``): the state the caller knows the job is in, which
+        lets PostgreSQL make a move to a state neither pending nor final one statement.
+        Raises InvalidTransition, UnknownJob, ClaimLost, TypeError (an unknown field).
         """
         unknown = set(fields) - TRANSITION_FIELDS
         if unknown:
