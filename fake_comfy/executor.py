@@ -103,6 +103,7 @@ class Executor:
     async def run(self) -> None:
         """Runs prompts until cancelled. A run cancelled mid-way is recorded as `lost`."""
         while True:
+            await self.fake.started.wait()  # FakeComfy.pause() holds the next prompt
             session = self.fake.session
             item = session.pop()
             if item is None:

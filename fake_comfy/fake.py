@@ -84,6 +84,7 @@ class FakeComfy:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._crash: BaseException | None = None
+        self.started = asyncio.Event()  # made anew by each serve(); see pause()
 
     def _folders(self) -> None:
         # A new server life rescans the folders for counters, as the real one does.
@@ -100,6 +101,21 @@ class FakeComfy:
         """Forgets queue, history and numbers (a server start or the `restart` word)."""
         self.session = Session()
         self.notify()
+
+    def pause(self) -> None:
+        """Start no new prompt (the one running goes on) until ``resume()``; prompts
+        posted meanwhile wait in the queue. Safe from any thread."""
+        self._on_loop(lambda: self.started.clear())
+
+    def resume(self) -> None:
+        """Start prompts again after ``pause()``. Safe from any thread."""
+        self._on_loop(lambda: self.started.set())
+
+    def _on_loop(self, call: Callable[[], object]) -> None:
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("FakeComfy is not serving")
+        loop.call_soon_threadsafe(call)
 
     def notify(self) -> None:
         """Wakes the waiters of wait_idle / wait_for_runs (call after any state change)."""
@@ -122,6 +138,8 @@ class FakeComfy:
         self._loop = asyncio.get_running_loop()
         self._changed = asyncio.Event()
         self._crash = None
+        self.started = asyncio.Event()  # cleared by pause(): no new prompt starts
+        self.started.set()
         self._folders()
         self.new_session()
         self.hub = Hub()

@@ -105,7 +105,7 @@ def test_run_piped_into_a_reader_that_stops_early_still_renders_every_job(
 def test_run_stopped_by_sigterm_exits_143_and_still_writes_the_results_csv(tmp_path: Path) -> None:
     # The CSV is the table of what is done: a stopped run writes it too, with a row per
     # job (the ones not done yet say so).
-    fake = FakeComfy(prompt_seconds=0.1)
+    fake = FakeComfy(script=["ok", "hang"], prompt_seconds=0.005)  # job 2 runs until stopped
     jobs = write_jobs(tmp_path / "jobs", 8)
     store = tmp_path / "store"
     with fake.serve_in_thread(port=0) as url:
@@ -122,7 +122,8 @@ def test_run_stopped_by_sigterm_exits_143_and_still_writes_the_results_csv(tmp_p
     assert f"results: {csv_path}" in out.decode()
     table = rows(csv_path)
     assert len(table) == 8
-    assert 1 <= sum(r["state"] == "succeeded" for r in table) < 8
+    assert sum(r["state"] == "succeeded" for r in table) == 1
+    assert [r["outcome"] for r in fake.stats["runs"]] == ["success", "interrupted"]
 
 
 def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
@@ -270,11 +271,18 @@ def test_an_out_of_range_batch_option_is_an_argparse_error_naming_it(
 def test_the_smallest_allowed_batch_options_run(
     tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    jobs = write_jobs(tmp_path / "jobs", 1)
+    # One attempt: the job refused with a 500 is a dead letter at once. A queue of one:
+    # no prompt of ours is posted while another client's prompt is on the server.
+    busy = FakeComfy(script=["500"], busy=1, prompt_seconds=0.01)
+    jobs = write_jobs(tmp_path / "jobs", 2)
     limits = ["--attempts", "1", "--base-delay-s", "0", "--max-delay-s", "0", "--max-queue", "1"]
-
-    assert run(jobs, tmp_path / "store", url, *limits) == 0
-    assert "summary: 1 done, 0 dead-lettered" in capsys.readouterr().out
+    with busy.serve_in_thread(port=0) as busy_url:
+        assert run(jobs, tmp_path / "store", busy_url, *limits) == 1
+    assert "summary: 1 done, 1 dead-lettered" in capsys.readouterr().out
+    theirs, *ours = sorted(busy.stats["runs"], key=lambda r: r["start"])
+    assert not theirs["client_id"].startswith("comfy-assets-")
+    assert len(ours) == 1 and ours[0]["posted"] >= theirs["end"]
+    assert sorted(p["posted"] for p in busy.stats["prompts"].values())[-2:] == [1, 1]
 
 
 # --- requeue ---------------------------------------------------------------------------

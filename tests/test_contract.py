@@ -111,7 +111,8 @@ async def test_system_stats_has_a_version_and_devices_with_memory(server_url):
     for device in stats.devices:
         assert device.name and device.type
         assert 0 <= device.vram_free <= device.vram_total
-    assert queue.length >= 0
+    assert len(queue.running) <= 1  # one prompt at a time per server (README fact 1)
+    assert queue.length == len(queue.running) + len(queue.pending)
 
 
 async def test_two_output_image_workflow_is_followed_and_downloaded(server_url, tmp_path):

@@ -312,7 +312,7 @@ async def test_passwords_show_in_no_dead_letter_header_body_or_worker_log(
     jobs = write_jobs(tmp_path / "jobs", 3, salt=f"credentials-worker-{time.time_ns()}")
     job_file = load_job_file(jobs)
     store = Store(tmp_path / "store")
-    seed_catch_up(store, queue, job_file.jobs[0], "gpu0")
+    seed_catch_up(store, jobs.stem, job_file.jobs[0], "gpu0")  # messages name their file's
     dead_port = free_port()
     messages = job_messages(jobs)
     await broker.enqueue(AMQP_URL, queue, messages)
@@ -332,7 +332,7 @@ async def test_passwords_show_in_no_dead_letter_header_body_or_worker_log(
     assert worker.counts["dead_lettered"] == 1 and len(dead) == 1
     headers_text = "\n".join(repr(m.headers) + m.body.decode() for m in dead)
     assert "x-worker-reason" in headers_text
-    rows = "\n".join(repr(e) for e in store.events(partition=queue))
+    rows = "\n".join(repr(e) for e in store.events(partition=jobs.stem))
     assert f"127.0.0.1:{dead_port}" in rows  # the catch-up on gpu0 names its URL
     assert leaks(headers_text) == []
     assert leaks(rows) == []

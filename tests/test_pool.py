@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import sqlalchemy as sa
 
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
@@ -23,6 +24,7 @@ from comfy_assets.comfy.slot import new_client_id
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
+from comfy_assets.store.schema import pool_waiters_table
 from fake_comfy import FakeComfy
 from tests.support import (
     ROOT,
@@ -192,13 +194,13 @@ async def test_affinity_keeps_a_model_on_the_server_that_last_ran_it(tmp_path):
 
 def test_two_runs_sharing_one_server_take_turns(tmp_path):
     # Without turns, the first run hands the server to its own next job every time and
-    # the second run waits until the first has nothing left.
-    fake = FakeComfy(prompt_seconds=0.1)  # 4 nodes: 0.4 s a prompt
+    # the second run waits until the first has nothing left. The fake is held while the
+    # second run starts, so the first can't finish before the second waits.
+    fake = FakeComfy(prompt_seconds=0.01)
     store = tmp_path / "store"
     Store(store)
-    # The first run has 16 jobs (6 s of prompts): time enough for the second to start.
     files = [
-        write_jobs(tmp_path / f"jobs{i}", n, name=f"run{i}.jsonl") for i, n in [(0, 16), (1, 8)]
+        write_jobs(tmp_path / f"jobs{i}", n, name=f"run{i}.jsonl") for i, n in [(0, 8), (1, 4)]
     ]
     ids = [{j.prompt_id for j in load_job_file(f).jobs} for f in files]
 
@@ -224,18 +226,33 @@ def test_two_runs_sharing_one_server_take_turns(tmp_path):
             text=True,
         )
 
+    def waiting(pid: int) -> bool:
+        """The run of process ``pid`` waits for a server (its pool's mark in the store)."""
+        t = pool_waiters_table.c
+        with Store(store) as s, s.engine.connect() as conn:
+            owners = conn.execute(sa.select(t.owner).where(t.expires_at > time.time())).scalars()
+            return any(owner.split(":")[1] == str(pid) for owner in owners)
+
     with fake.serve_in_thread(port=0) as url:
+        fake.pause()
         first = start(files[0])
-        deadline = time.monotonic() + 60
-        while not any(r["prompt_id"] in ids[0] for r in fake.stats["runs"]):
-            assert time.monotonic() < deadline, "the first run never started"
-            time.sleep(0.02)
+        poll_until(lambda: any(ids[0] & set(fake.stats["prompts"])), "the first run's POST")
         second = start(files[1])
+        poll_until(lambda: waiting(second.pid), "the second run to wait for the server")
+        fake.resume()
         outs = [p.communicate(timeout=120)[0] for p in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], outs
     runs = sorted(fake.stats["runs"], key=lambda r: r["start"])
     owners = [0 if r["prompt_id"] in ids[0] else 1 for r in runs]
     assert owners.index(1) < len(owners) - 1 - owners[::-1].index(0), owners
+
+
+def poll_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Look at ``condition`` every 20 ms (the condition is the signal, not the time)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 class CountingStore(Store):

@@ -326,25 +326,37 @@ async def test_delivery_posts_nothing_after_a_fatal_failure_while_another_server
     tmp_path,
 ):
     # A storyboard on two servers: shot 1 fails for good on gpu0 while gpu1 is still
-    # rendering shot 2; the consumers already waiting in line with their shots claimed
-    # must not post them once the delivery policy has stopped the batch.
+    # rendering shot 2 (it hangs until the dead letter is written); the consumers
+    # already waiting in line with their shots claimed must not post them once the
+    # delivery policy has stopped the batch.
     failing = FakeComfy(script=["error"], prompt_seconds=0.005)
-    slow = FakeComfy(prompt_seconds=0.1)
+    hung = FakeComfy(script=["hang"], prompt_seconds=0.005)
     shots = [{"shot": i + 1} for i in range(8)]
     jf = load_job_file(write_jobs(tmp_path / "jobs", 8, extra=shots))
     store = Store(tmp_path / "store")
-    async with fake_servers(failing, slow) as servers:
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(policy="delivery", attempts=1),
+    async with fake_servers(failing, hung) as servers:
+        failing.pause()  # shot 1 fails only once shot 2 is rendering on gpu1
+        batch = asyncio.create_task(
+            run_batch(
+                jf,
+                partition="p",
+                servers=servers,
+                store=store,
+                config=fast_config(policy="delivery", attempts=1),
+            )
         )
-    runs = failing.stats["runs"] + slow.stats["runs"]
+        await wait_until(lambda: len(hung.stats["runs"]) == 1, 20.0, "the hung shot")
+        failing.resume()
+        await wait_until(lambda: store.dead_letters("p") != [], 20.0, "the dead letter")
+        async with httpx.AsyncClient(base_url=servers[1].url) as http:
+            await http.post("/interrupt", json={})  # someone ends the hung shot
+        summary = await asyncio.wait_for(batch, 20.0)
+    runs = failing.stats["runs"] + hung.stats["runs"]
     (fatal,) = [r for r in runs if r["outcome"] == "error"]
-    assert summary.dead_lettered == 1
+    # The hung shot, interrupted by someone else on its only attempt, is a dead letter too.
+    assert summary.dead_lettered == 2
     assert [r for r in runs if r["start"] > fatal["end"]] == []
+    assert len(runs) == 2  # the fatal shot and the hung one: nothing posted after the stop
     assert all(j.claimed_by is None for j in store.jobs("p"))
 
 

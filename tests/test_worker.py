@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,8 @@ async def test_the_health_file_exists_while_the_worker_runs_and_is_removed_after
         task = asyncio.create_task(worker.run())
         await asyncio.wait_for(worker.consuming.wait(), 30)
         assert health.exists()
+        os.utime(health, (0, 0))  # as if it were stale: the heartbeat must touch it again
+        await wait_until(lambda: health.stat().st_mtime > 0, 30, "the health file renewed")
         worker.request_stop("test")
         await asyncio.wait_for(task, 30)
     assert not health.exists()
