@@ -264,11 +264,10 @@ def test_transition_updates_the_row_and_writes_event_and_log_line(store, workflo
         1,
         101.0,
     )
-    # Only this job's: a thread another test left behind may log its own events meanwhile.
     (record,) = [
         r
         for r in caplog.records
-        if r.name == "comfy_assets.jobs.events" and r.event["job_id"] == job.id
+        if r.name == "comfy_assets.jobs.events" and r.event["id"] == event.id
     ]
     line = json.loads(record.getMessage())
     assert line == {

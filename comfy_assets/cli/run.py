@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -103,23 +104,11 @@ def add_batch_options(p: argparse.ArgumentParser) -> None:
 def batch_config(args: argparse.Namespace) -> BatchConfig:
     """A BatchConfig from the options of ``add_batch_options`` (and ``run``'s
     ``--unreachable-timeout-s``; a service that waits for its servers has none)."""
-    return BatchConfig(
-        attempts=args.attempts,
-        base_delay_s=args.base_delay_s,
-        max_delay_s=args.max_delay_s,
-        jitter=not args.no_jitter,
-        timeout_s=args.timeout_s,
-        poll_s=args.poll_s,
-        lease_s=args.lease_s,
-        server_lease_s=args.server_lease_s,
-        max_queue=args.max_queue,
-        probe_timeout_s=args.probe_timeout_s,
-        unhealthy_wait_s=args.unhealthy_wait_s,
-        catch_up_s=args.catch_up_s,
-        unreachable_timeout_s=getattr(args, "unreachable_timeout_s", None),
-        policy=getattr(args, "policy", None),
-        max_output_bytes=args.max_output_bytes,
-    )
+    given = vars(args)  # each option is named after its BatchConfig field
+    values = {f.name: given[f.name] for f in dataclasses.fields(BatchConfig) if f.name in given}
+    values["jitter"] = not args.no_jitter
+    values.setdefault("unreachable_timeout_s", None)
+    return BatchConfig(**values)
 
 
 def add_db_url_option(p: argparse.ArgumentParser) -> None:
@@ -135,9 +124,9 @@ def add_db_url_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_run_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run a job file over the servers, without Dagster")
-    p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    """``--server NAME=URL`` (repeated) and ``--store DIR``, as ``run`` and ``worker``
+    take them."""
     p.add_argument(
         "--server",
         action="append",
@@ -147,6 +136,12 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
         "auth, never printed",
     )
     p.add_argument("--store", type=Path, required=True, help="result store folder")
+
+
+def add_run_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run a job file over the servers, without Dagster")
+    p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
+    add_server_options(p)
     add_db_url_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None)

@@ -9,9 +9,17 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from comfy_assets.cli.run import add_batch_options, add_db_url_option, batch_config, byte_size
+from comfy_assets.cli.run import (
+    add_batch_options,
+    add_db_url_option,
+    add_server_options,
+    batch_config,
+    byte_size,
+)
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
@@ -106,15 +114,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     add_rabbitmq_option(src)
     src.add_argument("--jobs", type=Path, help="a job file instead of a queue")
     p.add_argument("--queue", help="job queue (with --rabbitmq); dead letters: QUEUE.dead")
-    p.add_argument(
-        "--server",
-        action="append",
-        required=True,
-        metavar="NAME=URL",
-        help="gpu0=http://host:port (repeat); a user:password@ in the URL is sent as basic "
-        "auth, never printed",
-    )
-    p.add_argument("--store", type=Path, required=True, help="result store folder")
+    add_server_options(p)
     add_db_url_option(p)
     p.add_argument(
         "--partition", default=None, help="store partition (default: the queue name or file stem)"
@@ -142,9 +142,14 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=worker_command)
 
 
-def configure_logging() -> None:
-    """A service logs to stderr, INFO and up, with times (in place of the one-line
-    WARNING format the other commands use)."""
+@contextmanager
+def service_logging() -> Iterator[None]:
+    """While the worker runs, it logs to stderr, INFO and up, with times (in place of the
+    one-line WARNING format of the other commands); the logging set-up it replaced comes
+    back when it returns (in-process callers, tests, keep theirs)."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    httpx_level = logging.getLogger("httpx").level
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
@@ -152,6 +157,15 @@ def configure_logging() -> None:
         force=True,
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns ours
+    try:
+        yield
+    finally:
+        for handler in root.handlers[:]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)
+        root.setLevel(level)
+        logging.getLogger("httpx").setLevel(httpx_level)
 
 
 def worker_command(args: argparse.Namespace) -> int:
@@ -161,7 +175,11 @@ def worker_command(args: argparse.Namespace) -> int:
     was dead-lettered, RabbitMQ failed or was lost, or a message's handling failed;
     2 for bad arguments or an invalid job file.
     """
-    configure_logging()
+    with service_logging():
+        return _worker(args)
+
+
+def _worker(args: argparse.Namespace) -> int:
     try:
         servers = parse_servers(args.server)
     except ValueError as e:

@@ -286,14 +286,7 @@ class ComfyClient:
         except websockets.InvalidStatus as exc:
             status = exc.response.status_code
             body = exc.response.body.decode("utf-8", "replace") if exc.response.body else ""
-            if status >= 500:
-                raise ServerError(
-                    f"{self.name}: {route}: {status} {body[:_BODY_EXCERPT]}".rstrip(),
-                    server=self.base_url,
-                    status=status,
-                    body=body,
-                ) from exc
-            raise self._unexpected(route, self._status_text(status, body)) from exc
+            raise self._bad_status(route, status, body) from exc
         except (websockets.InvalidHandshake, websockets.ConnectionClosed) as exc:
             raise ConnectionLost(f"{self.name}: {route}: {exc}", server=self.base_url) from exc
         except TimeoutError as exc:
@@ -359,15 +352,18 @@ class ComfyClient:
         status = response.status_code
         if status == 200:
             return
-        body = response.text
+        raise self._bad_status(route, status, response.text)
+
+    def _bad_status(self, route: str, status: int, body: str) -> ComfyError:
+        """ServerError for a 5xx answer, UnexpectedAnswer for any other but 200."""
         if status >= 500:
-            raise ServerError(
+            return ServerError(
                 f"{self.name}: {route}: {status} {_excerpt(body)}".rstrip(),
                 server=self.base_url,
                 status=status,
                 body=body,
             )
-        raise self._unexpected(route, self._status_text(status, body))
+        return self._unexpected(route, self._status_text(status, body))
 
     def _status_text(self, status: int, body: str) -> str:
         """``status 404 <body>``; for a 401 what to do about it instead of the body (a

@@ -10,14 +10,7 @@ from pathlib import Path
 import av
 from PIL import Image, ImageDraw, ImageFont
 
-from comfy_assets.film.encode import (
-    as_rate,
-    atomic_output,
-    check_size,
-    fit,
-    frame_count,
-    h264_writer,
-)
+from comfy_assets.film import encode
 from comfy_assets.film.probe import load_image
 
 _SLATE_BACKGROUND = (24, 24, 28)
@@ -30,11 +23,11 @@ _SLATE_TEXT = (235, 235, 235)
 def _hold(
     image: Image.Image, duration_s: float, out: Path, width: int, height: int, fps: float | Fraction
 ) -> Path:
-    check_size(width, height)
-    rate = as_rate(fps)
-    count = frame_count(duration_s, rate)
-    frame = av.VideoFrame.from_image(fit(image, width, height)).reformat(format="yuv420p")
-    with atomic_output(out) as tmp, h264_writer(tmp, width, height, rate) as sink:
+    encode.check_size(width, height)
+    rate = encode.as_rate(fps)
+    count = encode.frame_count(duration_s, rate)
+    frame = av.VideoFrame.from_image(encode.fit(image, width, height)).reformat(format="yuv420p")
+    with encode.atomic_output(out) as tmp, encode.h264_writer(tmp, width, height, rate) as sink:
         for _ in range(count):
             sink.write(frame)
     return out

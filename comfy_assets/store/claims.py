@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from comfy_assets.jobs.events import log_event
 from comfy_assets.jobs.model import Job
@@ -51,24 +52,12 @@ class Claims(StoreBase):
             log_event(event)
         return result
 
-    def claim(
-        self,
-        job_id: str,
-        owner: str,
-        lease_s: float = 3600.0,
-        now: float | None = None,
-        *,
-        dead_holder: str | None = None,
-    ) -> ClaimStatus:
-        """Try to take ``job_id`` for ``owner`` until ``now + lease_s`` (seconds).
-
-        CLAIMED if it was free, expired (taken over: an event names the old owner) or
-        already ours (the lease is extended); HELD if another owner's claim is live;
-        DONE for succeeded/degraded; DEAD_LETTERED for failed_fatal. ``dead_holder``: an
-        owner known to be dead (a process of this host that no longer runs), whose claim
-        is taken over as if expired. Raises UnknownJob.
-        """
-        return self.claim_job(job_id, owner, lease_s, now, dead_holder=dead_holder)[0]
+    def claim(self, job_id: str, owner: str, *args: Any, **kwargs: Any) -> ClaimStatus:
+        """``claim_job`` (the same arguments) without the record: CLAIMED if ``job_id``
+        was free, expired (taken over: an event names the old owner) or already ours;
+        HELD if another owner's claim is live; DONE for succeeded/degraded; DEAD_LETTERED
+        for failed_fatal. Raises UnknownJob."""
+        return self.claim_job(job_id, owner, *args, **kwargs)[0]
 
     @retried
     def claim_job(
@@ -80,8 +69,10 @@ class Claims(StoreBase):
         *,
         dead_holder: str | None = None,
     ) -> tuple[ClaimStatus, JobRecord]:
-        """``claim``, and the job's record as the claim left it, in one transaction (a
-        runner needs both before it posts: one read less on the way to the GPU)."""
+        """Try to take ``job_id`` for ``owner`` until ``now + lease_s`` (seconds): the
+        claim's status (see ``claim``) and the job's record as the claim left it, in one
+        transaction. ``dead_holder``: an owner known to be dead (a process of this host
+        that no longer runs), whose claim is taken over as if expired. Raises UnknownJob."""
         now = _now(now)
         event = None
         with self._write() as conn:
