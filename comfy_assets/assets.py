@@ -16,6 +16,8 @@ from dagster import (
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
+    AssetKey,
+    AssetRecordsFilter,
     Failure,
     MaterializeResult,
     MetadataValue,
@@ -68,6 +70,45 @@ def _load_partition_file(partition: str) -> JobFile:
         return load_job_file(find_job_file(partition))
     except (FileNotFoundError, AmbiguousJobFileError, JobFileError) as exc:
         raise Failure(description=f"partition {partition}: {exc}", allow_retries=False) from exc
+
+
+def _rendered_sha256(context: AssetExecutionContext, partition: str) -> str | None:
+    """sha256 of the job file version that ``renders`` last materialized for ``partition``
+    (its ``job_file_sha256`` metadata); None when ``renders`` has no materialization."""
+    records = context.instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey("renders"), asset_partitions=[partition]), limit=1
+    ).records
+    if not records or records[0].asset_materialization is None:
+        return None
+    value = records[0].asset_materialization.metadata.get("job_file_sha256")
+    return str(value.value) if value is not None else None
+
+
+def _load_rendered_file(context: AssetExecutionContext, partition: str) -> JobFile:
+    """The partition's job file, when it is the version ``renders`` rendered.
+
+    A file changed since then fails the step without retries (the table or film would
+    describe jobs that were not rendered; the sensor requests a run for the new version).
+    With no ``renders`` materialization yet, the current file is used and a warning says
+    so: the store's records of its jobs are all there is."""
+    job_file = _load_partition_file(partition)
+    rendered = _rendered_sha256(context, partition)
+    if rendered is None:
+        context.log.warning(
+            f"partition {partition}: renders has no materialization yet; using the current "
+            f"{job_file.path} ({job_file.sha256[:16]}) and what the store holds for its jobs"
+        )
+    elif rendered != job_file.sha256:
+        raise Failure(
+            description=(
+                f"partition {partition}: {job_file.path} changed after renders rendered it "
+                f"(rendered {rendered[:16]}, now {job_file.sha256[:16]}); materialize renders "
+                "for the new version first (the sensor requests a run for it)"
+            ),
+            metadata={"rendered_sha256": rendered, "job_file_sha256": job_file.sha256},
+            allow_retries=False,
+        )
+    return job_file
 
 
 def _thumbnails(store: Store, partition: str, job_ids: Sequence[str]) -> str:
@@ -232,9 +273,10 @@ def render_results(
 
     Columns: job_id, one per ``set`` key, state, server, attempts, seconds, files
     (``name:sha256[:12]``), reason. Dead letters are rows too, with their reason.
+    Built for the job file version ``renders`` rendered; fails if the file changed since.
     """
     partition = context.partition_key
-    job_file = _load_partition_file(partition)
+    job_file = _load_rendered_file(context, partition)
     job_ids = [job.id for job in job_file.jobs]
     store = result_store.open()
     try:
@@ -245,6 +287,7 @@ def render_results(
     return MaterializeResult(
         metadata={
             "dagster/row_count": len(frame),
+            "job_file_sha256": job_file.sha256,
             "path": MetadataValue.path(str(path.resolve())),
             "preview": MetadataValue.md(markdown_table(frame)),
         }
@@ -356,40 +399,25 @@ def _film_metadata(
 def films(
     context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
 ) -> Iterator[AssetCheckResult | MaterializeResult]:
-    """The partition's shots concatenated in ``shot`` order: ``<store>/<partition>/film.mp4``
-    (and ``film.contact.png``), for a job file whose jobs have ``shot`` numbers.
+    """The partition's shots in ``shot`` order as ``<store>/<partition>/film.mp4`` (and
+    ``film.contact.png``), for the job file version ``renders`` rendered.
 
-    **Policy.** "delivery" (every shot must be rendered, decode fully and last its
-    ``duration_s`` within ``duration_tolerance``) or "draft" (a failed, missing or broken
-    shot becomes a slate of its duration_s and the film is marked DRAFT). It is declared in
-    the job file's header line, ``{"header": {"policy": "draft", "duration_tolerance":
-    0.1}}`` (default delivery, 0.1), and the run config's ``comfy.policy``
-    (``ComfyPoolResource.policy``) wins over it, for the render and the film alike.
-
-    **Gate.** The blocking check ``gate`` judges every shot before anything is written.
-    When it blocks, its result (passed=False, severity ERROR) lists each missing or bad
-    shot and why, then the step fails with ``Failure(allow_retries=False)``: no film is
-    written, no materialization is recorded (an earlier film and its materialization stay
-    as they were), assets downstream of ``films`` do not run, and the run fails. Returning
-    the failed check with a MaterializeResult instead would record a materialization of a
-    film that does not exist (Dagster 1.13 records it, then fails the step). The shots'
-    own files are never touched. Rendering the missing shots (``comfy-assets requeue`` for
-    a dead letter, or a fixed job line) and materializing again renders only those.
-
-    **Metadata.** path, duration_s (probed from the written film), shot_count,
-    degraded_shots, placeholder_shots, policy, draft, concat_mode (and concat_reason),
-    a small contact sheet image, and the cost report of ``comfy_assets.render.cost`` over every
-    recorded attempt of the job file's jobs: gpu_seconds (= gpu_seconds_success + gpu_seconds_wasted on
-    failed attempts), failure_rate, expected_s_skip_failures,
-    expected_s_rerun_whole_batch and expected_s_tiered_retry (seconds). A job file
-    without shots materializes with ``status: no shots`` and no film.
+    Policy: "delivery" (every shot rendered, decoding fully, lasting its ``duration_s``)
+    or "draft" (a failed, missing or broken shot becomes a slate); the run config's
+    ``comfy.policy`` wins over the job file's header. The blocking check ``gate`` judges
+    every shot first: when it blocks, no film is written, no materialization is recorded,
+    the check lists each bad shot and why, and the step fails without retries. Metadata:
+    path, duration_s, shot_count, degraded and placeholder shots, policy, draft,
+    concat_mode, the contact sheet, and the cost report (seconds; ``render.cost``). A job
+    file without shots materializes with ``status: no shots`` and no film; a job file
+    changed since ``renders`` fails the step.
     """
     partition = context.partition_key
-    job_file = _load_partition_file(partition)
+    job_file = _load_rendered_file(context, partition)
     if not has_shots(job_file):
         context.log.info(f"{job_file.path}: no job has a shot number; no film")
         yield MaterializeResult(
-            metadata={"status": "no shots"},
+            metadata={"status": "no shots", "job_file_sha256": job_file.sha256},
             check_results=[
                 AssetCheckResult(
                     check_name="gate",
@@ -430,5 +458,6 @@ def films(
         f"concat {film.concat_mode}"
     )
     yield MaterializeResult(
-        metadata=_film_metadata(film, cost), check_results=[_gate_check(film.gate, partition)]
+        metadata={**_film_metadata(film, cost), "job_file_sha256": job_file.sha256},
+        check_results=[_gate_check(film.gate, partition)],
     )

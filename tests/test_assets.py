@@ -181,6 +181,39 @@ def test_a_changed_file_rerenders_only_the_changed_job(
     assert set(frame["state"]) == {"succeeded"}
 
 
+def test_results_of_a_file_changed_after_its_render_are_refused_and_the_csv_kept(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    path = write_job_file(jobs_dir, "moved", [1, 2])
+    rendered = load_job_file(path)
+    store = ResultStoreResource(folder=str(tmp_path / "store"))
+    with serving(FakeComfy()) as comfy:
+        first = render(instance, "moved", comfy, tmp_path / "store")
+        csv_bytes = (tmp_path / "store/moved/results.csv").read_bytes()
+        write_job_file(jobs_dir, "moved", [1, 2, 3])  # a third job nobody rendered
+        again = materialize(
+            [renders, render_results],
+            selection=[render_results],
+            partition_key="moved",
+            instance=instance,
+            resources={"comfy": comfy, "result_store": store},
+            raise_on_error=False,
+        )
+
+    (results_event,) = [
+        e
+        for e in first.get_asset_materialization_events()
+        if e.asset_key.path == ["render_results"]
+    ]
+    assert results_event.materialization.metadata["job_file_sha256"].value == rendered.sha256
+    assert not again.success
+    (failure,) = again.get_step_failure_events()
+    message = failure.step_failure_data.user_failure_data.description
+    assert "changed after renders rendered it" in message
+    assert rendered.sha256[:16] in message
+    assert (tmp_path / "store/moved/results.csv").read_bytes() == csv_bytes
+
+
 def test_a_dead_letter_fails_its_check_but_keeps_the_csv_rows(
     jobs_dir: Path, tmp_path: Path, instance
 ) -> None:
