@@ -19,9 +19,11 @@ from dagster import (
     DagsterRunStatus,
     ExecuteInProcessResult,
     RunsFilter,
+    TableMetadataValue,
     instance_for_test,
     materialize,
 )
+from PIL import Image
 
 from comfy_assets.assets import all_results, render_results, renders
 from comfy_assets.jobs.parse import load_job_file
@@ -151,9 +153,21 @@ def test_a_four_job_file_renders_every_job_once_and_writes_its_rows(
     ]
     metadata = renders_event.materialization.metadata
     assert metadata["done"].value == 4
-    thumbnails = metadata["thumbnails"].value
-    assert thumbnails.count("data:image/png;base64,") == 4
-    assert len(thumbnails) < 8_000  # small enough for the event log
+    # The job table is a Dagster table: a row per job in line order, typed columns.
+    job_table = metadata["job_table"]
+    assert isinstance(job_table, TableMetadataValue)
+    assert [r.data["job_id"] for r in job_table.records] == [job.id for job in job_file.jobs]
+    assert [r.data["state"] for r in job_table.records] == ["succeeded"] * 4
+    assert [r.data["line"] for r in job_table.records] == [1, 2, 3, 4]
+    types = {c.name: c.type for c in job_table.schema.columns}
+    assert types["attempts"] == "int" and types["seconds"] == "float"
+    assert types["state"] == "string"
+    # A labeled contact sheet of the outputs: one tile a job, small enough to inline.
+    sheet = metadata["contact_sheet"].value
+    assert sheet.startswith("![four contact sheet](data:image/png;base64,")
+    assert len(sheet) < 100_000  # metadata lives in the event log
+    with Image.open(metadata["contact_sheet_path"].value) as image:
+        assert image.width == 4 * 160  # four 160 px tiles in a row, one a job
 
 
 def test_a_changed_file_rerenders_only_the_changed_job(

@@ -1,0 +1,223 @@
+"""Dagster metadata built from our results: the ``valid`` check of the job files, tables with
+a column schema, and small inline pictures (base64 PNG data URIs in markdown, the one way
+open-source Dagster shows an image; metadata lives in the event log, so they stay small).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckSeverity,
+    AssetKey,
+    MetadataValue,
+    TableColumn,
+    TableRecord,
+    TableSchema,
+)
+from PIL import Image
+
+from comfy_assets.film.contact import contact_sheet
+from comfy_assets.film.probe import VIDEO_SUFFIXES
+from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.states import DONE
+from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
+from comfy_assets.store import Store
+
+# Errors of one bad file shown by the ``valid`` check; the rest are counted.
+MAX_ERRORS_PER_FILE = 50
+# Rows of a table in metadata: enough to scroll a batch, small enough for the event log.
+TABLE_ROWS = 200
+# Characters of one table cell (a reason can be a long traceback line).
+CELL_CHARS = 300
+
+
+def job_file_problems(exc: JobFileError) -> str:
+    """Every error of a rejected job file, ``path:line: field: message`` one a line, cut
+    after MAX_ERRORS_PER_FILE with a count of the rest."""
+    lines = [str(error) for error in exc.errors] or [str(exc)]
+    if len(lines) > MAX_ERRORS_PER_FILE:
+        rest = len(lines) - MAX_ERRORS_PER_FILE
+        lines = [*lines[:MAX_ERRORS_PER_FILE], f"… {rest} more errors in this file"]
+    return "\n".join(lines)
+
+
+def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
+    """The fields of the ``valid`` check of ``job_files`` for ``problems`` (one entry a bad
+    file or ambiguous name, its lines ``path:line: field: message``): passed when empty,
+    else failed (ERROR) with every line of every problem on its own line in ``errors``."""
+    lines = [line for problem in problems for line in problem.splitlines()]
+    if not problems:
+        description = "every job file in the watched folders is valid"
+    else:
+        description = f"{len(problems)} job file problems, not launched until fixed"
+    # A code block keeps one error a line, whatever characters the messages hold.
+    listing = "```\n" + "\n".join(line.replace("```", "'''") for line in lines) + "\n```"
+    return {
+        "passed": not problems,
+        "severity": AssetCheckSeverity.ERROR,
+        "description": description,
+        "metadata": {
+            "problems": len(problems),
+            "errors": MetadataValue.md(listing if lines else "none"),
+        },
+    }
+
+
+def job_files_check_evaluation(problems: Sequence[str]) -> AssetCheckEvaluation:
+    """The ``valid`` check's evaluation as the sensor reports it (see job_files_check_fields)."""
+    return AssetCheckEvaluation(
+        asset_key=AssetKey(JOB_FILES_ASSET),
+        check_name=JOB_FILES_CHECK,
+        **job_files_check_fields(problems),
+    )
+
+
+def _table_type(series: pd.Series) -> str:
+    if pd.api.types.is_bool_dtype(series):
+        return "bool"
+    if pd.api.types.is_integer_dtype(series):
+        return "int"
+    if pd.api.types.is_float_dtype(series):
+        return "float"
+    return "string"
+
+
+def column_schema(frame: pd.DataFrame, descriptions: dict[str, str] | None = None) -> TableSchema:
+    """A TableSchema of the frame's columns: int, float, bool or string, described from
+    ``descriptions`` where given."""
+    described = descriptions or {}
+    return TableSchema(
+        columns=[
+            TableColumn(
+                name=str(name), type=_table_type(frame[name]), description=described.get(name)
+            )
+            for name in frame.columns
+        ]
+    )
+
+
+def _table_cell(value: Any) -> str | int | float | bool | None:
+    if value is None or (not isinstance(value, str | list | dict) and pd.isna(value)):
+        return None
+    if isinstance(value, bool | int | float):
+        return value
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    text = str(value)
+    return text if len(text) <= CELL_CHARS else text[: CELL_CHARS - 1] + "…"
+
+
+def table(frame: pd.DataFrame, schema: TableSchema, max_rows: int = TABLE_ROWS) -> MetadataValue:
+    """The first ``max_rows`` rows of ``frame`` as a Dagster table (sortable in the UI)."""
+    records = [
+        TableRecord({str(k): _table_cell(v) for k, v in row.items()})
+        for row in frame.head(max_rows).to_dict(orient="records")
+    ]
+    return MetadataValue.table(records=records, schema=schema)
+
+
+def png_markdown(image: Image.Image, alt: str, max_px: int) -> str:
+    """``image`` shrunk to fit ``max_px`` square as a markdown image (base64 PNG)."""
+    image = image.copy()
+    image.thumbnail((max_px, max_px))
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG", optimize=True)
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f"![{alt}](data:image/png;base64,{data})"
+
+
+def png_file_markdown(path: Path, alt: str, max_px: int) -> str:
+    """The PNG at ``path`` as png_markdown."""
+    with Image.open(path) as image:
+        return png_markdown(image, alt, max_px)
+
+
+JOB_COLUMNS = {
+    "job_id": "The job's id (the job line's id).",
+    "line": "Its line in the job file.",
+    "shot": "Its shot number in a storyboard.",
+    "state": "succeeded, degraded, failed_fatal (dead letter), pending, ...",
+    "server": "The ComfyUI server that rendered it last.",
+    "attempts": "Attempts since its inputs last changed.",
+    "seconds": "Wall time of the job, seconds.",
+    "reason": "Why it failed or degraded.",
+}
+
+
+def jobs_frame(records: Sequence[Any], job_ids: Sequence[str]) -> pd.DataFrame:
+    """One row per job id (in line order) from the store's job records; a job without a
+    record is ``missing``. Columns: JOB_COLUMNS."""
+    by_id = {record.job_id: record for record in records}
+    rows = []
+    for job_id in job_ids:
+        record = by_id.get(job_id)
+        if record is None:
+            rows.append({"job_id": job_id, "state": "missing"})
+            continue
+        rows.append(
+            {
+                "job_id": job_id,
+                "line": record.line,
+                "shot": record.shot,
+                "state": str(record.state),
+                "server": record.server,
+                "attempts": record.attempts,
+                "seconds": None if record.seconds is None else round(record.seconds, 3),
+                "reason": record.reason,
+            }
+        )
+    frame = pd.DataFrame(rows, columns=list(JOB_COLUMNS), dtype=object)
+    for name in ("line", "shot", "attempts"):
+        frame[name] = frame[name].astype("Int64")
+    frame["seconds"] = frame["seconds"].astype("Float64")
+    return frame
+
+
+# Tiles of a partition's contact sheet: the first jobs (in shot, then line order).
+SHEET_TILES = 12
+SHEET_COLUMNS = 4
+SHEET_TILE_PX = 160
+PICTURE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp"}) | VIDEO_SUFFIXES
+
+
+def tile_label(job_id: str, shot: int | None) -> str:
+    """``shot 3 · job 1a2b3c4d`` for a storyboard shot, ``job 1a2b3c4d`` otherwise."""
+    job = f"job {job_id[:8]}"
+    return job if shot is None else f"shot {shot} · {job}"
+
+
+def outputs_contact_sheet(
+    store: Store, partition: str, records: Sequence[Any], out: Path
+) -> Path | None:
+    """Write ``out``: a labeled contact sheet of the first SHEET_TILES done jobs' outputs
+    (each job's first image, or the middle frame of its first video), shots in shot
+    order. Returns None when no job has a picture. Raises MediaError for a broken file."""
+    done = [r for r in records if r.state in DONE]
+    done.sort(key=lambda r: (r.shot is None, r.shot or 0, r.line))
+    clips: list[Path] = []
+    labels: list[str] = []
+    for record in done:
+        if len(clips) >= SHEET_TILES:
+            break
+        files = [
+            f for f in store.files(record.job_id) if Path(f.path).suffix.lower() in PICTURE_SUFFIXES
+        ]
+        if not files:
+            continue
+        videos = [f for f in files if Path(f.path).suffix.lower() in VIDEO_SUFFIXES]
+        chosen = (videos or files)[0] if record.shot is not None else files[0]
+        clips.append(store.job_dir(partition, record.job_id) / chosen.path)
+        labels.append(tile_label(record.job_id, record.shot))
+    if not clips:
+        return None
+    sheet = contact_sheet(
+        clips, out, columns=SHEET_COLUMNS, thumb_width=SHEET_TILE_PX, labels=labels
+    )
+    return sheet.path
