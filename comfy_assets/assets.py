@@ -262,7 +262,7 @@ def renders(
         metadata["contact_sheet_path"] = MetadataValue.path(str(sheet.resolve()))
     if summary.stopped:
         metadata["stopped"] = summary.stopped
-    dead_frame = jobs[jobs["state"] == "failed_fatal"][["job_id", "reason"]]
+    dead_frame = jobs[jobs["state"] == "failed_fatal"][["job", "reason", "job_id"]]
     return MaterializeResult(
         metadata=metadata,
         check_results=[

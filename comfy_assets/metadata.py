@@ -32,6 +32,8 @@ from comfy_assets.store import Store
 
 # Errors of one bad file shown by the ``valid`` check; the rest are counted.
 MAX_ERRORS_PER_FILE = 50
+# Error lines in the check's description (all of them are in its metadata).
+DESCRIBED_LINES = 20
 # Rows of a table in metadata: enough to scroll a batch, small enough for the event log.
 TABLE_ROWS = 200
 # Characters of one table cell (a reason can be a long traceback line).
@@ -56,7 +58,14 @@ def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
     if not problems:
         description = "every job file in the watched folders is valid"
     else:
-        description = f"{len(problems)} job file problems, not launched until fixed"
+        # The UI shows the description as it is, without a click: the errors go there too.
+        files = "1 job file is" if len(problems) == 1 else f"{len(problems)} job files are"
+        shown = lines[:DESCRIBED_LINES]
+        more = len(lines) - len(shown)
+        description = "\n".join(
+            [f"{files} not valid, not launched until fixed:", *shown]
+            + ([f"… {more} more lines in the metadata's errors"] if more else [])
+        )
     # A code block keeps one error a line, whatever characters the messages hold.
     listing = "```\n" + "\n".join(line.replace("```", "'''") for line in lines) + "\n```"
     return {
@@ -140,7 +149,7 @@ def png_file_markdown(path: Path, alt: str, max_px: int) -> str:
 
 
 JOB_COLUMNS = {
-    "job_id": "The job's id (the job line's id).",
+    "job": "The job id's first 8 characters (as in log lines).",
     "line": "Its line in the job file.",
     "shot": "Its shot number in a storyboard.",
     "state": "succeeded, degraded, failed_fatal (dead letter), pending, ...",
@@ -148,6 +157,7 @@ JOB_COLUMNS = {
     "attempts": "Attempts since its inputs last changed.",
     "seconds": "Wall time of the job, seconds.",
     "reason": "Why it failed or degraded.",
+    "job_id": "The job's id (the job line's id).",
 }
 
 
@@ -159,10 +169,11 @@ def jobs_frame(records: Sequence[Any], job_ids: Sequence[str]) -> pd.DataFrame:
     for job_id in job_ids:
         record = by_id.get(job_id)
         if record is None:
-            rows.append({"job_id": job_id, "state": "missing"})
+            rows.append({"job": job_id[:8], "job_id": job_id, "state": "missing"})
             continue
         rows.append(
             {
+                "job": job_id[:8],
                 "job_id": job_id,
                 "line": record.line,
                 "shot": record.shot,

@@ -202,7 +202,10 @@ def test_a_bad_file_fails_the_job_files_check_with_each_error_on_its_line_until_
     assert [e.split(": ")[0] for e in errors[1:-1]] == [f"{path}:2", f"{path}:2", f"{path}:3"]
     assert errors[3].startswith(f"{path}:3: json: ")
     assert shown.metadata["problems"].value == 1
-    assert "not launched until fixed" in (shown.description or "")
+    # The description (shown without a click) has the errors too, one a line.
+    description = (shown.description or "").splitlines()
+    assert description[0] == "1 job file is not valid, not launched until fixed:"
+    assert description[1:] == errors[1:-1]
 
     # Nothing new while the file stays bad: the failed verdict stays the latest.
     still = tick(instance, bad.cursor)
