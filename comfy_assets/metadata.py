@@ -54,20 +54,20 @@ def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
     """The fields of the ``valid`` check of ``job_files`` for ``problems`` (one entry a bad
     file or ambiguous name, its lines ``path:line: field: message``): passed when empty,
     else failed (ERROR) with every line of every problem on its own line in ``errors``."""
-    lines = [line for problem in problems for line in problem.splitlines()]
+    # A markdown code block keeps one error a line, whatever characters the messages hold.
+    lines = [line.replace("```", "'''") for problem in problems for line in problem.splitlines()]
+    listing = "```\n" + "\n".join(lines) + "\n```"
     if not problems:
         description = "every job file in the watched folders is valid"
     else:
-        # The UI shows the description as it is, without a click: the errors go there too.
+        # The UI renders the description as markdown without a click: the errors go there too.
         files = "1 job file is" if len(problems) == 1 else f"{len(problems)} job files are"
         shown = lines[:DESCRIBED_LINES]
         more = len(lines) - len(shown)
         description = "\n".join(
-            [f"{files} not valid, not launched until fixed:", *shown]
+            [f"{files} not valid, not launched until fixed:", "", "```", *shown, "```"]
             + ([f"… {more} more lines in the metadata's errors"] if more else [])
         )
-    # A code block keeps one error a line, whatever characters the messages hold.
-    listing = "```\n" + "\n".join(line.replace("```", "'''") for line in lines) + "\n```"
     return {
         "passed": not problems,
         "severity": AssetCheckSeverity.ERROR,
