@@ -7,13 +7,11 @@ Thin on purpose: the work is ``comfy_assets.render.run.run_batch_sync``, the tab
 module turns their answers into Dagster events.
 """
 
-import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
@@ -32,7 +30,7 @@ from dagster import (
     multi_asset,
 )
 
-from comfy_assets.film.gate import FilmResult, GateBlocked, GateResult
+from comfy_assets.film.gate import GateBlocked, GateResult
 from comfy_assets.film.make import make_film
 from comfy_assets.film.probe import MediaError
 from comfy_assets.film.shots import (
@@ -48,10 +46,12 @@ from comfy_assets.jobs.states import DONE
 from comfy_assets.metadata import (
     JOB_COLUMNS,
     column_schema,
+    film_metadata,
     job_files_check_fields,
     jobs_frame,
     outputs_contact_sheet,
     png_file_markdown,
+    results_metadata,
     table,
 )
 from comfy_assets.partitions import (
@@ -61,7 +61,7 @@ from comfy_assets.partitions import (
     find_job_file,
     job_files_partitions,
 )
-from comfy_assets.render.progress import Progress
+from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
     combine_results,
@@ -82,17 +82,6 @@ CONTACT_SHEET_PX = 480
 NO_SERVER_RETRY_WAIT_S = 60
 # A running render logs how far it has come at most this often (and when it ends).
 PROGRESS_LOG_S = 5.0
-
-RESULTS_COLUMNS = {
-    "job_id": "The job's id.",
-    "state": "succeeded, degraded, failed_fatal (dead letter), pending, missing, ...",
-    "server": "The ComfyUI server that rendered it last.",
-    "attempts": "Attempts since its inputs last changed.",
-    "seconds": "Wall time of the job, seconds.",
-    "files": "Its outputs, name:sha256[:12], space-separated.",
-    "reason": "Why it failed or degraded.",
-    "partition": "The job file (partition) of the row.",
-}
 
 
 def _partition_check(name: str, asset: str, description: str, **kwargs: Any) -> AssetCheckSpec:
@@ -140,20 +129,6 @@ job_files = AssetSpec(
 def job_files_valid() -> AssetCheckResult:
     """Validate every job file of the watched folders now."""
     return AssetCheckResult(**job_files_check_fields(current_problems()))
-
-
-def _progress_logger(log: Callable[[str], None]) -> Callable[[Progress], None]:
-    """An on_progress that logs ``12/20 done, ...`` at most every PROGRESS_LOG_S seconds,
-    and always for the last job."""
-    last = [0.0]
-
-    def on_progress(progress: Progress) -> None:
-        now = time.monotonic()
-        if progress.remaining == 0 or now - last[0] >= PROGRESS_LOG_S:
-            last[0] = now
-            log(progress.line())
-
-    return on_progress
 
 
 @asset(
@@ -210,7 +185,7 @@ def renders(
             store=store,
             config=comfy.batch_config(),
             on_line=context.log.info,
-            on_progress=_progress_logger(context.log.info),
+            on_progress=log_every(context.log.info, PROGRESS_LOG_S),
         )
         in_file = set(job_ids)
         current = [record for record in summary.jobs if record.job_id in in_file]
@@ -287,17 +262,6 @@ def renders(
     )
 
 
-def _results_metadata(frame: pd.DataFrame, path: Path) -> dict[str, object]:
-    """Row count, path, the column schema and a preview table of a results CSV."""
-    schema = column_schema(frame, RESULTS_COLUMNS)
-    return {
-        "dagster/row_count": len(frame),
-        "dagster/column_schema": schema,
-        "path": MetadataValue.path(str(path.resolve())),
-        "preview": table(frame, schema),
-    }
-
-
 @asset(
     partitions_def=job_files_partitions,
     deps=[renders],
@@ -322,7 +286,7 @@ def render_results(
     finally:
         store.close()
     context.log.info(f"wrote {len(frame)} rows to {path}")
-    return MaterializeResult(metadata=_results_metadata(frame, path))
+    return MaterializeResult(metadata=results_metadata(frame, path))
 
 
 # Built again after any partition's results change, once nothing of its own is running.
@@ -360,7 +324,7 @@ def all_results(
             context.log.warning(f"partition {partition} has no {RESULTS_CSV} yet")
     frame = combine_results(tables)
     path = write_csv(frame, root / "all_results.csv")
-    return MaterializeResult(metadata={**_results_metadata(frame, path), "partitions": len(tables)})
+    return MaterializeResult(metadata={**results_metadata(frame, path), "partitions": len(tables)})
 
 
 def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
@@ -381,36 +345,6 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
             "bad_shots": MetadataValue.md(listing),
         },
     )
-
-
-def _film_metadata(
-    film: FilmResult, cost: dict[str, float | int | None] | None
-) -> dict[str, object]:
-    """The film materialization's metadata: the film, then the cost report as numbers."""
-    metadata: dict[str, object] = {
-        "path": MetadataValue.path(str(film.path.resolve())),
-        "duration_s": MetadataValue.float(float(film.duration_s)),
-        "shot_count": film.shot_count,
-        "degraded_shots": MetadataValue.json(film.degraded),
-        "placeholder_shots": MetadataValue.json(film.placeholders),
-        "policy": film.gate.mode,
-        "draft": film.draft,
-        "concat_mode": film.concat_mode,
-        "contact_sheet": MetadataValue.md(
-            png_file_markdown(film.contact_sheet, "film contact sheet", CONTACT_SHEET_PX)
-        ),
-        "contact_sheet_path": MetadataValue.path(str(film.contact_sheet.resolve())),
-    }
-    if film.concat_reason:
-        metadata["concat_reason"] = film.concat_reason
-    for key, value in (cost or {}).items():
-        if value is None:  # a strategy that never finishes (every attempt failed)
-            metadata[key] = MetadataValue.null()
-        elif isinstance(value, int):
-            metadata[key] = MetadataValue.int(value)
-        else:
-            metadata[key] = MetadataValue.float(float(value))
-    return metadata
 
 
 @multi_asset(
@@ -505,5 +439,6 @@ def films(
         f"concat {film.concat_mode}"
     )
     yield MaterializeResult(
-        metadata=_film_metadata(film, cost), check_results=[_gate_check(film.gate, partition)]
+        metadata=film_metadata(film, cost, CONTACT_SHEET_PX),
+        check_results=[_gate_check(film.gate, partition)],
     )

@@ -24,6 +24,7 @@ from dagster import (
 from PIL import Image
 
 from comfy_assets.film.contact import contact_sheet
+from comfy_assets.film.gate import FilmResult
 from comfy_assets.film.probe import VIDEO_SUFFIXES
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.states import DONE
@@ -232,3 +233,56 @@ def outputs_contact_sheet(
         clips, out, columns=SHEET_COLUMNS, thumb_width=SHEET_TILE_PX, labels=labels
     )
     return sheet.path
+
+
+RESULTS_COLUMNS = {
+    "job_id": "The job's id.",
+    "state": "succeeded, degraded, failed_fatal (dead letter), pending, missing, ...",
+    "server": "The ComfyUI server that rendered it last.",
+    "attempts": "Attempts since its inputs last changed.",
+    "seconds": "Wall time of the job, seconds.",
+    "files": "Its outputs, name:sha256[:12], space-separated.",
+    "reason": "Why it failed or degraded.",
+    "partition": "The job file (partition) of the row.",
+}
+
+
+def results_metadata(frame: pd.DataFrame, path: Path) -> dict[str, object]:
+    """Row count, path, the column schema and a preview table of a results CSV."""
+    schema = column_schema(frame, RESULTS_COLUMNS)
+    return {
+        "dagster/row_count": len(frame),
+        "dagster/column_schema": schema,
+        "path": MetadataValue.path(str(path.resolve())),
+        "preview": table(frame, schema),
+    }
+
+
+def film_metadata(
+    film: FilmResult, cost: dict[str, float | int | None] | None, sheet_px: int
+) -> dict[str, object]:
+    """The film materialization's metadata: the film, then the cost report as numbers."""
+    metadata: dict[str, object] = {
+        "path": MetadataValue.path(str(film.path.resolve())),
+        "duration_s": MetadataValue.float(float(film.duration_s)),
+        "shot_count": film.shot_count,
+        "degraded_shots": MetadataValue.json(film.degraded),
+        "placeholder_shots": MetadataValue.json(film.placeholders),
+        "policy": film.gate.mode,
+        "draft": film.draft,
+        "concat_mode": film.concat_mode,
+        "contact_sheet": MetadataValue.md(
+            png_file_markdown(film.contact_sheet, "film contact sheet", sheet_px)
+        ),
+        "contact_sheet_path": MetadataValue.path(str(film.contact_sheet.resolve())),
+    }
+    if film.concat_reason:
+        metadata["concat_reason"] = film.concat_reason
+    for key, value in (cost or {}).items():
+        if value is None:  # a strategy that never finishes (every attempt failed)
+            metadata[key] = MetadataValue.null()
+        elif isinstance(value, int):
+            metadata[key] = MetadataValue.int(value)
+        else:
+            metadata[key] = MetadataValue.float(float(value))
+    return metadata
