@@ -76,6 +76,14 @@ def _python() -> str:
         return str(exe)
 
 
+def _stop_command(demo_dir: Path) -> str:
+    """The command that stops a kept demo in ``demo_dir``, as it runs from the project."""
+    if demo_dir != ROOT / ".demo":
+        return f"{_python()} -m comfy_assets.cli.demo --stop --dir {demo_dir}"
+    command = f"{_python()} -m comfy_assets.cli.demo --stop"
+    return f"{command} (or make demo-stop)" if _python().startswith(".venv") else command
+
+
 def pages(url: str) -> list[str]:
     """The UI pages worth opening after the demo, one line each."""
     return [
@@ -102,7 +110,7 @@ def run_demo(
     if (demo_dir / PIDS_FILE).exists():
         raise DemoFailed(
             f"a kept demo may still be running ({demo_dir / PIDS_FILE}); "
-            f"stop it first: {_python()} -m comfy_assets.cli.demo --stop"
+            f"stop it first: {_stop_command(demo_dir)}"
         )
     if ui and port is None:
         port = DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port()
@@ -193,12 +201,7 @@ def run_demo(
                 announce(f"open the UI at {ui_url}:")
                 for line in pages(ui_url):
                     announce(f"  {line}")
-            default_dir = demo_dir == ROOT / ".demo"
-            where = "" if default_dir else f" --dir {demo_dir}"
-            announce(
-                f"stop them with: {_python()} -m comfy_assets.cli.demo --stop{where}"
-                + (" (or make demo-stop)" if default_dir and _python().startswith(".venv") else "")
-            )
+            announce(f"stop them with: {_stop_command(demo_dir)}")
             announce(f"Dagster commands on this home need: export DAGSTER_HOME={home}")
         return 0
     finally:
