@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -89,12 +90,37 @@ def job_files_check_evaluation(problems: Sequence[str]) -> AssetCheckEvaluation:
     )
 
 
+_INT = re.compile(r"-?\d+")
+_FLOAT = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _missing(value: Any) -> bool:
+    """None, NaN, pd.NA or an empty CSV cell (lists and objects are values)."""
+    if isinstance(value, str):
+        return value == ""
+    return not isinstance(value, list | dict) and bool(pd.isna(value))
+
+
 def _table_type(series: pd.Series) -> str:
+    """int, float, bool or string: from the dtype, else from every value present (a CSV
+    read as text, or a ``set`` column of JSON numbers) so numbers sort as numbers."""
     if pd.api.types.is_bool_dtype(series):
         return "bool"
     if pd.api.types.is_integer_dtype(series):
         return "int"
     if pd.api.types.is_float_dtype(series):
+        return "float"
+    values = [v for v in series if not _missing(v)]
+    if not values:
+        return "string"
+    if all(isinstance(v, bool) for v in values):
+        return "bool"
+    texts = [str(v) for v in values if not isinstance(v, bool)]
+    if len(texts) < len(values):
+        return "string"
+    if all(_INT.fullmatch(t) for t in texts):
+        return "int"
+    if all(_FLOAT.fullmatch(t) for t in texts):
         return "float"
     return "string"
 
@@ -113,21 +139,27 @@ def column_schema(frame: pd.DataFrame, descriptions: dict[str, str] | None = Non
     )
 
 
-def _table_cell(value: Any) -> str | int | float | bool | None:
-    if value is None or (not isinstance(value, str | list | dict) and pd.isna(value)):
+def _table_cell(value: Any, kind: str) -> str | int | float | bool | None:
+    """A cell as the column's ``kind`` shows it: numbers as numbers (a CSV cell is text)."""
+    if _missing(value):
         return None
+    if hasattr(value, "item"):  # numpy scalars
+        value = value.item()
+    if kind == "int" and not isinstance(value, bool):
+        return int(value)
+    if kind == "float" and not isinstance(value, bool):
+        return float(value)
     if isinstance(value, bool | int | float):
         return value
-    if hasattr(value, "item"):  # numpy scalars
-        return value.item()
     text = str(value)
     return text if len(text) <= CELL_CHARS else text[: CELL_CHARS - 1] + "…"
 
 
 def table(frame: pd.DataFrame, schema: TableSchema, max_rows: int = TABLE_ROWS) -> MetadataValue:
     """The first ``max_rows`` rows of ``frame`` as a Dagster table (sortable in the UI)."""
+    kinds = {column.name: column.type for column in schema.columns}
     records = [
-        TableRecord({str(k): _table_cell(v) for k, v in row.items()})
+        TableRecord({str(k): _table_cell(v, kinds.get(str(k), "string")) for k, v in row.items()})
         for row in frame.head(max_rows).to_dict(orient="records")
     ]
     return MetadataValue.table(records=records, schema=schema)

@@ -243,6 +243,13 @@ def test_all_results_gathers_every_partition_with_a_partition_column(
     assert frame["partition"].tolist() == ["one", "one", "two", "two", "two"]
     assert frame.columns[0] == "partition"
     assert set(frame["state"]) == {"succeeded"}
+    # The CSVs are read as text; the schema and preview still give numbers as numbers.
+    (event,) = result.get_asset_materialization_events()
+    metadata = event.materialization.metadata
+    types = {c.name: c.type for c in metadata["dagster/column_schema"].schema.columns}
+    assert (types["1.color"], types["attempts"], types["seconds"]) == ("int", "int", "float")
+    assert (types["partition"], types["state"]) == ("string", "string")
+    assert [r.data["1.color"] for r in metadata["preview"].records] == [1, 2, 3, 4, 5]
 
 
 def test_results_tables_are_dagster_tables_with_a_column_schema(
@@ -270,6 +277,7 @@ def test_results_tables_are_dagster_tables_with_a_column_schema(
     assert preview.schema == schema
     assert [r.data["job_id"] for r in preview.records] == [j.id for j in load_job_file(path).jobs]
     assert [r.data["1.color"] for r in preview.records] == [1, 2, 3]
+    assert types["1.color"] == "int"  # JSON numbers of the job lines
     assert metadata["dagster/row_count"].value == 3
 
 
