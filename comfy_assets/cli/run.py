@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from comfy_assets.cli.progress_bar import ProgressBar
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
 from comfy_assets.jobs.parse import load_job_file
@@ -209,6 +210,8 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     show_logs(args)
+    # On a terminal a progress bar, the lines above it; elsewhere the lines alone.
+    bar = ProgressBar(len(job_file.jobs), sys.stdout) if sys.stdout.isatty() else None
     try:
         with stopped_by_signals() as stopped_by:
             summary = run_batch_sync(
@@ -217,7 +220,8 @@ def run_command(args: argparse.Namespace) -> int:
                 servers=servers,
                 store=store,
                 config=batch_config(args),
-                on_line=print_line,
+                on_line=bar.line if bar else print_line,
+                on_progress=bar.update if bar else None,
             )
     except PartitionConflict as e:
         print(
@@ -246,6 +250,9 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        if bar:
+            bar.close()
     for name, why in summary.unreachable.items():
         print_line(f"server {name}: {why}")
     print_line(summary.line())
