@@ -18,8 +18,6 @@ from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.results import write_results
-from comfy_assets.render.run import run_batch_sync
 from comfy_assets.store import DB_URL_ENV, NoStore, PartitionConflict, Store, StoreUnavailable
 
 
@@ -209,6 +207,10 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     show_logs(args)
+    # The batch (httpx, websockets) and results.csv (pandas) are imported by the command
+    # that runs them: ``requeue``, ``events`` and ``worker`` build their parsers here too.
+    from comfy_assets.render.run import run_batch_sync
+
     try:
         with stopped_by_signals() as stopped_by:
             summary = run_batch_sync(
@@ -266,6 +268,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 def results_line(store: Store, partition: str, job_file: JobFile) -> None:
     """Write results.csv and print its path, or say why it could not be written."""
+    from comfy_assets.render.results import write_results
+
     try:
         path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
         print_line(f"results: {path}")
