@@ -11,7 +11,7 @@ from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
 
 from comfy_assets.store.records import StoreConflict
 from comfy_assets.store.schema import (
@@ -41,7 +41,12 @@ def _b(name: str, type_: Any = None) -> sa.BindParameter:
 
 def insert_for(dialect: str, table: sa.Table) -> Any:
     """INSERT with ON CONFLICT support for ``dialect`` ("sqlite" or "postgresql")."""
-    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+    if dialect == "postgresql":
+        # Imported here: its engine loads it anyway, and a SQLite store never needs it.
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql.insert(table)
+    return sqlite.insert(table)
 
 
 SELECT_JOB = sa.select(jobs_table).where(JOB.job_id == _b("b_id"))
