@@ -16,9 +16,17 @@ import sys
 from fake_comfy.fake import FakeComfy
 
 
+def _port(text: str) -> int:
+    """An argparse ``type``: a TCP port, 0 to 65535 (0 picks a free one)."""
+    port = int(text) if text.strip().isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
+    return port
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m fake_comfy", description=__doc__)
-    parser.add_argument("--port", type=int, required=True, help="0 picks a free port")
+    parser.add_argument("--port", type=_port, required=True, help="0 picks a free port")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--script", default="", help="comma-separated words, e.g. ok,500,hang")
     parser.add_argument(

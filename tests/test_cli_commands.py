@@ -368,7 +368,7 @@ def test_requeue_of_a_job_that_is_not_a_dead_letter_is_exit_1(
 
     assert capsys.readouterr().err.splitlines() == [
         f"job {done}: not a dead letter (succeeded)",
-        f"job {unknown}: not a dead letter (unknown job)",
+        f"job {unknown}: no such job in the store",
     ]
 
 

@@ -118,7 +118,7 @@ def test_policy_draft_cuts_a_draft_with_a_slate_for_the_failed_shot(
     assert code == 0
     path_line, summary = capsys.readouterr().out.splitlines()
     assert summary == (
-        "film: 6 shots, 7.750 s, DRAFT (degraded shots 6; slates for 6), concat reencode"
+        "film: 6 shots, 7.750 s, DRAFT (degraded shots 6; slates for shots 6), concat reencode"
     )
     assert probe(Path(path_line)).duration_s == pytest.approx(FILM_S, abs=1 / 24)
 

@@ -13,10 +13,10 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from comfy_assets.cli.run import add_db_url_option
+from comfy_assets.cli.run import add_db_url_option, open_store
 from comfy_assets.jobs.events import Event, event_json
 from comfy_assets.jobs.model import is_job_id
-from comfy_assets.store import NoStore, Store
+from comfy_assets.jobs.strict_json import MAX_SHOT, is_shot
 
 EXIT_OK = 0
 EXIT_NOTHING = 1
@@ -24,14 +24,14 @@ EXIT_BAD_INPUT = 2
 
 
 def _shot(text: str) -> int:
-    """An argparse ``type`` for ``--shot``: an integer >= 0, as in job files."""
+    """An argparse ``type`` for ``--shot``: an integer from 0 to MAX_SHOT, as in job files."""
     try:
-        value = int(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from e
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+        value: object = int(text)
+    except ValueError:
+        value = None
+    if not is_shot(value):
+        raise argparse.ArgumentTypeError(f"expected an integer from 0 to {MAX_SHOT}, got {text!r}")
+    return int(text)
 
 
 def add_events_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,10 +65,9 @@ def events_command(args: argparse.Namespace) -> int:
         return _bad_input("--shot needs --partition (shot numbers are per job file)")
     if args.job is not None and not is_job_id(args.job):
         return _bad_input(f"--job {args.job!r} is not a job id (a lowercase UUID)")
-    try:
-        store = Store.existing(args.store, args.db_url)
-    except NoStore as e:
-        return _bad_input(str(e))
+    store = open_store(args, existing=True)
+    if isinstance(store, int):
+        return store
     try:
         events = store.events(job_id=args.job, partition=args.partition, shot=args.shot)
     finally:

@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from comfy_assets.cli.run import add_db_url_option
+from comfy_assets.cli.run import add_db_url_option, open_store
 from comfy_assets.film.gate import FilmResult, GateBlocked
 from comfy_assets.film.make import make_film
 from comfy_assets.film.shots import (
@@ -20,7 +20,6 @@ from comfy_assets.film.shots import (
 )
 from comfy_assets.jobs.model import POLICIES, JobFileError
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.store import NoStore, Store
 
 EXIT_OK = 0
 EXIT_BLOCKED = 1
@@ -57,11 +56,10 @@ def film_command(args: argparse.Namespace) -> int:
         return _bad_input(str(e))
     if not has_shots(job_file):
         return _bad_input(f"{args.jobs}: no job has a shot number; there is no film to cut")
-    partition = args.partition or args.jobs.stem
-    try:
-        store = Store.existing(args.store, args.db_url)
-    except NoStore as e:
-        return _bad_input(str(e))
+    partition = args.jobs.stem if args.partition is None else args.partition
+    store = open_store(args, existing=True)
+    if isinstance(store, int):
+        return store
     try:
         registered = {record.job_id for record in store.jobs(partition)}
         if not registered & {job.id for job in job_file.jobs}:
@@ -89,7 +87,7 @@ def summary_line(film: FilmResult) -> str:
     if film.draft:
         kind = f"DRAFT (degraded shots {', '.join(map(str, film.degraded))}"
         if film.placeholders:
-            kind += f"; slates for {', '.join(map(str, film.placeholders))}"
+            kind += f"; slates for shots {', '.join(map(str, film.placeholders))}"
         kind += ")"
     else:
         kind = film.gate.mode

@@ -19,6 +19,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
+from comfy_assets.cli.options import bounded
 from comfy_assets.comfy.servers import parse_servers
 
 # httpx's __init__ imports its own command-line client (httpx._main: rich, click, pygments)
@@ -39,7 +40,9 @@ def add_health(sub: argparse._SubParsersAction) -> None:
         help="gpu0=http://127.0.0.1:8188 (repeat, or comma-separate); a user:password@ "
         "in the URL is sent as basic auth, never printed",
     )
-    p.add_argument("--timeout-s", type=float, default=3.0, help="per request (3 s)")
+    p.add_argument(
+        "--timeout-s", type=bounded(float, 0, strict=True), default=3.0, help="per request (3 s)"
+    )
     p.set_defaults(func=health)
 
 

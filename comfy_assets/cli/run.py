@@ -5,62 +5,27 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import math
 import os
-import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from comfy_assets.cli.options import bounded, byte_size
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.store import DB_URL_ENV, NoStore, PartitionConflict, Store, StoreUnavailable
-
-
-def bounded(
-    kind: type[int] | type[float], low: float, *, strict: bool = False
-) -> Callable[[str], int | float]:
-    """An argparse ``type``: ``kind(text)``, finite and ``>= low`` (``> low`` if strict).
-
-    A bad value raises ``argparse.ArgumentTypeError``, which argparse prints after the
-    option's name (``argument --attempts: expected an integer >= 1, got '0'``) and exits 2.
-    """
-    what = "an integer" if kind is int else "a number"
-    expected = f"expected {what} {'>' if strict else '>='} {low:g}"
-
-    def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from e
-        # NaN compares false to everything, and an infinite lease or delay overflows later.
-        if not math.isfinite(value) or value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
-        return value
-
-    return parse
-
-
-_BYTE_SIZE = re.compile(r"\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*", re.IGNORECASE)
-_BYTE_UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
-
-
-def byte_size(text: str) -> int:
-    """An argparse ``type``: a size in bytes >= 1, as an integer or with a binary unit
-    (``4GiB``, ``512MiB``, ``64KiB``, ``100B``; case does not matter). Raises
-    ``argparse.ArgumentTypeError`` otherwise."""
-    match = _BYTE_SIZE.fullmatch(text)
-    size = int(match[1]) * _BYTE_UNITS[(match[2] or "b").lower()] if match else 0
-    if size < 1:
-        raise argparse.ArgumentTypeError(
-            f"expected a size in bytes >= 1 (an integer, or with B, KiB, MiB, GiB, TiB), "
-            f"got {text!r}"
-        )
-    return size
+from comfy_assets.store import (
+    DB_URL_ENV,
+    BadDbUrl,
+    NoStore,
+    PartitionConflict,
+    Store,
+    StoreUnavailable,
+)
+from comfy_assets.store.base import folder_name
 
 
 def add_batch_options(p: argparse.ArgumentParser) -> None:
@@ -120,6 +85,22 @@ def add_db_url_option(p: argparse.ArgumentParser) -> None:
         f"${DB_URL_ENV}, which keeps the password out of ps; else SQLite at "
         "<store>/store.db)",
     )
+
+
+def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
+    """The store of ``--store`` / ``--db-url`` (``Store.existing`` when ``existing``: no
+    empty store is created), or the exit code after saying why not on stderr: 2 for no
+    ``store.db`` or a URL that is not a database URL, 1 for a database that refuses us."""
+    try:
+        return (
+            Store.existing(args.store, args.db_url) if existing else Store(args.store, args.db_url)
+        )
+    except (NoStore, BadDbUrl) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except StoreUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -199,13 +180,15 @@ def run_command(args: argparse.Namespace) -> int:
     except (JobFileError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    partition = args.partition or args.jobs.stem
+    partition = args.jobs.stem if args.partition is None else args.partition
     try:
-        store = Store(args.store, args.db_url)
-        store.job_dir(partition, "check")  # a partition that can't be a folder: bad input
+        folder_name(partition, "partition")  # a partition that can't be a folder: bad input
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    store = open_store(args, existing=False)
+    if isinstance(store, int):
+        return store
     show_logs(args)
     # The batch (httpx, websockets), results.csv (pandas) and the bar (tqdm) are imported
     # by the command that runs them: ``requeue``, ``events`` and ``worker`` build their
@@ -322,11 +305,9 @@ def requeue_command(args: argparse.Namespace) -> int:
     if bad:
         print(f"error: not a job id (a lowercase UUID): {', '.join(bad)}", file=sys.stderr)
         return 2
-    try:
-        store = Store.existing(args.store, args.db_url)
-    except NoStore as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    store = open_store(args, existing=True)
+    if isinstance(store, int):
+        return store
     code = 0
     try:
         for job_id in args.job_id:
@@ -334,8 +315,8 @@ def requeue_command(args: argparse.Namespace) -> int:
                 print(f"job {job_id}: requeued (pending)")
             else:
                 rec = store.get(job_id)
-                state = rec.state if rec else "unknown job"
-                print(f"job {job_id}: not a dead letter ({state})", file=sys.stderr)
+                why = f"not a dead letter ({rec.state})" if rec else "no such job in the store"
+                print(f"job {job_id}: {why}", file=sys.stderr)
                 code = 1
     finally:
         store.close()

@@ -13,12 +13,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from comfy_assets.cli.options import bounded, byte_size
 from comfy_assets.cli.run import (
     add_batch_options,
     add_db_url_option,
     add_server_options,
     batch_config,
-    byte_size,
+    open_store,
 )
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFileError
@@ -27,8 +28,19 @@ from comfy_assets.service import broker
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES
 from comfy_assets.service.sources import FileSource, JobSource, RabbitSource
 from comfy_assets.service.worker import Worker, job_messages
-from comfy_assets.store import Store, StoreUnavailable
+from comfy_assets.store import StoreUnavailable
 from comfy_assets.store.base import folder_name
+
+
+def queue_name(text: str) -> str:
+    """An argparse ``type`` for ``--queue``: a name RabbitMQ lets a client declare
+    (1 to 255 bytes of UTF-8, not starting with the reserved ``amq.``); raises
+    ``argparse.ArgumentTypeError`` otherwise."""
+    if not text or len(text.encode()) > 255 or text.startswith("amq."):
+        raise argparse.ArgumentTypeError(
+            f"expected a queue name of 1 to 255 bytes not starting with 'amq.', got {text!r}"
+        )
+    return text
 
 
 def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -37,7 +49,12 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
         "enqueue", help="validate a job file and publish its jobs to a RabbitMQ queue"
     )
     add_rabbitmq_option(p)
-    p.add_argument("--queue", required=True, help="job queue (quorum); dead letters: QUEUE.dead")
+    p.add_argument(
+        "--queue",
+        required=True,
+        type=queue_name,
+        help="job queue (quorum); dead letters: QUEUE.dead",
+    )
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
     p.add_argument(
         "--partition",
@@ -113,7 +130,9 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     add_rabbitmq_option(src)
     src.add_argument("--jobs", type=Path, help="a job file instead of a queue")
-    p.add_argument("--queue", help="job queue (with --rabbitmq); dead letters: QUEUE.dead")
+    p.add_argument(
+        "--queue", type=queue_name, help="job queue (with --rabbitmq); dead letters: QUEUE.dead"
+    )
     add_server_options(p)
     add_db_url_option(p)
     p.add_argument(
@@ -121,7 +140,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--grace-s",
-        type=float,
+        type=bounded(float, 0),
         default=60.0,
         help="running jobs' time to finish at shutdown (60 s)",
     )
@@ -136,7 +155,12 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--health-file", type=Path, default=None, help="touched every --heartbeat-s while alive"
     )
-    p.add_argument("--heartbeat-s", type=float, default=5.0, help="health file interval (5 s)")
+    p.add_argument(
+        "--heartbeat-s",
+        type=bounded(float, 0, strict=True),
+        default=5.0,
+        help="health file interval (5 s)",
+    )
     p.add_argument("--policy", choices=["delivery", "draft"], default=None)
     add_batch_options(p)
     p.set_defaults(func=worker_command)
@@ -203,10 +227,13 @@ def _worker(args: argparse.Namespace) -> int:
         source = RabbitSource(args.rabbitmq, args.queue)
         if args.partition:
             source.partition = args.partition
+    store = open_store(args, existing=False)
+    if isinstance(store, int):
+        return store
     worker = Worker(
         source,
         servers=servers,
-        store=Store(args.store, args.db_url),
+        store=store,
         config=batch_config(args),
         grace_s=args.grace_s,
         workflows_dir=args.workflows_dir,

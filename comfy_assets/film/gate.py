@@ -142,8 +142,19 @@ class GateResult:
             return f"gate blocked ({self.mode}): no shots"
         bad = [v for v in self.verdicts if v.verdict != "ok"]
         if not self.passed:
-            head = f"gate blocked ({self.mode}): {len(self.blocked)} of {len(self.verdicts)} shots block the film"
-        elif self.draft:
+            # Shots that only degrade (a slate under draft) are listed after the ones
+            # that block, under their own heading.
+            blocking = [v for v in bad if v.verdict == "blocked"]
+            others = [v for v in bad if v.verdict != "blocked"]
+            head = (
+                f"gate blocked ({self.mode}): {len(blocking)} of {len(self.verdicts)} "
+                "shots block the film"
+            )
+            lines = [head, *(v.line() for v in blocking)]
+            if others:
+                lines += ["degraded, not blocking:", *(v.line() for v in others)]
+            return "\n".join(lines)
+        if self.draft:
             head = f"gate passed as draft: {len(bad)} of {len(self.verdicts)} shots degraded"
         else:
             head = f"gate passed ({self.mode}): all {len(self.verdicts)} shots ok"

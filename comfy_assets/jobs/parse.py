@@ -33,6 +33,7 @@ from comfy_assets.jobs.model import (
 )
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
+    MAX_SHOT,
     DuplicateKey,
     decoder,
     first_non_finite,
@@ -216,7 +217,9 @@ class _Parser:
         job_id = self._job_id(obj, line)
         shot = obj.get("shot")
         if shot is not None and not is_shot(shot):
-            self.error(line, "shot", f"expected an integer >= 0, got {quoted(shot)}")
+            self.error(
+                line, "shot", f"expected an integer from 0 to {MAX_SHOT}, got {quoted(shot)}"
+            )
         duration = obj.get("duration_s")
         if duration is not None and not (is_number(duration) and duration > 0):
             self.error(

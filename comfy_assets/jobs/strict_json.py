@@ -22,8 +22,13 @@ def is_link(value: Any) -> bool:
     )
 
 
+# The store keeps shot numbers in a 32-bit INTEGER column (PostgreSQL's int4).
+MAX_SHOT = 2**31 - 1
+
+
 def is_shot(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """An integer from 0 to MAX_SHOT (not a bool): a shot number."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SHOT
 
 
 def quoted(value: Any) -> str:

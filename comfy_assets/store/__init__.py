@@ -27,13 +27,21 @@ from comfy_assets.store.records import (
 )
 from comfy_assets.store.retry import StoreUnavailable
 from comfy_assets.store.schema import metadata
-from comfy_assets.store.store import DB_URL_ENV, OUTCOMES, TRANSITION_FIELDS, NoStore, Store
+from comfy_assets.store.store import (
+    DB_URL_ENV,
+    OUTCOMES,
+    TRANSITION_FIELDS,
+    BadDbUrl,
+    NoStore,
+    Store,
+)
 
 __all__ = [
     "DB_URL_ENV",
     "OUTCOMES",
     "TRANSITION_FIELDS",
     "AttemptEntry",
+    "BadDbUrl",
     "AttemptRecord",
     "ClaimLost",
     "ClaimStatus",

@@ -123,9 +123,21 @@ def _now(now: float | None) -> float:
 
 def folder_name(name: str, what: str) -> str:
     """``name`` when it can be a folder of the store (a partition, a job id); raises
-    ValueError naming ``what`` for "", ".", "..", a separator, NUL, or store.db*."""
-    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+    ValueError naming ``what`` for "", ".", "..", a separator, a control character (NUL
+    and newlines included), white space at either end, more than 255 bytes of UTF-8
+    (a file name's limit on Linux and macOS), or store.db*."""
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\"):
         raise ValueError(f"{what} {name!r} cannot be used as a folder name")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name) or name != name.strip():
+        raise ValueError(
+            f"{what} {name!r} cannot be used as a folder name (control characters, or white "
+            "space at an end)"
+        )
+    if len(name.encode("utf-8", "surrogatepass")) > 255:
+        raise ValueError(
+            f"{what} {name[:40]!r}... is {len(name.encode('utf-8', 'surrogatepass'))} bytes "
+            "long: a folder name has at most 255"
+        )
     if name.startswith("store.db"):  # the SQLite file and its -wal/-shm live beside them
         raise ValueError(f"{what} {name!r} would collide with the store's own database file")
     return name

@@ -38,9 +38,11 @@ class StoreUnavailable(RuntimeError):
     driver error (its message names no password: SQLAlchemy hides it)."""
 
     def __init__(self, what: str, waited_s: float, cause: BaseException) -> None:
+        during = f" for {waited_s:.0f} s" if waited_s > 0 else ""
+        first_line = str(cause).splitlines()[0] if str(cause) else ""
         super().__init__(
-            f"the store's database is unreachable ({what} failed for {waited_s:.0f} s: "
-            f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''})"
+            f"the store's database is unreachable ({what} failed{during}: "
+            f"{type(cause).__name__}: {first_line})"
         )
         self.waited_s = waited_s
         self.cause = cause

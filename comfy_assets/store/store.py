@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import sqlalchemy as sa
+
 from comfy_assets.store.base import folder_name
 from comfy_assets.store.claims import Claims
 from comfy_assets.store.leases import ServerLeases
 from comfy_assets.store.queries import Queries
+from comfy_assets.store.retry import StoreUnavailable
 from comfy_assets.store.schema import (
     create_tables,
     make_engine,
@@ -28,7 +31,11 @@ class NoStore(ValueError):
     """No result store where one was expected (``Store.existing``)."""
 
 
-__all__ = ["DB_URL_ENV", "OUTCOMES", "TRANSITION_FIELDS", "NoStore", "Store"]
+class BadDbUrl(ValueError):
+    """A ``db_url`` SQLAlchemy cannot open: not a URL, or a driver it does not have."""
+
+
+__all__ = ["DB_URL_ENV", "OUTCOMES", "TRANSITION_FIELDS", "BadDbUrl", "NoStore", "Store"]
 
 
 class Store(Claims, Transitions, Queries, ServerLeases):
@@ -38,6 +45,8 @@ class Store(Claims, Transitions, Queries, ServerLeases):
     ``root`` also holds the outputs (``job_dir``). Make one Store per process (a new one
     after fork); threads may share it. A call whose database connection is lost is tried
     again for ``retry_s`` seconds, then raises StoreUnavailable (``store.retry``).
+    Opening raises BadDbUrl for a URL SQLAlchemy cannot use, and StoreUnavailable at once
+    for a database that refuses the connection (down, unknown role or database).
     """
 
     def __init__(self, root: Path, db_url: str | None = None, *, retry_s: float = 30.0) -> None:
@@ -46,9 +55,17 @@ class Store(Claims, Transitions, Queries, ServerLeases):
         if db_url is None:
             self.root.mkdir(parents=True, exist_ok=True)
             db_url = f"sqlite:///{self.root / 'store.db'}"
-        self.engine = make_engine(db_url)
+        try:
+            self.engine = make_engine(db_url)
+        except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as e:
+            # SQLAlchemy's message names neither the URL nor its password.
+            raise BadDbUrl(f"--db-url: not a database URL SQLAlchemy can open ({e})") from e
         self.dialect = self.engine.dialect.name
-        create_tables(self.engine)
+        try:
+            create_tables(self.engine)
+        except sa.exc.DBAPIError as e:
+            self.engine.dispose()
+            raise StoreUnavailable("opening the store", 0.0, e) from e
 
     @classmethod
     def existing(cls, root: Path, db_url: str | None = None) -> Store:

@@ -1,0 +1,53 @@
+"""Option types the commands share: numbers within bounds, sizes in bytes.
+
+Light on purpose (the standard library only): ``health`` imports it at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from collections.abc import Callable
+
+
+def bounded(
+    kind: type[int] | type[float], low: float, *, strict: bool = False
+) -> Callable[[str], int | float]:
+    """An argparse ``type``: ``kind(text)``, finite and ``>= low`` (``> low`` if strict).
+
+    A bad value raises ``argparse.ArgumentTypeError``, which argparse prints after the
+    option's name (``argument --attempts: expected an integer >= 1, got '0'``) and exits 2.
+    """
+    what = "an integer" if kind is int else "a number"
+    expected = f"expected {what} {'>' if strict else '>='} {low:g}"
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from e
+        # NaN compares false to everything, and an infinite lease or delay overflows later.
+        if not math.isfinite(value) or value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+        return value
+
+    return parse
+
+
+_BYTE_SIZE = re.compile(r"\s*(\d+)\s*(B|KiB|MiB|GiB|TiB)?\s*", re.IGNORECASE)
+_BYTE_UNITS = {"b": 1, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def byte_size(text: str) -> int:
+    """An argparse ``type``: a size in bytes >= 1, as an integer or with a binary unit
+    (``4GiB``, ``512MiB``, ``64KiB``, ``100B``; case does not matter). Raises
+    ``argparse.ArgumentTypeError`` otherwise."""
+    match = _BYTE_SIZE.fullmatch(text)
+    size = int(match[1]) * _BYTE_UNITS[(match[2] or "b").lower()] if match else 0
+    if size < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes >= 1 (an integer, or with B, KiB, MiB, GiB, TiB), "
+            f"got {text!r}"
+        )
+    return size
