@@ -175,7 +175,8 @@ def run_args(schedule: Schedule, jobs: Path, hosts: list[Host], store: Path) -> 
     for host in hosts:
         args += ["--server", f"{host.name}={host.url}"]
     args += ["--store", str(store), "--events", "--attempts", str(schedule.attempts)]
-    args += ["--base-delay-s", "0.02", "--max-delay-s", "0.1", "--poll-s", "0.1"]
+    args += ["--base-delay-s", str(schedule.base_delay_s), "--max-delay-s", "0.1"]
+    args += ["--poll-s", str(schedule.poll_s)]
     args += ["--timeout-s", str(schedule.timeout_s), "--lease-s", "10"]
     args += ["--server-lease-s", "3", "--probe-timeout-s", "1", "--unhealthy-wait-s", "0.1"]
     args += ["--catch-up-s", "1", "--unreachable-timeout-s", "30"]
@@ -186,9 +187,9 @@ def config(schedule: Schedule) -> BatchConfig:
     """The worker's BatchConfig, the same knobs as ``run_args``."""
     return BatchConfig(
         attempts=schedule.attempts,
-        base_delay_s=0.02,
+        base_delay_s=schedule.base_delay_s,
         max_delay_s=0.1,
-        poll_s=0.1,
+        poll_s=schedule.poll_s,
         timeout_s=schedule.timeout_s,
         lease_s=10.0,
         server_lease_s=3.0,

@@ -87,6 +87,8 @@ class Schedule:
     same_file: bool = True  # concurrent: both runs on one job file
     prompt_seconds: float = 0.01
     timeout_s: float = 3.0
+    poll_s: float = 0.1
+    base_delay_s: float = 0.02
 
     def describe(self) -> str:
         """A few lines that say the whole schedule (for failure messages and the bench)."""
