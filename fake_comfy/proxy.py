@@ -1,12 +1,13 @@
 """FaultProxy: a small asyncio TCP proxy that breaks connections on purpose.
 
     proxy = FaultProxy("http://127.0.0.1:8188", seed=7, cuts=2, cut_within_s=1.0,
-                       view_404={"inverted_*": 2, "solid_00003_.png": None})
+                       view_404={"inverted_*": 2, "solid_00003_.png": None},
+                       lose_answer={"POST /prompt": 1, "GET /view": 1})
     async with proxy.serve(port=0) as url:     # "http://127.0.0.1:PORT"
         ...                                    # point a client at url (HTTP and /ws)
     with proxy.serve_in_thread(port=0) as url:  # own loop in a daemon thread
         ...
-    proxy.stats   # {"connections": N, "cut": N, "view_404": N}
+    proxy.stats   # {"connections": N, "cut": N, "view_404": N, "lost_answers": N}
 
 Faults, each bounded so that a client can still get through:
 
@@ -19,6 +20,11 @@ Faults, each bounded so that a client can still get through:
   ``fnmatch`` pattern) is answered ``404 Not Found`` by the proxy itself, as ComfyUI
   answers a file missing from its output folder (basics.json), for the first N such
   requests (the value), or every one (``None``). The server never sees those requests.
+- **lost answers**: for the first N requests whose "METHOD /path" starts with a key of
+  ``lose_answer`` (``"POST /prompt"``, ``"GET /view"``), the request reaches the server,
+  which handles it and answers; the client gets the first half of the answer's first
+  chunk, then the connection is aborted. A prompt posted so is queued, though its
+  client never learns it; a download so ends midway.
 
 HTTP/1.1 requests are read one by one on each connection (a head, then a body of
 ``Content-Length`` bytes), so a kept-alive connection is inspected request by request;
@@ -47,13 +53,15 @@ _THREAD_START_TIMEOUT_S = 30.0
 
 class FaultProxy:
     """A TCP proxy in front of ``target`` ("http://host:port" or "host:port") that cuts
-    sockets and answers 404 to listed ``GET /view`` requests (see the module docstring).
+    sockets, answers 404 to listed ``GET /view`` requests and loses listed answers (see
+    the module docstring).
 
     seed: seeds the cut draws. cut_probability: chance (0..1) that a new connection is
     cut. cut_within_s: a cut lands within this many seconds of the accept. cuts: at most
     this many connections are cut (0: none). view_404: ``{fnmatch pattern of filename:
-    count or None (every time)}``. Raises ValueError for a probability outside 0..1 or a
-    negative count or time.
+    count or None (every time)}``. lose_answer: ``{"METHOD /path" prefix: count}``.
+    Raises ValueError for a probability outside 0..1, a negative count or time, or a
+    target without a host and port.
     """
 
     def __init__(
@@ -65,6 +73,7 @@ class FaultProxy:
         cut_within_s: float = 1.0,
         cuts: int = 0,
         view_404: Mapping[str, int | None] | None = None,
+        lose_answer: Mapping[str, int] | None = None,
     ) -> None:
         if not 0.0 <= cut_probability <= 1.0 or cut_within_s < 0 or cuts < 0:
             raise ValueError(
@@ -80,16 +89,18 @@ class FaultProxy:
         self.cut_within_s = cut_within_s
         self.cuts_left = cuts
         self.view_404: dict[str, int | None] = dict(view_404 or {})
+        self.lose_answer: dict[str, int] = dict(lose_answer or {})
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
-        self._stats = {"connections": 0, "cut": 0, "view_404": 0}
+        self._stats = {"connections": 0, "cut": 0, "view_404": 0, "lost_answers": 0}
         self._open: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self.url: str | None = None
 
     @property
     def stats(self) -> dict[str, int]:
-        """{"connections": accepted, "cut": aborted on purpose, "view_404": answered 404}."""
+        """{"connections": accepted, "cut": aborted at a drawn time, "view_404": answered
+        404, "lost_answers": answers cut short}."""
         with self._lock:
             return dict(self._stats)
 
@@ -124,6 +135,17 @@ class FaultProxy:
                     if left is not None:
                         self.view_404[pattern] = left - 1
                     self._stats["view_404"] += 1
+                    return True
+        return False
+
+    def _take_lost(self, head: bytes) -> bool:
+        """Whether the answer to the request with this head is to be lost."""
+        line = head.split(b"\r\n", 1)[0].decode("latin-1")
+        with self._lock:
+            for prefix, left in self.lose_answer.items():
+                if line.startswith(prefix) and left > 0:
+                    self.lose_answer[prefix] = left - 1
+                    self._stats["lost_answers"] += 1
                     return True
         return False
 
@@ -210,9 +232,10 @@ class FaultProxy:
             except OSError as ex:
                 log.info("fault_proxy: target %s refused: %s", self.target_port, ex)
                 return
-            back = asyncio.create_task(_pipe(up_reader, writer))
+            lose = asyncio.Event()  # set: the next answer is cut short
+            back = asyncio.create_task(_pipe(up_reader, writer, lose))
             try:
-                await self._requests(reader, writer, upstream)
+                await self._requests(reader, writer, upstream, lose)
             finally:
                 back.cancel()
                 await asyncio.wait([back])
@@ -242,8 +265,10 @@ class FaultProxy:
         reader: asyncio.StreamReader,
         client: asyncio.StreamWriter,
         upstream: asyncio.StreamWriter,
+        lose: asyncio.Event,
     ) -> None:
-        """Forward request after request; answer listed /view requests with 404."""
+        """Forward request after request; answer listed /view requests with 404; mark
+        the answers to lose (the reverse ``_pipe`` cuts them short)."""
         while True:
             try:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -256,6 +281,8 @@ class FaultProxy:
                 await client.drain()
                 return
             headers = _headers(head)
+            if self._take_lost(head):
+                lose.set()
             upstream.write(head)
             if "upgrade" in headers or "chunked" in headers.get("transfer-encoding", ""):
                 await _pipe(reader, upstream)  # a WebSocket, or a body we do not frame
@@ -276,10 +303,18 @@ def _headers(head: bytes) -> dict[str, str]:
     return out
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy bytes until ``reader`` ends, then close ``writer``."""
+async def _pipe(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, lose: asyncio.Event | None = None
+) -> None:
+    """Copy bytes until ``reader`` ends, then close ``writer``. When ``lose`` is set, the
+    next chunk read is cut short: half of it is written, then ``writer`` is aborted."""
     try:
         while data := await reader.read(65536):
+            if lose is not None and lose.is_set():
+                writer.write(data[: len(data) // 2])
+                await writer.drain()
+                writer.transport.abort()
+                return
             writer.write(data)
             await writer.drain()
     except ConnectionError:

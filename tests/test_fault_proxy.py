@@ -124,3 +124,24 @@ def test_out_of_range_settings_are_refused(kwargs):
 def test_a_target_without_a_port_is_refused():
     with pytest.raises(ValueError, match="host and a port"):
         FaultProxy("http://127.0.0.1")
+
+
+async def test_a_lost_answer_reaches_the_server_but_not_the_client():
+    fake = FakeComfy()
+    async with fake.serve() as url:
+        proxy = FaultProxy(url, lose_answer={"POST /prompt": 1, "GET /view": 1})
+        async with proxy.serve() as via, httpx.AsyncClient(base_url=via) as client:
+            job_dir = write_jobs(fake.output_dir.parent / "jobs", 1).parent
+            prompt = json.loads((job_dir / "image.json").read_text())
+            with pytest.raises(httpx.TransportError):
+                await client.post("/prompt", json={"prompt": prompt, "prompt_id": "p1"})
+            await fake.wait_idle(WAIT_S)
+            params = {"filename": "solid_00001_.png"}
+            with pytest.raises(httpx.TransportError):
+                await client.get("/view", params=params)
+            whole = await client.get("/view", params=params)
+    # The prompt the client never heard of was queued and ran; the cut download was sent.
+    assert fake.stats["prompts"]["p1"] == {"posted": 1, "executed": 1}
+    assert fake.stats["requests"]["GET /view"] == 2
+    assert whole.status_code == 200 and whole.content.startswith(b"\x89PNG")
+    assert proxy.stats["lost_answers"] == 2

@@ -29,7 +29,10 @@ def test_the_ci_seeds_cover_every_mode_and_every_fault():
     assert any(p.cuts for p in servers)
     assert any(None in p.view_404.values() for p in servers)  # 404 for good
     assert any(None not in p.view_404.values() and p.view_404 for p in servers)  # a few times
-    assert any(p.restart for p in servers)
+    assert any(p.restart and p.restart_at == "prompt" for p in servers)
+    assert any(p.restart and p.restart_at == "download" for p in servers)
+    assert any("POST /prompt" in p.lose_answer for p in servers)
+    assert any("GET /view" in p.lose_answer for p in servers)
     words = {w.split("=")[0] for p in servers for w in p.script}
     assert words >= {"ok", "500", "invalid", "error", "oom", "drop", "hang", "slow"}
     assert words >= {"partial", "late", "silent", "restart", "busy"}

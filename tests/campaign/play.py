@@ -109,6 +109,7 @@ class Host:
                 cut_within_s=self.plan.cut_within_s,
                 cut_probability=self.plan.cut_probability,
                 view_404=self.plan.view_404,
+                lose_answer=self.plan.lose_answer,
             )
             self._proxy_cm = self.proxy.serve_in_thread(port=0)
             self.url = self._proxy_cm.__enter__()
@@ -146,10 +147,15 @@ class Host:
 
 
 def _restarter(host: Host, stop: threading.Event, errors: list[str]) -> None:
-    """Restart ``host`` once, ``restart_after_s`` after one of our prompts started there."""
+    """Restart ``host`` once: ``restart_after_s`` after one of our prompts started there,
+    or at its first download (``ServerPlan.restart_at``)."""
     try:
         while not stop.is_set():
-            if host.ours_running():
+            if host.plan.restart_at == "download":
+                if host.fake.stats["requests"].get("GET /view", 0):
+                    host.restart()
+                    return
+            elif host.ours_running():
                 stop.wait(host.plan.restart_after_s)
                 if not stop.is_set():
                     host.restart()

@@ -8,8 +8,8 @@ jobs, and:
   ``busy=N``), at most ``2 * jobs`` words;
 - per server, maybe a ``FaultProxy`` in front: socket cuts at seeded times (HTTP and
   /ws), and/or ``GET /view`` answered 404 for a listed output, a few times or for good;
-- maybe one server restart while one of our prompts runs (the fake stopped and served
-  again on its port: queue and history forgotten);
+- maybe one server restart while one of our prompts runs, or while a download is under
+  way (the fake stopped and served again on its port: queue and history forgotten);
 - a mode: ``run`` (one ``comfy-assets run``), ``sigkill`` (a run killed with SIGKILL once
   some prompts ended, then a second run on the same store), ``concurrent`` (two runs at
   once on the shared servers and store, on one job file or two), ``cache_replay`` (a run,
@@ -54,9 +54,10 @@ class ServerPlan:
 
     script: its script words. busy: prompts of another client queued at start.
     cuts: socket cuts by its proxy (0: none), each within ``cut_within_s`` of a
-    connection's start. view_404: ``{filename pattern: count or None (for good)}`` for
-    its proxy. restart: the fake is restarted once while one of our prompts runs on it,
-    ``restart_after_s`` after that prompt started.
+    connection's start. view_404: ``{filename pattern: count or None (for good)}`` and
+    lose_answer: ``{"METHOD /path" prefix: count}`` for its proxy. restart: the fake is restarted once, ``restart_after_s`` after one of our
+    prompts started there (``restart_at="prompt"``), or as soon as it serves its first
+    ``GET /view`` (``"download"``).
     """
 
     script: tuple[str, ...]
@@ -65,13 +66,15 @@ class ServerPlan:
     cut_within_s: float = 1.0
     cut_probability: float = 0.3
     view_404: dict[str, int | None] = field(default_factory=dict)
+    lose_answer: dict[str, int] = field(default_factory=dict)
     restart: bool = False
     restart_after_s: float = 0.0
+    restart_at: str = "prompt"  # or "download": at the first GET /view it serves
 
     @property
     def proxied(self) -> bool:
         """Whether a FaultProxy stands in front of this server."""
-        return bool(self.cuts or self.view_404)
+        return bool(self.cuts or self.view_404 or self.lose_answer)
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,8 @@ class Schedule:
         for i, s in enumerate(self.servers):
             lines.append(
                 f"  gpu{i}: script={','.join(s.script) or '-'} busy={s.busy} cuts={s.cuts} "
-                f"within={s.cut_within_s:.2f}s view_404={s.view_404} "
-                f"restart={s.restart}@{s.restart_after_s:.3f}s"
+                f"within={s.cut_within_s:.2f}s view_404={s.view_404} lose={s.lose_answer} "
+                f"restart={s.restart}@{s.restart_at}+{s.restart_after_s:.3f}s"
             )
         return "\n".join(lines)
 
@@ -133,6 +136,11 @@ def make_schedule(seed: int) -> Schedule:
         cuts = rng.randint(1, 3) if rng.random() < 0.35 else 0
         view = _view_404(rng, jobs) if rng.random() < 0.25 else {}
         restart = rng.random() < 0.2
+        lose: dict[str, int] = {}
+        if rng.random() < 0.3:
+            for route in ("POST /prompt", "GET /view", "GET /history", "GET /queue"):
+                if rng.random() < 0.5:
+                    lose[route] = rng.randint(1, 2)
         servers.append(
             ServerPlan(
                 script=script,
@@ -141,8 +149,10 @@ def make_schedule(seed: int) -> Schedule:
                 cut_within_s=rng.uniform(0.05, 1.5),
                 cut_probability=rng.uniform(0.2, 0.6),
                 view_404=view,
+                lose_answer=lose,
                 restart=restart,
                 restart_after_s=rng.uniform(0.0, 0.03),
+                restart_at=rng.choice(("prompt", "download")),
             )
         )
     return Schedule(
