@@ -2,8 +2,10 @@
 
 Plays schedules ``S .. S+N-1`` (tests/campaign: fakes, fault proxies, ``comfy-assets run``
 subprocesses or the worker) and checks the campaign's invariants after each. Prints one
-``seed=... mode=... jobs=... violations=...`` line per schedule, each violation under it
-with the schedule, then ``schedules=``, ``jobs=``, ``violations=`` and ``wall_s=``. Exit 0
+``seed=... mode=... jobs=... violations=...`` line per schedule (with the faults that
+fired and how the prompts ended on the fakes), each violation under it with the
+schedule, then ``schedules=``, ``jobs=``, ``violations=``, the totals of what fired and
+``wall_s=``. Exit 0
 when no invariant broke, 1 otherwise.
 """
 
@@ -31,18 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.monotonic()
     jobs = broken = 0
+    totals: dict[str, int] = {}
     for seed in range(args.seed, args.seed + args.schedules):
         schedule = make_schedule(seed)
         folder = Path(tempfile.mkdtemp(prefix=f"faults-{seed}-"))
+        begun = time.monotonic()
         try:
-            found = violations(play(schedule, folder))
+            played = play(schedule, folder)
+            found = violations(played)
+            fired = played.tally()
         finally:
             if not args.keep:
                 shutil.rmtree(folder, ignore_errors=True)
         jobs += schedule.jobs
         broken += len(found)
+        for name, n in fired.items():
+            totals[name] = totals.get(name, 0) + n
         print(
-            f"seed={seed} mode={schedule.mode} jobs={schedule.jobs} violations={len(found)}",
+            f"seed={seed} mode={schedule.mode} jobs={schedule.jobs} violations={len(found)} "
+            f"wall_s={time.monotonic() - begun:.1f} "
+            + " ".join(f"{k}={v}" for k, v in sorted(fired.items())),
             flush=True,
         )
         if found:
@@ -54,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"schedules={args.schedules}")
     print(f"jobs={jobs}")
     print(f"violations={broken}")
+    print("fired: " + " ".join(f"{k}={v}" for k, v in sorted(totals.items())))
     print(f"wall_s={time.monotonic() - started:.1f}")
     return 1 if broken else 0
 

@@ -16,7 +16,10 @@ the runs' output and results.csv.
   prompt executes until its execution_success, LATE_HISTORY_S before its history);
 - nothing of ours queued or running on any server at the end, and every server idle;
 - ``<store>/<partition>/results.csv`` has one row per job, in file order, with its state;
-- each run that was not killed exits 0 when every job of its file is done, 1 otherwise.
+- each run that was not killed or stopped exits 0 when every job of its file is done, 1
+  otherwise; a run stopped by SIGTERM exits 143 (or as it would have, had it ended
+  first), and every prompt of ours left on a server after it is one its output says it
+  could not remove.
 """
 
 from __future__ import annotations
@@ -70,6 +73,18 @@ def _runs(phase: Phase) -> list[str]:
                 found.append(f"{who}: traceback on {name}: {text[start : start + 2000]}")
         if run.timed_out:
             found.append(f"{who}: did not end within the harness's timeout")
+        if run.stopped and run.returncode not in (0, 1, 143):
+            found.append(f"{who}: stopped by SIGTERM, exit {run.returncode}, expected 143")
+        for server, left in phase.left_after_stop.items():
+            for prompt_id in left:
+                if (
+                    run.stopped
+                    and f"could not remove prompt {prompt_id}" not in run.stdout + run.stderr
+                ):
+                    found.append(
+                        f"{who}: stopped by SIGTERM, our prompt {prompt_id} still on {server}, "
+                        "and no line says it could not be removed"
+                    )
     return found
 
 
@@ -110,7 +125,7 @@ def _jobs(played: Played, phase: Phase) -> list[str]:
                     )
             found += _results_csv(store, phase, partition, [j.id for j in job_file.jobs])
             for i, run in enumerate(phase.runs):
-                if run.killed or run.args == ["worker"] or run.jobs != jobs_path:
+                if run.killed or run.stopped or run.args == ["worker"] or run.jobs != jobs_path:
                     continue
                 expected = 0 if all_done else 1
                 if run.returncode != expected:

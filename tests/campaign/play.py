@@ -48,6 +48,7 @@ class RunOutput:
     stdout: str
     stderr: str
     killed: bool = False  # SIGKILLed on purpose
+    stopped: bool = False  # SIGTERMed on purpose
     timed_out: bool = False
 
 
@@ -63,6 +64,8 @@ class Phase:
     end_run: list[int] = field(default_factory=list)
     server_bytes: dict[str, dict[str, str]] = field(default_factory=dict)
     worker: dict[str, Any] | None = None
+    # sigterm: per server, our prompts still queued or running once the stopped run exited
+    left_after_stop: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,6 +81,21 @@ class Played:
     proxies: dict[str, dict[str, int]]
     restarts: dict[str, int]
     errors: list[str] = field(default_factory=list)  # the harness's own failures
+
+    def tally(self) -> dict[str, int]:
+        """What fired: proxy cuts, 404s and lost answers, restarts, SIGKILLs, and how the
+        runs' prompts ended on the fakes (``runs_<outcome>``)."""
+        counts = {"cut": 0, "view_404": 0, "lost_answers": 0}
+        for stats in self.proxies.values():
+            for name in counts:
+                counts[name] += stats[name]
+        counts["restarts"] = sum(self.restarts.values())
+        counts["sigkills"] = sum(r.killed for p in self.phases for r in p.runs)
+        for stats in self.stats.values():
+            for run in stats["runs"]:
+                key = f"runs_{run['outcome']}"
+                counts[key] = counts.get(key, 0) + 1
+        return counts
 
 
 class Host:
@@ -256,6 +274,18 @@ def _play_phase(schedule: Schedule, hosts: list[Host], phase: Phase) -> None:
                 break
             time.sleep(_LOOK_S)
         phase.runs.append(_finish(proc, args, phase.job_files[0], killed=True))
+    if s.mode == "sigterm":
+        proc = _start(args)
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while proc.poll() is None and time.monotonic() < deadline:
+            if any(h.ours_running() for h in hosts):
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(_LOOK_S)
+        run = _finish(proc, args, phase.job_files[0], killed=False)
+        run.stopped = True
+        phase.runs.append(run)
+        phase.left_after_stop = {h.name: h.ours_left() for h in hosts}
     phase.runs.append(_finish(_start(args), args, phase.job_files[0], killed=False))
 
 

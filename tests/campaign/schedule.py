@@ -11,7 +11,8 @@ jobs, and:
 - maybe one server restart while one of our prompts runs, or while a download is under
   way (the fake stopped and served again on its port: queue and history forgotten);
 - a mode: ``run`` (one ``comfy-assets run``), ``sigkill`` (a run killed with SIGKILL once
-  some prompts ended, then a second run on the same store), ``concurrent`` (two runs at
+  some prompts ended, then a second run on the same store), ``sigterm`` (a run stopped
+  with SIGTERM while one of our prompts runs, then a second run), ``concurrent`` (two runs at
   once on the shared servers and store, on one job file or two), ``cache_replay`` (a run,
   then the fake's output files deleted and the same file rendered into a new store: the
   cache replays names that are gone) or ``worker`` (the in-process worker fed every job
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 from fake_comfy.script import WORDS
 
-MODES = ("run", "sigkill", "concurrent", "cache_replay", "worker")
+MODES = ("run", "sigkill", "sigterm", "concurrent", "cache_replay", "worker")
 # Words that fail a job for good (dead letter at once) are rarer, so most jobs test
 # the paths that must end in a single success.
 _WORD_WEIGHTS = {
