@@ -41,6 +41,7 @@ TRACEBACK = "Traceback (most recent call last)"
 # what the runner saw (lost, deadline, socket, missing outputs).
 FAULT_REASON = re.compile(
     r"prompt_outputs_failed_validation|IndexError|OutOfMemory|node_errors|outputs missing"
+    r"|outputs dropped"
     r"|\b404\b|\b500\b|\b400\b|lost|deadline|interrupted|socket|connect|disconnect"
     r"|unreachable|timed out|timeout|partial|not executed|Internal Server Error",
     re.IGNORECASE,
