@@ -176,6 +176,7 @@ class Attempt(CatchUp, Removal):
         self.on_server = (client, name)
         slot.prompt_id = pid
         self.posted = True
+        follower.forget(pid)  # what the socket said of earlier runs is not about this one
         try:
             post = await client.post_prompt(
                 self.job.workflow, prompt_id=pid, client_id=follower.client_id
