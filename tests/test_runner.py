@@ -619,3 +619,43 @@ async def test_a_run_found_by_a_catch_up_then_forgotten_by_a_restart_says_it_may
     assert any(
         "in neither /history nor /queue" in d and "may render twice" in d for d in details
     ), details
+
+
+async def test_a_prompt_that_ran_while_its_unanswered_post_was_looked_for_is_taken(
+    tmp_path, monkeypatch
+):
+    # The POST's answer is lost, and so is the /queue that looks for it; by the time the
+    # prompt is removed it has run to its end: its outputs are taken, nothing is posted
+    # again (a restart before a later catch-up would have rendered it twice, unsaid).
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    job = jf.jobs[0]
+    post_prompt, queue = ComfyClient.post_prompt, ComfyClient.queue
+    lost: list[str] = []
+
+    async def answer_lost(self: ComfyClient, *args, **kwargs):
+        answer = await post_prompt(self, *args, **kwargs)
+        if not lost:
+            lost.append("POST /prompt")
+            raise ConnectionLost(f"{self.name}: POST /prompt: connection lost")
+        return answer
+
+    async def queue_lost_once(self: ComfyClient):
+        if lost == ["POST /prompt"]:
+            lost.append("GET /queue")
+            await fake.wait_for_runs(1, 10.0)  # the prompt ends meanwhile
+            raise ConnectionLost(f"{self.name}: GET /queue: connection lost")
+        return await queue(self)
+
+    monkeypatch.setattr(ComfyClient, "post_prompt", answer_lost)
+    monkeypatch.setattr(ComfyClient, "queue", queue_lost_once)
+    store = Store(tmp_path / "store")
+    async with fake_servers(fake) as servers:
+        summary = await run_batch(
+            jf, partition="p", servers=servers, store=store, config=fast_config()
+        )
+    assert lost == ["POST /prompt", "GET /queue"]
+    assert summary.done == 1
+    assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
+    assert store.get(job.id).attempts == 1
+    assert len(store.files(job.id)) == 2
