@@ -83,7 +83,8 @@ class Played:
     errors: list[str] = field(default_factory=list)  # the harness's own failures
 
     def tally(self) -> dict[str, int]:
-        """What fired: proxy cuts, 404s and lost answers, restarts, SIGKILLs, and how the
+        """What fired: proxy cuts, 404s and lost answers, restarts, SIGKILLs, SIGTERMs
+        (runs stopped, or that ended before the signal), and how the
         runs' prompts ended on the fakes (``runs_<outcome>``)."""
         counts = {"cut": 0, "view_404": 0, "lost_answers": 0}
         for stats in self.proxies.values():
@@ -91,6 +92,7 @@ class Played:
                 counts[name] += stats[name]
         counts["restarts"] = sum(self.restarts.values())
         counts["sigkills"] = sum(r.killed for p in self.phases for r in p.runs)
+        counts["sigterms"] = sum(r.stopped for p in self.phases for r in p.runs)
         for stats in self.stats.values():
             for run in stats["runs"]:
                 key = f"runs_{run['outcome']}"
