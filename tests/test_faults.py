@@ -3,6 +3,7 @@ every invariant, and the issue's reproductions that no other test covers."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import subprocess
 import sys
@@ -10,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
+import comfy_assets.render.run
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_batch_sync
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from fake_comfy.proxy import FaultProxy
 from tests.campaign.invariants import violations
 from tests.campaign.play import play
 from tests.campaign.schedule import MODES, Schedule, ServerPlan, make_schedule
-from tests.support import ROOT, executed, write_jobs
+from tests.support import ROOT, executed, fast_config, write_jobs
 
 CI_SEEDS = range(22)
 
@@ -123,3 +126,33 @@ def test_two_view_404s_for_a_caught_up_job_end_done_with_no_traceback(tmp_path):
     assert executed(fake, job.prompt_id) == 3
     assert fake.stats["requests"].get("POST /free") == 2
     store.close()
+
+
+def test_a_task_left_running_when_the_batch_ends_is_cancelled_before_the_loop_closes(
+    tmp_path, monkeypatch
+):
+    # Seed 128 (SIGTERM mid-download, lost answers): `comfy-assets run` printed a
+    # websockets traceback at exit, "Event loop is closed", from a socket reader's
+    # cleanup run after run_batch_sync had closed its loop with the task still pending.
+    cleaned: list[str] = []
+
+    async def batch_leaving_a_task(*args, **kwargs):
+        async def reader() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                asyncio.get_running_loop().call_soon(lambda: None)  # needs an open loop
+                cleaned.append("reader")
+
+        asyncio.get_running_loop().create_task(reader())
+        await asyncio.sleep(0)
+        return "summary"
+
+    monkeypatch.setattr(comfy_assets.render.run, "run_batch", batch_leaving_a_task)
+    job_file = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    with Store(tmp_path / "store") as store:
+        result = run_batch_sync(
+            job_file, partition="p", servers=[], store=store, config=fast_config()
+        )
+    assert result == "summary"
+    assert cleaned == ["reader"]
