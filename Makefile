@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint demo bench clean
+.PHONY: venv test lint demo demo-stop bench clean
 
 venv: $(STAMP)
 
@@ -23,7 +23,10 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 demo: $(STAMP)
-	$(BIN)/python -m comfy_assets.cli.demo $(if $(KEEP),--keep,)
+	$(BIN)/python -m comfy_assets.cli.demo $(if $(KEEP),--keep,) $(if $(PORT),--port $(PORT),)
+
+demo-stop: $(STAMP)
+	$(BIN)/python -m comfy_assets.cli.demo --stop
 
 clean:
 	rm -rf $(VENV) .demo .pytest_cache .ruff_cache

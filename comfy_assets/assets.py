@@ -1,31 +1,38 @@
-"""The Dagster assets: render a job file's partition, tabulate it, gather every table,
-and cut a storyboard's shots into a film.
+"""The Dagster assets: the job files, their renders and results tables, every table in
+one, and a storyboard's film.
 
-Thin on purpose: the work is ``comfy_assets.render.batch.run_batch_sync``, the table is
-``comfy_assets.render.results`` and the film is ``comfy_assets.film.gate.build_film`` (fed by
-``comfy_assets.film.shots``); this module turns their answers into Dagster events.
+Thin on purpose: the work is ``comfy_assets.render.run.run_batch_sync``, the table is
+``comfy_assets.render.results``, the film is ``comfy_assets.film.make``, and the metadata
+(tables, pictures, the job files' check) is built by ``comfy_assets.metadata``; this
+module turns their answers into Dagster events.
 """
 
-import base64
-import io
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetExecutionContext,
+    AssetObservation,
+    AssetSpec,
+    AutomationCondition,
     Failure,
     MaterializeResult,
     MetadataValue,
+    PreviewWarning,
     RetryRequested,
     asset,
+    asset_check,
+    multi_asset,
 )
-from PIL import Image
 
-from comfy_assets.film.gate import FilmResult, GateBlocked, GateResult
+from comfy_assets.film.gate import GateBlocked, GateResult
 from comfy_assets.film.make import make_film
+from comfy_assets.film.probe import MediaError
 from comfy_assets.film.shots import (
     bad_shot_lines,
     film_cost_report,
@@ -33,115 +40,118 @@ from comfy_assets.film.shots import (
     film_policy,
     has_shots,
 )
-from comfy_assets.jobs.model import JobFile, JobFileError
-from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE
-from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, job_files_partitions
+from comfy_assets.metadata import (
+    JOB_COLUMNS,
+    column_schema,
+    film_metadata,
+    job_files_check_fields,
+    jobs_frame,
+    outputs_contact_sheet,
+    png_file_markdown,
+    results_metadata,
+    table,
+)
+from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK, job_files_partitions
+from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
     combine_results,
-    markdown_table,
     results_csv_path,
     write_csv,
     write_results,
 )
 from comfy_assets.render.run import run_batch_sync
-from comfy_assets.render.summary import BatchSummary
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
-from comfy_assets.sensors import JOB_FILE_SHA_TAG
-from comfy_assets.store import Store, StoreUnavailable
+from comfy_assets.sensors import JOB_FILE_SHA_TAG, current_problems
+from comfy_assets.store import StoreUnavailable
+from comfy_assets.versions import load_partition_file, load_rendered_file
 
-THUMBNAILS = 4
-THUMBNAIL_PX = 64
-# Thumbnails come from the first jobs only: a video batch has no PNG to find.
-THUMBNAIL_SCAN_JOBS = 20
-JOB_TABLE_ROWS = 50
-# The contact sheet shown in the UI is shrunk to fit this box: metadata lives in the event log.
+# Who answers for these assets in the UI (Dagster owners: an e-mail or "team:<name>").
+OWNERS = ["team:render"]
+# The pictures shown in the UI are shrunk to fit this box: metadata lives in the event log.
 CONTACT_SHEET_PX = 480
 # A render stopped because no server was reachable is tried again this much later.
 NO_SERVER_RETRY_WAIT_S = 60
+# A running render logs how far it has come at most this often (and when it ends).
+PROGRESS_LOG_S = 5.0
 
 
-def _load_partition_file(partition: str) -> JobFile:
-    """The job file of a partition; a missing or invalid file fails without retries."""
-    try:
-        return load_job_file(find_job_file(partition))
-    except (FileNotFoundError, AmbiguousJobFileError, JobFileError) as exc:
-        raise Failure(description=f"partition {partition}: {exc}", allow_retries=False) from exc
-
-
-def _thumbnails(store: Store, partition: str, job_ids: Sequence[str]) -> str:
-    """Markdown of small PNG thumbnails (base64 data URIs) of the first PNG outputs."""
-    images: list[str] = []
-    for job_id in job_ids[:THUMBNAIL_SCAN_JOBS]:
-        for record in store.files(job_id):
-            if len(images) >= THUMBNAILS:
-                return " ".join(images)
-            if not record.path.lower().endswith(".png"):
-                continue
-            with Image.open(store.job_dir(partition, job_id) / record.path) as image:
-                image.thumbnail((THUMBNAIL_PX, THUMBNAIL_PX))
-                buffer = io.BytesIO()
-                image.convert("RGB").save(buffer, format="PNG", optimize=True)
-            data = base64.b64encode(buffer.getvalue()).decode("ascii")
-            images.append(f"![{job_id[:8]} {record.path}](data:image/png;base64,{data})")
-    return " ".join(images)
-
-
-def _jobs_markdown(summary: BatchSummary, job_ids: Sequence[str]) -> str:
-    by_id = {record.job_id: record for record in summary.jobs}
-    lines = ["| job | state | server | attempts | seconds | reason |", "|---|---|---|---|---|---|"]
-    for job_id in list(job_ids)[:JOB_TABLE_ROWS]:
-        record = by_id.get(job_id)
-        if record is None:
-            lines.append(f"| {job_id} | missing | | | | |")
-            continue
-        seconds = "" if record.seconds is None else f"{record.seconds:.2f}"
-        reason = (record.reason or "").replace("|", "\\|").replace("\n", " ")[:200]
-        lines.append(
-            f"| {job_id} | {record.state} | {record.server or ''} | {record.attempts} "
-            f"| {seconds} | {reason} |"
+def _partition_check(name: str, asset: str, description: str, **kwargs: Any) -> AssetCheckSpec:
+    """A check recorded per partition of job_files (shown on the partition in the UI)."""
+    # Dagster 1.13 marks partitions_def on a check as preview and warns on every import.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PreviewWarning)
+        return AssetCheckSpec(
+            name,
+            asset=asset,
+            partitions_def=job_files_partitions,
+            description=description,
+            **kwargs,
         )
-    if len(job_ids) > JOB_TABLE_ROWS:
-        lines.append(f"\n… {len(job_ids) - JOB_TABLE_ROWS} more jobs in results.csv")
-    return "\n".join(lines)
+
+
+job_files = AssetSpec(
+    JOB_FILES_ASSET,
+    partitions_def=job_files_partitions,
+    group_name="job_files",
+    owners=OWNERS,
+    kinds={"json"},
+    description=(
+        "The job files (*.jsonl) in the watched folders, one partition a file. Each "
+        "accepted version is recorded here by job_file_sensor; a bad file fails the "
+        "check `valid`, every error on its own line, until it is fixed."
+    ),
+)
+
+
+@asset_check(
+    asset=JOB_FILES_ASSET,
+    name=JOB_FILES_CHECK,
+    description="Every job file in the watched folders is valid (the sensor reports this "
+    "check on each change; executing it validates every file now).",
+)
+def job_files_valid() -> AssetCheckResult:
+    """Validate every job file of the watched folders now."""
+    return AssetCheckResult(**job_files_check_fields(current_problems()))
 
 
 @asset(
     partitions_def=job_files_partitions,
+    deps=[job_files],
     check_specs=[
-        AssetCheckSpec(
+        _partition_check(
             "no_dead_letters",
-            asset="renders",
-            description="No job of the file ended as a dead letter (permanent failure).",
+            "renders",
+            "No job of the file failed for good (a dead letter).",
         ),
-        AssetCheckSpec(
+        _partition_check(
             "all_jobs_done",
-            asset="renders",
-            description="Every job of the current file version is succeeded or degraded.",
+            "renders",
+            "Every job of the file's current version is succeeded or degraded.",
         ),
     ],
+    group_name="renders",
+    owners=OWNERS,
     kinds={"comfyui"},
+    description=(
+        "Every job of the job file rendered on the ComfyUI pool; jobs already done with the "
+        "same inputs are not rendered again. Shows the job table and a contact sheet."
+    ),
 )
 def renders(
     context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
 ) -> MaterializeResult:
-    """Every job of the partition's job file rendered on the ComfyUI pool.
-
-    Jobs already done with the same inputs are not posted again (the result store
-    remembers them by prompt_id); changed jobs get a new prompt_id and render again.
-
-    Dead letters: the batch runs to its end, then the asset **materializes with the check
-    ``no_dead_letters`` failed** (severity ERROR), every dead letter logged as an error
-    and listed in the check's metadata. It does not raise: Dagster cannot fail a step and
-    record its materialization, and raising would skip ``render_results``, losing the CSV
-    rows of the jobs that did render. A storyboard stopped by its delivery policy also
-    fails ``all_jobs_done``. A run cancelled from the UI ends CANCELED: the batch
-    interrupts our prompts, releases its claims and server leases, and re-raises.
-    A missing or invalid job file fails the run without retries.
-    """
+    """Render the partition's job file; return its job table, counts and checks."""
+    # Dead letters: the batch runs to its end, then the asset materializes with the check
+    # no_dead_letters failed (severity ERROR). It does not raise: Dagster cannot fail a step
+    # and record its materialization, and raising would skip render_results, losing the
+    # CSV rows of the jobs that did render. A storyboard stopped by its delivery policy
+    # fails all_jobs_done too. A cancel from the UI ends CANCELED: the batch interrupts our
+    # prompts, releases its claims and server leases, and re-raises. A missing or invalid
+    # job file fails the run without retries.
     partition = context.partition_key
-    job_file = _load_partition_file(partition)
+    job_file = load_partition_file(partition)
     requested = context.run.tags.get(JOB_FILE_SHA_TAG)
     if requested and requested != job_file.sha256:
         context.log.warning(
@@ -151,6 +161,7 @@ def renders(
     job_ids = [job.id for job in job_file.jobs]
 
     store = result_store.open()
+    sheet: Path | None = None
     try:
         summary = run_batch_sync(
             job_file,
@@ -159,8 +170,15 @@ def renders(
             store=store,
             config=comfy.batch_config(),
             on_line=context.log.info,
+            on_progress=log_every(context.log.info, PROGRESS_LOG_S),
         )
-        thumbnails = _thumbnails(store, partition, job_ids)
+        in_file = set(job_ids)
+        current = [record for record in summary.jobs if record.job_id in in_file]
+        sheet_path = result_store.root / partition / "outputs.contact.png"
+        try:
+            sheet = outputs_contact_sheet(store, partition, current, sheet_path)
+        except MediaError as exc:
+            context.log.warning(f"no contact sheet of the outputs: {exc}")
     except StoreUnavailable as e:
         # The batch stopped and removed its prompts; Dagster tries the step again later.
         raise RetryRequested(
@@ -169,8 +187,6 @@ def renders(
     finally:
         store.close()
 
-    in_file = set(job_ids)
-    current = [record for record in summary.jobs if record.job_id in in_file]
     done = sum(1 for record in current if record.state in DONE)
     dead = [(job_id, reason) for job_id, reason in summary.dead_letters if job_id in in_file]
     for job_id, reason in dead:
@@ -186,6 +202,7 @@ def renders(
         ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
+    jobs = jobs_frame(current, job_ids)
     metadata: dict[str, object] = {
         "job_file": MetadataValue.path(str(job_file.path.resolve())),
         "job_file_sha256": job_file.sha256,
@@ -196,13 +213,16 @@ def renders(
         "gpu_seconds": MetadataValue.float(float(summary.gpu_seconds)),
         "seconds": MetadataValue.float(float(summary.seconds)),
         "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
-        "job_table": MetadataValue.md(_jobs_markdown(summary, job_ids)),
+        "job_table": table(jobs, column_schema(jobs, JOB_COLUMNS)),
     }
-    if thumbnails:
-        metadata["thumbnails"] = MetadataValue.md(thumbnails)
+    if sheet is not None:
+        metadata["contact_sheet"] = MetadataValue.md(
+            png_file_markdown(sheet, f"{partition} contact sheet", CONTACT_SHEET_PX)
+        )
+        metadata["contact_sheet_path"] = MetadataValue.path(str(sheet.resolve()))
     if summary.stopped:
         metadata["stopped"] = summary.stopped
-    dead_md = "\n".join(f"- `{job_id}`: {reason}" for job_id, reason in dead)
+    dead_frame = jobs[jobs["state"] == "failed_fatal"][["job", "reason", "job_id"]]
     return MaterializeResult(
         metadata=metadata,
         check_results=[
@@ -210,7 +230,10 @@ def renders(
                 check_name="no_dead_letters",
                 passed=not dead,
                 severity=AssetCheckSeverity.ERROR,
-                metadata={"dead_lettered": len(dead), "dead_letters": MetadataValue.md(dead_md)},
+                metadata={
+                    "dead_lettered": len(dead),
+                    "dead_letters": table(dead_frame, column_schema(dead_frame, JOB_COLUMNS)),
+                },
                 description=f"{len(dead)} dead-lettered jobs" if dead else "no dead letters",
             ),
             AssetCheckResult(
@@ -224,17 +247,24 @@ def renders(
     )
 
 
-@asset(partitions_def=job_files_partitions, deps=[renders], kinds={"pandas", "csv"})
+@asset(
+    partitions_def=job_files_partitions,
+    deps=[renders],
+    group_name="renders",
+    owners=OWNERS,
+    kinds={"pandas", "csv"},
+    description=(
+        "The job file's results table (results.csv): a row per job with its `set` values, "
+        "state, server, attempts, seconds, output files and reason."
+    ),
+)
 def render_results(
     context: AssetExecutionContext, result_store: ResultStoreResource
 ) -> MaterializeResult:
-    """The partition's results table, a row per job of the current job file, as CSV.
-
-    Columns: job_id, one per ``set`` key, state, server, attempts, seconds, files
-    (``name:sha256[:12]``), reason. Dead letters are rows too, with their reason.
-    """
+    """Write the partition's results CSV, a row per job of the job file version that
+    renders rendered (the step fails if the file changed since)."""
     partition = context.partition_key
-    job_file = _load_partition_file(partition)
+    job_file = load_rendered_file(context, partition)
     job_ids = [job.id for job in job_file.jobs]
     store = result_store.open()
     try:
@@ -243,20 +273,35 @@ def render_results(
         store.close()
     context.log.info(f"wrote {len(frame)} rows to {path}")
     return MaterializeResult(
-        metadata={
-            "dagster/row_count": len(frame),
-            "path": MetadataValue.path(str(path.resolve())),
-            "preview": MetadataValue.md(markdown_table(frame)),
-        }
+        metadata={**results_metadata(frame, path), "job_file_sha256": job_file.sha256}
     )
 
 
-@asset(deps=[render_results], kinds={"pandas", "csv"})
+# Built again after any partition's results change, once nothing of its own is running.
+# Unlike AutomationCondition.eager() it does not wait for every partition to exist: a job
+# file that was never rendered (or failed) would hold it back for ever.
+ALL_RESULTS_CONDITION = (
+    AutomationCondition.newly_missing() | AutomationCondition.any_deps_updated()
+).since_last_handled().with_label(
+    "missing or any results updated"
+) & ~AutomationCondition.in_progress()
+
+
+@asset(
+    deps=[render_results],
+    group_name="renders",
+    owners=OWNERS,
+    kinds={"pandas", "csv"},
+    automation_condition=ALL_RESULTS_CONDITION,
+    description=(
+        "Every job file's results in one table (all_results.csv) with a `partition` column; "
+        "built again automatically after any render."
+    ),
+)
 def all_results(
     context: AssetExecutionContext, result_store: ResultStoreResource
 ) -> MaterializeResult:
-    """Every partition's results CSV in one, ``<store>/all_results.csv``, with a
-    ``partition`` column. Partitions without a CSV yet are listed in the log."""
+    """Concatenate every partition's results CSV; partitions without one are logged."""
     root = result_store.root
     tables: dict[str, Path] = {}
     for partition in context.instance.get_dynamic_partitions(job_files_partitions.name):
@@ -267,31 +312,12 @@ def all_results(
             context.log.warning(f"partition {partition} has no {RESULTS_CSV} yet")
     frame = combine_results(tables)
     path = write_csv(frame, root / "all_results.csv")
-    return MaterializeResult(
-        metadata={
-            "dagster/row_count": len(frame),
-            "partitions": len(tables),
-            "path": MetadataValue.path(str(path.resolve())),
-            "preview": MetadataValue.md(markdown_table(frame)),
-        }
-    )
-
-
-def _contact_sheet_md(path: Path) -> str:
-    """The contact sheet shrunk to CONTACT_SHEET_PX as a markdown image (base64 PNG)."""
-    with Image.open(path) as image:
-        image.thumbnail((CONTACT_SHEET_PX, CONTACT_SHEET_PX))
-        buffer = io.BytesIO()
-        image.convert("RGB").save(buffer, format="PNG", optimize=True)
-    data = base64.b64encode(buffer.getvalue()).decode("ascii")
-    return f"![contact sheet](data:image/png;base64,{data})"
+    return MaterializeResult(metadata={**results_metadata(frame, path), "partitions": len(tables)})
 
 
 def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
-    """The ``gate`` check's result: passed or not, each missing or bad shot with why.
-
-    Dagster 1.13 records a check returned by a partitioned asset without its partition,
-    so the partition is in the metadata and the description."""
+    """The ``gate`` check's result: passed or not, each missing or bad shot with why (the
+    check is recorded on the partition; its metadata names it too)."""
     listing = "\n".join(f"- {line}" for line in bad_shot_lines(gate)) or "every shot ok"
     return AssetCheckResult(
         check_name="gate",
@@ -309,95 +335,67 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
     )
 
 
-def _film_metadata(
-    film: FilmResult, cost: dict[str, float | int | None] | None
-) -> dict[str, object]:
-    """The film materialization's metadata: the film, then the cost report as numbers."""
-    metadata: dict[str, object] = {
-        "path": MetadataValue.path(str(film.path.resolve())),
-        "duration_s": MetadataValue.float(float(film.duration_s)),
-        "shot_count": film.shot_count,
-        "degraded_shots": MetadataValue.json(film.degraded),
-        "placeholder_shots": MetadataValue.json(film.placeholders),
-        "policy": film.gate.mode,
-        "draft": film.draft,
-        "concat_mode": film.concat_mode,
-        "contact_sheet": MetadataValue.md(_contact_sheet_md(film.contact_sheet)),
-        "contact_sheet_path": MetadataValue.path(str(film.contact_sheet.resolve())),
-    }
-    if film.concat_reason:
-        metadata["concat_reason"] = film.concat_reason
-    for key, value in (cost or {}).items():
-        if value is None:  # a strategy that never finishes (every attempt failed)
-            metadata[key] = MetadataValue.null()
-        elif isinstance(value, int):
-            metadata[key] = MetadataValue.int(value)
-        else:
-            metadata[key] = MetadataValue.float(float(value))
-    return metadata
-
-
-@asset(
-    partitions_def=job_files_partitions,
-    deps=[renders],
-    check_specs=[
-        AssetCheckSpec(
-            "gate",
-            asset="films",
-            blocking=True,
+@multi_asset(
+    specs=[
+        AssetSpec(
+            "films",
+            deps=[renders],
+            partitions_def=job_files_partitions,
+            group_name="films",
+            owners=OWNERS,
+            kinds={"video"},
             description=(
-                "Every shot is done, decodes fully and lasts its duration_s; under draft a "
-                "failed or broken shot may be a slate. Evaluated before the film is written."
+                "A storyboard's shots cut into one film (film.mp4, in shot order) behind the "
+                "blocking check `gate`; policy delivery or draft (a bad shot becomes a "
+                "slate). Shows the film's contact sheet and what the render cost."
             ),
         )
     ],
-    kinds={"video"},
+    check_specs=[
+        _partition_check(
+            "gate",
+            "films",
+            "Every shot is done, decodes fully and lasts its duration_s (under draft a "
+            "bad shot may be a slate); judged before the film is written.",
+            blocking=True,
+        )
+    ],
+    partitions_def=job_files_partitions,
+    # A job file without shots has no film: neither the film nor its gate is recorded
+    # (only an observation saying so), which a subsettable asset may leave out.
+    can_subset=True,
 )
 def films(
     context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
-) -> Iterator[AssetCheckResult | MaterializeResult]:
-    """The partition's shots concatenated in ``shot`` order: ``<store>/<partition>/film.mp4``
-    (and ``film.contact.png``), for a job file whose jobs have ``shot`` numbers.
-
-    **Policy.** "delivery" (every shot must be rendered, decode fully and last its
-    ``duration_s`` within ``duration_tolerance``) or "draft" (a failed, missing or broken
-    shot becomes a slate of its duration_s and the film is marked DRAFT). It is declared in
-    the job file's header line, ``{"header": {"policy": "draft", "duration_tolerance":
-    0.1}}`` (default delivery, 0.1), and the run config's ``comfy.policy``
-    (``ComfyPoolResource.policy``) wins over it, for the render and the film alike.
-
-    **Gate.** The blocking check ``gate`` judges every shot before anything is written.
-    When it blocks, its result (passed=False, severity ERROR) lists each missing or bad
-    shot and why, then the step fails with ``Failure(allow_retries=False)``: no film is
-    written, no materialization is recorded (an earlier film and its materialization stay
-    as they were), assets downstream of ``films`` do not run, and the run fails. Returning
-    the failed check with a MaterializeResult instead would record a materialization of a
-    film that does not exist (Dagster 1.13 records it, then fails the step). The shots'
-    own files are never touched. Rendering the missing shots (``comfy-assets requeue`` for
-    a dead letter, or a fixed job line) and materializing again renders only those.
-
-    **Metadata.** path, duration_s (probed from the written film), shot_count,
-    degraded_shots, placeholder_shots, policy, draft, concat_mode (and concat_reason),
-    a small contact sheet image, and the cost report of ``comfy_assets.render.cost`` over every
-    recorded attempt of the job file's jobs: gpu_seconds (= gpu_seconds_success + gpu_seconds_wasted on
-    failed attempts), failure_rate, expected_s_skip_failures,
-    expected_s_rerun_whole_batch and expected_s_tiered_retry (seconds). A job file
-    without shots materializes with ``status: no shots`` and no film.
-    """
+) -> Iterator[AssetCheckResult | AssetObservation | MaterializeResult]:
+    """Cut the partition's shots into ``<store>/<partition>/film.mp4`` (and
+    ``film.contact.png``) for a job file whose jobs have ``shot`` numbers, in the version
+    renders rendered (the step fails if the file changed since)."""
+    # Policy: "delivery" (every shot must be rendered, decode fully and last its
+    # duration_s within duration_tolerance) or "draft" (a failed, missing or broken shot
+    # becomes a slate of its duration_s and the film is marked DRAFT), from the job file's
+    # header line ({"header": {"policy": "draft", "duration_tolerance": 0.1}}, default
+    # delivery, 0.1); the run config's comfy.policy wins over it.
+    #
+    # Gate: the blocking check judges every shot before anything is written. When it
+    # blocks, its failed result lists each missing or bad shot and why, then the step fails
+    # with Failure(allow_retries=False): no film is written and no materialization is
+    # recorded (an earlier film stays as it was). Returning the failed check with a
+    # MaterializeResult instead would record a materialization of a film that does not
+    # exist (Dagster 1.13 records it, then fails the step). The shots are never touched.
+    #
+    # Metadata: the film (path, duration_s probed from it, shot_count, degraded and
+    # placeholder shots, policy, draft, concat_mode), the contact sheet, and the cost
+    # report of comfy_assets.render.cost over every recorded attempt of the file's jobs.
     partition = context.partition_key
-    job_file = _load_partition_file(partition)
+    job_file = load_rendered_file(context, partition)
     if not has_shots(job_file):
         context.log.info(f"{job_file.path}: no job has a shot number; no film")
-        yield MaterializeResult(
-            metadata={"status": "no shots"},
-            check_results=[
-                AssetCheckResult(
-                    check_name="gate",
-                    passed=True,
-                    description=f"partition {partition}: no shots, no film to gate",
-                    metadata={"partition": partition, "status": "no shots"},
-                )
-            ],
+        yield AssetObservation(
+            asset_key="films",
+            partition=partition,
+            description="no shots in this job file: no film",
+            metadata={"status": "no shots", "job_file_sha256": job_file.sha256},
         )
         return
     try:
@@ -430,5 +428,9 @@ def films(
         f"concat {film.concat_mode}"
     )
     yield MaterializeResult(
-        metadata=_film_metadata(film, cost), check_results=[_gate_check(film.gate, partition)]
+        metadata={
+            **film_metadata(film, cost, CONTACT_SHEET_PX),
+            "job_file_sha256": job_file.sha256,
+        },
+        check_results=[_gate_check(film.gate, partition)],
     )

@@ -4,14 +4,28 @@ Job files dropped into the watched folders become partitions of ``renders`` thro
 ``job_file_sensor``, which launches ``render_job`` (renders + render_results + films) once
 per file version. ``films`` cuts a storyboard's shots into ``film.mp4`` behind its blocking
 ``gate`` check (a file without shots materializes as "no shots"). ``all_results`` gathers
-every partition's table; materialize it from the UI.
+every partition's table, built again by ``results_automation_sensor`` after any render.
+``job_files`` (the files themselves, reported by the sensor) is upstream of ``renders``.
 """
 
 from __future__ import annotations
 
-from dagster import Definitions, define_asset_job
+from dagster import (
+    AssetSelection,
+    AutomationConditionSensorDefinition,
+    DefaultSensorStatus,
+    Definitions,
+    define_asset_job,
+)
 
-from comfy_assets.assets import all_results, films, render_results, renders
+from comfy_assets.assets import (
+    all_results,
+    films,
+    job_files,
+    job_files_valid,
+    render_results,
+    renders,
+)
 from comfy_assets.resources import default_resources
 from comfy_assets.sensors import job_file_sensor
 
@@ -27,9 +41,20 @@ render_job = define_asset_job(
     ),
 )
 
+# Builds all_results after renders; running from the start like job_file_sensor (the
+# default automation sensor starts stopped).
+results_automation_sensor = AutomationConditionSensorDefinition(
+    "results_automation_sensor",
+    target=AssetSelection.assets(all_results),
+    default_status=DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=10,
+    description="Materializes all_results again after any job file's results change.",
+)
+
 defs = Definitions(
-    assets=[renders, render_results, films, all_results],
-    sensors=[job_file_sensor],
+    assets=[job_files, renders, render_results, films, all_results],
+    asset_checks=[job_files_valid],
+    sensors=[job_file_sensor, results_automation_sensor],
     jobs=[render_job],
     resources=default_resources(),
 )

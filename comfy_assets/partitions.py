@@ -24,6 +24,11 @@ from dagster import DynamicPartitionsDefinition
 
 job_files_partitions = DynamicPartitionsDefinition(name="job_files")
 
+# The asset of the job files themselves (reported by the sensor, upstream of ``renders``)
+# and its check that every file in the watched folders is valid.
+JOB_FILES_ASSET = "job_files"
+JOB_FILES_CHECK = "valid"
+
 JOB_DIRS_ENV = "COMFY_ASSETS_JOB_DIRS"
 DEFAULT_JOB_DIR = "data/jobs"
 JOB_FILE_SUFFIX = ".jsonl"

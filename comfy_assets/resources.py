@@ -40,8 +40,8 @@ def env_or_default(name: str, default: str | None) -> str | None:
 class ServerConfig(Config):
     """One ComfyUI server of the pool."""
 
-    name: str
-    url: str
+    name: str = Field(description="The server's name in logs and tables, e.g. gpu0.")
+    url: str = Field(description="Its base URL, e.g. http://127.0.0.1:8188.")
 
 
 class ComfyPoolResource(ConfigurableResource):
@@ -60,17 +60,49 @@ class ComfyPoolResource(ConfigurableResource):
         default_factory=list, description="The pool as a list; overrides servers_spec."
     )
     # Defaults are BatchConfig's own, so the CLI, the worker and Dagster agree.
-    attempts: int = BatchConfig.attempts
-    base_delay_s: float = BatchConfig.base_delay_s
-    max_delay_s: float = BatchConfig.max_delay_s
-    jitter: bool = BatchConfig.jitter
-    timeout_s: float = BatchConfig.timeout_s
-    poll_s: float = BatchConfig.poll_s
-    lease_s: float = BatchConfig.lease_s
-    server_lease_s: float = BatchConfig.server_lease_s
-    max_queue: int | None = BatchConfig.max_queue
-    probe_timeout_s: float = BatchConfig.probe_timeout_s
-    unhealthy_wait_s: float = BatchConfig.unhealthy_wait_s
+    attempts: int = Field(
+        default=BatchConfig.attempts, description="Attempts per job before it is a dead letter."
+    )
+    base_delay_s: float = Field(
+        default=BatchConfig.base_delay_s,
+        description="Seconds before the first retry; doubled after each failure.",
+    )
+    max_delay_s: float = Field(
+        default=BatchConfig.max_delay_s, description="The longest wait between retries, seconds."
+    )
+    jitter: bool = Field(
+        default=BatchConfig.jitter,
+        description="Randomize retry waits so failed jobs do not come back together.",
+    )
+    timeout_s: float = Field(
+        default=BatchConfig.timeout_s, description="Seconds one attempt may take at most."
+    )
+    poll_s: float = Field(
+        default=BatchConfig.poll_s,
+        description="Seconds between looks at a server's history while a prompt runs.",
+    )
+    lease_s: float = Field(
+        default=BatchConfig.lease_s,
+        description="Seconds a job stays claimed by this run without renewal (another run "
+        "may take it after).",
+    )
+    server_lease_s: float = Field(
+        default=BatchConfig.server_lease_s,
+        description="Seconds a server stays ours without renewal: one prompt of ours per "
+        "server, across runs and workers.",
+    )
+    max_queue: int | None = Field(
+        default=BatchConfig.max_queue,
+        description="Skip a server with this many prompts queued; None: no limit.",
+    )
+    probe_timeout_s: float = Field(
+        default=BatchConfig.probe_timeout_s,
+        description="Seconds to wait for a server's answer when checking it is up.",
+    )
+    unhealthy_wait_s: float = Field(
+        default=BatchConfig.unhealthy_wait_s,
+        description="Seconds before a server that did not answer is checked again.",
+    )
     catch_up_s: float = Field(
         default=BatchConfig.catch_up_s,
         description="Seconds to keep asking a job's previous server (where its prompt may "

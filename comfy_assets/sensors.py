@@ -8,11 +8,18 @@ A new or changed valid file gets its partition (if new) and one run request whos
 once even if the cursor is lost. Reverting a file to a version that already ran launches
 nothing (its jobs are done in the store anyway).
 
+Each accepted file version is reported as a materialization of its partition of the
+``job_files`` asset (upstream of ``renders``), and the asset's check ``valid`` is
+evaluated whenever the set of bad files changes: failed, with every error on its own
+line, while any file is invalid or ambiguous; passed once none is.
+
 The cursor is JSON: ``{"v": 1, "files": {partition_key: [sha256[:16], size, mtime_ns,
-ok]}}``. A file that fails validation is reported once (tick log, skip reason) and
-remembered as not ok; it launches as soon as its content changes. ``touch`` re-validates
-a bad file whose content did not change (for a fix made elsewhere, e.g. a workflow).
-Files beyond the per-tick cap are left out of the cursor so the next tick takes them.
+ok, errors?]}, "reported": digest}``. A file that fails validation is reported once (tick
+log, skip reason, the ``valid`` check) and remembered as not ok with its errors; it
+launches as soon as its content changes. ``touch`` re-validates a bad file whose content
+did not change (for a fix made elsewhere, e.g. a workflow). Files beyond the per-tick
+cap are left out of the cursor so the next tick takes them. ``reported`` is a digest of
+the problems the ``valid`` check last showed.
 
 Write job files atomically (to a hidden name, then rename): hidden files are ignored,
 and a half-written file could be valid and launch with only part of its jobs.
@@ -26,17 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dagster import (
+    AssetCheckEvaluation,
+    AssetMaterialization,
     DefaultSensorStatus,
+    MetadataValue,
     RunRequest,
     SensorEvaluationContext,
     SensorResult,
     sensor,
 )
 
-from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.workflows import WorkflowCache
+from comfy_assets.metadata import job_file_problems, job_files_check_evaluation
 from comfy_assets.partitions import (
+    JOB_FILES_ASSET,
     iter_job_files,
     job_dirs_from_env,
     job_files_partitions,
@@ -78,16 +90,18 @@ class SeenFile:
     size: int
     mtime_ns: int
     ok: bool  # passed validation (and so was launched)
+    errors: str = ""  # a bad file's errors, one a line, as the ``valid`` check shows them
 
     def to_json(self) -> list[object]:
         """Compact form: thousands of these live in one cursor string."""
-        return [self.sha, self.size, self.mtime_ns, int(self.ok)]
+        raw: list[object] = [self.sha, self.size, self.mtime_ns, int(self.ok)]
+        return [*raw, self.errors] if self.errors else raw
 
     @classmethod
     def from_json(cls, raw: list[object]) -> "SeenFile":
         """Inverse of :meth:`to_json`."""
-        sha, size, mtime_ns, ok = raw
-        return cls(str(sha), int(size), int(mtime_ns), bool(ok))
+        sha, size, mtime_ns, ok, *errors = raw
+        return cls(str(sha), int(size), int(mtime_ns), bool(ok), str(errors[0]) if errors else "")
 
 
 def parse_cursor(cursor: str | None) -> dict[str, SeenFile]:
@@ -103,10 +117,39 @@ def parse_cursor(cursor: str | None) -> dict[str, SeenFile]:
     return {key: SeenFile.from_json(raw) for key, raw in data["files"].items()}
 
 
-def dump_cursor(seen: dict[str, SeenFile]) -> str:
+def reported_digest(cursor: str | None) -> str | None:
+    """The digest of the problems the ``valid`` check last showed; None before the first."""
+    return json.loads(cursor).get("reported") if cursor else None
+
+
+def dump_cursor(seen: dict[str, SeenFile], reported: str | None = None) -> str:
     """Serialize the remembered files (sorted, so equal states give equal cursors)."""
     files = {key: seen[key].to_json() for key in sorted(seen)}
-    return json.dumps({"v": CURSOR_VERSION, "files": files}, separators=(",", ":"))
+    data: dict[str, object] = {"v": CURSOR_VERSION, "files": files}
+    if reported is not None:
+        data["reported"] = reported
+    return json.dumps(data, separators=(",", ":"))
+
+
+def _digest(problems: list[str]) -> str:
+    return hashlib.sha256("\n\n".join(problems).encode()).hexdigest()[:_HASH_CHARS]
+
+
+def _materialization(key: str, path: Path, job_file: JobFile) -> AssetMaterialization:
+    """The job file version the sensor accepted, as a partition of ``job_files``."""
+    shots = sum(1 for job in job_file.jobs if job.shot is not None)
+    return AssetMaterialization(
+        asset_key=JOB_FILES_ASSET,
+        partition=key,
+        description=f"{path.name}: {len(job_file.jobs)} jobs accepted, run requested",
+        metadata={
+            "path": MetadataValue.path(str(path.resolve())),
+            "sha256": job_file.sha256,
+            "jobs": len(job_file.jobs),
+            "shots": shots,
+            "policy": job_file.header.policy,
+        },
+    )
 
 
 def _sha256_file(path: Path) -> str:
@@ -115,6 +158,36 @@ def _sha256_file(path: Path) -> str:
         for chunk in iter(lambda: handle.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _by_key(dirs: list[Path]) -> dict[str, list[os.DirEntry[str]]]:
+    by_key: dict[str, list[os.DirEntry[str]]] = defaultdict(list)
+    for entry in iter_job_files(dirs):
+        by_key[partition_key_for(Path(entry.name))].append(entry)
+    return by_key
+
+
+def _ambiguous(key: str, entries: list[os.DirEntry[str]]) -> str:
+    paths = ", ".join(sorted(entry.path for entry in entries))
+    return f"partition {key!r} matches several job files, rename all but one: {paths}"
+
+
+def current_problems(dirs: list[Path] | None = None) -> list[str]:
+    """Every problem of the watched folders now, each a text of one or more lines: a name
+    several files share, or a file that does not validate (its errors, ``path:line:
+    field: message`` one a line). Reads and validates every file."""
+    problems: list[str] = []
+    workflows = WorkflowCache()
+    by_key = _by_key(dirs if dirs is not None else job_dirs_from_env())
+    for key, entries in sorted(by_key.items()):
+        if len(entries) > 1:
+            problems.append(_ambiguous(key, entries))
+            continue
+        try:
+            load_job_file(Path(entries[0].path), workflows)
+        except JobFileError as exc:
+            problems.append(job_file_problems(exc))
+    return problems
 
 
 @sensor(
@@ -129,20 +202,16 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
     max_runs = _int_from_env(MAX_RUNS_ENV, DEFAULT_MAX_RUNS_PER_TICK)
     previous = parse_cursor(context.cursor)
 
-    by_key: dict[str, list[os.DirEntry[str]]] = defaultdict(list)
-    for entry in iter_job_files(job_dirs_from_env()):
-        by_key[partition_key_for(Path(entry.name))].append(entry)
+    by_key = _by_key(job_dirs_from_env())
 
     seen: dict[str, SeenFile] = {}
-    problems: list[str] = []
+    problems: list[str] = []  # found this tick: logged and given as the skip reason
+    ambiguous: list[str] = []
     # Files whose stat changed since the last tick, taken oldest first below.
     candidates: list[tuple[int, str, Path, os.stat_result]] = []
     for key, entries in by_key.items():
         if len(entries) > 1:
-            paths = ", ".join(sorted(entry.path for entry in entries))
-            problems.append(
-                f"partition {key!r} matches several job files, rename all but one: {paths}"
-            )
+            ambiguous.append(_ambiguous(key, entries))
             continue
         entry = entries[0]
         stat = entry.stat()
@@ -153,6 +222,7 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
         candidates.append((stat.st_mtime_ns, key, Path(entry.path), stat))
 
     run_requests: list[RunRequest] = []
+    materializations: list[AssetMaterialization] = []
     deferred = 0
     workflows = WorkflowCache()  # files dropped together share a workflow: read it once
     for _, key, path, stat in sorted(candidates, key=lambda item: (item[0], item[1])):
@@ -171,7 +241,8 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
             job_file = load_job_file(path, workflows)
         except JobFileError as exc:
             problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
-            seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, False)
+            errors = job_file_problems(exc)
+            seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, False, errors)
             continue
         # The file may have changed between hashing and loading: the loaded bytes win.
         sha = job_file.sha256
@@ -183,8 +254,10 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
                 tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
             )
         )
+        materializations.append(_materialization(key, path, job_file))
         context.log.info(f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}")
 
+    problems = ambiguous + problems
     for problem in problems:
         context.log.error(problem)
     if deferred:
@@ -197,13 +270,26 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
         existing = set(context.instance.get_dynamic_partitions(job_files_partitions.name))
         new_keys = [req.partition_key for req in run_requests if req.partition_key not in existing]
 
+    # Every problem standing now (not only this tick's), for the ``valid`` check; it is
+    # evaluated again only when they change, so the asset stays red until they are fixed.
+    standing = ambiguous + [
+        seen[key].errors or f"partition {key}: not valid; touch the file to see why"
+        for key in sorted(seen)
+        if not seen[key].ok
+    ]
+    reported = _digest(standing)
+    events: list[AssetMaterialization | AssetCheckEvaluation] = list(materializations)
+    if reported != reported_digest(context.cursor):
+        events.append(job_files_check_evaluation(standing))
+
     skip_reason: str | None = None
     if not run_requests:
         skip_reason = "\n\n".join(problems) if problems else "no new or changed job files"
     return SensorResult(
         run_requests=run_requests,
         skip_reason=skip_reason,
-        cursor=dump_cursor(seen),
+        asset_events=events,
+        cursor=dump_cursor(seen, reported),
         dynamic_partitions_requests=(
             [job_files_partitions.build_add_request(new_keys)] if new_keys else []
         ),

@@ -15,15 +15,20 @@ import httpx
 import pandas as pd
 import pytest
 from dagster import (
+    AssetKey,
     DagsterInstance,
     DagsterRunStatus,
     ExecuteInProcessResult,
     RunsFilter,
+    TableMetadataValue,
+    evaluate_automation_conditions,
     instance_for_test,
     materialize,
 )
+from PIL import Image
 
 from comfy_assets.assets import all_results, render_results, renders
+from comfy_assets.definitions import defs
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource, ServerConfig
 from comfy_assets.store import Store
@@ -151,9 +156,21 @@ def test_a_four_job_file_renders_every_job_once_and_writes_its_rows(
     ]
     metadata = renders_event.materialization.metadata
     assert metadata["done"].value == 4
-    thumbnails = metadata["thumbnails"].value
-    assert thumbnails.count("data:image/png;base64,") == 4
-    assert len(thumbnails) < 8_000  # small enough for the event log
+    # The job table is a Dagster table: a row per job in line order, typed columns.
+    job_table = metadata["job_table"]
+    assert isinstance(job_table, TableMetadataValue)
+    assert [r.data["job_id"] for r in job_table.records] == [job.id for job in job_file.jobs]
+    assert [r.data["state"] for r in job_table.records] == ["succeeded"] * 4
+    assert [r.data["line"] for r in job_table.records] == [1, 2, 3, 4]
+    types = {c.name: c.type for c in job_table.schema.columns}
+    assert types["attempts"] == "int" and types["seconds"] == "float"
+    assert types["state"] == "string"
+    # A labeled contact sheet of the outputs: one tile a job, small enough to inline.
+    sheet = metadata["contact_sheet"].value
+    assert sheet.startswith("![four contact sheet](data:image/png;base64,")
+    assert len(sheet) < 100_000  # metadata lives in the event log
+    with Image.open(metadata["contact_sheet_path"].value) as image:
+        assert image.width == 4 * 160  # four 160 px tiles in a row, one a job
 
 
 def test_a_changed_file_rerenders_only_the_changed_job(
@@ -179,6 +196,39 @@ def test_a_changed_file_rerenders_only_the_changed_job(
     frame = read_csv(tmp_path / "store", "batch")
     assert frame["1.color"].tolist()[2] == str(0xFF00FF)
     assert set(frame["state"]) == {"succeeded"}
+
+
+def test_results_of_a_file_changed_after_its_render_are_refused_and_the_csv_kept(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    path = write_job_file(jobs_dir, "moved", [1, 2])
+    rendered = load_job_file(path)
+    store = ResultStoreResource(folder=str(tmp_path / "store"))
+    with serving(FakeComfy()) as comfy:
+        first = render(instance, "moved", comfy, tmp_path / "store")
+        csv_bytes = (tmp_path / "store/moved/results.csv").read_bytes()
+        write_job_file(jobs_dir, "moved", [1, 2, 3])  # a third job nobody rendered
+        again = materialize(
+            [renders, render_results],
+            selection=[render_results],
+            partition_key="moved",
+            instance=instance,
+            resources={"comfy": comfy, "result_store": store},
+            raise_on_error=False,
+        )
+
+    (results_event,) = [
+        e
+        for e in first.get_asset_materialization_events()
+        if e.asset_key.path == ["render_results"]
+    ]
+    assert results_event.materialization.metadata["job_file_sha256"].value == rendered.sha256
+    assert not again.success
+    (failure,) = again.get_step_failure_events()
+    message = failure.step_failure_data.user_failure_data.description
+    assert "changed after renders rendered it" in message
+    assert rendered.sha256[:16] in message
+    assert (tmp_path / "store/moved/results.csv").read_bytes() == csv_bytes
 
 
 def test_a_dead_letter_fails_its_check_but_keeps_the_csv_rows(
@@ -226,6 +276,97 @@ def test_all_results_gathers_every_partition_with_a_partition_column(
     assert frame["partition"].tolist() == ["one", "one", "two", "two", "two"]
     assert frame.columns[0] == "partition"
     assert set(frame["state"]) == {"succeeded"}
+    # The CSVs are read as text; the schema and preview still give numbers as numbers.
+    (event,) = result.get_asset_materialization_events()
+    metadata = event.materialization.metadata
+    types = {c.name: c.type for c in metadata["dagster/column_schema"].schema.columns}
+    assert (types["1.color"], types["attempts"], types["seconds"]) == ("int", "int", "float")
+    assert (types["partition"], types["state"]) == ("string", "string")
+    assert [r.data["1.color"] for r in metadata["preview"].records] == [1, 2, 3, 4, 5]
+
+
+def test_results_tables_are_dagster_tables_with_a_column_schema(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    path = write_job_file(jobs_dir, "typed", [1, 2, 3])
+
+    with serving(FakeComfy()) as comfy:
+        result = render(instance, "typed", comfy, tmp_path / "store")
+
+    (event,) = [
+        e
+        for e in result.get_asset_materialization_events()
+        if e.asset_key.path == ["render_results"]
+    ]
+    metadata = event.materialization.metadata
+    schema = metadata["dagster/column_schema"].schema
+    columns = [c.name for c in schema.columns]
+    assert columns == list(read_csv(tmp_path / "store", "typed").columns)
+    types = {c.name: c.type for c in schema.columns}
+    assert (types["job_id"], types["attempts"], types["seconds"]) == ("string", "int", "float")
+    assert "output" in next(c.description for c in schema.columns if c.name == "files")
+    preview = metadata["preview"]
+    assert isinstance(preview, TableMetadataValue)
+    assert preview.schema == schema
+    assert [r.data["job_id"] for r in preview.records] == [j.id for j in load_job_file(path).jobs]
+    assert [r.data["1.color"] for r in preview.records] == [1, 2, 3]
+    assert types["1.color"] == "int"  # JSON numbers of the job lines
+    assert metadata["dagster/row_count"].value == 3
+
+
+def test_a_render_lists_its_progress_in_the_log(jobs_dir: Path, tmp_path: Path, instance) -> None:
+    write_job_file(jobs_dir, "counted", [1, 2, 3])
+
+    with serving(FakeComfy()) as comfy:
+        result = render(instance, "counted", comfy, tmp_path / "store")
+
+    messages = [
+        record.user_message
+        for record in instance.all_logs(result.run_id)
+        if record.step_key == "renders"
+    ]
+    # The first job's end is logged, then at most one line every few seconds, and the last.
+    assert "1/3 done, 2 left" in messages
+    assert "3/3 done, 0 left" in messages
+
+
+def test_all_results_is_requested_after_each_render_and_current_after(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    write_job_file(jobs_dir, "one", [1, 2])
+    write_job_file(jobs_dir, "two", [3])
+    store = ResultStoreResource(folder=str(tmp_path / "store"))
+
+    def requested(cursor=None):
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        return evaluation.get_num_requested(AssetKey("all_results")), evaluation.cursor
+
+    def build_all_results(comfy: ComfyPoolResource) -> None:
+        assert materialize(
+            [renders, render_results, all_results],
+            selection=[all_results],
+            instance=instance,
+            resources={"comfy": comfy, "result_store": store},
+        ).success
+
+    with serving(FakeComfy()) as comfy:
+        count, cursor = requested()
+        assert count == 0  # nothing rendered yet: nothing to gather
+
+        assert render(instance, "one", comfy, tmp_path / "store").success
+        count, cursor = requested(cursor)
+        assert count == 1
+        build_all_results(comfy)
+        count, cursor = requested(cursor)
+        assert count == 0  # current: nothing changed since
+
+        assert render(instance, "two", comfy, tmp_path / "store").success
+        count, cursor = requested(cursor)
+        assert count == 1
+        build_all_results(comfy)
+
+    frame = pd.read_csv(tmp_path / "store" / "all_results.csv", dtype=str)
+    assert frame["partition"].tolist() == ["one", "one", "two"]
 
 
 def test_a_missing_job_file_fails_the_run_and_posts_nothing(

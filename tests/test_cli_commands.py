@@ -7,10 +7,13 @@ import csv
 import fcntl
 import json
 import os
+import pty
 import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -77,6 +80,40 @@ def test_run_writes_the_results_csv_and_prints_its_path(
     assert {r["state"] for r in table} == {"succeeded"}
     assert all(r["server"] == "gpu0" and r["files"] for r in table)
     assert sorted(posts(fake).values()) == [1, 1, 1]
+    assert not [line for line in out if " jobs |" in line]  # no bar when not a terminal
+
+
+def test_run_on_a_terminal_shows_a_progress_bar_under_its_lines(
+    tmp_path: Path, fake: FakeComfy, url: str
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+    cmd += ["--server", f"gpu0={url}", "--store", str(tmp_path / "store"), *FAST]
+    controller, terminal = pty.openpty()
+    # An 80-column terminal: a pty starts with 0 columns, too narrow for any bar.
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+    proc = subprocess.Popen(cmd, stdout=terminal, stderr=subprocess.PIPE, cwd=ROOT)
+    os.close(terminal)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # EIO: the program closed the terminal
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    assert proc.wait(60) == 0, proc.stderr.read().decode() if proc.stderr else ""
+    screen = b"".join(chunks).decode()
+
+    # The bar is redrawn in place (carriage returns); the batch's lines print above it.
+    drawn = re.split(r"[\r\n]+", screen)
+    bars = [line for line in drawn if " jobs |" in line]
+    assert bars[-1].startswith("3/3 jobs |") and "| 3 done [" in bars[-1]
+    assert "job/s]" in bars[-1]  # the rate
+    assert sum(1 for line in drawn if line.startswith("job ")) == 3
+    assert "summary: 3 done, 0 dead-lettered" in drawn
 
 
 def test_run_piped_into_a_reader_that_stops_early_still_renders_every_job(

@@ -36,6 +36,7 @@ def test_render_job_renders_tabulates_and_films_one_job_file() -> None:
 
 def test_every_asset_and_the_sensor_are_defined() -> None:
     assert set(defs.resolve_all_asset_keys()) == {
+        AssetKey("job_files"),
         AssetKey("renders"),
         AssetKey("render_results"),
         AssetKey("all_results"),
@@ -45,6 +46,59 @@ def test_every_asset_and_the_sensor_are_defined() -> None:
     assert sensor.default_status == DefaultSensorStatus.RUNNING
     assert sensor.job_name == "render_job"
     assert sensor.minimum_interval_seconds == 10
+    automation = defs.resolve_sensor_def("results_automation_sensor")
+    assert automation.default_status == DefaultSensorStatus.RUNNING
+
+
+def test_the_graph_reads_job_files_renders_results_films_all_results() -> None:
+    graph = defs.resolve_asset_graph()
+
+    def parents(name: str) -> set[str]:
+        return {key.to_user_string() for key in graph.get(AssetKey(name)).parent_keys}
+
+    assert parents("job_files") == set()
+    assert parents("renders") == {"job_files"}
+    assert parents("render_results") == {"renders"}
+    assert parents("films") == {"renders"}
+    assert parents("all_results") == {"render_results"}
+    assert not graph.get(AssetKey("job_files")).is_executable  # the sensor reports it
+    assert graph.get(AssetKey("all_results")).automation_condition is not None
+
+
+def test_checks_are_recorded_per_partition_except_the_job_files_check() -> None:
+    graph = defs.resolve_asset_graph()
+    partitioned = {
+        key.to_user_string(): graph.get(key).partitions_def == job_files_partitions
+        for key in graph.asset_check_keys
+    }
+    assert partitioned == {
+        "renders:no_dead_letters": True,
+        "renders:all_jobs_done": True,
+        "films:gate": True,
+        "job_files:valid": False,  # one verdict on every file of the watched folders
+    }
+
+
+def test_every_asset_has_a_group_an_owner_kinds_and_a_short_description() -> None:
+    graph = defs.resolve_asset_graph()
+    groups = {}
+    for key in graph.get_all_asset_keys():
+        node = graph.get(key)
+        groups[key.to_user_string()] = node.group_name
+        assert node.owners == ["team:render"]
+        assert node.kinds
+        assert node.description and len(node.description) < 300
+        assert "``" not in node.description  # written for the UI, not for Sphinx
+    assert groups == {
+        "job_files": "job_files",
+        "renders": "renders",
+        "render_results": "renders",
+        "all_results": "renders",
+        "films": "films",
+    }
+    for resource in default_resources().values():
+        for name, field in type(resource).model_fields.items():
+            assert field.description, f"{type(resource).__name__}.{name} has no description"
 
 
 def test_resources_come_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:

@@ -121,7 +121,7 @@ def test_a_clean_storyboard_becomes_a_film_as_long_as_its_shots(
     assert (metadata["policy"].value, metadata["draft"].value) == ("delivery", False)
     assert metadata["concat_mode"].value == "reencode"  # shot 4 is 12 fps
     sheet = metadata["contact_sheet"].value
-    assert sheet.startswith("![contact sheet](data:image/png;base64,")
+    assert sheet.startswith("![film contact sheet](data:image/png;base64,")
     assert len(sheet) < 20_000  # small enough for the event log
     assert Path(metadata["contact_sheet_path"].value).is_file()
     # The cost report: six attempts, all successful, nothing wasted.
@@ -154,7 +154,8 @@ def test_a_failed_shot_blocks_the_film_under_delivery_and_keeps_the_other_shots(
     evaluation = gate_evaluation(result)
     assert (evaluation.passed, evaluation.severity) == (False, AssetCheckSeverity.ERROR)
     assert evaluation.blocking
-    # Dagster 1.13 records in-asset checks without a partition: the metadata names it.
+    # Recorded on the partition (the UI shows it there), and named in the metadata too.
+    assert evaluation.partition == PARTITION
     assert evaluation.metadata["partition"].value == PARTITION
     blocked = evaluation.metadata["blocked"].value
     assert blocked[0] == 3  # shots 1 and 2 rendered; 4-6 were never submitted (delivery)
@@ -308,7 +309,7 @@ def test_a_fixed_job_line_renders_only_that_shot_and_turns_a_draft_into_a_clean_
     assert probe(film).duration_s == pytest.approx(sum(SHOT_SECONDS), abs=FRAME_S)
 
 
-def test_a_job_file_without_shots_materializes_as_no_shots(
+def test_a_job_file_without_shots_shows_no_film_and_no_gate(
     tmp_path: Path, instance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "workflows").mkdir()
@@ -322,8 +323,15 @@ def test_a_job_file_without_shots_materializes_as_no_shots(
         result = materialize_partition(instance, comfy, tmp_path / "store", partition="stills")
 
     assert result.success
-    assert film_event(result).metadata["status"].value == "no shots"
-    assert checks(result)["gate"] is True
+    assert film_event(result) is None  # no materialized film for the UI to show green
+    assert "gate" not in checks(result)  # nothing was gated
+    (observation,) = [
+        e.asset_observation_data.asset_observation
+        for e in result.all_events
+        if e.event_type_value == "ASSET_OBSERVATION"
+    ]
+    assert (observation.asset_key, observation.partition) == (AssetKey("films"), "stills")
+    assert observation.metadata["status"].value == "no shots"
     assert not (tmp_path / "store" / "stills" / "film.mp4").exists()
 
 

@@ -9,7 +9,17 @@ import uuid
 from pathlib import Path
 
 import pytest
-from dagster import DagsterInstance, SensorResult, build_sensor_context, instance_for_test
+from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckKey,
+    AssetCheckSeverity,
+    AssetKey,
+    AssetRecordsFilter,
+    DagsterInstance,
+    SensorResult,
+    build_sensor_context,
+    instance_for_test,
+)
 
 from comfy_assets import sensors
 from comfy_assets.partitions import (
@@ -58,9 +68,27 @@ def tick(instance: DagsterInstance, cursor: str | None) -> SensorResult:
     with build_sensor_context(instance=instance, cursor=cursor) as context:
         result = job_file_sensor(context)
     assert isinstance(result, SensorResult)
+    for event in result.asset_events:
+        instance.report_runless_asset_event(event)
     for request in result.dynamic_partitions_requests:
         instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
     return result
+
+
+def valid_check(result: SensorResult) -> list[AssetCheckEvaluation]:
+    """The evaluations of job_files' check ``valid`` the tick reported."""
+    return [
+        event
+        for event in result.asset_events
+        if isinstance(event, AssetCheckEvaluation) and event.check_name == "valid"
+    ]
+
+
+def latest_valid(instance: DagsterInstance) -> AssetCheckEvaluation:
+    """The evaluation of ``valid`` the UI shows now (the latest recorded)."""
+    key = AssetCheckKey(AssetKey("job_files"), "valid")
+    record = instance.event_log_storage.get_latest_asset_check_execution_by_key([key])[key]
+    return record.event.dagster_event.event_specific_data
 
 
 def run_keys(result: SensorResult) -> list[str]:
@@ -151,6 +179,64 @@ def test_bad_file_is_reported_not_launched_and_launches_once_fixed(
     fixed = tick(instance, second.cursor)
     assert run_keys(fixed) == [f"bad:{sha16(path)}"]
     assert instance.get_dynamic_partitions(job_files_partitions.name) == ["bad"]
+
+
+def test_a_bad_file_fails_the_job_files_check_with_each_error_on_its_line_until_fixed(
+    jobs_dir: Path, instance
+) -> None:
+    write_jobs(jobs_dir / "good.jsonl")
+    first = tick(instance, None)
+    (clean,) = valid_check(first)
+    assert clean.passed
+
+    path = jobs_dir / "bad.jsonl"
+    line = job_line(7)
+    path.write_text(line + "\n" + line.replace('"1.color"', '"1.colour"') + "\n{not json\n")
+    bad = tick(instance, first.cursor)
+
+    (failed,) = valid_check(bad)
+    shown = latest_valid(instance)
+    assert (shown.passed, shown.severity) == (False, AssetCheckSeverity.ERROR)
+    errors = shown.metadata["errors"].value.splitlines()
+    assert errors[0] == "```" and errors[-1] == "```"
+    assert [e.split(": ")[0] for e in errors[1:-1]] == [f"{path}:2", f"{path}:2", f"{path}:3"]
+    assert errors[3].startswith(f"{path}:3: json: ")
+    assert shown.metadata["problems"].value == 1
+    # The description (shown without a click) has the errors too, one a line.
+    description = (shown.description or "").splitlines()
+    assert description[0] == "1 job file is not valid, not launched until fixed:"
+    assert description[2:] == errors  # the same code block, markdown as the UI renders it
+
+    # Nothing new while the file stays bad: the failed verdict stays the latest.
+    still = tick(instance, bad.cursor)
+    assert valid_check(still) == []
+    assert latest_valid(instance).passed is False
+
+    write_jobs(path, count=1, color=0x010101)
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 1_000_000))
+    fixed = tick(instance, still.cursor)
+    (passed,) = valid_check(fixed)
+    assert passed.passed and latest_valid(instance).passed
+    assert run_keys(fixed) == [f"bad:{sha16(path)}"]
+
+
+def test_each_accepted_file_version_is_a_materialization_of_its_job_files_partition(
+    jobs_dir: Path, instance
+) -> None:
+    path = write_jobs(jobs_dir / "a.jsonl", count=3)
+
+    first = tick(instance, None)
+    write_jobs(path, count=2)
+    os.utime(path, ns=(0, path.stat().st_mtime_ns + 1_000_000))
+    tick(instance, first.cursor)
+
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey("job_files"), asset_partitions=["a"]), limit=10
+    ).records
+    metadata = [r.asset_materialization.metadata for r in records]  # newest first
+    assert [m["jobs"].value for m in metadata] == [2, 3]
+    assert metadata[0]["sha256"].value == sensors._sha256_file(path)
+    assert metadata[0]["path"].value == str(path.resolve())
 
 
 def test_a_bad_file_does_not_hold_back_good_ones(jobs_dir: Path, instance) -> None:

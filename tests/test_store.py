@@ -485,6 +485,22 @@ def test_a_rerun_replaces_the_files_of_the_previous_done_record(store, workflow_
     assert [f.path for f in store.files(job.id)] == ["new.png"]
 
 
+def test_the_files_of_a_partition_are_its_done_jobs_files_each_by_path(store, workflow_dir):
+    film = make_jobs(workflow_dir, 3)
+    (other,) = [make_job(workflow_dir, 9)]
+    store.register_jobs("film", film)
+    store.register_jobs("other", [other])
+    for job, names in ((film[0], ("b.png", "a.png")), (film[1], ()), (other, ("c.png",))):
+        run_to_rendering(store, job)
+        store.mark_done(job.id, "w1", files=files(*names), now=110.0)
+    by_job = store.partition_files("film")
+    assert {j: [f.path for f in fs] for j, fs in by_job.items()} == {
+        film[0].id: ["a.png", "b.png"]  # no files: no key; pending: no key
+    }
+    assert by_job[film[0].id] == store.files(film[0].id)
+    assert [f.path for f in store.partition_files("other")[other.id]] == ["c.png"]
+
+
 def test_dead_letter_then_requeue(store, workflow_dir):
     jobs = make_jobs(workflow_dir, 2)
     store.register_jobs("film", jobs)

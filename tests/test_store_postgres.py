@@ -202,8 +202,9 @@ def test_two_processes_registering_the_same_jobs_insert_each_once(backend, any_s
 
 
 def test_a_move_from_a_known_state_writes_the_same_rows_as_the_checked_way(any_store, workflow_dir):
-    # On PostgreSQL `from_state` makes submitted and rendering one statement; the job and
-    # its events must come out as the checked way writes them, on both backends.
+    # `from_state` makes submitted and rendering a guarded update without a read (on
+    # PostgreSQL one statement); the job and its events must come out as the checked way
+    # writes them, on both backends.
     fast, checked = make_jobs(workflow_dir, 2)
     any_store.register_jobs("film", [fast, checked])
     moved: list[object] = []  # events the one-statement way wrote
@@ -246,8 +247,7 @@ def test_a_move_from_a_known_state_writes_the_same_rows_as_the_checked_way(any_s
 
     assert shape(fast.id) == shape(checked.id)
     assert shape(fast.id)[0] == ("rendering", "gpu0", 7, 101.0, "w1")
-    postgresql = any_store.dialect == "postgresql"
-    assert len(moved) == (2 if postgresql else 0) and all(moved)  # SQLite: checked way
+    assert len(moved) == 2 and all(moved)  # both moves went the way without a read
 
 
 def test_a_move_from_a_wrong_known_state_or_by_another_owner_goes_the_checked_way(

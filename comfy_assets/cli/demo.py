@@ -14,7 +14,8 @@
    step errors from the event log, the daemon's log) and exits 1.
 
 Without ``--keep`` everything it started is stopped on exit, Ctrl+C included. With
-``--keep`` the servers stay up (the UI URL is printed); ``--stop`` ends them later.
+``--keep`` the servers stay up (the UI's pages are printed); ``--stop`` ends them later.
+The UI listens on port 3000, or on a free port when 3000 is taken (``--port N`` insists).
 """
 
 from __future__ import annotations
@@ -39,13 +40,20 @@ from comfy_assets.cli.demo_processes import (
     Children,
     DemoFailed,
     announce,
+    free_port,
     port_free,
     save_pids,
     stop_kept,
     wait_for_listening,
     wait_for_ui,
 )
-from comfy_assets.cli.demo_report import expected_files, report_partition, wait_for_runs
+from comfy_assets.cli.demo_report import (
+    SENSOR_INTERVAL_S,
+    expected_files,
+    report_all_results,
+    report_partition,
+    wait_for_runs,
+)
 
 BIN = Path(sys.executable).parent
 
@@ -54,6 +62,40 @@ TEMPLATE = ROOT / "dagster_home" / "dagster.yaml"
 JOBS_DIR = ROOT / "data" / "jobs"
 
 FAKES = 2
+DEFAULT_PORT = 3000
+# The code location's name in UI addresses (workspace.yaml's location_name).
+LOCATION = "comfy_assets"
+
+
+def _python() -> str:
+    """How to call this interpreter from the project folder (the venv's, when it is one)."""
+    exe = Path(sys.executable)
+    try:
+        return str(exe.relative_to(ROOT))
+    except ValueError:
+        return str(exe)
+
+
+def _stop_command(demo_dir: Path) -> str:
+    """The command that stops a kept demo in ``demo_dir``, as it runs from the project."""
+    if demo_dir != ROOT / ".demo":
+        return f"{_python()} -m comfy_assets.cli.demo --stop --dir {demo_dir}"
+    command = f"{_python()} -m comfy_assets.cli.demo --stop"
+    return f"{command} (or make demo-stop)" if _python().startswith(".venv") else command
+
+
+def pages(url: str) -> list[str]:
+    """The UI pages worth opening after the demo, one line each."""
+    return [
+        f"overview:     {url}/overview/activity/assets",
+        f"asset graph:  {url}/asset-groups (a group: {url}/locations/{LOCATION}/asset-groups/renders)",
+        f"renders:      {url}/assets/renders?view=partitions",
+        f"job files:    {url}/assets/job_files?view=checks",
+        f"films:        {url}/assets/films?view=partitions",
+        f"all_results:  {url}/assets/all_results",
+        f"runs:         {url}/runs",
+        f"sensor:       {url}/locations/{LOCATION}/sensors/job_file_sensor",
+    ]
 
 
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -62,16 +104,20 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
 
 
 def run_demo(
-    demo_dir: Path, *, keep: bool, ui: bool, port: int, timeout_s: float, jobs_dir: Path
+    demo_dir: Path, *, keep: bool, ui: bool, port: int | None, timeout_s: float, jobs_dir: Path
 ) -> int:
     """Run the demo; returns the exit status (0 only for a complete, correct render)."""
     if (demo_dir / PIDS_FILE).exists():
         raise DemoFailed(
             f"a kept demo may still be running ({demo_dir / PIDS_FILE}); "
-            "stop it first: python -m comfy_assets.cli.demo --stop"
+            f"stop it first: {_stop_command(demo_dir)}"
         )
-    if ui and not port_free(port):
-        raise DemoFailed(f"port {port} is taken; pass --port N or --no-ui")
+    if ui and port is None:
+        port = DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port()
+        if port != DEFAULT_PORT:
+            announce(f"port {DEFAULT_PORT} is taken; the web UI uses port {port}")
+    elif ui and not port_free(port):
+        raise DemoFailed(f"port {port} is taken; pass another --port N, or none to pick one")
     expected = expected_files(jobs_dir)
 
     if demo_dir.exists():
@@ -90,7 +136,7 @@ def run_demo(
             "DAGSTER_HOME": str(home),
             "COMFY_ASSETS_STORE": str(store),
             "COMFY_ASSETS_JOB_DIRS": str(jobs_dir),
-            "COMFY_ASSETS_SENSOR_INTERVAL_S": "2",
+            "COMFY_ASSETS_SENSOR_INTERVAL_S": str(SENSOR_INTERVAL_S),
             "PYTHONUNBUFFERED": "1",
         }
     )
@@ -138,6 +184,7 @@ def run_demo(
             for item in expected:
                 run_id = states[item.key].run_id or ""
                 problems += report_partition(instance, item, run_id, store)
+            problems += report_all_results(instance, expected, watched, min(timeout_s, 120.0))
         if problems:
             raise DemoFailed("the results are not complete:\n  " + "\n  ".join(problems))
         announce(f"all {len(expected)} job files rendered; every job line has its row")
@@ -151,8 +198,11 @@ def run_demo(
                 f"kept running: {', '.join(f'{c.name} pid {c.proc.pid}' for c in children.items)}"
             )
             if ui:
-                announce(f"open the UI at {ui_url}")
-            announce("stop them with: python -m comfy_assets.cli.demo --stop")
+                announce(f"open the UI at {ui_url}:")
+                for line in pages(ui_url):
+                    announce(f"  {line}")
+            announce(f"stop them with: {_stop_command(demo_dir)}")
+            announce(f"Dagster commands on this home need: export DAGSTER_HOME={home}")
         return 0
     finally:
         if not kept:
@@ -169,7 +219,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-ui", action="store_true", help="do not start the web UI")
     parser.add_argument("--stop", action="store_true", help="stop what a --keep demo left running")
-    parser.add_argument("--port", type=int, default=3000, help="web UI port (default 3000)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"web UI port (default {DEFAULT_PORT}, or a free one when it is taken)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the runs")
     parser.add_argument(
         "--dir", type=Path, default=ROOT / ".demo", help="demo folder (default .demo)"

@@ -129,6 +129,13 @@ def port_free(port: int) -> bool:
     return True
 
 
+def free_port() -> int:
+    """A port nothing listens on now on 127.0.0.1 (the kernel's choice)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def wait_for_ui(url: str, child: Child, timeout_s: float = 90.0) -> None:
     """Wait until the web UI answers (so the printed URL works)."""
     deadline = time.monotonic() + timeout_s

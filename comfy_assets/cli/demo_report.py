@@ -25,8 +25,10 @@ from comfy_assets.partitions import iter_job_files, partition_key_for
 from comfy_assets.render.results import results_csv_path
 from comfy_assets.sensors import JOB_FILE_SHA_TAG
 
-# Asset whose materializations are films; printed once such an asset exists (films.py).
 FILMS_ASSET = "films"
+ALL_RESULTS_ASSET = "all_results"
+# The demo's sensor interval: the daemon evaluates sensors at most every 5 s anyway.
+SENSOR_INTERVAL_S = 5
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Expected:
     path: Path
     sha256: str
     job_ids: list[str]
+    shots: int  # jobs with a shot number: a storyboard has a film
 
 
 def expected_files(jobs_dir: Path) -> list[Expected]:
@@ -50,8 +53,15 @@ def expected_files(jobs_dir: Path) -> list[Expected]:
         except JobFileError as exc:
             problems.append(str(exc))
             continue
+        shots = sum(1 for job in job_file.jobs if job.shot is not None)
         found.append(
-            Expected(partition_key_for(path), path, job_file.sha256, [j.id for j in job_file.jobs])
+            Expected(
+                partition_key_for(path),
+                path,
+                job_file.sha256,
+                [j.id for j in job_file.jobs],
+                shots,
+            )
         )
     if problems:
         raise DemoFailed("invalid job files:\n" + "\n".join(problems))
@@ -75,7 +85,9 @@ def partition_state(instance: DagsterInstance, item: Expected) -> PartitionState
         filters=RunsFilter(tags={"dagster/partition": item.key, JOB_FILE_SHA_TAG: item.sha256})
     )
     if not runs:
-        return PartitionState("waiting", "no run yet (the sensor ticks every 2 s)")
+        return PartitionState(
+            "waiting", f"no run yet (the sensor ticks every {SENSOR_INTERVAL_S} s)"
+        )
     for run in runs:
         if run.status == DagsterRunStatus.SUCCESS:
             return PartitionState("success", "SUCCESS", run.run_id)
@@ -188,19 +200,50 @@ def report_partition(
     for _, row in not_done.iterrows():
         problems.append(f"{item.key}: job {row['job_id']} is {row['state']}: {row['reason']}")
 
-    # Hook for films (films.py): printed as soon as a `films` asset is materialized.
+    if not item.shots:
+        announce("  film: none (no job of this file has a shot number)")
+        return problems
     films = instance.fetch_materializations(
         AssetRecordsFilter(asset_key=AssetKey(FILMS_ASSET), asset_partitions=[item.key]),
         limit=1,
         ascending=False,
     )
-    for film in films.records:
-        materialization = film.asset_materialization
-        if materialization is not None:
-            metadata = dict(materialization.metadata)
-            path = _meta_value(metadata, "path")
-            # A job file without shots materializes with only a status ("no shots").
-            announce(
-                f"  film: {path}" if path else f"  film: none ({_meta_value(metadata, 'status')})"
-            )
+    film = films.records[0].asset_materialization if films.records else None
+    if film is None:
+        return [*problems, f"{item.key}: no film materialized for {item.shots} shots"]
+    announce(f"  film: {_meta_value(dict(film.metadata), 'path')}")
     return problems
+
+
+def report_all_results(
+    instance: DagsterInstance, expected: list[Expected], watched: list[Child], timeout_s: float
+) -> list[str]:
+    """Wait (bounded) until results_automation_sensor has built ``all_results`` after every
+    partition's results; print its rows; return what is wrong."""
+    keys = [item.key for item in expected]
+    deadline = time.monotonic() + timeout_s
+    announce("waiting for results_automation_sensor to build all_results")
+    while True:
+        for child in watched:
+            if not child.alive():
+                raise DemoFailed(
+                    f"{child.name} exited with {child.proc.returncode}:\n{tail(child.log)}"
+                )
+        results = instance.fetch_materializations(
+            AssetRecordsFilter(asset_key=AssetKey("render_results"), asset_partitions=keys),
+            limit=len(keys) * 4,
+            ascending=False,
+        ).records
+        newest_partition = max((r.timestamp for r in results), default=0.0)
+        built = instance.fetch_materializations(
+            AssetKey(ALL_RESULTS_ASSET), limit=1, ascending=False
+        ).records
+        if built and built[0].timestamp > newest_partition:
+            metadata = dict(built[0].asset_materialization.metadata)
+            rows = _meta_value(metadata, "dagster/row_count")
+            announce(f"all_results: {rows} rows in {_meta_value(metadata, 'path')}")
+            total = sum(len(item.job_ids) for item in expected)
+            return [] if rows == total else [f"all_results has {rows} rows, not {total}"]
+        if time.monotonic() > deadline:
+            return [f"all_results was not built within {timeout_s:.0f} s of the renders"]
+        time.sleep(1.0)

@@ -1,25 +1,32 @@
 """``comfy-assets <command>``: one function per subcommand.
 
 To add a command: write ``add_<name>(sub)`` that registers its parser with
-``set_defaults(func=<name>)`` and ``<name>(args) -> int``, then list ``add_<name>`` in
-``COMMANDS``.
+``set_defaults(func=<name>)`` and ``<name>(args) -> int``, then name its module and
+``add_<name>`` in ``COMMANDS``.
+
+A command's module is imported only when that command runs (or for ``--help`` of the
+whole program): ``health`` as a readiness probe every few seconds pays for argparse and
+httpx, not for pandas, SQLAlchemy, PyAV or aio-pika.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
 
-from comfy_assets.cli.events import add_events_parser
-from comfy_assets.cli.film import add_film_parser
-from comfy_assets.cli.run import add_requeue_parser, add_run_parser
-from comfy_assets.cli.worker import add_enqueue_parser, add_worker_parser
-from comfy_assets.comfy.health import probe_all
 from comfy_assets.comfy.servers import parse_servers
+
+# httpx's __init__ imports its own command-line client (httpx._main: rich, click, pygments)
+# whenever those are installed, and Dagster installs them: that is about half of
+# `import httpx`, on every command. None in sys.modules makes that import fail, and httpx
+# falls back to a stub `httpx.main` (encode/httpx#3547 proposes the lazy import upstream).
+# No command here calls httpx.main.
+sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
 
 
 def add_health(sub: argparse._SubParsersAction) -> None:
@@ -44,38 +51,52 @@ def health(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"comfy-assets health: {exc}", file=sys.stderr)
         return 2
+    from comfy_assets.comfy.health import probe_all  # httpx: after the arguments are checked
+
     results = asyncio.run(probe_all(specs, args.timeout_s))
     for result in results:
         print(result.line(), flush=True)
     return 0 if any(r.healthy for r in results) else 1
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
-    add_health,
-    add_run_parser,
-    add_requeue_parser,
-    add_events_parser,
-    add_film_parser,
-    add_enqueue_parser,
-    add_worker_parser,
-]
+# command name -> (module, function registering its parser), in the order of --help
+COMMANDS: dict[str, tuple[str, str]] = {
+    "health": (__name__, "add_health"),
+    "run": ("comfy_assets.cli.run", "add_run_parser"),
+    "requeue": ("comfy_assets.cli.run", "add_requeue_parser"),
+    "events": ("comfy_assets.cli.events", "add_events_parser"),
+    "film": ("comfy_assets.cli.film", "add_film_parser"),
+    "enqueue": ("comfy_assets.cli.worker", "add_enqueue_parser"),
+    "worker": ("comfy_assets.cli.worker", "add_worker_parser"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _adder(name: str) -> Callable[[argparse._SubParsersAction], None]:
+    module, function = COMMANDS[name]
+    return getattr(importlib.import_module(module), function)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The program's parser with every command's subparser, or with ``command``'s only
+    (a name of ``COMMANDS``: then only its module is imported)."""
     parser = argparse.ArgumentParser(
         prog="comfy-assets",
         description="ComfyUI as a batch-rendering service: probe servers, run job files "
         "exactly once, build films, and run the RabbitMQ worker.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in COMMANDS:
-        add(sub)
+    for name in [command] if command else COMMANDS:
+        _adder(name)(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) and run the command; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # The program has no options of its own, so a command's name comes first. Anything
+    # else (no command, -h, a misspelt name) gets the whole parser and its message.
+    command = argv[0] if argv and argv[0] in COMMANDS else None
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         return int(args.func(args))

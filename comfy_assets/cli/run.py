@@ -18,8 +18,6 @@ from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.results import write_results
-from comfy_assets.render.run import run_batch_sync
 from comfy_assets.store import DB_URL_ENV, NoStore, PartitionConflict, Store, StoreUnavailable
 
 
@@ -209,6 +207,14 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     show_logs(args)
+    # The batch (httpx, websockets), results.csv (pandas) and the bar (tqdm) are imported
+    # by the command that runs them: ``requeue``, ``events`` and ``worker`` build their
+    # parsers here too.
+    from comfy_assets.cli.progress_bar import ProgressBar
+    from comfy_assets.render.run import run_batch_sync
+
+    # On a terminal a progress bar, the lines above it; elsewhere the lines alone.
+    bar = ProgressBar(len(job_file.jobs), sys.stdout) if sys.stdout.isatty() else None
     try:
         with stopped_by_signals() as stopped_by:
             summary = run_batch_sync(
@@ -217,7 +223,8 @@ def run_command(args: argparse.Namespace) -> int:
                 servers=servers,
                 store=store,
                 config=batch_config(args),
-                on_line=print_line,
+                on_line=bar.line if bar else print_line,
+                on_progress=bar.update if bar else None,
             )
     except PartitionConflict as e:
         print(
@@ -246,6 +253,9 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        if bar:
+            bar.close()
     for name, why in summary.unreachable.items():
         print_line(f"server {name}: {why}")
     print_line(summary.line())
@@ -266,6 +276,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 def results_line(store: Store, partition: str, job_file: JobFile) -> None:
     """Write results.csv and print its path, or say why it could not be written."""
+    from comfy_assets.render.results import write_results
+
     try:
         path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
         print_line(f"results: {path}")

@@ -21,12 +21,10 @@ import mimetypes
 import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
 import httpx
-import websockets
-from websockets.asyncio.client import ClientConnection
 
 from comfy_assets.comfy.errors import (
     ComfyError,
@@ -48,6 +46,9 @@ from comfy_assets.comfy.types import (
     SystemStats,
     format_node_errors,
 )
+
+if TYPE_CHECKING:  # websockets is imported by connect_ws: a health probe never loads it
+    from websockets.asyncio.client import ClientConnection
 
 T = TypeVar("T")
 
@@ -272,6 +273,8 @@ class ComfyClient:
     async def connect_ws(self, client_id: str) -> ClientConnection:
         """Open /ws with this clientId (errors mapped like HTTP ones). A new socket with
         the same clientId replaces the old one on the server (README fact 4)."""
+        import websockets
+
         route = "WS /ws"
         try:
             return await websockets.connect(

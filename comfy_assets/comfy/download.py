@@ -16,10 +16,13 @@ import unicodedata
 import uuid
 from contextlib import aclosing
 from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
 
-from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import UnsafeOutputName
 from comfy_assets.comfy.types import DownloadedFile, HistoryEntry, OutputFile
+
+if TYPE_CHECKING:  # MAX_OUTPUT_BYTES is read by argparse defaults, which need no httpx
+    from comfy_assets.comfy.client import ComfyClient
 
 _SEPARATORS = ("/", "\\")
 # Per output file: generous for video (a minute of 4K ProRes 4444 is about 1.3 GB), and

@@ -459,6 +459,13 @@ class Pool(Probing, LeaseKeeping, Orphans):
             kept_at = self._kept[slot.name] = loop.time()
             # Nobody came for it after all (the batch ended, say): give it back.
             loop.call_later(3 * self.busy_poll_s, self._let_go, slot.name, kept_at)
+        elif slot.prompt_id is not None and not self._others_waiting():
+            # Nobody in line yet, ours or another process's: our next consumer is most
+            # likely finishing its job (downloads, the done record) and comes back within
+            # moments. Keeping the lease saves writing it away and back between two of
+            # our prompts; unused, it goes back as above.
+            kept_at = self._kept[slot.name] = loop.time()
+            loop.call_later(3 * self.busy_poll_s, self._let_go, slot.name, kept_at)
         if slot.prompt_id is not None:
             self._freed_at[slot.name] = asyncio.get_running_loop().time()
             self._finished[slot.prompt_id] = None

@@ -4,6 +4,9 @@ ends, one way or another."""
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -49,3 +52,21 @@ class Progress:
         if self.not_run:
             text += f", {self.not_run} not run"
         return f"{text}, {self.remaining} left"
+
+
+def log_every(
+    log: Callable[[str], None],
+    seconds: float,
+    clock: Callable[[], float] = time.monotonic,
+) -> Callable[[Progress], None]:
+    """An ``on_progress`` that gives ``log`` the line ``12/20 done, ...`` for the first
+    job to end, then at most once every ``seconds`` of ``clock``, and always for the last."""
+    last = [-math.inf]
+
+    def on_progress(progress: Progress) -> None:
+        now = clock()
+        if progress.remaining == 0 or now - last[0] >= seconds:
+            last[0] = now
+            log(progress.line())
+
+    return on_progress

@@ -123,7 +123,8 @@ def write_results(
         records = [record for record in records if record.job_id in wanted]
     else:
         records = sorted(records, key=lambda record: (record.line, record.job_id))
-    files = {record.job_id: store.files(record.job_id) for record in records}
+    by_job = store.partition_files(partition)
+    files = {record.job_id: by_job.get(record.job_id, []) for record in records}
     frame = results_table(records, files, job_ids=job_ids)
     return write_csv(frame, results_csv_path(store.root, partition)), frame
 

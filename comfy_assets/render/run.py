@@ -7,6 +7,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import NotRequired, TypedDict, Unpack
 
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
@@ -43,6 +44,18 @@ def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:
     mode = config.policy or job_file.policy
     storyboard = any(j.shot is not None for j in job_file.jobs)
     return (mode == "delivery" and storyboard), mode == "draft"
+
+
+class BatchArguments(TypedDict):
+    """``run_batch``'s keyword arguments, for ``run_batch_sync`` to pass on."""
+
+    partition: str
+    servers: Sequence[ServerSpec]
+    store: Store
+    config: BatchConfig
+    owner: NotRequired[str | None]
+    on_line: NotRequired[Callable[[str], None] | None]
+    on_progress: NotRequired[Callable[[Progress], None] | None]
 
 
 async def run_batch(
@@ -89,21 +102,11 @@ async def run_batch(
     return summary
 
 
-def run_batch_sync(
-    job_file: JobFile,
-    *,
-    partition: str,
-    servers: Sequence[ServerSpec],
-    store: Store,
-    config: BatchConfig,
-    owner: str | None = None,
-    on_line: Callable[[str], None] | None = None,
-    on_progress: Callable[[Progress], None] | None = None,
-) -> BatchSummary:
+def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> BatchSummary:
     """``run_batch`` for sync callers (Dagster, the CLI); blocks until it ends.
 
-    The event loop runs in a thread of its own while the calling thread waits in
-    ``join()``. A BaseException raised in the calling thread (Dagster turns a cancel into
+    The event loop runs in a thread of its own while the calling thread waits for it to
+    end. A BaseException raised in the calling thread (Dagster turns a cancel into
     DagsterExecutionInterruptedError in the main thread; Ctrl+C) then cancels the batch
     from outside, waits for its cleanup (prompts interrupted and removed from the queue,
     claims and server leases released) and re-raises. Raised inside a loop step instead,
@@ -111,18 +114,7 @@ def run_batch_sync(
     ``on_line`` and ``on_progress`` are called on that thread, not the caller's.
     """
     loop = asyncio.new_event_loop()
-    task = loop.create_task(
-        run_batch(
-            job_file,
-            partition=partition,
-            servers=servers,
-            store=store,
-            config=config,
-            owner=owner,
-            on_line=on_line,
-            on_progress=on_progress,
-        )
-    )
+    task = loop.create_task(run_batch(job_file, **arguments))
     outcome: dict[str, object] = {}
     finished = threading.Event()
 
@@ -138,7 +130,7 @@ def run_batch_sync(
             loop.close()
             finished.set()
 
-    threading.Thread(target=drive, name=f"batch-{partition}", daemon=True).start()
+    threading.Thread(target=drive, name=f"batch-{arguments['partition']}", daemon=True).start()
     try:
         # Wait in short steps on an Event, not Thread.join(): a simulated signal (Dagster's
         # interrupt_main) runs its handler only when the main thread wakes, and a join()

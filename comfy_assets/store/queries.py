@@ -57,6 +57,24 @@ class Queries(StoreBase):
             return [FileRecord(**r._mapping) for r in conn.execute(stmt)]
 
     @retried
+    def partition_files(self, partition: str) -> dict[str, list[FileRecord]]:
+        """Files of every done record in ``partition``: job id -> its files, by path (a
+        job without files is not a key). One query, where ``files`` per job is one per
+        job."""
+        t = files_table.c
+        stmt = (
+            sa.select(files_table)
+            .join(jobs_table, jobs_table.c.job_id == t.job_id)
+            .where(jobs_table.c.partition == partition)
+            .order_by(t.job_id, t.path)
+        )
+        by_job: dict[str, list[FileRecord]] = {}
+        with self._read() as conn:
+            for r in conn.execute(stmt):
+                by_job.setdefault(r.job_id, []).append(FileRecord(**r._mapping))
+        return by_job
+
+    @retried
     def attempts(self, job_id: str) -> list[AttemptRecord]:
         """Tries of the job, by attempt number."""
         t = attempts_table.c

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql
 
 from comfy_assets.jobs.events import Event
 from comfy_assets.jobs.model import Job
@@ -82,6 +81,8 @@ def _lock_rows(conn: sa.Connection, dialect: str, job_ids: list[str]) -> dict[st
     found: dict[str, sa.Row] = {}
     if dialect == "postgresql":
         # One array parameter: a 10,000-item IN list is slow to send and to plan.
+        from sqlalchemy.dialects import postgresql  # loaded by its engine already
+
         ids = sa.bindparam("ids", job_ids, type_=postgresql.ARRAY(sa.String))
         stmt = sa.select(jobs_table).where(JOB.job_id == sa.any_(ids))
         rows = conn.execute(stmt.order_by(JOB.job_id).with_for_update())

@@ -11,7 +11,7 @@ from functools import cache
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects import sqlite
 
 from comfy_assets.store.records import StoreConflict
 from comfy_assets.store.schema import (
@@ -41,7 +41,12 @@ def _b(name: str, type_: Any = None) -> sa.BindParameter:
 
 def insert_for(dialect: str, table: sa.Table) -> Any:
     """INSERT with ON CONFLICT support for ``dialect`` ("sqlite" or "postgresql")."""
-    return (postgresql.insert if dialect == "postgresql" else sqlite.insert)(table)
+    if dialect == "postgresql":
+        # Imported here: its engine loads it anyway, and a SQLite store never needs it.
+        from sqlalchemy.dialects import postgresql
+
+        return postgresql.insert(table)
+    return sqlite.insert(table)
 
 
 SELECT_JOB = sa.select(jobs_table).where(JOB.job_id == _b("b_id"))
@@ -134,24 +139,31 @@ def guarded_update(columns: tuple[str, ...]) -> sa.Update:
 
 
 @cache
-def move_and_log(columns: tuple[str, ...]) -> sa.Insert:
-    """PostgreSQL only: one statement that sets ``columns`` (binds ``v_<column>``;
-    ``first_submitted_at`` only where it is NULL) on the job ``b_id`` if it is in state
-    ``b_state`` and claimed by ``b_owner``, and inserts its event (binds ``e_*``),
-    returning the event's id: no rows when the job is not as the caller said. A
-    data-modifying CTE, so in autocommit the change is one round trip and still atomic."""
+def move(columns: tuple[str, ...]) -> sa.Update:
+    """Set ``columns`` (binds ``v_<column>``; ``first_submitted_at`` only where it is
+    NULL) on the job ``b_id`` if it is in state ``b_state`` and claimed by ``b_owner``,
+    returning its ``job_id`` and ``partition``: no rows when the job is not as the caller
+    said. UPDATE ... RETURNING: PostgreSQL, and SQLite from 3.35."""
     values: dict[str, Any] = {c: _b(f"v_{c}") for c in columns}
     if "first_submitted_at" in values:
         values["first_submitted_at"] = sa.func.coalesce(JOB.first_submitted_at, _b("v_now"))
-    moved = (
+    return (
         jobs_table.update()
         .where(
             JOB.job_id == _b("b_id"), JOB.state == _b("b_state"), JOB.claimed_by == _b("b_owner")
         )
         .values(values)
         .returning(JOB.job_id, JOB.partition)
-        .cte("moved")
     )
+
+
+@cache
+def move_and_log(columns: tuple[str, ...]) -> sa.Insert:
+    """PostgreSQL only: ``move(columns)`` and the insert of its event (binds ``e_*``) in
+    one statement, returning the event's id: no rows when the job is not as the caller
+    said. A data-modifying CTE, so in autocommit the change is one round trip and still
+    atomic."""
+    moved = move(columns).cte("moved")
     event = sa.select(
         sa.cast(_b("e_time"), sa.Double),
         moved.c.job_id,

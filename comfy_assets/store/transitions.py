@@ -77,7 +77,8 @@ class Transitions(StoreBase):
         (TRANSITION_FIELDS). The first submission stamps ``first_submitted_at``;
         succeeded, degraded and failed_fatal stamp ``finished_at`` and drop the claim.
         ``from_state`` (with ``owner``): the state the caller knows the job is in, which
-        lets PostgreSQL make a move to a state neither pending nor final one statement.
+        makes a move to a state neither pending nor final a guarded UPDATE and the event's
+        INSERT, without reading the job first (on PostgreSQL, one statement).
         Raises InvalidTransition, UnknownJob, ClaimLost, TypeError (an unknown field).
         """
         unknown = set(fields) - TRANSITION_FIELDS
@@ -86,8 +87,7 @@ class Transitions(StoreBase):
         to = str(to_state)
         now = _now(now)
         fast = (
-            self.dialect == "postgresql"
-            and from_state is not None
+            from_state is not None
             and owner is not None
             and tried is None
             and to not in _TERMINAL
@@ -340,7 +340,10 @@ class Transitions(StoreBase):
             e_attempt=attempt,
             e_detail=detail,
         )
-        stmt = q.move_and_log(tuple(sorted(values)))
+        columns = tuple(sorted(values))
+        if self.dialect != "postgresql":
+            return self._move_then_log(columns, params)
+        stmt = q.move_and_log(columns)
         with self._connect() as conn:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
             try:
@@ -351,6 +354,28 @@ class Transitions(StoreBase):
         if row is None:
             return None
         return Event(row.id, now, job_id, row.partition, from_state, to, server, attempt, detail)
+
+    def _move_then_log(self, columns: tuple[str, ...], params: dict[str, Any]) -> Event | None:
+        """``_move_in_one`` for SQLite, which has no data-modifying CTE: the guarded UPDATE
+        ... RETURNING, then the event's INSERT, in one write transaction (``BEGIN
+        IMMEDIATE`` holds the write lock throughout); None, with nothing written, when
+        the job is not in ``b_state`` or not ``b_owner``'s."""
+        with self._write() as conn:
+            moved = conn.execute(q.move(columns), params).first()
+            if moved is None:
+                return None  # nothing changed: the commit of an empty transaction
+            event = Event(
+                None,
+                params["e_time"],
+                params["b_id"],
+                moved.partition,
+                params["e_from"],
+                params["e_to"],
+                params["e_server"],
+                params["e_attempt"],
+                params["e_detail"],
+            )
+            return self._insert_events(conn, [event])[0]
 
     def _locked_for_move(
         self,

@@ -1,0 +1,320 @@
+"""Dagster metadata built from our results: the ``valid`` check of the job files, tables with
+a column schema, and small inline pictures (base64 PNG data URIs in markdown, the one way
+open-source Dagster shows an image; metadata lives in the event log, so they stay small).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from dagster import (
+    AssetCheckEvaluation,
+    AssetCheckSeverity,
+    AssetKey,
+    MetadataValue,
+    TableColumn,
+    TableRecord,
+    TableSchema,
+)
+from PIL import Image
+
+from comfy_assets.film.contact import contact_sheet
+from comfy_assets.film.gate import FilmResult
+from comfy_assets.film.probe import VIDEO_SUFFIXES
+from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.states import DONE
+from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
+from comfy_assets.store import Store
+
+# Errors of one bad file shown by the ``valid`` check; the rest are counted.
+MAX_ERRORS_PER_FILE = 50
+# Error lines in the check's description (all of them are in its metadata).
+DESCRIBED_LINES = 20
+# Rows of a table in metadata: enough to scroll a batch, small enough for the event log.
+TABLE_ROWS = 200
+# Characters of one table cell (a reason can be a long traceback line).
+CELL_CHARS = 300
+
+
+def job_file_problems(exc: JobFileError) -> str:
+    """Every error of a rejected job file, ``path:line: field: message`` one a line, cut
+    after MAX_ERRORS_PER_FILE with a count of the rest."""
+    lines = [str(error) for error in exc.errors] or [str(exc)]
+    if len(lines) > MAX_ERRORS_PER_FILE:
+        rest = len(lines) - MAX_ERRORS_PER_FILE
+        lines = [*lines[:MAX_ERRORS_PER_FILE], f"… {rest} more errors in this file"]
+    return "\n".join(lines)
+
+
+def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
+    """The fields of the ``valid`` check of ``job_files`` for ``problems`` (one entry a bad
+    file or ambiguous name, its lines ``path:line: field: message``): passed when empty,
+    else failed (ERROR) with every line of every problem on its own line in ``errors``."""
+    # A markdown code block keeps one error a line, whatever characters the messages hold.
+    lines = [line.replace("```", "'''") for problem in problems for line in problem.splitlines()]
+    listing = "```\n" + "\n".join(lines) + "\n```"
+    if not problems:
+        description = "every job file in the watched folders is valid"
+    else:
+        # The UI renders the description as markdown without a click: the errors go there too.
+        files = "1 job file is" if len(problems) == 1 else f"{len(problems)} job files are"
+        shown = lines[:DESCRIBED_LINES]
+        more = len(lines) - len(shown)
+        description = "\n".join(
+            [f"{files} not valid, not launched until fixed:", "", "```", *shown, "```"]
+            + ([f"… {more} more lines in the metadata's errors"] if more else [])
+        )
+    return {
+        "passed": not problems,
+        "severity": AssetCheckSeverity.ERROR,
+        "description": description,
+        "metadata": {
+            "problems": len(problems),
+            "errors": MetadataValue.md(listing if lines else "none"),
+        },
+    }
+
+
+def job_files_check_evaluation(problems: Sequence[str]) -> AssetCheckEvaluation:
+    """The ``valid`` check's evaluation as the sensor reports it (see job_files_check_fields)."""
+    return AssetCheckEvaluation(
+        asset_key=AssetKey(JOB_FILES_ASSET),
+        check_name=JOB_FILES_CHECK,
+        **job_files_check_fields(problems),
+    )
+
+
+_INT = re.compile(r"-?\d+")
+_FLOAT = re.compile(r"-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
+def _missing(value: Any) -> bool:
+    """None, NaN, pd.NA or an empty CSV cell (lists and objects are values)."""
+    if isinstance(value, str):
+        return value == ""
+    return not isinstance(value, list | dict) and bool(pd.isna(value))
+
+
+def _table_type(series: pd.Series) -> str:
+    """int, float, bool or string: from the dtype, else from every value present (a CSV
+    read as text, or a ``set`` column of JSON numbers) so numbers sort as numbers."""
+    if pd.api.types.is_bool_dtype(series):
+        return "bool"
+    if pd.api.types.is_integer_dtype(series):
+        return "int"
+    if pd.api.types.is_float_dtype(series):
+        return "float"
+    values = [v for v in series if not _missing(v)]
+    if not values:
+        return "string"
+    if all(isinstance(v, bool) for v in values):
+        return "bool"
+    texts = [str(v) for v in values if not isinstance(v, bool)]
+    if len(texts) < len(values):
+        return "string"
+    if all(_INT.fullmatch(t) for t in texts):
+        return "int"
+    if all(_FLOAT.fullmatch(t) for t in texts):
+        return "float"
+    return "string"
+
+
+def column_schema(frame: pd.DataFrame, descriptions: dict[str, str] | None = None) -> TableSchema:
+    """A TableSchema of the frame's columns: int, float, bool or string, described from
+    ``descriptions`` where given."""
+    described = descriptions or {}
+    return TableSchema(
+        columns=[
+            TableColumn(
+                name=str(name), type=_table_type(frame[name]), description=described.get(name)
+            )
+            for name in frame.columns
+        ]
+    )
+
+
+def _table_cell(value: Any, kind: str) -> str | int | float | bool | None:
+    """A cell as the column's ``kind`` shows it: numbers as numbers (a CSV cell is text)."""
+    if _missing(value):
+        return None
+    if hasattr(value, "item"):  # numpy scalars
+        value = value.item()
+    if kind == "int" and not isinstance(value, bool):
+        return int(value)
+    if kind == "float" and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool | int | float):
+        return value
+    text = str(value)
+    return text if len(text) <= CELL_CHARS else text[: CELL_CHARS - 1] + "…"
+
+
+def table(frame: pd.DataFrame, schema: TableSchema, max_rows: int = TABLE_ROWS) -> MetadataValue:
+    """The first ``max_rows`` rows of ``frame`` as a Dagster table (sortable in the UI)."""
+    kinds = {column.name: column.type for column in schema.columns}
+    records = [
+        TableRecord({str(k): _table_cell(v, kinds.get(str(k), "string")) for k, v in row.items()})
+        for row in frame.head(max_rows).to_dict(orient="records")
+    ]
+    return MetadataValue.table(records=records, schema=schema)
+
+
+def png_markdown(image: Image.Image, alt: str, max_px: int) -> str:
+    """``image`` shrunk to fit ``max_px`` square as a markdown image (base64 PNG)."""
+    image = image.copy()
+    image.thumbnail((max_px, max_px))
+    buffer = io.BytesIO()
+    image.convert("RGB").save(buffer, format="PNG", optimize=True)
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f"![{alt}](data:image/png;base64,{data})"
+
+
+def png_file_markdown(path: Path, alt: str, max_px: int) -> str:
+    """The PNG at ``path`` as png_markdown."""
+    with Image.open(path) as image:
+        return png_markdown(image, alt, max_px)
+
+
+JOB_COLUMNS = {
+    "job": "The job id's first 8 characters (as in log lines).",
+    "line": "Its line in the job file.",
+    "shot": "Its shot number in a storyboard.",
+    "state": "succeeded, degraded, failed_fatal (dead letter), pending, ...",
+    "server": "The ComfyUI server that rendered it last.",
+    "attempts": "Attempts since its inputs last changed.",
+    "seconds": "Wall time of the job, seconds.",
+    "reason": "Why it failed or degraded.",
+    "job_id": "The job's id (the job line's id).",
+}
+
+
+def jobs_frame(records: Sequence[Any], job_ids: Sequence[str]) -> pd.DataFrame:
+    """One row per job id (in line order) from the store's job records; a job without a
+    record is ``missing``. Columns: JOB_COLUMNS."""
+    by_id = {record.job_id: record for record in records}
+    rows = []
+    for job_id in job_ids:
+        record = by_id.get(job_id)
+        if record is None:
+            rows.append({"job": job_id[:8], "job_id": job_id, "state": "missing"})
+            continue
+        rows.append(
+            {
+                "job": job_id[:8],
+                "job_id": job_id,
+                "line": record.line,
+                "shot": record.shot,
+                "state": str(record.state),
+                "server": record.server,
+                "attempts": record.attempts,
+                "seconds": None if record.seconds is None else round(record.seconds, 3),
+                "reason": record.reason,
+            }
+        )
+    frame = pd.DataFrame(rows, columns=list(JOB_COLUMNS), dtype=object)
+    for name in ("line", "shot", "attempts"):
+        frame[name] = frame[name].astype("Int64")
+    frame["seconds"] = frame["seconds"].astype("Float64")
+    return frame
+
+
+# Tiles of a partition's contact sheet: the first jobs (in shot, then line order).
+SHEET_TILES = 12
+SHEET_COLUMNS = 4
+SHEET_TILE_PX = 160
+PICTURE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp"}) | VIDEO_SUFFIXES
+
+
+def tile_label(job_id: str, shot: int | None) -> str:
+    """``shot 3 · job 1a2b3c4d`` for a storyboard shot, ``job 1a2b3c4d`` otherwise."""
+    job = f"job {job_id[:8]}"
+    return job if shot is None else f"shot {shot} · {job}"
+
+
+def outputs_contact_sheet(
+    store: Store, partition: str, records: Sequence[Any], out: Path
+) -> Path | None:
+    """Write ``out``: a labeled contact sheet of the first SHEET_TILES done jobs' outputs
+    (each job's first image, or the middle frame of its first video), shots in shot
+    order. Returns None when no job has a picture. Raises MediaError for a broken file."""
+    done = [r for r in records if r.state in DONE]
+    done.sort(key=lambda r: (r.shot is None, r.shot or 0, r.line))
+    clips: list[Path] = []
+    labels: list[str] = []
+    for record in done:
+        if len(clips) >= SHEET_TILES:
+            break
+        files = [
+            f for f in store.files(record.job_id) if Path(f.path).suffix.lower() in PICTURE_SUFFIXES
+        ]
+        if not files:
+            continue
+        videos = [f for f in files if Path(f.path).suffix.lower() in VIDEO_SUFFIXES]
+        chosen = (videos or files)[0] if record.shot is not None else files[0]
+        clips.append(store.job_dir(partition, record.job_id) / chosen.path)
+        labels.append(tile_label(record.job_id, record.shot))
+    if not clips:
+        return None
+    sheet = contact_sheet(
+        clips, out, columns=SHEET_COLUMNS, thumb_width=SHEET_TILE_PX, labels=labels
+    )
+    return sheet.path
+
+
+RESULTS_COLUMNS = {
+    "job_id": "The job's id.",
+    "state": "succeeded, degraded, failed_fatal (dead letter), pending, missing, ...",
+    "server": "The ComfyUI server that rendered it last.",
+    "attempts": "Attempts since its inputs last changed.",
+    "seconds": "Wall time of the job, seconds.",
+    "files": "Its outputs, name:sha256[:12], space-separated.",
+    "reason": "Why it failed or degraded.",
+    "partition": "The job file (partition) of the row.",
+}
+
+
+def results_metadata(frame: pd.DataFrame, path: Path) -> dict[str, object]:
+    """Row count, path, the column schema and a preview table of a results CSV."""
+    schema = column_schema(frame, RESULTS_COLUMNS)
+    return {
+        "dagster/row_count": len(frame),
+        "dagster/column_schema": schema,
+        "path": MetadataValue.path(str(path.resolve())),
+        "preview": table(frame, schema),
+    }
+
+
+def film_metadata(
+    film: FilmResult, cost: dict[str, float | int | None] | None, sheet_px: int
+) -> dict[str, object]:
+    """The film materialization's metadata: the film, then the cost report as numbers."""
+    metadata: dict[str, object] = {
+        "path": MetadataValue.path(str(film.path.resolve())),
+        "duration_s": MetadataValue.float(float(film.duration_s)),
+        "shot_count": film.shot_count,
+        "degraded_shots": MetadataValue.json(film.degraded),
+        "placeholder_shots": MetadataValue.json(film.placeholders),
+        "policy": film.gate.mode,
+        "draft": film.draft,
+        "concat_mode": film.concat_mode,
+        "contact_sheet": MetadataValue.md(
+            png_file_markdown(film.contact_sheet, "film contact sheet", sheet_px)
+        ),
+        "contact_sheet_path": MetadataValue.path(str(film.contact_sheet.resolve())),
+    }
+    if film.concat_reason:
+        metadata["concat_reason"] = film.concat_reason
+    for key, value in (cost or {}).items():
+        if value is None:  # a strategy that never finishes (every attempt failed)
+            metadata[key] = MetadataValue.null()
+        elif isinstance(value, int):
+            metadata[key] = MetadataValue.int(value)
+        else:
+            metadata[key] = MetadataValue.float(float(value))
+    return metadata

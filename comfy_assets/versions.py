@@ -1,0 +1,58 @@
+"""Which version of a partition's job file an asset works on (the Dagster layer).
+
+``renders`` renders the file as it is and records its sha256 as ``job_file_sha256``;
+``render_results`` and ``films`` work on that version, and refuse a file changed since.
+"""
+
+from dagster import AssetExecutionContext, AssetKey, AssetRecordsFilter, Failure
+
+from comfy_assets.jobs.model import JobFile, JobFileError
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.partitions import AmbiguousJobFileError, find_job_file
+
+
+def load_partition_file(partition: str) -> JobFile:
+    """The job file of a partition; a missing or invalid file fails without retries."""
+    try:
+        return load_job_file(find_job_file(partition))
+    except (FileNotFoundError, AmbiguousJobFileError, JobFileError) as exc:
+        raise Failure(description=f"partition {partition}: {exc}", allow_retries=False) from exc
+
+
+def rendered_sha256(context: AssetExecutionContext, partition: str) -> str | None:
+    """sha256 of the job file version that ``renders`` last materialized for ``partition``
+    (its ``job_file_sha256`` metadata); None when ``renders`` has no materialization."""
+    records = context.instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey("renders"), asset_partitions=[partition]), limit=1
+    ).records
+    if not records or records[0].asset_materialization is None:
+        return None
+    value = records[0].asset_materialization.metadata.get("job_file_sha256")
+    return str(value.value) if value is not None else None
+
+
+def load_rendered_file(context: AssetExecutionContext, partition: str) -> JobFile:
+    """The partition's job file, when it is the version ``renders`` rendered.
+
+    A file changed since then fails the step without retries (the table or film would
+    describe jobs that were not rendered; the sensor requests a run for the new version).
+    With no ``renders`` materialization yet, the current file is used and a warning says
+    so: the store's records of its jobs are all there is."""
+    job_file = load_partition_file(partition)
+    rendered = rendered_sha256(context, partition)
+    if rendered is None:
+        context.log.warning(
+            f"partition {partition}: renders has no materialization yet; using the current "
+            f"{job_file.path} ({job_file.sha256[:16]}) and what the store holds for its jobs"
+        )
+    elif rendered != job_file.sha256:
+        raise Failure(
+            description=(
+                f"partition {partition}: {job_file.path} changed after renders rendered it "
+                f"(rendered {rendered[:16]}, now {job_file.sha256[:16]}); materialize renders "
+                "for the new version first (the sensor requests a run for it)"
+            ),
+            metadata={"rendered_sha256": rendered, "job_file_sha256": job_file.sha256},
+            allow_retries=False,
+        )
+    return job_file
