@@ -132,7 +132,7 @@ class Executor:
         silent = item.word == "silent"
         client = item.client_id
         fake.hub.status(session.remaining(), exclude=client if silent else None)
-        run = fake.records.start(item.prompt_id, client, item.number, item.posted)
+        run = fake.records.start(item.prompt_id, client, item.number, item.posted, item.word)
         fake.notify()
         try:
             outcome = await self._execute(item)

@@ -2,11 +2,13 @@
 
 `snapshot()` (= GET /fake/stats = `FakeComfy.stats`) is
     {"prompts": {prompt_id: {"posted": N, "executed": N}},
-     "runs": [{"prompt_id", "client_id", "number", "posted", "start", "end", "outcome"}],
+     "runs": [{"prompt_id", "client_id", "number", "word", "posted", "start", "end",
+               "outcome"}],
      "requests": {"GET /queue": N, "GET /history/{prompt_id}": N, ...}}
 posted: every POST /prompt carrying that id (also those answered 500 or 400);
 executed: executions that started. Times are seconds since the epoch (floats); `end` and
-`outcome` are None while the run is under way; outcome is "success", "error",
+`outcome` are None while the run is under way; `word` is the script word the prompt was
+posted with ("ok" for the prompts of busy=N); outcome is "success", "error",
 "interrupted" or "lost" (the server stopped or "restarted" under it). `requests` counts
 every HTTP request by method and route (how many probes, downloads, polls a client made).
 Records survive restarts and new `serve()` sessions. Thread-safe: tests may read them from
@@ -52,7 +54,14 @@ class Records:
         with self._lock:
             self._counts(prompt_id)
 
-    def start(self, prompt_id: str, client_id: str | None, number: float, posted: float) -> int:
+    def start(
+        self,
+        prompt_id: str,
+        client_id: str | None,
+        number: float,
+        posted: float,
+        word: str = "ok",
+    ) -> int:
         """Records the start of an execution; returns the run's index for `end`."""
         with self._lock:
             self._counts(prompt_id)["executed"] += 1
@@ -61,6 +70,7 @@ class Records:
                     "prompt_id": prompt_id,
                     "client_id": client_id,
                     "number": number,
+                    "word": word,
                     "posted": posted,
                     "start": time.time(),
                     "end": None,

@@ -393,11 +393,17 @@ async def get_fake_stats(request: web.Request) -> web.Response:
 
 @web.middleware
 async def _count_request(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Counts the request in the fake's records (``requests`` of /fake/stats)."""
+    """Counts the request in the fake's records (``requests`` of /fake/stats); a request
+    whose client went away before its body was read gets no answer but a log line."""
     route = request.match_info.route.resource
     path = route.canonical if route is not None else request.path
     request.app[FAKE_KEY].records.request(f"{request.method} {path}")
-    return await handler(request)
+    try:
+        return await handler(request)
+    except ConnectionResetError as ex:
+        # The client went away mid-request (a cut socket): nobody is left to answer.
+        log.info("fake_comfy: %s %s: %s", request.method, request.path, ex)
+        return web.Response(status=400)
 
 
 def build_app(fake: FakeComfy) -> web.Application:

@@ -904,9 +904,17 @@ def test_serve_in_thread_serves_sync_callers(tmp_path: Path) -> None:
     assert stats == fake.stats
     assert stats["prompts"] == {"t": {"posted": 1, "executed": 1}}
     assert stats["runs"][0]["outcome"] == "success"
-    assert {"prompt_id", "client_id", "number", "posted", "start", "end", "outcome"} == set(
-        stats["runs"][0]
-    )
+    assert {
+        "prompt_id",
+        "client_id",
+        "number",
+        "word",
+        "posted",
+        "start",
+        "end",
+        "outcome",
+    } == set(stats["runs"][0])
+    assert stats["runs"][0]["word"] == "ok"
 
 
 async def test_preview_images_are_served_from_the_temp_folder(fake: FakeComfy) -> None:

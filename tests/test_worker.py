@@ -338,3 +338,26 @@ def test_the_worker_command_rejects_an_invalid_job_file_with_exit_2(tmp_path, ca
     )
     assert args.func(args) == 2
     assert "jobs.jsonl:1: json:" in capsys.readouterr().err
+
+
+async def test_the_results_table_written_while_a_job_runs_is_written_again_when_it_ends(
+    tmp_path, store
+):
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    job = load_job_file(jobs).jobs[0]
+    fake = FakeComfy(prompt_seconds=0.005)
+    source = MemorySource("images")
+    for _, body in job_messages(jobs):
+        source.put(body)
+    source.end()
+    table = store.root / "jobs" / "results.csv"
+    async with fake_servers(fake) as specs:
+        fake.pause()  # the prompt waits in the queue until the table was written
+        worker = make_worker(source, specs, store, jobs.parent, results_every_s=0.01)
+        running = asyncio.create_task(worker.run())
+        await wait_until(table.is_file, 30, "results.csv written while the job waits")
+        assert ",succeeded," not in table.read_text()
+        fake.resume()
+        await asyncio.wait_for(running, 60)
+    assert store.get(job.id).state == "succeeded"
+    assert ",succeeded," in table.read_text()

@@ -439,6 +439,16 @@ class PromptFollower:
             self._queue_remaining = remaining
             self._ended_since_status.clear()
 
+    def forget(self, prompt_id: str) -> None:
+        """Drop the buffered events of ``prompt_id``, unless someone waits for them.
+
+        Called before the prompt is posted again: events carry no run number, so the
+        ``execution_start`` and terminal event of an earlier run nobody followed to its
+        end (removed after a POST whose answer was lost, say) would end the new run's
+        ``wait`` at once."""
+        if prompt_id not in self._wakers:
+            self._events.pop(prompt_id, None)
+
     def _evict_unwatched(self) -> None:
         """Bound the buffer: forget the oldest prompt ids nobody waits for (foreign
         broadcasts, runs whose wait already returned)."""

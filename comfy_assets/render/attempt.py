@@ -176,6 +176,7 @@ class Attempt(CatchUp, Removal):
         self.on_server = (client, name)
         slot.prompt_id = pid
         self.posted = True
+        follower.forget(pid)  # what the socket said of earlier runs is not about this one
         try:
             post = await client.post_prompt(
                 self.job.workflow, prompt_id=pid, client_id=follower.client_id
@@ -220,6 +221,12 @@ class Attempt(CatchUp, Removal):
         except (ComfyError, TimeoutError):
             gone = await self._evict(slot, number=-1)
             self.on_server = None
+            entry = gone.history
+            if entry is not None and entry.status_str == "success":
+                # It ran to its end before the removal could land: taken, not posted again
+                # (a restart before the next attempt's catch-up would render it twice).
+                log.info("%s on %s: %s, but the prompt ran: taking it", self.label, name, reason)
+                return await self._download(client, name, entry, posted=True, verify=True)
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
             return self.result("transient", reason, server=name, posted=True)

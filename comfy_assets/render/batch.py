@@ -343,7 +343,7 @@ class Batch(Settle):
             store.job_dir(self.partition, job.id),
             slot=slot,
             prev_server=prev,
-            prev_number=rec.number if prev is not None else None,
+            prev_number=_prev_number(item, rec, prev),
             deadline_s=cfg.timeout_s,
             poll_s=cfg.poll_s,
             catch_up_s=cfg.catch_up_s,
@@ -440,3 +440,14 @@ class Batch(Settle):
         else:
             # Waiting for a server or its retry: the next claim finds out who holds it.
             self.claims.forget(job_id)
+
+
+def _prev_number(item: Item, rec: JobRecord, prev: str | None) -> int | None:
+    """The run number the job's prompt last had on ``prev`` (its last server): the
+    store's, else the one the previous attempt of this batch saw there (a run found by a
+    catch-up or after an unanswered POST, which the store does not record)."""
+    if prev is None:
+        return None
+    if rec.number is not None:
+        return rec.number
+    return item.prev_number if item.prev_server == prev else None

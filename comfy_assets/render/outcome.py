@@ -47,12 +47,14 @@ class Eviction:
     """What removing our prompt from a server came to. ``was_there``: still queued or
     running when we looked; ``confirmed``: it has left the server (False when the
     server could not be asked: ``problem`` says why); ``won``: its history entry when
-    that run succeeded after all."""
+    that run succeeded after all; ``history``: the prompt's /history entry once it left
+    (its last run, whichever it was)."""
 
     was_there: bool
     confirmed: bool
     won: HistoryEntry | None = None
     problem: str = ""
+    history: HistoryEntry | None = None
 
 
 async def _nothing(*args: object) -> None:

@@ -16,6 +16,10 @@ class Item:
     prev_server: str | None = None
     attempts_before: int = 0  # the job's tries before its last requeue (store)
     fresh: bool = False  # its outputs are gone from the server: render anew
+    # The run number of the prompt on prev_server that the last attempt saw (its POST's
+    # answer, or a run found there) when the store has none: a catch-up that finds
+    # neither that run nor its history then says the job may render twice.
+    prev_number: int | None = None
 
 
 class JobQueue:

@@ -51,7 +51,9 @@ class Removal:
             return Eviction(was_there=True, confirmed=False, problem=problem)
         slot.release()
         won = entry.number == number and entry.status_str == "success" if entry else False
-        return Eviction(was_there=was_there, confirmed=True, won=entry if won else None)
+        return Eviction(
+            was_there=was_there, confirmed=True, won=entry if won else None, history=entry
+        )
 
     async def _remove(self, slot: Slot, number: int) -> str:
         """``_evict`` our run ``number`` from ``slot``'s server; what came of it, for

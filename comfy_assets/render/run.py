@@ -125,6 +125,7 @@ def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> Ba
         except BaseException as e:  # handed to the calling thread below
             outcome["error"] = e
         finally:
+            _cancel_left(loop)
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()
             finished.set()
@@ -143,6 +144,17 @@ def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> Ba
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
     return outcome["value"]  # type: ignore[return-value]
+
+
+def _cancel_left(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel the tasks still pending on ``loop`` and let them finish, as ``asyncio.run``
+    does: a task left there is destroyed with the closed loop, and its cleanup (a socket
+    reader's, say) then prints a traceback at exit."""
+    left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+    for task in left:
+        task.cancel()
+    if left:
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
 
 
 async def run_one(

@@ -73,7 +73,7 @@ class Settle:
                 f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; "
                 f"retry in {delay * 1000:.0f} ms, ahead of the jobs not yet tried"
             )
-            again = Item(job, prev_server=r.server, fresh=r.outputs_missing)
+            again = Item(job, prev_server=r.server, fresh=r.outputs_missing, prev_number=r.number)
             self.queue.push_later(again, delay)
             return
         reason = (

@@ -413,6 +413,8 @@ class Worker:
             raise
         finally:
             self._runs.pop(me, None)
+            # Written again: a write while the job ran shows it unfinished.
+            self._touched.add(partition)
 
         if state in DONE:
             await self._ack(d)

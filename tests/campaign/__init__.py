@@ -1,0 +1,2 @@
+"""The fault campaign: seeded random schedules (schedule), played against fakes and
+``comfy-assets run`` subprocesses (play), checked by invariants (invariants)."""

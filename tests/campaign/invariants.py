@@ -1,0 +1,218 @@
+"""What must hold after every schedule, checked from the store, the fakes' own records,
+the runs' output and results.csv.
+
+``violations(played)`` returns one line per broken invariant (empty: all hold):
+
+- no Python traceback in any run's stdout or stderr (nor from the worker or the harness),
+  and every run ended by itself within the harness's timeout;
+- every job ends done (its files in the store, their sha256 the one recorded and the one
+  of the server's file by that name) or dead-lettered with a reason that names the fault
+  (``FAULT_REASON``);
+- a job's prompt succeeds at most once per store, unless the job's events say why
+  (``EXCUSED``: the server forgot the run, its outputs were gone, the catch-up could not
+  reach the server);
+- never two of our prompts at once on one server: no prompt of ours is posted (the fake's
+  ``posted`` time of a run) while another of ours is queued or executing there (a `late`
+  prompt executes until its execution_success, LATE_HISTORY_S before its history);
+- nothing of ours queued or running on any server at the end, and every server idle;
+- ``<store>/<partition>/results.csv`` has one row per job, in file order, with its state;
+- each run that was not killed or stopped exits 0 when every job of its file is done, 1
+  otherwise; a run stopped by SIGTERM exits 143 (or as it would have, had it ended
+  first), and every prompt of ours left on a server after it is one its output says it
+  could not remove.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.states import DONE, FAILED_FATAL
+from comfy_assets.store import Store
+from fake_comfy.executor import LATE_HISTORY_S
+from tests.campaign.play import Phase, Played
+
+TRACEBACK = "Traceback (most recent call last)"
+# A dead letter's reason names what went wrong: ComfyUI's own error, the HTTP status, or
+# what the runner saw (lost, deadline, socket, missing outputs).
+FAULT_REASON = re.compile(
+    r"prompt_outputs_failed_validation|IndexError|OutOfMemory|node_errors|outputs missing"
+    r"|outputs dropped"
+    r"|\b404\b|\b500\b|\b400\b|lost|deadline|interrupted|socket|connect|disconnect"
+    r"|unreachable|timed out|timeout|partial|not executed|Internal Server Error",
+    re.IGNORECASE,
+)
+EXCUSED = re.compile(r"may render twice|outputs missing|prompt lost")
+
+
+def violations(played: Played) -> list[str]:
+    """Every broken invariant of ``played``, one line each (see the module docstring)."""
+    found: list[str] = [f"harness: {e}" for e in played.errors]
+    for phase in played.phases:
+        found += _runs(phase)
+        found += _jobs(played, phase)
+    found += _one_at_a_time(played)
+    for server, left in played.ours_left.items():
+        if left:
+            found.append(f"{server}: our prompts still queued or running at the end: {left}")
+    for server, why in played.not_idle.items():
+        found.append(f"{server}: not idle at the end: {why}")
+    return found
+
+
+def _runs(phase: Phase) -> list[str]:
+    found = []
+    for i, run in enumerate(phase.runs):
+        who = f"{phase.store.name} run {i + 1}"
+        for name, text in (("stdout", run.stdout), ("stderr", run.stderr)):
+            if TRACEBACK in text:
+                start = text.index(TRACEBACK)
+                found.append(f"{who}: traceback on {name}: {text[start : start + 2000]}")
+        if run.timed_out:
+            found.append(f"{who}: did not end within the harness's timeout")
+        if run.stopped and run.returncode not in (0, 1, 143):
+            found.append(f"{who}: stopped by SIGTERM, exit {run.returncode}, expected 143")
+        for server, left in phase.left_after_stop.items():
+            for prompt_id in left:
+                if (
+                    run.stopped
+                    and f"could not remove prompt {prompt_id}" not in run.stdout + run.stderr
+                ):
+                    found.append(
+                        f"{who}: stopped by SIGTERM, our prompt {prompt_id} still on {server}, "
+                        "and no line says it could not be removed"
+                    )
+    return found
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _jobs(played: Played, phase: Phase) -> list[str]:
+    found: list[str] = []
+    store = Store(phase.store)
+    try:
+        for jobs_path in phase.job_files:
+            job_file = load_job_file(jobs_path)
+            partition = jobs_path.stem
+            all_done = True
+            for job in job_file.jobs:
+                who = f"{phase.store.name} job {job.id}"
+                record = store.get(job.id)
+                if record is None:
+                    found.append(f"{who}: not in the store")
+                    all_done = False
+                    continue
+                if record.state in DONE:
+                    found += _files(store, phase, partition, job.id, record.server, who)
+                elif record.state == FAILED_FATAL:
+                    all_done = False
+                    if not FAULT_REASON.search(record.reason or ""):
+                        found.append(f"{who}: dead letter names no fault: {record.reason!r}")
+                else:
+                    all_done = False
+                    found.append(f"{who}: ended {record.state}, neither done nor a dead letter")
+                details = [e.detail or "" for e in store.events(job.id)]
+                successes = _successes(played, phase, job.prompt_id)
+                if successes > 1 and not any(EXCUSED.search(d) for d in details):
+                    found.append(
+                        f"{who}: prompt {job.prompt_id} succeeded {successes} times, no event "
+                        f"says why; events: {details}"
+                    )
+            found += _results_csv(store, phase, partition, [j.id for j in job_file.jobs])
+            for i, run in enumerate(phase.runs):
+                if run.killed or run.stopped or run.args == ["worker"] or run.jobs != jobs_path:
+                    continue
+                expected = 0 if all_done else 1
+                if run.returncode != expected:
+                    found.append(
+                        f"{phase.store.name} run {i + 1}: exit {run.returncode}, expected "
+                        f"{expected} (all done: {all_done})"
+                    )
+        if phase.worker is not None:
+            w = phase.worker
+            if w["acked"] != w["messages"]:
+                found.append(f"worker: {w['acked']} of {w['messages']} messages acked: {w}")
+    finally:
+        store.close()
+    return found
+
+
+def _files(
+    store: Store, phase: Phase, partition: str, job_id: str, server: str | None, who: str
+) -> list[str]:
+    found = []
+    files = store.files(job_id)
+    if not files:
+        found.append(f"{who}: done without files")
+    on_server = phase.server_bytes.get(server or "", {})
+    for f in files:
+        path = store.job_dir(partition, job_id) / f.path
+        if not path.is_file():
+            found.append(f"{who}: {f.path} missing from the store")
+            continue
+        if _sha256(path) != f.sha256:
+            found.append(f"{who}: {f.path} sha256 differs from its done record")
+        if on_server.get(f.path) != f.sha256:
+            found.append(
+                f"{who}: {f.path} sha256 {f.sha256[:12]} is not {server}'s file "
+                f"({(on_server.get(f.path) or 'absent')[:12]})"
+            )
+    return found
+
+
+def _successes(played: Played, phase: Phase, prompt_id: str) -> int:
+    """Successful runs of ``prompt_id`` on every server during ``phase``."""
+    count = 0
+    for i, (_, stats) in enumerate(played.stats.items()):
+        for run in stats["runs"][phase.first_run[i] : phase.end_run[i]]:
+            count += run["prompt_id"] == prompt_id and run["outcome"] == "success"
+    return count
+
+
+def _one_at_a_time(played: Played) -> list[str]:
+    found = []
+    for server, stats in played.stats.items():
+        busy = played.busy_clients[server]
+        ours: list[dict[str, Any]] = sorted(
+            (r for r in stats["runs"] if r["client_id"] != busy), key=lambda r: r["posted"]
+        )
+        for before, after in zip(ours, ours[1:], strict=False):
+            end = before["end"] if before["end"] is not None else float("inf")
+            if before["word"] == "late" and before["outcome"] == "success":
+                # Its last message (execution_success) came LATE_HISTORY_S before its
+                # history: from then on it holds no GPU, only its place in /queue.
+                end -= LATE_HISTORY_S
+            if after["posted"] < end:
+                found.append(
+                    f"{server}: prompt {after['prompt_id']} posted while our prompt "
+                    f"{before['prompt_id']} was queued or running ({before['outcome']}, "
+                    f"{end - after['posted']:.3f} s before it ended)"
+                )
+    return found
+
+
+def _results_csv(store: Store, phase: Phase, partition: str, job_ids: list[str]) -> list[str]:
+    path = phase.store / partition / "results.csv"
+    if not path.is_file():
+        return [f"{phase.store.name}: {partition}/results.csv missing"]
+    with path.open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    found = []
+    if [r["job_id"] for r in rows] != job_ids:
+        found.append(
+            f"{phase.store.name}: results.csv rows {len(rows)} are not the {len(job_ids)} jobs"
+        )
+    for row in rows:
+        record = store.get(row["job_id"])
+        if record is not None and row["state"] != record.state:
+            found.append(
+                f"{phase.store.name}: results.csv says {row['job_id']} {row['state']}, "
+                f"the store {record.state}"
+            )
+    return found

@@ -1,0 +1,167 @@
+"""Seeded, bounded random fault schedules.
+
+``make_schedule(seed)`` is a pure function of the seed: the same seed gives the same
+schedule (``Schedule.describe()`` prints it). A schedule has 1-3 fake servers, 4-8 image
+jobs, and:
+
+- per server a script over the fake's whole vocabulary (``fake_comfy.script.WORDS`` and
+  ``busy=N``), at most ``2 * jobs`` words;
+- per server, maybe a ``FaultProxy`` in front: socket cuts at seeded times (HTTP and
+  /ws), and/or ``GET /view`` answered 404 for a listed output, a few times or for good;
+- maybe one server restart while one of our prompts runs, or while a download is under
+  way (the fake stopped and served again on its port: queue and history forgotten);
+- a mode: ``run`` (one ``comfy-assets run``), ``sigkill`` (a run killed with SIGKILL once
+  some prompts ended, then a second run on the same store), ``sigterm`` (a run stopped
+  with SIGTERM while one of our prompts runs, then a second run), ``concurrent`` (two runs at
+  once on the shared servers and store, on one job file or two), ``cache_replay`` (a run,
+  then the fake's output files deleted and the same file rendered into a new store: the
+  cache replays names that are gone) or ``worker`` (the in-process worker fed every job
+  twice: duplicate delivery).
+
+Bounds keep a schedule to seconds: fast prompts, small deadlines, few faults.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from fake_comfy.script import WORDS
+
+MODES = ("run", "sigkill", "sigterm", "concurrent", "cache_replay", "worker")
+# Words that fail a job for good (dead letter at once) are rarer, so most jobs test
+# the paths that must end in a single success.
+_WORD_WEIGHTS = {
+    "ok": 10,
+    "500": 2,
+    "invalid": 1,
+    "error": 1,
+    "oom": 2,
+    "drop": 2,
+    "hang": 1,
+    "slow": 2,
+    "partial": 1,
+    "late": 3,
+    "silent": 2,
+    "restart": 2,
+    "busy": 1,
+}
+assert set(_WORD_WEIGHTS) - {"busy"} == WORDS, "every script word is in the campaign"
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """One fake server and what goes wrong on it.
+
+    script: its script words. busy: prompts of another client queued at start.
+    cuts: socket cuts by its proxy (0: none), each within ``cut_within_s`` of a
+    connection's start. view_404: ``{filename pattern: count or None (for good)}`` and
+    lose_answer: ``{"METHOD /path" prefix: count}`` for its proxy. restart: the fake is restarted once, ``restart_after_s`` after one of our
+    prompts started there (``restart_at="prompt"``), or as soon as it serves its first
+    ``GET /view`` (``"download"``).
+    """
+
+    script: tuple[str, ...]
+    busy: int = 0
+    cuts: int = 0
+    cut_within_s: float = 1.0
+    cut_probability: float = 0.3
+    view_404: dict[str, int | None] = field(default_factory=dict)
+    lose_answer: dict[str, int] = field(default_factory=dict)
+    restart: bool = False
+    restart_after_s: float = 0.0
+    restart_at: str = "prompt"  # or "download": at the first GET /view it serves
+
+    @property
+    def proxied(self) -> bool:
+        """Whether a FaultProxy stands in front of this server."""
+        return bool(self.cuts or self.view_404 or self.lose_answer)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One campaign case (see the module docstring). Times in seconds."""
+
+    seed: int
+    jobs: int
+    servers: tuple[ServerPlan, ...]
+    mode: str
+    attempts: int = 6
+    kill_after_runs: int = 0  # sigkill: runs ended on the fakes before the kill
+    same_file: bool = True  # concurrent: both runs on one job file
+    prompt_seconds: float = 0.01
+    timeout_s: float = 3.0
+    poll_s: float = 0.1
+    base_delay_s: float = 0.02
+
+    def describe(self) -> str:
+        """A few lines that say the whole schedule (for failure messages and the bench)."""
+        lines = [
+            f"seed={self.seed} mode={self.mode} jobs={self.jobs} attempts={self.attempts} "
+            f"kill_after_runs={self.kill_after_runs} same_file={self.same_file}"
+        ]
+        for i, s in enumerate(self.servers):
+            lines.append(
+                f"  gpu{i}: script={','.join(s.script) or '-'} busy={s.busy} cuts={s.cuts} "
+                f"within={s.cut_within_s:.2f}s view_404={s.view_404} lose={s.lose_answer} "
+                f"restart={s.restart}@{s.restart_at}+{s.restart_after_s:.3f}s"
+            )
+        return "\n".join(lines)
+
+
+def _word(rng: random.Random) -> str:
+    names = list(_WORD_WEIGHTS)
+    word = rng.choices(names, weights=[_WORD_WEIGHTS[n] for n in names])[0]
+    return f"busy={rng.randint(1, 2)}" if word == "busy" else word
+
+
+def _view_404(rng: random.Random, jobs: int) -> dict[str, int | None]:
+    roll = rng.random()
+    if roll < 0.5:
+        return {"*": rng.randint(1, 3)}  # the first few downloads, whatever the file
+    if roll < 0.85:
+        # One output for good: its job renders anew under a new name, or ends a dead
+        # letter naming the 404.
+        return {f"solid_{rng.randint(1, jobs):05d}_.png": None}
+    return {"inverted_*": None}  # every inverted image for good: all jobs dead letters
+
+
+def make_schedule(seed: int) -> Schedule:
+    """The schedule of ``seed`` (deterministic)."""
+    rng = random.Random(seed)
+    jobs = rng.randint(4, 8)
+    mode = MODES[seed % len(MODES)]  # any len(MODES) consecutive seeds play every mode
+    servers = []
+    for _ in range(rng.randint(1, 3)):
+        script = tuple(_word(rng) for _ in range(rng.randint(0, 2 * jobs)))
+        cuts = rng.randint(1, 3) if rng.random() < 0.35 else 0
+        view = _view_404(rng, jobs) if rng.random() < 0.25 else {}
+        restart = rng.random() < 0.2
+        lose: dict[str, int] = {}
+        if rng.random() < 0.3:
+            for route in ("POST /prompt", "GET /view", "GET /history", "GET /queue"):
+                if rng.random() < 0.5:
+                    lose[route] = rng.randint(1, 2)
+        servers.append(
+            ServerPlan(
+                script=script,
+                busy=rng.randint(1, 2) if rng.random() < 0.15 else 0,
+                cuts=cuts,
+                cut_within_s=rng.uniform(0.05, 1.5),
+                cut_probability=rng.uniform(0.2, 0.6),
+                view_404=view,
+                lose_answer=lose,
+                restart=restart,
+                restart_after_s=rng.uniform(0.0, 0.03),
+                restart_at=rng.choice(("prompt", "download")),
+            )
+        )
+    return Schedule(
+        seed=seed,
+        jobs=jobs,
+        servers=tuple(servers),
+        mode=mode,
+        attempts=rng.randint(4, 6),
+        kill_after_runs=rng.randint(0, jobs),
+        same_file=rng.random() < 0.5,
+    )

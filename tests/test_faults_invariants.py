@@ -1,0 +1,171 @@
+"""The campaign's invariant checker fails on bad records: one clean schedule is played
+once, then each test breaks one thing in a copy of what it left and expects the
+violation that names it."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import shutil
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from comfy_assets.jobs.parse import load_job_file
+from tests.campaign.invariants import violations
+from tests.campaign.play import Played, play
+from tests.campaign.schedule import Schedule, ServerPlan
+
+CLEAN = Schedule(seed=0, jobs=2, servers=(ServerPlan(script=()),), mode="run")
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory: pytest.TempPathFactory) -> tuple[Played, Path]:
+    folder = tmp_path_factory.mktemp("clean")
+    played = play(CLEAN, folder)
+    assert violations(played) == []
+    return played, folder
+
+
+def broken(
+    clean: tuple[Played, Path], tmp_path: Path, change: Callable[[Played], None]
+) -> list[str]:
+    """The violations of a copy of the clean schedule's records after ``change``."""
+    played, folder = clean
+    copied = tmp_path / "copy"
+    shutil.copytree(folder, copied)
+    mine = copy.deepcopy(played)
+    for phase in mine.phases:
+        phase.store = copied / phase.store.relative_to(folder)
+        phase.job_files = [copied / j.relative_to(folder) for j in phase.job_files]
+        for run in phase.runs:
+            run.jobs = copied / run.jobs.relative_to(folder)
+    change(mine)
+    return violations(mine)
+
+
+def job_ids(played: Played) -> list[str]:
+    return [j.id for j in load_job_file(played.phases[0].job_files[0]).jobs]
+
+
+def sql(played: Played, statement: str, *args: object) -> None:
+    with sqlite3.connect(played.phases[0].store / "store.db") as db:
+        db.execute(statement, args)
+
+
+def test_a_clean_schedule_has_no_violation(clean, tmp_path):
+    assert broken(clean, tmp_path, lambda p: None) == []
+
+
+def test_a_traceback_in_a_runs_output_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        p.phases[0].runs[0].stderr += "Traceback (most recent call last):\n  boom\n"
+
+    (found,) = broken(clean, tmp_path, change)
+    assert "traceback on stderr" in found
+
+
+def test_a_file_whose_bytes_changed_in_the_store_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        job = job_ids(p)[0]
+        folder = p.phases[0].store / "jobs" / job
+        next(folder.glob("solid_*.png")).write_bytes(b"not the render")
+
+    (found,) = broken(clean, tmp_path, change)
+    assert "sha256 differs from its done record" in found
+
+
+def test_a_file_that_is_not_the_servers_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        served = p.phases[0].server_bytes["gpu0"]
+        name = next(n for n in served if n.startswith("solid_"))
+        served[name] = "0" * 64
+
+    (found,) = broken(clean, tmp_path, change)
+    assert "is not gpu0's file" in found
+
+
+def test_a_job_left_pending_is_a_violation_and_so_is_exit_0(clean, tmp_path):
+    def change(p: Played) -> None:
+        sql(p, "UPDATE comfy_jobs SET state = 'pending' WHERE job_id = ?", job_ids(p)[1])
+
+    found = broken(clean, tmp_path, change)
+    assert any("ended pending, neither done nor a dead letter" in f for f in found), found
+    assert any("exit 0, expected 1" in f for f in found), found
+    assert any("results.csv says" in f for f in found), found
+
+
+def test_a_dead_letter_whose_reason_names_no_fault_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        sql(
+            p,
+            "UPDATE comfy_jobs SET state = 'failed_fatal', reason = 'something happened' "
+            "WHERE job_id = ?",
+            job_ids(p)[0],
+        )
+        p.phases[0].runs[0].returncode = 1
+        path = p.phases[0].store / "jobs" / "results.csv"
+        rows = list(csv.DictReader(path.open()))
+        rows[0]["state"] = "failed_fatal"
+        with path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    (found,) = broken(clean, tmp_path, change)
+    assert "dead letter names no fault: 'something happened'" in found
+
+
+def test_a_second_success_no_event_explains_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        runs = p.stats["gpu0"]["runs"]
+        twice = copy.deepcopy(runs[0])
+        twice["posted"] = twice["start"] = runs[-1]["end"] + 1
+        twice["end"] = twice["start"] + 0.01
+        runs.append(twice)
+        p.phases[0].end_run[0] += 1
+
+    (found,) = broken(clean, tmp_path, change)
+    assert "succeeded 2 times, no event says why" in found
+
+
+def test_a_prompt_posted_while_another_of_ours_runs_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        first, second = p.stats["gpu0"]["runs"][:2]
+        second["posted"] = (first["start"] + first["end"]) / 2
+
+    (found,) = broken(clean, tmp_path, change)
+    assert "was queued or running" in found
+
+
+def test_a_late_prompt_holds_the_server_until_its_execution_success_only(clean, tmp_path):
+    def change(p: Played) -> None:
+        first, second = p.stats["gpu0"]["runs"][:2]
+        first["word"] = "late"
+        first["end"] = second["posted"] + 0.1  # history written after the next POST
+
+    assert broken(clean, tmp_path, change) == []
+
+
+def test_our_prompt_left_on_a_server_and_a_busy_server_are_violations(clean, tmp_path):
+    def change(p: Played) -> None:
+        p.ours_left["gpu0"] = ["a-prompt-id"]
+        p.not_idle["gpu0"] = "not idle within 10 s"
+
+    found = broken(clean, tmp_path, change)
+    assert len(found) == 2
+    assert "our prompts still queued or running at the end: ['a-prompt-id']" in found[0]
+
+
+def test_a_missing_results_row_and_a_run_that_never_ended_are_violations(clean, tmp_path):
+    def change(p: Played) -> None:
+        path = p.phases[0].store / "jobs" / "results.csv"
+        lines = path.read_text().splitlines()
+        path.write_text("\n".join(lines[:-1]) + "\n")
+        p.phases[0].runs[0].timed_out = True
+
+    found = broken(clean, tmp_path, change)
+    assert any("results.csv rows 1 are not the 2 jobs" in f for f in found), found
+    assert any("did not end within the harness's timeout" in f for f in found), found
