@@ -661,12 +661,6 @@ async def test_a_prompt_that_ran_while_its_unanswered_post_was_looked_for_is_tak
     assert len(store.files(job.id)) == 2
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fault campaign seed 145 (not fixed yet): a run killed after its POST left "
-    "but before the run number was recorded, then a restart of that server: the next "
-    "run's catch-up finds nothing and posts anew without saying the job may render twice",
-)
 async def test_a_post_of_a_killed_run_forgotten_by_a_restart_says_it_may_render_twice(tmp_path):
     fake = FakeComfy(prompt_seconds=0.005)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 1))

@@ -56,7 +56,9 @@ class Attempt(CatchUp, Removal):
 
     ``slot``: a server already held for it (else one is acquired). ``prev_server``: where
     the prompt was last posted (from the store), for catch-up; ``prev_number``: the run
-    number that post got (when it was accepted). ``deadline_s``: the
+    number that post got (when it was accepted); ``prev_unsettled``: the attempt that
+    posted there never ended (its process died), so its POST may have been accepted
+    without a number on record. ``deadline_s``: the
     attempt's deadline (seconds, from the catch-up or, after a catch-up that waited for
     an unreachable server, from the post); ``poll_s``: how often to look at /queue while
     removing a prompt; ``evict_timeout_s``: how long that may take. ``catch_up_s``: how
@@ -75,6 +77,7 @@ class Attempt(CatchUp, Removal):
         slot: Slot | None = None,
         prev_server: str | None = None,
         prev_number: int | None = None,
+        prev_unsettled: bool = False,
         deadline_s: float = 600.0,
         poll_s: float = 1.0,
         evict_timeout_s: float = 120.0,
@@ -90,6 +93,7 @@ class Attempt(CatchUp, Removal):
         self.slot = slot
         self.prev_server = prev_server
         self.prev_number = prev_number
+        self.prev_unsettled = prev_unsettled
         self.deadline_s = deadline_s
         self.poll_s = poll_s
         self.evict_timeout_s = evict_timeout_s

@@ -297,6 +297,7 @@ class Batch(Settle):
                 tried=lost,
             )
             rec = dataclasses.replace(rec, state="failed_retryable", attempts=rec.attempts + 1)
+            item.prev_unsettled = True
         if rec.state == "failed_retryable":
             await self._db(store.transition, job.id, "pending", detail="retry")
         return rec
@@ -344,6 +345,7 @@ class Batch(Settle):
             slot=slot,
             prev_server=prev,
             prev_number=_prev_number(item, rec, prev),
+            prev_unsettled=item.prev_unsettled and prev is not None,
             deadline_s=cfg.timeout_s,
             poll_s=cfg.poll_s,
             catch_up_s=cfg.catch_up_s,

@@ -86,6 +86,14 @@ class CatchUp:
                     "/queue (removed before it ran, or forgotten by a restart): posting "
                     "anew, the job may render twice"
                 )
+            elif entry is None and self.prev_unsettled:
+                # Its process died after the POST left: the POST may have been accepted
+                # and the run forgotten by a restart since, or it never arrived.
+                self.twice = (
+                    f"catch-up on {name}: the prompt of an attempt that never ended is in "
+                    "neither /history nor /queue (never accepted, removed, or forgotten by "
+                    "a restart): posting anew, the job may render twice"
+                )
             return None
         log.info(
             "%s: caught up on %s: prompt %s still queued as #%s",

@@ -20,6 +20,9 @@ class Item:
     # answer, or a run found there) when the store has none: a catch-up that finds
     # neither that run nor its history then says the job may render twice.
     prev_number: int | None = None
+    # The last attempt never ended (its process died mid-attempt): its POST may have been
+    # accepted although no run number was recorded.
+    prev_unsettled: bool = False
 
 
 class JobQueue:
