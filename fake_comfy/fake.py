@@ -23,9 +23,9 @@ import os
 import shutil
 import socket
 import tempfile
-import threading
 import weakref
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -38,11 +38,11 @@ from fake_comfy.records import Records
 from fake_comfy.script import Script
 from fake_comfy.server import build_app
 from fake_comfy.state import Session
+from fake_comfy.threads import serve_in_thread
 
 log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 1.0  # a socket that does not answer our close frame is cut after this
-_THREAD_START_TIMEOUT_S = 30.0
 
 
 class FakeComfy:
@@ -193,44 +193,15 @@ class FakeComfy:
             self._crash = exc
             self.notify()
 
-    @contextlib.contextmanager
-    def serve_in_thread(self, port: int = 0, host: str = "127.0.0.1") -> Iterator[str]:
+    def serve_in_thread(
+        self, port: int = 0, host: str = "127.0.0.1"
+    ) -> AbstractContextManager[str]:
         """`serve()` on its own event loop in a daemon thread, for synchronous callers.
 
         Yields the URL once the server listens; on exit stops it and joins the thread.
         Raises what `serve()` raised (in the caller's thread).
         """
-        ready = threading.Event()
-        box: dict[str, Any] = {}
-
-        async def main() -> None:
-            stop = asyncio.Event()
-            async with self.serve(port, host) as url:
-                box["url"], box["loop"], box["stop"] = url, asyncio.get_running_loop(), stop
-                ready.set()
-                await stop.wait()
-
-        def run() -> None:
-            try:
-                asyncio.run(main())
-            except BaseException as exc:  # handed to the caller's thread below
-                box["error"] = exc
-            finally:
-                ready.set()
-
-        thread = threading.Thread(target=run, name="fake_comfy", daemon=True)
-        thread.start()
-        if not ready.wait(_THREAD_START_TIMEOUT_S):
-            raise TimeoutError(f"fake_comfy did not start within {_THREAD_START_TIMEOUT_S} s")
-        if "error" in box:
-            raise box["error"]
-        try:
-            yield box["url"]
-        finally:
-            box["loop"].call_soon_threadsafe(box["stop"].set)
-            thread.join()
-            if "error" in box:
-                raise box["error"]
+        return serve_in_thread(self.serve, "fake_comfy", port, host)
 
     # -- waiting (tests never sleep) ----------------------------------------------
 

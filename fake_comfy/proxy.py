@@ -40,15 +40,16 @@ import fnmatch
 import logging
 import random
 import threading
-from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AbstractContextManager
 from urllib.parse import parse_qs, urlsplit
+
+from fake_comfy.threads import serve_in_thread
 
 log = logging.getLogger(__name__)
 
 _MAX_HEAD_BYTES = 64 * 1024
 _NOT_FOUND = b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-_THREAD_START_TIMEOUT_S = 30.0
 
 
 class FaultProxy:
@@ -180,39 +181,12 @@ class FaultProxy:
             self._loop = None
             self.url = None
 
-    @contextlib.contextmanager
-    def serve_in_thread(self, port: int = 0, host: str = "127.0.0.1") -> Iterator[str]:
+    def serve_in_thread(
+        self, port: int = 0, host: str = "127.0.0.1"
+    ) -> AbstractContextManager[str]:
         """``serve()`` on its own event loop in a daemon thread; yields the URL once it
         listens, stops and joins the thread on exit. Raises what ``serve()`` raised."""
-        ready = threading.Event()
-        box: dict[str, Any] = {}
-
-        async def main() -> None:
-            stop = asyncio.Event()
-            async with self.serve(port, host) as url:
-                box["url"], box["loop"], box["stop"] = url, asyncio.get_running_loop(), stop
-                ready.set()
-                await stop.wait()
-
-        def run() -> None:
-            try:
-                asyncio.run(main())
-            except BaseException as exc:  # handed to the caller's thread below
-                box["error"] = exc
-            finally:
-                ready.set()
-
-        thread = threading.Thread(target=run, name="fault_proxy", daemon=True)
-        thread.start()
-        if not ready.wait(_THREAD_START_TIMEOUT_S):
-            raise TimeoutError(f"FaultProxy did not start within {_THREAD_START_TIMEOUT_S} s")
-        if "error" in box:
-            raise box["error"]
-        try:
-            yield box["url"]
-        finally:
-            box["loop"].call_soon_threadsafe(box["stop"].set)
-            thread.join()
+        return serve_in_thread(self.serve, "fault_proxy", port, host)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self._count("connections")
