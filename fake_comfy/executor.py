@@ -308,6 +308,7 @@ class Executor:
             "meta": meta,
         }
         if word == "late":
+            fake.records.last_message(pid)
             await asyncio.sleep(LATE_HISTORY_S)
         session.write_history(pid, entry)
         return outcome

@@ -2,12 +2,14 @@
 
 `snapshot()` (= GET /fake/stats = `FakeComfy.stats`) is
     {"prompts": {prompt_id: {"posted": N, "executed": N}},
-     "runs": [{"prompt_id", "client_id", "number", "word", "posted", "start", "end",
-               "outcome"}],
+     "runs": [{"prompt_id", "client_id", "number", "word", "posted", "start",
+               "last_message", "end", "outcome"}],
      "requests": {"GET /queue": N, "GET /history/{prompt_id}": N, ...}}
 posted: every POST /prompt carrying that id (also those answered 500 or 400);
 executed: executions that started. Times are seconds since the epoch (floats); `end` and
-`outcome` are None while the run is under way; `word` is the script word the prompt was
+`outcome` are None while the run is under way; `last_message` is when its last socket
+message went out (execution_success, say: before `end` for a `late` prompt, whose history
+comes later; `end` otherwise); `word` is the script word the prompt was
 posted with ("ok" for the prompts of busy=N); outcome is "success", "error",
 "interrupted" or "lost" (the server stopped or "restarted" under it). `requests` counts
 every HTTP request by method and route (how many probes, downloads, polls a client made).
@@ -73,11 +75,20 @@ class Records:
                     "word": word,
                     "posted": posted,
                     "start": time.time(),
+                    "last_message": None,
                     "end": None,
                     "outcome": None,
                 }
             )
             return len(self._runs) - 1
+
+    def last_message(self, prompt_id: str) -> None:
+        """Stamps ``last_message`` on the run of ``prompt_id`` under way (if any)."""
+        with self._lock:
+            for entry in reversed(self._runs):
+                if entry["prompt_id"] == prompt_id and entry["outcome"] is None:
+                    entry["last_message"] = time.time()
+                    return
 
     def end(self, run: int, outcome: str) -> None:
         """Records how run number `run` ended (once; a second call raises RuntimeError)."""
@@ -86,6 +97,8 @@ class Records:
             if entry["outcome"] is not None:
                 raise RuntimeError(f"run {run} already ended as {entry['outcome']}")
             entry["end"] = time.time()
+            if entry["last_message"] is None:
+                entry["last_message"] = entry["end"]
             entry["outcome"] = outcome
             self._ended += 1
 

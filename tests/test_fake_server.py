@@ -683,6 +683,8 @@ async def test_late_writes_history_after_execution_success_and_keeps_the_prompt_
         assert (await c.get("/queue")).json()["queue_running"] == []
         assert [m["type"] for m in messages][-2:] == ["status", "executing"]
         await sock.close()
+    (run,) = fake.stats["runs"]
+    assert run["start"] < run["last_message"] < run["end"]
 
 
 async def test_silent_prompt_runs_but_its_client_hears_nothing_of_it(tmp_path: Path) -> None:
@@ -911,10 +913,13 @@ def test_serve_in_thread_serves_sync_callers(tmp_path: Path) -> None:
         "word",
         "posted",
         "start",
+        "last_message",
         "end",
         "outcome",
     } == set(stats["runs"][0])
     assert stats["runs"][0]["word"] == "ok"
+    # Not a late prompt: its last message is its end.
+    assert stats["runs"][0]["last_message"] == stats["runs"][0]["end"]
 
 
 async def test_preview_images_are_served_from_the_temp_folder(fake: FakeComfy) -> None:

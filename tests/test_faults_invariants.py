@@ -144,9 +144,17 @@ def test_a_late_prompt_holds_the_server_until_its_execution_success_only(clean, 
     def change(p: Played) -> None:
         first, second = p.stats["gpu0"]["runs"][:2]
         first["word"] = "late"
-        first["end"] = second["posted"] + 0.1  # history written after the next POST
+        first["last_message"] = second["posted"] - 0.01  # execution_success, then the POST
+        first["end"] = second["posted"] + 0.4  # history written after the next POST
 
-    assert broken(clean, tmp_path, change) == []
+    def too_soon(p: Played) -> None:
+        change(p)
+        first, second = p.stats["gpu0"]["runs"][:2]
+        first["last_message"] = second["posted"] + 0.05  # still executing at the POST
+
+    assert broken(clean, tmp_path / "after", change) == []
+    (found,) = broken(clean, tmp_path / "during", too_soon)
+    assert "was queued or running" in found
 
 
 def test_our_prompt_left_on_a_server_and_a_busy_server_are_violations(clean, tmp_path):

@@ -13,7 +13,7 @@ the runs' output and results.csv.
   reach the server);
 - never two of our prompts at once on one server: no prompt of ours is posted (the fake's
   ``posted`` time of a run) while another of ours is queued or executing there (a `late`
-  prompt executes until its execution_success, LATE_HISTORY_S before its history);
+  prompt executes until its execution_success, its `last_message`, before its history);
 - nothing of ours queued or running on any server at the end, and every server idle;
 - ``<store>/<partition>/results.csv`` has one row per job, in file order, with its state;
 - each run that was not killed or stopped exits 0 when every job of its file is done, 1
@@ -33,7 +33,6 @@ from typing import Any
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.store import Store
-from fake_comfy.executor import LATE_HISTORY_S
 from tests.campaign.play import Phase, Played
 
 TRACEBACK = "Traceback (most recent call last)"
@@ -185,9 +184,9 @@ def _one_at_a_time(played: Played) -> list[str]:
         for before, after in zip(ours, ours[1:], strict=False):
             end = before["end"] if before["end"] is not None else float("inf")
             if before["word"] == "late" and before["outcome"] == "success":
-                # Its last message (execution_success) came LATE_HISTORY_S before its
-                # history: from then on it holds no GPU, only its place in /queue.
-                end -= LATE_HISTORY_S
+                # Its last message (execution_success) came before its history: from
+                # then on it holds no GPU, only its place in /queue.
+                end = before["last_message"]
             if after["posted"] < end:
                 found.append(
                     f"{server}: prompt {after['prompt_id']} posted while our prompt "
