@@ -2,7 +2,7 @@
 
 Run: `python bench/pool.py [--jobs 400] [--servers 8] [--prompt-ms 250] [--db-url URL]`.
 Prints `name=value` lines measured from the fake servers' own records.
-Targets (issue 4, this 2-core machine): utilization >= 0.97, gap_ms_median <= 10.
+Targets (on a 2-core machine; docs/performance.md): utilization >= 0.97, gap_ms_median <= 10.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ the cursor and creating the runs, is not included). Ticks measured, at each size
 
 "Cold" is the sensor's cursor, not the disk: the files are in the page cache, as they
 are on a busy host. Each figure is the median of ``--repeat`` ticks.
-Prints ``name=value`` lines; target (issue 8, this 2-core machine): sensor_tick_s <= 2.
+Prints ``name=value`` lines; target (a 2-core machine; docs/performance.md): sensor_tick_s <= 2.
 """
 
 from __future__ import annotations

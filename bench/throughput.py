@@ -22,7 +22,7 @@ Prints ``name=value`` lines. Memory: ``peak_rss_mb`` is ``getrusage(RUSAGE_SELF)
 process that ran the batch: **the fake servers (children) are not included**;
 ``fake_peak_rss_mb`` is ``getrusage(RUSAGE_CHILDREN)`` after they exited, which is the
 largest single fake, not their sum.
-Targets (issue 8, this 2-core machine): jobs_per_s >= 300, peak_rss_mb <= 300.
+Targets (on a 2-core machine; docs/performance.md): jobs_per_s >= 300, peak_rss_mb <= 300.
 """
 
 from __future__ import annotations
