@@ -7,6 +7,7 @@ import hashlib
 import socket
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpx
@@ -538,15 +539,12 @@ async def test_a_prompt_that_cannot_be_followed_is_removed_not_left_running(tmp_
     assert failed.detail.endswith("; prompt interrupted and removed from gpu0")
 
 
-async def test_a_run_removed_after_an_unanswered_post_does_not_end_the_next_run(
-    tmp_path, monkeypatch
-):
-    # The POST's answer is lost and so is the /queue that looks for it: our prompt is
-    # interrupted and removed, its socket events (execution_start, execution_interrupted)
-    # left unread. The next attempt posts again; those events are not about its run.
-    fake = FakeComfy(script=["slow", "ok"], prompt_seconds=0.01)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    job = jf.jobs[0]
+def lose_post_and_queue_answers(
+    monkeypatch: pytest.MonkeyPatch,
+    meanwhile: Callable[[], Awaitable[object]] | None = None,
+) -> list[str]:
+    """Lose the answer of the first POST /prompt (the server gets it) and of the /queue
+    that looks for it (after awaiting ``meanwhile``); returns the list of what was lost."""
     post_prompt, queue = ComfyClient.post_prompt, ComfyClient.queue
     lost: list[str] = []
 
@@ -560,11 +558,26 @@ async def test_a_run_removed_after_an_unanswered_post_does_not_end_the_next_run(
     async def queue_lost_once(self: ComfyClient):
         if lost == ["POST /prompt"]:
             lost.append("GET /queue")
+            if meanwhile is not None:
+                await meanwhile()
             raise ConnectionLost(f"{self.name}: GET /queue: connection lost")
         return await queue(self)
 
     monkeypatch.setattr(ComfyClient, "post_prompt", answer_lost)
     monkeypatch.setattr(ComfyClient, "queue", queue_lost_once)
+    return lost
+
+
+async def test_a_run_removed_after_an_unanswered_post_does_not_end_the_next_run(
+    tmp_path, monkeypatch
+):
+    # The POST's answer is lost and so is the /queue that looks for it: our prompt is
+    # interrupted and removed, its socket events (execution_start, execution_interrupted)
+    # left unread. The next attempt posts again; those events are not about its run.
+    fake = FakeComfy(script=["slow", "ok"], prompt_seconds=0.01)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    job = jf.jobs[0]
+    lost = lose_post_and_queue_answers(monkeypatch)
     store = Store(tmp_path / "store")
     async with fake_servers(fake) as servers:
         summary = await run_batch(
@@ -630,25 +643,8 @@ async def test_a_prompt_that_ran_while_its_unanswered_post_was_looked_for_is_tak
     fake = FakeComfy(prompt_seconds=0.005)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
     job = jf.jobs[0]
-    post_prompt, queue = ComfyClient.post_prompt, ComfyClient.queue
-    lost: list[str] = []
-
-    async def answer_lost(self: ComfyClient, *args, **kwargs):
-        answer = await post_prompt(self, *args, **kwargs)
-        if not lost:
-            lost.append("POST /prompt")
-            raise ConnectionLost(f"{self.name}: POST /prompt: connection lost")
-        return answer
-
-    async def queue_lost_once(self: ComfyClient):
-        if lost == ["POST /prompt"]:
-            lost.append("GET /queue")
-            await fake.wait_for_runs(1, 10.0)  # the prompt ends meanwhile
-            raise ConnectionLost(f"{self.name}: GET /queue: connection lost")
-        return await queue(self)
-
-    monkeypatch.setattr(ComfyClient, "post_prompt", answer_lost)
-    monkeypatch.setattr(ComfyClient, "queue", queue_lost_once)
+    # the prompt ends before the lost /queue answer is given up on
+    lost = lose_post_and_queue_answers(monkeypatch, meanwhile=lambda: fake.wait_for_runs(1, 10.0))
     store = Store(tmp_path / "store")
     async with fake_servers(fake) as servers:
         summary = await run_batch(

@@ -19,19 +19,9 @@ from comfy_assets.film.concat import concat
 from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.probe import VIDEO_SUFFIXES, MediaError, MediaInfo, probe
 from comfy_assets.film.stills import slate_clip, still_clip
-from comfy_assets.jobs.states import UNFINISHED
+from comfy_assets.jobs.states import UNFINISHED, State
 
-KNOWN_STATES = frozenset(
-    {
-        "pending",
-        "submitted",
-        "rendering",
-        "succeeded",
-        "degraded",
-        "failed_retryable",
-        "failed_fatal",
-    }
-)
+KNOWN_STATES = frozenset(state.value for state in State)
 # Not finished yet: the shot may still succeed or fail, so no verdict can be given.
 DEFAULT_HOLD_S = 2.0  # a slate or still for a shot without a usable duration_s
 DEFAULT_SIZE = (1280, 720)  # only when no shot gives a size (every shot is a slate)
