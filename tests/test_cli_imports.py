@@ -1,5 +1,5 @@
-"""What each command loads: ``health`` as a readiness probe starts without pandas,
-SQLAlchemy, PIL, PyAV, aio-pika or Dagster, and ``run``, ``events`` and ``requeue``
+"""What each command loads: ``health`` as a readiness probe starts without an event loop,
+aiohttp, pandas, SQLAlchemy, PIL, PyAV, aio-pika or Dagster, and ``run``, ``events`` and ``requeue``
 without the libraries they have no use for. Each command runs in a fresh interpreter
 (``sys.modules`` of this test process already holds everything), which prints its exit
 code and the packages it imported."""
@@ -16,7 +16,18 @@ from fake_comfy import FakeComfy
 from tests.support import ROOT, job_id, write_jobs
 from tests.test_client import free_port
 
-PACKAGES = ["pandas", "sqlalchemy", "PIL", "av", "aio_pika", "dagster", "httpx", "websockets"]
+PACKAGES = [
+    "asyncio",
+    "pandas",
+    "sqlalchemy",
+    "PIL",
+    "av",
+    "aio_pika",
+    "dagster",
+    "httpx",
+    "aiohttp",
+    "websockets",
+]
 
 # Runs the command as `comfy-assets ARGV...` would, then names the PACKAGES it imported.
 PROBE = f"""
@@ -42,7 +53,7 @@ def command(*argv: str) -> tuple[int, list[str], list[str]]:
     return answer["code"], answer["loaded"], lines
 
 
-def test_health_of_a_live_and_a_dead_server_loads_only_httpx():
+def test_health_of_a_live_and_a_dead_server_loads_none_of_them():
     dead = f"http://127.0.0.1:{free_port()}"
     with FakeComfy().serve_in_thread(port=0) as url:
         code, loaded, lines = command(
@@ -51,7 +62,7 @@ def test_health_of_a_live_and_a_dead_server_loads_only_httpx():
     assert code == 0
     assert lines[0].startswith("gpu0 healthy device=cpu")
     assert lines[1] == f"gpu1 unreachable: connection refused ({dead})"
-    assert loaded == ["httpx"]
+    assert loaded == []
 
 
 def test_events_and_requeue_load_the_store_and_nothing_of_rendering(tmp_path: Path):
@@ -60,11 +71,11 @@ def test_events_and_requeue_load_the_store_and_nothing_of_rendering(tmp_path: Pa
 
     code, loaded, _ = command("events", "--store", str(tmp_path / "store"), "--job", unknown)
     assert code == 1  # no events for a job the store never saw
-    assert loaded == ["sqlalchemy"]
+    assert loaded == ["asyncio", "sqlalchemy"]  # SQLAlchemy imports asyncio
 
     code, loaded, _ = command("requeue", unknown, "--store", str(tmp_path / "store"))
     assert code == 1  # not a dead letter
-    assert loaded == ["sqlalchemy"]
+    assert loaded == ["asyncio", "sqlalchemy"]  # SQLAlchemy imports asyncio
 
 
 def test_run_loads_neither_films_nor_the_broker_nor_dagster(tmp_path: Path):
@@ -75,4 +86,5 @@ def test_run_loads_neither_films_nor_the_broker_nor_dagster(tmp_path: Path):
         )
     assert code == 0
     assert "summary: 2 done, 0 dead-lettered" in lines
-    assert loaded == ["pandas", "sqlalchemy", "httpx", "websockets"]  # results.csv is pandas
+    # results.csv is pandas'
+    assert loaded == ["asyncio", "pandas", "sqlalchemy", "aiohttp", "websockets"]

@@ -8,12 +8,12 @@ import hashlib
 import json
 import socket
 import struct
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-import httpx
 import pytest
 from aiohttp import web
 
@@ -50,13 +50,43 @@ def _key(method: str, path: str) -> tuple[str, str, tuple]:
     return method, parts.path, query
 
 
+@asynccontextmanager
+async def answering(
+    handle: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """An HTTP server on loopback answering every request with ``handle``; yields its
+    base URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@dataclass
+class Sent:
+    """A request as the server received it: method, path with query as sent, body."""
+
+    method: str
+    target: str
+    body: bytes
+
+
 class Replay:
-    """An httpx transport answering each request with the next recorded answer to the
-    same method, path and query (in recording order); ``requests`` keeps what was sent."""
+    """A server answering each request with the next recorded answer to the same method,
+    path and query (in recording order); ``requests`` keeps what was sent, and a request
+    nothing was recorded for fails the test when its client closes."""
 
     def __init__(self, *cases: str, labels: set[str] | None = None) -> None:
         self.answers: dict[tuple, list[dict]] = {}
-        self.requests: list[httpx.Request] = []
+        self.requests: list[Sent] = []
+        self.unrecorded: list[str] = []
         for case in cases:
             for ex in recording(case):
                 if ex["kind"] != "http" or "request" not in ex:
@@ -66,12 +96,13 @@ class Replay:
                 req = ex["request"]
                 self.answers.setdefault(_key(req["method"], req["path"]), []).append(ex["response"])
 
-    def handle(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        target = request.url.raw_path.decode()
+    async def handle(self, request: web.Request) -> web.Response:
+        target = request.raw_path
+        self.requests.append(Sent(request.method, target, await request.read()))
         answers = self.answers.get(_key(request.method, target))
         if not answers:
-            raise AssertionError(f"nothing recorded for {request.method} {target}")
+            self.unrecorded.append(f"{request.method} {target}")
+            return web.Response(status=599, text="nothing recorded")
         answer = answers.pop(0) if len(answers) > 1 else answers[0]
         body = answer["body"]
         if isinstance(body, dict) and set(body) == {"bytes", "sha256"}:
@@ -81,12 +112,14 @@ class Replay:
         else:
             content = (body or "").encode()
         headers = {"content-type": answer["content_type"]} if answer.get("content_type") else {}
-        return httpx.Response(answer["status"], content=content, headers=headers)
+        return web.Response(status=answer["status"], body=content, headers=headers)
 
-    def client(self) -> ComfyClient:
-        return ComfyClient(
-            "http://comfy.test:8188", name="gpu0", transport=httpx.MockTransport(self.handle)
-        )
+    @asynccontextmanager
+    async def client(self) -> AsyncIterator[ComfyClient]:
+        """A ComfyClient named gpu0 of this server."""
+        async with answering(self.handle) as url, ComfyClient(url, name="gpu0") as client:
+            yield client
+        assert self.unrecorded == [], "requests nothing was recorded for"
 
 
 # -- recorded answers → dataclasses ------------------------------------------------------
@@ -219,7 +252,7 @@ async def test_post_sends_prompt_client_id_and_prompt_id_and_reads_number():
             workflow, prompt_id="78d29e6e-ba18-4dda-b1c6-1bc2d5aef9de", client_id="c1"
         )
     assert (post.number, post.node_errors) == (0, {})
-    sent = json.loads(replay.requests[0].content)
+    sent = json.loads(replay.requests[0].body)
     assert sent == {
         "prompt": workflow,
         "client_id": "c1",
@@ -272,11 +305,11 @@ async def test_500_text_plain_is_a_server_error_with_the_body():
 async def test_interrupt_delete_and_free_send_the_recorded_bodies():
     sent: list[tuple[str, bytes]] = []
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        sent.append((request.url.path, request.content))
-        return httpx.Response(200, content=b"")
+    async def handle(request: web.Request) -> web.Response:
+        sent.append((request.path, await request.read()))
+        return web.Response(body=b"")
 
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+    async with answering(handle) as url, ComfyClient(url) as client:
         await client.interrupt("p1")
         await client.interrupt()
         await client.delete_from_queue(["p1", "p2"])
@@ -307,10 +340,10 @@ async def test_view_404_is_output_missing_and_403_is_unexpected():
 
 
 async def test_a_body_of_the_wrong_shape_is_unexpected_answer():
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, json={"queue_running": "nope"})
+    async def handle(request: web.Request) -> web.Response:
+        return web.json_response({"queue_running": "nope"})
 
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+    async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(UnexpectedAnswer) as info:
             await client.queue()
     assert "GET /queue" in str(info.value)
@@ -340,14 +373,18 @@ def free_port() -> int:
 @asynccontextmanager
 async def raw_server(behaviour: str) -> AsyncIterator[str]:
     """A TCP server that reads the request head, then: ``reset`` (RST), ``close`` (FIN,
-    no answer) or ``silent`` (never answers until the test ends)."""
+    no answer), ``silent`` (never answers until the test ends) or ``cut`` (a 200 of
+    100 bytes by its Content-Length, cut by a RST after 10)."""
     done = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         if behaviour == "silent":
             await done.wait()
-        elif behaviour == "reset":
+        elif behaviour in ("reset", "cut"):
+            if behaviour == "cut":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nfirst half")
+                await writer.drain()
             sock = writer.get_extra_info("socket")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         writer.close()
@@ -362,24 +399,13 @@ async def raw_server(behaviour: str) -> AsyncIterator[str]:
         await server.wait_closed()
 
 
-@asynccontextmanager
-async def aiohttp_500() -> AsyncIterator[str]:
+def aiohttp_500() -> AbstractAsyncContextManager[str]:
     async def handle(request: web.Request) -> web.Response:
         return web.Response(
             status=500, text="500 Internal Server Error\n\nServer got itself in trouble"
         )
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    return answering(handle)
 
 
 ALL_KINDS = (ServerUnreachable, ConnectionLost, RequestTimeout, ServerError)

@@ -172,7 +172,8 @@ async def test_credentials_go_as_basic_auth_on_every_request_and_the_socket(monk
         async with wrong:
             with pytest.raises(UnexpectedAnswer, match="user and password .* were refused"):
                 await wrong.queue()
-        health = await probe(ServerSpec("gpu1", f"http://admin:{LIVE_PW}@{host}"))
+        spec = ServerSpec("gpu1", f"http://admin:{LIVE_PW}@{host}")
+        health = await asyncio.to_thread(probe, spec)
     assert health.healthy
     assert gate.refused == 3
 

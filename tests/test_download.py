@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from pathlib import Path
 
-import httpx
 import pytest
+from aiohttp import web
 
 from comfy_assets.comfy.client import ComfyClient, view_content_type
 from comfy_assets.comfy.download import download_outputs, safe_output_path
@@ -18,7 +19,7 @@ from comfy_assets.comfy.errors import (
     UnsafeOutputName,
 )
 from comfy_assets.comfy.types import HistoryEntry
-from tests.test_client import Replay
+from tests.test_client import Replay, answering, raw_server
 
 SOLID_SHA = "c738a34e8eba88674d7f6ba4b6298c461ca97c3c43ab356adc4d61a9e509d3ed"
 INVERTED_SHA = "464c43efa7ad491c5c1c044eb0ee4514168353431144f09b0da746163e5da0d5"
@@ -113,16 +114,16 @@ async def test_the_video_lands_in_its_subfolder(tmp_path):
 async def test_previews_are_skipped_and_duplicates_fetched_once(tmp_path):
     fetched: list[str] = []
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        fetched.append(request.url.params["filename"])
-        return httpx.Response(200, content=b"png:" + request.url.params["filename"].encode())
+    async def handle(request: web.Request) -> web.Response:
+        fetched.append(request.query["filename"])
+        return web.Response(body=b"png:" + request.query["filename"].encode())
 
     entry = entry_with(
         {"filename": "preview.png", "subfolder": "", "type": "temp"},
         {"filename": "keep.png", "subfolder": "", "type": "output"},
         {"filename": "keep.png", "subfolder": "", "type": "output"},
     )
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+    async with answering(handle) as url, ComfyClient(url) as client:
         files = await download_outputs(client, entry, tmp_path)
     assert fetched == ["keep.png"]
     assert [f.path for f in files] == ["keep.png"]
@@ -132,44 +133,35 @@ async def test_previews_are_skipped_and_duplicates_fetched_once(tmp_path):
 async def test_an_unsafe_name_fails_before_any_request_or_file(tmp_path):
     fetched: list[str] = []
 
-    def handle(request: httpx.Request) -> httpx.Response:
+    async def handle(request: web.Request) -> web.Response:
         fetched.append(str(request.url))
-        return httpx.Response(200, content=b"x")
+        return web.Response(body=b"x")
 
     entry = entry_with(
         {"filename": "ok.png", "subfolder": "", "type": "output"},
         {"filename": "../../escape.png", "subfolder": "", "type": "output"},
     )
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+    async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(UnsafeOutputName, match="escape"):
             await download_outputs(client, entry, tmp_path / "dest")
     assert fetched == []
     assert all_files(tmp_path) == []
 
 
-class _BrokenStream(httpx.AsyncByteStream):
-    async def __aiter__(self):
-        yield b"first half"
-        raise httpx.ReadError("connection reset by peer")
-
-
 async def test_a_download_cut_midway_leaves_no_file_behind(tmp_path):
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, stream=_BrokenStream())
-
     entry = entry_with({"filename": "big.mp4", "subfolder": "video", "type": "output"})
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+    async with raw_server("cut") as url, ComfyClient(url) as client:
         with pytest.raises(ConnectionLost, match="big.mp4"):
             await download_outputs(client, entry, tmp_path)
     assert all_files(tmp_path) == []
 
 
 async def test_a_missing_output_is_output_missing(tmp_path):
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(404, content=b"")
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(status=404, body=b"")
 
     entry = entry_with({"filename": "gone.png", "subfolder": "", "type": "output"})
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+    async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(OutputMissing, match="gone.png"):
             await download_outputs(client, entry, tmp_path)
     assert all_files(tmp_path) == []
@@ -178,11 +170,11 @@ async def test_a_missing_output_is_output_missing(tmp_path):
 async def test_a_file_over_the_limit_by_its_content_length_is_refused_before_a_byte_is_written(
     tmp_path,
 ):
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, content=b"x" * 101)  # Content-Length: 101
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=b"x" * 101)  # Content-Length: 101
 
     entry = entry_with({"filename": "big.png", "subfolder": "", "type": "output"})
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+    async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(OutputTooLarge, match="big.png: 101 bytes, over the limit of 100"):
             await download_outputs(client, entry, tmp_path, max_bytes=100)
         files = await download_outputs(client, entry, tmp_path, max_bytes=101)
@@ -190,41 +182,48 @@ async def test_a_file_over_the_limit_by_its_content_length_is_refused_before_a_b
     assert all_files(tmp_path) == ["big.png"]
 
 
-class _Endless(httpx.AsyncByteStream):
-    """A body without Content-Length that never ends, as a broken server might send."""
+class _Endless:
+    """A body without Content-Length that never ends, as a broken server might send;
+    ``hung_up`` is set when the client closes the connection."""
 
     def __init__(self) -> None:
         self.sent = 0
+        self.hung_up = asyncio.Event()
 
-    async def __aiter__(self):
-        while True:
-            self.sent += 1000
-            yield b"y" * 1000
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            while self.sent < 1 << 30:
+                await response.write(b"y" * 1000)
+                self.sent += 1000
+        except ConnectionError:  # the client went away: what the test waits for
+            self.hung_up.set()
+        return response
 
 
 async def test_a_stream_past_the_limit_fails_and_leaves_no_partial_file(tmp_path):
-    stream = _Endless()
-
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200, stream=stream)
-
+    endless = _Endless()
     entry = entry_with({"filename": "endless.mp4", "subfolder": "video", "type": "output"})
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
-        with pytest.raises(OutputTooLarge, match="endless.mp4: more than 2500 bytes") as info:
-            await download_outputs(client, entry, tmp_path, max_bytes=2500)
+    async with answering(endless.handle) as url:
+        async with ComfyClient(url) as client:
+            with pytest.raises(OutputTooLarge, match="endless.mp4: more than 2500 bytes") as info:
+                await download_outputs(client, entry, tmp_path, max_bytes=2500)
+        async with asyncio.timeout(30):
+            await endless.hung_up.wait()  # we stopped reading and closed the connection
     assert not info.value.transient  # the same prompt writes the same file again
-    assert stream.sent <= 2500 + (1 << 16)  # stopped within one chunk past the limit
+    assert endless.sent < 64 << 20  # what the sockets' buffers took before we hung up
     assert all_files(tmp_path) == []
 
 
 async def test_a_view_answer_that_is_not_the_file_is_refused_and_nothing_is_kept(tmp_path):
     # A login page of a proxy in between answers 200 text/html: not the PNG /history lists.
-    def handle(request: httpx.Request) -> httpx.Response:
-        page = b"<html>please log in</html>"
-        return httpx.Response(200, content=page, headers={"content-type": "text/html"})
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=b"<html>please log in</html>", content_type="text/html")
 
     entry = entry_with({"filename": "solid_00001_.png", "subfolder": "", "type": "output"})
-    async with ComfyClient("http://h:1", transport=httpx.MockTransport(handle)) as client:
+    async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(NotTheFile) as info:
             await download_outputs(client, entry, tmp_path)
     assert "answered text/html, not the file (image/png expected)" in str(info.value)

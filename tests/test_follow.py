@@ -96,25 +96,18 @@ async def test_ok_succeeds_with_both_outputs_and_frees_the_slot_once():
     assert counts(fake, pid) == (1, 1)
 
 
-class CountingTransport(httpx.AsyncHTTPTransport):
-    """The real transport, noting each request's path."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.paths: list[str] = []
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self.paths.append(request.url.path)
-        return await super().handle_async_request(request)
+def http_requests(fake: FakeComfy) -> dict[str, int]:
+    """The HTTP requests the fake answered, by route (the socket's upgrade left out)."""
+    return {route: n for route, n in fake.stats["requests"].items() if route != "GET /ws"}
 
 
 async def test_a_quick_prompt_costs_one_history_request_not_a_poll_loop():
     fake = FakeComfy(script=["ok"], prompt_seconds=0.01)
-    transport, pid = CountingTransport(), new_id()
-    async with fake.serve(port=0) as url, ComfyClient(url, transport=transport) as client:
+    pid = new_id()
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
         outcome = await post_and_wait(client, pid, poll_s=30.0)
     assert outcome.status == "success"
-    assert transport.paths == ["/prompt", f"/history/{pid}"]
+    assert http_requests(fake) == {"POST /prompt": 1, "GET /history/{prompt_id}": 1}
 
 
 async def test_error_reports_the_index_error_and_is_not_oom():
@@ -404,17 +397,17 @@ async def test_then_runs_after_the_finish_and_before_history_is_asked():
     # The pool's hand-over: the server's next prompt is posted in `then`, before this
     # run's /history request (so neither the request nor its answer delays it).
     fake = FakeComfy(script=["ok"], prompt_seconds=0.01)
-    transport, pid, finished = CountingTransport(), new_id(), Recorder()
-    seen_in_then: list[tuple[int, list[str]]] = []
+    pid, finished = new_id(), Recorder()
+    seen_in_then: list[tuple[int, dict[str, int]]] = []
 
     async def then() -> None:
-        seen_in_then.append((finished.calls, list(transport.paths)))
+        seen_in_then.append((finished.calls, http_requests(fake)))
 
-    async with fake.serve(port=0) as url, ComfyClient(url, transport=transport) as client:
+    async with fake.serve(port=0) as url, ComfyClient(url) as client:
         client_id = uuid.uuid4().hex
         async with PromptFollower(client, client_id, poll_s=30.0) as follower:
             post = await client.post_prompt(IMAGE, prompt_id=pid, client_id=client_id)
             outcome = await follower.wait(pid, post.number, on_finished=finished, then=then)
     assert outcome.status == "success"
-    assert seen_in_then == [(1, ["/prompt"])]
-    assert transport.paths == ["/prompt", f"/history/{pid}"]
+    assert seen_in_then == [(1, {"POST /prompt": 1})]
+    assert http_requests(fake) == {"POST /prompt": 1, "GET /history/{prompt_id}": 1}

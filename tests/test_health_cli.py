@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
@@ -62,7 +63,7 @@ def test_no_server_at_all_is_an_error():
 async def test_probe_of_a_fake_server_reads_device_memory_and_queue():
     fake = FakeComfy(prompt_seconds=0.01)
     async with fake.serve(port=0) as url:
-        health = await probe(ServerSpec("gpu0", url), timeout_s=3)
+        health = await asyncio.to_thread(probe, ServerSpec("gpu0", url), timeout_s=3)
     assert health.healthy
     assert health.stats is not None and health.stats.devices
     assert health.queue_length == 0
@@ -71,7 +72,7 @@ async def test_probe_of_a_fake_server_reads_device_memory_and_queue():
 
 async def test_probe_of_a_silent_server_says_it_timed_out():
     async with raw_server("silent") as url:
-        health = await probe(ServerSpec("gpu3", url), timeout_s=0.3)
+        health = await asyncio.to_thread(probe, ServerSpec("gpu3", url), timeout_s=0.3)
     assert not health.healthy
     assert health.line() == f"gpu3 unreachable: no answer within 0.3 s ({url})"
 

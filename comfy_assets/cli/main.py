@@ -6,13 +6,12 @@ To add a command: write ``add_<name>(sub)`` that registers its parser with
 
 A command's module is imported only when that command runs (or for ``--help`` of the
 whole program): ``health`` as a readiness probe every few seconds pays for argparse and
-httpx, not for pandas, SQLAlchemy, PyAV or aio-pika.
+http.client, not for an event loop, aiohttp, pandas, SQLAlchemy, PyAV or aio-pika.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import os
@@ -21,13 +20,6 @@ from collections.abc import Callable, Sequence
 
 from comfy_assets.cli.options import bounded
 from comfy_assets.comfy.servers import parse_servers
-
-# httpx's __init__ imports its own command-line client (httpx._main: rich, click, pygments)
-# whenever those are installed, and Dagster installs them: that is about half of
-# `import httpx`, on every command. None in sys.modules makes that import fail, and httpx
-# falls back to a stub `httpx.main` (encode/httpx#3547 proposes the lazy import upstream).
-# No command here calls httpx.main.
-sys.modules.setdefault("httpx._main", None)  # type: ignore[arg-type]
 
 
 def add_health(sub: argparse._SubParsersAction) -> None:
@@ -54,9 +46,9 @@ def health(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"comfy-assets health: {exc}", file=sys.stderr)
         return 2
-    from comfy_assets.comfy.health import probe_all  # httpx: after the arguments are checked
+    from comfy_assets.comfy.health import probe_all  # after the arguments are checked
 
-    results = asyncio.run(probe_all(specs, args.timeout_s))
+    results = probe_all(specs, args.timeout_s)
     for result in results:
         print(result.line(), flush=True)
     return 0 if any(r.healthy for r in results) else 1

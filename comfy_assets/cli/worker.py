@@ -173,14 +173,12 @@ def service_logging() -> Iterator[None]:
     back when it returns (in-process callers, tests, keep theirs)."""
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    httpx_level = logging.getLogger("httpx").level
     logging.basicConfig(
         level=logging.INFO,
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         force=True,
     )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request drowns ours
     try:
         yield
     finally:
@@ -189,7 +187,6 @@ def service_logging() -> Iterator[None]:
         for handler in handlers:
             root.addHandler(handler)
         root.setLevel(level)
-        logging.getLogger("httpx").setLevel(httpx_level)
 
 
 def worker_command(args: argparse.Namespace) -> int:

@@ -1,5 +1,10 @@
 """One ComfyUI server: every route this project uses, typed results, typed errors.
 
+Requests go over aiohttp, imported on the first one: per request it costs a fraction
+of httpx's CPU (bench/http_clients.py), and a batch makes four per job. A caller with an
+answer of its own (``comfy.health``'s probe, over the standard library's http.client,
+which starts in a blink) reads it with ``read_json``: one reading of answers for both.
+
 Error mapping (what failed, so callers classify by type):
 refused / cannot connect → ServerUnreachable; reset, closed, protocol error → ConnectionLost;
 any timeout → RequestTimeout; 5xx → ServerError; POST /prompt 400 → PromptRejected;
@@ -15,16 +20,16 @@ carry the URL without them.
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import mimetypes
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
-
-import httpx
 
 from comfy_assets.comfy.errors import (
     ComfyError,
@@ -47,8 +52,10 @@ from comfy_assets.comfy.types import (
     format_node_errors,
 )
 
-if TYPE_CHECKING:  # websockets is imported by connect_ws: a health probe never loads it
+if TYPE_CHECKING:  # imported where used: a health probe loads neither
+    import aiohttp
     from websockets.asyncio.client import ClientConnection
+    from yarl import URL
 
 T = TypeVar("T")
 
@@ -74,15 +81,32 @@ _WS_LOG = logging.getLogger("websockets.client.comfy_assets")
 _WS_LOG.addFilter(_HideSecretHeaders())
 
 
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer read whole: ``status``, ``headers`` (looked up case-insensitively),
+    ``body`` (bytes)."""
+
+    status: int
+    headers: Mapping[str, str]
+    body: bytes
+
+    @property
+    def text(self) -> str:
+        """The body as text (UTF-8, undecodable bytes replaced): for error messages."""
+        return self.body.decode("utf-8", "replace")
+
+
 class ComfyClient:
-    """HTTP client of one ComfyUI server over one ``httpx.AsyncClient``.
+    """HTTP client of one ComfyUI server over one ``aiohttp.ClientSession``.
 
     ``base_url`` like ``http://127.0.0.1:8188``; ``credentials`` (or a
     ``user:password@`` in ``base_url``, taken out of it) are sent as HTTP basic auth on
     every request and on the ``/ws`` handshake. ``name`` (default: the URL without
-    credentials) prefixes error messages; ``timeout_s`` bounds each request (seconds).
-    Use as ``async with ComfyClient(url) as client: ...``. ``transport`` is for tests.
-    Raises ``ValueError`` for a URL that is not http(s)://host[:port].
+    credentials) prefixes error messages; ``timeout_s`` bounds connecting and each read
+    of an answer (seconds; a long download goes on while data keeps coming). Redirects
+    are not followed (a 3xx is an unexpected answer). Use as ``async with
+    ComfyClient(url) as client: ...``; the session opens on the first request, in the
+    running event loop. Raises ``ValueError`` for a URL that is not http(s)://host[:port].
     """
 
     def __init__(
@@ -92,7 +116,6 @@ class ComfyClient:
         credentials: Credentials | None = None,
         name: str | None = None,
         timeout_s: float = 30.0,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         base_url, in_url = split_credentials(base_url)
         credentials = credentials or in_url
@@ -103,23 +126,13 @@ class ComfyClient:
         self.name = name or self.base_url
         self.timeout_s = timeout_s
         self._authenticated = credentials is not None
-        self._ws_headers: dict[str, str] = {}
-        auth: httpx.BasicAuth | None = None
+        self.auth_headers: dict[str, str] = {}
+        """``Authorization`` for every request and the socket (empty without credentials)."""
         if credentials is not None:
-            auth = httpx.BasicAuth(credentials.user, credentials.password)
-            # The header httpx's BasicAuth sends (user:password in UTF-8, base64).
+            # user:password in UTF-8, base64 (aiohttp's BasicAuth would encode latin-1).
             token = f"{credentials.user}:{credentials.password}".encode()
-            self._ws_headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
-        self._http = httpx.AsyncClient(
-            base_url=self.base_url,
-            auth=auth,
-            timeout=httpx.Timeout(timeout_s),
-            transport=transport,
-            # Many followers of one server share this client.
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
-            # Loading the CA bundle is slow, and plain http:// never uses it.
-            verify=self.base_url.startswith("https://"),
-        )
+            self.auth_headers["Authorization"] = "Basic " + base64.b64encode(token).decode()
+        self._http: aiohttp.ClientSession | None = None
         self._output_classes: dict[str, bool] = {}  # is_output_node answers
 
     async def __aenter__(self) -> Self:
@@ -129,7 +142,32 @@ class ComfyClient:
         await self.aclose()
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            import aiohttp
+
+            timeout = self.timeout_s
+            self._http = aiohttp.ClientSession(
+                headers=self.auth_headers,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, connect=timeout, sock_connect=timeout, sock_read=timeout
+                ),
+                # Many followers of one server share this client.
+                connector=aiohttp.TCPConnector(limit=64, ssl=self.base_url.startswith("https://")),
+                # Answers are ComfyUI's: no cookies to keep, nothing to follow.
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._http
+
+    def _url(self, path: str) -> URL:
+        """``base_url + path`` as given: paths and queries are quoted by the caller."""
+        from yarl import URL
+
+        return URL(self.base_url + path, encoded=True)
 
     # -- routes -----------------------------------------------------------------------
 
@@ -151,7 +189,7 @@ class ComfyClient:
         route = "POST /prompt"
         payload = {"prompt": prompt, "client_id": client_id, "prompt_id": prompt_id}
         response = await self._request("POST", "/prompt", route, json=payload)
-        if response.status_code == 400:
+        if response.status == 400:
             raise self._rejected(route, response)
         self._check(route, response)
         return self._parse(route, PostResult.from_json, self._json(route, response))
@@ -222,32 +260,33 @@ class ComfyClient:
         query = urlencode({"filename": filename, "subfolder": subfolder, "type": type})
         route = f"GET /view {subfolder + '/' if subfolder else ''}{filename}"
         async with self._mapped(route):
-            async with self._http.stream("GET", f"/view?{query}") as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    if response.status_code == 404:
+            request = self._session().get(self._url(f"/view?{query}"), allow_redirects=False)
+            async with request as response:
+                if response.status != 200:
+                    answer = Answer(response.status, response.headers, await response.read())
+                    if answer.status == 404:
                         raise OutputMissing(
                             f"{self.name}: {route}: 404 not found", server=self.base_url
                         )
-                    self._check(route, response)
-                self._check_view_type(route, filename, response)
+                    self._check(route, answer)
+                self._check_view_type(route, filename, response.headers)
                 if max_bytes is not None:
                     length = response.headers.get("content-length", "")
                     if length.isdigit() and int(length) > max_bytes:
                         raise self._too_large(route, f"{int(length)} bytes", max_bytes)
                 size = 0
-                async for chunk in response.aiter_bytes(chunk_bytes):
+                async for chunk in response.content.iter_chunked(chunk_bytes):
                     size += len(chunk)
                     if max_bytes is not None and size > max_bytes:
                         raise self._too_large(route, f"more than {max_bytes} bytes", max_bytes)
                     yield chunk
 
-    def _check_view_type(self, route: str, filename: str, response: httpx.Response) -> None:
+    def _check_view_type(self, route: str, filename: str, headers: Mapping[str, str]) -> None:
         """Raise NotTheFile when the answer's media type is not the one ComfyUI sends for
         ``filename`` (``view_content_type``). Accepted besides: no Content-Type at all (it
         says nothing), and application/octet-stream on either side, since two machines'
         MIME tables may disagree on a rare extension."""
-        got = response.headers.get("content-type", "").split(";")[0].strip().lower()
+        got = headers.get("content-type", "").split(";")[0].strip().lower()
         expected = view_content_type(filename)
         if not got or got == expected or "application/octet-stream" in (got, expected):
             return
@@ -279,7 +318,7 @@ class ComfyClient:
         try:
             return await websockets.connect(
                 self.ws_url(client_id),
-                additional_headers=self._ws_headers or None,
+                additional_headers=self.auth_headers or None,
                 logger=_WS_LOG,
                 open_timeout=self.timeout_s,
                 max_size=_WS_MAX_MESSAGE,
@@ -306,38 +345,49 @@ class ComfyClient:
             raise ServerUnreachable(
                 f"{self.name}: {route}: cannot connect ({exc}) ({self.base_url})",
                 server=self.base_url,
-                reason=_unreachable_reason(exc, self.base_url),
+                reason=unreachable_reason(exc, self.base_url),
             ) from exc
 
     # -- plumbing ---------------------------------------------------------------------
 
     @asynccontextmanager
     async def _mapped(self, route: str) -> AsyncIterator[None]:
-        """Turn httpx transport errors into our typed errors, naming server and route."""
+        """Turn aiohttp's errors into our typed errors, naming server and route."""
+        import aiohttp
+
         where = f"{self.name}: {route}"
         try:
             yield
-        except httpx.TimeoutException as exc:
+        except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors too
             raise RequestTimeout(
                 f"{where}: no answer within {self.timeout_s:g} s", server=self.base_url
             ) from exc
-        except httpx.ConnectError as exc:
-            reason = _unreachable_reason(exc, self.base_url)
+        except aiohttp.ClientConnectorError as exc:
+            reason = unreachable_reason(exc, self.base_url)
             raise ServerUnreachable(
                 f"{where}: {reason} ({self.base_url})", server=self.base_url, reason=reason
             ) from exc
-        except (httpx.NetworkError, httpx.RemoteProtocolError) as exc:
+        except aiohttp.ClientError as exc:
+            # Reset, closed before the answer ended, a malformed answer: the request may
+            # have reached the server.
             raise ConnectionLost(
                 f"{where}: connection lost ({exc or type(exc).__name__})", server=self.base_url
             ) from exc
-        except httpx.TransportError as exc:
-            raise ConnectionLost(
-                f"{where}: {type(exc).__name__}: {exc}", server=self.base_url
-            ) from exc
 
-    async def _request(self, method: str, path: str, route: str, **kwargs: Any) -> httpx.Response:
+    async def _request(self, method: str, path: str, route: str, *, json: Any = None) -> Answer:
+        """One request, its answer read whole; ``json`` is sent as a compact UTF-8 body
+        (NaN or infinity raise ValueError: JSON has neither)."""
+        data = None
+        headers = None
+        if json is not None:
+            data = _json_dumps(json).encode()
+            headers = {"Content-Type": "application/json"}
         async with self._mapped(route):
-            return await self._http.request(method, path, **kwargs)
+            request = self._session().request(
+                method, self._url(path), data=data, headers=headers, allow_redirects=False
+            )
+            async with request as response:
+                return Answer(response.status, response.headers, await response.read())
 
     async def _get_json(self, path: str, route: str | None = None) -> Any:
         route = route or f"GET {path}"
@@ -345,14 +395,21 @@ class ComfyClient:
         self._check(route, response)
         return self._json(route, response)
 
+    def read_json(self, route: str, answer: Answer, parse: Callable[[Any], T]) -> T:
+        """``parse`` of the JSON body of a 200 ``answer`` to ``route`` ("GET /queue"),
+        as every route here reads it. Raises ServerError (5xx), UnexpectedAnswer (any
+        other status, a body that is not JSON or not of the shape ``parse`` expects)."""
+        self._check(route, answer)
+        return self._parse(route, parse, self._json(route, answer))
+
     async def _post_ok(self, path: str, payload: dict[str, Any]) -> None:
         route = f"POST {path}"
         response = await self._request("POST", path, route, json=payload)
         self._check(route, response)
 
-    def _check(self, route: str, response: httpx.Response) -> None:
+    def _check(self, route: str, response: Answer) -> None:
         """Raise for any status but 200: ServerError for 5xx, UnexpectedAnswer otherwise."""
-        status = response.status_code
+        status = response.status
         if status == 200:
             return
         raise self._bad_status(route, status, response.text)
@@ -380,9 +437,9 @@ class ComfyClient:
             )
         return f"status {status} {_excerpt(body)}".rstrip()
 
-    def _json(self, route: str, response: httpx.Response) -> Any:
+    def _json(self, route: str, response: Answer) -> Any:
         try:
-            return response.json()
+            return json.loads(response.body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self._unexpected(route, f"body is not JSON: {_excerpt(response.text)!r}") from exc
 
@@ -394,7 +451,7 @@ class ComfyClient:
                 route, f"unexpected shape ({type(exc).__name__}: {exc})"
             ) from exc
 
-    def _rejected(self, route: str, response: httpx.Response) -> ComfyError:
+    def _rejected(self, route: str, response: Answer) -> ComfyError:
         """400 of POST /prompt: ``{"error": {type, message, details}, "node_errors"}``."""
         body = self._json(route, response)
         try:
@@ -441,14 +498,21 @@ def _excerpt(text: str) -> str:
     return text if len(text) <= _BODY_EXCERPT else text[:_BODY_EXCERPT] + "..."
 
 
-def _unreachable_reason(exc: BaseException, base_url: str) -> str:
-    """A few words for people, from the cause chain (httpx wraps the OS error twice):
+def _json_dumps(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def unreachable_reason(exc: BaseException, base_url: str) -> str:
+    """A few words for people, from the OS error under ``exc`` (aiohttp keeps it as
+    ``os_error``; with several addresses tried, one OSError carries their common errno):
     "connection refused", "host not found: NAME", or "cannot connect: <the error>"."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, ConnectionRefusedError):
+        if isinstance(seen, ConnectionRefusedError) or (
+            type(seen) is OSError and seen.errno == errno.ECONNREFUSED
+        ):
             return "connection refused"
         if isinstance(seen, socket.gaierror):
-            return f"host not found: {httpx.URL(base_url).host}"
-        seen = seen.__cause__ or seen.__context__
+            return f"host not found: {urlsplit(base_url).hostname}"
+        seen = getattr(seen, "os_error", None) or seen.__cause__ or seen.__context__
     return f"cannot connect: {exc}"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from comfy_assets.comfy.errors import UnsafeOutputName
 from comfy_assets.comfy.types import DownloadedFile, HistoryEntry, OutputFile
 
-if TYPE_CHECKING:  # MAX_OUTPUT_BYTES is read by argparse defaults, which need no httpx
+if TYPE_CHECKING:  # MAX_OUTPUT_BYTES is read by argparse defaults, which need no aiohttp
     from comfy_assets.comfy.client import ComfyClient
 
 _SEPARATORS = ("/", "\\")

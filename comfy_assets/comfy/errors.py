@@ -1,7 +1,7 @@
 """Typed errors of the ComfyUI layer.
 
 Each class says *what* failed, so a caller classifies transient vs permanent by type,
-never by parsing strings (the way httpx does with ConnectError, ReadTimeout, ...).
+never by parsing strings (as HTTP clients type theirs: ConnectError, ReadTimeout, ...).
 Every error carries the server's base URL in ``server``.
 """
 

@@ -1,11 +1,21 @@
-"""Is a ComfyUI server up? One probe: /system_stats and /queue, concurrently."""
+"""Is a ComfyUI server up? One probe: /system_stats and /queue.
+
+The probe is what `comfy-assets health` runs as a readiness check every few seconds, so it
+starts in a blink: the standard library's http.client on a thread per request, no event
+loop and no aiohttp to import. Its answers are read by ``ComfyClient.read_json``, as the
+batch reads them; its transport errors map to the same typed errors as the client's.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import http.client
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
 
-from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.client import Answer, ComfyClient, unreachable_reason
 from comfy_assets.comfy.errors import (
     ComfyError,
     ConnectionLost,
@@ -69,26 +79,76 @@ def _describe(error: ComfyError, timeout_s: float) -> tuple[str, str]:
     return "unhealthy", f"unexpected answer: {error.message}"
 
 
-async def probe(spec: ServerSpec, timeout_s: float = 3.0) -> ServerHealth:
-    """Probe one server; never raises for what the server does (the error is in the
-    result). ``timeout_s`` bounds each request (seconds)."""
-    client = ComfyClient(
-        spec.url, credentials=spec.credentials, name=spec.name, timeout_s=timeout_s
-    )
-    async with client:
-        results = await asyncio.gather(
-            client.system_stats(), client.queue(), return_exceptions=True
-        )
-    stats, queue = results
-    for result in results:
-        if isinstance(result, ComfyError):
-            return ServerHealth(spec, error=result, timeout_s=timeout_s)
-        if isinstance(result, BaseException):
-            raise result  # a bug, not the server: let it show
-    assert isinstance(stats, SystemStats) and isinstance(queue, QueueState)
-    return ServerHealth(spec, stats=stats, queue_length=queue.length, timeout_s=timeout_s)
+def probe(spec: ServerSpec, timeout_s: float = 3.0) -> ServerHealth:
+    """Probe one server, its two requests at once; never raises for what the server
+    does (the error is in the result). ``timeout_s`` bounds connecting and each read
+    (seconds)."""
+    return probe_all([spec], timeout_s)[0]
 
 
-async def probe_all(specs: list[ServerSpec], timeout_s: float = 3.0) -> list[ServerHealth]:
-    """Probe every server concurrently; results in the order of ``specs``."""
-    return list(await asyncio.gather(*(probe(spec, timeout_s) for spec in specs)))
+def probe_all(specs: list[ServerSpec], timeout_s: float = 3.0) -> list[ServerHealth]:
+    """Probe every server, all requests at once; results in the order of ``specs``."""
+    clients = [
+        ComfyClient(spec.url, credentials=spec.credentials, name=spec.name, timeout_s=timeout_s)
+        for spec in specs
+    ]
+    with ThreadPoolExecutor(max_workers=2 * len(specs)) as threads:
+        asked = [
+            (
+                threads.submit(_get, client, "/system_stats", SystemStats.from_json),
+                threads.submit(_get, client, "/queue", QueueState.from_json),
+            )
+            for client in clients
+        ]
+        results = []
+        for spec, (stats_asked, queue_asked) in zip(specs, asked, strict=True):
+            stats, queue = stats_asked.result(), queue_asked.result()
+            error = next((r for r in (stats, queue) if isinstance(r, ComfyError)), None)
+            if error is not None:
+                results.append(ServerHealth(spec, error=error, timeout_s=timeout_s))
+                continue
+            assert isinstance(stats, SystemStats) and isinstance(queue, QueueState)
+            results.append(
+                ServerHealth(spec, stats=stats, queue_length=queue.length, timeout_s=timeout_s)
+            )
+    return results
+
+
+def _get(client: ComfyClient, path: str, parse: Callable[[Any], object]) -> object:
+    """GET ``path`` of ``client``'s server, read by ``client.read_json``; a ComfyError is
+    returned, not raised (anything else is a bug and raises)."""
+    route = f"GET {path}"
+    try:
+        return client.read_json(route, _fetch(client, path, route), parse)
+    except ComfyError as e:
+        return e
+
+
+def _fetch(client: ComfyClient, path: str, route: str) -> Answer:
+    """One GET over http.client (redirects not followed), mapped like the client's
+    requests: refused or unresolved → ServerUnreachable, a timeout → RequestTimeout,
+    a reset or a broken answer → ConnectionLost."""
+    parts = urlsplit(client.base_url)
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    where = f"{client.name}: {route}"
+    connection = kind(parts.hostname or "", parts.port, timeout=client.timeout_s)
+    try:
+        connection.request("GET", f"{parts.path.rstrip('/')}{path}", headers=client.auth_headers)
+        response = connection.getresponse()
+        return Answer(response.status, response.headers, response.read())
+    except TimeoutError as exc:
+        raise RequestTimeout(
+            f"{where}: no answer within {client.timeout_s:g} s", server=client.base_url
+        ) from exc
+    except (ConnectionResetError, BrokenPipeError, http.client.HTTPException) as exc:
+        # Reset, or closed before or within the answer (RemoteDisconnected is both).
+        raise ConnectionLost(
+            f"{where}: connection lost ({exc or type(exc).__name__})", server=client.base_url
+        ) from exc
+    except OSError as exc:  # refused, host not found, no route
+        reason = unreachable_reason(exc, client.base_url)
+        raise ServerUnreachable(
+            f"{where}: {reason} ({client.base_url})", server=client.base_url, reason=reason
+        ) from exc
+    finally:
+        connection.close()

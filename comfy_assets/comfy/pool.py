@@ -261,6 +261,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
         allow_prompt: str | None,
         stop: asyncio.Event | None,
     ) -> Slot | None:
+        waited = False  # a whole busy_poll_s, with no release of ours to wake us
         while True:
             if stop is not None and stop.is_set():
                 for name in list(self._kept):
@@ -271,7 +272,9 @@ class Pool(Probing, LeaseKeeping, Orphans):
             if slot is not None:
                 return slot
             self._check_reachable()
-            if not all_unhealthy:
+            if waited and not all_unhealthy:
+                # Other processes are told only of a real wait: a consumer that our own
+                # prompt's end hands a server to within moments costs the store nothing.
                 self._mark_waiting()
             timeout = self.unhealthy_wait_s if all_unhealthy else self.busy_poll_s
             since, limit = self._none_reachable_since, self.unreachable_timeout_s
@@ -284,7 +287,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
                 async with asyncio.timeout(timeout):
                     await self._changed.wait()
             except TimeoutError:
-                pass
+                waited = True
 
     async def _try_acquire(
         self,
