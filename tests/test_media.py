@@ -157,7 +157,7 @@ def test_six_matching_clips_are_stream_copied_into_the_sum_of_their_durations(tm
     assert result.mode == "copy", result.reason
     film = probe(tmp_path / "film.mp4")
     assert film.duration_s == pytest.approx(sum(frames) / 24, abs=1e-6)
-    assert film.frames == sum(frames) == result.frames
+    assert film.frames == sum(frames) == result.media.frames
     seen = [c for _, c in frame_colours(tmp_path / "film.mp4")]
     starts = np.cumsum([0, *frames[:-1]])
     for start, count, colour in zip(starts, frames, colours, strict=True):
@@ -188,7 +188,7 @@ def test_copy_is_refused_when_a_target_size_is_asked_for(tmp_path):
     result = concat(clips, tmp_path / "film.mp4", width=64, height=36)
 
     assert result.mode == "reencode"
-    assert (probe(tmp_path / "film.mp4").width, result.height) == (64, 36)
+    assert (probe(tmp_path / "film.mp4").width, result.media.height) == (64, 36)
 
 
 def test_still_clip_holds_the_image_for_its_duration_letterboxed(tmp_path):
