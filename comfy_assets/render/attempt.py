@@ -219,7 +219,7 @@ class Attempt(CatchUp, Removal):
         client, name, pid = slot.client, slot.name, self.job.prompt_id
         reason = describe_error(error, "POST /prompt")
         try:
-            async with asyncio.timeout(self.pool.probe_timeout_s):
+            async with asyncio.timeout(self.pool.settings.probe_timeout_s):
                 queue = await client.queue()
                 entry = await client.history(pid)
         except (ComfyError, TimeoutError):

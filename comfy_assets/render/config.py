@@ -7,61 +7,43 @@ from dataclasses import dataclass
 from typing import Any
 
 from comfy_assets.comfy.download import MAX_OUTPUT_BYTES
+from comfy_assets.comfy.settings import PoolSettings, knob
 from comfy_assets.render.backoff import RetryPolicy
 
 
-def _knob(default: object, doc: str) -> Any:
-    # The one text of a knob: the CLI's --help and Dagster's config schema both show it.
-    return dataclasses.field(default=default, metadata={"doc": doc})
-
-
 @dataclass
-class BatchConfig:
-    """Knobs of a batch (seconds everywhere). Each field's ``metadata["doc"]`` says what
-    it does (:func:`knob_doc`): the CLI's ``--help`` and Dagster's resource show it, with
-    the field's default."""
+class BatchConfig(PoolSettings):
+    """Knobs of a batch (seconds everywhere): the pool's (``PoolSettings``, which the pool
+    reads from this object as it is) and the retries, claims, limits and policy below.
+    Each field's ``metadata["doc"]`` says what it does (:func:`knob_doc`): the CLI's
+    ``--help`` and Dagster's resource show it, with the field's default."""
 
-    attempts: int = _knob(4, "Attempts per job before it is a dead letter.")
-    base_delay_s: float = _knob(2.0, "Seconds before the first retry; doubled after each failure.")
-    max_delay_s: float = _knob(60.0, "The longest wait between retries, seconds.")
-    jitter: bool = _knob(True, "Randomize retry waits so failed jobs do not come back together.")
-    timeout_s: float = _knob(600.0, "Seconds one attempt may take at most.")
-    poll_s: float = _knob(1.0, "Seconds between looks at a server's history while a prompt runs.")
-    lease_s: float = _knob(
+    attempts: int = knob(4, "Attempts per job before it is a dead letter.")
+    base_delay_s: float = knob(2.0, "Seconds before the first retry; doubled after each failure.")
+    max_delay_s: float = knob(60.0, "The longest wait between retries, seconds.")
+    jitter: bool = knob(True, "Randomize retry waits so failed jobs do not come back together.")
+    timeout_s: float = knob(600.0, "Seconds one attempt may take at most.")
+    lease_s: float = knob(
         3600.0,
         "Seconds a job stays claimed by this run without renewal (another run may take it after).",
     )
-    server_lease_s: float = _knob(
-        30.0,
-        "Seconds a server stays ours without renewal: one prompt of ours per server, across "
-        "runs and workers.",
-    )
-    max_queue: int | None = _knob(
-        None, "Skip a server with this many prompts queued; none: no limit."
-    )
-    probe_timeout_s: float = _knob(
-        3.0, "Seconds to wait for a server's answer when checking it is up."
-    )
-    unhealthy_wait_s: float = _knob(
-        5.0, "Seconds before a server that did not answer is checked again."
-    )
-    catch_up_s: float = _knob(
+    catch_up_s: float = knob(
         60.0,
         "Seconds to keep asking a job's previous server (where its prompt may still run) "
         "before posting it elsewhere, which may render it twice.",
     )
-    unreachable_timeout_s: float | None = _knob(
+    unreachable_timeout_s: float | None = knob(
         600.0,
         "Seconds with no server reachable after which the batch stops, its unrun jobs left "
         "pending for a retry; none waits for ever (as the worker service does).",
     )
-    policy: str | None = _knob(
+    policy: str | None = knob(
         None,
         '"delivery" stops submitting a storyboard\'s shots at its first fatal failure; '
         '"draft" turns permanent failures (and failed optional shots) into degraded; '
         "none follows the job file's header.",
     )
-    max_output_bytes: int = _knob(
+    max_output_bytes: int = knob(
         MAX_OUTPUT_BYTES,
         "Bytes one output file may have at most; a larger one fails its job for good (the "
         "same prompt writes the same file again).",
