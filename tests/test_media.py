@@ -13,7 +13,7 @@ from PIL import Image
 from comfy_assets.film.concat import concat
 from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.probe import MediaError, probe
-from comfy_assets.film.stills import slate_clip, still_clip
+from comfy_assets.film.stills import slate, still_clip
 
 RECORDED_VIDEO = Path(__file__).parent.parent / "data/recorded/files/video-shot_00001_.mp4"
 RED, GREEN, BLUE = (230, 20, 20), (20, 230, 20), (20, 20, 230)
@@ -206,8 +206,8 @@ def test_still_clip_holds_the_image_for_its_duration_letterboxed(tmp_path):
 
 
 def test_slate_is_a_dark_card_with_text_of_the_given_length(tmp_path):
-    slate_clip(
-        ["SHOT 3 MISSING", "failed_fatal: IndexError"],
+    still_clip(
+        slate(["SHOT 3 MISSING", "failed_fatal: IndexError"], 128, 72),
         2.0,
         tmp_path / "slate.mp4",
         width=128,

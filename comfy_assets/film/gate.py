@@ -15,10 +15,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
+from PIL import Image
+
 from comfy_assets.film.concat import ConcatInfo, concat
 from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.probe import VIDEO_SUFFIXES, MediaError, MediaInfo, probe
-from comfy_assets.film.stills import slate_clip, still_clip
+from comfy_assets.film.stills import slate, still_clip
 from comfy_assets.jobs.states import UNFINISHED, State
 
 KNOWN_STATES = frozenset(state.value for state in State)
@@ -347,17 +349,20 @@ def build_film(
     clips = []
     for v in result.verdicts:
         assert v.duration_s is not None  # every shot that passed has a length
+        still: Path | Image.Image
         if v.placeholder:
             lines = [f"SHOT {v.shot} MISSING", v.reason[:_SLATE_REASON_CHARS], f"job {v.job_id}"]
+            still = slate(lines, film_width, film_height)
             clip = work_dir / f"shot{v.shot:04d}-slate.mp4"
-            slate_clip(lines, v.duration_s, clip, width=film_width, height=film_height, fps=rate)
         elif v.media is not None and v.media.kind == "image":
             assert v.file is not None
+            still = v.file
             clip = work_dir / f"shot{v.shot:04d}-still.mp4"
-            still_clip(v.file, v.duration_s, clip, width=film_width, height=film_height, fps=rate)
         else:
             assert v.file is not None
-            clip = v.file
+            clips.append(v.file)
+            continue
+        still_clip(still, v.duration_s, clip, width=film_width, height=film_height, fps=rate)
         clips.append(clip)
     metadata = {"comment": _comment(result)}
     joined = concat(clips, out, width=film_width, height=film_height, fps=rate, metadata=metadata)
