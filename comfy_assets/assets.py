@@ -422,10 +422,10 @@ def films(
         store.close()
     policy = film_policy(job_file, comfy.policy)
 
-    how = f"draft, slates for shots {film.placeholders}" if film.draft else policy.mode
+    how = f"draft, slates for shots {film.gate.placeholders}" if film.gate.draft else policy.mode
     context.log.info(
-        f"film {film.path}: {film.shot_count} shots, {film.duration_s:.3f} s ({how}), "
-        f"concat {film.concat_mode}"
+        f"film {film.concat.path}: {film.concat.clips} shots, {film.concat.duration_s:.3f} s ({how}), "
+        f"concat {film.concat.mode}"
     )
     yield MaterializeResult(
         metadata={

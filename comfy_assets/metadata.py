@@ -295,21 +295,21 @@ def film_metadata(
 ) -> dict[str, object]:
     """The film materialization's metadata: the film, then the cost report as numbers."""
     metadata: dict[str, object] = {
-        "path": MetadataValue.path(str(film.path.resolve())),
-        "duration_s": MetadataValue.float(float(film.duration_s)),
-        "shot_count": film.shot_count,
-        "degraded_shots": MetadataValue.json(film.degraded),
-        "placeholder_shots": MetadataValue.json(film.placeholders),
+        "path": MetadataValue.path(str(film.concat.path.resolve())),
+        "duration_s": MetadataValue.float(float(film.concat.duration_s)),
+        "shot_count": film.concat.clips,
+        "degraded_shots": MetadataValue.json(film.gate.degraded),
+        "placeholder_shots": MetadataValue.json(film.gate.placeholders),
         "policy": film.gate.mode,
-        "draft": film.draft,
-        "concat_mode": film.concat_mode,
+        "draft": film.gate.draft,
+        "concat_mode": film.concat.mode,
         "contact_sheet": MetadataValue.md(
             png_file_markdown(film.contact_sheet, "film contact sheet", sheet_px)
         ),
         "contact_sheet_path": MetadataValue.path(str(film.contact_sheet.resolve())),
     }
-    if film.concat_reason:
-        metadata["concat_reason"] = film.concat_reason
+    if film.concat.reason:
+        metadata["concat_reason"] = film.concat.reason
     for key, value in (cost or {}).items():
         if value is None:  # a strategy that never finishes (every attempt failed)
             metadata[key] = MetadataValue.null()

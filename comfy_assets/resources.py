@@ -18,18 +18,24 @@ UI shows as written.
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 from dagster import Config, ConfigurableResource, EnvVar
 from pydantic import Field
 
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
-from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.config import KNOBS, BatchConfig, knob_doc
 from comfy_assets.store import DB_URL_ENV, Store
 
 SERVERS_ENV = "COMFY_ASSETS_SERVERS"
 STORE_ENV = "COMFY_ASSETS_STORE"
 DEFAULT_SERVERS = "gpu0=http://127.0.0.1:8188,gpu1=http://127.0.0.1:8189"
 DEFAULT_STORE = "store"
+
+
+def _knob(name: str) -> Any:
+    """A config field with BatchConfig's default and description for its knob ``name``."""
+    return Field(default=KNOBS[name].default, description=knob_doc(name))
 
 
 def env_or_default(name: str, default: str | None) -> str | None:
@@ -59,74 +65,28 @@ class ComfyPoolResource(ConfigurableResource):
     servers: list[ServerConfig] = Field(
         default_factory=list, description="The pool as a list; overrides servers_spec."
     )
-    # Defaults are BatchConfig's own, so the CLI, the worker and Dagster agree.
-    attempts: int = Field(
-        default=BatchConfig.attempts, description="Attempts per job before it is a dead letter."
-    )
-    base_delay_s: float = Field(
-        default=BatchConfig.base_delay_s,
-        description="Seconds before the first retry; doubled after each failure.",
-    )
-    max_delay_s: float = Field(
-        default=BatchConfig.max_delay_s, description="The longest wait between retries, seconds."
-    )
-    jitter: bool = Field(
-        default=BatchConfig.jitter,
-        description="Randomize retry waits so failed jobs do not come back together.",
-    )
-    timeout_s: float = Field(
-        default=BatchConfig.timeout_s, description="Seconds one attempt may take at most."
-    )
-    poll_s: float = Field(
-        default=BatchConfig.poll_s,
-        description="Seconds between looks at a server's history while a prompt runs.",
-    )
-    lease_s: float = Field(
-        default=BatchConfig.lease_s,
-        description="Seconds a job stays claimed by this run without renewal (another run "
-        "may take it after).",
-    )
-    server_lease_s: float = Field(
-        default=BatchConfig.server_lease_s,
-        description="Seconds a server stays ours without renewal: one prompt of ours per "
-        "server, across runs and workers.",
-    )
-    max_queue: int | None = Field(
-        default=BatchConfig.max_queue,
-        description="Skip a server with this many prompts queued; None: no limit.",
-    )
-    probe_timeout_s: float = Field(
-        default=BatchConfig.probe_timeout_s,
-        description="Seconds to wait for a server's answer when checking it is up.",
-    )
-    unhealthy_wait_s: float = Field(
-        default=BatchConfig.unhealthy_wait_s,
-        description="Seconds before a server that did not answer is checked again.",
-    )
-    catch_up_s: float = Field(
-        default=BatchConfig.catch_up_s,
-        description="Seconds to keep asking a job's previous server (where its prompt may "
-        "still run) before posting it elsewhere, which may render it twice.",
-    )
-    unreachable_timeout_s: float | None = Field(
-        default=BatchConfig.unreachable_timeout_s,
-        description="Seconds with no server reachable after which the step fails, its "
-        "unrun jobs left pending for a retry; None waits for ever.",
-    )
+    # Defaults and descriptions are BatchConfig's own, so the CLI, the worker and Dagster
+    # agree.
+    attempts: int = _knob("attempts")
+    base_delay_s: float = _knob("base_delay_s")
+    max_delay_s: float = _knob("max_delay_s")
+    jitter: bool = _knob("jitter")
+    timeout_s: float = _knob("timeout_s")
+    poll_s: float = _knob("poll_s")
+    lease_s: float = _knob("lease_s")
+    server_lease_s: float = _knob("server_lease_s")
+    max_queue: int | None = _knob("max_queue")
+    probe_timeout_s: float = _knob("probe_timeout_s")
+    unhealthy_wait_s: float = _knob("unhealthy_wait_s")
+    catch_up_s: float = _knob("catch_up_s")
+    unreachable_timeout_s: float | None = _knob("unreachable_timeout_s")
     no_server_retries: int = Field(
         default=2,
         description="How many times a render stopped by unreachable_timeout_s is tried "
         "again (a minute apart) before its step fails.",
     )
-    max_output_bytes: int = Field(
-        default=BatchConfig.max_output_bytes,
-        description="Bytes one output file may have at most; a larger one fails its job "
-        "for good (the same prompt writes the same file again).",
-    )
-    policy: str | None = Field(
-        default=None,
-        description='"delivery" or "draft" overrides the job file header; None follows it.',
-    )
+    max_output_bytes: int = _knob("max_output_bytes")
+    policy: str | None = _knob("policy")
 
     def server_specs(self) -> list[ServerSpec]:
         """Return the pool's servers."""

@@ -76,13 +76,18 @@ def test_clean_storyboard_is_stream_copied_in_shot_order(tmp_path):
 
     film = build_film(shots, DELIVERY, tmp_path / "film.mp4", work_dir=tmp_path / "work")
 
-    assert (film.concat_mode, film.draft, film.degraded, film.shot_count) == ("copy", False, [], 6)
+    assert (film.concat.mode, film.gate.draft, film.gate.degraded, film.concat.clips) == (
+        "copy",
+        False,
+        [],
+        6,
+    )
     probed = probe(tmp_path / "film.mp4")
     assert probed.duration_s == pytest.approx(sum(s.duration_s for s in shots), abs=1e-6)
-    assert film.duration_s == probed.duration_s
-    assert close(colour_at(film.path, 0.5), COLOURS[0])  # shot 1 first
-    assert close(colour_at(film.path, 1.25), COLOURS[1])
-    assert close(colour_at(film.path, 5.9), COLOURS[5])
+    assert film.concat.duration_s == probed.duration_s
+    assert close(colour_at(film.concat.path, 0.5), COLOURS[0])  # shot 1 first
+    assert close(colour_at(film.concat.path, 1.25), COLOURS[1])
+    assert close(colour_at(film.concat.path, 5.9), COLOURS[5])
     sheet = Image.open(film.contact_sheet)
     assert film.contact_sheet == tmp_path / "film.contact.png"
     assert sheet.width == 6 * 160  # one row of six 160-pixel tiles
@@ -102,8 +107,8 @@ def test_mixed_sizes_are_reencoded_and_keep_the_durations(tmp_path):
 
     film = build_film(shots, DELIVERY, tmp_path / "film.mp4", work_dir=tmp_path / "work")
 
-    assert film.concat_mode == "reencode"
-    probed = probe(film.path)
+    assert film.concat.mode == "reencode"
+    probed = probe(film.concat.path)
     assert (probed.width, probed.height) == (128, 72)
     assert probed.duration_s == pytest.approx(2.75, abs=1e-6)
 
@@ -116,10 +121,10 @@ def test_image_shot_becomes_a_still_of_its_duration(tmp_path):
 
     film = build_film(shots, DELIVERY, tmp_path / "film.mp4", work_dir=tmp_path / "work")
 
-    assert film.duration_s == pytest.approx(3.5, abs=1e-6)
+    assert film.concat.duration_s == pytest.approx(3.5, abs=1e-6)
     assert probe(tmp_path / "work" / "shot0005-still.mp4").duration_s == 1.5
-    assert close(colour_at(film.path, 1.9), COLOURS[1])  # shot 2 then shot 5
-    assert close(colour_at(film.path, 2.05), COLOURS[3])
+    assert close(colour_at(film.concat.path, 1.9), COLOURS[1])  # shot 2 then shot 5
+    assert close(colour_at(film.concat.path, 2.05), COLOURS[3])
 
 
 def test_truncated_and_wrong_length_clips_block_delivery_with_the_reason(tmp_path):
@@ -174,17 +179,17 @@ def test_failed_fatal_shot_becomes_a_slate_of_its_length_in_a_draft_film(tmp_pat
 
     film = build_film(shots, DRAFT, tmp_path / "film.mp4", work_dir=tmp_path / "work")
 
-    assert (film.draft, film.degraded, film.placeholders) == (True, [2], [2])
-    assert film.duration_s == pytest.approx(1 + 1.5 + 1, abs=1e-6)
-    assert probe(film.path).duration_s == pytest.approx(3.5, abs=1e-6)
+    assert (film.gate.draft, film.gate.degraded, film.gate.placeholders) == (True, [2], [2])
+    assert film.concat.duration_s == pytest.approx(1 + 1.5 + 1, abs=1e-6)
+    assert probe(film.concat.path).duration_s == pytest.approx(3.5, abs=1e-6)
     # The slate runs from 1.0 s to 2.5 s: dark, unlike the red and blue around it.
-    assert close(colour_at(film.path, 0.9), COLOURS[0])
+    assert close(colour_at(film.concat.path, 0.9), COLOURS[0])
     slate = colour_at(
-        film.path, 1.05
+        film.concat.path, 1.05
     )  # the centre pixel may fall on text: check it is not a neighbour
     assert not close(slate, COLOURS[0], tol=60) and not close(slate, COLOURS[2], tol=60)
-    assert close(colour_at(film.path, 2.55), COLOURS[2])
-    with av.open(str(film.path)) as container:
+    assert close(colour_at(film.concat.path, 2.55), COLOURS[2])
+    with av.open(str(film.concat.path)) as container:
         frame = next(f for f in container.decode(video=0) if f.time >= 1.5)
         assert frame.to_ndarray(format="gray").mean() < 80
         assert container.metadata["comment"] == "DRAFT: shots 2 (slate)"
@@ -214,8 +219,8 @@ def test_optional_unfinished_shot_is_a_slate_in_draft_but_blocks_delivery(tmp_pa
 
     assert gate(shots, DELIVERY).blocked == [3]
     film = build_film(shots, DRAFT, tmp_path / "film.mp4", work_dir=tmp_path / "work")
-    assert film.placeholders == [3]
-    assert film.duration_s == pytest.approx(2.5, abs=1e-6)
+    assert film.gate.placeholders == [3]
+    assert film.concat.duration_s == pytest.approx(2.5, abs=1e-6)
 
 
 def test_degraded_job_render_is_used_under_draft_and_blocks_delivery(tmp_path):
@@ -224,8 +229,8 @@ def test_degraded_job_render_is_used_under_draft_and_blocks_delivery(tmp_path):
 
     assert gate(shots, DELIVERY).verdicts[1].reason == "degraded: fell back to 512px"
     film = build_film(shots, DRAFT, tmp_path / "film.mp4", work_dir=tmp_path / "work")
-    assert (film.draft, film.degraded, film.placeholders) == (True, [2], [])
-    assert close(colour_at(film.path, 1.5), COLOURS[1])  # its own render, not a slate
+    assert (film.gate.draft, film.gate.degraded, film.gate.placeholders) == (True, [2], [])
+    assert close(colour_at(film.concat.path, 1.5), COLOURS[1])  # its own render, not a slate
 
 
 def test_broken_and_wrong_length_shots_become_slates_under_draft(tmp_path):
@@ -235,8 +240,8 @@ def test_broken_and_wrong_length_shots_become_slates_under_draft(tmp_path):
 
     film = build_film(shots, DRAFT, tmp_path / "film.mp4", work_dir=tmp_path / "work")
 
-    assert film.placeholders == [1, 3]
-    assert film.duration_s == pytest.approx(1 + 1 + 2, abs=1e-6)  # slates last duration_s
+    assert film.gate.placeholders == [1, 3]
+    assert film.concat.duration_s == pytest.approx(1 + 1 + 2, abs=1e-6)  # slates last duration_s
     reasons = {v.shot: v.reason for v in film.gate.verdicts}
     assert reasons[1].startswith("output file missing: ")
     assert reasons[3].startswith("duration 1.000 s, expected 2.000 s")
@@ -248,7 +253,7 @@ def test_slate_without_expected_duration_lasts_two_seconds(tmp_path):
 
     film = build_film(shots, DRAFT, tmp_path / "film.mp4", work_dir=tmp_path / "work")
 
-    assert film.duration_s == pytest.approx(3.0, abs=1e-6)
+    assert film.concat.duration_s == pytest.approx(3.0, abs=1e-6)
 
 
 def test_two_jobs_with_one_shot_number_block(tmp_path):

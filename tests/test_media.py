@@ -13,7 +13,7 @@ from PIL import Image
 from comfy_assets.film.concat import concat
 from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.probe import MediaError, probe
-from comfy_assets.film.stills import slate_clip, still_clip
+from comfy_assets.film.stills import slate, still_clip
 
 RECORDED_VIDEO = Path(__file__).parent.parent / "data/recorded/files/video-shot_00001_.mp4"
 RED, GREEN, BLUE = (230, 20, 20), (20, 230, 20), (20, 20, 230)
@@ -157,7 +157,7 @@ def test_six_matching_clips_are_stream_copied_into_the_sum_of_their_durations(tm
     assert result.mode == "copy", result.reason
     film = probe(tmp_path / "film.mp4")
     assert film.duration_s == pytest.approx(sum(frames) / 24, abs=1e-6)
-    assert film.frames == sum(frames) == result.frames
+    assert film.frames == sum(frames) == result.media.frames
     seen = [c for _, c in frame_colours(tmp_path / "film.mp4")]
     starts = np.cumsum([0, *frames[:-1]])
     for start, count, colour in zip(starts, frames, colours, strict=True):
@@ -188,7 +188,7 @@ def test_copy_is_refused_when_a_target_size_is_asked_for(tmp_path):
     result = concat(clips, tmp_path / "film.mp4", width=64, height=36)
 
     assert result.mode == "reencode"
-    assert (probe(tmp_path / "film.mp4").width, result.height) == (64, 36)
+    assert (probe(tmp_path / "film.mp4").width, result.media.height) == (64, 36)
 
 
 def test_still_clip_holds_the_image_for_its_duration_letterboxed(tmp_path):
@@ -206,8 +206,8 @@ def test_still_clip_holds_the_image_for_its_duration_letterboxed(tmp_path):
 
 
 def test_slate_is_a_dark_card_with_text_of_the_given_length(tmp_path):
-    slate_clip(
-        ["SHOT 3 MISSING", "failed_fatal: IndexError"],
+    still_clip(
+        slate(["SHOT 3 MISSING", "failed_fatal: IndexError"], 128, 72),
         2.0,
         tmp_path / "slate.mp4",
         width=128,

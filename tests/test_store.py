@@ -94,7 +94,7 @@ def test_changed_inputs_reset_a_done_job_to_pending(store, workflow_dir):
     jobs = make_jobs(workflow_dir, 2)
     store.register_jobs("film", jobs)
     run_to_rendering(store, jobs[0])
-    store.record_attempt(jobs[0].id, 1, outcome="success", seconds=3.0, now=109.0)
+    store.record_attempt(jobs[0].id, AttemptEntry(1, "success", seconds=3.0), now=109.0)
     store.mark_done(jobs[0].id, "w1", files=files("a.png"), now=110.0)
     edited = make_jobs(workflow_dir, 2, color=500)
     result = store.register_jobs("film", [edited[0], jobs[1]], now=200.0)
@@ -339,17 +339,21 @@ def test_attempts_are_recorded_and_counted(store, workflow_dir):
     store.register_jobs("film", [job])
     store.record_attempt(
         job.id,
-        1,
-        outcome="transient",
-        server="gpu0",
-        prompt_id=job.prompt_id,
-        number=3,
-        started_at=100.0,
-        ended_at=104.0,
-        queue_wait_s=1.0,
-        reason="POST /prompt 500",
+        AttemptEntry(
+            1,
+            "transient",
+            server="gpu0",
+            prompt_id=job.prompt_id,
+            number=3,
+            started_at=100.0,
+            ended_at=104.0,
+            queue_wait_s=1.0,
+            reason="POST /prompt 500",
+        ),
     )
-    store.record_attempt(job.id, 2, outcome="success", seconds=2.0, gpu_seconds=1.5, now=110.0)
+    store.record_attempt(
+        job.id, AttemptEntry(2, "success", seconds=2.0, gpu_seconds=1.5), now=110.0
+    )
     first, second = store.attempts(job.id)
     assert (first.attempt, first.seconds, first.outcome, first.reason, first.number) == (
         1,
@@ -360,7 +364,7 @@ def test_attempts_are_recorded_and_counted(store, workflow_dir):
     )
     assert (second.started_at, second.ended_at, second.gpu_seconds) == (108.0, 110.0, 1.5)
     assert store.get(job.id).attempts == 2
-    store.record_attempt(job.id, 1, outcome="permanent", seconds=1.0)  # replaces attempt 1
+    store.record_attempt(job.id, AttemptEntry(1, "permanent", seconds=1.0))  # replaces attempt 1
     assert [a.outcome for a in store.attempts(job.id)] == ["permanent", "success"]
     assert store.get(job.id).attempts == 2
 
@@ -369,9 +373,9 @@ def test_record_attempt_checks_outcome_and_job(store, workflow_dir):
     (job,) = make_jobs(workflow_dir, 1)
     store.register_jobs("film", [job])
     with pytest.raises(ValueError, match="outcome must be one of"):
-        store.record_attempt(job.id, 1, outcome="ok", seconds=1.0)
+        store.record_attempt(job.id, AttemptEntry(1, "ok", seconds=1.0))
     with pytest.raises(UnknownJob):
-        store.record_attempt("missing", 1, outcome="success", seconds=1.0)
+        store.record_attempt("missing", AttemptEntry(1, "success", seconds=1.0))
 
 
 def test_mark_done_records_files_totals_and_frees_the_claim(store, workflow_dir):
@@ -379,7 +383,7 @@ def test_mark_done_records_files_totals_and_frees_the_claim(store, workflow_dir)
     store.register_jobs("film", [job])
     run_to_rendering(store, job)  # first submitted at 101
     store.record_attempt(
-        job.id, 1, outcome="success", started_at=101.0, ended_at=111.0, queue_wait_s=2.0
+        job.id, AttemptEntry(1, "success", started_at=101.0, ended_at=111.0, queue_wait_s=2.0)
     )
     names = ("solid_00001_.png", "inverted_00001_.png")
     store.mark_done(job.id, "w1", files=files(*names), now=112.0)
@@ -505,7 +509,7 @@ def test_dead_letter_then_requeue(store, workflow_dir):
     jobs = make_jobs(workflow_dir, 2)
     store.register_jobs("film", jobs)
     run_to_rendering(store, jobs[0])
-    store.record_attempt(jobs[0].id, 1, outcome="permanent", seconds=1.0)
+    store.record_attempt(jobs[0].id, AttemptEntry(1, "permanent", seconds=1.0))
     store.dead_letter(jobs[0].id, "w1", "prompt_outputs_failed_validation", now=130.0)
     (dead,) = store.dead_letters("film")
     assert (dead.job_id, dead.reason, dead.claimed_by, dead.attempts) == (
@@ -728,13 +732,13 @@ def test_a_requeued_job_numbers_its_attempts_on_and_keeps_the_earlier_ones(store
     (job,) = make_jobs(workflow_dir, 1)
     store.register_jobs("film", [job])
     run_to_rendering(store, job)
-    store.record_attempt(job.id, 1, outcome="permanent", seconds=4.0, reason="IndexError")
+    store.record_attempt(job.id, AttemptEntry(1, "permanent", seconds=4.0, reason="IndexError"))
     store.dead_letter(job.id, "w1", "IndexError")
     assert store.requeue(job.id)
     rec = store.get(job.id)
     assert (rec.attempts, rec.attempts_before) == (0, 1)
     run_to_rendering(store, job, now=200.0)
-    store.record_attempt(job.id, rec.attempts_before + 1, outcome="success", seconds=2.0)
+    store.record_attempt(job.id, AttemptEntry(rec.attempts_before + 1, "success", seconds=2.0))
     assert [(a.attempt, a.outcome, a.seconds) for a in store.attempts(job.id)] == [
         (1, "permanent", 4.0),
         (2, "success", 2.0),

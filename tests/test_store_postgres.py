@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import InvalidTransition
-from comfy_assets.store import ClaimLost, PartitionConflict, Store, metadata
+from comfy_assets.store import AttemptEntry, ClaimLost, PartitionConflict, Store, metadata
 from tests.test_store import (
     claim_race,
     files,
@@ -115,7 +115,7 @@ def test_a_job_runs_to_done_with_files_attempts_and_events(any_store, workflow_d
     any_store.register_jobs("film", [job])
     run_to_rendering(any_store, job)
     any_store.record_attempt(
-        job.id, 1, outcome="success", started_at=101.0, ended_at=105.0, queue_wait_s=1.0
+        job.id, AttemptEntry(1, "success", started_at=101.0, ended_at=105.0, queue_wait_s=1.0)
     )
     any_store.mark_done(job.id, "w1", files=files("s.png", "i.png"), now=106.0)
     rec = any_store.get(job.id)

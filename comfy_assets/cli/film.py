@@ -77,23 +77,21 @@ def film_command(args: argparse.Namespace) -> int:
         return EXIT_BLOCKED
     finally:
         store.close()
-    print(film.path)
+    print(film.concat.path)
     print(summary_line(film))
     return EXIT_OK
 
 
 def summary_line(film: FilmResult) -> str:
     """``film: 6 shots, 7.750 s, delivery, concat copy``; a draft names its degraded shots."""
-    if film.draft:
-        kind = f"DRAFT (degraded shots {', '.join(map(str, film.degraded))}"
-        if film.placeholders:
-            kind += f"; slates for shots {', '.join(map(str, film.placeholders))}"
+    if film.gate.draft:
+        kind = f"DRAFT (degraded shots {', '.join(map(str, film.gate.degraded))}"
+        if film.gate.placeholders:
+            kind += f"; slates for shots {', '.join(map(str, film.gate.placeholders))}"
         kind += ")"
     else:
         kind = film.gate.mode
-    return (
-        f"film: {film.shot_count} shots, {film.duration_s:.3f} s, {kind}, concat {film.concat_mode}"
-    )
+    return f"film: {film.concat.clips} shots, {film.concat.duration_s:.3f} s, {kind}, concat {film.concat.mode}"
 
 
 def _bad_input(message: str) -> int:

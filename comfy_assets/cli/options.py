@@ -51,3 +51,10 @@ def byte_size(text: str) -> int:
             f"got {text!r}"
         )
     return size
+
+
+def byte_size_text(size: int) -> str:
+    """``size`` (bytes) as ``byte_size`` reads it, in the largest unit that divides it
+    (``4GiB``, ``1536KiB``, ``100B``)."""
+    unit = max((u for u, n in _BYTE_UNITS.items() if size % n == 0), key=_BYTE_UNITS.__getitem__)
+    return f"{size // _BYTE_UNITS[unit]}{'B' if unit == 'b' else unit[0].upper() + 'iB'}"

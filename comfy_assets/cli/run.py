@@ -14,11 +14,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from comfy_assets.cli.options import bounded, byte_size
+from comfy_assets.cli.options import bounded, byte_size, byte_size_text
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.config import KNOBS, BatchConfig, knob_doc
 from comfy_assets.store import (
     DB_URL_ENV,
     BadDbUrl,
@@ -39,30 +39,45 @@ def add_batch_options(p: argparse.ArgumentParser) -> None:
     at_least_one = bounded(int, 1)
     not_negative = bounded(float, 0)
     positive = bounded(float, 0, strict=True)
-    d = BatchConfig  # every default is BatchConfig's, as in Dagster's resource
-
-    def option(name: str, kind: Callable[[str], object], default: object, text: str) -> None:
-        shown = f"{default:g} s" if isinstance(default, float) else default
-        p.add_argument(name, type=kind, default=default, help=f"{text} ({shown})")
-
-    option("--attempts", at_least_one, d.attempts, "attempts per job")
-    option("--base-delay-s", not_negative, d.base_delay_s, "backoff base")
-    option("--max-delay-s", not_negative, d.max_delay_s, "backoff cap")
+    for name, kind in [
+        ("attempts", at_least_one),
+        ("base_delay_s", not_negative),
+        ("max_delay_s", not_negative),
+        ("timeout_s", positive),
+        ("poll_s", positive),
+        ("lease_s", positive),
+        ("server_lease_s", positive),
+        ("probe_timeout_s", positive),
+        ("unhealthy_wait_s", positive),
+        ("catch_up_s", not_negative),
+        ("max_queue", at_least_one),
+    ]:
+        add_knob_option(p, name, kind)
     p.add_argument("--no-jitter", action="store_true", help="exact exponential delays")
-    option("--timeout-s", positive, d.timeout_s, "per-attempt deadline")
-    option("--poll-s", positive, d.poll_s, "/history poll interval")
-    option("--lease-s", positive, d.lease_s, "job claim lease")
-    option("--server-lease-s", positive, d.server_lease_s, "server lease")
-    option("--probe-timeout-s", positive, d.probe_timeout_s, "per server probe")
-    option("--unhealthy-wait-s", positive, d.unhealthy_wait_s, "wait with no server healthy")
-    option("--catch-up-s", not_negative, d.catch_up_s, "ask a job's previous server this long")
-    p.add_argument("--max-queue", type=at_least_one, default=None, help="skip servers this busy")
+    add_knob_option(p, "max_output_bytes", byte_size, metavar="SIZE")
+
+
+def add_knob_option(
+    p: argparse.ArgumentParser,
+    name: str,
+    kind: Callable[[str], object],
+    metavar: str | None = None,
+) -> None:
+    """``--name-with-dashes`` for BatchConfig's field ``name``: its default, and its doc
+    with that default as the help."""
+    default = KNOBS[name].default
+    if default is None:
+        shown = "none"
+    elif isinstance(default, float):
+        shown = f"{default:g} s"
+    else:
+        shown = byte_size_text(default) if kind is byte_size else str(default)
     p.add_argument(
-        "--max-output-bytes",
-        type=byte_size,
-        default=d.max_output_bytes,
-        metavar="SIZE",
-        help="most bytes one output file may have (4GiB); a larger one fails its job for good",
+        f"--{name.replace('_', '-')}",
+        type=kind,
+        default=default,
+        metavar=metavar,
+        help=f"{knob_doc(name)} Default: {shown}.",
     )
 
 
@@ -125,18 +140,13 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     add_server_options(p)
     add_db_url_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
-    p.add_argument("--policy", choices=["delivery", "draft"], default=None)
+    p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     p.add_argument(
         "--events", action="store_true", help="also print every state transition as JSON"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log scheduling and protocol steps")
     add_batch_options(p)
-    p.add_argument(
-        "--unreachable-timeout-s",
-        type=bounded(float, 0, strict=True),
-        default=BatchConfig.unreachable_timeout_s,
-        help="end the run when no server answers for this long; unrun jobs stay pending (600 s)",
-    )
+    add_knob_option(p, "unreachable_timeout_s", bounded(float, 0, strict=True))
     p.set_defaults(func=run_command)
 
 

@@ -24,6 +24,7 @@ from comfy_assets.cli.run import (
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.config import knob_doc
 from comfy_assets.service import broker
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES
 from comfy_assets.service.sources import FileSource, JobSource, RabbitSource
@@ -161,7 +162,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
         default=5.0,
         help="health file interval (5 s)",
     )
-    p.add_argument("--policy", choices=["delivery", "draft"], default=None)
+    p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     add_batch_options(p)
     p.set_defaults(func=worker_command)
 

@@ -47,7 +47,7 @@ class LeaseKeeping:
                 name,
                 type(e).__name__,
                 e,
-                self.lease_s,
+                self.settings.server_lease_s,
             )
 
     async def _renew_forever(self) -> None:
@@ -56,7 +56,7 @@ class LeaseKeeping:
         of it is left (``_lose``)."""
         failing = False
         while True:
-            await asyncio.sleep(self.lease_s / (30 if failing else 3))
+            await asyncio.sleep(self.settings.server_lease_s / (30 if failing else 3))
             failing = False
             held = [n for n, slot in self._held.items() if slot.lost is None]
             for name in [*held, *self._kept]:
@@ -67,11 +67,11 @@ class LeaseKeeping:
         loop = asyncio.get_running_loop()
         asked_at = loop.time()
         try:
-            renewed = self.leases.renew_server(name, self.owner, self.lease_s)
+            renewed = self.leases.renew_server(name, self.owner, self.settings.server_lease_s)
         except Exception as e:  # the store, whatever its driver: judged by the time left
             left = self._lease_until.get(name, asked_at) - asked_at
             why = f"{type(e).__name__}: {e}"
-            if left > self.lease_s / 3:
+            if left > self.settings.server_lease_s / 3:
                 log.warning(
                     "server %s: server lease not renewed (%s); %.0f s left, trying again",
                     name,
@@ -82,7 +82,7 @@ class LeaseKeeping:
             self._lose(name, f"server lease not renewed ({why}) and {left:.0f} s left")
             return True
         if renewed:
-            self._lease_until[name] = asked_at + self.lease_s
+            self._lease_until[name] = asked_at + self.settings.server_lease_s
         else:
             self._lose(name, "server lease taken by another process")
         return True

@@ -48,7 +48,7 @@ class Orphans:
             while (await client.queue()).find_any(orphans):
                 if asyncio.get_running_loop().time() > deadline:
                     raise TimeoutError(f"still there after {self.orphan_grace_s:g} s")
-                await asyncio.sleep(self.poll_s)
+                await asyncio.sleep(self.settings.poll_s)
         except (ComfyError, TimeoutError) as e:
             log.warning(
                 "server %s: could not remove prompts of ours nobody follows (%s): %s",

@@ -35,6 +35,7 @@ from comfy_assets.comfy.lease_keeping import LeaseKeeping
 from comfy_assets.comfy.orphans import Orphans
 from comfy_assets.comfy.probing import Probing
 from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.comfy.settings import PoolSettings
 from comfy_assets.comfy.slot import (
     ServerLeaseStore,
     ServerProbe,
@@ -58,8 +59,8 @@ class Pool(Probing, LeaseKeeping, Orphans):
     A lease store that fails (a database failover) takes nothing meanwhile: consumers
     look again; after ``store_timeout_s`` seconds of failures its error is raised.
 
-    ``unreachable_timeout_s``: once every server has failed its last probe for this long,
-    ``acquire`` raises NoServerReachable (None: it waits for ever).
+    ``settings.unreachable_timeout_s``: once every server has failed its last probe for
+    this long, ``acquire`` raises NoServerReachable (None: it waits for ever).
 
     A prompt of ours that nobody follows any more (its holder died, or gave up on it
     while the server answered nothing sensible) keeps its server from us. Once a probe has
@@ -68,14 +69,14 @@ class Pool(Probing, LeaseKeeping, Orphans):
     delete, wait until it left /queue), and says so.
 
     ``servers``: configuration order matters (last tie-break). ``leases``: the store.
-    ``owner``: this process's lease owner id. ``lease_s``: server lease time in seconds
-    (renewed every third of it while held). ``probe_timeout_s``: per probe (3 s).
-    ``max_queue``: a server whose foreign queue is at or above it is not a candidate.
-    ``unhealthy_wait_s``: wait before re-probing when no server is healthy (5 s).
+    ``owner``: this process's lease owner id. ``settings``: server lease time (renewed
+    every third of it while held), probe timeout, queue limit (a server whose foreign
+    queue is at or above it is not a candidate), wait before re-probing when no server is
+    healthy, the followers' /history poll period (``PoolSettings``' defaults when None).
     ``busy_poll_s``: how often to look again when every server is held by another process.
     ``stats_ttl_s``: how long a healthy ``/system_stats`` answer stands (``/queue`` is
     asked at every probe). ``probe_ttl_s``: how long a probe's /queue answer stands
-    for a server nobody took since. ``poll_s``: /history poll period of the followers.
+    for a server nobody took since.
     """
 
     def __init__(
@@ -84,15 +85,10 @@ class Pool(Probing, LeaseKeeping, Orphans):
         leases: ServerLeaseStore,
         *,
         owner: str,
-        lease_s: float = 30.0,
-        probe_timeout_s: float = 3.0,
-        max_queue: int | None = None,
-        unhealthy_wait_s: float = 5.0,
+        settings: PoolSettings | None = None,
         busy_poll_s: float = 0.05,
         stats_ttl_s: float = 2.0,
         probe_ttl_s: float = 0.1,
-        poll_s: float = 1.0,
-        unreachable_timeout_s: float | None = None,
         orphan_grace_s: float | None = None,
         store_timeout_s: float = 30.0,
     ) -> None:
@@ -101,22 +97,19 @@ class Pool(Probing, LeaseKeeping, Orphans):
         self.lost_listeners: list[Callable[[Slot], None]] = []
         self.store_timeout_s = store_timeout_s
         self._store_failing_since: float | None = None  # loop time
-        self.unreachable_timeout_s = unreachable_timeout_s
+        self.settings = PoolSettings() if settings is None else settings
         self._none_reachable_since: float | None = None  # loop time
-        self.orphan_grace_s = 2 * lease_s if orphan_grace_s is None else orphan_grace_s
+        self.orphan_grace_s = (
+            2 * self.settings.server_lease_s if orphan_grace_s is None else orphan_grace_s
+        )
         self._orphans_since: dict[str, float] = {}  # loop time orphans were first seen
         self._sweeps: dict[str, asyncio.Task[None]] = {}  # orphan removals under way
         self.servers = list(servers)
         self.leases = leases
         self.owner = owner
-        self.lease_s = lease_s
-        self.probe_timeout_s = probe_timeout_s
-        self.max_queue = max_queue
-        self.unhealthy_wait_s = unhealthy_wait_s
         self.busy_poll_s = busy_poll_s
         self.stats_ttl_s = stats_ttl_s
         self.probe_ttl_s = probe_ttl_s
-        self.poll_s = poll_s
         # One socket per server, kept open across prompts: ours run one at a time per
         # server, and a socket opened per prompt costs a handshake while the GPU waits.
         self._followers: dict[str, PromptFollower] = {}
@@ -200,7 +193,9 @@ class Pool(Probing, LeaseKeeping, Orphans):
             if follower is not None:
                 del self._followers[name]
                 await follower.close()
-            follower = PromptFollower(self.clients[name], new_client_id(), poll_s=self.poll_s)
+            follower = PromptFollower(
+                self.clients[name], new_client_id(), poll_s=self.settings.poll_s
+            )
             await follower.__aenter__()
             self._followers[name] = follower
             return follower
@@ -276,8 +271,8 @@ class Pool(Probing, LeaseKeeping, Orphans):
                 # Other processes are told only of a real wait: a consumer that our own
                 # prompt's end hands a server to within moments costs the store nothing.
                 self._mark_waiting()
-            timeout = self.unhealthy_wait_s if all_unhealthy else self.busy_poll_s
-            since, limit = self._none_reachable_since, self.unreachable_timeout_s
+            timeout = self.settings.unhealthy_wait_s if all_unhealthy else self.busy_poll_s
+            since, limit = self._none_reachable_since, self.settings.unreachable_timeout_s
             if since is not None and limit is not None:  # look again when it runs out
                 left = since + limit - asyncio.get_running_loop().time()
                 timeout = max(min(timeout, left), 0.0)
@@ -306,7 +301,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
                 # shorter, and the lease is already ours.
                 return self._take(spec, models, {}), False
             self._let_go(name)
-        if only is None and self.max_queue is None:
+        if only is None and self.settings.max_queue is None:
             rest = [s for s in self.servers if s.name not in self._held]
             if (
                 len(rest) == 1
@@ -332,7 +327,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
             free.append(spec)
         if not free:
             return None, False
-        if len(free) == 1 and self.max_queue is None and self._just_freed(free[0].name):
+        if len(free) == 1 and self.settings.max_queue is None and self._just_freed(free[0].name):
             # Our own prompt has just left this server, the only free one: there is no
             # choice to make, and a probe would only keep the GPU waiting.
             return self._take(free[0], models, {}), False
@@ -346,7 +341,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
             self._watch_orphans(spec, orphans)
             if orphans:
                 continue  # a prompt of ours is still there (a dead holder's): not free
-            if self.max_queue is not None and p.foreign_queue >= self.max_queue:
+            if self.settings.max_queue is not None and p.foreign_queue >= self.settings.max_queue:
                 continue
             last = self._last_model(spec.name, leases)
             affinity = 0 if (last is not None and last in models) else 1
@@ -379,9 +374,11 @@ class Pool(Probing, LeaseKeeping, Orphans):
         if not kept:
             asked_at = asyncio.get_running_loop().time()
             acquire = self.leases.acquire_server
-            if not self._ask_leases(acquire, False, spec.name, self.owner, self.lease_s):
+            if not self._ask_leases(
+                acquire, False, spec.name, self.owner, self.settings.server_lease_s
+            ):
                 return None
-            self._lease_until[spec.name] = asked_at + self.lease_s
+            self._lease_until[spec.name] = asked_at + self.settings.server_lease_s
         slot = Slot(spec, self.clients[spec.name], self, tuple(models))
         self._held[spec.name] = slot
         self._probed.pop(spec.name, None)  # its queue is about to change
@@ -499,5 +496,5 @@ class Pool(Probing, LeaseKeeping, Orphans):
         log.warning(
             "server %s: our prompt may still be there; its lease will expire in %.0f s",
             slot.name,
-            self.lease_s,
+            self.settings.server_lease_s,
         )

@@ -54,7 +54,7 @@ class Probing:
         # so a recent healthy answer stands in for it. /queue is always asked afresh.
         fresh = loop.time() - self._stats_at.get(spec.name, -1e9) < self.stats_ttl_s
         try:
-            async with asyncio.timeout(self.probe_timeout_s):
+            async with asyncio.timeout(self.settings.probe_timeout_s):
                 if fresh:
                     queue = await client.queue()
                 else:
@@ -65,7 +65,9 @@ class Probing:
                 await self.follower(spec.name)
         except TimeoutError:
             self._stats_at.pop(spec.name, None)
-            return ServerProbe(spec.name, False, reason=f"no answer in {self.probe_timeout_s} s")
+            return ServerProbe(
+                spec.name, False, reason=f"no answer in {self.settings.probe_timeout_s} s"
+            )
         except ComfyError as e:
             self._stats_at.pop(spec.name, None)
             return ServerProbe(spec.name, False, reason=f"{type(e).__name__}: {e}")
@@ -101,7 +103,7 @@ class Probing:
 
     def _check_reachable(self) -> None:
         """Raise NoServerReachable once no server has answered for unreachable_timeout_s."""
-        since, limit = self._none_reachable_since, self.unreachable_timeout_s
+        since, limit = self._none_reachable_since, self.settings.unreachable_timeout_s
         if since is None or limit is None:
             return
         waited = asyncio.get_running_loop().time() - since

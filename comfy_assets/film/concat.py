@@ -3,6 +3,7 @@ else a re-encode to one size and frame rate (saying why)."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import tempfile
 from collections.abc import Iterator, Mapping
@@ -27,18 +28,25 @@ from comfy_assets.film.probe import MediaError, MediaInfo, probe
 
 @dataclass(frozen=True)
 class ConcatInfo:
-    """A concatenated film: ``mode`` "copy" (stream copy) or "reencode" (libx264), ``reason``
-    why it was re-encoded ("" for a copy), and the probed result (seconds, pixels, fps)."""
+    """A concatenated film: ``media`` the written film as probed (at its final path;
+    seconds, pixels, fps, frames), ``mode`` "copy" (stream copy) or "reencode" (libx264),
+    ``reason`` why it was re-encoded ("" for a copy), ``clips`` how many were joined."""
 
-    path: Path
+    media: MediaInfo
     mode: Literal["copy", "reencode"]
     reason: str
-    duration_s: float
-    frames: int
-    width: int
-    height: int
-    fps: float
     clips: int
+
+    @property
+    def path(self) -> Path:
+        """Where the film is."""
+        return self.media.path
+
+    @property
+    def duration_s(self) -> float:
+        """The film's length in seconds (probed: a video always has one)."""
+        assert self.media.duration_s is not None
+        return self.media.duration_s
 
 
 def _copy_params(info: MediaInfo) -> dict[str, object]:
@@ -113,18 +121,9 @@ def concat(
         result = probe(tmp)
         if result.frames != expected:
             raise MediaError(out, f"film has {result.frames} frames, expected {expected}")
-    assert result.duration_s is not None and result.fps is not None
-    return ConcatInfo(
-        path=out,
-        mode="reencode" if reason else "copy",
-        reason=reason,
-        duration_s=result.duration_s,
-        frames=result.frames,
-        width=result.width,
-        height=result.height,
-        fps=result.fps,
-        clips=len(infos),
-    )
+    # Probed under its temporary name: the film is at ``out`` now.
+    media = dataclasses.replace(result, path=out)
+    return ConcatInfo(media, "reencode" if reason else "copy", reason, clips=len(infos))
 
 
 def _ffmpeg_concat_copy(

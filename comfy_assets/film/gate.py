@@ -15,10 +15,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, Literal
 
-from comfy_assets.film.concat import concat
+from PIL import Image
+
+from comfy_assets.film.concat import ConcatInfo, concat
 from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.probe import VIDEO_SUFFIXES, MediaError, MediaInfo, probe
-from comfy_assets.film.stills import slate_clip, still_clip
+from comfy_assets.film.stills import slate, still_clip
 from comfy_assets.jobs.states import UNFINISHED, State
 
 KNOWN_STATES = frozenset(state.value for state in State)
@@ -174,32 +176,27 @@ class GateBlocked(Exception):
 
 @dataclass(frozen=True)
 class FilmResult:
-    """A written film: ``duration_s`` probed from the file (seconds), ``degraded`` and
-    ``placeholders`` shot numbers, ``draft`` True when any shot was degraded (the MP4's
-    ``comment`` tag then starts with "DRAFT"), ``concat_mode`` "copy" or "reencode"."""
+    """A written film: ``concat`` the joined file (its ``path``, ``duration_s`` probed from
+    it in seconds, ``mode`` "copy" or "reencode", ``clips`` the shot count), ``gate`` the
+    verdicts it was cut from (``degraded`` and ``placeholders`` shot numbers, ``draft`` True
+    when any shot was degraded: the MP4's ``comment`` tag then starts with "DRAFT"), and
+    its ``contact_sheet`` (a PNG)."""
 
-    path: Path
-    duration_s: float
-    shot_count: int
-    degraded: list[int]
-    placeholders: list[int]
-    draft: bool
-    concat_mode: Literal["copy", "reencode"]
-    concat_reason: str
+    concat: ConcatInfo
     contact_sheet: Path
     gate: GateResult
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values for Dagster metadata."""
         return {
-            "path": str(self.path),
-            "duration_s": round(self.duration_s, 3),
-            "shot_count": self.shot_count,
-            "degraded": self.degraded,
-            "placeholders": self.placeholders,
-            "draft": self.draft,
-            "concat_mode": self.concat_mode,
-            "concat_reason": self.concat_reason,
+            "path": str(self.concat.path),
+            "duration_s": round(self.concat.duration_s, 3),
+            "shot_count": self.concat.clips,
+            "degraded": self.gate.degraded,
+            "placeholders": self.gate.placeholders,
+            "draft": self.gate.draft,
+            "concat_mode": self.concat.mode,
+            "concat_reason": self.concat.reason,
             "contact_sheet": str(self.contact_sheet),
             "gate": self.gate.to_dict(),
         }
@@ -352,17 +349,20 @@ def build_film(
     clips = []
     for v in result.verdicts:
         assert v.duration_s is not None  # every shot that passed has a length
+        still: Path | Image.Image
         if v.placeholder:
             lines = [f"SHOT {v.shot} MISSING", v.reason[:_SLATE_REASON_CHARS], f"job {v.job_id}"]
+            still = slate(lines, film_width, film_height)
             clip = work_dir / f"shot{v.shot:04d}-slate.mp4"
-            slate_clip(lines, v.duration_s, clip, width=film_width, height=film_height, fps=rate)
         elif v.media is not None and v.media.kind == "image":
             assert v.file is not None
+            still = v.file
             clip = work_dir / f"shot{v.shot:04d}-still.mp4"
-            still_clip(v.file, v.duration_s, clip, width=film_width, height=film_height, fps=rate)
         else:
             assert v.file is not None
-            clip = v.file
+            clips.append(v.file)
+            continue
+        still_clip(still, v.duration_s, clip, width=film_width, height=film_height, fps=rate)
         clips.append(clip)
     metadata = {"comment": _comment(result)}
     joined = concat(clips, out, width=film_width, height=film_height, fps=rate, metadata=metadata)
@@ -371,18 +371,7 @@ def build_film(
         out.with_name(f"{out.stem}.contact.png"),
         labels=[str(v.shot) for v in result.verdicts],
     )
-    return FilmResult(
-        path=out,
-        duration_s=joined.duration_s,
-        shot_count=len(clips),
-        degraded=result.degraded,
-        placeholders=result.placeholders,
-        draft=result.draft,
-        concat_mode=joined.mode,
-        concat_reason=joined.reason,
-        contact_sheet=sheet.path,
-        gate=result,
-    )
+    return FilmResult(joined, sheet.path, result)
 
 
 def _film_format(

@@ -20,57 +20,37 @@ _SLATE_TITLE = (255, 190, 60)
 _SLATE_TEXT = (235, 235, 235)
 
 
-def _hold(
-    image: Image.Image, duration_s: float, out: Path, width: int, height: int, fps: float | Fraction
+def still_clip(
+    image: Path | Image.Image,
+    duration_s: float,
+    out: Path,
+    *,
+    width: int,
+    height: int,
+    fps: float | Fraction,
 ) -> Path:
+    """Write ``image`` (an image file, or a picture such as a :func:`slate`) held for
+    ``duration_s`` seconds as an H.264 yuv420p MP4 at ``out``.
+
+    The image is scaled to fit width x height (pixels, even) and centred on black; the clip has
+    round(duration_s * fps) frames (at least one). Returns ``out``. Raises MediaError if the
+    image file cannot be read, ValueError for a non-positive duration or fps or an odd size.
+    """
+    picture = image if isinstance(image, Image.Image) else load_image(Path(image))
+    out = Path(out)
     encode.check_size(width, height)
     rate = encode.as_rate(fps)
     count = encode.frame_count(duration_s, rate)
-    frame = av.VideoFrame.from_image(encode.fit(image, width, height)).reformat(format="yuv420p")
+    frame = av.VideoFrame.from_image(encode.fit(picture, width, height)).reformat(format="yuv420p")
     with encode.atomic_output(out) as tmp, encode.h264_writer(tmp, width, height, rate) as sink:
         for _ in range(count):
             sink.write(frame)
     return out
 
 
-def still_clip(
-    image: Path,
-    duration_s: float,
-    out: Path,
-    *,
-    width: int,
-    height: int,
-    fps: float | Fraction,
-) -> Path:
-    """Write ``image`` held for ``duration_s`` seconds as an H.264 yuv420p MP4 at ``out``.
-
-    The image is scaled to fit width x height (pixels, even) and centred on black; the clip has
-    round(duration_s * fps) frames (at least one). Returns ``out``. Raises MediaError if the
-    image cannot be read, ValueError for a non-positive duration or fps or an odd size.
-    """
-    return _hold(load_image(Path(image)), duration_s, Path(out), width, height, fps)
-
-
-def slate_clip(
-    text_lines: list[str],
-    duration_s: float,
-    out: Path,
-    *,
-    width: int,
-    height: int,
-    fps: float | Fraction,
-) -> Path:
-    """Write a placeholder card (dark background, first line as a title, the others below,
-    Pillow's default font) held for ``duration_s`` seconds as an H.264 MP4 at ``out``.
-
-    Same frame count rule and errors as :func:`still_clip`. Returns ``out``.
-    """
-    return _hold(
-        _render_slate(text_lines, width, height), duration_s, Path(out), width, height, fps
-    )
-
-
-def _render_slate(text_lines: list[str], width: int, height: int) -> Image.Image:
+def slate(text_lines: list[str], width: int, height: int) -> Image.Image:
+    """A placeholder card of width x height pixels naming a missing or broken shot: dark
+    background, the first line as a title, the others below, Pillow's default font."""
     card = Image.new("RGB", (width, height), _SLATE_BACKGROUND)
     draw = ImageDraw.Draw(card)
     title_font = ImageFont.load_default(size=max(9, height // 8))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
 from comfy_assets.comfy.client import ComfyClient
@@ -51,6 +52,7 @@ from comfy_assets.render.removal import Removal
 log = logging.getLogger("comfy_assets.render.attempt")
 
 
+@dataclass(eq=False, repr=False)  # identity, and no repr of a whole prompt in logs
 class Attempt(CatchUp, Removal):
     """One attempt of ``job`` over ``pool``; files land in ``dest_dir``.
 
@@ -68,40 +70,25 @@ class Attempt(CatchUp, Removal):
     ``max_output_bytes``: the most one output file may have (bytes).
     """
 
-    def __init__(
-        self,
-        job: Job,
-        pool: Pool,
-        dest_dir: Path,
-        *,
-        slot: Slot | None = None,
-        prev_server: str | None = None,
-        prev_number: int | None = None,
-        prev_unsettled: bool = False,
-        deadline_s: float = 600.0,
-        poll_s: float = 1.0,
-        evict_timeout_s: float = 120.0,
-        catch_up_s: float = 60.0,
-        fresh: bool = False,
-        hooks: AttemptHooks | None = None,
-        label: str = "",
-        max_output_bytes: int | None = MAX_OUTPUT_BYTES,
-    ) -> None:
-        self.job = job
-        self.pool = pool
-        self.dest_dir = dest_dir
-        self.slot = slot
-        self.prev_server = prev_server
-        self.prev_number = prev_number
-        self.prev_unsettled = prev_unsettled
-        self.deadline_s = deadline_s
-        self.poll_s = poll_s
-        self.evict_timeout_s = evict_timeout_s
-        self.catch_up_s = catch_up_s
-        self.fresh = fresh
-        self.max_output_bytes = max_output_bytes
-        self.hooks = hooks or AttemptHooks()
-        self.label = label or f"job {job.id[:8]}"
+    job: Job
+    pool: Pool
+    dest_dir: Path
+    _: KW_ONLY
+    slot: Slot | None = None
+    prev_server: str | None = None
+    prev_number: int | None = None
+    prev_unsettled: bool = False
+    deadline_s: float = 600.0
+    poll_s: float = 1.0
+    evict_timeout_s: float = 120.0
+    catch_up_s: float = 60.0
+    fresh: bool = False
+    hooks: AttemptHooks = field(default_factory=AttemptHooks)
+    label: str = ""
+    max_output_bytes: int | None = MAX_OUTPUT_BYTES
+
+    def __post_init__(self) -> None:
+        self.label = self.label or f"job {self.job.id[:8]}"
         self.on_server: tuple[ComfyClient, str] | None = None  # (client, server) while ours runs
         self.started = time.monotonic()
         self.deadline_from = self.started  # the deadline counts from here
@@ -219,7 +206,7 @@ class Attempt(CatchUp, Removal):
         client, name, pid = slot.client, slot.name, self.job.prompt_id
         reason = describe_error(error, "POST /prompt")
         try:
-            async with asyncio.timeout(self.pool.probe_timeout_s):
+            async with asyncio.timeout(self.pool.settings.probe_timeout_s):
                 queue = await client.queue()
                 entry = await client.history(pid)
         except (ComfyError, TimeoutError):

@@ -38,7 +38,7 @@ class CatchUp:
         while True:
             try:
                 # Bounded like a probe: a frozen server must not eat the attempt's deadline.
-                async with asyncio.timeout(self.pool.probe_timeout_s):
+                async with asyncio.timeout(self.pool.settings.probe_timeout_s):
                     entry = await client.history(pid)
                     succeeded = entry is not None and entry.status_str == "success"
                     queue = None if succeeded else await client.queue()
@@ -50,7 +50,7 @@ class CatchUp:
                             queue = None
                 break
             except (ComfyError, TimeoutError) as e:
-                why = str(e) or f"no answer in {self.pool.probe_timeout_s:g} s"
+                why = str(e) or f"no answer in {self.pool.settings.probe_timeout_s:g} s"
                 if self.slot is not None and self.slot.name != name:
                     self.slot.release()  # nothing posted: another job may use it meanwhile
                     self.slot = None

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from comfy_assets.store import JobRecord, Store, StoreUnavailable
@@ -23,36 +24,30 @@ log = logging.getLogger("comfy_assets.render.claims")
 StoreCall = Callable[..., Awaitable[Any]]
 
 
+@dataclass(eq=False)
 class Claims:
     """Our claims on jobs. ``db(fn, *args)`` runs a store call (on a worker thread for
     PostgreSQL); ``on_gone(job_id, why)`` is called for a claim lost while held."""
 
-    def __init__(
-        self,
-        store: Store,
-        owner: str,
-        lease_s: float,
-        db: StoreCall,
-        on_gone: Callable[[str, str], None],
-    ) -> None:
-        self.store = store
-        self.owner = owner
-        self.lease_s = lease_s
-        self._db = db
-        self._on_gone = on_gone
-        self.held: set[str] = set()
-        self.asking: set[str] = set()  # claims asked for and not yet answered
-        # Epoch time until which each claim of ours stands for sure (the store said so).
-        self.until: dict[str, float] = {}
-        # Jobs whose final record is being written: no longer renewed, released at the end.
-        self.finishing: set[str] = set()
+    store: Store
+    owner: str
+    lease_s: float
+    db: StoreCall
+    on_gone: Callable[[str, str], None]
+    held: set[str] = field(default_factory=set, init=False)
+    # Claims asked for and not yet answered.
+    asking: set[str] = field(default_factory=set, init=False)
+    # Epoch time until which each claim of ours stands for sure (the store said so).
+    until: dict[str, float] = field(default_factory=dict, init=False)
+    # Jobs whose final record is being written: no longer renewed, released at the end.
+    finishing: set[str] = field(default_factory=set, init=False)
 
     async def claim(self, job_id: str, dead_holder: str | None = None) -> tuple[str, JobRecord]:
         """``Store.claim_job`` for us: (status, record). A claim taken is held (renewed,
         released at the end); one asked for stays in ``asking`` if we are cancelled
         meanwhile, since it may still land on its worker thread."""
         self.asking.add(job_id)
-        status, rec = await self._db(
+        status, rec = await self.db(
             self.store.claim_job, job_id, self.owner, self.lease_s, dead_holder=dead_holder
         )
         self.asking.discard(job_id)
@@ -110,7 +105,7 @@ class Claims:
         """Renew one claim; False when the store failed and the claim still stands."""
         asked_at = time.time()
         try:
-            renewed = await self._db(self.store.renew_claim, job_id, self.owner, self.lease_s)
+            renewed = await self.db(self.store.renew_claim, job_id, self.owner, self.lease_s)
         except Exception as e:  # the store, whatever its driver: judged by the time left
             left = self.until.get(job_id, asked_at) - asked_at
             why = f"{type(e).__name__}: {e}"
@@ -129,4 +124,4 @@ class Claims:
 
     def _gone(self, job_id: str, why: str) -> None:
         log.error("job %s: %s; its attempt is stopped", job_id, why)
-        self._on_gone(job_id, why)
+        self.on_gone(job_id, why)

@@ -2,38 +2,52 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 from comfy_assets.comfy.download import MAX_OUTPUT_BYTES
+from comfy_assets.comfy.settings import PoolSettings, knob
 from comfy_assets.render.backoff import RetryPolicy
 
 
 @dataclass
-class BatchConfig:
-    """Knobs of a batch (seconds everywhere). ``policy``: None follows the job file's
-    header; "delivery" stops submitting a storyboard's shots at its first fatal failure;
-    "draft" turns permanent failures (and failed optional shots) into ``degraded``.
-    ``catch_up_s``: how long a job's previous server is asked again before the job is
-    posted elsewhere (``runner.Attempt``). ``unreachable_timeout_s``: with no server
-    reachable for this long the batch stops, its unrun jobs left pending (None: wait for
-    ever, as the worker service does). ``max_output_bytes``: the most one output file may
-    have (bytes); a larger one is a permanent failure."""
+class BatchConfig(PoolSettings):
+    """Knobs of a batch (seconds everywhere): the pool's (``PoolSettings``, which the pool
+    reads from this object as it is) and the retries, claims, limits and policy below.
+    Each field's ``metadata["doc"]`` says what it does (:func:`knob_doc`): the CLI's
+    ``--help`` and Dagster's resource show it, with the field's default."""
 
-    attempts: int = 4
-    base_delay_s: float = 2.0
-    max_delay_s: float = 60.0
-    jitter: bool = True
-    timeout_s: float = 600.0
-    poll_s: float = 1.0
-    lease_s: float = 3600.0
-    server_lease_s: float = 30.0
-    max_queue: int | None = None
-    probe_timeout_s: float = 3.0
-    unhealthy_wait_s: float = 5.0
-    catch_up_s: float = 60.0
-    unreachable_timeout_s: float | None = 600.0
-    policy: str | None = None
-    max_output_bytes: int = MAX_OUTPUT_BYTES
+    attempts: int = knob(4, "Attempts per job before it is a dead letter.")
+    base_delay_s: float = knob(2.0, "Seconds before the first retry; doubled after each failure.")
+    max_delay_s: float = knob(60.0, "The longest wait between retries, seconds.")
+    jitter: bool = knob(True, "Randomize retry waits so failed jobs do not come back together.")
+    timeout_s: float = knob(600.0, "Seconds one attempt may take at most.")
+    lease_s: float = knob(
+        3600.0,
+        "Seconds a job stays claimed by this run without renewal (another run may take it after).",
+    )
+    catch_up_s: float = knob(
+        60.0,
+        "Seconds to keep asking a job's previous server (where its prompt may still run) "
+        "before posting it elsewhere, which may render it twice.",
+    )
+    unreachable_timeout_s: float | None = knob(
+        600.0,
+        "Seconds with no server reachable after which the batch stops, its unrun jobs left "
+        "pending for a retry; none waits for ever (as the worker service does).",
+    )
+    policy: str | None = knob(
+        None,
+        '"delivery" stops submitting a storyboard\'s shots at its first fatal failure; '
+        '"draft" turns permanent failures (and failed optional shots) into degraded; '
+        "none follows the job file's header.",
+    )
+    max_output_bytes: int = knob(
+        MAX_OUTPUT_BYTES,
+        "Bytes one output file may have at most; a larger one fails its job for good (the "
+        "same prompt writes the same file again).",
+    )
 
     @property
     def retry(self) -> RetryPolicy:
@@ -44,3 +58,12 @@ class BatchConfig:
             jitter=self.jitter,
             timeout_s=self.timeout_s,
         )
+
+
+KNOBS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(BatchConfig)}
+
+
+def knob_doc(name: str) -> str:
+    """What BatchConfig's field ``name`` does, one or two sentences. Raises KeyError for a
+    name that is not a field."""
+    return KNOBS[name].metadata["doc"]

@@ -63,7 +63,7 @@ class Removal:
         if not gone.confirmed:
             return (
                 f"could not remove prompt {self.job.prompt_id} from {slot.name} "
-                f"({gone.problem}); its server lease expires in {self.pool.lease_s:g} s"
+                f"({gone.problem}); its server lease expires in {self.pool.settings.server_lease_s:g} s"
             )
         if gone.won is not None:
             return f"it succeeded on {slot.name} meanwhile (the next attempt takes it)"

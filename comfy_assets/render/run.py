@@ -22,17 +22,7 @@ from comfy_assets.store import Store
 
 def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, owner: str) -> Pool:
     """The pool of ``servers`` with the leases, probes and polls of ``config``."""
-    return Pool(
-        servers,
-        store,
-        owner=owner,
-        lease_s=config.server_lease_s,
-        probe_timeout_s=config.probe_timeout_s,
-        max_queue=config.max_queue,
-        unhealthy_wait_s=config.unhealthy_wait_s,
-        poll_s=config.poll_s,
-        unreachable_timeout_s=config.unreachable_timeout_s,
-    )
+    return Pool(servers, store, owner=owner, settings=config)
 
 
 def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:

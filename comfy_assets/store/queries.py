@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, TypeVar
+
 import sqlalchemy as sa
 
 from comfy_assets.jobs.events import Event
@@ -25,6 +27,8 @@ from comfy_assets.store.schema import (
     files_table,
     jobs_table,
 )
+
+R = TypeVar("R")
 
 
 class Queries(StoreBase):
@@ -51,10 +55,7 @@ class Queries(StoreBase):
     @retried
     def files(self, job_id: str) -> list[FileRecord]:
         """Files of the job's done record, by path."""
-        t = files_table.c
-        stmt = sa.select(files_table).where(t.job_id == job_id).order_by(t.path)
-        with self._read() as conn:
-            return [FileRecord(**r._mapping) for r in conn.execute(stmt)]
+        return self._job_rows(files_table, job_id, files_table.c.path, FileRecord)
 
     @retried
     def partition_files(self, partition: str) -> dict[str, list[FileRecord]]:
@@ -77,10 +78,16 @@ class Queries(StoreBase):
     @retried
     def attempts(self, job_id: str) -> list[AttemptRecord]:
         """Tries of the job, by attempt number."""
-        t = attempts_table.c
-        stmt = sa.select(attempts_table).where(t.job_id == job_id).order_by(t.attempt)
+        return self._job_rows(attempts_table, job_id, attempts_table.c.attempt, AttemptRecord)
+
+    def _job_rows(
+        self, table: sa.Table, job_id: str, order: sa.ColumnElement[Any], record: type[R]
+    ) -> list[R]:
+        """The rows of ``table`` that belong to ``job_id``, by ``order``, each as a
+        ``record`` (one field per column)."""
+        stmt = sa.select(table).where(table.c.job_id == job_id).order_by(order)
         with self._read() as conn:
-            return [AttemptRecord(**r._mapping) for r in conn.execute(stmt)]
+            return [record(**r._mapping) for r in conn.execute(stmt)]
 
     @retried
     def events(

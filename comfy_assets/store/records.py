@@ -127,7 +127,7 @@ class AttemptRecord:
 class AttemptEntry:
     """One try to write with the transition it leads to (``tried=`` of
     ``Store.transition``, ``mark_done`` and ``dead_letter``): one transaction, not two.
-    Fields as ``Store.record_attempt``; seconds; ``attempt`` is the row's number."""
+    Also ``Store.record_attempt``'s one argument; seconds; ``attempt`` is the row's number."""
 
     attempt: int
     outcome: str

@@ -61,16 +61,10 @@ CLAIM = (
     )
     .values(claimed_by=_b("v_owner"), claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
 )
-RENEW_CLAIM = (
-    jobs_table.update()
-    .where(JOB.job_id == _b("b_id"), JOB.claimed_by == _b("b_owner"))
-    .values(claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
-)
-RELEASE_CLAIM = (
-    jobs_table.update()
-    .where(JOB.job_id == _b("b_id"), JOB.claimed_by == _b("b_owner"))
-    .values(claimed_by=None, claim_expires_at=None)
-)
+# The job's row while ``b_owner`` holds its claim.
+_OWN_CLAIM = jobs_table.update().where(JOB.job_id == _b("b_id"), JOB.claimed_by == _b("b_owner"))
+RENEW_CLAIM = _OWN_CLAIM.values(claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
+RELEASE_CLAIM = _OWN_CLAIM.values(claimed_by=None, claim_expires_at=None)
 BUMP_ATTEMPTS = (
     jobs_table.update()
     .where(JOB.job_id == _b("b_id"))
@@ -103,21 +97,17 @@ NEXT_EVENT_IDS = sa.text(
     "SELECT nextval(pg_get_serial_sequence('comfy_events', 'id')) FROM generate_series(1, :n)"
 )
 
-RENEW_SERVER = (
-    server_leases_table.update()
-    .where(LEASE.server == _b("b_server"), LEASE.owner == _b("b_owner"))
-    .values(expires_at=_b("v_expires"), updated_at=_b("v_now"))
+# The server's lease row while ``b_owner`` holds it.
+_OWN_LEASE = server_leases_table.update().where(
+    LEASE.server == _b("b_server"), LEASE.owner == _b("b_owner")
 )
-RELEASE_SERVER = (
-    server_leases_table.update()
-    .where(LEASE.server == _b("b_server"), LEASE.owner == _b("b_owner"))
-    .values(
-        owner=None,
-        expires_at=None,
-        prompt_id=None,
-        last_model=sa.func.coalesce(_b("v_model", sa.Text), LEASE.last_model),
-        updated_at=_b("v_now"),
-    )
+RENEW_SERVER = _OWN_LEASE.values(expires_at=_b("v_expires"), updated_at=_b("v_now"))
+RELEASE_SERVER = _OWN_LEASE.values(
+    owner=None,
+    expires_at=None,
+    prompt_id=None,
+    last_model=sa.func.coalesce(_b("v_model", sa.Text), LEASE.last_model),
+    updated_at=_b("v_now"),
 )
 
 ATTEMPT_COLUMNS = tuple(c.name for c in attempts_table.columns)

@@ -121,44 +121,15 @@ class Transitions(StoreBase):
         log_event(event)
 
     @retried
-    def record_attempt(
-        self,
-        job_id: str,
-        attempt: int,
-        *,
-        outcome: str,
-        server: str | None = None,
-        prompt_id: str | None = None,
-        number: int | None = None,
-        started_at: float | None = None,
-        ended_at: float | None = None,
-        seconds: float | None = None,
-        queue_wait_s: float | None = None,
-        gpu_seconds: float | None = None,
-        reason: str | None = None,
-        now: float | None = None,
-    ) -> None:
-        """Record try number ``attempt`` (1-based) of ``job_id``; the same number again
-        replaces the row. ``outcome``: "success", "transient" or "permanent".
+    def record_attempt(self, job_id: str, entry: AttemptEntry, *, now: float | None = None) -> None:
+        """Record try number ``entry.attempt`` (1-based) of ``job_id``; the same number
+        again replaces the row. ``entry.outcome``: "success", "transient" or "permanent".
 
         ``ended_at`` defaults to ``now``; ``seconds`` (wall, queue included) to
         ended_at - started_at; ``started_at`` to ended_at - seconds. ``gpu_seconds``
         (time the prompt ran) is kept as given. The job's ``attempts`` becomes at least
-        ``attempt``. Raises UnknownJob, ValueError (unknown outcome, no duration).
+        ``entry.attempt``. Raises UnknownJob, ValueError (unknown outcome, no duration).
         """
-        entry = AttemptEntry(
-            attempt,
-            outcome,
-            server=server,
-            prompt_id=prompt_id,
-            number=number,
-            started_at=started_at,
-            ended_at=ended_at,
-            seconds=seconds,
-            queue_wait_s=queue_wait_s,
-            gpu_seconds=gpu_seconds,
-            reason=reason,
-        )
         now = _now(now)
         row = _attempt_row(job_id, entry, now)
         with self._write() as conn:
