@@ -6,17 +6,24 @@ Run:
     python bench/overhead.py --small 200 --large 1200
     COMFYUI_URL=http://127.0.0.1:8188 python bench/overhead.py   # also a real server
 
-Each side runs as its own process, twice (``--small`` then ``--large`` jobs), on its own
-fake (a separate process, ``--prompt-seconds 0``: no GPU time). The CPU a process used
-comes from ``wait4`` (user + system), start-up included; the **marginal** CPU per job is
-(cpu(large) - cpu(small)) / (large - small), which leaves start-up out. Lines:
-``cpu_ms_per_job_ours``, ``cpu_ms_per_job_bare``, ``ratio`` (ours / bare), and each run's
-``cpu_s_*`` and ``wall_s_*``. Both sides download every output and write it to disk; ours
+Each side runs as its own process, ``--small`` then ``--large`` jobs, ``--repeat`` times
+(3), the two sides taking turns, each on its own fake (a separate process,
+``--prompt-seconds 0``: no GPU time). The CPU a process used comes from ``wait4`` (user +
+system), start-up included; the **marginal** CPU per job is (cpu(large) - cpu(small)) /
+(large - small) of the medians of the repeats, which leaves start-up out (a single run
+moves by a quarter on this shared machine). Lines: ``cpu_ms_per_job_ours``,
+``cpu_ms_per_job_bare``, ``ratio`` (ours / bare), and the medians ``cpu_s_*`` and
+``wall_s_*`` of each side and size. Both sides download every output and write it to disk; ours
 also claims, records, checks and hashes (the product).
 
 With ``COMFYUI_URL``: ``--real-jobs`` (100) tiny prompts of distinct colours through each
 side on that server, one after the other: ``wall_ms_per_job_real_ours`` and
-``wall_ms_per_job_real_bare``, start-up included (what the GPU waits between prompts).
+``wall_ms_per_job_real_bare``, start-up included; and from the server's own history of
+those prompts (``status.messages`` timestamps, milliseconds), the time from the process's
+start to its first prompt's ``execution_start`` (``start_s_real_*``), the median and mean
+gap between one prompt's ``execution_success`` and the next one's ``execution_start``
+(``gap_ms_median_real_*``, ``gap_ms_mean_real_*``: what the GPU waits between prompts),
+and from the last ``execution_success`` to the process's exit (``end_s_real_*``).
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -100,27 +109,47 @@ def bare(url: str, jobs: Path, work: Path) -> tuple[float, float]:
     )
 
 
+def executions(url: str, count: int) -> list[tuple[float, float]]:
+    """(execution_start, execution_success) in epoch seconds of the ``count`` prompts the
+    server ran last, by run number, from GET /history's ``status.messages`` (ComfyUI
+    stamps them in milliseconds)."""
+    with urllib.request.urlopen(f"{url}/history?max_items={count + 10}") as answer:
+        history = json.loads(answer.read())
+    entries = sorted(history.values(), key=lambda e: e["prompt"][0])[-count:]
+    spans = []
+    for entry in entries:
+        stamps = {kind: data["timestamp"] / 1000 for kind, data in entry["status"]["messages"]}
+        spans.append((stamps["execution_start"], stamps["execution_success"]))
+    return spans
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", type=int, default=200, help="jobs of the first run (200)")
     parser.add_argument("--large", type=int, default=1200, help="jobs of the second run (1200)")
     parser.add_argument("--real-jobs", type=int, default=100, help="jobs on COMFYUI_URL (100)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each side and size (3)")
     args = parser.parse_args()
     if args.large <= args.small:
         parser.error("--large must be more than --small")
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     work = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     out = scratch_dir()
     figures: dict[str, float] = {}
     try:
+        runs: dict[str, list[float]] = {}
         with fake_processes(2, 0.0, out) as (ours_fake, bare_fake):
             offset = 0
-            for size in (args.small, args.large):
-                for name, side, fake in (("ours", ours, ours_fake), ("bare", bare, bare_fake)):
-                    jobs = job_file(work / f"{name}-{size}", size, offset)
-                    cpu, wall = side(fake.url, jobs, work / name)
-                    figures[f"cpu_s_{name}_{size}"] = cpu
-                    figures[f"wall_s_{name}_{size}"] = wall
-                offset += size
+            for _ in range(args.repeat):
+                for size in (args.small, args.large):
+                    for name, side, fake in (("ours", ours, ours_fake), ("bare", bare, bare_fake)):
+                        jobs = job_file(work / f"{name}-{size}", size, offset)
+                        cpu, wall = side(fake.url, jobs, work / name)
+                        runs.setdefault(f"cpu_s_{name}_{size}", []).append(cpu)
+                        runs.setdefault(f"wall_s_{name}_{size}", []).append(wall)
+                    offset += size
+        figures.update({key: statistics.median(values) for key, values in runs.items()})
         extra = args.large - args.small
         for name in ("ours", "bare"):
             marginal = figures[f"cpu_s_{name}_{args.large}"] - figures[f"cpu_s_{name}_{args.small}"]
@@ -131,8 +160,15 @@ def main() -> None:
             for name, side in (("ours", ours), ("bare", bare)):
                 seed = time.time_ns() % (1 << 23)
                 jobs = job_file(work / f"real-{name}", args.real_jobs, seed, TINY)
+                started = time.time()
                 _, wall = side(real, jobs, work / f"real-{name}")
                 figures[f"wall_ms_per_job_real_{name}"] = wall / args.real_jobs * 1000
+                spans = executions(real, args.real_jobs)
+                gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
+                figures[f"start_s_real_{name}"] = spans[0][0] - started
+                figures[f"gap_ms_median_real_{name}"] = statistics.median(gaps) * 1000
+                figures[f"gap_ms_mean_real_{name}"] = statistics.mean(gaps) * 1000
+                figures[f"end_s_real_{name}"] = started + wall - spans[-1][1]
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)

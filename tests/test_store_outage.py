@@ -81,3 +81,40 @@ async def test_a_database_that_stays_away_stops_the_run_and_removes_its_prompts(
         await fake.wait_idle(10.0)
     assert "the store's database is unreachable" in str(info.value)
     assert [r["outcome"] for r in fake.stats["runs"]] == ["interrupted"]
+
+
+class GoneAtRendering(Store):
+    """The store, its database gone at the job's `rendering` write: right after the
+    POST, before anything can record the prompt's fate."""
+
+    def transition(self, job_id: str, to: str, *args: object, **kwargs: object) -> None:
+        if to == "rendering":
+            raise StoreUnavailable("transition", 0.0, OSError("connection refused"))
+        super().transition(job_id, to, *args, **kwargs)  # type: ignore[arg-type]
+
+
+async def test_a_store_gone_at_the_rendering_write_stops_the_run_and_removes_the_prompt(
+    pg_store, pg_url, tmp_path
+):
+    fake = FakeComfy(script=["hang"], prompt_seconds=0.01)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    store = GoneAtRendering(tmp_path / "store", pg_url)
+    lines: list[str] = []
+    async with fake_servers(fake) as servers:
+        with pytest.raises(StoreUnavailable):
+            await run_batch(
+                jf,
+                partition="p",
+                servers=servers,
+                store=store,
+                config=fast_config(),
+                on_line=lines.append,
+            )
+        await fake.wait_idle(10.0)  # the hung prompt is not left running
+    store.close()
+    assert [r["outcome"] for r in fake.stats["runs"]] in ([], ["interrupted"])
+    assert [line for line in lines if "the store failed" in line] == [
+        f"job {jf.jobs[0].id}: the store failed (the store's database is unreachable "
+        "(transition failed: OSError: connection refused)); prompt interrupted and removed "
+        "from gpu0"
+    ]

@@ -205,11 +205,13 @@ def run_command(args: argparse.Namespace) -> int:
     # The batch (aiohttp, websockets), results.csv (pandas) and the bar (tqdm) are imported
     # by the command that runs them: ``requeue``, ``events`` and ``worker`` build their
     # parsers here too.
-    from comfy_assets.cli.progress_bar import ProgressBar
     from comfy_assets.render.run import run_batch_sync
 
-    # On a terminal a progress bar, the lines above it; elsewhere the lines alone.
-    bar = ProgressBar(len(job_file.jobs), sys.stdout) if sys.stdout.isatty() else None
+    bar = None
+    if sys.stdout.isatty():  # a progress bar, the lines above it; elsewhere the lines alone
+        from comfy_assets.cli.progress_bar import ProgressBar
+
+        bar = ProgressBar(len(job_file.jobs), sys.stdout)
     try:
         with stopped_by_signals() as stopped_by:
             summary = run_batch_sync(

@@ -313,6 +313,10 @@ class Pool(Probing, LeaseKeeping, Orphans):
                 slot = self._take(rest[0], models, {})
                 if slot is not None:
                     return slot, False
+        if all(s.name in self._held for s in self.servers if only is None or s.name == only):
+            # Every server we may take runs a prompt of ours: none can be free, and the
+            # store need not be asked (our next consumer waits for one of them).
+            return None, False
         now = time.time()
         leases = self._ask_leases(self.leases.server_leases, {})
         free = []

@@ -40,7 +40,7 @@ from comfy_assets.render.owners import owner_alive
 from comfy_assets.render.progress import Ended, Progress
 from comfy_assets.render.queue import Item, JobQueue
 from comfy_assets.render.settle import Settle
-from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store
+from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store, StoreUnavailable
 
 log = logging.getLogger("comfy_assets.render.batch")
 
@@ -384,6 +384,13 @@ class Batch(Settle):
         except NotPosted:
             self.claims.release(job.id)  # the batch stopped first: the job stays pending
             return None
+        except StoreUnavailable as e:
+            # The store failed under the attempt (writing `submitted` or `rendering`):
+            # the batch stops, and a prompt of ours is not left to run on the server
+            # with nobody to record it.
+            what = await asyncio.shield(attempt.cancel_cleanup())
+            self.report(f"job {job.id}: the store failed ({e}); {what}")
+            raise
         except NoServerReachable:
             self.claims.release(job.id)  # nothing posted: the job stays pending
             raise
