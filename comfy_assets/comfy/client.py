@@ -494,7 +494,9 @@ def view_content_type(filename: str) -> str:
 
 
 def _excerpt(text: str) -> str:
-    text = text.strip()
+    """The start of an answer's body on one line (runs of whitespace, newlines among
+    them, as one space): messages become lines of output, one per error."""
+    text = " ".join(text.split())
     return text if len(text) <= _BODY_EXCERPT else text[:_BODY_EXCERPT] + "..."
 
 

@@ -8,7 +8,10 @@ batch reads them; its transport errors map to the same typed errors as the clien
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import socket
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -125,30 +128,58 @@ def _get(client: ComfyClient, path: str, parse: Callable[[Any], object]) -> obje
 
 
 def _fetch(client: ComfyClient, path: str, route: str) -> Answer:
-    """One GET over http.client (redirects not followed), mapped like the client's
-    requests: refused or unresolved → ServerUnreachable, a timeout → RequestTimeout,
-    a reset or a broken answer → ConnectionLost."""
+    """One GET over http.client (redirects not followed), its answer whole within
+    ``client.timeout_s`` seconds, mapped like the client's requests: refused or
+    unresolved → ServerUnreachable, no whole answer in time → RequestTimeout, a reset
+    or a broken answer → ConnectionLost."""
     parts = urlsplit(client.base_url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     where = f"{client.name}: {route}"
     connection = kind(parts.hostname or "", parts.port, timeout=client.timeout_s)
+    # The socket's timeout bounds each read only: a server that drips its answer a byte
+    # at a time would hold the probe for ever. At the deadline the socket is shut down,
+    # which ends a blocked read; whatever it then returns is no answer.
+    cut = threading.Event()
+    deadline = threading.Timer(client.timeout_s, _cut, args=(connection, cut))
+    deadline.daemon = True
+    deadline.start()
     try:
         connection.request("GET", f"{parts.path.rstrip('/')}{path}", headers=client.auth_headers)
         response = connection.getresponse()
-        return Answer(response.status, response.headers, response.read())
-    except TimeoutError as exc:
-        raise RequestTimeout(
-            f"{where}: no answer within {client.timeout_s:g} s", server=client.base_url
-        ) from exc
-    except (ConnectionResetError, BrokenPipeError, http.client.HTTPException) as exc:
-        # Reset, or closed before or within the answer (RemoteDisconnected is both).
-        raise ConnectionLost(
-            f"{where}: connection lost ({exc or type(exc).__name__})", server=client.base_url
-        ) from exc
-    except OSError as exc:  # refused, host not found, no route
-        reason = unreachable_reason(exc, client.base_url)
-        raise ServerUnreachable(
-            f"{where}: {reason} ({client.base_url})", server=client.base_url, reason=reason
-        ) from exc
+        answer = Answer(response.status, response.headers, response.read())
+    except (OSError, http.client.HTTPException) as exc:
+        raise _transport_error(exc, client, where, cut.is_set()) from exc
     finally:
+        deadline.cancel()
         connection.close()
+    if cut.is_set():
+        raise _transport_error(TimeoutError(), client, where, True)
+    return answer
+
+
+def _cut(connection: http.client.HTTPConnection, cut: threading.Event) -> None:
+    """Shut down ``connection``'s socket (not close: the reading thread owns it)."""
+    sock = connection.sock
+    if sock is not None:
+        cut.set()
+        with contextlib.suppress(OSError):  # already closed by the reading thread
+            # socket.socket's own shutdown: an SSLSocket's would unwrap under the reader.
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+def _transport_error(exc: BaseException, client: ComfyClient, where: str, cut: bool) -> ComfyError:
+    """The typed error of a failed exchange; ``cut``: the deadline ended it."""
+    if cut or isinstance(exc, TimeoutError):
+        return RequestTimeout(
+            f"{where}: no answer within {client.timeout_s:g} s", server=client.base_url
+        )
+    if isinstance(exc, (ConnectionResetError, BrokenPipeError, http.client.HTTPException)):
+        # Reset, or closed before or within the answer (RemoteDisconnected is both).
+        return ConnectionLost(
+            f"{where}: connection lost ({exc or type(exc).__name__})", server=client.base_url
+        )
+    # refused, host not found, no route
+    reason = unreachable_reason(exc, client.base_url)
+    return ServerUnreachable(
+        f"{where}: {reason} ({client.base_url})", server=client.base_url, reason=reason
+    )
