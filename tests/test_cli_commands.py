@@ -139,6 +139,27 @@ def test_run_piped_into_a_reader_that_stops_early_still_renders_every_job(
     assert sorted(posts(fake).values()) == [1] * 6
 
 
+@pytest.mark.parametrize("option", ["--events", "-v"])
+def test_run_with_log_lines_piped_into_a_reader_that_stops_early_prints_no_traceback(
+    tmp_path: Path, fake: FakeComfy, url: str, option: str
+) -> None:
+    # `comfy-assets run --events ... | head -1`: the event and scheduling lines go to
+    # stdout too; once the reader is gone they go nowhere, as the job lines do.
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs), option]
+    cmd += ["--server", f"gpu0={url}", "--store", str(store), *FAST]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.readline()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 0, err
+    assert "Traceback" not in err and "Logging error" not in err
+    assert "standard output was closed; the run goes on" in err
+    assert len(rows(store / "jobs" / "results.csv")) == 3
+
+
 def test_run_stopped_by_sigterm_exits_143_and_still_writes_the_results_csv(tmp_path: Path) -> None:
     # The CSV is the table of what is done: a stopped run writes it too, with a row per
     # job (the ones not done yet say so).

@@ -152,7 +152,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
 
 def show_logs(args: argparse.Namespace) -> None:
     """Route the scheduler's and the state machine's log lines to stdout on request."""
-    handler = logging.StreamHandler(sys.stdout)
+    handler = LineHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     if getattr(args, "events", False):
         events = logging.getLogger("comfy_assets.jobs.events")
@@ -180,6 +180,20 @@ def print_line(line: str) -> None:
             "comfy-assets: standard output was closed; the run goes on without progress lines",
             file=sys.stderr,
         )
+
+
+class LineHandler(logging.Handler):
+    """A log handler printing each record as a line of ``run``'s output (``print_line``):
+    once the reader has gone away the records go nowhere, as the job lines do, instead
+    of a "Logging error" traceback each."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record)
+        except Exception:
+            self.handleError(record)
+            return
+        print_line(line)
 
 
 def run_command(args: argparse.Namespace) -> int:
