@@ -160,6 +160,38 @@ def test_run_with_log_lines_piped_into_a_reader_that_stops_early_prints_no_trace
     assert len(rows(store / "jobs" / "results.csv")) == 3
 
 
+def test_run_whose_output_folder_cannot_be_written_stops_with_one_line_and_the_csv(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Our own disk failing (a folder we may not write, a full disk) is no fault of the
+    # job: the run stops, says why in one line, and still writes the table.
+    jobs = write_jobs(tmp_path / "jobs", 2)
+    store = tmp_path / "store"
+    (store / "jobs").mkdir(parents=True)
+    (store / "jobs" / job_id(0, "jobs.jsonl")).write_text("in the way of the job's folder")
+
+    assert run(jobs, store, url) == 1
+
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    assert job_id(0, "jobs.jsonl") in captured.err and "the run stopped" in captured.err
+    assert captured.out.splitlines()[-1] == f"results: {store / 'jobs' / 'results.csv'}"
+    assert len(rows(store / "jobs" / "results.csv")) == 2
+
+
+def test_run_whose_store_folder_is_a_file_says_so_in_one_line(
+    tmp_path: Path, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    store = tmp_path / "store"
+    store.write_text("not a folder")
+
+    assert run(jobs, store, url) == 1
+
+    err = capsys.readouterr().err
+    assert err == f"error: cannot open the store folder {store}: File exists\n"
+
+
 def test_run_stopped_by_sigterm_exits_143_and_still_writes_the_results_csv(tmp_path: Path) -> None:
     # The CSV is the table of what is done: a stopped run writes it too, with a row per
     # job (the ones not done yet say so).

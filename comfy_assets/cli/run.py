@@ -118,6 +118,9 @@ def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # the SQLite store's folder: a file there, no permission
+        print(f"error: cannot open the store folder {args.store}: {e.strerror}", file=sys.stderr)
+        return 1
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -255,7 +258,9 @@ def run_command(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 143 if stopped_by[0] == "SIGTERM" else 130
-    except StoreUnavailable as e:
+    except (StoreUnavailable, OSError) as e:
+        # The store, or our disk under it (an output folder we may not write, a full
+        # disk), failed: no fault of a job, so the batch stops rather than fail them.
         results_line(store, partition, job_file)
         store.close()
         print(
@@ -315,7 +320,7 @@ def results_line(store: Store, partition: str, job_file: JobFile) -> None:
     try:
         path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
         print_line(f"results: {path}")
-    except StoreUnavailable as e:
+    except (StoreUnavailable, OSError) as e:
         print(f"results.csv not written: {e}", file=sys.stderr)
 
 
