@@ -111,8 +111,8 @@ def entry() -> NoReturn:
     process ends at once with its exit code. Every command has closed what it opened by
     then (the store, sockets, files, threads of its own), so what is skipped is only the
     interpreter's teardown of the libraries a command loaded (SQLAlchemy, pandas,
-    aiohttp: about a third of a second, which a batch's wall time would otherwise end
-    with). Logging and output are flushed first."""
+    aiohttp), which would otherwise add to the end of every batch's wall time. Logging
+    and output are flushed first."""
     code = main()
     logging.shutdown()
     try:
