@@ -373,14 +373,27 @@ def free_port() -> int:
 @asynccontextmanager
 async def raw_server(behaviour: str) -> AsyncIterator[str]:
     """A TCP server that reads the request head, then: ``reset`` (RST), ``close`` (FIN,
-    no answer), ``silent`` (never answers until the test ends) or ``cut`` (a 200 of
-    100 bytes by its Content-Length, cut by a RST after 10)."""
+    no answer), ``silent`` (never answers until the test ends), ``cut`` (a 200 of
+    100 bytes by its Content-Length, cut by a RST after 10), ``drip-head`` or
+    ``drip-body`` (answers a byte at a time until the test ends: a header line that never
+    ends, or a 200 whose chunked body never ends)."""
     done = asyncio.Event()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         if behaviour == "silent":
             await done.wait()
+        elif behaviour.startswith("drip-"):
+            if behaviour == "drip-body":
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
+                writer.write(b"Transfer-Encoding: chunked\r\n\r\n")
+            else:
+                writer.write(b"HTTP/1.1 200 OK\r\nX-Drip: ")
+            drip = b"1\r\n \r\n" if behaviour == "drip-body" else b"-"
+            while not done.is_set():
+                writer.write(drip)
+                await writer.drain()
+                await asyncio.sleep(0.02)  # the server's pace, not a synchronisation
         elif behaviour in ("reset", "cut"):
             if behaviour == "cut":
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nfirst half")

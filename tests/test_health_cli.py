@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp import web
@@ -115,40 +113,10 @@ def test_health_exits_2_for_a_bad_server_list(capsys):
     assert "gpu0=nonsense" in capsys.readouterr().err
 
 
-@asynccontextmanager
-async def dripping_server(part: str) -> AsyncIterator[str]:
-    """A server that answers a byte at a time, never finishing: its ``head`` (a header
-    line that never ends) or its ``body`` (a 200 whose chunked body never ends)."""
-    done = asyncio.Event()
-
-    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        if part == "body":
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n")
-            writer.write(b"Transfer-Encoding: chunked\r\n\r\n")
-        drip = b"1\r\n \r\n" if part == "body" else b"-"
-        if part == "head":
-            writer.write(b"HTTP/1.1 200 OK\r\nX-Drip: ")
-        while not done.is_set():
-            writer.write(drip)
-            await writer.drain()
-            await asyncio.sleep(0.02)  # the server's pace, not a synchronisation
-        writer.close()
-
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        done.set()
-        server.close()
-        await server.wait_closed()
-
-
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("part", ["head", "body"])
 async def test_a_server_that_drips_its_answer_times_out_like_a_silent_one(part):
-    async with dripping_server(part) as url:
+    async with raw_server(f"drip-{part}") as url:
         health = await asyncio.to_thread(probe, ServerSpec("gpu3", url), timeout_s=0.3)
     assert health.line() == f"gpu3 unreachable: no answer within 0.3 s ({url})"
 
