@@ -3,20 +3,10 @@ upsert each), and the marks of pools waiting for a server (fairness across runs)
 
 from __future__ import annotations
 
-import sqlalchemy as sa
-
 from comfy_assets.store import statements as q
 from comfy_assets.store.base import StoreBase, _now
-from comfy_assets.store.records import (
-    ServerLease,
-)
-from comfy_assets.store.retry import (
-    retried,
-)
-from comfy_assets.store.schema import (
-    pool_waiters_table,
-    server_leases_table,
-)
+from comfy_assets.store.records import ServerLease
+from comfy_assets.store.retry import retried
 
 
 class ServerLeases(StoreBase):
@@ -69,26 +59,19 @@ class ServerLeases(StoreBase):
     def server_leases(self) -> dict[str, ServerLease]:
         """Every server ever leased, by name (a released one has ``owner`` None)."""
         with self._read() as conn:
-            rows = conn.execute(sa.select(server_leases_table).order_by(q.LEASE.server))
+            rows = conn.execute(q.SERVER_LEASES)
             return {r.server: ServerLease(**r._mapping) for r in rows}
 
     @retried
     def mark_waiting(self, owner: str, wait_s: float, now: float | None = None) -> None:
         """Say that ``owner`` waits for a server, for the next ``wait_s`` seconds."""
-        now = _now(now)
-        insert = q.insert_for(self.dialect, pool_waiters_table).values(
-            owner=owner, expires_at=now + wait_s
-        )
-        upsert = insert.on_conflict_do_update(
-            index_elements=["owner"], set_={"expires_at": insert.excluded.expires_at}
-        )
+        params = {"owner": owner, "expires_at": _now(now) + wait_s}
         with self._write() as conn:
-            conn.execute(upsert)
+            conn.execute(q.upsert_waiter(self.dialect), params)
 
     @retried
     def others_waiting(self, owner: str, now: float | None = None) -> bool:
         """True when another owner waits for a server now (see ``mark_waiting``)."""
-        t = pool_waiters_table.c
-        stmt = sa.select(t.owner).where(t.owner != owner, t.expires_at > _now(now)).limit(1)
+        params = {"b_owner": owner, "b_now": _now(now)}
         with self._read() as conn:
-            return conn.execute(stmt).first() is not None
+            return conn.execute(q.OTHERS_WAITING, params).first() is not None

@@ -19,6 +19,7 @@ from comfy_assets.store.schema import (
     events_table,
     files_table,
     jobs_table,
+    pool_waiters_table,
     server_leases_table,
 )
 
@@ -27,6 +28,7 @@ ATTEMPT = attempts_table.c  # columns
 FILE = files_table.c  # columns
 EVENT = events_table.c  # columns
 LEASE = server_leases_table.c  # columns
+WAITER = pool_waiters_table.c  # columns
 
 
 def expect_rows(result: sa.CursorResult, expected: int, what: str) -> None:
@@ -95,6 +97,14 @@ INSERT_EVENT = events_table.insert().returning(EVENT.id)
 LAST_EVENT_ID = sa.select(sa.func.coalesce(sa.func.max(EVENT.id), 0))
 NEXT_EVENT_IDS = sa.text(
     "SELECT nextval(pg_get_serial_sequence('comfy_events', 'id')) FROM generate_series(1, :n)"
+)
+
+SERVER_LEASES = sa.select(server_leases_table).order_by(LEASE.server)
+# Another owner than ``b_owner`` waiting for a server at ``b_now``.
+OTHERS_WAITING = (
+    sa.select(WAITER.owner)
+    .where(WAITER.owner != _b("b_owner"), WAITER.expires_at > _b("b_now"))
+    .limit(1)
 )
 
 # The server's lease row while ``b_owner`` holds it.
@@ -211,3 +221,12 @@ def acquire_server(dialect: str) -> Any:
     )
     # SQLAlchemy keeps an INSERT's rowcount only when asked; 0 means "not taken".
     return upsert.execution_options(preserve_rowcount=True)
+
+
+@cache
+def upsert_waiter(dialect: str) -> Any:
+    """INSERT a pool waiter row (binds ``owner``, ``expires_at``), or move its expiry."""
+    insert = insert_for(dialect, pool_waiters_table)
+    return insert.on_conflict_do_update(
+        index_elements=["owner"], set_={"expires_at": insert.excluded.expires_at}
+    )
