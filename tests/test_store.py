@@ -20,6 +20,7 @@ from comfy_assets.store import (
     ClaimLost,
     OutputFile,
     PartitionConflict,
+    RenderingStart,
     Store,
     UnknownJob,
 )
@@ -444,6 +445,35 @@ def test_a_failed_attempt_is_written_with_its_transition_or_dead_letter(store, w
         (2, "permanent"),
     ]
     assert (store.get(job.id).state, store.get(job.id).attempts) == ("failed_fatal", 2)
+
+
+def test_a_rendering_move_not_yet_written_lands_with_the_record_that_ends_the_attempt(
+    store, workflow_dir
+):
+    jobs = make_jobs(workflow_dir, 3)
+    store.register_jobs("film", jobs)
+    for job in jobs:
+        assert store.claim(job.id, "w1", now=100.0) == "claimed"
+        store.transition(job.id, "submitted", owner="w1", server="gpu0", attempt=1, now=101.0)
+    started = RenderingStart("gpu0", 1, 7, 102.0)
+    tried = AttemptEntry(1, "success", server="gpu0", seconds=2.0)
+    store.mark_done(
+        jobs[0].id, "w1", files=files("a.png"), now=103.0, tried=tried, rendering=started
+    )
+    failed = AttemptEntry(1, "transient", seconds=2.0, reason="POST /free sent")
+    store.transition(jobs[1].id, "failed_retryable", attempt=1, tried=failed, rendering=started)
+    store.dead_letter(jobs[2].id, "w1", "IndexError", attempt=1, rendering=started)
+    for job, last in zip(jobs, ["succeeded", "failed_retryable", "failed_fatal"], strict=True):
+        moves = [(e.time, e.from_state, e.to_state, e.server) for e in store.events(job.id)]
+        assert moves[-2:] == [
+            (102.0, "submitted", "rendering", "gpu0"),
+            (103.0 if last == "succeeded" else moves[-1][0], "rendering", last, moves[-1][3]),
+        ]
+        assert store.get(job.id).number == 7
+    # A job no longer submitted (done) refuses the move and keeps its record.
+    with pytest.raises(InvalidTransition):
+        store.transition(jobs[0].id, "pending", rendering=started)
+    assert store.get(jobs[0].id).state == "succeeded"
 
 
 def test_a_refused_done_record_leaves_no_files_behind(store, workflow_dir):

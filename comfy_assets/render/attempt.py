@@ -97,6 +97,9 @@ class Attempt(CatchUp, Removal):
         # ``claim_lost``: the job is no longer ours to record.
         self.aborted: str | None = None
         self.claim_lost = False
+        # A store write about this attempt that failed while it ran (the deferred
+        # rendering move), for the batch to handle as if the attempt had raised it.
+        self.store_failed: BaseException | None = None
         self.posted = False  # a POST /prompt of this attempt may have reached the server
 
     def aborted_result(self, cleanup: str) -> AttemptResult:

@@ -2,7 +2,7 @@
 
 Used by the Dagster asset, ``comfy-assets run`` and the RabbitMQ worker alike.
 
-Two consumer loops per server: a loop takes the next job and claims it, then waits for
+Three consumer loops per server: a loop takes the next job and claims it, then waits for
 a server, so a server handed over at the end of a prompt goes straight to the next POST
 (among free servers the job's previous server and model count; a server our prompt just
 left goes to the next consumer in line whatever its job); a loop that still holds a
@@ -39,8 +39,16 @@ from comfy_assets.render.outputs import outputs_problem
 from comfy_assets.render.owners import owner_alive
 from comfy_assets.render.progress import Ended, Progress
 from comfy_assets.render.queue import Item, JobQueue
+from comfy_assets.render.rendering import DeferredRendering
 from comfy_assets.render.settle import Settle
-from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store, StoreUnavailable
+from comfy_assets.store import (
+    AttemptEntry,
+    ClaimLost,
+    JobRecord,
+    RenderingStart,
+    Store,
+    StoreUnavailable,
+)
 
 log = logging.getLogger("comfy_assets.render.batch")
 
@@ -51,6 +59,8 @@ R = TypeVar("R")
 # Worker threads for a networked store (PostgreSQL): two, so one call can wait on the
 # network while another runs; more only add GIL contention (docs/performance.md).
 STORE_THREADS = 2
+
+CONSUMERS_PER_SERVER = 3
 
 
 class Batch(Settle):
@@ -72,9 +82,10 @@ class Batch(Settle):
         on_progress: Callable[[Progress], None] | None = None,
     ) -> None:
         self.jobs = list(jobs)
-        # Twice the servers: a server freed at execution_success (while its previous job
-        # still downloads) finds a consumer waiting for it instead of sitting idle.
-        self.consumers = consumers or 2 * len(pool.servers)
+        # Three per server: one follows the prompt, one waits in line for the server, and
+        # one may still be finishing the job before (downloads, the done record) when a
+        # prompt shorter than that work ends: with two, the freed server would wait for it.
+        self.consumers = consumers or CONSUMERS_PER_SERVER * len(pool.servers)
         self.partition = partition
         self.pool = pool
         self.store = store
@@ -89,6 +100,7 @@ class Batch(Settle):
         self.queue = JobQueue()
         self.unresolved = len(self.jobs)
         self.claims = Claims(store, owner, config.lease_s, self._db, self._claim_gone)
+        self.renderings = DeferredRendering(self._write_rendering, self._rendering_failed)
         self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
         self.stopped: str | None = None
         self.no_server = False
@@ -326,16 +338,7 @@ class Batch(Settle):
             )
 
         async def rendering(server: str, n: int) -> None:
-            await self._db(
-                store.transition,
-                job.id,
-                "rendering",
-                owner=self.owner,
-                from_state="submitted",
-                server=server,
-                attempt=attempt_number,
-                number=n,
-            )
+            self.renderings.defer(job.id, RenderingStart(server, attempt_number, n, time.time()))
 
         hooks = AttemptHooks(submitted=submitted, rendering=rendering, stopped=lambda: self.stopped)
         attempt = Attempt(
@@ -373,6 +376,9 @@ class Batch(Settle):
             # The lease still keeps other processes away while our prompt is removed.
             what = await asyncio.shield(attempt.cancel_cleanup())
             await self._landed()  # a transition still being written lands first
+            if isinstance(attempt.store_failed, StoreUnavailable):
+                self.report(f"job {job.id}: the store failed ({attempt.store_failed}); {what}")
+                raise attempt.store_failed from None
             if attempt.claim_lost:
                 await self._left_to_holder(job, attempt, attempt_number, attempt.aborted, what)
                 return None
@@ -385,9 +391,9 @@ class Batch(Settle):
             self.claims.release(job.id)  # the batch stopped first: the job stays pending
             return None
         except StoreUnavailable as e:
-            # The store failed under the attempt (writing `submitted` or `rendering`):
-            # the batch stops, and a prompt of ours is not left to run on the server
-            # with nobody to record it.
+            # The store failed under the attempt (writing `submitted`): the batch stops,
+            # and a prompt of ours is not left to run on the server with nobody to record
+            # it.
             what = await asyncio.shield(attempt.cancel_cleanup())
             self.report(f"job {job.id}: the store failed ({e}); {what}")
             raise
@@ -412,11 +418,43 @@ class Batch(Settle):
             self.report(self.stopped)
         self._check_finished()
 
+    async def _write_rendering(self, job_id: str, move: RenderingStart) -> None:
+        """``DeferredRendering``'s write: the job's move to rendering, with our claim."""
+        await self._db(
+            self.store.transition,
+            job_id,
+            "rendering",
+            owner=self.owner,
+            from_state="submitted",
+            server=move.server,
+            attempt=move.attempt,
+            number=move.number,
+            now=move.at,
+        )
+
+    def _rendering_failed(self, job_id: str, error: BaseException) -> bool:
+        """The rendering write of ``job_id`` raised ``error``: an attempt still following
+        its prompt is stopped as if its own write had raised it (the store failed: the
+        batch stops; the claim lost: the job is left to its holder). False when no
+        attempt can be stopped so: the attempt's last record raises it."""
+        attempt = self.attempts.get(job_id)
+        if attempt is None or not isinstance(error, StoreUnavailable | ClaimLost):
+            return False
+        claim = isinstance(error, ClaimLost)
+        if not self._abort(job_id, f"claim lost ({error})" if claim else str(error), claim=claim):
+            return False
+        attempt.store_failed = error
+        return True
+
     async def _left_to_holder(
         self, job: Job, attempt: Attempt, attempt_number: int, why: str, cleanup: str
     ) -> None:
         """The job's claim went to another worker while attempt ``attempt_number`` ran: say so
         (an event that changes nothing, and a line) and leave the job to its holder."""
+        try:
+            await self.renderings.take(job.id)  # its rendering move is not ours to write
+        except ClaimLost:
+            pass  # raised by that move's write under way: the loss this reports
         server = attempt.slot.name if attempt.slot is not None else None
         detail = f"{why} during attempt {attempt_number}; {cleanup}"
         await self._db(self.store.note, job.id, detail, server=server, attempt=attempt_number)
@@ -431,16 +469,18 @@ class Batch(Settle):
             if attempt.slot is slot:
                 self._abort(job_id, f"server lease lost ({slot.lost})")
 
-    def _abort(self, job_id: str, why: str, *, claim: bool = False) -> None:
+    def _abort(self, job_id: str, why: str, *, claim: bool = False) -> bool:
         """Stop the running attempt of ``job_id`` from outside: its consumer is cancelled
         once, and ``_run_item`` tells that from a cancelled batch (``cancelling() == 1``
-        with ``aborted`` set), cleans up and goes on; ``claim``: the job is no longer ours."""
+        with ``aborted`` set), cleans up and goes on; ``claim``: the job is no longer ours.
+        False when no attempt of the job runs, or it is already being stopped."""
         attempt, task = self.attempts.get(job_id), self._tasks.get(job_id)
         if attempt is None or task is None or attempt.aborted is not None:
-            return
+            return False
         attempt.aborted = why
         attempt.claim_lost = claim
         task.cancel()
+        return True
 
     def _claim_gone(self, job_id: str, why: str) -> None:
         """Our claim on ``job_id`` is gone (``Claims``): stop its attempt, if one runs."""

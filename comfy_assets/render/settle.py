@@ -11,7 +11,7 @@ from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.outcome import AttemptResult
 from comfy_assets.render.outputs import remove_stale_outputs
 from comfy_assets.render.queue import Item
-from comfy_assets.store import AttemptEntry, StoreUnavailable
+from comfy_assets.store import AttemptEntry, ClaimLost, StoreUnavailable
 
 
 class Settle:
@@ -31,6 +31,8 @@ class Settle:
             reason=r.reason or None,
         )
         where = f" on {r.server}" if r.server else ""
+        # The move to rendering, unless already written: in the same transaction.
+        rendering = await self.renderings.take(job.id)
         if r.kind == "success":
             remove_stale_outputs(store.job_dir(self.partition, job.id), r.files)
             self.claims.finishing_now(job.id)
@@ -44,6 +46,7 @@ class Settle:
                 attempt=attempt_number,
                 number=r.number,
                 tried=tried,
+                rendering=rendering,
             )
             self.claims.finished(job.id)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
@@ -59,6 +62,7 @@ class Settle:
                 attempt=attempt_number,
                 detail=r.reason,
                 tried=tried,
+                rendering=rendering,
             )
             if self.stopped:  # no consumer takes it any more: the next run does
                 self.claims.release(job.id)
@@ -94,6 +98,7 @@ class Settle:
                 attempt=attempt_number,
                 reason=reason,
                 tried=tried,
+                rendering=rendering,
             )
             self.report(f"job {job.id}: degraded (draft), {reason}")
         else:
@@ -105,6 +110,7 @@ class Settle:
                 server=r.server,
                 attempt=attempt_number,
                 tried=tried,
+                rendering=rendering,
             )
             self.report(f"job {job.id}: dead-lettered, {reason}")
             if self.stop_on_fatal and not self.stopped:
@@ -127,14 +133,19 @@ class Settle:
                 what += ", claim released"
             except StoreUnavailable as e:
                 what += f"; neither recorded nor its claim released ({e})"
+            except ClaimLost as e:  # raised by its rendering write, under way meanwhile
+                self.claims.forget(job.id)
+                what += f"; not recorded: claim lost ({e})"
             self.report(f"job {job.id}: run cancelled, {what}")
 
     async def _record_cancel(
         self, job: Job, attempt: Attempt, attempt_number: int, before: int, what: str
     ) -> None:
-        """Record the cancelled attempt (its job back to failed_retryable) and free the
-        claim. Raises StoreUnavailable."""
+        """Record the cancelled attempt (its job back to failed_retryable, after its
+        rendering move if not yet written) and free the claim. Raises StoreUnavailable,
+        ClaimLost."""
         await self._landed()  # a `submitted` still being written lands first
+        rendering = await self.renderings.take(job.id)
         rec = await self._db(self.store.get, job.id)
         if rec is not None and rec.state in ("submitted", "rendering"):
             reason = f"run cancelled; {what}"
@@ -143,7 +154,7 @@ class Settle:
                 outcome="transient",
                 server=rec.server,
                 prompt_id=job.prompt_id,
-                number=rec.number,
+                number=rendering.number if rendering else rec.number,
                 seconds=time.monotonic() - attempt.started,
                 reason=reason,
             )
@@ -154,5 +165,6 @@ class Settle:
                 detail=reason,
                 attempt=attempt_number,
                 tried=tried,
+                rendering=rendering if rec.state == "submitted" else None,
             )
         self.claims.release(job.id)

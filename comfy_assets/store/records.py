@@ -143,6 +143,20 @@ class AttemptEntry:
 
 
 @dataclass(frozen=True)
+class RenderingStart:
+    """The move of a job from submitted to rendering, not yet written: ``server``
+    accepted the prompt of attempt ``attempt`` as run ``number`` at ``at`` (epoch
+    seconds). ``rendering=`` of the transition that ends the attempt writes it first, its
+    event at ``at``, in the same transaction (``Store.transition``, ``mark_done``,
+    ``dead_letter``)."""
+
+    server: str
+    attempt: int
+    number: int
+    at: float
+
+
+@dataclass(frozen=True)
 class ServerLease:
     """Who holds a GPU server and until when (epoch seconds). ``owner`` is None once
     released; ``last_model`` survives the release (model affinity)."""

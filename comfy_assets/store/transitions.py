@@ -3,6 +3,7 @@ requeues and notes, each with its event row and JSON log line, in one transactio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Any
@@ -14,6 +15,7 @@ from comfy_assets.jobs.states import (
     DONE,
     FAILED_FATAL,
     PENDING,
+    RENDERING,
     SUBMITTED,
     check_transition,
     is_allowed,
@@ -24,6 +26,7 @@ from comfy_assets.store.records import (
     AttemptEntry,
     ClaimLost,
     OutputFileLike,
+    RenderingStart,
     UnknownJob,
 )
 from comfy_assets.store.retry import (
@@ -66,6 +69,7 @@ class Transitions(StoreBase):
         now: float | None = None,
         tried: AttemptEntry | None = None,
         from_state: str | None = None,
+        rendering: RenderingStart | None = None,
         **fields: Any,
     ) -> None:
         """Move ``job_id`` to ``to_state`` if the state machine allows it from the state in
@@ -79,6 +83,8 @@ class Transitions(StoreBase):
         ``from_state`` (with ``owner``): the state the caller knows the job is in, which
         makes a move to a state neither pending nor final a guarded UPDATE and the event's
         INSERT, without reading the job first (on PostgreSQL, one statement).
+        ``rendering``: the job's move to rendering, written first in the same transaction
+        (``RenderingStart``).
         Raises InvalidTransition, UnknownJob, ClaimLost, TypeError (an unknown field).
         """
         unknown = set(fields) - TRANSITION_FIELDS
@@ -90,6 +96,7 @@ class Transitions(StoreBase):
             from_state is not None
             and owner is not None
             and tried is None
+            and rendering is None
             and to not in _TERMINAL
             and to != PENDING
             and is_allowed(from_state, to)
@@ -115,10 +122,11 @@ class Transitions(StoreBase):
             elif to == PENDING:
                 values["finished_at"] = None
             values.update(fields)
+            events = _via(rendering, row, values, _event(now, row, to, detail, server, attempt))
             self._update(conn, row, values)
-            event = _event(now, row, to, detail, server, attempt)
-            event = self._insert_events(conn, [event])[0]
-        log_event(event)
+            events = self._insert_events(conn, events)
+        for event in events:
+            log_event(event)
 
     @retried
     def record_attempt(self, job_id: str, entry: AttemptEntry, *, now: float | None = None) -> None:
@@ -153,11 +161,13 @@ class Transitions(StoreBase):
         detail: str | None = None,
         now: float | None = None,
         tried: AttemptEntry | None = None,
+        rendering: RenderingStart | None = None,
     ) -> None:
         """Finish ``job_id`` as succeeded or degraded, all in ONE transaction: its files
         (paths relative to the job dir, with sha256 and bytes; they replace earlier
-        ones), totals, the transition and its event, the claim released, and ``tried``
-        (the last attempt's row, counted in the totals).
+        ones), totals, the transition and its event, the claim released, ``tried``
+        (the last attempt's row, counted in the totals), and first ``rendering``, the
+        move to rendering not yet written (``RenderingStart``).
 
         Totals default from the job and its attempts: ``seconds`` = now -
         first_submitted_at, ``queue_wait_s`` = sum of waits, ``gpu_seconds`` = sum of
@@ -193,16 +203,17 @@ class Transitions(StoreBase):
             for name, value in (("server", server), ("attempts", attempt), ("number", number)):
                 if value is not None:
                     values[name] = value
+            text = detail or (f"{len(rows)} file" + ("" if len(rows) == 1 else "s"))
+            if reason and not detail:
+                text += f"; {reason}"
+            events = _via(rendering, row, values, _event(now, row, state, text, server, attempt))
             self._update(conn, row, values)
             conn.execute(q.DELETE_FILES, {"b_id": job_id})
             if rows:
                 conn.execute(q.INSERT_FILES, [{**r, "prompt_id": row.prompt_id} for r in rows])
-            text = detail or (f"{len(rows)} file" + ("" if len(rows) == 1 else "s"))
-            if reason and not detail:
-                text += f"; {reason}"
-            event = _event(now, row, state, text, server, attempt)
-            event = self._insert_events(conn, [event])[0]
-        log_event(event)
+            events = self._insert_events(conn, events)
+        for event in events:
+            log_event(event)
 
     @retried
     def dead_letter(
@@ -215,10 +226,12 @@ class Transitions(StoreBase):
         attempt: int | None = None,
         now: float | None = None,
         tried: AttemptEntry | None = None,
+        rendering: RenderingStart | None = None,
     ) -> None:
         """Give up on ``job_id``: failed_fatal with ``reason``, claim freed, ``tried``
-        (the last attempt's row) recorded, in one transaction. Raises ClaimLost unless
-        ``owner`` holds the claim, InvalidTransition (a done job, say), UnknownJob."""
+        (the last attempt's row) and first ``rendering`` (``RenderingStart``) recorded,
+        in one transaction. Raises ClaimLost unless ``owner`` holds the claim,
+        InvalidTransition (a done job, say), UnknownJob."""
         now = _now(now)
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
@@ -233,10 +246,12 @@ class Transitions(StoreBase):
             }
             if server is not None:
                 values["server"] = server
+            final = _event(now, row, FAILED_FATAL, reason, server, attempt)
+            events = _via(rendering, row, values, final)
             self._update(conn, row, values)
-            event = _event(now, row, FAILED_FATAL, reason, server, attempt)
-            event = self._insert_events(conn, [event])[0]
-        log_event(event)
+            events = self._insert_events(conn, events)
+        for event in events:
+            log_event(event)
 
     @retried
     def note(
@@ -376,6 +391,23 @@ class Transitions(StoreBase):
         if conn.execute(q.BUMP_ATTEMPTS, bump).rowcount != 1:
             raise UnknownJob(row["job_id"])
         conn.execute(q.upsert_attempt(self.dialect), row)
+
+
+def _via(
+    rendering: RenderingStart | None, row: sa.Row, values: dict[str, Any], final: Event
+) -> list[Event]:
+    """The events of a move to ``final.to_state``: that one alone, or with ``rendering``
+    (the job's move to rendering, not yet written) first, its event at its own time and
+    the final one from rendering; ``values`` get its run number unless they have one.
+    Raises InvalidTransition when the job is not submitted."""
+    if rendering is None:
+        return [final]
+    check_transition(row.state, RENDERING, job_id=row.job_id)
+    check_transition(RENDERING, final.to_state, job_id=row.job_id)
+    values.setdefault("number", rendering.number)
+    values.setdefault("server", rendering.server)
+    started = _event(rendering.at, row, RENDERING, None, rendering.server, rendering.attempt)
+    return [started, dataclasses.replace(final, from_state=RENDERING.value)]
 
 
 def _attempt_row(job_id: str, entry: AttemptEntry, now: float) -> dict[str, Any]:
