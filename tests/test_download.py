@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,8 @@ from comfy_assets.comfy.errors import (
     UnsafeOutputName,
 )
 from comfy_assets.comfy.types import HistoryEntry
+from comfy_assets.render.outputs import remove_stale_outputs
+from comfy_assets.store import OutputFile
 from tests.test_client import Replay, answering, raw_server
 
 SOLID_SHA = "c738a34e8eba88674d7f6ba4b6298c461ca97c3c43ab356adc4d61a9e509d3ed"
@@ -78,6 +81,17 @@ def test_a_symlink_leading_outside_is_refused(tmp_path):
     (dest / "video").symlink_to(outside)
     with pytest.raises(UnsafeOutputName, match="outside"):
         safe_output_path(dest, "video", "shot.mp4")
+
+
+def test_a_file_name_that_is_a_link_out_is_refused_and_one_within_is_taken(tmp_path):
+    (tmp_path / "outside.png").write_bytes(b"theirs")
+    dest = tmp_path / "dest"
+    (dest / "takes").mkdir(parents=True)
+    (dest / "shot.png").symlink_to(tmp_path / "outside.png")
+    (dest / "video").symlink_to(dest / "takes", target_is_directory=True)
+    with pytest.raises(UnsafeOutputName, match="outside"):
+        safe_output_path(dest, "", "shot.png")
+    assert safe_output_path(dest, "video", "s.mp4") == dest / "video" / "s.mp4"
 
 
 def test_safe_names_keep_their_subfolders(tmp_path):
@@ -242,3 +256,24 @@ async def test_a_view_answer_that_is_not_the_file_is_refused_and_nothing_is_kept
 )
 def test_the_view_content_type_is_the_one_comfyui_sends(filename, content_type):
     assert view_content_type(filename) == content_type
+
+
+def test_stale_outputs_are_removed_and_nothing_outside_the_job_folder(tmp_path):
+    job_dir = tmp_path / "job"
+    (job_dir / "video").mkdir(parents=True)
+    for name in ("a.png", "old.png", "video/s.mp4", "video/old.mp4"):
+        (job_dir / name).write_bytes(b"x")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.png").write_bytes(b"keep")
+    (job_dir / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (job_dir / "file-link.png").symlink_to(elsewhere / "precious.png")
+    kept = [OutputFile("a.png", "0" * 64, 1), OutputFile("video/s.mp4", "0" * 64, 1)]
+    remove_stale_outputs(job_dir, kept)
+    left = sorted(
+        (Path(folder) / name).relative_to(job_dir).as_posix()
+        for folder, dirs, names in os.walk(job_dir)
+        for name in dirs + names
+    )
+    assert left == ["a.png", "linked", "video", "video/s.mp4"]
+    assert (elsewhere / "precious.png").read_bytes() == b"keep"

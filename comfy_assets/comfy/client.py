@@ -26,7 +26,6 @@ import logging
 import mimetypes
 import socket
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
@@ -259,7 +258,7 @@ class ComfyClient:
         not read to the end."""
         query = urlencode({"filename": filename, "subfolder": subfolder, "type": type})
         route = f"GET /view {subfolder + '/' if subfolder else ''}{filename}"
-        async with self._mapped(route):
+        with self._mapped(route):
             request = self._session().get(self._url(f"/view?{query}"), allow_redirects=False)
             async with request as response:
                 if response.status != 200:
@@ -350,29 +349,9 @@ class ComfyClient:
 
     # -- plumbing ---------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def _mapped(self, route: str) -> AsyncIterator[None]:
+    def _mapped(self, route: str) -> _MappedErrors:
         """Turn aiohttp's errors into our typed errors, naming server and route."""
-        import aiohttp
-
-        where = f"{self.name}: {route}"
-        try:
-            yield
-        except TimeoutError as exc:  # aiohttp's timeouts are TimeoutErrors too
-            raise RequestTimeout(
-                f"{where}: no answer within {self.timeout_s:g} s", server=self.base_url
-            ) from exc
-        except aiohttp.ClientConnectorError as exc:
-            reason = unreachable_reason(exc, self.base_url)
-            raise ServerUnreachable(
-                f"{where}: {reason} ({self.base_url})", server=self.base_url, reason=reason
-            ) from exc
-        except aiohttp.ClientError as exc:
-            # Reset, closed before the answer ended, a malformed answer: the request may
-            # have reached the server.
-            raise ConnectionLost(
-                f"{where}: connection lost ({exc or type(exc).__name__})", server=self.base_url
-            ) from exc
+        return _MappedErrors(self, route)
 
     async def _request(self, method: str, path: str, route: str, *, json: Any = None) -> Answer:
         """One request, its answer read whole; ``json`` is sent as a compact UTF-8 body
@@ -382,7 +361,7 @@ class ComfyClient:
         if json is not None:
             data = _json_dumps(json).encode()
             headers = {"Content-Type": "application/json"}
-        async with self._mapped(route):
+        with self._mapped(route):
             request = self._session().request(
                 method, self._url(path), data=data, headers=headers, allow_redirects=False
             )
@@ -484,6 +463,42 @@ class ComfyClient:
 _FORCED_DOWNLOAD = frozenset(
     {"text/html", "text/html-sandboxed", "application/xhtml+xml", "text/javascript", "text/css"}
 )
+
+
+class _MappedErrors:
+    """``ComfyClient._mapped``: a plain context manager, since one wraps every request."""
+
+    def __init__(self, client: ComfyClient, route: str) -> None:
+        self.client = client
+        self.route = route
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, _: object
+    ) -> bool:
+        if exc is None:
+            return False
+        import aiohttp
+
+        client, where = self.client, f"{self.client.name}: {self.route}"
+        if isinstance(exc, TimeoutError):  # aiohttp's timeouts are TimeoutErrors too
+            raise RequestTimeout(
+                f"{where}: no answer within {client.timeout_s:g} s", server=client.base_url
+            ) from exc
+        if isinstance(exc, aiohttp.ClientConnectorError):
+            reason = unreachable_reason(exc, client.base_url)
+            raise ServerUnreachable(
+                f"{where}: {reason} ({client.base_url})", server=client.base_url, reason=reason
+            ) from exc
+        if isinstance(exc, aiohttp.ClientError):
+            # Reset, closed before the answer ended, a malformed answer: the request may
+            # have reached the server.
+            raise ConnectionLost(
+                f"{where}: connection lost ({exc or type(exc).__name__})", server=client.base_url
+            ) from exc
+        return False
 
 
 def view_content_type(filename: str) -> str:

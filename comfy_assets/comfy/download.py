@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import unicodedata
 import uuid
 from contextlib import aclosing
@@ -64,12 +65,29 @@ def safe_output_path(dest_dir: Path, subfolder: str, filename: str) -> Path:
             _check_part(part, "subfolder", subfolder)
             parts.append(part)
     path = dest_dir.joinpath(*parts, filename)
-    root = dest_dir.resolve()
-    if not path.resolve().is_relative_to(root):
+    # Checked parts can leave dest_dir only through a link among them: resolving both
+    # paths (a stat per component of each) is needed only when one is there.
+    if _has_link(dest_dir, [*parts, filename]) and not path.resolve().is_relative_to(
+        dest_dir.resolve()
+    ):
         raise UnsafeOutputName(
             f"unsafe output {subfolder!r}/{filename!r}: resolves outside {dest_dir}"
         )
     return path
+
+
+def _has_link(dest_dir: Path, parts: list[str]) -> bool:
+    """Whether one of ``parts`` below ``dest_dir``, in turn, is an existing symlink."""
+    current = str(dest_dir)
+    for part in parts:
+        current = os.path.join(current, part)
+        try:
+            mode = os.lstat(current).st_mode
+        except (FileNotFoundError, NotADirectoryError):
+            return False  # nothing exists from here on, so no link either
+        if stat.S_ISLNK(mode):
+            return True
+    return False
 
 
 async def download_outputs(

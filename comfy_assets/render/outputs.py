@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,10 +25,13 @@ def outputs_problem(store: Store, partition: str, job_id: str) -> str | None:
 
 def remove_stale_outputs(job_dir: Path, keep: Sequence[object]) -> None:
     """Delete files in a job's folder that its new outputs don't include (those of its
-    inputs before an edit), so the folder holds what the store says it holds."""
+    inputs before an edit), so the folder holds what the store says it holds. A link to
+    a folder is not followed (what it points at is not the job's); a link to a file is
+    removed like a file. Raises OSError."""
     wanted = {str(getattr(f, "path", "")) for f in keep}
-    if not job_dir.is_dir():
-        return
-    for path in job_dir.rglob("*"):
-        if path.is_file() and path.relative_to(job_dir).as_posix() not in wanted:
-            path.unlink()
+    # os.walk reads each folder once, without a stat per entry.
+    for folder, _, names in os.walk(job_dir):
+        base = Path(folder).relative_to(job_dir)
+        for name in names:
+            if (base / name).as_posix() not in wanted:
+                os.unlink(os.path.join(folder, name))
