@@ -76,6 +76,16 @@ class Claims(StoreBase):
         now = _now(now)
         event = None
         with self._write() as conn:
+            if dead_holder is None:  # the usual case, a job nobody holds: one statement
+                params = {
+                    "b_id": job_id,
+                    "v_owner": owner,
+                    "v_expires": now + lease_s,
+                    "v_now": now,
+                }
+                claimed = conn.execute(q.CLAIM_FREE, params).first()
+                if claimed is not None:
+                    return ClaimStatus.CLAIMED, _job_record(claimed)
             row = self._lock(conn, job_id)
             record = _job_record(row)
             if row.state in DONE:

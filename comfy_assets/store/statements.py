@@ -13,6 +13,7 @@ from typing import Any
 import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 
+from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.store.records import StoreConflict
 from comfy_assets.store.schema import (
     attempts_table,
@@ -64,6 +65,18 @@ CLAIM = (
     .values(claimed_by=_b("v_owner"), claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
 )
 # The job's row while ``b_owner`` holds its claim.
+# The claim of a job that is free or already ``v_owner``'s and not finished, returning
+# the job's row as the claim leaves it; no rows for any other job.
+CLAIM_FREE = (
+    jobs_table.update()
+    .where(
+        JOB.job_id == _b("b_id"),
+        JOB.state.not_in(sorted(s.value for s in (*DONE, FAILED_FATAL))),
+        sa.or_(JOB.claimed_by.is_(None), JOB.claimed_by == _b("v_owner")),
+    )
+    .values(claimed_by=_b("v_owner"), claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
+    .returning(*jobs_table.c)
+)
 _OWN_CLAIM = jobs_table.update().where(JOB.job_id == _b("b_id"), JOB.claimed_by == _b("b_owner"))
 RENEW_CLAIM = _OWN_CLAIM.values(claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
 RELEASE_CLAIM = _OWN_CLAIM.values(claimed_by=None, claim_expires_at=None)

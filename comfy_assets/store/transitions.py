@@ -183,7 +183,7 @@ class Transitions(StoreBase):
         with self._write() as conn:
             row = self._locked_for_move(conn, job_id, owner, state, tried_row, now)
             if seconds is None or queue_wait_s is None or gpu_seconds is None:
-                n, total, waited, ran = conn.execute(q.TOTALS, {"b_id": job_id}).one()
+                n, total, waited, ran = self._totals(conn, row, tried_row)
                 if seconds is None:
                     started = row.first_submitted_at
                     seconds = total if started is None else now - started
@@ -384,6 +384,21 @@ class Transitions(StoreBase):
         if tried_row is not None:
             self._write_attempt(conn, tried_row, now)
         return row
+
+    def _totals(
+        self, conn: sa.Connection, row: sa.Row, tried_row: dict[str, Any] | None
+    ) -> tuple[int, float | None, float | None, float | None]:
+        """(attempts, their seconds, queue waits and GPU seconds, summed) of the job of
+        ``row``, ``tried_row`` just written among them; a job with no attempt before it
+        (none now, none before a reset: ``attempts_before``) has that one's alone."""
+        if tried_row is None or row.attempts or row.attempts_before:
+            return tuple(conn.execute(q.TOTALS, {"b_id": row.job_id}).one())  # type: ignore[return-value]
+        seconds, waited, gpu = (
+            tried_row["seconds"],
+            tried_row["queue_wait_s"],
+            tried_row["gpu_seconds"],
+        )
+        return 1, seconds, waited, seconds - (waited or 0.0) if gpu is None else gpu
 
     def _write_attempt(self, conn: sa.Connection, row: dict[str, Any], now: float) -> None:
         """The attempt row (replacing the same number) and the job's ``attempts``."""
