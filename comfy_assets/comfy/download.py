@@ -110,6 +110,8 @@ async def download_outputs(
         if out.type != "output":
             continue
         wanted.setdefault(safe_output_path(dest_dir, out.subfolder, out.filename), out)
+    for folder in {path.parent for path in wanted}:
+        folder.mkdir(parents=True, exist_ok=True)
     results = []
     for path, out in wanted.items():
         results.append(await _download_one(client, out, path, dest_dir, max_bytes))
@@ -119,7 +121,6 @@ async def download_outputs(
 async def _download_one(
     client: ComfyClient, out: OutputFile, path: Path, dest_dir: Path, max_bytes: int | None
 ) -> DownloadedFile:
-    path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
     digest = hashlib.sha256()
     size = 0

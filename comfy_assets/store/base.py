@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -121,6 +122,10 @@ def _now(now: float | None) -> float:
     return time.time() if now is None else now
 
 
+# C0 control characters and DEL.
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+
+
 def folder_name(name: str, what: str) -> str:
     """``name`` when it can be a folder of the store (a partition, a job id); raises
     ValueError naming ``what`` for "", ".", "..", a separator, a control character (NUL
@@ -128,7 +133,7 @@ def folder_name(name: str, what: str) -> str:
     (a file name's limit on Linux and macOS), or store.db*."""
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\"):
         raise ValueError(f"{what} {name!r} cannot be used as a folder name")
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name) or name != name.strip():
+    if _CONTROL.search(name) or name != name.strip():
         raise ValueError(
             f"{what} {name!r} cannot be used as a folder name (control characters, or white "
             "space at an end)"
