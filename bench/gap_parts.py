@@ -3,7 +3,7 @@ steps timed after our socket delivers ``execution_success``.
 
 Run: `python bench/gap_parts.py [bench/pool.py's options]`. Prints bench/pool.py's lines,
 then ``after_success_<step>_ms`` (median and p90 over every hand-over) for the steps
-``release`` (``Pool._release``), ``take`` (``Pool._take`` by the consumer in line),
+``release`` (``Pool.slot_released``), ``take`` (``Pool._take`` by the consumer in line),
 ``post`` (``ComfyClient.post_prompt`` called, after the ``submitted`` write) and
 ``posted`` (its answer). The wrappers are this script's own; nothing of comfy_assets is
 changed.
@@ -52,19 +52,19 @@ def _wrap_post() -> None:
 
 
 def _wrap_pool() -> None:
-    release, take = pool.Pool._release, pool.Pool._take
+    release, take = pool.Pool.slot_released, pool.Pool._take
 
-    def _release(self: pool.Pool, slot: pool.Slot) -> None:
+    def slot_released(self: pool.Pool, slot: pool.Slot) -> None:
         marks[slot.name].append(("release", time.perf_counter()))
         release(self, slot)
 
-    def _take(self: pool.Pool, spec: Any, models: Any, lengths: Any) -> pool.Slot | None:
-        slot = take(self, spec, models, lengths)
+    def _take(self: pool.Pool, spec: Any, *args: Any, **kwargs: Any) -> pool.Slot | None:
+        slot = take(self, spec, *args, **kwargs)
         if slot is not None:
             marks[spec.name].append(("take", time.perf_counter()))
         return slot
 
-    pool.Pool._release = _release  # type: ignore[method-assign]
+    pool.Pool.slot_released = slot_released  # type: ignore[method-assign]
     pool.Pool._take = _take  # type: ignore[method-assign]
 
 

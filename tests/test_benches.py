@@ -1,0 +1,44 @@
+"""The benchmarks under bench/ still run against the code they measure.
+
+bench/gap_parts.py wraps methods of the pool, the follower and the client by name, and
+bench/overhead.py drives ``comfy-assets run`` and the bare client: a rename in
+comfy_assets breaks them without breaking any other test. Tiny sizes: these check that
+each bench runs to its figures, not the figures themselves (nothing is timed here).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_S = 120.0  # bound on a run of a few jobs, interpreter and fakes' start-up included
+
+
+def figures(*argv: str) -> dict[str, str]:
+    """The ``name=value`` lines a bench prints; fails the test on a non-zero exit. The
+    benches run on their own fakes only: a COMFYUI_URL of the caller's is not passed on."""
+    env = {k: v for k, v in os.environ.items() if k != "COMFYUI_URL"}
+    proc = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=RUN_S
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+
+
+def test_gap_parts_times_every_hand_over_of_a_pool_run() -> None:
+    lines = figures("bench/gap_parts.py", "--jobs", "16", "--servers", "2", "--prompt-ms", "20")
+    assert lines["done"] == "16"
+    # Each server's first prompt follows no other: 16 prompts on 2 servers, 14 hand-overs.
+    assert lines["handovers"] == "14"
+    for step in ("release", "take", "post", "posted"):
+        assert f"after_success_{step}_ms" in lines
+
+
+def test_overhead_runs_both_sides_and_prints_the_ratio() -> None:
+    lines = figures("bench/overhead.py", "--small", "2", "--large", "4", "--repeat", "1")
+    for name in ("ours", "bare"):
+        assert float(lines[f"cpu_s_{name}_4"]) > 0
+    assert "ratio" in lines
