@@ -374,7 +374,8 @@ def free_port() -> int:
 async def raw_server(behaviour: str) -> AsyncIterator[str]:
     """A TCP server that reads the request head, then: ``reset`` (RST), ``close`` (FIN,
     no answer), ``silent`` (never answers until the test ends), ``cut`` (a 200 of
-    100 bytes by its Content-Length, cut by a RST after 10), ``drip-head`` or
+    100 bytes by its Content-Length, cut by a RST after 10), ``half-head`` (FIN in the
+    middle of a 200's headers), ``drip-head`` or
     ``drip-body`` (answers a byte at a time until the test ends: a header line that never
     ends, or a 200 whose chunked body never ends)."""
     done = asyncio.Event()
@@ -394,6 +395,9 @@ async def raw_server(behaviour: str) -> AsyncIterator[str]:
                 writer.write(drip)
                 await writer.drain()
                 await asyncio.sleep(0.02)  # the server's pace, not a synchronisation
+        elif behaviour == "half-head":
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nDate: Wed, 02 De")
+            await writer.drain()
         elif behaviour in ("reset", "cut"):
             if behaviour == "cut":
                 writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nfirst half")
@@ -464,6 +468,16 @@ async def test_refused_reset_closed_silent_and_500_are_told_apart_by_type():
         assert "gpu9" in str(exc) and "GET /queue" in str(exc)
     assert "connection refused" in str(refused)
     assert error_500.body.startswith("500 Internal Server Error")
+
+
+async def test_a_connection_closed_in_the_middle_of_the_headers_is_told_in_words():
+    async with raw_server("half-head") as url:
+        lost = await _error_of(url)
+    assert type(lost) is ConnectionLost and lost.transient
+    assert str(lost) == (
+        "gpu9: GET /queue: connection lost (the server closed it in the middle of the "
+        "answer's headers, status 200)"
+    )
 
 
 async def test_socket_to_a_refused_port_is_server_unreachable():

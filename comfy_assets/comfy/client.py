@@ -496,9 +496,23 @@ class _MappedErrors:
             # Reset, closed before the answer ended, a malformed answer: the request may
             # have reached the server.
             raise ConnectionLost(
-                f"{where}: connection lost ({exc or type(exc).__name__})", server=client.base_url
+                f"{where}: connection lost ({_lost_reason(exc)})", server=client.base_url
             ) from exc
         return False
+
+
+def _lost_reason(exc: BaseException) -> str:
+    """aiohttp's reason for a lost connection, in words. A server that closes the connection
+    in the middle of the answer's headers gives ``ServerDisconnectedError`` the half-read
+    head as its message (aiohttp 3.14 client_proto.py ``connection_lost``), whose text is
+    the head's repr, no reason a person can read."""
+    import aiohttp  # imported already: the request that failed went over it
+
+    if isinstance(exc, aiohttp.ServerDisconnectedError) and not isinstance(exc.message, str):
+        code = getattr(exc.message, "code", None)
+        status = f", status {code}" if isinstance(code, int) else ""
+        return f"the server closed it in the middle of the answer's headers{status}"
+    return str(exc) or type(exc).__name__
 
 
 def view_content_type(filename: str) -> str:
