@@ -480,6 +480,16 @@ async def test_a_connection_closed_in_the_middle_of_the_headers_is_told_in_words
     )
 
 
+async def test_an_answer_cut_in_the_middle_of_its_body_is_told_in_words():
+    async with raw_server("cut") as url:
+        lost = await _error_of(url)
+    assert type(lost) is ConnectionLost and lost.transient
+    assert str(lost) == (
+        "gpu9: GET /queue: connection lost (the answer's body could not be read: Not enough "
+        "data to satisfy content length header (received 10 of 100 bytes))"
+    )
+
+
 async def test_socket_to_a_refused_port_is_server_unreachable():
     async with ComfyClient(f"http://127.0.0.1:{free_port()}", timeout_s=1) as client:
         with pytest.raises(ServerUnreachable, match="connection refused"):

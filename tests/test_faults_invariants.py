@@ -67,6 +67,29 @@ def test_a_traceback_in_a_runs_output_is_a_violation(clean, tmp_path):
     assert "traceback on stderr" in found
 
 
+def test_a_repr_in_a_runs_output_is_a_violation(clean, tmp_path):
+    line = "server gpu1 unreachable: connection lost (<RawResponseMessage(version=...)>)"
+
+    def change(p: Played) -> None:
+        p.phases[0].runs[0].stdout += line + "\n"
+
+    (found,) = broken(clean, tmp_path, change)
+    assert found.endswith(f"a repr on stdout: {line}")
+
+
+def test_a_repr_in_a_jobs_event_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        sql(
+            p,
+            "UPDATE comfy_events SET detail = ? WHERE job_id = ? AND to_state = 'succeeded'",
+            "done after <ClientResponse object at 0x7f3a2c>",
+            job_ids(p)[0],
+        )
+
+    (found,) = broken(clean, tmp_path, change)
+    assert "a repr in its reason or events: done after <ClientResponse object at 0x7f3a2c>" in found
+
+
 def test_a_file_whose_bytes_changed_in_the_store_is_a_violation(clean, tmp_path):
     def change(p: Played) -> None:
         job = job_ids(p)[0]

@@ -502,16 +502,22 @@ class _MappedErrors:
 
 
 def _lost_reason(exc: BaseException) -> str:
-    """aiohttp's reason for a lost connection, in words. A server that closes the connection
-    in the middle of the answer's headers gives ``ServerDisconnectedError`` the half-read
-    head as its message (aiohttp 3.14 client_proto.py ``connection_lost``), whose text is
-    the head's repr, no reason a person can read."""
+    """aiohttp's reason for a lost connection, in words. Two of its errors carry a repr
+    where a reason should be (aiohttp 3.14 client_proto.py ``connection_lost``): a server
+    that closes the connection in the middle of the answer's headers gives
+    ``ServerDisconnectedError`` the half-read head as its message, and one that closes it
+    in the middle of the body gives ``ClientPayloadError`` the repr of its cause, an
+    ``HttpProcessingError`` whose ``message`` is the words."""
     import aiohttp  # imported already: the request that failed went over it
+    from aiohttp.http_exceptions import HttpProcessingError
 
     if isinstance(exc, aiohttp.ServerDisconnectedError) and not isinstance(exc.message, str):
         code = getattr(exc.message, "code", None)
         status = f", status {code}" if isinstance(code, int) else ""
         return f"the server closed it in the middle of the answer's headers{status}"
+    cause = exc.__cause__
+    if isinstance(exc, aiohttp.ClientPayloadError) and isinstance(cause, HttpProcessingError):
+        return f"the answer's body could not be read: {cause.message.rstrip('.')}"
     return str(exc) or type(exc).__name__
 
 

@@ -5,6 +5,8 @@ the runs' output and results.csv.
 
 - no Python traceback in any run's stdout or stderr (nor from the worker or the harness),
   and every run ended by itself within the harness's timeout;
+- every line a run prints and every reason and event detail in the store reads as words:
+  no Python repr of an object (``REPR``: ``<Name(...``, ``<Name: ...``, ``object at 0x``);
 - every job ends done (its files in the store, their sha256 the one recorded and the one
   of the server's file by that name) or dead-lettered with a reason that names the fault
   (``FAULT_REASON``);
@@ -45,6 +47,8 @@ FAULT_REASON = re.compile(
     r"|unreachable|timed out|timeout|partial|not executed|Internal Server Error",
     re.IGNORECASE,
 )
+# An object's repr where a reason should be: what a person reads is the class's guts.
+REPR = re.compile(r"<[A-Z]\w*[(:]|\bobject at 0x[0-9a-f]+")
 EXCUSED = re.compile(r"may render twice|outputs missing|prompt lost")
 
 
@@ -71,6 +75,7 @@ def _runs(phase: Phase) -> list[str]:
             if TRACEBACK in text:
                 start = text.index(TRACEBACK)
                 found.append(f"{who}: traceback on {name}: {text[start : start + 2000]}")
+            found += [f"{who}: a repr on {name}: {line}" for line in _reprs(text.splitlines())]
         if run.timed_out:
             found.append(f"{who}: did not end within the harness's timeout")
         if run.stopped and run.returncode not in (0, 1, 143):
@@ -86,6 +91,11 @@ def _runs(phase: Phase) -> list[str]:
                         "and no line says it could not be removed"
                     )
     return found
+
+
+def _reprs(lines: list[str]) -> list[str]:
+    """The lines of ``lines`` with an object's repr in them (``REPR``), each cut to 300."""
+    return [line[:300] for line in lines if REPR.search(line)]
 
 
 def _sha256(path: Path) -> str:
@@ -117,6 +127,10 @@ def _jobs(played: Played, phase: Phase) -> list[str]:
                     all_done = False
                     found.append(f"{who}: ended {record.state}, neither done nor a dead letter")
                 details = [e.detail or "" for e in store.events(job.id)]
+                found += [
+                    f"{who}: a repr in its reason or events: {line}"
+                    for line in _reprs([record.reason or "", *details])
+                ]
                 successes = _successes(played, phase, job.prompt_id)
                 if successes > 1 and not any(EXCUSED.search(d) for d in details):
                     found.append(

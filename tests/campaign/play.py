@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import signal
 import subprocess
 import sys
@@ -306,10 +307,14 @@ def _play_worker(schedule: Schedule, hosts: list[Host], phase: Phase) -> RunOutp
             source, servers=specs, store=store, config=config(schedule), workflows_dir=jobs.parent
         )
         err = ""
+        lines = _LogLines()
+        logging.getLogger("comfy_assets").addHandler(lines)
         try:
             asyncio.run(asyncio.wait_for(worker.run(), RUN_TIMEOUT_S))
         except BaseException:
             err = traceback.format_exc()
+        finally:
+            logging.getLogger("comfy_assets").removeHandler(lines)
         phase.worker = {
             "acked": len(source.acked),
             "dead": list(source.dead),
@@ -319,7 +324,19 @@ def _play_worker(schedule: Schedule, hosts: list[Host], phase: Phase) -> RunOutp
         }
     finally:
         store.close()
-    return RunOutput(["worker"], jobs, 0 if not err else 1, "", err)
+    return RunOutput(["worker"], jobs, 0 if not err else 1, "".join(lines.text), err)
+
+
+class _LogLines(logging.Handler):
+    """The worker's log lines an operator sees by default (warnings and errors), as text:
+    the in-process worker's "stdout" for the invariants."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.text: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.text.append(self.format(record) + "\n")
 
 
 def play(schedule: Schedule, folder: Path) -> Played:
