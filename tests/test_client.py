@@ -349,6 +349,17 @@ async def test_a_body_of_the_wrong_shape_is_unexpected_answer():
     assert "GET /queue" in str(info.value)
 
 
+async def test_a_body_nested_too_deeply_is_unexpected_answer():
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(text="[" * 100_000 + "]" * 100_000, content_type="application/json")
+
+    async with answering(handle) as url, ComfyClient(url, name="gpu9") as client:
+        with pytest.raises(UnexpectedAnswer) as info:
+            await client.queue()
+    assert "gpu9: GET /queue" in str(info.value)
+    assert "body is JSON nested too deeply to read" in str(info.value)
+
+
 def test_ws_url_keeps_host_and_port_and_sets_client_id():
     client = ComfyClient("http://127.0.0.1:8188/")
     assert client.ws_url("abc") == "ws://127.0.0.1:8188/ws?clientId=abc"

@@ -17,6 +17,7 @@ from comfy_assets.comfy.errors import (
     PromptRejected,
     ServerError,
     ServerUnreachable,
+    UnexpectedAnswer,
 )
 from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
 from fake_comfy import FakeComfy
@@ -391,6 +392,18 @@ async def test_the_socket_tells_the_queue_length_and_an_ended_prompt_leaves_it_a
     assert [n for _, n in seen[1:success]] == [1] * (success - 1)
     assert [n for _, n in seen[success:]] == [0, 0, 0]
     assert [kind for kind, _ in seen[success:]] == ["execution_success", "status", "executing"]
+
+
+async def test_a_socket_message_nested_too_deeply_fails_the_follower_in_words():
+    fake = FakeComfy()
+    async with fake.serve(port=0) as url, ComfyClient(url, name="gpu9") as client:
+        with pytest.raises(UnexpectedAnswer) as info:  # the follower's exit raises it
+            async with PromptFollower(client, uuid.uuid4().hex) as follower:
+                assert follower._on_message("[" * 100_000 + "]" * 100_000) is False
+                assert follower.failed
+    assert str(info.value).startswith(
+        "gpu9: WS /ws: message not understood (maximum recursion depth exceeded"
+    )
 
 
 async def test_then_runs_after_the_finish_and_before_history_is_asked():

@@ -217,6 +217,38 @@ def test_a_ui_export_gets_the_export_api_hint(workflow_dir):
     assert "ui.json" in e.message
 
 
+@pytest.mark.parametrize("depth", [65, 1000, 100_000])
+def test_a_line_nested_too_deeply_is_an_error_of_its_line(workflow_dir, depth):
+    # 1,000 levels and more: json's decoder raises RecursionError; 65: our own bound.
+    deep = "[" * depth + "]" * depth
+    line = f'{{"id": "{ID1}", "workflow": "image.json", "set": {{"1.color": {deep}}}}}'
+    errors = errors_of(write(workflow_dir, job(ID2), line))
+    assert [str(e) for e in errors] == [
+        f"{workflow_dir / 'jobs.jsonl'}:2: json: not usable JSON: nested more than 64 levels "
+        "deep (objects and arrays)"
+    ]
+
+
+def test_a_workflow_nested_too_deeply_is_reported(workflow_dir):
+    deep = "[" * 5000 + "]" * 5000
+    (workflow_dir / "deep.json").write_text(
+        f'{{"1": {{"class_type": "X", "inputs": {{"a": {deep}}}}}}}'
+    )
+    (e,) = errors_of(write(workflow_dir, job(workflow="deep.json")))
+    assert (e.line, e.field) == (1, "workflow")
+    assert e.message.endswith(
+        "deep.json is not usable JSON: nested more than 64 levels deep (objects and arrays)"
+    )
+
+
+def test_a_line_64_levels_deep_is_read(workflow_dir):
+    value = 0
+    for _ in range(62):  # the line, "set", then 62 arrays: 64 levels
+        value = [value]
+    (j,) = load_job_file(write(workflow_dir, job(set={"1.color": value}))).jobs
+    assert j.set["1.color"] == value
+
+
 def test_a_workflow_that_is_not_json_is_reported(workflow_dir):
     (workflow_dir / "broken.json").write_text("{")
     (e,) = errors_of(write(workflow_dir, job(workflow="broken.json")))

@@ -81,6 +81,17 @@ def test_a_message_carries_everything_and_gives_the_prompt_id_of_its_job_line(tm
     assert "policy" not in json.loads(job_message(job_file.jobs[1]))
 
 
+@pytest.mark.parametrize("depth", [65, 100_000])
+def test_a_message_nested_too_deeply_is_refused_as_its_jobs_error(depth):
+    deep = "[" * depth + "]" * depth
+    body = f'{{"id": "X", "workflow": {deep}}}'.encode()
+    with pytest.raises(JobFileError) as info:
+        parse_message(body, workflows_dir=Path("."), source="q m1")
+    assert str(info.value) == (
+        "q m1:1: json: not usable JSON: nested more than 64 levels deep (objects and arrays)"
+    )
+
+
 def test_a_message_with_an_unknown_policy_is_refused_with_its_other_errors():
     body = json.dumps({"id": "X", "workflow": IMAGE_WORKFLOW, "policy": "final"}).encode()
     with pytest.raises(JobFileError) as info:

@@ -421,6 +421,8 @@ class ComfyClient:
             return json.loads(response.body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise self._unexpected(route, f"body is not JSON: {_excerpt(response.text)!r}") from exc
+        except RecursionError as exc:  # json's decoder stops near 1,000 levels of nesting
+            raise self._unexpected(route, "body is JSON nested too deeply to read") from exc
 
     def _parse(self, route: str, parse: Callable[[Any], T], body: Any) -> T:
         try:

@@ -399,7 +399,8 @@ class PromptFollower:
             message = json.loads(raw)
             kind = message["type"]
             data = message.get("data") or {}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            # RecursionError: json's decoder stops near 1,000 levels of nesting.
             self._fail(
                 UnexpectedAnswer(
                     f"{self.client.name}: WS /ws: message not understood ({exc}): {raw[:200]!r}",

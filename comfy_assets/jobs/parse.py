@@ -34,6 +34,7 @@ from comfy_assets.jobs.model import (
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
     MAX_SHOT,
+    TOO_DEEP,
     DuplicateKey,
     decoder,
     first_non_finite,
@@ -42,6 +43,7 @@ from comfy_assets.jobs.strict_json import (
     is_shot,
     kind_of,
     quoted,
+    too_deep,
 )
 from comfy_assets.jobs.workflows import WorkflowCache, api_format_problem, model_names
 
@@ -159,6 +161,12 @@ class _Parser:
             return None
         except ValueError as e:  # an integer of more than 4300 digits
             self.error(line, "json", f"not usable JSON: {e}")
+            return None
+        except RecursionError:
+            self.error(line, "json", f"not usable JSON: {TOO_DEEP}")
+            return None
+        if too_deep(obj):
+            self.error(line, "json", f"not usable JSON: {TOO_DEEP}")
             return None
         if not isinstance(obj, dict):
             self.error(line, "json", f"expected a JSON object, got {kind_of(obj)}")

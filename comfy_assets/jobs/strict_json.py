@@ -9,6 +9,29 @@ from typing import Any
 
 # Values quoted in errors are cut to this many characters (a whole workflow is no help).
 _SHOWN_CHARS = 80
+# Far deeper than a job line or an API-format workflow needs (a few levels), and far below
+# Python's recursion limit, which json's decoder, json.dumps and every recursive walk of a
+# value meet near 1,000 levels with a RecursionError instead of an error to report.
+MAX_DEPTH = 64
+TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep (objects and arrays)"
+
+
+def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:
+    """True if ``value`` nests dicts and lists more than ``limit`` levels deep (the
+    value itself is level 1). Walks without recursion, so any depth can be checked."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def is_link(value: Any) -> bool:

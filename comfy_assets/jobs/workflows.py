@@ -12,10 +12,12 @@ from typing import Any
 from comfy_assets.jobs.model import canonical_json
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
+    TOO_DEEP,
     NonFinite,
     first_non_finite,
     kind_of,
     parse_float,
+    too_deep,
 )
 
 # Loader inputs that name a model file; "clip_name1" (DualCLIPLoader) counts as clip_name.
@@ -75,6 +77,10 @@ class WorkflowCache:
             return f"workflow file {path} is not JSON: {e.msg} at line {e.lineno}"
         except ValueError as e:  # an integer of more than 4300 digits
             return f"workflow file {path} is not usable JSON: {e}"
+        except RecursionError:
+            return f"workflow file {path} is not usable JSON: {TOO_DEEP}"
+        if too_deep(obj):
+            return f"workflow file {path} is not usable JSON: {TOO_DEEP}"
         text = first_non_finite(obj)
         if text is not None:
             nodes = obj.items() if isinstance(obj, dict) else ()
