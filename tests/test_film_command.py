@@ -140,6 +140,10 @@ def test_bad_input_exits_2_with_a_reason(
         "holds none of the jobs": [
             "--jobs", str(storyboard), "--store", str(store_dir), "--partition", "other",
         ],
+        f"--out {store_dir} is a folder: give the film's file name, such as "
+        f"{store_dir / 'film.mp4'}": [
+            "--jobs", str(storyboard), "--store", str(store_dir), "--out", str(store_dir),
+        ],
     }  # fmt: skip
     for expected, argv in cases.items():
         assert film(*argv) == 2, expected

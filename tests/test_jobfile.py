@@ -249,6 +249,14 @@ def test_a_line_64_levels_deep_is_read(workflow_dir):
     assert j.set["1.color"] == value
 
 
+def test_bytes_that_are_not_utf8_are_reported_on_their_line(workflow_dir):
+    path = workflow_dir / "jobs.jsonl"
+    first = json.dumps(job(ID2)).encode()
+    path.write_bytes(first + b'\n{"id": "' + ID1.encode() + b'", "workflow": "im\xff\xfe"}\n')
+    (e,) = errors_of(path)
+    assert str(e) == f"{path}:2: file: not UTF-8 at byte 63 of the line: invalid start byte"
+
+
 def test_a_workflow_that_is_not_json_is_reported(workflow_dir):
     (workflow_dir / "broken.json").write_text("{")
     (e,) = errors_of(write(workflow_dir, job(workflow="broken.json")))

@@ -46,8 +46,9 @@ def film_command(args: argparse.Namespace) -> int:
     Prints the film's path, then a one-line summary; the contact sheet goes beside the
     film as ``<name>.contact.png``. Exit 0 when the film is written; 1 when the gate
     blocks (nothing written; one line per missing or bad shot, with why); 2 for bad
-    input: an unreadable or invalid job file, a file without shots, no store at
-    ``--store``, or a partition holding none of the file's jobs. A failure to write the
+    input: an unreadable or invalid job file, a file without shots, an ``--out`` that is a
+    folder, no store at ``--store``, or a partition holding none of the file's jobs. A
+    failure to write the
     film (MediaError) is raised.
     """
     try:
@@ -56,6 +57,10 @@ def film_command(args: argparse.Namespace) -> int:
         return _bad_input(str(e))
     if not has_shots(job_file):
         return _bad_input(f"{args.jobs}: no job has a shot number; there is no film to cut")
+    if args.out is not None and args.out.is_dir():
+        return _bad_input(
+            f"--out {args.out} is a folder: give the film's file name, such as {args.out / 'film.mp4'}"
+        )
     partition = args.jobs.stem if args.partition is None else args.partition
     store = open_store(args, existing=True)
     if isinstance(store, int):

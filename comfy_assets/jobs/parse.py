@@ -59,7 +59,8 @@ def load_job_file(path: Path, workflows: WorkflowCache | None = None) -> JobFile
     once for every job file loaded with the same ``workflows`` (the sensor's tick).
     Raises ``JobFileError`` listing every bad line (nothing is returned for a partly
     valid file), including a missing or unreadable file and a file without a single job
-    line (both line 0, field "file"), a repeated ``id`` or ``shot`` (on the later line,
+    line (both line 0, field "file"), bytes that are not UTF-8 (the line of the first, field
+    "file"), a repeated ``id`` or ``shot`` (on the later line,
     naming the first) and a non-finite number anywhere in a line.
     """
     path = Path(path)
@@ -71,7 +72,12 @@ def load_job_file(path: Path, workflows: WorkflowCache | None = None) -> JobFile
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise JobFileError([LineError(where, 0, "file", f"not UTF-8: {e.reason}")]) from e
+        # The line of the first byte that is not UTF-8, and its column in bytes (1-based).
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise JobFileError(
+            [LineError(where, line, "file", f"not UTF-8 at byte {column} of the line: {e.reason}")]
+        ) from e
 
     parser = _Parser(where, path.parent, workflows or WorkflowCache())
     header = Header()
