@@ -481,24 +481,23 @@ async def test_refused_reset_closed_silent_and_500_are_told_apart_by_type():
     assert error_500.body.startswith("500 Internal Server Error")
 
 
-async def test_a_connection_closed_in_the_middle_of_the_headers_is_told_in_words():
-    async with raw_server("half-head") as url:
+@pytest.mark.parametrize(
+    "behaviour, reason",
+    [
+        ("half-head", "the server closed it in the middle of the answer's headers, status 200"),
+        (
+            "cut",
+            "the answer's body could not be read: Not enough data to satisfy content length "
+            "header (received 10 of 100 bytes)",
+        ),
+    ],
+)
+async def test_a_connection_closed_mid_answer_is_told_in_words(behaviour, reason):
+    # aiohttp's own messages for these two are reprs (client.py: _lost_reason).
+    async with raw_server(behaviour) as url:
         lost = await _error_of(url)
     assert type(lost) is ConnectionLost and lost.transient
-    assert str(lost) == (
-        "gpu9: GET /queue: connection lost (the server closed it in the middle of the "
-        "answer's headers, status 200)"
-    )
-
-
-async def test_an_answer_cut_in_the_middle_of_its_body_is_told_in_words():
-    async with raw_server("cut") as url:
-        lost = await _error_of(url)
-    assert type(lost) is ConnectionLost and lost.transient
-    assert str(lost) == (
-        "gpu9: GET /queue: connection lost (the answer's body could not be read: Not enough "
-        "data to satisfy content length header (received 10 of 100 bytes))"
-    )
+    assert str(lost) == f"gpu9: GET /queue: connection lost ({reason})"
 
 
 async def test_socket_to_a_refused_port_is_server_unreachable():
