@@ -422,7 +422,10 @@ def films(
         store.close()
     policy = film_policy(job_file, comfy.policy)
 
-    how = f"draft, slates for shots {film.gate.placeholders}" if film.gate.draft else policy.mode
+    how = policy.mode
+    if film.gate.draft:
+        slates = ", ".join(map(str, film.gate.placeholders))
+        how = f"draft, slates for shots {slates}" if slates else "draft"
     context.log.info(
         f"film {film.concat.path}: {film.concat.clips} shots, {film.concat.duration_s:.3f} s ({how}), "
         f"concat {film.concat.mode}"

@@ -180,7 +180,9 @@ def report_partition(
             checks.append(f"{evaluation.check_name} {'passed' if evaluation.passed else 'FAILED'}")
             if not evaluation.passed:
                 problems.append(f"{item.key}: check {evaluation.check_name} failed")
-    announce(f"partition {item.key} ({item.path.name}, {len(item.job_ids)} jobs): counts {counts}")
+    if isinstance(counts, dict):  # {"succeeded": 20}: "20 succeeded", as `run` says it
+        counts = ", ".join(f"{n} {state}" for state, n in counts.items()) or "none"
+    announce(f"partition {item.key} ({item.path.name}, {len(item.job_ids)} jobs): {counts}")
     announce(f"  checks: {', '.join(checks) or 'none recorded'}")
 
     csv_path = results_csv_path(store_root, item.key)
