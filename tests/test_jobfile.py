@@ -257,6 +257,13 @@ def test_bytes_that_are_not_utf8_are_reported_on_their_line(workflow_dir):
     assert str(e) == f"{path}:2: file: not UTF-8 at byte 63 of the line: invalid start byte"
 
 
+def test_a_bom_does_not_move_the_column_of_a_byte_that_is_not_utf8(workflow_dir):
+    path = workflow_dir / "jobs.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "\xff"}\n')
+    (e,) = errors_of(path)
+    assert str(e) == f"{path}:1: file: not UTF-8 at byte 9 of the line: invalid start byte"
+
+
 def test_a_workflow_that_is_not_json_is_reported(workflow_dir):
     (workflow_dir / "broken.json").write_text("{")
     (e,) = errors_of(write(workflow_dir, job(workflow="broken.json")))

@@ -34,7 +34,6 @@ from comfy_assets.jobs.model import (
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
     MAX_SHOT,
-    TOO_DEEP,
     DuplicateKey,
     decoder,
     first_non_finite,
@@ -42,8 +41,8 @@ from comfy_assets.jobs.strict_json import (
     is_number,
     is_shot,
     kind_of,
+    loads_bounded,
     quoted,
-    too_deep,
 )
 from comfy_assets.jobs.workflows import WorkflowCache, api_format_problem, model_names
 
@@ -72,9 +71,10 @@ def load_job_file(path: Path, workflows: WorkflowCache | None = None) -> JobFile
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        # The line of the first byte that is not UTF-8, and its column in bytes (1-based).
-        line = data.count(b"\n", 0, e.start) + 1
-        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        # The line of the first byte that is not UTF-8, and its column in bytes (1-based);
+        # e.start counts from after a BOM, as e.object does.
+        line = e.object.count(b"\n", 0, e.start) + 1
+        column = e.start - (e.object.rfind(b"\n", 0, e.start) + 1) + 1
         raise JobFileError(
             [LineError(where, line, "file", f"not UTF-8 at byte {column} of the line: {e.reason}")]
         ) from e
@@ -158,21 +158,15 @@ class _Parser:
 
     def parse_line(self, raw: str, line: int) -> dict[str, Any] | None:
         try:
-            obj = decoder.decode(raw)
+            obj = loads_bounded(decoder.decode, raw)
         except DuplicateKey as e:
             self.error(line, str(e), "key repeated in this line")
             return None
         except json.JSONDecodeError as e:
             self.error(line, "json", f"not JSON: {e.msg} at column {e.colno}")
             return None
-        except ValueError as e:  # an integer of more than 4300 digits
+        except ValueError as e:  # an integer of more than 4300 digits, TooDeep
             self.error(line, "json", f"not usable JSON: {e}")
-            return None
-        except RecursionError:
-            self.error(line, "json", f"not usable JSON: {TOO_DEEP}")
-            return None
-        if too_deep(obj):
-            self.error(line, "json", f"not usable JSON: {TOO_DEEP}")
             return None
         if not isinstance(obj, dict):
             self.error(line, "json", f"expected a JSON object, got {kind_of(obj)}")

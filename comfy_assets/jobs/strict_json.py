@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
 # Values quoted in errors are cut to this many characters (a whole workflow is no help).
@@ -13,7 +14,30 @@ _SHOWN_CHARS = 80
 # Python's recursion limit, which json's decoder, json.dumps and every recursive walk of a
 # value meet near 1,000 levels with a RecursionError instead of an error to report.
 MAX_DEPTH = 64
-TOO_DEEP = f"nested more than {MAX_DEPTH} levels deep (objects and arrays)"
+
+
+class TooDeep(ValueError):
+    """JSON nested deeper than ``MAX_DEPTH``: a ValueError, so every place that reports
+    "not usable JSON" for a too-long integer reports this too."""
+
+    def __init__(self) -> None:
+        super().__init__(f"nested more than {MAX_DEPTH} levels deep (objects and arrays)")
+
+
+def loads_bounded(decode: Callable[[str], Any], text: str) -> Any:
+    """``decode(text)`` (``json.loads`` or a decoder's ``decode``), refused with
+    ``TooDeep`` when nested more than ``MAX_DEPTH`` levels, however deep: the decoder's
+    own RecursionError near 1,000 levels is raised as ``TooDeep`` too. Other errors of
+    ``decode`` (``json.JSONDecodeError``, ``ValueError``) pass through."""
+    try:
+        value = decode(text)
+    except RecursionError:
+        raise TooDeep() from None
+    # Fewer brackets than levels allowed (those in strings count too) can't nest too deep:
+    # most job lines are checked by two counts in C, not a walk.
+    if text.count("[") + text.count("{") > MAX_DEPTH and too_deep(value):
+        raise TooDeep()
+    return value
 
 
 def too_deep(value: Any, limit: int = MAX_DEPTH) -> bool:

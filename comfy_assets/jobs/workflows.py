@@ -12,12 +12,11 @@ from typing import Any
 from comfy_assets.jobs.model import canonical_json
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
-    TOO_DEEP,
     NonFinite,
     first_non_finite,
     kind_of,
+    loads_bounded,
     parse_float,
-    too_deep,
 )
 
 # Loader inputs that name a model file; "clip_name1" (DualCLIPLoader) counts as clip_name.
@@ -42,6 +41,11 @@ class _Workflow:
     """A validated API-format workflow: its canonical text (for cheap deep copies)."""
 
     text: str
+
+
+# Non-finite numbers are kept as NonFinite markers, so that they can be reported; a
+# repeated key keeps its last value, as json.loads does.
+_DECODER = json.JSONDecoder(parse_float=parse_float, parse_constant=NonFinite)
 
 
 class WorkflowCache:
@@ -72,15 +76,11 @@ class WorkflowCache:
         except ValueError as e:  # a NUL in the path: no file can have that name
             return f"cannot read workflow file {str(path)!r}: {e}"
         try:
-            obj = json.loads(raw, parse_float=parse_float, parse_constant=NonFinite)
+            obj = loads_bounded(_DECODER.decode, raw)
         except json.JSONDecodeError as e:
             return f"workflow file {path} is not JSON: {e.msg} at line {e.lineno}"
-        except ValueError as e:  # an integer of more than 4300 digits
+        except ValueError as e:  # an integer of more than 4300 digits, TooDeep
             return f"workflow file {path} is not usable JSON: {e}"
-        except RecursionError:
-            return f"workflow file {path} is not usable JSON: {TOO_DEEP}"
-        if too_deep(obj):
-            return f"workflow file {path} is not usable JSON: {TOO_DEEP}"
         text = first_non_finite(obj)
         if text is not None:
             nodes = obj.items() if isinstance(obj, dict) else ()

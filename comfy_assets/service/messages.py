@@ -31,7 +31,7 @@ from typing import Any
 
 from comfy_assets.jobs.model import POLICIES, Job, JobFile, JobFileError, LineError, Policy
 from comfy_assets.jobs.parse import job_from_dict
-from comfy_assets.jobs.strict_json import TOO_DEEP, too_deep
+from comfy_assets.jobs.strict_json import loads_bounded
 from comfy_assets.store.base import folder_name
 
 # A job with its workflow inline is a few KiB; a workflow with embedded data (a base64
@@ -145,19 +145,15 @@ def parse_message(
             ]
         )
     try:
-        obj = json.loads(body.decode("utf-8"))
+        obj = loads_bounded(json.loads, body.decode("utf-8"))
     except UnicodeDecodeError as e:
         raise JobFileError([LineError(source, 1, "body", f"not UTF-8: {e.reason}")]) from e
     except json.JSONDecodeError as e:
         raise JobFileError(
             [LineError(source, 1, "json", f"not JSON: {e.msg} at column {e.colno}")]
         ) from e
-    except ValueError as e:  # an integer of more than 4300 digits
+    except ValueError as e:  # an integer of more than 4300 digits, TooDeep
         raise JobFileError([LineError(source, 1, "json", f"not usable JSON: {e}")]) from e
-    except RecursionError as e:
-        raise JobFileError([LineError(source, 1, "json", f"not usable JSON: {TOO_DEEP}")]) from e
-    if too_deep(obj):
-        raise JobFileError([LineError(source, 1, "json", f"not usable JSON: {TOO_DEEP}")])
     policy: Policy | None = None
     partition: str | None = None
     line = 1
