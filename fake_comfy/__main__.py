@@ -1,5 +1,5 @@
 """`python -m fake_comfy --port P [--host H] [--script ok,500,hang] [--busy N]
-[--prompt-seconds S] [--output-dir D]`
+[--prompt-seconds S] [--output-dir D] [--input-dir D]`
 
 Prints `fake_comfy listening on http://HOST:PORT` (flushed) once it listens (port 0 picks
 a free port) and exits 0 on Ctrl+C or SIGTERM.
@@ -34,6 +34,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--prompt-seconds", type=float, default=0.01, help="seconds per node")
     parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
+    parser.add_argument(
+        "--input-dir",
+        default=None,
+        help="where uploads go and LoadImage reads (default: a temporary folder)",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -61,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             prompt_seconds=args.prompt_seconds,
             busy=args.busy,
             output_dir=args.output_dir,
+            input_dir=args.input_dir,
         )
     except ValueError as ex:
         print(f"fake_comfy: {ex}", file=sys.stderr)

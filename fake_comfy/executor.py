@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from fake_comfy import inputs as inputs_mod
 from fake_comfy import nodes, recorded
 from fake_comfy.cache import CacheEntry
 from fake_comfy.graph import execution_order, is_link
@@ -180,7 +181,11 @@ class Executor:
                 emit(event, data)
 
         add_message("execution_start", {"prompt_id": pid}, False)
-        keys = session.cache.start_prompt(item.prompt)
+        changed = None
+        if inputs_mod.needs_fingerprints(item.prompt):
+            # IS_CHANGED reads files (the sha256 of an input): off the loop thread.
+            changed = await asyncio.to_thread(inputs_mod.fingerprints, item.prompt, fake.folders)
+        keys = session.cache.start_prompt(item.prompt, changed)
         full = word in FULL_RUN_WORDS
         cached = [] if full else [n for n in item.prompt if session.cache.get(keys[n])]
         add_message("execution_cached", {"nodes": cached, "prompt_id": pid}, False)
@@ -262,7 +267,12 @@ class Executor:
                     ui = await nodes.save(class_type, inputs, ctx)
                     session.cache.set(keys[node_id], CacheEntry(ui=ui))
                 else:
-                    results[node_id] = nodes.compute(class_type, inputs)
+                    if nodes.runs_in_thread(class_type, inputs):
+                        results[node_id] = await asyncio.to_thread(
+                            nodes.compute, class_type, inputs, fake.folders
+                        )
+                    else:
+                        results[node_id] = nodes.compute(class_type, inputs, fake.folders)
                     session.cache.set(keys[node_id], CacheEntry(results=results[node_id]))
             except nodes.NodeFailure as failure:
                 add_message(

@@ -1,6 +1,7 @@
 """FakeComfy: the in-process API of the fake ComfyUI v0.8.0 server.
 
-    fake = FakeComfy(script=["ok", "500"], prompt_seconds=0.01, busy=0, output_dir=None)
+    fake = FakeComfy(script=["ok", "500"], prompt_seconds=0.01, busy=0, output_dir=None,
+                     input_dir=None)
     async with fake.serve(port=0) as url:      # "http://127.0.0.1:PORT"
         await fake.wait_idle(5.0)
     fake.stats                                 # == GET /fake/stats
@@ -10,8 +11,11 @@
 Each `serve()` is one server life: it starts with an empty queue and history, numbers from
 0 (plus `busy` prompts of another client queued first) and forgets them when it ends, as a
 stopped ComfyUI does; a prompt still running then is recorded as `lost`. The script,
-records and output files carry over, so a test can stop a server and start it again on
-the same port.
+records, input and output files carry over, so a test can stop a server and start it
+again on the same port.
+
+Each FakeComfy has its own input folder (`input_dir`), filled by POST /upload/image and
+read by LoadImage and LoadVideo, as each real server has its own (upload.json).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from aiohttp import web
 
 from fake_comfy.executor import Executor
 from fake_comfy.hub import Hub
+from fake_comfy.inputs import Folders
 from fake_comfy.media import OutputFolder
 from fake_comfy.records import Records
 from fake_comfy.script import Script
@@ -54,6 +59,9 @@ class FakeComfy:
     busy: prompts of another client queued when a server life starts.
     output_dir: where outputs are written (a temporary folder, removed with the object,
         when None).
+    input_dir: the input folder, where uploads go and LoadImage / LoadVideo read (a
+        temporary folder beside the temporary output folder, removed with the object,
+        when None).
     """
 
     def __init__(
@@ -62,6 +70,7 @@ class FakeComfy:
         prompt_seconds: float = 0.01,
         busy: int = 0,
         output_dir: str | os.PathLike[str] | None = None,
+        input_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if prompt_seconds < 0 or busy < 0:
             raise ValueError(f"prompt_seconds and busy must be >= 0, got {prompt_seconds}, {busy}")
@@ -74,7 +83,8 @@ class FakeComfy:
         self.output_dir = Path(output_dir) if output_dir is not None else self._root / "output"
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self._root / "temp").mkdir()
-        (self._root / "input").mkdir()
+        self.input_dir = Path(input_dir) if input_dir is not None else self._root / "input"
+        self.input_dir.mkdir(parents=True, exist_ok=True)
         self._folders()
         self.port: int | None = None
         self.url: str | None = None
@@ -90,11 +100,15 @@ class FakeComfy:
         # A new server life rescans the folders for counters, as the real one does.
         self.output = OutputFolder(self.output_dir, "output")
         self.temp = OutputFolder(self._root / "temp", "temp")
-        self.input = OutputFolder(self._root / "input", "input")
+        self.input = OutputFolder(self.input_dir, "input")
+        self.folders = Folders(self.input.root, self.output.root, self.temp.root)
+        # ComfyUI's upload handler runs whole on its event loop: one upload at a time.
+        self.upload_lock = asyncio.Lock()
 
     @property
     def stats(self) -> dict[str, Any]:
-        """{"prompts": {prompt_id: {"posted", "executed"}}, "runs": [...]} (fake_comfy.records)."""
+        """{"prompts": {prompt_id: {"posted", "executed"}}, "runs": [...], "requests": {...},
+        "uploads": N, "uploaded": {name: N}} (fake_comfy.records)."""
         return self.records.snapshot()
 
     def new_session(self) -> None:

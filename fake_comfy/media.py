@@ -1,4 +1,5 @@
-"""Real output files, byte-for-byte as ComfyUI v0.8.0 writes them for solid-colour images.
+"""Real output files, byte-for-byte as ComfyUI v0.8.0 writes them, and the input files
+its loaders read.
 
 - PNG: Pillow, `compress_level` 4 (SaveImage) or 1 (PreviewImage), a `tEXt` chunk "prompt"
   (json.dumps of the prompt) then one per extra_pnginfo key. The fake's PNGs of the
@@ -6,6 +7,10 @@
 - MP4: PyAV `h264` (libx264), yuv420p, `rate = Fraction(round(fps * 1000), 1000)`, one
   frame per batch item, container metadata as JSON strings (video.json, same sha256).
 - WEBP: Pillow animated WEBP (SaveAnimatedWEBP).
+- Pictures (not solid colours): float32 arrays saved as SaveImage does,
+  `clip(255 * x, 0, 255).astype(uint8)` then Pillow; videos read back as PyAV decodes
+  them for GetVideoComponents (rgb24 frames) and copied stream by stream for SaveVideo
+  of a LoadVideo file (comfy_api VideoFromFile).
 
 Names follow folder_paths.get_save_image_path: `<prefix>_<counter:05>_.<ext>`, the counter
 being one more than the highest already in the folder for that prefix, shared by all
@@ -22,14 +27,18 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import av
 import numpy as np
 from PIL import Image
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _IEND = struct.pack(">I", 0) + b"IEND" + struct.pack(">I", zlib.crc32(b"IEND"))
@@ -148,6 +157,12 @@ def _next_counter(folder: Path, stem: str) -> int:
     return best + 1
 
 
+def to_uint8(pixels: np.ndarray) -> np.ndarray:
+    """Float32 pixels in [0, 1] as SaveImage and SaveVideo store them:
+    `np.clip(255. * x, 0, 255).astype(np.uint8)`, which truncates."""
+    return np.clip(np.float32(255.0) * pixels, 0, 255).astype(np.uint8)
+
+
 def pixel_bytes(pixel: tuple[float, float, float]) -> tuple[int, int, int]:
     """An RGB float32 pixel in [0, 1] as SaveImage stores it:
     `np.clip(255. * x, 0, 255).astype(np.uint8)` (truncates: 1 - 0.8 saves as 50, not 51)."""
@@ -218,6 +233,100 @@ def png_texts(
     return texts
 
 
+def write_pngs(
+    pictures: list[tuple[Path, np.ndarray]], texts: list[tuple[str, str]], level: int
+) -> None:
+    """Writes each (path, float32 array (height, width, 3)) as SaveImage does: Pillow
+    PNG with the `tEXt` chunks and compression ``level``. Blocking; raises OSError."""
+    from PIL.PngImagePlugin import PngInfo
+
+    for path, pixels in pictures:
+        info = PngInfo()
+        for key, value in texts:
+            info.add_text(key, value)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(to_uint8(pixels)).save(path, pnginfo=info, compress_level=level)
+
+
+def pillow(call: Callable[[T], R], arg: T) -> R:
+    """node_helpers.pillow: ``call(arg)``, tried once more with Pillow's
+    LOAD_TRUNCATED_IMAGES set when it raises OSError, UnidentifiedImageError or
+    ValueError (a truncated file then loads what it has)."""
+    from PIL import ImageFile, UnidentifiedImageError
+
+    previous = None
+    try:
+        return call(arg)
+    except (OSError, UnidentifiedImageError, ValueError):
+        previous = ImageFile.LOAD_TRUNCATED_IMAGES
+        ImageFile.LOAD_TRUNCATED_IMAGES = True
+        return call(arg)
+    finally:
+        if previous is not None:
+            ImageFile.LOAD_TRUNCATED_IMAGES = previous
+
+
+def read_video(path: Path) -> tuple[np.ndarray, Fraction, bool]:
+    """The frames of the first video stream of ``path`` as uint8 RGB (frames, height,
+    width, 3), its average rate (1 when unknown) and whether the file has an audio
+    stream (comfy_api VideoFromFile.get_components). Blocking; raises av.FFmpegError,
+    OSError, StopIteration (no video stream)."""
+    with av.open(str(path), mode="r") as container:
+        frames = [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
+        stream = next(s for s in container.streams if s.type == "video")
+        rate = Fraction(stream.average_rate) if stream.average_rate else Fraction(1)
+        has_audio = any(s.type == "audio" for s in container.streams)
+    if not frames:
+        return np.zeros((0, 3, 0, 0), dtype=np.uint8), rate, has_audio
+    return np.stack(frames), rate, has_audio
+
+
+def video_size(path: Path) -> tuple[int, int]:
+    """(width, height) of the first video stream (VideoFromFile.get_dimensions). Raises
+    ValueError without one, av.FFmpegError for a file that is not a video."""
+    with av.open(str(path), mode="r") as container:
+        for stream in container.streams:
+            if stream.type == "video":
+                return stream.width, stream.height
+    raise ValueError(f"No video stream found in file '{path}'")
+
+
+def can_copy_streams(path: Path, fmt: str, codec: str) -> bool:
+    """SaveVideo copies LoadVideo's streams unless the format or codec asked for ("auto",
+    "mp4", "h264") is not the file's own (VideoFromFile.save_to ``reuse_streams``)."""
+    with av.open(str(path), mode="r") as container:
+        names = container.format.name.split(",")
+        video = container.streams.video
+        encoding = video[0].codec.name if len(video) > 0 else None
+    if fmt != "auto" and fmt not in names:
+        return False
+    return codec == "auto" or encoding is None or codec == encoding
+
+
+def copy_video(src: Path, dst: Path, metadata: dict[str, Any]) -> None:
+    """Copies the video, audio and subtitle packets of ``src`` into ``dst`` with the
+    container metadata of ``src`` plus ``metadata`` (JSON text, strings as they are),
+    as VideoFromFile.save_to does. Blocking; raises OSError, av.FFmpegError."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    with (
+        av.open(str(src), mode="r") as container,
+        av.open(str(dst), mode="w", options={"movflags": "use_metadata_tags"}) as out,
+    ):
+        for key, value in container.metadata.items():
+            if key not in metadata:
+                out.metadata[key] = value
+        for key, value in metadata.items():
+            out.metadata[key] = value if isinstance(value, str) else json.dumps(value)
+        streams = {}
+        for stream in container.streams:
+            if stream.type in ("video", "audio", "subtitle"):
+                streams[stream] = out.add_stream_from_template(template=stream, opaque=True)
+        for packet in container.demux():
+            if packet.stream in streams and packet.dts is not None:
+                packet.stream = streams[packet.stream]
+                out.mux(packet)
+
+
 def write_files(paths_and_bytes: list[tuple[Path, bytes]]) -> None:
     """Writes each file (blocking; run it in a thread). Raises OSError."""
     for path, data in paths_and_bytes:
@@ -243,6 +352,32 @@ def write_mp4(
     height = max(2, height - height % 2)
     pixels = np.empty((height, width, 3), dtype=np.uint8)
     pixels[:, :] = rgb
+    rgb_frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+    _encode_mp4(path, width, height, (rgb_frame for _ in range(frames)), fps, metadata)
+
+
+def write_mp4_frames(path: Path, pixels: np.ndarray, fps: float, metadata: dict[str, Any]) -> None:
+    """Writes an H.264 MP4 of float32 frames (frames, height, width, 3) in [0, 1], each
+    stored as `(frame * 255).clamp(0, 255).byte()` (VideoFromComponents.save_to). Odd
+    sizes are cropped to even ones, as `write_mp4` rounds them. Blocking; run it in a
+    thread. Raises OSError / av.FFmpegError."""
+    height = max(2, pixels.shape[1] - pixels.shape[1] % 2)
+    width = max(2, pixels.shape[2] - pixels.shape[2] % 2)
+    frames = (
+        av.VideoFrame.from_ndarray(np.ascontiguousarray(to_uint8(p[:height, :width])), "rgb24")
+        for p in pixels
+    )
+    _encode_mp4(path, width, height, frames, fps, metadata)
+
+
+def _encode_mp4(
+    path: Path,
+    width: int,
+    height: int,
+    frames: Iterable[av.VideoFrame],
+    fps: float,
+    metadata: dict[str, Any],
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     # comfy_api VideoFromComponents.save_to, as v0.8.0 runs it.
     with av.open(str(path), mode="w", options={"movflags": "use_metadata_tags"}) as out:
@@ -252,8 +387,7 @@ def write_mp4(
         stream.width = width
         stream.height = height
         stream.pix_fmt = "yuv420p"
-        rgb_frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-        for _ in range(frames):
+        for rgb_frame in frames:
             # A fresh frame each time: the encoder stamps each one with its own pts.
             out.mux(stream.encode(rgb_frame.reformat(format="yuv420p")))
         out.mux(stream.encode(None))
@@ -271,14 +405,20 @@ def write_webp(
     method: str,
     prompt: dict[str, Any] | None,
     extra_pnginfo: dict[str, Any] | None,
+    pictures: np.ndarray | None = None,
 ) -> None:
-    """Writes SaveAnimatedWEBP's file: all frames in one animated WEBP with EXIF metadata.
+    """Writes SaveAnimatedWEBP's file: all frames in one animated WEBP with EXIF metadata;
+    `frames` solid ones of `rgb`, or `pictures`, float32 (frames, height, width, 3).
 
     Blocking; run it in a thread. Raises OSError.
     """
-    pixels = np.empty((height, width, 3), dtype=np.uint8)
-    pixels[:, :] = rgb
-    image = Image.fromarray(pixels)
+    if pictures is not None:
+        images = [Image.fromarray(to_uint8(p)) for p in pictures]
+    else:
+        pixels = np.empty((height, width, 3), dtype=np.uint8)
+        pixels[:, :] = rgb
+        images = [Image.fromarray(pixels)] * frames
+    image = images[0]
     exif = image.getexif()
     if prompt is not None:
         exif[0x0110] = f"prompt:{json.dumps(prompt)}"
@@ -292,7 +432,7 @@ def write_webp(
         format="WEBP",
         save_all=True,
         duration=int(1000.0 / fps),
-        append_images=[image] * (frames - 1),
+        append_images=images[1:],
         exif=exif,
         lossless=lossless,
         quality=quality,

@@ -1,7 +1,10 @@
 """Facts copied from the recordings of a real ComfyUI v0.8.0 (data/recorded/*.json).
 
 The JSON files beside this package (`fake_comfy/data/`) hold the long fragments verbatim:
-`object_info.json` (the /object_info subset of basics.json) and `recorded_fragments.json`
+`object_info.json` (the /object_info subset of basics.json, plus LoadVideo,
+GetVideoComponents, ImageFromBatch and RepeatImageBatch as v0.8.0's source
+defines them: comfy_api/latest/_io.py get_v1_info of comfy_extras/nodes_video.py and
+nodes_images.py at fc0cb10b) and `recorded_fragments.json`
 (system_stats, the IndexError of execution_error.json, the node error of a dropped output
 from validation_errors.json). Short strings live here as constants.
 """
@@ -61,7 +64,9 @@ def _fragments() -> dict[str, Any]:
 
 
 def object_info() -> dict[str, Any]:
-    """The recorded /object_info subset: {class_type: node definition} (basics.json).
+    """The /object_info subset: {class_type: node definition} (basics.json; see the
+    module docstring). The file combos of LoadImage and LoadVideo are empty here: the
+    server lists its input folder in them (fake_comfy.inputs).
 
     Shared and cached: callers must not mutate it.
     """

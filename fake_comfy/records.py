@@ -4,7 +4,9 @@
     {"prompts": {prompt_id: {"posted": N, "executed": N}},
      "runs": [{"prompt_id", "client_id", "number", "word", "posted", "start",
                "last_message", "end", "outcome"}],
-     "requests": {"GET /queue": N, "GET /history/{prompt_id}": N, ...}}
+     "requests": {"GET /queue": N, "GET /history/{prompt_id}": N, ...},
+     "uploads": N,
+     "uploaded": {name: {"count": N, "first": t, "last": t}}}
 posted: every POST /prompt carrying that id (also those answered 500 or 400);
 executed: executions that started. Times are seconds since the epoch (floats); `end` and
 `outcome` are None while the run is under way; `last_message` is when its last socket
@@ -13,6 +15,9 @@ comes later; `end` otherwise); `word` is the script word the prompt was
 posted with ("ok" for the prompts of busy=N); outcome is "success", "error",
 "interrupted" or "lost" (the server stopped or "restarted" under it). `requests` counts
 every HTTP request by method and route (how many probes, downloads, polls a client made).
+`uploads` counts the POST /upload/image answered 200; `uploaded` counts them by the name
+a prompt gives the file ("subfolder/name", with " [temp]" or " [output]" after it for
+those types), with the times of the first and the last.
 Records survive restarts and new `serve()` sessions. Thread-safe: tests may read them from
 another thread while the server's loop writes.
 """
@@ -34,11 +39,23 @@ class Records:
         self._runs: list[dict[str, Any]] = []
         self._ended = 0
         self._requests: dict[str, int] = {}
+        self._uploads = 0
+        self._uploaded: dict[str, dict[str, Any]] = {}
 
     def request(self, route: str) -> None:
         """Counts one HTTP request, ``route`` as "METHOD /path/{name}"."""
         with self._lock:
             self._requests[route] = self._requests.get(route, 0) + 1
+
+    def uploaded(self, name: str) -> None:
+        """Counts one POST /upload/image answered 200 with the file ``name`` (as a prompt
+        names it)."""
+        now = time.time()
+        with self._lock:
+            self._uploads += 1
+            entry = self._uploaded.setdefault(name, {"count": 0, "first": now, "last": now})
+            entry["count"] += 1
+            entry["last"] = now
 
     def _counts(self, prompt_id: str) -> dict[str, int]:
         counts = self._prompts.get(prompt_id)
@@ -114,4 +131,6 @@ class Records:
                 "prompts": copy.deepcopy(self._prompts),
                 "runs": copy.deepcopy(self._runs),
                 "requests": dict(self._requests),
+                "uploads": self._uploads,
+                "uploaded": copy.deepcopy(self._uploaded),
             }

@@ -3,11 +3,13 @@
 Content types: JSON answers are `application/json; charset=utf-8`; /interrupt, /free,
 POST /queue and POST /history answer 200 with an empty body and no content type; a body
 that is not JSON gets the 500 text/plain page (validation_errors.json); /view serves
-files with their mimetype (image/png, video/mp4) and 404 / 400 / 403 as in basics.json.
+files with their mimetype (image/png, video/mp4) and 404 / 400 / 403 as in basics.json;
+POST /upload/image answers as upload.json (fake_comfy.upload).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import mimetypes
@@ -21,7 +23,9 @@ from aiohttp.typedefs import Handler
 
 from fake_comfy import recorded
 from fake_comfy.graph import is_link
+from fake_comfy.inputs import with_listed_files
 from fake_comfy.script import busy_count
+from fake_comfy.upload import store_upload
 from fake_comfy.validate import MalformedPrompt, validate_prompt
 
 if TYPE_CHECKING:
@@ -152,7 +156,7 @@ async def post_prompt(request: web.Request) -> web.Response:
         return _bad_request(error, {})
     prompt = body["prompt"]
     try:
-        valid = validate_prompt(prompt, body.get("partial_execution_targets"))
+        valid = validate_prompt(prompt, body.get("partial_execution_targets"), folders=fake.folders)
     except MalformedPrompt as ex:
         log.warning("fake_comfy: POST /prompt %s: %s", prompt_id, ex)
         return _text_500()
@@ -370,15 +374,49 @@ async def get_ws(request: web.Request) -> web.WebSocketResponse:
 
 
 async def get_object_info(request: web.Request) -> web.Response:
-    """GET /object_info: the recorded subset of node classes (basics.json)."""
-    return web.json_response(recorded.object_info())
+    """GET /object_info: the recorded subset of node classes (basics.json), LoadImage and
+    LoadVideo listing the files at the top of the input folder (upload.json)."""
+    folder = request.app[FAKE_KEY].input.root
+    info = recorded.object_info()
+    return web.json_response({k: with_listed_files(k, v, folder) for k, v in info.items()})
 
 
 async def get_object_info_node(request: web.Request) -> web.Response:
     """GET /object_info/{node_class}: {node_class: info}, or {} when unknown."""
     name = request.match_info["node_class"]
     info = recorded.object_info()
-    return web.json_response({name: info[name]} if name in info else {})
+    if name not in info:
+        return web.json_response({})
+    folder = request.app[FAKE_KEY].input.root
+    return web.json_response({name: with_listed_files(name, info[name], folder)})
+
+
+async def post_upload_image(request: web.Request) -> web.Response:
+    """POST /upload/image: stores an input file (fake_comfy.upload, upload.json). 200
+    {"name", "subfolder", "type"}; 400 with an empty body; 500 text/plain."""
+    fake = request.app[FAKE_KEY]
+    try:
+        post = await request.post()
+    except ValueError as ex:  # a malformed multipart body: unhandled in ComfyUI too
+        log.warning("fake_comfy: POST /upload/image: %s", ex)
+        return _text_500()
+    folders = {
+        "input": str(fake.input.root),
+        "temp": str(fake.temp.root),
+        "output": str(fake.output.root),
+    }
+    async with fake.upload_lock:
+        try:
+            answer = await asyncio.to_thread(store_upload, post, folders)
+        except (ValueError, OSError, AttributeError, TypeError) as ex:
+            # What ComfyUI's handler raises there reaches aiohttp: its 500 page.
+            log.warning("fake_comfy: POST /upload/image: %s", ex)
+            return _text_500()
+    if answer.body is None:
+        return web.Response(status=answer.status)
+    fake.records.uploaded(answer.prompt_name)
+    fake.notify()
+    return web.json_response(answer.body)
 
 
 async def get_system_stats(request: web.Request) -> web.Response:
@@ -423,6 +461,7 @@ def build_app(fake: FakeComfy) -> web.Application:
             web.post("/interrupt", post_interrupt),
             web.post("/free", post_free),
             web.get("/view", get_view),
+            web.post("/upload/image", post_upload_image),
             web.get("/ws", get_ws),
             web.get("/object_info", get_object_info),
             web.get("/object_info/{node_class}", get_object_info_node),

@@ -4,6 +4,8 @@ Mirrors `execution.validate_prompt` / `validate_inputs`: error types, messages a
 `node_errors` shape are those of validation_errors.json. Like the real server it converts
 literal inputs in place (an INT given as "64" is stored as 64) and it turns an exception
 raised while following a link (a link to a missing node: KeyError) into a node error.
+LoadImage and LoadVideo check their file instead of their combo list (VALIDATE_INPUTS:
+fake_comfy.inputs), when the server's folders are given.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fake_comfy import recorded
+from fake_comfy.inputs import CUSTOM_VALIDATION, Folders, custom_errors
 
 
 class MalformedPrompt(Exception):
@@ -85,9 +88,12 @@ def _combo_options(spec: list[Any]) -> list[Any] | None:
 
 
 class _Validator:
-    def __init__(self, prompt: dict[str, Any], object_info: dict[str, Any]) -> None:
+    def __init__(
+        self, prompt: dict[str, Any], object_info: dict[str, Any], folders: Folders | None
+    ) -> None:
         self.prompt = prompt
         self.object_info = object_info
+        self.folders = folders
         # node id -> (valid, reasons); insertion order is the order ComfyUI reports.
         self.validated: dict[str, tuple[bool, list[dict[str, Any]]]] = {}
 
@@ -96,7 +102,8 @@ class _Validator:
         if unique_id in self.validated:
             return self.validated[unique_id]
         inputs = self.prompt[unique_id]["inputs"]
-        definition = self.object_info[self.prompt[unique_id]["class_type"]]
+        class_type = self.prompt[unique_id]["class_type"]
+        definition = self.object_info[class_type]
         errors: list[dict[str, Any]] = []
         valid = True
         for name, category, spec in _input_specs(definition):
@@ -119,7 +126,13 @@ class _Validator:
                 if not self._link(name, val, input_type, info, errors):
                     valid = False
                 continue
-            self._literal(inputs, name, val, spec, info, errors)
+            checks_itself = (
+                self.folders is not None and name == CUSTOM_VALIDATION.get(class_type, ("", ""))[0]
+            )
+            self._literal(inputs, name, val, spec, info, errors, checks_itself)
+        if self.folders is not None:
+            # After every input, as validate_inputs calls VALIDATE_INPUTS last.
+            errors.extend(custom_errors(class_type, inputs, self.folders))
         result = (not errors and valid, errors)
         self.validated[unique_id] = result
         return result
@@ -189,7 +202,10 @@ class _Validator:
         spec: list[Any],
         info: list[Any],
         errors: list[Any],
+        checks_itself: bool = False,
     ) -> None:
+        """Converts a literal input and checks its limits and combo list, except for an
+        input the node's VALIDATE_INPUTS checks itself (``checks_itself``)."""
         input_type = spec[0]
         try:
             if isinstance(val, dict) and "__value__" in val:
@@ -215,6 +231,8 @@ class _Validator:
                     },
                 }
             )
+            return
+        if checks_itself:
             return
         limits = info[1]
         for key, word, below in (
@@ -263,11 +281,14 @@ def validate_prompt(
     prompt: Any,
     partial_targets: list[str] | None = None,
     object_info: dict[str, Any] | None = None,
+    folders: Folders | None = None,
 ) -> Validation:
     """Validates `prompt` ({node_id: {"class_type", "inputs"}}) like ComfyUI v0.8.0.
 
     Returns a Validation; `invalid_prompt` (unknown class), `prompt_no_outputs` and
-    `prompt_outputs_failed_validation` are 400 answers (validation_errors.json).
+    `prompt_outputs_failed_validation` are 400 answers (validation_errors.json). With
+    `folders`, LoadImage and LoadVideo check that their file exists ("Invalid image file:
+    NAME", upload.json); without, their file name must be in the combo list.
     Raises MalformedPrompt when `prompt` or a node is not a JSON object.
     """
     info = object_info if object_info is not None else recorded.object_info()
@@ -301,7 +322,7 @@ def validate_prompt(
     if not outputs:
         return Validation(False, _error("prompt_no_outputs", recorded.MSG_NO_OUTPUTS, ""))
 
-    validator = _Validator(prompt, info)
+    validator = _Validator(prompt, info, folders)
     good: list[str] = []
     node_errors: dict[str, Any] = {}
     for o in outputs:

@@ -151,7 +151,15 @@ async def test_idle_routes_answer_the_recorded_bodies(fake: FakeComfy) -> None:
         free = await c.post("/free", json={"unload_models": True, "free_memory": True})
         assert (free.status_code, free.content, "content-type" in free.headers) == (200, b"", False)
         info = (await c.get("/object_info")).json()
-        assert info == recorded_http("basics", path="/object_info")["response"]["body"]
+        recorded_info = recorded_http("basics", path="/object_info")["response"]["body"]
+        assert {k: info[k] for k in recorded_info} == recorded_info
+        # The classes the input files need, from the v0.8.0 source (fake_comfy.recorded).
+        assert sorted(set(info) - set(recorded_info)) == [
+            "GetVideoComponents",
+            "ImageFromBatch",
+            "LoadVideo",
+            "RepeatImageBatch",
+        ]
 
 
 async def test_view_refuses_missing_files_and_traversal_like_the_real_server(
@@ -956,7 +964,7 @@ async def test_clearing_the_queue_drops_every_pending_prompt(tmp_path: Path) -> 
 async def test_a_bug_in_the_fake_is_raised_not_swallowed(
     fake: FakeComfy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def broken(class_type: str, inputs: dict[str, Any]) -> tuple[Any, ...]:
+    def broken(class_type: str, inputs: dict[str, Any], folders: object) -> tuple[Any, ...]:
         raise ZeroDivisionError("fake bug")
 
     monkeypatch.setattr("fake_comfy.nodes.compute", broken)
