@@ -8,8 +8,9 @@ which starts in a blink) reads it with ``read_json``: one reading of answers for
 Error mapping (what failed, so callers classify by type):
 refused / cannot connect → ServerUnreachable; reset, closed, protocol error → ConnectionLost;
 any timeout → RequestTimeout; 5xx → ServerError; POST /prompt 400 → PromptRejected;
-GET /view 404 → OutputMissing; a /view answer of another type than the file → NotTheFile;
-any other unexpected status or body → UnexpectedAnswer.
+POST /upload/image 400 or 413 → InputRejected; GET /view 404 → OutputMissing; a /view
+answer of another type than the file → NotTheFile; any other unexpected status or body →
+UnexpectedAnswer.
 Shapes: data/recorded/*.json (ComfyUI v0.8.0).
 
 Credentials (a server behind an authenticating proxy) travel only as HTTP basic auth, on
@@ -25,6 +26,7 @@ import json
 import logging
 import mimetypes
 import socket
+import unicodedata
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypeVar
@@ -33,6 +35,7 @@ from urllib.parse import quote, urlencode, urlsplit
 from comfy_assets.comfy.errors import (
     ComfyError,
     ConnectionLost,
+    InputRejected,
     NotTheFile,
     OutputMissing,
     OutputTooLarge,
@@ -48,6 +51,7 @@ from comfy_assets.comfy.types import (
     PostResult,
     QueueState,
     SystemStats,
+    UploadedFile,
     format_node_errors,
 )
 
@@ -237,6 +241,83 @@ class ComfyClient:
         """POST /free (basics.json)."""
         await self._post_ok("/free", {"unload_models": unload_models, "free_memory": free_memory})
 
+    async def upload_input(
+        self,
+        data: bytes,
+        filename: str,
+        *,
+        subfolder: str = "",
+        overwrite: bool = False,
+        type: str = "input",
+    ) -> UploadedFile:
+        """POST /upload/image: stores ``data`` as ``filename`` in ``subfolder`` of the
+        server's ``type`` folder (input, temp or output), multipart fields ``image``,
+        ``type``, ``subfolder``, ``overwrite`` (data/recorded/upload.json, README fact 12).
+
+        Returns the UploadedFile the server answered; a prompt names it
+        ``uploaded.prompt_name`` ("subfolder/name"). The name answered is not always
+        ``filename``: a file of that name with other bytes already there makes it
+        ``name (1).ext`` unless ``overwrite``; the same bytes give the same name and are
+        not written again.
+
+        ``filename`` must be a plain name: ComfyUI joins it to the subfolder before any
+        check, so ``../x.png`` is stored one folder up (upload.json); ValueError for a
+        name with a separator, ``.``/``..``, or a control character. ``subfolder`` is the
+        server's to check: one leaving its folder is refused (400).
+
+        Raises InputRejected (400 or 413, permanent), ServerError (5xx: an unknown
+        ``type`` is a 500 in v0.8.0), UnexpectedAnswer (a name that is unsafe to put in a
+        prompt, a subfolder or type other than those sent, another shape), and the
+        connection errors of every route.
+        """
+        import aiohttp
+
+        problem = _unsafe_name(filename)
+        if problem is not None:
+            raise ValueError(f"upload file name {_quoted(filename)}: {problem}")
+        where = f"{subfolder}/{filename}" if subfolder else filename
+        route = f"POST /upload/image {where}"
+        form = aiohttp.FormData()
+        content_type = mimetypes.guess_type(filename)[0] or "application/octet-stream"
+        form.add_field("image", data, filename=filename, content_type=content_type)
+        form.add_field("type", type)
+        form.add_field("subfolder", subfolder)
+        form.add_field("overwrite", "true" if overwrite else "false")
+        response = await self._request("POST", "/upload/image", route, form=form)
+        if response.status in (400, 413):
+            raise self._input_rejected(route, response)
+        self._check(route, response)
+        uploaded = self._parse(route, UploadedFile.from_json, self._json(route, response))
+        if (uploaded.subfolder, uploaded.type) != (subfolder, type):
+            raise self._unexpected(
+                route,
+                f"answered subfolder {_quoted(uploaded.subfolder)} and type "
+                f"{_quoted(uploaded.type)}, not those sent",
+            )
+        problem = _unsafe_name(uploaded.name)
+        if problem is not None:
+            raise self._unexpected(route, f"answered name {_quoted(uploaded.name)}: {problem}")
+        return uploaded
+
+    def _input_rejected(self, route: str, response: Answer) -> InputRejected:
+        """400 or 413 of POST /upload/image, in words (ComfyUI's 400 has no body)."""
+        body = _excerpt(response.text)
+        if body:
+            detail = f"refused: {body}"
+        elif response.status == 413:
+            detail = "refused: larger than the server's upload limit"
+        else:
+            detail = (
+                "refused, no reason given (ComfyUI answers so for a subfolder or name "
+                "that leaves its input folder, or a request without a file)"
+            )
+        return InputRejected(
+            f"{self.name}: {route} {response.status}, {detail}",
+            server=self.base_url,
+            status=response.status,
+            detail=detail,
+        )
+
     async def view(self, filename: str, subfolder: str, type: str) -> bytes:
         """GET /view whole in memory. Raises OutputMissing on 404."""
         chunks = [c async for c in self.iter_view(filename, subfolder, type)]
@@ -353,10 +434,13 @@ class ComfyClient:
         """Turn aiohttp's errors into our typed errors, naming server and route."""
         return _MappedErrors(self, route)
 
-    async def _request(self, method: str, path: str, route: str, *, json: Any = None) -> Answer:
+    async def _request(
+        self, method: str, path: str, route: str, *, json: Any = None, form: Any = None
+    ) -> Answer:
         """One request, its answer read whole; ``json`` is sent as a compact UTF-8 body
-        (NaN or infinity raise ValueError: JSON has neither)."""
-        data = None
+        (NaN or infinity raise ValueError: JSON has neither), ``form`` (an
+        ``aiohttp.FormData``) as it encodes itself."""
+        data = form
         headers = None
         if json is not None:
             data = _json_dumps(json).encode()
@@ -521,6 +605,26 @@ def _lost_reason(exc: BaseException) -> str:
     if isinstance(exc, aiohttp.ClientPayloadError) and isinstance(cause, HttpProcessingError):
         return f"the answer's body could not be read: {cause.message.rstrip('.')}"
     return str(exc) or type(exc).__name__
+
+
+def _unsafe_name(name: str) -> str | None:
+    """Why ``name`` is not a plain file name to put in a prompt or send for upload (a
+    separator, empty, ``.`` or ``..``, a control character), or None."""
+    if name in ("", ".", ".."):
+        return "empty, '.' or '..'"
+    if ".." in name:
+        return "'..' in it"
+    if "/" in name or "\\" in name:
+        return "a path separator in it"
+    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        return f"control character U+{ord(control):04X} in it"
+    return None
+
+
+def _quoted(text: str) -> str:
+    """``text`` in double quotes, control characters escaped as JSON does (one line)."""
+    return json.dumps(text, ensure_ascii=False)
 
 
 def view_content_type(filename: str) -> str:

@@ -79,6 +79,21 @@ class PromptRejected(ComfyError):
         self.detail = detail or message
 
 
+class InputRejected(ComfyError):
+    """POST /upload/image refused the file (permanent: the same upload is refused again).
+    ComfyUI v0.8.0 answers 400 with an empty body for a subfolder or name that leaves its
+    input folder, or no file (data/recorded/upload.json); a file over its upload limit
+    (100 MB by default) gets 413. ``status`` is the HTTP status, ``detail`` the reason in
+    words without server and route."""
+
+    transient = False
+
+    def __init__(self, message: str, *, server: str = "", status: int, detail: str) -> None:
+        super().__init__(message, server=server)
+        self.status = status
+        self.detail = detail
+
+
 class UnexpectedAnswer(ComfyError):
     """The server answered something this client does not understand (a 4xx other than
     the recorded ones, a body that is not the recorded shape). Permanent: retrying the

@@ -168,6 +168,33 @@ class PostResult:
 
 
 @dataclass(frozen=True)
+class UploadedFile:
+    """POST /upload/image 200: ``{"name", "subfolder", "type"}`` (upload.json). ``name`` is
+    the name the server stored the file under, NOT always the name sent: another file of
+    that name with other bytes makes it ``key (1).png``; ``subfolder`` and ``type`` come
+    back as sent."""
+
+    name: str
+    subfolder: str
+    type: str
+
+    @classmethod
+    def from_json(cls, body: Mapping[str, Any]) -> UploadedFile:
+        fields = (body["name"], body["subfolder"], body["type"])
+        if not all(isinstance(f, str) for f in fields):
+            raise TypeError("name, subfolder and type are not all strings")
+        return cls(name=fields[0], subfolder=fields[1], type=fields[2])
+
+    @property
+    def prompt_name(self) -> str:
+        """How a prompt names the file in LoadImage's ``image`` or LoadVideo's ``file``:
+        ``subfolder/name`` (``name`` without a subfolder), followed by `` [temp]`` or
+        `` [output]`` for those types (ComfyUI's folder_paths.annotated_filepath)."""
+        path = f"{self.subfolder}/{self.name}" if self.subfolder else self.name
+        return path if self.type == "input" else f"{path} [{self.type}]"
+
+
+@dataclass(frozen=True)
 class OutputFile:
     """One file a node wrote: ``outputs[node_id][key][i]`` of /history. ``type`` is
     ``output`` for saved files, ``temp`` for previews."""
