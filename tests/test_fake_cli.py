@@ -30,6 +30,7 @@ async def start(*args: str) -> asyncio.subprocess.Process:
 
 
 async def test_program_prints_its_url_serves_stats_and_exits_0_on_sigterm(tmp_path: Path) -> None:
+    out, inputs = tmp_path / "out", tmp_path / "in"
     proc = await start(
         "--port",
         "0",
@@ -38,7 +39,9 @@ async def test_program_prints_its_url_serves_stats_and_exits_0_on_sigterm(tmp_pa
         "--prompt-seconds",
         "0.001",
         "--output-dir",
-        str(tmp_path),
+        str(out),
+        "--input-dir",
+        str(inputs),
     )
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), START_S)).decode()
@@ -62,6 +65,9 @@ async def test_program_prints_its_url_serves_stats_and_exits_0_on_sigterm(tmp_pa
                     "prompt_id": "b",
                 }:
                     break
+            uploaded = await c.post(
+                "/upload/image", files={"image": ("key.png", b"any bytes", "image/png")}
+            )
             stats = (await c.get("/fake/stats")).json()
         assert (refused.status_code, accepted.status_code) == (500, 200)
         assert stats["prompts"] == {
@@ -76,7 +82,10 @@ async def test_program_prints_its_url_serves_stats_and_exits_0_on_sigterm(tmp_pa
             "success",
         )
         assert run["posted"] <= run["start"] <= run["end"]
-        assert [p.name for p in tmp_path.iterdir()] == ["still_00001_.png"]
+        assert [p.name for p in out.iterdir()] == ["still_00001_.png"]
+        assert uploaded.json() == {"name": "key.png", "subfolder": "", "type": "input"}
+        assert (inputs / "key.png").read_bytes() == b"any bytes"
+        assert stats["uploads"] == 1
     finally:
         if proc.returncode is None:
             proc.send_signal(signal.SIGTERM)
