@@ -358,16 +358,11 @@ def write_mp4(
 
 def write_mp4_frames(path: Path, pixels: np.ndarray, fps: float, metadata: dict[str, Any]) -> None:
     """Writes an H.264 MP4 of float32 frames (frames, height, width, 3) in [0, 1], each
-    stored as `(frame * 255).clamp(0, 255).byte()` (VideoFromComponents.save_to). Odd
-    sizes are cropped to even ones, as `write_mp4` rounds them. Blocking; run it in a
-    thread. Raises OSError / av.FFmpegError."""
-    height = max(2, pixels.shape[1] - pixels.shape[1] % 2)
-    width = max(2, pixels.shape[2] - pixels.shape[2] % 2)
-    frames = (
-        av.VideoFrame.from_ndarray(np.ascontiguousarray(to_uint8(p[:height, :width])), "rgb24")
-        for p in pixels
-    )
-    _encode_mp4(path, width, height, frames, fps, metadata)
+    stored as `(frame * 255).clamp(0, 255).byte()` (VideoFromComponents.save_to).
+    Blocking; run it in a thread. Raises OSError / av.FFmpegError: an odd width or height
+    fails in libx264 (av.error.ExternalError), as on a real server."""
+    frames = (av.VideoFrame.from_ndarray(to_uint8(p), format="rgb24") for p in pixels)
+    _encode_mp4(path, pixels.shape[2], pixels.shape[1], frames, fps, metadata)
 
 
 def _encode_mp4(
@@ -378,6 +373,7 @@ def _encode_mp4(
     fps: float,
     metadata: dict[str, Any],
 ) -> None:
+    """comfy_api VideoFromComponents.save_to: H.264 yuv420p at `fps`, metadata as JSON."""
     path.parent.mkdir(parents=True, exist_ok=True)
     # comfy_api VideoFromComponents.save_to, as v0.8.0 runs it.
     with av.open(str(path), mode="w", options={"movflags": "use_metadata_tags"}) as out:

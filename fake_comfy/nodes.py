@@ -28,6 +28,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any, TypeVar
 
+import av
 import numpy as np
 
 from fake_comfy import media, recorded
@@ -331,7 +332,8 @@ async def save(class_type: str, inputs: dict[str, Any], ctx: SaveContext) -> dic
     """Runs an output node: writes its files (in a thread) and returns its UI output, e.g.
     {"images": [{"filename", "subfolder", "type"}]} or, for videos and animated WEBP, with
     "animated": [True] (video.json). Raises NodeFailure for a prefix escaping the folder,
-    a failed write (OSError), an empty batch, or a LoadVideo file that is not a video."""
+    a failed write (OSError), an empty batch, a video of an odd width or height (libx264
+    refuses it: av.error.ExternalError), or a LoadVideo file that is not a video."""
     try:
         if class_type == "SaveVideo":
             return await _save_video(inputs, ctx)
@@ -339,7 +341,7 @@ async def save(class_type: str, inputs: dict[str, Any], ctx: SaveContext) -> dic
             return await _save_webp(inputs, ctx)
         if class_type in ("SaveImage", "PreviewImage"):
             return await _save_images(class_type, inputs, ctx)
-    except (media.SaveOutsideOutput, OSError, IndexError) as ex:
+    except (media.SaveOutsideOutput, OSError, IndexError, av.FFmpegError) as ex:
         raise _failure_from(ex) from ex
     raise ValueError(f"fake_comfy cannot run output node {class_type}")
 

@@ -196,3 +196,44 @@ async def test_the_last_frame_of_an_uploaded_video_is_image_from_batch_4095(
     decoded = decoded_frames(mp4)
     assert len(decoded) == 5
     assert (png_pixels(await output(server_url, entry, "4")) == decoded[-1]).all()
+
+
+async def test_a_video_of_pictures_of_odd_size_fails_in_libx264(server_url: str) -> None:
+    token = uuid.uuid4().hex[:6]
+    frames = await upload(server_url, f"odd_{token}.png", animated_png(2, (33, 21)))
+    workflow = video_from_frames_workflow(frames["name"], f"video/odd_{token}")
+    client_id, prompt_id = uuid.uuid4().hex, str(uuid.uuid4())
+    async with (
+        ComfyClient(server_url) as client,
+        PromptFollower(client, client_id, poll_s=0.2) as follower,
+    ):
+        post = await client.post_prompt(workflow, prompt_id=prompt_id, client_id=client_id)
+        outcome = await follower.wait(prompt_id, post.number, deadline_s=150)
+    assert outcome.status == "error" and outcome.error is not None
+    assert (outcome.error.node_type, outcome.error.exception_type) == (
+        "SaveVideo",
+        "av.error.ExternalError",
+    )
+    assert 'avcodec_open2("libx264", {})' in outcome.error.exception_message
+
+
+async def test_load_video_is_cached_on_the_time_its_file_was_written(server_url: str) -> None:
+    # LoadVideo's fingerprint_inputs is the file's modification time, not its sha256
+    # (comfy_extras/nodes_video.py): the same bytes written again render again.
+    token = uuid.uuid4().hex[:6]
+    folder = f"in_{token}"
+    frames = await upload(server_url, f"frames_{token}.png", animated_png(3), subfolder=folder)
+    made = await run(
+        server_url,
+        video_from_frames_workflow(f"{folder}/{frames['name']}", f"video/clip_{token}"),
+    )
+    mp4 = await output(server_url, made, "3")
+    await upload(server_url, "clip.mp4", mp4, subfolder=folder)
+    workflow = last_frame_workflow(f"{folder}/clip.mp4", f"last_{token}")
+    first = await run(server_url, workflow)
+    await upload(server_url, "clip.mp4", mp4, subfolder=folder)  # the same bytes: not written
+    same = await run(server_url, workflow)
+    await upload(server_url, "clip.mp4", mp4, subfolder=folder, overwrite="true")
+    rewritten = await run(server_url, workflow)
+    names = [e["outputs"]["4"]["images"][0]["filename"] for e in (first, same, rewritten)]
+    assert names == [f"last_{token}_00001_.png"] * 2 + [f"last_{token}_00002_.png"]

@@ -177,7 +177,7 @@ async def test_each_rename_takes_the_next_free_number(fake: FakeComfy) -> None:
     assert again["name"] == "shot (1).png"  # the bytes already there under that name
 
 
-async def test_two_fakes_have_input_folders_of_their_own(tmp_path: Path) -> None:
+async def test_two_fakes_have_input_folders_of_their_own() -> None:
     one, two = FakeComfy(prompt_seconds=0.001), FakeComfy(prompt_seconds=0.001)
     async with one.serve() as url_one, two.serve() as url_two:
         async with httpx.AsyncClient(base_url=url_one) as http:
