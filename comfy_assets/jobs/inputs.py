@@ -13,6 +13,7 @@ job and its node exist is checked by the parser, which knows the whole file.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import stat
@@ -63,7 +64,9 @@ def path_problem(spec: str) -> str | None:
         return "expected a file path relative to the job file, got an empty string"
     control = _CONTROL.search(spec)
     if control is not None:
-        return f"the path {quoted(spec)} holds a control character (U+{ord(control[0]):04X})"
+        # ASCII-only JSON: the character is shown escaped, never printed as is.
+        shown = json.dumps(spec)[:80]
+        return f"the path {shown} holds a control character (U+{ord(control[0]):04X})"
     if "\\" in spec:
         return f"the path {quoted(spec)} holds a backslash; write '/' between folders"
     if spec.startswith("/"):
@@ -128,22 +131,23 @@ class InputReader:
             return f"no such file ({target})"
         except OSError as e:
             return f"cannot read it: {e.strerror} ({target})"
-        with open(fd, "rb", closefd=True) as f:
+        digest = hashlib.sha256()
+        size = 0
+        try:
             mode = os.fstat(fd).st_mode
             if not stat.S_ISREG(mode):
                 kind = "a folder" if stat.S_ISDIR(mode) else "a special file"
                 return f"{kind}, not a regular file ({target})"
-            digest = hashlib.sha256()
-            size = 0
-            try:
-                # At most one byte over the limit: a file that grows is not read whole.
-                while chunk := f.read(min(_READ_CHUNK, limit + 1 - size)):
-                    digest.update(chunk)
-                    size += len(chunk)
-                    if size > limit:
-                        break
-            except OSError as e:
-                return f"cannot read it: {e.strerror} ({target})"
+            # At most one byte over the limit: a file that grows is not read whole.
+            while chunk := os.read(fd, min(_READ_CHUNK, limit + 1 - size)):
+                digest.update(chunk)
+                size += len(chunk)
+                if size > limit:
+                    break
+        except OSError as e:
+            return f"cannot read it: {e.strerror} ({target})"
+        finally:
+            os.close(fd)
         if size > limit:
             return f"over the limit of {limit} bytes (max_input_bytes) ({target})"
         return ReadInput(Path(target), digest.hexdigest(), size)

@@ -152,7 +152,11 @@ def load_job_file(
     if job_lines == 0:
         # An empty batch would wait forever for jobs that never come.
         parser.error(0, "file", "no jobs in file")
+    errors_before = len(parser.errors)
     done = parser.chain(jobs, seen_ids)
+    if len(parser.errors) > errors_before:
+        # Errors of chained inputs are found once every line is read: put them in place.
+        parser.errors.sort(key=lambda e: e.line)
     if parser.errors:
         raise JobFileError(parser.errors)
     return JobFile(path=path, sha256=hashlib.sha256(data).hexdigest(), header=header, jobs=done)
@@ -358,7 +362,8 @@ class _Parser:
         if not isinstance(optional, bool):
             self.error(line, "optional", f"expected true or false, got {quoted(optional)}")
         take = obj.get("take", 1)
-        if not (isinstance(take, int) and not isinstance(take, bool) and 1 <= take <= MAX_TAKE):
+        # type() is int: not a bool (True == 1), and one check on the common path.
+        if type(take) is not int or not 1 <= take <= MAX_TAKE:
             self.error(
                 line, "take", f"expected an integer from 1 to {MAX_TAKE}, got {quoted(take)}"
             )
@@ -385,7 +390,7 @@ class _Parser:
             take,
             inputs,
         )
-        if any(isinstance(i, InputFromJob) for i in inputs):
+        if inputs and any(isinstance(i, InputFromJob) for i in inputs):
             return _Chained(*fields)
         return _build(*fields)
 
@@ -535,9 +540,10 @@ class _Parser:
 
     def _node_input(
         self, workflow: dict[str, Any], key: str, line: int, name: str
-    ) -> tuple[str, str] | None:
-        """``(node id, input name)`` of ``key`` when it names an input of a node of
-        ``workflow``, or None after recording why not (field ``name``)."""
+    ) -> tuple[dict[str, Any], str] | None:
+        """The inputs of the node ``key`` names and the input's name, when ``key`` names
+        an input of a node of ``workflow``; else None after recording why not (field
+        ``name``)."""
         node_id, dot, input_name = key.partition(".")
         if not dot or not node_id or not input_name:
             self.error(line, name, "expected '<node id>.<input name>'")
@@ -553,22 +559,15 @@ class _Parser:
             label = f"node {node_id!r} ({node['class_type']})"
             self.error(line, name, f"{label} has no input {input_name!r} (inputs: {known})")
             return None
-        return node_id, input_name
+        return inputs, input_name
 
-    def _linked(
-        self, workflow: dict[str, Any], target: tuple[str, str], line: int, name: str, rule: str
-    ) -> bool:
-        """True after recording an error when the node input ``target`` is a link."""
-        node_id, input_name = target
+    def _linked(self, workflow: dict[str, Any], key: str, line: int, name: str, rule: str) -> None:
+        """Record that the node input ``key`` is a link (``rule`` says what may be done)."""
+        node_id, _, input_name = key.partition(".")
         node = workflow[node_id]
-        value = node["inputs"][input_name]
-        if not is_link(value):
-            return False
+        source = node["inputs"][input_name][0]
         label = f"node {node_id!r} ({node['class_type']})"
-        self.error(
-            line, name, f"{label} input {input_name!r} is linked to node {value[0]!r}; {rule}"
-        )
-        return True
+        self.error(line, name, f"{label} input {input_name!r} is linked to node {source!r}; {rule}")
 
     def _apply(self, workflow: dict[str, Any], overrides: dict[str, Any], line: int) -> None:
         for key, value in overrides.items():
@@ -576,13 +575,13 @@ class _Parser:
             target = self._node_input(workflow, key, line, name)
             if target is None:
                 continue
+            inputs, input_name = target
             if is_link(value):
                 self.error(line, name, f"value {quoted(value)} is a link; set only literal values")
-                continue
-            if self._linked(workflow, target, line, name, "set only literal inputs"):
-                continue
-            node_id, input_name = target
-            workflow[node_id]["inputs"][input_name] = value
+            elif is_link(inputs[input_name]):
+                self._linked(workflow, key, line, name, "set only literal inputs")
+            else:
+                inputs[input_name] = value
 
     def _inputs(
         self,
@@ -606,9 +605,9 @@ class _Parser:
                 )
             elif workflow is not None:
                 target = self._node_input(workflow, key, line, name)
-                if target is not None:
+                if target is not None and is_link(target[0][target[1]]):
                     rule = "an input replaces only a literal input"
-                    self._linked(workflow, target, line, name, rule)
+                    self._linked(workflow, key, line, name, rule)
             else:
                 node_id, dot, input_name = key.partition(".")
                 if not dot or not node_id or not input_name:
