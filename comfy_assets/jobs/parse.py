@@ -187,7 +187,8 @@ def job_from_dict(
     raise JobFileError(parser.errors)
 
 
-# Takes are stored and shown as numbers; the store keeps them in a 32-bit column.
+# Takes are numbers people type and read: bounded like shot numbers, so a 32-bit
+# column holds any of them.
 MAX_TAKE = 2**31 - 1
 
 
@@ -299,7 +300,8 @@ class _Parser:
 
     def finite(self, obj: dict[str, Any], line: int) -> bool:
         """Record an error for each field of ``obj`` holding a non-finite number (at any
-        depth; ``set`` and ``header`` entries are named one by one). True if none does."""
+        depth; ``set``, ``inputs`` and ``header`` entries are named one by one). True if none
+        does."""
         errors_before = len(self.errors)
         for key, value in obj.items():
             if key in ("set", "header", "inputs") and isinstance(value, dict):
