@@ -111,8 +111,9 @@ def message_size(job: Job, policy: Policy | None = None, partition: str | None =
 def file_messages(job_file: JobFile, partition: str | None = None) -> list[tuple[str, bytes]]:
     """``(job_id, body)`` of every job of a loaded job file, in file order, under
     ``partition`` (default: the file's stem, as ``comfy-assets run`` names it). Each
-    input file is read and encoded once, however many jobs share it. Raises as
-    ``job_message`` does."""
+    input file is read and encoded once, however many jobs share it, but every body holds
+    its own copy: the list takes about 4/3 of the bytes of every job's inputs (1,000 jobs
+    sharing a 1 MiB picture: 1.3 GiB). Raises as ``job_message`` does."""
     name = partition or job_file.path.stem
     encoded: dict[str, str] = {}
 
