@@ -1,17 +1,23 @@
-"""What a job file holds once validated: jobs, the header, and the errors of a bad file.
+"""What a job file holds once validated: jobs, their input files, the header, and the
+errors of a bad file.
 
 Each job gets an idempotency key: ``prompt_id = uuid5(NAMESPACE, f"{id}:{workflow_sha256}")``
-where ``workflow_sha256`` hashes the canonical JSON of the resolved workflow. The same job
-with the same inputs always gets the same prompt_id; any changed input gives a new one.
+(``f"{id}:{workflow_sha256}:take={take}"`` for a take other than 1) where
+``workflow_sha256`` hashes the canonical JSON of the resolved workflow. In that workflow
+each input file's node input holds a placeholder naming its content (its sha256), and each
+input from another job the upstream job's prompt_id, so the same job with the same input
+bytes always gets the same prompt_id, and a changed input, a changed upstream job or a new
+take gives a new one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 # Fixed forever: changing it changes every prompt_id and so re-renders everything.
@@ -22,6 +28,13 @@ Policy = Literal["delivery", "draft"]
 POLICIES: tuple[str, ...] = ("delivery", "draft")
 
 UUID_PATTERN = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+# The subfolder of a server's input folder where job inputs are uploaded.
+INPUT_SUBFOLDER = "comfy_assets"
+
+# The extensions kept in an upload name: short, lowercase letters and digits only, so the
+# name never holds anything a server or a file system could read as a path.
+_SUFFIX = re.compile(r"\.[a-z0-9]{1,8}")
 
 
 @dataclass(frozen=True)
@@ -56,15 +69,101 @@ class Header:
     duration_tolerance: float = 0.1
 
 
+class InputChanged(ValueError):
+    """An input file's bytes are no longer those validated (their sha256 differs)."""
+
+
+@dataclass(frozen=True)
+class InputFile:
+    """A file a job uploads before its POST, into the node input ``node_id.input_name``.
+
+    ``path`` is as written in the job line (relative to the job file); ``sha256`` (hex)
+    and ``size`` (bytes) are those of the bytes validated. The bytes come from ``data``
+    (a queue message's inline bytes) or else from ``source`` (the absolute, resolved path
+    to read at upload). Neither takes part in equality: the same bytes from a file or from
+    a message are the same input.
+    """
+
+    key: str
+    node_id: str
+    input_name: str
+    path: str
+    sha256: str
+    size: int
+    source: Path | None = field(default=None, compare=False)
+    data: bytes | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def upload_name(self) -> str:
+        """The file name to upload under: ``f"{sha256}{suffix}"``, the suffix being the
+        path's extension lowercased when it is a dot and 1 to 8 letters or digits, else
+        "". Derived from the content: the same bytes get the same name on every server,
+        other bytes never share it."""
+        suffix = PurePosixPath(self.path).suffix.lower()
+        return self.sha256 + (suffix if _SUFFIX.fullmatch(suffix) else "")
+
+    @property
+    def placeholder(self) -> str:
+        """What the job's resolved workflow holds in this node input until upload:
+        ``f"{INPUT_SUBFOLDER}/{upload_name}"``."""
+        return f"{INPUT_SUBFOLDER}/{self.upload_name}"
+
+    def read(self) -> bytes:
+        """The bytes: ``data``, else the contents of ``source``. Raises ``InputChanged``
+        when their sha256 is not ``sha256`` (the file changed since it was validated),
+        ``OSError`` as reading raises it, ``ValueError`` when there is neither."""
+        if self.data is not None:
+            data = self.data
+        elif self.source is not None:
+            data = self.source.read_bytes()
+        else:
+            raise ValueError(f"input {self.key} ({self.path}) has neither bytes nor a file")
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != self.sha256:
+            where = self.source if self.data is None else "its bytes"
+            raise InputChanged(
+                f"input {self.key} ({self.path}) changed since it was validated: "
+                f"{where} has sha256 {digest}, not {self.sha256}"
+            )
+        return data
+
+
+@dataclass(frozen=True)
+class InputFromJob:
+    """A node input fed by a file another job of the same job file writes: the
+    ``index``-th file (0-based) of node ``node`` of job ``job``. ``upstream_prompt_id``
+    is that job's prompt_id (set by the parser, which resolves upstream jobs first)."""
+
+    key: str
+    node_id: str
+    input_name: str
+    job: str
+    node: str
+    index: int = 0
+    upstream_prompt_id: str = ""
+
+    @property
+    def placeholder(self) -> str:
+        """What the job's resolved workflow holds in this node input until upload:
+        ``f"{INPUT_SUBFOLDER}/job-{upstream_prompt_id}-{node}-{index}"``."""
+        return f"{INPUT_SUBFOLDER}/job-{self.upstream_prompt_id}-{self.node}-{self.index}"
+
+
+Input = InputFile | InputFromJob
+
+
 @dataclass(frozen=True)
 class Job:
     """One validated job.
 
     ``workflow`` is the resolved API-format workflow (this job's own deep copy, ``set``
-    applied); ``workflow_sha256`` hashes its canonical JSON; ``prompt_id`` is the
-    idempotency key sent to ComfyUI. ``line`` is the 1-based line in its file (or the
-    position given by the queue). ``duration_s`` is expected seconds of video output.
-    ``models`` are the sorted unique model file names the workflow loads (for affinity).
+    applied, each input's node input holding its placeholder); ``workflow_sha256``
+    hashes its canonical JSON; ``prompt_id`` is the idempotency key sent to ComfyUI.
+    ``line`` is the 1-based line in its file (or the position given by the queue).
+    ``duration_s`` is expected seconds of video output. ``models`` are the sorted unique
+    model file names the workflow loads (for affinity). ``inputs`` are the job's input
+    files and inputs from other jobs, in the order of the job line; ``take`` (>= 1) is
+    part of the prompt_id.
     """
 
     id: str
@@ -77,6 +176,13 @@ class Job:
     duration_s: float | None = None
     optional: bool = False
     models: tuple[str, ...] = ()
+    inputs: tuple[Input, ...] = ()
+    take: int = 1
+
+    @property
+    def depends_on(self) -> tuple[str, ...]:
+        """The ids of the jobs this job takes inputs from: unique, sorted."""
+        return tuple(sorted({i.job for i in self.inputs if isinstance(i, InputFromJob)}))
 
 
 @dataclass(frozen=True)
@@ -104,6 +210,9 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"))
 
 
-def prompt_id_for(job_id: str, workflow_sha256: str) -> str:
-    """The idempotency key of ``job_id`` with that resolved workflow (lowercase UUID)."""
-    return str(uuid.uuid5(NAMESPACE, f"{job_id}:{workflow_sha256}"))
+def prompt_id_for(job_id: str, workflow_sha256: str, take: int = 1) -> str:
+    """The idempotency key of ``job_id`` with that resolved workflow and ``take``
+    (lowercase UUID); take 1 keeps the key jobs had before takes existed."""
+    if take == 1:
+        return str(uuid.uuid5(NAMESPACE, f"{job_id}:{workflow_sha256}"))
+    return str(uuid.uuid5(NAMESPACE, f"{job_id}:{workflow_sha256}:take={take}"))

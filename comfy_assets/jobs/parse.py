@@ -3,27 +3,50 @@
 A line::
 
     {"id": "<lowercase UUID>", "workflow": "wf.json" | {...API format...},
-     "set": {"<node id>.<input name>": value}, "shot": 3, "duration_s": 4.0, "optional": false}
+     "set": {"<node id>.<input name>": value}, "shot": 3, "duration_s": 4.0, "optional": false,
+     "inputs": {"<node id>.<input name>": "pictures/key.png"
+                                        | {"job": "<job id>", "node": "9", "index": 0}},
+     "take": 2}
 
 An optional first non-blank line ``{"header": {"policy": "delivery" | "draft",
 "duration_tolerance": 0.1}}`` sets the film policy. Unknown fields are errors, so a typo
 never passes silently. Every bad line is reported at once (``JobFileError``), and so are a
 file with no jobs, a repeated ``id`` or ``shot``, and numbers JSON cannot carry (``NaN``,
 ``Infinity``, ``1e400``) anywhere in a line: ComfyUI would refuse them at POST time.
+
+``inputs`` name a literal (not linked) node input of the workflow that ``set`` does not
+set. A file value is a path relative to the job file, read and hashed once per load
+(``comfy_assets.jobs.inputs`` says what is refused; ``InputRules`` sets the size limit and
+whether links out of the job file's folder are followed). An object value takes the
+``index``-th file (default 0) that node ``node`` of another job of the same file writes:
+an unknown job or node, a job taking an input from itself and a cycle of chained jobs
+(each line of it, naming the cycle by lines) are errors of the file. Each input's node
+input holds a placeholder naming its content (``InputFile.placeholder``,
+``InputFromJob.placeholder``), and upstream jobs get their prompt_id first, so a changed
+input or a new take of an upstream job changes its dependants' prompt_ids too. ``take``
+(an integer >= 1, default 1) is part of the prompt_id; take 1 keeps the prompt_id a job
+line without ``take`` has.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
+from comfy_assets.jobs.inputs import DEFAULT_RULES, InputReader, InputRules, parse_upstream
 from comfy_assets.jobs.model import (
     POLICIES,
     UUID_PATTERN,
     Header,
+    Input,
+    InputFile,
+    InputFromJob,
     Job,
     JobFile,
     JobFileError,
@@ -46,16 +69,23 @@ from comfy_assets.jobs.strict_json import (
 )
 from comfy_assets.jobs.workflows import WorkflowCache, api_format_problem, model_names
 
-JOB_FIELDS = frozenset({"id", "workflow", "set", "shot", "duration_s", "optional"})
+JOB_FIELDS = frozenset(
+    {"id", "workflow", "set", "shot", "duration_s", "optional", "inputs", "take"}
+)
 
 HEADER_FIELDS = frozenset({"policy", "duration_tolerance"})
 
 
-def load_job_file(path: Path, workflows: WorkflowCache | None = None) -> JobFile:
+def load_job_file(
+    path: Path, workflows: WorkflowCache | None = None, *, rules: InputRules | None = None
+) -> JobFile:
     """Read and validate the JSONL job file at ``path``.
 
     Workflow paths are relative to the job file's folder; each file is read once, or
     once for every job file loaded with the same ``workflows`` (the sensor's tick).
+    Input files are relative to it too, each read and hashed once per call, under
+    ``rules`` (default ``InputRules()``: 64 MiB, no links out). ``jobs`` are in line
+    order; a job taking an input from another job gets its prompt_id after that job's.
     Raises ``JobFileError`` listing every bad line (nothing is returned for a partly
     valid file), including a missing or unreadable file and a file without a single job
     line (both line 0, field "file"), bytes that are not UTF-8 (the line of the first, field
@@ -79,11 +109,11 @@ def load_job_file(path: Path, workflows: WorkflowCache | None = None) -> JobFile
             [LineError(where, line, "file", f"not UTF-8 at byte {column} of the line: {e.reason}")]
         ) from e
 
-    parser = _Parser(where, path.parent, workflows or WorkflowCache())
+    parser = _Parser(where, path.parent, workflows or WorkflowCache(), rules)
     header = Header()
     seen_ids: dict[str, int] = {}
     seen_shots: dict[int, int] = {}
-    jobs: list[Job] = []
+    jobs: list[Job | _Chained] = []
     job_lines = 0  # non-blank lines that are not the header, valid or not
     first = True
     # split("\n"), not splitlines(): JSON strings may hold U+2028 and friends.
@@ -122,36 +152,131 @@ def load_job_file(path: Path, workflows: WorkflowCache | None = None) -> JobFile
     if job_lines == 0:
         # An empty batch would wait forever for jobs that never come.
         parser.error(0, "file", "no jobs in file")
+    errors_before = len(parser.errors)
+    done = parser.chain(jobs, seen_ids)
+    if len(parser.errors) > errors_before:
+        # Errors of chained inputs are found once every line is read: put them in place.
+        parser.errors.sort(key=lambda e: e.line)
     if parser.errors:
         raise JobFileError(parser.errors)
-    return JobFile(path=path, sha256=hashlib.sha256(data).hexdigest(), header=header, jobs=jobs)
+    return JobFile(path=path, sha256=hashlib.sha256(data).hexdigest(), header=header, jobs=done)
 
 
-def job_from_dict(obj: Any, *, base_dir: Path, source: str, line: int = 1) -> Job:
+def job_from_dict(
+    obj: Any, *, base_dir: Path, source: str, line: int = 1, rules: InputRules | None = None
+) -> Job:
     """Validate one job that did not come from a file (a queue message, say).
 
-    ``obj`` has the fields of one job line; workflow paths are relative to ``base_dir``;
-    ``source`` and ``line`` name the origin in errors. Raises ``JobFileError`` listing
-    this job's problems, including a non-finite float (``json.loads`` accepts ``NaN``).
+    ``obj`` has the fields of one job line; workflow and input file paths are relative to
+    ``base_dir`` (input files read under ``rules``, default ``InputRules()``); ``source``
+    and ``line`` name the origin in errors. A value of ``obj["inputs"]`` may also be an
+    ``InputFile`` whose bytes were already checked (a queue message's inline bytes):
+    its node input is checked, its bytes taken as they are. An input from another job is
+    an error (there is no other job). Raises ``JobFileError`` listing this job's
+    problems, including a non-finite float (``json.loads`` accepts ``NaN``).
     """
-    parser = _Parser(source, Path(base_dir), WorkflowCache())
+    parser = _Parser(source, Path(base_dir), WorkflowCache(), rules)
     if not isinstance(obj, dict):
         parser.error(line, "job", f"expected a JSON object, got {kind_of(obj)}")
     elif parser.finite(obj, line):
         job = parser.job(obj, line)
         if job is not None and not parser.errors:
-            return job
+            done = parser.chain([job], {})
+            if not parser.errors:
+                return done[0]
     raise JobFileError(parser.errors)
+
+
+# Takes are numbers people type and read: bounded like shot numbers, so a 32-bit
+# column holds any of them.
+MAX_TAKE = 2**31 - 1
+
+
+@dataclass
+class _Chained:
+    """A valid job line with inputs from other jobs: everything a Job needs but the
+    prompt_ids of its upstream jobs (and so its own)."""
+
+    id: str
+    line: int
+    workflow: dict[str, Any]
+    overrides: dict[str, Any]
+    shot: int | None
+    duration_s: float | None
+    optional: bool
+    take: int
+    inputs: tuple[Input, ...]
+
+    def upstreams(self) -> list[InputFromJob]:
+        return [i for i in self.inputs if isinstance(i, InputFromJob)]
+
+    def job(self, prompt_ids: Mapping[str, str]) -> Job:
+        inputs = tuple(
+            dataclasses.replace(i, upstream_prompt_id=prompt_ids[i.job])
+            if isinstance(i, InputFromJob)
+            else i
+            for i in self.inputs
+        )
+        return _build(
+            self.id,
+            self.line,
+            self.workflow,
+            self.overrides,
+            self.shot,
+            self.duration_s,
+            self.optional,
+            self.take,
+            inputs,
+        )
+
+
+def _build(
+    job_id: str,
+    line: int,
+    workflow: dict[str, Any],
+    overrides: dict[str, Any],
+    shot: int | None,
+    duration_s: float | None,
+    optional: bool,
+    take: int,
+    inputs: tuple[Input, ...],
+) -> Job:
+    """The Job: each input's placeholder put into its node input, then hashed."""
+    for item in inputs:
+        workflow[item.node_id]["inputs"][item.input_name] = item.placeholder
+    text = canonical_json(workflow)
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    return Job(
+        id=job_id,
+        line=line,
+        workflow=workflow,
+        workflow_sha256=sha,
+        prompt_id=prompt_id_for(job_id, sha, take),
+        set=overrides,
+        shot=shot,
+        duration_s=duration_s,
+        optional=optional,
+        models=model_names(workflow),
+        inputs=inputs,
+        take=take,
+    )
 
 
 class _Parser:
     """Validates lines of one source, collecting every error instead of stopping."""
 
-    def __init__(self, source: str, base_dir: Path, cache: WorkflowCache) -> None:
+    def __init__(
+        self, source: str, base_dir: Path, cache: WorkflowCache, rules: InputRules | None
+    ) -> None:
         self.source = source
         self.base_dir = base_dir
         self.cache = cache
+        self.rules = rules or DEFAULT_RULES
+        self._reader: InputReader | None = None
         self.errors: list[LineError] = []
+        # The line and workflow of each valid job id (the first, when repeated), for the
+        # nodes of inputs taken from other jobs.
+        self.workflows: dict[str, tuple[int, dict[str, Any]]] = {}
 
     def error(self, line: int, name: str, message: str) -> None:
         self.errors.append(LineError(self.source, line, name, message))
@@ -175,10 +300,11 @@ class _Parser:
 
     def finite(self, obj: dict[str, Any], line: int) -> bool:
         """Record an error for each field of ``obj`` holding a non-finite number (at any
-        depth; ``set`` and ``header`` entries are named one by one). True if none does."""
+        depth; ``set``, ``inputs`` and ``header`` entries are named one by one). True if none
+        does."""
         errors_before = len(self.errors)
         for key, value in obj.items():
-            if key in ("set", "header") and isinstance(value, dict):
+            if key in ("set", "header", "inputs") and isinstance(value, dict):
                 fields = [(f"{key}.{sub}", inner) for sub, inner in value.items()]
             else:
                 fields = [(key, value)]
@@ -218,8 +344,9 @@ class _Parser:
             return None
         return Header(policy=policy, duration_tolerance=float(tolerance))
 
-    def job(self, obj: dict[str, Any], line: int) -> Job | None:
-        """A Job from one parsed line, or None after recording its errors."""
+    def job(self, obj: dict[str, Any], line: int) -> Job | _Chained | None:
+        """A Job from one parsed line (a ``_Chained`` when it takes inputs from other
+        jobs: ``chain`` finishes it), or None after recording its errors."""
         errors_before = len(self.errors)
         self._unknown_fields(obj, JOB_FIELDS, line)
         job_id = self._job_id(obj, line)
@@ -236,6 +363,12 @@ class _Parser:
         optional = obj.get("optional", False)
         if not isinstance(optional, bool):
             self.error(line, "optional", f"expected true or false, got {quoted(optional)}")
+        take = obj.get("take", 1)
+        # type() is int: not a bool (True == 1), and one check on the common path.
+        if type(take) is not int or not 1 <= take <= MAX_TAKE:
+            self.error(
+                line, "take", f"expected an integer from 1 to {MAX_TAKE}, got {quoted(take)}"
+            )
         overrides = obj.get("set", {})
         if not isinstance(overrides, dict):
             self.error(line, "set", f"expected an object, got {kind_of(overrides)}")
@@ -243,22 +376,120 @@ class _Parser:
         workflow = self._workflow(obj, line)
         if workflow is not None:
             self._apply(workflow, overrides, line)
+            if job_id is not None:
+                self.workflows.setdefault(job_id, (line, workflow))
+        inputs = self._inputs(obj["inputs"], workflow, overrides, line) if "inputs" in obj else ()
         if len(self.errors) > errors_before or workflow is None or job_id is None:
             return None
-        text = canonical_json(workflow)
-        sha = hashlib.sha256(text.encode()).hexdigest()
-        return Job(
-            id=job_id,
-            line=line,
-            workflow=workflow,
-            workflow_sha256=sha,
-            prompt_id=prompt_id_for(job_id, sha),
-            set=overrides,
-            shot=shot,
-            duration_s=None if duration is None else float(duration),
-            optional=optional,
-            models=model_names(workflow),
+        fields = (
+            job_id,
+            line,
+            workflow,
+            overrides,
+            shot,
+            None if duration is None else float(duration),
+            optional,
+            take,
+            inputs,
         )
+        if inputs and any(isinstance(i, InputFromJob) for i in inputs):
+            return _Chained(*fields)
+        return _build(*fields)
+
+    def chain(self, entries: list[Job | _Chained], ids: Mapping[str, int]) -> list[Job]:
+        """``entries`` with each ``_Chained`` made a Job, upstream jobs first (so each
+        dependant's placeholders hold its upstream's prompt_id). ``ids`` maps the job ids
+        of the source to their line. Records an error for each input from itself, from an
+        unknown job or node, and each input of a line in a cycle of chained jobs; a job
+        that cannot be finished (its upstream is bad) is left out, as the source has
+        errors then."""
+        chained = {e.id: e for e in entries if isinstance(e, _Chained)}
+        if not chained:
+            return cast(list[Job], entries)
+        prompt_ids = {e.id: e.prompt_id for e in entries if isinstance(e, Job)}
+        waits: dict[str, set[str]] = {}  # chained job -> the chained jobs it waits for
+        for job in chained.values():
+            ups: set[str] | None = set()
+            for item in job.upstreams():
+                problem = self._upstream_problem(job, item, ids)
+                if problem is not None:
+                    self.error(job.line, f"inputs.{item.key}", problem)
+                    ups = None
+                elif ups is not None and item.job in chained:
+                    ups.add(item.job)
+            if ups is not None:
+                waits[job.id] = ups
+        # Kahn's order: a job is finished once every job it waits for is.
+        dependants: dict[str, list[str]] = {}
+        for job_id, ups in waits.items():
+            for up in ups:
+                dependants.setdefault(up, []).append(job_id)
+        left = {job_id: len(ups) for job_id, ups in waits.items()}
+        ready = [job_id for job_id, count in left.items() if count == 0]
+        finished: dict[str, Job] = {}
+        while ready:
+            job_id = ready.pop()
+            del left[job_id]
+            job = chained[job_id]
+            if all(i.job in prompt_ids for i in job.upstreams()):
+                finished[job_id] = job.job(prompt_ids)
+                prompt_ids[job_id] = finished[job_id].prompt_id
+            for dependant in dependants.get(job_id, ()):
+                if dependant in left:
+                    left[dependant] -= 1
+                    if left[dependant] == 0:
+                        ready.append(dependant)
+        self._cycles({job_id: waits[job_id] & left.keys() for job_id in left}, chained)
+        done: list[Job] = []
+        for entry in entries:
+            if isinstance(entry, _Chained):
+                made = finished.get(entry.id)
+                if made is not None and made.line == entry.line:
+                    done.append(made)
+            else:
+                done.append(entry)
+        return done
+
+    def _upstream_problem(
+        self, job: _Chained, item: InputFromJob, ids: Mapping[str, int]
+    ) -> str | None:
+        if item.job == job.id:
+            return f"takes an input from its own job ({item.job}): a job cannot wait for itself"
+        if item.job not in ids:
+            return f"no job {quoted(item.job)} in this file"
+        upstream = self.workflows.get(item.job)
+        if upstream is not None and item.node not in upstream[1]:
+            line, workflow = upstream
+            nodes = ", ".join(sorted(workflow))
+            return (
+                f"job {item.job} (line {line}) has no node {item.node!r} (its workflow has {nodes})"
+            )
+        return None
+
+    def _cycles(self, graph: dict[str, set[str]], chained: Mapping[str, _Chained]) -> None:
+        """An error on every input of every line in a cycle of ``graph`` (job -> the
+        jobs it waits for), naming the cycle by its lines."""
+        for cycle in strongly_connected(graph):
+            members = set(cycle)
+            lines = {job_id: chained[job_id].line for job_id in cycle}
+            inside = {job_id: sorted(graph[job_id] & members) for job_id in cycle}
+            simple = all(len(ups) == 1 for ups in inside.values())
+            errors: list[tuple[int, str, str]] = []
+            for job_id in cycle:
+                if simple:
+                    path = [job_id]
+                    while len(path) <= len(cycle):
+                        path.append(inside[path[-1]][0])
+                    shown = " -> ".join(f"line {lines[x]}" for x in path)
+                    what = f"a cycle of chained jobs: {shown} (each takes an input from the next)"
+                else:
+                    shown = ", ".join(str(n) for n in sorted(lines.values()))
+                    what = f"a cycle of chained jobs: lines {shown} take inputs from each other"
+                for item in chained[job_id].upstreams():
+                    if item.job in members:
+                        errors.append((lines[job_id], f"inputs.{item.key}", what))
+            for line, name, what in sorted(errors):
+                self.error(line, name, what)
 
     def _unknown_fields(
         self, obj: dict[str, Any], known: frozenset[str], line: int, prefix: str = ""
@@ -309,33 +540,148 @@ class _Parser:
         # json.loads of cached text: a deep copy, faster than copy.deepcopy.
         return json.loads(loaded.text)
 
+    def _node_input(
+        self, workflow: dict[str, Any], key: str, line: int, name: str
+    ) -> tuple[dict[str, Any], str] | None:
+        """The inputs of the node ``key`` names and the input's name, when ``key`` names
+        an input of a node of ``workflow``; else None after recording why not (field
+        ``name``)."""
+        node_id, dot, input_name = key.partition(".")
+        if not dot or not node_id or not input_name:
+            self.error(line, name, "expected '<node id>.<input name>'")
+            return None
+        node = workflow.get(node_id)
+        if node is None:
+            nodes = ", ".join(sorted(workflow))
+            self.error(line, name, f"unknown node {node_id!r} (workflow has {nodes})")
+            return None
+        inputs = node["inputs"]
+        if input_name not in inputs:
+            known = ", ".join(sorted(inputs)) or "none"
+            label = f"node {node_id!r} ({node['class_type']})"
+            self.error(line, name, f"{label} has no input {input_name!r} (inputs: {known})")
+            return None
+        return inputs, input_name
+
+    def _linked(self, workflow: dict[str, Any], key: str, line: int, name: str, rule: str) -> None:
+        """Record that the node input ``key`` is a link (``rule`` says what may be done)."""
+        node_id, _, input_name = key.partition(".")
+        node = workflow[node_id]
+        source = node["inputs"][input_name][0]
+        label = f"node {node_id!r} ({node['class_type']})"
+        self.error(line, name, f"{label} input {input_name!r} is linked to node {source!r}; {rule}")
+
     def _apply(self, workflow: dict[str, Any], overrides: dict[str, Any], line: int) -> None:
         for key, value in overrides.items():
             name = f"set.{key}"
-            node_id, dot, input_name = key.partition(".")
-            if not dot or not node_id or not input_name:
-                self.error(line, name, "expected '<node id>.<input name>'")
+            target = self._node_input(workflow, key, line, name)
+            if target is None:
                 continue
-            node = workflow.get(node_id)
-            if node is None:
-                nodes = ", ".join(sorted(workflow))
-                self.error(line, name, f"unknown node {node_id!r} (workflow has {nodes})")
-                continue
-            inputs = node["inputs"]
-            label = f"node {node_id!r} ({node['class_type']})"
-            if input_name not in inputs:
-                known = ", ".join(sorted(inputs)) or "none"
-                self.error(line, name, f"{label} has no input {input_name!r} (inputs: {known})")
-                continue
+            inputs, input_name = target
             if is_link(value):
                 self.error(line, name, f"value {quoted(value)} is a link; set only literal values")
-                continue
-            if is_link(inputs[input_name]):
+            elif is_link(inputs[input_name]):
+                self._linked(workflow, key, line, name, "set only literal inputs")
+            else:
+                inputs[input_name] = value
+
+    def _inputs(
+        self,
+        spec: Any,
+        workflow: dict[str, Any] | None,
+        overrides: dict[str, Any],
+        line: int,
+    ) -> tuple[Input, ...]:
+        """The inputs of one line, checked against its resolved ``workflow`` (when it
+        has one): every problem recorded, each on ``inputs.<key>``."""
+        if not isinstance(spec, dict):
+            self.error(line, "inputs", f"expected an object, got {kind_of(spec)}")
+            return ()
+        found: list[Input] = []
+        for key, value in spec.items():
+            name = f"inputs.{key}"
+            errors_before = len(self.errors)
+            if key in overrides:
                 self.error(
-                    line,
-                    name,
-                    f"{label} input {input_name!r} is linked to node "
-                    f"{inputs[input_name][0]!r}; set only literal inputs",
+                    line, name, f"{key!r} is also in 'set': a node input takes a value or a file"
                 )
-                continue
-            inputs[input_name] = value
+            elif workflow is not None:
+                target = self._node_input(workflow, key, line, name)
+                if target is not None and is_link(target[0][target[1]]):
+                    rule = "an input replaces only a literal input"
+                    self._linked(workflow, key, line, name, rule)
+            else:
+                node_id, dot, input_name = key.partition(".")
+                if not dot or not node_id or not input_name:
+                    self.error(line, name, "expected '<node id>.<input name>'")
+            node_id, _, input_name = key.partition(".")
+            item: Input
+            if isinstance(value, InputFile):  # bytes already read and checked
+                item = dataclasses.replace(value, key=key, node_id=node_id, input_name=input_name)
+            elif isinstance(value, dict):
+                upstream = parse_upstream(value)
+                if isinstance(upstream, list):
+                    for problem in upstream:
+                        self.error(line, name, problem)
+                    continue
+                item = InputFromJob(key, node_id, input_name, *upstream)
+            else:
+                if self._reader is None:
+                    self._reader = InputReader(self.base_dir, self.rules)
+                read = self._reader.get(value)
+                if isinstance(read, str):
+                    self.error(line, name, read)
+                    continue
+                item = InputFile(
+                    key, node_id, input_name, value, read.sha256, read.size, source=read.source
+                )
+            if len(self.errors) == errors_before:
+                found.append(item)
+        return tuple(found)
+
+
+def strongly_connected(graph: Mapping[str, set[str]]) -> list[list[str]]:
+    """The cycles of ``graph`` (node -> the nodes it points to; targets outside it are
+    ignored): each strongly connected component of more than one node, in the order
+    Tarjan's algorithm closes them. Iterative, so a chain of any length is fine."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        work = [(root, iter(sorted(graph[root])))]
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in graph:
+                    continue
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    parent = work[-1][0]
+                    low[parent] = min(low[parent], low[node])
+                if low[node] == index[node]:
+                    component: list[str] = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    if len(component) > 1:
+                        found.append(component)
+    return found

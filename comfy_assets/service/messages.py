@@ -4,9 +4,12 @@
 
     {"id": "<job id>", "workflow": {...the resolved API-format workflow...},
      "set": {...}, "shot": 3, "duration_s": 4.0, "optional": true, "policy": "draft",
-     "partition": "storyboard", "line": 4}
+     "partition": "storyboard", "line": 4, "take": 2,
+     "inputs": {"10.image": {"path": "keyframes/sh010.png", "sha256": "<hex>",
+                             "size": 52311, "base64": "<the file's bytes>"}}}
 
-(``shot``, ``duration_s`` and ``optional`` only when the job line has them; ``policy``
+(``shot``, ``duration_s`` and ``optional`` only when the job line has them, ``take``
+when it is not 1, ``inputs`` when the job has input files; ``policy``
 is the job file's header policy; ``partition`` the file's partition, its stem unless
 ``enqueue --partition`` says otherwise; ``line`` the job's line in its file, so the
 worker's results.csv lists the jobs in file order, as ``run``'s does.) The workflow is inline with ``set`` already applied,
@@ -14,22 +17,57 @@ and ``set`` is kept (for the results table); applying it again changes nothing, 
 worker on any host, in any folder, posts exactly the prompt that was validated, under
 the prompt_id ``comfy-assets run`` computes for that job line.
 
+Input files travel inline, their bytes in base64 beside their path (as written in the
+job line, for names and the results table), sha256 and size. Inline, not a reference (a
+URL, a path on a shared disk, an object store key), because a reference makes the worker
+depend on reaching and being allowed to read a place the submitter chose, and the bytes
+there can change or vanish between enqueue and render: the worker would have to check
+them against a hash anyway, and could only dead-letter what changed. Inline bytes are
+there whenever the message is, on any host, with no credentials and no other service.
+The worker decodes them and recomputes their sha256: bytes that do not match it (a
+truncated or hand-edited body, a bad encoder) or that are not base64 are refused, so the
+bytes rendered are the bytes the prompt_id names (each input's sha256 is part of the
+resolved workflow, and so of the prompt_id). The hash checks integrity, not authorship:
+whoever may publish to the queue may already send any workflow. The price is size: base64
+takes 4 bytes per 3, and a message is at most ``--max-message-bytes`` (4 MiB), so a job's
+inputs fit in about 3 MiB; a job whose inputs do not is refused at enqueue with its file,
+line and input (``queue_problems``): ``comfy-assets run`` and Dagster read inputs from
+disk, with no such limit. A job taking an input from another job is refused at enqueue
+too: a worker renders one message alone, and the upstream job's output is on whichever
+server rendered it.
+
 A message written by hand or by another program may name its workflow by a path. The
 path is resolved only inside the worker's ``--workflows-dir``: an absolute path, a
 ``..`` that leads out, or a link that leads out is refused before anything is opened.
-A body over ``max_bytes`` is refused before it is parsed. Both are ``JobFileError``\\ s,
+Inputs are inline only: a message naming an input by a path is refused. A body over
+``max_bytes`` is refused before it is parsed. All are ``JobFileError``\\ s,
 which the worker dead-letters with the error as the reason.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
 import os
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
-from comfy_assets.jobs.model import POLICIES, Job, JobFile, JobFileError, LineError, Policy
+from comfy_assets.jobs.inputs import path_problem
+from comfy_assets.jobs.model import (
+    POLICIES,
+    InputFile,
+    InputFromJob,
+    Job,
+    JobFile,
+    JobFileError,
+    LineError,
+    Policy,
+)
 from comfy_assets.jobs.parse import job_from_dict
 from comfy_assets.jobs.strict_json import loads_bounded
 from comfy_assets.store.base import folder_name
@@ -38,6 +76,9 @@ from comfy_assets.store.base import folder_name
 # image input) can reach a few MiB. RabbitMQ itself accepts up to 16 MiB (4.x default).
 MAX_MESSAGE_BYTES = 4 * 1024**2
 WORKFLOWS_DIR = "--workflows-dir"
+CHAINED = "chained inputs need `comfy-assets run` or Dagster: a worker renders one message alone"
+INLINE_FIELDS = ("path", "sha256", "size", "base64")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -53,7 +94,88 @@ class QueuedJob:
 
 def job_message(job: Job, policy: Policy | None = None, partition: str | None = None) -> bytes:
     """The message body of ``job`` (see the module docstring): UTF-8 JSON, ASCII only,
-    so any string round-trips."""
+    so any string round-trips. Reads each input file (``InputFile.read``: raises
+    ``InputChanged`` when its bytes changed since validation, ``OSError``); raises
+    ``ValueError`` for a job taking an input from another job (``queue_problems``
+    reports those as errors of their line)."""
+    return _body(job, policy, partition, lambda item: _base64(item.read()))
+
+
+def message_size(job: Job, policy: Policy | None = None, partition: str | None = None) -> int:
+    """The size in bytes of ``job_message(job, policy, partition)``, without reading
+    any input file (base64 is 4 ASCII bytes per 3 bytes, rounded up)."""
+    blank = _body(job, policy, partition, lambda item: "")
+    return len(blank) + sum(_base64_size(i.size) for i in job.inputs)
+
+
+def file_messages(job_file: JobFile, partition: str | None = None) -> list[tuple[str, bytes]]:
+    """``(job_id, body)`` of every job of a loaded job file, in file order, under
+    ``partition`` (default: the file's stem, as ``comfy-assets run`` names it). Each
+    input file is read and encoded once, however many jobs share it, but every body holds
+    its own copy: the list takes about 4/3 of the bytes of every job's inputs (1,000 jobs
+    sharing a 1 MiB picture: 1.3 GiB). Raises as ``job_message`` does."""
+    name = partition or job_file.path.stem
+    encoded: dict[str, str] = {}
+
+    def encode(item: InputFile) -> str:
+        text = encoded.get(item.sha256)
+        if text is None:
+            text = encoded[item.sha256] = _base64(item.read())
+        return text
+
+    return [(job.id, _body(job, job_file.policy, name, encode)) for job in job_file.jobs]
+
+
+def queue_problems(
+    job_file: JobFile, max_bytes: int, partition: str | None = None
+) -> list[LineError]:
+    """Why jobs of ``job_file`` cannot be queue messages, on their lines: each input
+    taken from another job (field ``inputs.<key>``), and each message over ``max_bytes``
+    bytes (field ``message``, or ``inputs.<key>`` for each input file when the message
+    would fit without them). Sizes come from ``message_size``: no input file is read."""
+    where = str(job_file.path)
+    name = partition or job_file.path.stem
+    errors: list[LineError] = []
+    for job in job_file.jobs:
+        chained = [i for i in job.inputs if isinstance(i, InputFromJob)]
+        for item in chained:
+            errors.append(LineError(where, job.line, f"inputs.{item.key}", CHAINED))
+        if chained:
+            continue
+        size = message_size(job, job_file.policy, name)
+        if size <= max_bytes:
+            continue
+        files = [i for i in job.inputs if isinstance(i, InputFile)]
+        without = size - sum(_base64_size(i.size) for i in files)
+        if without > max_bytes or not files:
+            errors.append(
+                LineError(
+                    where,
+                    job.line,
+                    "message",
+                    f"{size} bytes with its workflow inline, over the limit of {max_bytes} "
+                    "bytes (--max-message-bytes): a worker would refuse it",
+                )
+            )
+            continue
+        for item in files:
+            errors.append(
+                LineError(
+                    where,
+                    job.line,
+                    f"inputs.{item.key}",
+                    f"{item.path} ({item.size} bytes, {_base64_size(item.size)} in base64) "
+                    f"makes this job's message {size} bytes, over the limit of {max_bytes} "
+                    "bytes (--max-message-bytes): a worker would refuse it; "
+                    "`comfy-assets run` and Dagster read input files from disk",
+                )
+            )
+    return errors
+
+
+def _body(
+    job: Job, policy: Policy | None, partition: str | None, encode: Callable[[InputFile], str]
+) -> bytes:
     obj: dict[str, Any] = {"id": job.id, "workflow": job.workflow, "set": job.set}
     obj["line"] = job.line
     if partition is not None:
@@ -66,32 +188,29 @@ def job_message(job: Job, policy: Policy | None = None, partition: str | None = 
         obj["optional"] = True
     if policy is not None:
         obj["policy"] = policy
+    if job.take != 1:
+        obj["take"] = job.take
+    if job.inputs:
+        inputs: dict[str, Any] = {}
+        for item in job.inputs:
+            if isinstance(item, InputFromJob):
+                raise ValueError(f"job {job.id} input {item.key}: {CHAINED}")
+            inputs[item.key] = {
+                "path": item.path,
+                "sha256": item.sha256,
+                "size": item.size,
+                "base64": encode(item),
+            }
+        obj["inputs"] = inputs
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def file_messages(job_file: JobFile, partition: str | None = None) -> list[tuple[str, bytes]]:
-    """``(job_id, body)`` of every job of a loaded job file, in file order, under
-    ``partition`` (default: the file's stem, as ``comfy-assets run`` names it)."""
-    name = partition or job_file.path.stem
-    return [(job.id, job_message(job, job_file.policy, name)) for job in job_file.jobs]
+def _base64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
-def oversized(
-    job_file: JobFile, messages: list[tuple[str, bytes]], max_bytes: int
-) -> list[LineError]:
-    """One error per message of ``job_file`` over ``max_bytes`` bytes, on its job's line."""
-    where = str(job_file.path)
-    return [
-        LineError(
-            where,
-            job.line,
-            "message",
-            f"{len(body)} bytes with its workflow inline, over the limit of {max_bytes} "
-            "bytes (--max-message-bytes): a worker would refuse it",
-        )
-        for job, (_, body) in zip(job_file.jobs, messages, strict=True)
-        if len(body) > max_bytes
-    ]
+def _base64_size(size: int) -> int:
+    return 4 * ((size + 2) // 3)
 
 
 def outside_problem(workflows_dir: Path, spec: str) -> str | None:
@@ -183,6 +302,8 @@ def parse_message(
                 # Nothing else is checked: the rest could only be read with the file.
                 message = f"{json.dumps(spec)} is outside {WORKFLOWS_DIR} ({problem}); not opened"
                 raise JobFileError([LineError(source, 1, "workflow", message)])
+        if isinstance(obj.get("inputs"), dict):
+            obj["inputs"] = _inline_inputs(obj["inputs"], source, errors)
         if "policy" in obj:
             given = obj.pop("policy")
             if given in POLICIES:
@@ -199,3 +320,76 @@ def parse_message(
     if errors:
         raise JobFileError(errors)
     return QueuedJob(job, policy, partition)
+
+
+def _inline_inputs(given: dict[str, Any], source: str, errors: list[LineError]) -> dict[str, Any]:
+    """``inputs`` of a message with each inline file decoded and checked (an
+    ``InputFile`` holding its bytes, for ``job_from_dict``); the problems of the others
+    appended to ``errors`` (field ``inputs.<key>``), and those left out."""
+    found: dict[str, Any] = {}
+    for key, value in given.items():
+        name = f"inputs.{key}"
+        if isinstance(value, dict) and "job" in value and "base64" not in value:
+            errors.append(LineError(source, 1, name, CHAINED))
+            continue
+        if not isinstance(value, dict):
+            errors.append(
+                LineError(
+                    source,
+                    1,
+                    name,
+                    "a queue message carries each input file inline "
+                    '({"path", "sha256", "size", "base64"}), not a path to open',
+                )
+            )
+            continue
+        data = _inline_bytes(value)
+        if isinstance(data, list):
+            errors.extend(LineError(source, 1, name, problem) for problem in data)
+            continue
+        node_id, _, input_name = key.partition(".")
+        found[key] = InputFile(
+            key, node_id, input_name, value["path"], value["sha256"], value["size"], data=data
+        )
+    return found
+
+
+def _inline_bytes(value: dict[str, Any]) -> bytes | list[str]:
+    """The bytes of one inline input file, checked against its ``size`` and
+    ``sha256``, or the list of what is wrong with it."""
+    problems = [
+        f"unknown field {json.dumps(k)[:80]} of an inline input (known: {', '.join(INLINE_FIELDS)})"
+        for k in value
+        if k not in INLINE_FIELDS
+    ]
+    problems += [f"no {k!r} in the inline input" for k in INLINE_FIELDS if k not in value]
+    if problems:
+        return problems
+    path, sha, size, text = (value[k] for k in INLINE_FIELDS)
+    if not isinstance(path, str):
+        problems.append(f"'path': expected a string, got {json.dumps(path)[:80]}")
+    else:
+        problem = path_problem(path)
+        if problem is not None:
+            problems.append(f"'path': {problem}")
+    if not (isinstance(sha, str) and _SHA256.fullmatch(sha)):
+        problems.append(f"'sha256': expected 64 lowercase hex digits, got {json.dumps(sha)[:80]}")
+    if not (isinstance(size, int) and not isinstance(size, bool) and size >= 0):
+        problems.append(f"'size': expected an integer >= 0, got {json.dumps(size)[:80]}")
+    if not isinstance(text, str):
+        problems.append(f"'base64': expected a string, got {json.dumps(text)[:80]}")
+        return problems
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        problems.append(f"'base64': not base64: {e}")
+        return problems
+    if isinstance(size, int) and len(data) != size:
+        problems.append(f"{len(data)} bytes once decoded, not the 'size' of {size}")
+    digest = hashlib.sha256(data).hexdigest()
+    if isinstance(sha, str) and digest != sha:
+        problems.append(
+            f"the bytes do not match their sha256: they hash to {digest}, "
+            f"the message says {sha[:80]}; refused"
+        )
+    return problems or data

@@ -31,6 +31,7 @@ from typing import Any, TypeVar, cast
 
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
@@ -39,7 +40,12 @@ from comfy_assets.render.owners import new_owner
 from comfy_assets.render.results import write_results
 from comfy_assets.render.run import make_pool, run_one
 from comfy_assets.service import broker
-from comfy_assets.service.messages import MAX_MESSAGE_BYTES, file_messages, oversized, parse_message
+from comfy_assets.service.messages import (
+    MAX_MESSAGE_BYTES,
+    file_messages,
+    parse_message,
+    queue_problems,
+)
 from comfy_assets.service.sources import Delivery, JobSource
 from comfy_assets.store import PartitionConflict, Store, StoreUnavailable
 
@@ -505,18 +511,24 @@ class Worker:
 
 
 def job_messages(
-    path: Path, max_bytes: int = MAX_MESSAGE_BYTES, partition: str | None = None
+    path: Path,
+    max_bytes: int = MAX_MESSAGE_BYTES,
+    partition: str | None = None,
+    *,
+    rules: InputRules | None = None,
 ) -> list[tuple[str, bytes]]:
-    """Validate the job file at ``path`` and return ``(job_id, body)`` per job, in file
-    order: self-contained messages (``comfy_assets.service.messages``: the workflow inline,
-    so a worker anywhere posts what was validated, under the same prompt_id as ``run``),
-    under ``partition`` (default: the file's stem, as ``run`` names it).
-    Raises ``JobFileError`` listing every problem, a message over ``max_bytes`` bytes
-    included; nothing is returned for a partly valid file.
+    """Validate the job file at ``path`` (input files under ``rules``, default
+    ``InputRules()``) and return ``(job_id, body)`` per job, in file order:
+    self-contained messages (``comfy_assets.service.messages``: the workflow and the input
+    files' bytes inline, so a worker anywhere posts what was validated, under the same
+    prompt_id as ``run``), under ``partition`` (default: the file's stem, as ``run``
+    names it). Raises ``JobFileError`` listing every problem, a message over
+    ``max_bytes`` bytes and an input taken from another job included (each on its line
+    and field, found before any input file is read for a message); nothing is returned
+    for a partly valid file. ``InputChanged`` when an input file changes meanwhile.
     """
-    job_file = load_job_file(path)
-    messages = file_messages(job_file, partition)
-    too_big = oversized(job_file, messages, max_bytes)
-    if too_big:
-        raise JobFileError(too_big)
-    return messages
+    job_file = load_job_file(path, rules=rules)
+    problems = queue_problems(job_file, max_bytes, partition)
+    if problems:
+        raise JobFileError(problems)
+    return file_messages(job_file, partition)
