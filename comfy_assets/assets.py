@@ -174,6 +174,7 @@ def renders(
         )
         in_file = set(job_ids)
         current = [record for record in summary.jobs if record.job_id in in_file]
+        outputs = store.partition_files(partition)
         sheet_path = result_store.root / partition / "outputs.contact.png"
         try:
             sheet = outputs_contact_sheet(store, partition, current, sheet_path)
@@ -202,7 +203,7 @@ def renders(
         ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
-    jobs = jobs_frame(current, job_ids)
+    jobs = jobs_frame(current, job_ids, outputs)
     metadata: dict[str, object] = {
         "job_file": MetadataValue.path(str(job_file.path.resolve())),
         "job_file_sha256": job_file.sha256,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from comfy_assets.film.probe import VIDEO_SUFFIXES
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.states import DONE
 from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
+from comfy_assets.render.results import FileRow, inputs_cell
 from comfy_assets.store import Store
 
 # Errors of one bad file shown by the ``valid`` check; the rest are counted.
@@ -185,6 +186,8 @@ JOB_COLUMNS = {
     "job": "The job id's first 8 characters (as in log lines).",
     "line": "Its line in the job file.",
     "shot": "Its shot number in a storyboard.",
+    "take": "Its take (a new take renders the job again; earlier takes' files stay).",
+    "inputs": "Its input files: key=path@sha256 (or the upstream job, node and file).",
     "state": "succeeded, degraded, failed_fatal (dead letter), pending, ...",
     "server": "The ComfyUI server that rendered it last.",
     "attempts": "Attempts since its inputs last changed.",
@@ -194,9 +197,15 @@ JOB_COLUMNS = {
 }
 
 
-def jobs_frame(records: Sequence[Any], job_ids: Sequence[str]) -> pd.DataFrame:
+def jobs_frame(
+    records: Sequence[Any],
+    job_ids: Sequence[str],
+    files: Mapping[str, Iterable[FileRow]] | None = None,
+) -> pd.DataFrame:
     """One row per job id (in line order) from the store's job records; a job without a
-    record is ``missing``. Columns: JOB_COLUMNS."""
+    record is ``missing``. ``files``: each job's output files (for the sha256 of an input
+    taken from an upstream job). Columns: JOB_COLUMNS."""
+    files = files or {}
     by_id = {record.job_id: record for record in records}
     rows = []
     for job_id in job_ids:
@@ -210,6 +219,8 @@ def jobs_frame(records: Sequence[Any], job_ids: Sequence[str]) -> pd.DataFrame:
                 "job_id": job_id,
                 "line": record.line,
                 "shot": record.shot,
+                "take": record.take,
+                "inputs": inputs_cell(record.inputs, files),
                 "state": str(record.state),
                 "server": record.server,
                 "attempts": record.attempts,
@@ -218,7 +229,7 @@ def jobs_frame(records: Sequence[Any], job_ids: Sequence[str]) -> pd.DataFrame:
             }
         )
     frame = pd.DataFrame(rows, columns=list(JOB_COLUMNS), dtype=object)
-    for name in ("line", "shot", "attempts"):
+    for name in ("line", "shot", "take", "attempts"):
         frame[name] = frame[name].astype("Int64")
     frame["seconds"] = frame["seconds"].astype("Float64")
     return frame

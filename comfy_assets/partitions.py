@@ -22,6 +22,8 @@ from pathlib import Path
 
 from dagster import DynamicPartitionsDefinition
 
+from comfy_assets.jobs.inputs import InputRules
+
 job_files_partitions = DynamicPartitionsDefinition(name="job_files")
 
 # The asset of the job files themselves (reported by the sensor, upstream of ``renders``)
@@ -61,6 +63,25 @@ def job_dirs_from_env() -> list[Path]:
     """Return the watched folders: ``COMFY_ASSETS_JOB_DIRS`` (os.pathsep-separated)."""
     raw = os.environ.get(JOB_DIRS_ENV, "").strip() or DEFAULT_JOB_DIR
     return [Path(part) for part in raw.split(os.pathsep) if part.strip()]
+
+
+FOLLOW_INPUT_LINKS_ENV = "COMFY_ASSETS_FOLLOW_INPUT_LINKS"
+MAX_INPUT_BYTES_ENV = "COMFY_ASSETS_MAX_INPUT_BYTES"
+
+
+def input_rules_from_env() -> InputRules:
+    """What job lines' input files may be in Dagster: ``COMFY_ASSETS_FOLLOW_INPUT_LINKS``
+    (``1``: accept a link leading out of the job file's folder tree) and
+    ``COMFY_ASSETS_MAX_INPUT_BYTES`` (bytes, default 64 MiB), as ``run``'s
+    ``--follow-input-links`` and ``--max-input-bytes``. Raises ValueError for a size
+    that is not a whole number of bytes >= 1."""
+    follow = os.environ.get(FOLLOW_INPUT_LINKS_ENV, "").strip().lower() in ("1", "true", "yes")
+    raw = os.environ.get(MAX_INPUT_BYTES_ENV, "").strip()
+    if not raw:
+        return InputRules(follow_links=follow)
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{MAX_INPUT_BYTES_ENV}: expected a number of bytes >= 1, got {raw!r}")
+    return InputRules(max_input_bytes=int(raw), follow_links=follow)
 
 
 def iter_job_files(dirs: Sequence[Path]) -> Iterator[os.DirEntry[str]]:

@@ -49,6 +49,7 @@ from comfy_assets.jobs.workflows import WorkflowCache
 from comfy_assets.metadata import job_file_problems, job_files_check_evaluation
 from comfy_assets.partitions import (
     JOB_FILES_ASSET,
+    input_rules_from_env,
     iter_job_files,
     job_dirs_from_env,
     job_files_partitions,
@@ -184,7 +185,7 @@ def current_problems(dirs: list[Path] | None = None) -> list[str]:
             problems.append(_ambiguous(key, entries))
             continue
         try:
-            load_job_file(Path(entries[0].path), workflows)
+            load_job_file(Path(entries[0].path), workflows, rules=input_rules_from_env())
         except JobFileError as exc:
             problems.append(job_file_problems(exc))
     return problems
@@ -238,7 +239,7 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
             seen[key] = SeenFile(old.sha, stat.st_size, stat.st_mtime_ns, True)
             continue
         try:
-            job_file = load_job_file(path, workflows)
+            job_file = load_job_file(path, workflows, rules=input_rules_from_env())
         except JobFileError as exc:
             problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
             errors = job_file_problems(exc)

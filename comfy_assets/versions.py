@@ -8,14 +8,14 @@ from dagster import AssetExecutionContext, AssetKey, AssetRecordsFilter, Failure
 
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.partitions import AmbiguousJobFileError, find_job_file
+from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, input_rules_from_env
 
 
 def load_partition_file(partition: str) -> JobFile:
     """The job file of a partition; a missing or invalid file fails without retries."""
     try:
-        return load_job_file(find_job_file(partition))
-    except (FileNotFoundError, AmbiguousJobFileError, JobFileError) as exc:
+        return load_job_file(find_job_file(partition), rules=input_rules_from_env())
+    except (FileNotFoundError, AmbiguousJobFileError, JobFileError, ValueError) as exc:
         raise Failure(description=f"partition {partition}: {exc}", allow_retries=False) from exc
 
 

@@ -462,3 +462,10 @@ def test_an_unreadable_input_file_is_an_error_of_its_line(tmp_path):
     (error,) = errors_of(write(folder, line(A, inputs={"10.image": "pics/a.png"})))
     assert (error.line, error.field) == (1, "inputs.10.image")
     assert "cannot read it: Permission denied" in error.message
+
+
+def test_the_commands_default_input_size_is_the_parsers():
+    from comfy_assets.cli.options import MAX_INPUT_BYTES as shown
+    from comfy_assets.jobs.inputs import MAX_INPUT_BYTES
+
+    assert shown == MAX_INPUT_BYTES

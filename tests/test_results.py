@@ -24,6 +24,8 @@ class Rec:
     seconds: float | None = 0.5
     reason: str | None = None
     set: dict | None = None
+    take: int = 1
+    inputs: tuple = ()
 
 
 @dataclass
@@ -31,6 +33,7 @@ class F:
     path: str
     sha256: str
     bytes: int = 10
+    node_id: str | None = None
 
 
 def rec(job_id: str, values: dict, **kw) -> Rec:
@@ -58,6 +61,8 @@ def test_a_row_per_job_with_a_column_per_set_key() -> None:
         "1.color",
         "1.width",
         "1.height",
+        "take",
+        "inputs",
         "state",
         "server",
         "attempts",
@@ -78,9 +83,11 @@ def test_csv_keeps_integers_when_a_key_is_missing_in_some_rows(tmp_path: Path) -
 
     text = path.read_text().splitlines()
 
-    assert text[0] == "job_id,1.width,1.color,state,server,attempts,seconds,files,reason"
-    assert text[1] == "a,64,,succeeded,gpu0,1,0.5,,"
-    assert text[2] == "b,,3,succeeded,gpu0,1,0.5,,"
+    assert text[0] == (
+        "job_id,1.width,1.color,take,inputs,state,server,attempts,seconds,files,reason"
+    )
+    assert text[1] == "a,64,,1,,succeeded,gpu0,1,0.5,,"
+    assert text[2] == "b,,3,1,,succeeded,gpu0,1,0.5,,"
     assert [p.name for p in path.parent.iterdir()] == ["results.csv"]  # no temp file left
 
 

@@ -10,6 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from comfy_assets.cli.options import add_input_options
 from comfy_assets.cli.run import add_db_url_option, open_store
 from comfy_assets.film.gate import FilmResult, GateBlocked
 from comfy_assets.film.make import make_film
@@ -18,6 +19,7 @@ from comfy_assets.film.shots import (
     film_path,
     has_shots,
 )
+from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import POLICIES, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 
@@ -30,6 +32,7 @@ def add_film_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``film`` on the ``comfy-assets`` subparsers."""
     p = sub.add_parser("film", help="cut a rendered storyboard into a film, behind the gate")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL) rendered")
+    add_input_options(p)
     p.add_argument("--store", type=Path, required=True, help="result store folder")
     add_db_url_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
@@ -52,7 +55,7 @@ def film_command(args: argparse.Namespace) -> int:
     film (MediaError) is raised.
     """
     try:
-        job_file = load_job_file(args.jobs)
+        job_file = load_job_file(args.jobs, rules=rules_of(args))
     except JobFileError as e:
         return _bad_input(str(e))
     if not has_shots(job_file):

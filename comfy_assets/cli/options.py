@@ -58,3 +58,25 @@ def byte_size_text(size: int) -> str:
     (``4GiB``, ``1536KiB``, ``100B``)."""
     unit = max((u for u, n in _BYTE_UNITS.items() if size % n == 0), key=_BYTE_UNITS.__getitem__)
     return f"{size // _BYTE_UNITS[unit]}{'B' if unit == 'b' else unit[0].upper() + 'iB'}"
+
+
+# The default of --max-input-bytes (jobs/inputs.py MAX_INPUT_BYTES, which imports more
+# than ``health`` needs at start-up; tests/test_jobfile_inputs.py keeps the two equal).
+MAX_INPUT_BYTES = 64 * 1024**2
+
+
+def add_input_options(p: argparse.ArgumentParser) -> None:
+    """``--follow-input-links`` and ``--max-input-bytes``: what a job line's input files
+    may be (``jobs.inputs.InputRules``; read with ``input_rules``)."""
+    p.add_argument(
+        "--follow-input-links",
+        action="store_true",
+        help="accept an input file that is a link leading out of the job file's folder tree",
+    )
+    p.add_argument(
+        "--max-input-bytes",
+        type=byte_size,
+        default=MAX_INPUT_BYTES,
+        metavar="SIZE",
+        help=f"the largest input file a job line may name (default {byte_size_text(MAX_INPUT_BYTES)})",
+    )

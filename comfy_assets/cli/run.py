@@ -14,8 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from comfy_assets.cli.options import bounded, byte_size, byte_size_text
+from comfy_assets.cli.options import add_input_options, bounded, byte_size, byte_size_text
 from comfy_assets.comfy.servers import parse_servers
+from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import KNOBS, BatchConfig, knob_doc
@@ -140,6 +141,7 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run a job file over the servers, without Dagster")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
+    add_input_options(p)
     add_server_options(p)
     add_db_url_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
@@ -205,7 +207,7 @@ def run_command(args: argparse.Namespace) -> int:
     removed from their servers, claims and server leases released)."""
     try:
         servers = parse_servers(args.server)
-        job_file = load_job_file(args.jobs)
+        job_file = load_job_file(args.jobs, rules=rules_of(args))
     except (JobFileError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

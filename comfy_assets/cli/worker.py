@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from comfy_assets.cli.options import bounded, byte_size
+from comfy_assets.cli.options import add_input_options, bounded, byte_size
 from comfy_assets.cli.run import (
     add_batch_options,
     add_db_url_option,
@@ -22,6 +22,7 @@ from comfy_assets.cli.run import (
     open_store,
 )
 from comfy_assets.comfy.servers import parse_servers
+from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import knob_doc
@@ -57,6 +58,7 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
         help="job queue (quorum); dead letters: QUEUE.dead",
     )
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
+    add_input_options(p)
     p.add_argument(
         "--partition",
         default=None,
@@ -106,7 +108,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
     try:
         if args.partition is not None:
             folder_name(args.partition, "--partition")
-        jobs = job_messages(args.jobs, args.max_message_bytes, args.partition)
+        jobs = job_messages(args.jobs, args.max_message_bytes, args.partition, rules=rules_of(args))
     except JobFileError as e:
         print(f"error: {args.jobs}: {len(e.errors)} problem(s), nothing enqueued", file=sys.stderr)
         for err in e.errors:
@@ -131,6 +133,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group()
     add_rabbitmq_option(src)
     src.add_argument("--jobs", type=Path, help="a job file instead of a queue")
+    add_input_options(p)
     p.add_argument(
         "--queue", type=queue_name, help="job queue (with --rabbitmq); dead letters: QUEUE.dead"
     )
@@ -210,7 +213,8 @@ def _worker(args: argparse.Namespace) -> int:
     source: JobSource
     if args.jobs is not None:
         try:
-            source = FileSource(load_job_file(args.jobs), partition=args.partition)
+            job_file = load_job_file(args.jobs, rules=rules_of(args))
+            source = FileSource(job_file, partition=args.partition)
         except JobFileError as e:
             print(f"error: {args.jobs}:\n{e}", file=sys.stderr)
             return 2

@@ -96,8 +96,11 @@ async def download_outputs(
     dest_dir: Path,
     *,
     max_bytes: int | None = MAX_OUTPUT_BYTES,
+    under: str = "",
 ) -> list[DownloadedFile]:
-    """Download every ``type: output`` file of a history entry under ``dest_dir``.
+    """Download every ``type: output`` file of a history entry under ``dest_dir``
+    (in its folder ``under``, a plain name of ours, when given; the files' paths stay
+    relative to ``dest_dir``).
 
     Previews (``temp``) and anything else not ``output`` are skipped; a file listed twice
     is written once. Names are validated before any request. Each file may have up to
@@ -105,11 +108,12 @@ async def download_outputs(
     file over the limit is not left on disk, not even in part), the client's typed
     errors (OutputMissing for a 404), OSError for our disk.
     """
+    base = dest_dir / under if under else dest_dir
     wanted: dict[Path, OutputFile] = {}
     for out in entry.output_files:
         if out.type != "output":
             continue
-        wanted.setdefault(safe_output_path(dest_dir, out.subfolder, out.filename), out)
+        wanted.setdefault(safe_output_path(base, out.subfolder, out.filename), out)
     for folder in {path.parent for path in wanted}:
         folder.mkdir(parents=True, exist_ok=True)
     results = []

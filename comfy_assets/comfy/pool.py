@@ -42,6 +42,7 @@ from comfy_assets.comfy.slot import (
     Slot,
     new_client_id,
 )
+from comfy_assets.comfy.uploads import Uploads
 
 log = logging.getLogger("comfy_assets.pool")
 
@@ -95,6 +96,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
         if not servers:
             raise ValueError("a pool needs at least one server")
         self.lost_listeners: list[Callable[[Slot], None]] = []
+        self.uploads = Uploads()  # input files on each server, uploaded once per server
         self.store_timeout_s = store_timeout_s
         self._store_failing_since: float | None = None  # loop time
         self.settings = PoolSettings() if settings is None else settings

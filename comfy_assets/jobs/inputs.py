@@ -48,6 +48,14 @@ class InputRules:
 DEFAULT_RULES = InputRules()
 
 
+def rules_of(args: object) -> InputRules:
+    """The rules an ``argparse`` namespace gives with ``cli.options.add_input_options``."""
+    return InputRules(
+        max_input_bytes=int(getattr(args, "max_input_bytes", MAX_INPUT_BYTES)),
+        follow_links=bool(getattr(args, "follow_input_links", False)),
+    )
+
+
 @dataclass(frozen=True)
 class ReadInput:
     """An input file read once: its resolved absolute path, sha256 (hex) and size (bytes)."""

@@ -159,7 +159,23 @@ def load_job_file(
         parser.errors.sort(key=lambda e: e.line)
     if parser.errors:
         raise JobFileError(parser.errors)
-    return JobFile(path=path, sha256=hashlib.sha256(data).hexdigest(), header=header, jobs=done)
+    return JobFile(path=path, sha256=version_sha256(data, done), header=header, jobs=done)
+
+
+def version_sha256(data: bytes, jobs: list[Job]) -> str:
+    """The sha256 of a job file's version: of its bytes, and for a file whose jobs read
+    input files, of each input's key, path and sha256 too, so that new bytes of a picture
+    make a new version (a new Dagster run) although the job file did not change."""
+    digest = hashlib.sha256(data)
+    files = sorted(
+        f"{job.id} {inp.key} {inp.path} {inp.sha256}"
+        for job in jobs
+        for inp in job.inputs
+        if isinstance(inp, InputFile)
+    )
+    if files:
+        digest.update(b"\0inputs\0" + "\n".join(files).encode())
+    return digest.hexdigest()
 
 
 def job_from_dict(

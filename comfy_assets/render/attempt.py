@@ -39,6 +39,15 @@ from comfy_assets.comfy.slot import Slot
 from comfy_assets.comfy.types import HistoryEntry
 from comfy_assets.jobs.model import Job
 from comfy_assets.render.catch_up import CatchUp
+from comfy_assets.render.inputs import (
+    InputProblem,
+    Locate,
+    Staged,
+    UploadFailed,
+    UpstreamFile,
+    inputs_of_nodes,
+    stage,
+)
 from comfy_assets.render.outcome import (
     AttemptHooks,
     AttemptResult,
@@ -67,7 +76,9 @@ class Attempt(CatchUp, Removal):
     long to keep asking an unreachable ``prev_server`` before posting elsewhere (which
     may render the job twice). ``fresh``: the last run's outputs are gone from the
     server: skip the catch-up and free ComfyUI's cache before posting.
-    ``max_output_bytes``: the most one output file may have (bytes).
+    ``max_output_bytes``: the most one output file may have (bytes). ``locate``: where
+    the file an input takes from an upstream job is (``render/inputs.py``). ``subdir``:
+    the folder under ``dest_dir`` the outputs go to ("" for the job's first take).
     """
 
     job: Job
@@ -86,6 +97,8 @@ class Attempt(CatchUp, Removal):
     hooks: AttemptHooks = field(default_factory=AttemptHooks)
     label: str = ""
     max_output_bytes: int | None = MAX_OUTPUT_BYTES
+    locate: Locate | None = None
+    subdir: str = ""
 
     def __post_init__(self) -> None:
         self.label = self.label or f"job {self.job.id[:8]}"
@@ -101,6 +114,7 @@ class Attempt(CatchUp, Removal):
         # rendering move), for the batch to handle as if the attempt had raised it.
         self.store_failed: BaseException | None = None
         self.posted = False  # a POST /prompt of this attempt may have reached the server
+        self.staged: Staged | None = None  # the job's inputs on the server posted to
 
     def aborted_result(self, cleanup: str) -> AttemptResult:
         """The transient result of an attempt the batch stopped (``aborted``), once
@@ -161,6 +175,19 @@ class Attempt(CatchUp, Removal):
         if stop is not None:
             slot.release()
             raise NotPosted(stop)
+        try:
+            # Every server has its own input folder: the job's inputs go to this one.
+            self.staged = await stage(
+                self.job, client, name, self.pool.uploads, self.locate or _no_upstream
+            )
+        except InputProblem as e:
+            slot.release()  # nothing posted
+            return self.result("permanent", str(e), server=name)
+        except UploadFailed as e:
+            slot.release()  # nothing posted
+            kind: Kind = "transient" if e.error.transient else "permanent"
+            what = f"POST /upload/image of {e.label}"
+            return self.result(kind, describe_error(e.error, what), server=name)
         await self.hooks.submitted(name, self.twice)
         # The last moment to find out, nothing posted yet (the job is submitted now).
         stop = slot.lost or self.hooks.stopped()
@@ -173,12 +200,14 @@ class Attempt(CatchUp, Removal):
         follower.forget(pid)  # what the socket said of earlier runs is not about this one
         try:
             post = await client.post_prompt(
-                self.job.workflow, prompt_id=pid, client_id=follower.client_id
+                self.staged.workflow, prompt_id=pid, client_id=follower.client_id
             )
         except (ServerError, PromptRejected) as e:
             self.on_server = None
             slot.release()  # answered 5xx/400: nothing of ours is queued there
-            kind: Kind = "transient" if e.transient else "permanent"
+            if isinstance(e, PromptRejected):
+                return self._rejected(e, name)
+            kind = "transient" if e.transient else "permanent"
             return self.result(kind, describe_error(e, "POST /prompt"), server=name, posted=True)
         except ComfyError as e:
             # Reset or timeout: the server may have queued it all the same. Look before
@@ -191,12 +220,40 @@ class Attempt(CatchUp, Removal):
             reason = "POST /prompt 200 with node_errors, outputs dropped: " + ", ".join(
                 f"node {n}" for n in sorted(post.node_errors)
             )
+            fed = inputs_of_nodes(self.job, list(post.node_errors))
+            if fed:
+                reason += f" (fed by {fed})"
             gone = await self._evict(slot, post.number)
             self.on_server = None
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
             return self.result("permanent", reason, server=name, number=post.number, posted=True)
         return await self._wait(follower, slot, post.number, posted=True)
+
+    def _rejected(self, e: PromptRejected, name: str) -> AttemptResult:
+        """The result of a POST /prompt answered 400. A node that loads one of the job's
+        inputs is named; when such an input was uploaded by an earlier attempt (not this
+        one), the server may have lost it (its input folder cleaned): it is forgotten and
+        uploaded again by a retry, instead of a dead letter."""
+        reason = describe_error(e, "POST /prompt")
+        nodes = list(e.node_errors)
+        fed = inputs_of_nodes(self.job, nodes)
+        if not fed:
+            return self.result("permanent", reason, server=name, posted=True)
+        staged = self.staged
+        stale = {
+            staged.names[i.key]
+            for i in self.job.inputs
+            if staged is not None
+            and i.node_id in nodes
+            and i.key in staged.names
+            and i.key not in staged.fresh
+        }
+        if stale:
+            self.pool.uploads.forget(name, stale)
+            reason += f" (fed by {fed}, uploaded earlier: uploading again)"
+            return self.result("transient", reason, server=name, posted=True)
+        return self.result("permanent", f"{reason} (fed by {fed})", server=name, posted=True)
 
     async def _after_unanswered_post(
         self, follower: PromptFollower, slot: Slot, error: ComfyError
@@ -328,6 +385,9 @@ class Attempt(CatchUp, Removal):
             # The first line: ComfyUI appends pages of tips to an OOM message.
             f"{err.exception_type}: {(err.exception_message.strip().splitlines() or [''])[0]}"
         )
+        fed = inputs_of_nodes(self.job, [err.node_id])
+        if fed:
+            reason += f" (node {err.node_id} loads {fed})"
         if err.is_oom:
             try:
                 await client.free()
@@ -365,7 +425,7 @@ class Attempt(CatchUp, Removal):
                 where = f" (run {entry.number} on {name})"
                 return self.result("permanent", dropped + where, **common)
             files = await download_outputs(
-                client, entry, self.dest_dir, max_bytes=self.max_output_bytes
+                client, entry, self.dest_dir, max_bytes=self.max_output_bytes, under=self.subdir
             )
         except OutputMissing as e:
             return self.result(
@@ -385,3 +445,7 @@ class Attempt(CatchUp, Removal):
         return self.result("success", files=files, **common)
 
     # -- removing a prompt of ours from a server ----------------------------------------
+
+
+async def _no_upstream(inp: object) -> UpstreamFile:
+    raise LookupError("no store to take an upstream job's file from")

@@ -32,10 +32,11 @@ from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.states import InvalidTransition
 from comfy_assets.render.attempt import Attempt
+from comfy_assets.render.chain import Chain
 from comfy_assets.render.claims import Claims
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outcome import AttemptHooks, NotPosted
-from comfy_assets.render.outputs import outputs_problem
+from comfy_assets.render.outputs import outputs_problem, take_folder
 from comfy_assets.render.owners import owner_alive
 from comfy_assets.render.progress import Ended, Progress
 from comfy_assets.render.queue import Item, JobQueue
@@ -63,7 +64,7 @@ STORE_THREADS = 2
 CONSUMERS_PER_SERVER = 3
 
 
-class Batch(Settle):
+class Batch(Settle, Chain):
     """Runs ``jobs`` of ``partition`` to the end over ``pool``, recording in ``store``."""
 
     def __init__(
@@ -99,6 +100,8 @@ class Batch(Settle):
         self.progress = Progress(len(self.jobs))
         self.queue = JobQueue()
         self.unresolved = len(self.jobs)
+        self.resolutions = 0  # jobs resolved so far (a parked job's check may miss one)
+        self._init_chain()
         self.claims = Claims(store, owner, config.lease_s, self._db, self._claim_gone)
         self.renderings = DeferredRendering(self._write_rendering, self._rendering_failed)
         self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
@@ -142,15 +145,23 @@ class Batch(Settle):
         if not self.jobs:
             return
         for job in self.jobs:
-            self.queue.push(Item(job))
+            item = Item(job)
+            if job.depends_on:
+                self._park(item)  # a chained job waits for its upstream jobs
+            else:
+                self.queue.push(item)
         self.pool.lost_listeners.append(self._on_lost_slot)
         heartbeat = asyncio.create_task(self.claims.heartbeat(), name="claim-heartbeat")
         workers = [
             asyncio.create_task(self._consumer(), name=f"consumer-{i}")
             for i in range(self.consumers)
         ]
+        if self.parked:
+            workers.append(asyncio.create_task(self._watch_parked(), name="parked"))
         try:
             await asyncio.gather(*workers)
+            if self.stopped and self.dependants:
+                await self._settle_blocked_left(self._claim)
         except asyncio.CancelledError:
             # gather has cancelled each consumer once; a second cancel would cut short
             # their cleanup (interrupting and removing prompts), so wait for it instead.
@@ -171,8 +182,11 @@ class Batch(Settle):
             if self._store_threads is not None:
                 self._store_threads.shutdown(wait=False)  # nothing is under way any more
 
-    def _resolve(self, ended: Ended = "not_run") -> None:
+    def _resolve(self, ended: Ended = "not_run", job_id: str | None = None) -> None:
         self.unresolved -= 1
+        self.resolutions += 1
+        if job_id is not None:
+            self._unpark(job_id)  # the jobs that continue from it look again
         counts = {"done": 0, "dead_lettered": 0, "not_run": 0}
         counts[ended] = 1
         p = self.progress
@@ -219,11 +233,23 @@ class Batch(Settle):
                 item = self.queue.pop_for(slot) if held else self.queue.ready.popleft()
                 if item is None:
                     continue
+                verdict, reason = "ready", ""
+                while item.job.depends_on:
+                    seen = self.resolutions
+                    verdict, reason = await self._upstreams(item.job)
+                    if verdict != "wait" or self.resolutions == seen:
+                        break  # else a job ended while we looked: look again
+                if verdict == "wait":
+                    self._park(item)
+                    continue
                 # The job is claimed before we wait for a server, so a server handed to
                 # us goes straight to the submit and the POST: one store write less
                 # between two prompts on a GPU.
-                rec = await self._claim(item)
+                rec = await self._claim(item, requeue_dependant=verdict == "ready")
                 if rec is None:
+                    continue
+                if verdict == "blocked":
+                    await self._not_rendered(item, reason)
                     continue
                 try:
                     if (slot is None or slot.released) and not self.stopped:
@@ -243,16 +269,24 @@ class Batch(Settle):
                 slot.release()
             self.queue.changed.set()  # wake the other consumers to see the end
 
-    async def _claim(self, item: Item) -> JobRecord | None:
+    async def _claim(self, item: Item, requeue_dependant: bool = False) -> JobRecord | None:
         """Claim ``item``'s job; its record when it is ours to run, else None (done,
-        dead-lettered, or held by another worker: then it is resolved or put back)."""
+        dead-lettered, or held by another worker: then it is resolved or put back).
+        ``requeue_dependant``: a chained job dead-lettered only for its upstream job is
+        requeued (its upstream job is no longer failed)."""
         job, cfg, store = item.job, self.config, self.store
         status, rec = await self.claims.claim(job.id)
+        if (
+            status == "dead_lettered"
+            and requeue_dependant
+            and await self._requeue_if_upstream_fixed(job, rec)
+        ):
+            status, rec = await self.claims.claim(job.id)
         if status == "done":
             problem = await self._db(outputs_problem, store, self.partition, job.id)
             if problem is None:
                 self.report(f"job {job.id}: already done, nothing posted")
-                self._resolve("done")
+                self._resolve("done", job.id)
                 return None
             # Done, but its files are gone or changed on disk: render it again, which
             # catches up from the server's /history first (downloads, no new prompt).
@@ -266,13 +300,13 @@ class Batch(Settle):
             status, rec = await self.claims.claim(job.id)
             if status == "done":  # and that worker has already fetched them
                 self.report(f"job {job.id}: already done, nothing posted")
-                self._resolve("done")
+                self._resolve("done", job.id)
                 return None
         if status == "dead_lettered":
             self.report(
                 f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again"
             )
-            self._resolve("dead_lettered")
+            self._resolve("dead_lettered", job.id)
             return None
         if status == "held" and rec.claimed_by and not owner_alive(rec.claimed_by):
             holder = rec.claimed_by
@@ -323,6 +357,8 @@ class Batch(Settle):
         prev = rec.server if rec.prompt_id == job.prompt_id else None
 
         async def submitted(server: str, detail: str | None) -> None:
+            if job.take != 1:  # the events say which take they are about
+                detail = f"take {job.take}" + (f"; {detail}" if detail else "")
             # With our owner: a claim lost while we waited (the job re-registered with
             # new inputs, say) raises ClaimLost here, before anything is posted.
             await self._db(
@@ -356,6 +392,8 @@ class Batch(Settle):
             hooks=hooks,
             label=f"job {job.id}",
             max_output_bytes=cfg.max_output_bytes,
+            locate=self._locate,
+            subdir=take_folder(job.take),
         )
         me = asyncio.current_task()
         assert me is not None
@@ -460,7 +498,7 @@ class Batch(Settle):
         await self._db(self.store.note, job.id, detail, server=server, attempt=attempt_number)
         self.claims.forget(job.id)
         self.report(f"job {job.id}: {detail}; left to its holder")
-        self._resolve()
+        self._resolve("not_run", job.id)
 
     def _on_lost_slot(self, slot: Slot) -> None:
         """The pool lost the server lease of ``slot``: stop the attempt holding it (its

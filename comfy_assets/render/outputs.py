@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from comfy_assets.store import Store
+
+_TAKE = re.compile(r"take-[0-9]+")
 
 
 def outputs_problem(store: Store, partition: str, job_id: str) -> str | None:
@@ -23,14 +26,24 @@ def outputs_problem(store: Store, partition: str, job_id: str) -> str | None:
     return None
 
 
-def remove_stale_outputs(job_dir: Path, keep: Sequence[object]) -> None:
-    """Delete files in a job's folder that its new outputs don't include (those of its
-    inputs before an edit), so the folder holds what the store says it holds. A link to
-    a folder is not followed (what it points at is not the job's); a link to a file is
+def take_folder(take: int) -> str:
+    """The folder under a job's folder that take ``take`` writes to: "" for the first
+    (the job's folder itself), ``take-N`` for the others, so every take's files stay."""
+    return "" if take == 1 else f"take-{take}"
+
+
+def remove_stale_outputs(job_dir: Path, keep: Sequence[object], take: int = 1) -> None:
+    """Delete files in the folder of a job's take ``take`` that its new outputs don't
+    include (those of its inputs before an edit), so the folder holds what the store
+    says it holds; the folders of its other takes (``take-N``) are kept. A link to a
+    folder is not followed (what it points at is not the job's); a link to a file is
     removed like a file. Raises OSError."""
     wanted = {str(getattr(f, "path", "")) for f in keep}
+    top = job_dir / take_folder(take)
     # os.walk reads each folder once, without a stat per entry.
-    for folder, _, names in os.walk(job_dir):
+    for folder, subfolders, names in os.walk(top):
+        if take == 1 and folder == str(top):
+            subfolders[:] = [d for d in subfolders if not _TAKE.fullmatch(d)]
         base = Path(folder).relative_to(job_dir)
         for name in names:
             if (base / name).as_posix() not in wanted:

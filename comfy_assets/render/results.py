@@ -4,6 +4,8 @@ command, the ``render_results`` asset and the worker all call it).
 
 One row per job: ``job_id``, one column per ``set`` key of the job file (named as in the
 file, ``"<node id>.<input name>"``, so they never clash with the fixed columns), then
+``take``, ``inputs`` (each input file as ``key=path@sha256:<hex>``, or for a file of an
+upstream job ``key=job <id> node <n> #<index>@sha256:<hex>``, joined with ``"; "``),
 ``state``, ``server``, ``attempts``, ``seconds``, ``files`` (``name:sha256[:12]``
 joined with spaces) and ``reason``.
 """
@@ -22,7 +24,7 @@ import pandas as pd
 from comfy_assets.store import Store
 
 FIXED_BEFORE = ["job_id"]
-FIXED_AFTER = ["state", "server", "attempts", "seconds", "files", "reason"]
+FIXED_AFTER = ["take", "inputs", "state", "server", "attempts", "seconds", "files", "reason"]
 RESULTS_CSV = "results.csv"
 # A job of the job file with no record in the store (it never got registered).
 MISSING_STATE = "missing"
@@ -38,6 +40,8 @@ class JobRow(Protocol):
     seconds: float | None
     reason: str | None
     set: Mapping[str, Any]  # the job's "node.input" overrides
+    take: int
+    inputs: Sequence[Mapping[str, Any]]  # store.register.inputs_json's items
 
 
 class FileRow(Protocol):
@@ -45,11 +49,31 @@ class FileRow(Protocol):
 
     path: str
     sha256: str
+    node_id: str | None
 
 
 def files_cell(files: Iterable[FileRow]) -> str:
     """``name:sha256[:12]`` of each output, space-separated, in path order."""
     return " ".join(f"{f.path}:{f.sha256[:12]}" for f in sorted(files, key=lambda f: f.path))
+
+
+def inputs_cell(inputs: Sequence[Mapping[str, Any]], files: Mapping[str, Iterable[FileRow]]) -> str:
+    """Each input of a job, ``key=path@sha256:<hex>`` (a file of an upstream job: its
+    ``job <id> node <n> #<index>``, with the sha256 of that file once it is written, from
+    ``files``), joined with ``"; "``."""
+    cells = []
+    for item in inputs:
+        if "path" in item:
+            cells.append(f"{item['key']}={item['path']}@sha256:{item['sha256']}")
+            continue
+        node, index = str(item["node"]), int(item["index"])
+        written = sorted(
+            (f for f in files.get(str(item["job"]), ()) if f.node_id == node),
+            key=lambda f: str(f.path),
+        )
+        sha = written[index].sha256 if index < len(written) else "not written yet"
+        cells.append(f"{item['key']}=job {item['job']} node {node} #{index}@sha256:{sha}")
+    return "; ".join(cells)
 
 
 def _cell(value: Any) -> Any:
@@ -87,6 +111,8 @@ def results_table(
             {
                 "job_id": job_id,
                 **{key: _cell(value) for key, value in values.items()},
+                "take": record.take,
+                "inputs": inputs_cell(record.inputs, files),
                 "state": str(record.state),
                 "server": record.server,
                 "attempts": record.attempts,
@@ -99,6 +125,7 @@ def results_table(
     # object dtype keeps 64 as 64 (not 64.0) when some jobs don't set a key.
     frame = pd.DataFrame(rows, columns=columns, dtype=object)
     frame["attempts"] = frame["attempts"].astype("Int64")
+    frame["take"] = frame["take"].astype("Int64")
     frame["seconds"] = frame["seconds"].astype("Float64")
     return frame
 

@@ -34,7 +34,7 @@ class Settle:
         # The move to rendering, unless already written: in the same transaction.
         rendering = await self.renderings.take(job.id)
         if r.kind == "success":
-            remove_stale_outputs(store.job_dir(self.partition, job.id), r.files)
+            remove_stale_outputs(store.job_dir(self.partition, job.id), r.files, job.take)
             self.claims.finishing_now(job.id)
             await self._db(
                 store.mark_done,
@@ -51,7 +51,7 @@ class Settle:
             self.claims.finished(job.id)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
             self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
-            self._resolve("done")
+            self._resolve("done", job.id)
             return
         if r.kind == "transient" and attempt_number < cfg.attempts:
             await self._db(
@@ -70,7 +70,7 @@ class Settle:
                     f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; not retried "
                     f"in this run ({self.stopped})"
                 )
-                self._resolve()
+                self._resolve("not_run", job.id)
                 return
             delay = cfg.retry.delay(attempt_number)
             self.report(
@@ -117,7 +117,7 @@ class Settle:
                 self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
                 self.report(f"delivery policy: {self.stopped}; no new shots are submitted")
         self.claims.finished(job.id)
-        self._resolve("done" if degraded else "dead_lettered")
+        self._resolve("done" if degraded else "dead_lettered", job.id)
 
     async def _cancelled(
         self, job: Job, attempt: Attempt, attempt_number: int, before: int

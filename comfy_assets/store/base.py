@@ -172,6 +172,7 @@ def _event(
 def _job_record(row: sa.Row) -> JobRecord:
     values = dict(row._mapping)
     values["set"] = json.loads(values.pop("set_json"))
+    values["inputs"] = tuple(json.loads(values.pop("inputs_json") or "[]"))
     values["state"] = State(values["state"])
     values["optional"] = bool(values["optional"])
     return JobRecord(**values)

@@ -28,7 +28,8 @@ class JobRecord:
     last requeued or its inputs changed, ``attempts_before`` the tries before: attempt
     rows are numbered ``attempts_before + 1`` onwards. ``seconds``
     is the job's total wall time, ``queue_wait_s`` the time its prompts waited in
-    ComfyUI's queue, ``gpu_seconds`` the time they ran. ``set`` is the job's overrides.
+    ComfyUI's queue, ``gpu_seconds`` the time they ran. ``set`` is the job's overrides,
+    ``take`` its take, ``inputs`` its input files (``store.register.inputs_json``).
     """
 
     job_id: str
@@ -54,6 +55,8 @@ class JobRecord:
     seconds: float | None
     queue_wait_s: float | None
     gpu_seconds: float | None
+    take: int = 1
+    inputs: tuple[dict[str, Any], ...] = ()
 
     @property
     def done(self) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import sqlalchemy as sa
 
 from comfy_assets.jobs.events import Event
-from comfy_assets.jobs.model import Job
+from comfy_assets.jobs.model import InputFile, Job
 from comfy_assets.jobs.states import FAILED_RETRYABLE, IN_FLIGHT, PENDING
 from comfy_assets.store.records import PartitionConflict, RegisterResult, StoreConflict
 from comfy_assets.store.schema import jobs_table
@@ -17,12 +17,29 @@ from comfy_assets.store.statements import JOB, expect_rows, insert_for
 
 _CHUNK = 500  # ids per IN (...): well under SQLite's and PostgreSQL's parameter limits
 # Columns that describe a job without changing what it renders.
-_METADATA = ("line", "shot", "optional", "duration_s", "set_json")
+_METADATA = ("line", "shot", "optional", "duration_s", "set_json", "take", "inputs_json")
 
 
 def set_json(values: dict[str, Any]) -> str:
     """The stored form of a job's ``set`` overrides."""
     return json.dumps(values, sort_keys=True, separators=(",", ":"))
+
+
+def inputs_json(job: Job) -> str | None:
+    """The stored form of a job's inputs: a JSON list, one object an input: ``key``
+    with ``path``, ``sha256`` and ``bytes`` (a file) or ``job``, ``node`` and ``index``
+    (a file an upstream job writes); None for a job without inputs."""
+    if not job.inputs:
+        return None
+    items: list[dict[str, Any]] = []
+    for inp in job.inputs:
+        if isinstance(inp, InputFile):
+            items.append(
+                {"key": inp.key, "path": inp.path, "sha256": inp.sha256, "bytes": inp.size}
+            )
+        else:
+            items.append({"key": inp.key, "job": inp.job, "node": inp.node, "index": inp.index})
+    return json.dumps(items, sort_keys=True, separators=(",", ":"))
 
 
 def register(
@@ -57,7 +74,7 @@ def register(
     inserted = [j for j in by_id if j not in known]
     changed = [j for j, row in known.items() if row.prompt_id != by_id[j].prompt_id]
     unchanged = [j for j, row in known.items() if row.prompt_id == by_id[j].prompt_id]
-    events = [_event(now, j, partition, None, PENDING, "registered") for j in inserted]
+    events = [_event(now, j, partition, None, PENDING, _registered(by_id[j])) for j in inserted]
     events += _reset_changed(conn, partition, [by_id[j] for j in sorted(changed)], known, now)
     _refresh_metadata(conn, [by_id[j] for j in unchanged], known, now)
     order = {job_id: i for i, job_id in enumerate(by_id)}
@@ -132,16 +149,17 @@ def _reset_changed(
     params = []
     for job in jobs:
         old = known[job.id]
+        changed = "inputs changed"
+        if (old.take or 1) != job.take:
+            changed = f"take {old.take or 1} → {job.take}"
         if old.state in IN_FLIGHT:
             # Through failed_retryable, as the state machine wants: the old attempt can
             # no longer finish the job (its claim is gone, its state moved on).
             detail = "inputs changed while in flight; attempt abandoned"
             events.append(_event(now, job.id, partition, old.state, FAILED_RETRYABLE, detail))
-            events.append(
-                _event(now, job.id, partition, FAILED_RETRYABLE, PENDING, "inputs changed")
-            )
+            events.append(_event(now, job.id, partition, FAILED_RETRYABLE, PENDING, changed))
         else:
-            events.append(_event(now, job.id, partition, old.state, PENDING, "inputs changed"))
+            events.append(_event(now, job.id, partition, old.state, PENDING, changed))
         params.append(
             {
                 "b_id": job.id,
@@ -194,6 +212,10 @@ def _refresh_metadata(
         expect_rows(conn.execute(stmt, params), len(params), "refresh job shot/line/flags")
 
 
+def _registered(job: Job) -> str:
+    return "registered" if job.take == 1 else f"registered, take {job.take}"
+
+
 def _metadata(job: Job) -> dict[str, Any]:
     return {
         "line": job.line,
@@ -201,6 +223,8 @@ def _metadata(job: Job) -> dict[str, Any]:
         "optional": job.optional,
         "duration_s": job.duration_s,
         "set_json": set_json(job.set),
+        "take": job.take,
+        "inputs_json": inputs_json(job),
     }
 
 

@@ -25,6 +25,10 @@ jobs_table = sa.Table(
     sa.Column("optional", sa.Boolean, nullable=False),
     sa.Column("duration_s", sa.Double),
     sa.Column("set_json", sa.Text, nullable=False),
+    # The job's take (part of its prompt_id) and its input files (JSON list, see
+    # store/register.py): what the results table names for each job.
+    sa.Column("take", sa.Integer, nullable=False, server_default="1"),
+    sa.Column("inputs_json", sa.Text),
     sa.Column("state", sa.String(20), nullable=False),
     sa.Column("attempts", sa.Integer, nullable=False),
     # Tries before the last requeue or change of inputs: attempt rows are numbered on
@@ -143,11 +147,34 @@ def make_engine(db_url: str) -> sa.Engine:
     return engine
 
 
+# Columns added to a table after stores were made without them: (table, column), each
+# nullable or with a server default, so existing rows read as before.
+ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
+    (jobs_table, "take"),
+    (jobs_table, "inputs_json"),
+)
+
+
 def create_tables(engine: sa.Engine) -> None:
-    """Create missing tables and indexes; safe when several processes start at once."""
+    """Create missing tables and indexes, and add the columns of ``ADDED_COLUMNS`` that
+    a store made earlier lacks; safe when several processes start at once."""
     with engine.begin() as conn:
         if engine.dialect.name == "postgresql":
             # create_all checks, then creates: serialise first starts (SQLite's
             # BEGIN IMMEDIATE already does).
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(7202411)"))
         metadata.create_all(conn)
+        _add_columns(conn)
+
+
+def _add_columns(conn: sa.Connection) -> None:
+    inspector = sa.inspect(conn)
+    for table, name in ADDED_COLUMNS:
+        present = {c["name"] for c in inspector.get_columns(table.name)}
+        if name in present:
+            continue
+        column = table.c[name]
+        kind = column.type.compile(dialect=conn.dialect)
+        default = column.server_default
+        clause = f" NOT NULL DEFAULT {default.arg}" if default is not None else ""
+        conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {name} {kind}{clause}"))

@@ -1,0 +1,170 @@
+"""Chained jobs: a job whose input is a file an earlier job of its file wrote (a shot that
+continues from the last frame of the shot before) waits until that job is done.
+
+Such a job is parked until its upstream jobs are resolved: it goes back in line when one
+of them ends in this batch, and every few seconds in case another process renders them.
+Once each upstream job has succeeded under the prompt_id the job was validated against,
+the job runs and its attempt uploads the upstream's file (``render/inputs.py``). When
+an upstream job is dead-lettered (or degraded, with no file to continue from), the job is
+not rendered: the failure belongs to the upstream shot, and the job's reason names it
+(a dead letter, or degraded under the draft policy). When that upstream job is requeued
+and renders, a job dead-lettered only for it is requeued by the next run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Literal
+
+from comfy_assets.jobs.model import InputFromJob, Job
+from comfy_assets.jobs.states import InvalidTransition
+from comfy_assets.render.inputs import UpstreamFile
+from comfy_assets.render.queue import Item
+from comfy_assets.store import JobRecord
+
+# The start of the reason of a job not rendered because of its upstream job.
+NOT_RENDERED = "not rendered: it continues from "
+
+# How often parked jobs look again when no upstream job ended in this batch (seconds):
+# an upstream job another process renders ends without telling us.
+RECHECK_S = 2.0
+
+Verdict = Literal["ready", "wait", "blocked"]
+
+
+class Chain:
+    """Parking and releasing chained jobs (a part of ``Batch``)."""
+
+    def _init_chain(self) -> None:
+        self.parked: dict[str, Item] = {}
+        self.lines: dict[str, Job] = {job.id: job for job in self.jobs}
+        self.dependants: dict[str, list[str]] = {}
+        for job in self.jobs:
+            for up in job.depends_on:
+                self.dependants.setdefault(up, []).append(job.id)
+        self._parked_changed = asyncio.Event()
+
+    def _describe(self, job_id: str) -> str:
+        """``job <id> (line N, shot S)``: how a reason names an upstream job."""
+        job = self.lines.get(job_id)
+        if job is None:
+            return f"job {job_id}"
+        shot = f", shot {job.shot}" if job.shot is not None else ""
+        return f"job {job_id} (line {job.line}{shot})"
+
+    async def _upstreams(self, job: Job) -> tuple[Verdict, str]:
+        """Whether ``job`` may run now: ("ready", ""), ("wait", "") or ("blocked",
+        reason) when an upstream job ended without a file to continue from."""
+        for ref in _upstream_refs(job):
+            rec: JobRecord | None = await self._db(self.store.get, ref.job)
+            if rec is None or rec.prompt_id != ref.upstream_prompt_id:
+                return "wait", ""  # not registered yet, or registered with other inputs
+            if rec.state == "succeeded":
+                continue
+            if rec.state == "failed_fatal":
+                why = f"{NOT_RENDERED}{self._describe(ref.job)}, which was dead-lettered"
+                return "blocked", f"{why} ({rec.reason})"
+            if rec.state == "degraded":
+                why = f"{NOT_RENDERED}{self._describe(ref.job)}, which was degraded"
+                return "blocked", f"{why} and wrote no file to continue from ({rec.reason})"
+            return "wait", ""
+        return "ready", ""
+
+    def _park(self, item: Item) -> None:
+        self.parked[item.job.id] = item
+
+    def _unpark(self, job_id: str | None) -> None:
+        """Put back in line the parked jobs that wait for ``job_id`` (None: all of them)."""
+        ids = list(self.parked) if job_id is None else self.dependants.get(job_id, [])
+        for dependant in ids:
+            item = self.parked.pop(dependant, None)
+            if item is not None:
+                self.queue.push(item)
+
+    async def _watch_parked(self) -> None:
+        """While jobs are parked, put them back in line every ``RECHECK_S``."""
+        while not self.finished.is_set():
+            await asyncio.sleep(RECHECK_S)
+            if self.parked and not self.stopped:
+                self._unpark(None)
+
+    async def _not_rendered(self, item: Item, reason: str) -> None:
+        """Settle a claimed job whose upstream job failed: degraded under the draft
+        policy, else a dead letter; nothing is posted. Raises ClaimLost,
+        StoreUnavailable."""
+        job = item.job
+        self.claims.finishing_now(job.id)
+        if self.draft:
+            await self._db(
+                self.store.mark_done, job.id, self.owner, state="degraded", reason=reason
+            )
+            self.report(f"job {job.id}: degraded (draft), {reason}")
+            ended: Literal["done", "dead_lettered"] = "done"
+        else:
+            await self._db(self.store.dead_letter, job.id, self.owner, reason)
+            self.report(f"job {job.id}: dead-lettered, {reason}")
+            ended = "dead_lettered"
+        self.claims.finished(job.id)
+        self._resolve(ended, job.id)
+
+    async def _requeue_if_upstream_fixed(self, job: Job, rec: JobRecord) -> bool:
+        """A job dead-lettered only because its upstream job was, whose upstream is no
+        longer blocked: back to pending (True), so it renders in this run."""
+        if not job.depends_on or not (rec.reason or "").startswith(NOT_RENDERED):
+            return False
+        try:
+            await self._db(
+                self.store.transition,
+                job.id,
+                "pending",
+                detail="requeued: the job it continues from is no longer dead-lettered",
+            )
+        except InvalidTransition:
+            pass  # another worker requeued it a moment ago
+        self.report(f"job {job.id}: requeued, the job it continues from is no longer failed")
+        return True
+
+    async def _settle_blocked_left(self, claim: Callable[[Item], object]) -> None:
+        """After a stopped batch: the parked jobs whose upstream job failed are settled
+        (not rendered, with the reason), in as many passes as the chain is long; the
+        others stay pending for the next run."""
+        changed = True
+        while changed:
+            changed = False
+            # Put back in line by an upstream job's end, but no consumer is left.
+            for item in [i for i in self.queue.ready if i.job.depends_on]:
+                self.queue.ready.remove(item)
+                self._park(item)
+            for job_id, item in list(self.parked.items()):
+                verdict, reason = await self._upstreams(item.job)
+                if verdict != "blocked":
+                    continue
+                del self.parked[job_id]
+                rec = await claim(item)  # type: ignore[misc]
+                if rec is not None:
+                    await self._not_rendered(item, reason)
+                    changed = True
+
+    async def _locate(self, ref: InputFromJob) -> UpstreamFile:
+        """The file ``ref`` names: the ``index``-th (0-based, in path order) output of the
+        upstream job's node, from its done record. Raises LookupError."""
+        files = await self._db(self.store.files, ref.job)
+        mine = sorted((f for f in files if f.node_id == ref.node), key=lambda f: str(f.path))
+        if ref.index >= len(mine):
+            raise LookupError(
+                f"{self._describe(ref.job)} has {len(mine)} output files of node {ref.node}, "
+                f"none at index {ref.index}"
+            )
+        f = mine[ref.index]
+        path = self.store.job_dir(self.partition, ref.job) / str(f.path)
+        return UpstreamFile(path, f.sha256, f.bytes)
+
+
+def _upstream_refs(job: Job) -> list[InputFromJob]:
+    """One chained input per upstream job of ``job`` (any of them names its prompt_id)."""
+    seen: dict[str, InputFromJob] = {}
+    for inp in job.inputs:
+        if isinstance(inp, InputFromJob):
+            seen.setdefault(inp.job, inp)
+    return list(seen.values())
