@@ -242,3 +242,71 @@ async def test_a_new_take_renders_that_shot_and_its_dependants_again_and_keeps_b
     assert take2.name != take1_files[second[1].id].name  # a new render, not a copy
     _, frame = write_results(store, "board", [j.id for j in second])
     assert list(frame["take"]) == [1, 2, 1]
+
+
+async def test_a_picture_no_node_can_load_is_a_dead_letter_naming_the_input(tmp_path):
+    folder = tmp_path / "jobs"
+    folder.mkdir(parents=True)
+    (folder / "notes.png").write_bytes(b"these bytes are no picture")
+    path = image_jobs(folder, ["notes.png"])
+    store = Store(tmp_path / "store")
+    fake = FakeComfy(prompt_seconds=0.005)
+    summary = await render(path, store, fake)
+    job = load_job_file(path).jobs[0]
+    assert summary.dead_lettered == 1
+    assert posted(fake, job.prompt_id) == 1  # a permanent failure: not retried
+    reason = store.get(job.id).reason or ""
+    assert "execution_error in node 1 (LoadImage)" in reason
+    assert "input 1.image (notes.png)" in reason
+
+
+async def test_an_upload_answered_500_is_retried_and_the_job_renders_once(tmp_path, monkeypatch):
+    from comfy_assets.comfy.client import ComfyClient
+    from comfy_assets.comfy.errors import ServerError
+
+    real_upload = ComfyClient.upload_input
+    calls: list[str] = []
+
+    async def flaky(self, data, filename, **kw):
+        calls.append(filename)
+        if len(calls) == 1:
+            raise ServerError(
+                "POST /upload/image: 500", status=500, body="Server got itself in trouble"
+            )
+        return await real_upload(self, data, filename, **kw)
+
+    monkeypatch.setattr(ComfyClient, "upload_input", flaky)
+    folder = tmp_path / "jobs"
+    picture(folder / "one.png", 3)
+    path = image_jobs(folder, ["one.png"])
+    store = Store(tmp_path / "store")
+    fake = FakeComfy(prompt_seconds=0.005)
+    summary = await render(path, store, fake)
+    job = load_job_file(path).jobs[0]
+    assert summary.done == 1 and len(calls) == 2
+    assert posted(fake, job.prompt_id) == 1
+    failed = [e for e in store.events(job_id=job.id) if e.to_state == "failed_retryable"]
+    assert len(failed) == 1
+    assert "POST /upload/image of input 1.image (one.png) 500" in (failed[0].detail or "")
+
+
+async def test_an_upload_the_server_refuses_is_a_dead_letter_with_nothing_posted(
+    tmp_path, monkeypatch
+):
+    from comfy_assets.comfy.client import ComfyClient
+    from comfy_assets.comfy.errors import InputRejected
+
+    async def refused(self, data, filename, **kw):
+        raise InputRejected("POST /upload/image: 400", status=400, detail="400 Bad Request")
+
+    monkeypatch.setattr(ComfyClient, "upload_input", refused)
+    folder = tmp_path / "jobs"
+    picture(folder / "one.png", 4)
+    path = image_jobs(folder, ["one.png"])
+    store = Store(tmp_path / "store")
+    fake = FakeComfy(prompt_seconds=0.005)
+    summary = await render(path, store, fake)
+    job = load_job_file(path).jobs[0]
+    assert summary.dead_lettered == 1
+    assert posted(fake, job.prompt_id) == 0
+    assert "input 1.image (one.png)" in (store.get(job.id).reason or "")
