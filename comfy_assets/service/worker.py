@@ -277,29 +277,40 @@ class Worker:
             got, _ = await self._unless_stopped(self._slots.acquire())
             if not got:
                 return
-            if self.store.outage.away:
-                # Nothing is taken while the database is away: wait for it here, once,
-                # rather than in a handler per message. Raises StoreUnavailable after
-                # the store's budget.
-                got, _ = await self._unless_stopped(off_loop(self.store, self.store.ping))
-                if not got:
-                    self._slots.release()
-                    return
+            if not await self._store_back():
+                self._slots.release()
+                return
             got, delivery = await self._unless_stopped(self.source.next())
             if delivery is None:
                 self._slots.release()
                 if got and not self._stop.is_set():
                     log.info("%s: no more jobs", self.partition)
                 return
-            if self._stop.is_set():
-                # Both finished at once: this one arrived after the stop request.
+            try:
+                # The database may have gone while we waited for this message.
+                back = await self._store_back()
+            except BaseException:
                 self._slots.release()
-                await delivery.requeue()
-                self.counts["requeued"] += 1
+                await self._give_back(delivery)
+                raise
+            if self._stop.is_set() or not back:
+                # Stopped while it arrived, or while the database was away.
+                self._slots.release()
+                await self._give_back(delivery)
                 return
             task = asyncio.create_task(self._handle(delivery, pool))
             self._handlers.add(task)
             task.add_done_callback(self._handler_done)
+
+    async def _store_back(self) -> bool:
+        """While the store's database is away, take no message: wait for it here, once,
+        rather than in a handler per message. True once it answers (at once when it is
+        not away), False if a stop is requested first; raises StoreUnavailable when it
+        stays away longer than the store's budget (``Store.retry_s``)."""
+        if not self.store.outage.away:
+            return True
+        back, _ = await self._unless_stopped(off_loop(self.store, self.store.ping))
+        return back
 
     async def _unless_stopped(self, aw: Awaitable[T]) -> tuple[bool, T | None]:
         """Await ``aw`` unless a stop is requested first: (True, result) or (False, None)."""
@@ -581,6 +592,11 @@ class Worker:
         self._answered.add(d)
         await d.requeue()
         self.counts["requeued"] += 1
+
+    async def _give_back(self, d: Delivery) -> None:
+        """Requeue a delivery no handler took."""
+        await self._requeue(d)
+        self._answered.discard(d)
 
 
 def job_messages(
