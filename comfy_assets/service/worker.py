@@ -190,7 +190,10 @@ class Worker:
         """Consume until the source is exhausted (then wait for every job) or a stop is
         requested (then the grace rule). Raises what stopped the worker, if something
         failed: ``broker.BrokerError`` (connection lost, refused declaration or
-        publication) or the exception of a message's handling, after the shutdown."""
+        publication), ``StoreUnavailable`` (the store's database away longer than its
+        budget; ``StoreDiskFull``: no room to write it), ``OSError`` (our disk: an output
+        that cannot be written) or the exception of a message's handling, after the
+        shutdown."""
         pool = make_pool(self.servers, self.store, self.config, self.owner)
         heartbeat: asyncio.Task[None] | None = None
         results: asyncio.Task[None] | None = None
