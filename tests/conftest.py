@@ -1,9 +1,11 @@
-"""Shared fixtures: the sample workflows, a SQLite store, a fresh PostgreSQL database."""
+"""Shared fixtures: the sample workflows, a SQLite store, a fresh PostgreSQL database and a
+proxy in front of its server, a small disk."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +14,8 @@ import pytest
 import sqlalchemy as sa
 
 from comfy_assets.store import Store
+from tests.process_support import SmallDisk
+from tests.tcp_proxy import TcpProxy
 
 PG_SERVER_URL = os.environ.get(
     "COMFY_ASSETS_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
@@ -95,3 +99,32 @@ def pg_url() -> Iterator[str]:
             # FORCE: a Store a failed test left open must not keep the database alive.
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture
+def db_proxy(pg_url: str) -> Iterator[TcpProxy]:
+    """A proxy in front of the test database's server, up; cut and restored by the test."""
+    url = sa.make_url(pg_url)
+    proxy = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    with proxy.running():
+        yield proxy
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[SmallDisk]:
+    """A 2 MiB tmpfs, unmounted at the end. Skips where mounting is not allowed (not
+    root, a container without the capability)."""
+    path = tmp_path / "disk"
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield SmallDisk(path)
+    finally:
+        # -l: a process the test left behind must not keep the mount.
+        subprocess.run(["umount", "-l", str(path)], check=True)

@@ -1,9 +1,12 @@
 """A PostgreSQL store that loses its connections: a blip is lived through, an outage
-stops the run cleanly (prompts removed, a clear error), never a traceback."""
+stops the run cleanly (prompts removed, a clear error), never a traceback; `run` and a
+worker started while the database is down wait for it, and a worker takes no message
+while it is away, then goes on."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -11,9 +14,19 @@ import sqlalchemy as sa
 
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.run import run_batch
+from comfy_assets.service.sources import MemorySource
+from comfy_assets.service.worker import Worker
 from comfy_assets.store import Store, StoreUnavailable, metadata
 from fake_comfy import FakeComfy
-from tests.support import executed, fake_servers, fast_config, running, wait_until, write_jobs
+from tests.process_support import FAST, command, start, stop, via
+from tests.support import (
+    executed,
+    fake_servers,
+    fast_config,
+    running,
+    wait_until,
+    write_jobs,
+)
 
 pytestmark = pytest.mark.postgres
 
@@ -118,3 +131,154 @@ async def test_a_store_gone_at_the_rendering_write_stops_the_run_and_removes_the
         "(transition failed: OSError: connection refused)); prompt interrupted and removed "
         "from gpu0"
     ]
+
+
+# -- an outage behind a proxy the test cuts: the server others share is never restarted --
+
+
+async def test_run_started_while_the_database_is_down_waits_for_it_then_renders_every_job_once(
+    pg_store, pg_url, db_proxy, tmp_path
+):
+    fake = FakeComfy(prompt_seconds=0.01)
+    jobs = write_jobs(tmp_path / "jobs", 6)
+    log = tmp_path / "run.log"
+    db_proxy.cut()
+    async with fake_servers(fake) as servers:
+        proc = await start(
+            command(
+                "run",
+                "--jobs",
+                jobs,
+                "--server",
+                f"gpu0={servers[0].url}",
+                "--store",
+                tmp_path / "store",
+                "--db-url",
+                via(db_proxy, pg_url),
+                *FAST,
+            ),
+            log,
+        )
+        try:
+            await wait_until(
+                lambda: "store: the database is unreachable (opening the store" in log.read_text(),
+                60,
+                "run to say it waits for the database",
+            )
+            db_proxy.restore()
+            code = await asyncio.wait_for(proc.wait(), 120)
+        finally:
+            await stop(proc)
+    text = log.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text
+    assert text.count("store: the database is unreachable") == 1, text
+    assert "store: the database is reachable again" in text
+    assert "summary: 6 done, 0 dead-lettered" in text
+    assert all(executed(fake, job.prompt_id) == 1 for job in load_job_file(jobs).jobs)
+
+
+async def test_a_worker_started_while_the_database_is_down_waits_for_it_then_finishes(
+    pg_store, pg_url, db_proxy, tmp_path
+):
+    fake = FakeComfy(prompt_seconds=0.01)
+    jobs = write_jobs(tmp_path / "jobs", 4)
+    log = tmp_path / "worker.log"
+    db_proxy.cut()
+    async with fake_servers(fake) as servers:
+        proc = await start(
+            command(
+                "worker",
+                "--jobs",
+                jobs,
+                "--server",
+                f"gpu0={servers[0].url}",
+                "--store",
+                tmp_path / "store",
+                "--db-url",
+                via(db_proxy, pg_url),
+                *FAST,
+            ),
+            log,
+        )
+        try:
+            await wait_until(
+                lambda: "store: the database is unreachable (opening the store" in log.read_text(),
+                60,
+                "the worker to say it waits for the database",
+            )
+            db_proxy.restore()
+            code = await asyncio.wait_for(proc.wait(), 120)
+        finally:
+            await stop(proc)
+    text = log.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text
+    assert "4 acked (4 done," in text
+    assert all(executed(fake, job.prompt_id) == 1 for job in load_job_file(jobs).jobs)
+
+
+async def test_a_worker_takes_no_message_while_the_database_is_away_and_goes_on_when_it_is_back(
+    pg_store, pg_url, db_proxy, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO)
+    fakes = [FakeComfy(prompt_seconds=0.01) for _ in range(3)]
+    jobs = write_jobs(tmp_path / "jobs", 4)
+    lines = jobs.read_text().splitlines()
+    store = Store(tmp_path / "store", via(db_proxy, pg_url), retry_s=60.0)
+    source = MemorySource("images")
+    async with fake_servers(*fakes) as servers:
+        worker = Worker(
+            source, servers=servers, store=store, config=fast_config(), workflows_dir=jobs.parent
+        )
+        task = asyncio.create_task(worker.run())
+        await asyncio.wait_for(worker.consuming.wait(), 30)
+        db_proxy.cut()  # between messages: the worker is idle, its next store call fails
+        source.put(lines[0])
+        await wait_until(lambda: store.outage.away, 30, "the worker to meet the outage")
+        for line in lines[1:]:
+            source.put(line)
+        # Three servers, so room for three messages; while the database stays away
+        # (a second here) the worker takes none of them.
+        await asyncio.sleep(1.0)
+        assert len(worker._handlers) == 1
+        assert all(fake.stats["prompts"] == {} for fake in fakes)
+        db_proxy.restore()
+        await wait_until(lambda: worker.counts["acked"] == 4, 60, "every message to be acked")
+        assert not task.done()  # it went on
+        worker.request_stop("test over")
+        await asyncio.wait_for(task, 30)
+    store.close()
+    for job in load_job_file(jobs).jobs:
+        assert sum(executed(fake, job.prompt_id) for fake in fakes) == 1, job.id
+    assert source.requeued == []
+    outage_lines = [
+        r.getMessage() for r in caplog.records if "database is unreachable" in r.message
+    ]
+    assert len(outage_lines) == 1, outage_lines
+    assert outage_lines[0].endswith("the worker takes no new message until it is back")
+
+
+async def test_a_worker_whose_database_stays_away_past_its_budget_stops_and_requeues_its_message(
+    pg_store, pg_url, db_proxy, tmp_path
+):
+    fake = FakeComfy(prompt_seconds=0.01)
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    store = Store(tmp_path / "store", via(db_proxy, pg_url), retry_s=1.0)
+    source = MemorySource("images")
+    async with fake_servers(fake) as servers:
+        worker = Worker(
+            source, servers=servers, store=store, config=fast_config(), workflows_dir=jobs.parent
+        )
+        task = asyncio.create_task(worker.run())
+        await asyncio.wait_for(worker.consuming.wait(), 30)
+        db_proxy.cut()  # and never restored
+        for line in jobs.read_text().splitlines():
+            source.put(line)
+        with pytest.raises(StoreUnavailable, match="the store's database is unreachable"):
+            await asyncio.wait_for(task, 60)
+    store.close()
+    assert fake.stats["prompts"] == {}
+    assert source.acked == []
+    assert len(source.requeued) == 1  # one server: the one message it held
+    assert worker.stop_reason.startswith("error: the store's database is unreachable (")

@@ -29,6 +29,7 @@ from comfy_assets.store import (
     StoreUnavailable,
 )
 from comfy_assets.store.base import folder_name
+from comfy_assets.store.retry import DEFAULT_RETRY_S
 
 
 def add_batch_options(p: argparse.ArgumentParser) -> None:
@@ -105,14 +106,29 @@ def add_db_url_option(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_db_retry_option(p: argparse.ArgumentParser) -> None:
+    """``--db-retry-s SECONDS``: the store's retry budget (``Store.retry_s``)."""
+    p.add_argument(
+        "--db-retry-s",
+        type=bounded(float, 0),
+        default=DEFAULT_RETRY_S,
+        metavar="SECONDS",
+        help="how long the store's database may be unreachable (a restart, a failover), at "
+        "start-up or later, before the command stops; meanwhile it waits "
+        f"({DEFAULT_RETRY_S:g} s)",
+    )
+
+
 def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
     """The store of ``--store`` / ``--db-url`` (``Store.existing`` when ``existing``: no
     empty store is created), or the exit code after saying why not on stderr: 2 for no
-    ``store.db`` or a URL that is not a database URL, 1 for a database that refuses us."""
+    ``store.db`` or a URL that is not a database URL, 1 for a database that refuses us,
+    stays unreachable for ``--db-retry-s``, or has no disk space left."""
+    retry_s = getattr(args, "db_retry_s", DEFAULT_RETRY_S)
     try:
-        return (
-            Store.existing(args.store, args.db_url) if existing else Store(args.store, args.db_url)
-        )
+        if existing:
+            return Store.existing(args.store, args.db_url, retry_s=retry_s)
+        return Store(args.store, args.db_url, retry_s=retry_s)
     except (NoStore, BadDbUrl) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -144,6 +160,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     add_input_options(p)
     add_server_options(p)
     add_db_url_option(p)
+    add_db_retry_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     p.add_argument(
@@ -204,7 +221,12 @@ class LineHandler(logging.Handler):
 def run_command(args: argparse.Namespace) -> int:
     """Exit 0 when every job is done, 1 when any is dead-lettered or not run, 2 for bad
     input, 130 on Ctrl+C and 143 on SIGTERM (after cleaning up: prompts interrupted and
-    removed from their servers, claims and server leases released)."""
+    removed from their servers, claims and server leases released).
+
+    The store's database away (a restart, a failover), at start-up or during the run, is
+    waited for up to ``--db-retry-s``. A store unreachable for longer, or a full disk
+    (the store's or the outputs'), stops the run with one ``error:`` line naming what
+    could not be written where, and exit 1; results.csv is written if there is room."""
     try:
         servers = parse_servers(args.server)
         job_file = load_job_file(args.jobs, rules=rules_of(args))
@@ -217,7 +239,15 @@ def run_command(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    store = open_store(args, existing=False)
+    stopped_by = ["Ctrl+C"]
+    try:
+        with stopped_by_signals() as stopped_by:  # opening may wait for the database
+            store = open_store(args, existing=False)
+    except KeyboardInterrupt:
+        print(
+            f"stopped by {stopped_by[0]} while opening the store; nothing was run", file=sys.stderr
+        )
+        return 143 if stopped_by[0] == "SIGTERM" else 130
     if isinstance(store, int):
         return store
     show_logs(args)
@@ -251,7 +281,9 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     except KeyboardInterrupt:
         # The table of what is done so far: every run writes it, a stopped one too.
-        results_line(store, partition, job_file)
+        not_written = results_line(store, partition, job_file)
+        if not_written:
+            print(not_written, file=sys.stderr)
         store.close()
         print(
             f"stopped by {stopped_by[0]}: each job's line above says whether its prompt "
@@ -263,11 +295,13 @@ def run_command(args: argparse.Namespace) -> int:
     except (StoreUnavailable, OSError) as e:
         # The store, or our disk under it (an output folder we may not write, a full
         # disk), failed: no fault of a job, so the batch stops rather than fail them.
-        results_line(store, partition, job_file)
+        # One line says it all, results.csv's fate included.
+        not_written = results_line(store, partition, job_file)
         store.close()
+        also = f"; also {not_written}" if not_written else ""
         print(
-            f"error: {e}; the run stopped: each job's line above says what became of its "
-            "prompt; run again to finish (done jobs are not rendered again)",
+            f"error: {e}{also}; the run stopped: each job's line above says what became of "
+            "its prompt; run again to finish (done jobs are not rendered again)",
             file=sys.stderr,
         )
         return 1
@@ -286,9 +320,12 @@ def run_command(args: argparse.Namespace) -> int:
         print_line(f"  {not_done} not run")
     try:
         # Dead letters too: the table is where their reasons are read afterwards.
-        results_line(store, partition, job_file)
+        not_written = results_line(store, partition, job_file)
     finally:
         store.close()
+    if not_written:  # the table is the run's result: without it the run is not done
+        print(f"error: {not_written}", file=sys.stderr)
+        return 1
     return 0 if summary.dead_lettered == 0 and not_done == 0 else 1
 
 
@@ -315,15 +352,18 @@ class ImportOnFirstLine:
         self.on_line(line)
 
 
-def results_line(store: Store, partition: str, job_file: JobFile) -> None:
-    """Write results.csv and print its path, or say why it could not be written."""
-    from comfy_assets.render.results import write_results
+def results_line(store: Store, partition: str, job_file: JobFile) -> str | None:
+    """Write results.csv and print its path; or return why it could not be written
+    (``<path> not written: <why>``), for the caller to say."""
+    from comfy_assets.render.results import results_csv_path, write_results
 
     try:
         path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
-        print_line(f"results: {path}")
     except (StoreUnavailable, OSError) as e:
-        print(f"results.csv not written: {e}", file=sys.stderr)
+        # A write cut short by a full disk raises an OSError that names no file.
+        return f"{results_csv_path(store.root, partition)} not written: {e}"
+    print_line(f"results: {path}")
+    return None
 
 
 @contextmanager

@@ -7,15 +7,16 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from comfy_assets.cli import worker_signals
 from comfy_assets.cli.options import add_input_options, bounded, byte_size
 from comfy_assets.cli.run import (
     add_batch_options,
+    add_db_retry_option,
     add_db_url_option,
     add_server_options,
     batch_config,
@@ -139,6 +140,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_server_options(p)
     add_db_url_option(p)
+    add_db_retry_option(p)
     p.add_argument(
         "--partition", default=None, help="store partition (default: the queue name or file stem)"
     )
@@ -157,7 +159,10 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_max_message_option(p, "a larger message is dead-lettered unparsed")
     p.add_argument(
-        "--health-file", type=Path, default=None, help="touched every --heartbeat-s while alive"
+        "--health-file",
+        type=Path,
+        default=None,
+        help="touched every --heartbeat-s while alive; its folder must exist",
     )
     p.add_argument(
         "--heartbeat-s",
@@ -196,12 +201,33 @@ def service_logging() -> Iterator[None]:
 def worker_command(args: argparse.Namespace) -> int:
     """Run the worker until SIGTERM/SIGINT (a queue) or the end of the file (``--jobs``).
 
-    Exit 0 after a graceful stop or a file whose jobs are all done; 1 when a file's job
-    was dead-lettered, RabbitMQ failed or was lost, or a message's handling failed;
-    2 for bad arguments or an invalid job file.
+    Exit 0 after a graceful stop (a signal at any moment: ``cli.worker_signals``) or a
+    file whose jobs are all done; 1 when a file's job was dead-lettered, RabbitMQ failed
+    or was lost, the store's database stayed away longer than ``--db-retry-s``, a disk
+    was full (the store's or the outputs': the messages held are requeued), or a
+    message's handling failed; 2 for bad arguments, an invalid job file or a
+    ``--health-file`` whose folder does not exist.
     """
     with service_logging():
         return _worker(args)
+
+
+def health_file_problem(path: Path) -> str | None:
+    """Why the worker could not keep ``path`` as its health file, or None. Its folder is
+    not made here: on Kubernetes it is the volume the liveness probe and the ComfyUI
+    containers' preStop hooks read too, and a folder of the worker's own would hide
+    from them that it is not mounted."""
+    folder = path.parent
+    if not folder.is_dir():
+        return (
+            f"--health-file {path}: folder {folder} does not exist (create it, or mount the "
+            "volume the liveness probe reads there)"
+        )
+    if path.is_dir():
+        return f"--health-file {path}: is a folder"
+    if not os.access(folder, os.W_OK):
+        return f"--health-file {path}: folder {folder} is not writable"
+    return None
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -229,6 +255,10 @@ def _worker(args: argparse.Namespace) -> int:
         source = RabbitSource(args.rabbitmq, args.queue)
         if args.partition:
             source.partition = args.partition
+    problem = args.health_file and health_file_problem(args.health_file)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     store = open_store(args, existing=False)
     if isinstance(store, int):
         return store
@@ -245,9 +275,13 @@ def _worker(args: argparse.Namespace) -> int:
     )
     try:
         asyncio.run(serve(worker))
-    except (broker.BrokerError, StoreUnavailable) as e:
+    except (broker.BrokerError, StoreUnavailable, OSError) as e:
+        # RabbitMQ; the store away past its budget, or full; our disk (an output that
+        # cannot be written). The messages held went back to the queue.
         print(f"error: {e}", file=sys.stderr)
         return 1
+    finally:
+        store.close()
     if worker.stop_reason is None and isinstance(source, FileSource):
         dead = worker.counts["dead_lettered"] + worker.counts["dead_before"]
         return 1 if dead else 0
@@ -255,12 +289,18 @@ def _worker(args: argparse.Namespace) -> int:
 
 
 async def serve(worker: Worker) -> None:
-    """``worker.run()`` with SIGTERM and SIGINT asking it to stop gracefully."""
+    """``worker.run()`` with SIGTERM and SIGINT asking it to stop gracefully; after it,
+    a signal only says the worker is already stopping (``cli.worker_signals``)."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    previous = worker_signals.handlers()
+    for sig in worker_signals.SIGNALS:
         loop.add_signal_handler(sig, worker.request_stop, sig.name)
     try:
         await worker.run()
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # The loop gives each signal back to its default, and the next handler follows
+        # a few microseconds later (a signal process-wide reaches any thread, so
+        # blocking it in this one would not close that gap).
+        for sig in worker_signals.SIGNALS:
             loop.remove_signal_handler(sig)
+        worker_signals.after_serving(previous)

@@ -31,6 +31,26 @@ _SEPARATORS = ("/", "\\")
 MAX_OUTPUT_BYTES = 4 * 1024**3
 
 
+class OutputNotWritten(OSError):
+    """An output could not be written to our disk (no space left, no permission): the
+    cause's ``errno`` and ``strerror``, ``filename`` the output's path, and ``what`` was
+    being written there ("output file", "output folder")."""
+
+    what = "output file"
+
+    def __str__(self) -> str:
+        why = self.strerror or "cannot write"
+        return f"{why[:1].lower()}{why[1:]}: writing the {self.what} {self.filename}"
+
+
+def _not_written(path: Path, error: OSError, what: str) -> OutputNotWritten:
+    if isinstance(error, OutputNotWritten):
+        return error
+    not_written = OutputNotWritten(error.errno, error.strerror, str(path))
+    not_written.what = what
+    return not_written
+
+
 def _check_part(part: str, what: str, full: str) -> None:
     if part in ("", ".", ".."):
         raise UnsafeOutputName(f"unsafe output {what} {full!r}: empty, '.' or '..' part")
@@ -106,7 +126,8 @@ async def download_outputs(
     is written once. Names are validated before any request. Each file may have up to
     ``max_bytes`` bytes (None: no limit). Raises UnsafeOutputName, OutputTooLarge (the
     file over the limit is not left on disk, not even in part), the client's typed
-    errors (OutputMissing for a 404), OSError for our disk.
+    errors (OutputMissing for a 404), OutputNotWritten (an OSError naming the file) for
+    our disk.
     """
     base = dest_dir / under if under else dest_dir
     wanted: dict[Path, OutputFile] = {}
@@ -115,7 +136,10 @@ async def download_outputs(
             continue
         wanted.setdefault(safe_output_path(base, out.subfolder, out.filename), out)
     for folder in {path.parent for path in wanted}:
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _not_written(folder, e, "output folder") from e
     results = []
     for path, out in wanted.items():
         results.append(await _download_one(client, out, path, dest_dir, max_bytes))
@@ -137,6 +161,9 @@ async def _download_one(
                     digest.update(chunk)
                     size += len(chunk)
         os.replace(temp, path)
+    except OSError as e:  # our disk: the client's own errors are ComfyErrors
+        temp.unlink(missing_ok=True)  # no half file left behind
+        raise _not_written(path, e, "output file") from e
     except BaseException:
         temp.unlink(missing_ok=True)  # no half file left behind; the error goes on
         raise

@@ -17,12 +17,13 @@ from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import new_owner
 from comfy_assets.render.progress import Progress
 from comfy_assets.render.summary import BatchSummary, summarize
-from comfy_assets.store import Store
+from comfy_assets.store import Store, off_loop
 
 
 def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, owner: str) -> Pool:
-    """The pool of ``servers`` with the leases, probes and polls of ``config``."""
-    return Pool(servers, store, owner=owner, settings=config)
+    """The pool of ``servers`` with the leases, probes and polls of ``config``; its lease
+    calls live through a failing store for as long as the store's own calls do."""
+    return Pool(servers, store, owner=owner, settings=config, store_timeout_s=store.retry_s)
 
 
 def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:
@@ -64,7 +65,8 @@ async def run_batch(
     prompts interrupted and removed, claims and server leases released)."""
     started = time.monotonic()
     owner = owner or new_owner()
-    store.register_jobs(partition, job_file.jobs)
+    # Store calls here wait out a database outage off the event loop (``off_loop``).
+    await off_loop(store, store.register_jobs, partition, job_file.jobs)
     stop_on_fatal, draft = resolve_policy(job_file, config)
     async with make_pool(servers, store, config, owner) as pool:
         batch = Batch(
@@ -80,7 +82,9 @@ async def run_batch(
             on_progress=on_progress,
         )
         await batch.run()
-    summary = summarize(
+    summary = await off_loop(
+        store,
+        summarize,
         store,
         partition,
         time.monotonic() - started,
@@ -164,7 +168,7 @@ async def run_one(
     the store); while another live worker holds its claim it waits. Retries with
     backoff happen inside. Raises only on cancellation, after cleaning up.
     """
-    store.register_jobs(partition, [job])
+    await off_loop(store, store.register_jobs, partition, [job])
     batch = Batch(
         [job],
         partition=partition,
@@ -177,5 +181,5 @@ async def run_one(
         consumers=1,
     )
     await batch.run()
-    rec = store.get(job.id)
+    rec = await off_loop(store, store.get, job.id)
     return rec.state if rec is not None else "pending"

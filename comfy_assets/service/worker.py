@@ -9,11 +9,18 @@ Per message, one outcome and one log line:
 - not a valid job (bad JSON, bad id, a workflow path outside ``--workflows-dir``, a body
   over ``--max-message-bytes``, ...) -> ``<queue>.dead`` with the validation error, ack;
 - still running when the shutdown grace ran out -> run cancelled (prompt interrupted and
-  removed, claim and server lease released), nack with requeue.
+  removed, claim and server lease released), nack with requeue;
+- the store unreachable for longer than its retry budget, full, or our disk full (an
+  output that cannot be written) -> nack with requeue, and the worker stops.
 
 An ack is sent only after the store holds the done record, so a worker killed at any
 moment leaves the message unacknowledged; its redelivery finds the done record, or the
 prompt in the server's history, and nothing runs twice.
+
+While the store's database is away (a restart, a failover) the worker takes no new
+message: store calls wait for it up to ``Store.retry_s`` seconds (the store says once that
+it is gone and once that it is back), and the worker goes on when it answers. Only a
+longer outage stops it.
 
 Shutdown (SIGTERM/SIGINT, or ``Worker.request_stop``): stop consuming, give running jobs
 ``grace_s`` seconds, cancel the rest, requeue their messages, close, exit 0.
@@ -37,7 +44,7 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import new_owner
-from comfy_assets.render.results import write_results
+from comfy_assets.render.results import results_csv_path, write_results
 from comfy_assets.render.run import make_pool, run_one
 from comfy_assets.service import broker
 from comfy_assets.service.messages import (
@@ -47,7 +54,7 @@ from comfy_assets.service.messages import (
     queue_problems,
 )
 from comfy_assets.service.sources import Delivery, JobSource
-from comfy_assets.store import PartitionConflict, Store, StoreUnavailable
+from comfy_assets.store import PartitionConflict, Store, StoreUnavailable, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
 
@@ -142,6 +149,7 @@ class Worker:
         self._slots = asyncio.Semaphore(len(self.servers))
         self._run_number = 0
         self._touched: set[str] = set()  # partitions whose results.csv is out of date
+        self._answered: set[Delivery] = set()  # handed to ack/requeue: never answer again
         self.results_every_s = results_every_s
 
     # -- control --------------------------------------------------------------------
@@ -188,40 +196,34 @@ class Worker:
         """Consume until the source is exhausted (then wait for every job) or a stop is
         requested (then the grace rule). Raises what stopped the worker, if something
         failed: ``broker.BrokerError`` (connection lost, refused declaration or
-        publication) or the exception of a message's handling, after the shutdown."""
+        publication), ``StoreUnavailable`` (the store's database away longer than its
+        budget; ``StoreDiskFull``: no room to write it), ``OSError`` (our disk: an output
+        that cannot be written) or the exception of a message's handling, after the
+        shutdown."""
         pool = make_pool(self.servers, self.store, self.config, self.owner)
         heartbeat: asyncio.Task[None] | None = None
         results: asyncio.Task[None] | None = None
         health_file = self.health_file
+        outage = self.store.outage
+        said = outage.consequence
+        outage.consequence = "the worker takes no new message until it is back"
         async with pool:
-            await self.source.open(len(self.servers), self._broker_lost)
             try:
-                if health_file is not None:
+                # A stop asked for while RabbitMQ is being reached needs no connection.
+                opened, _ = await self._unless_stopped(
+                    self.source.open(len(self.servers), self._broker_lost)
+                )
+                if opened and health_file is not None:
                     health_file.touch()  # fail now, not in the background
                     heartbeat = asyncio.create_task(self._heartbeat(health_file), name="heartbeat")
                     heartbeat.add_done_callback(self._background_done)
-                results = asyncio.create_task(
-                    self._write_results(self.results_every_s), name="results"
-                )
-                self.consuming.set()
-                log.info(
-                    "worker %s: taking jobs of %s with %d server%s (%s)",
-                    self.owner,
-                    self.partition,
-                    len(self.servers),
-                    "" if len(self.servers) == 1 else "s",
-                    ", ".join(s.name for s in self.servers),
-                )
-                try:
-                    await self._consume(pool)
-                    self.consuming.clear()
-                    await self.source.stop_taking()
-                except Exception as e:
-                    # Running jobs still get their grace; run() raises this at the end.
-                    log.error("worker: taking messages failed: %r", e, exc_info=e)
-                    self._fail(e)
-                await self._drain()
+                if opened:
+                    results = asyncio.create_task(
+                        self._write_results(self.results_every_s), name="results"
+                    )
+                    await self._serve(pool)
             finally:
+                outage.consequence = said
                 self.consuming.clear()
                 await self._cancel_all()
                 if results is not None:
@@ -233,6 +235,36 @@ class Worker:
                     await asyncio.wait({heartbeat})
                     health_file.unlink(missing_ok=True)
                 await self.source.close()
+        self._summary()
+        if self._failure is not None:
+            raise self._failure
+
+    async def _serve(self, pool: Pool) -> None:
+        """Take messages until the source ends or a stop, then wait for the running jobs
+        (``_drain``). A failure to take messages stops the worker (``_fail``)."""
+        self.consuming.set()
+        log.info(
+            "worker %s: taking jobs of %s with %d server%s (%s)",
+            self.owner,
+            self.partition,
+            len(self.servers),
+            "" if len(self.servers) == 1 else "s",
+            ", ".join(s.name for s in self.servers),
+        )
+        try:
+            await self._consume(pool)
+            self.consuming.clear()
+            await self.source.stop_taking()
+        except StoreUnavailable as e:
+            # Away past its budget: said in the stop line; run() raises it.
+            self._fail(e)
+        except Exception as e:
+            # Running jobs still get their grace; run() raises this at the end.
+            log.error("worker: taking messages failed: %r", e, exc_info=e)
+            self._fail(e)
+        await self._drain()
+
+    def _summary(self) -> None:
         c = self.counts
         log.info(
             "worker %s: %d acked (%d done, %d done before, %d dead-lettered, %d dead before, "
@@ -247,8 +279,6 @@ class Worker:
             c["stopped"],
             c["requeued"],
         )
-        if self._failure is not None:
-            raise self._failure
 
     async def _consume(self, pool: Pool) -> None:
         """Take one message per free server until stopped or the source is exhausted."""
@@ -256,21 +286,40 @@ class Worker:
             got, _ = await self._unless_stopped(self._slots.acquire())
             if not got:
                 return
+            if not await self._store_back():
+                self._slots.release()
+                return
             got, delivery = await self._unless_stopped(self.source.next())
             if delivery is None:
                 self._slots.release()
                 if got and not self._stop.is_set():
                     log.info("%s: no more jobs", self.partition)
                 return
-            if self._stop.is_set():
-                # Both finished at once: this one arrived after the stop request.
+            try:
+                # The database may have gone while we waited for this message.
+                back = await self._store_back()
+            except BaseException:
                 self._slots.release()
-                await delivery.requeue()
-                self.counts["requeued"] += 1
+                await self._give_back(delivery)
+                raise
+            if self._stop.is_set() or not back:
+                # Stopped while it arrived, or while the database was away.
+                self._slots.release()
+                await self._give_back(delivery)
                 return
             task = asyncio.create_task(self._handle(delivery, pool))
             self._handlers.add(task)
             task.add_done_callback(self._handler_done)
+
+    async def _store_back(self) -> bool:
+        """While the store's database is away, take no message: wait for it here, once,
+        rather than in a handler per message. True once it answers (at once when it is
+        not away), False if a stop is requested first; raises StoreUnavailable when it
+        stays away longer than the store's budget (``Store.retry_s``)."""
+        if not self.store.outage.away:
+            return True
+        back, _ = await self._unless_stopped(off_loop(self.store, self.store.ping))
+        return back
 
     async def _unless_stopped(self, aw: Awaitable[T]) -> tuple[bool, T | None]:
         """Await ``aw`` unless a stop is requested first: (True, result) or (False, None)."""
@@ -311,8 +360,9 @@ class Worker:
             )
             for handler in late:
                 run = self._runs.get(handler)
-                if run is not None:
-                    run.cancel()
+                # A handler still waiting for the store has no run yet: cancel it whole
+                # (it requeues its message).
+                (run or handler).cancel()
             await asyncio.wait(late)
 
     async def _cancel_all(self) -> None:
@@ -330,8 +380,9 @@ class Worker:
         if task.cancelled():
             return
         exc = task.exception()
-        if isinstance(exc, StoreUnavailable):  # its message was requeued
-            log.error("worker: %s; stopping", exc)
+        if isinstance(exc, StoreUnavailable | OSError):
+            # The store (away past its budget, or full) or our disk: its message was
+            # requeued, and the stop line says why; no traceback for what is not a bug.
             self._fail(exc)
         elif exc is not None:
             log.error("worker: a message's handling failed: %r", exc, exc_info=exc)
@@ -352,7 +403,22 @@ class Worker:
     # -- one message ----------------------------------------------------------------
 
     async def _handle(self, d: Delivery, pool: Pool) -> None:
-        """Run one delivery's job and answer the delivery (see the module docstring)."""
+        """Run one delivery's job and answer the delivery (see the module docstring).
+        Whatever stops the handling before an answer (a cancellation, the store failing
+        for good, our disk, a bug) gives the message back, then is raised."""
+        try:
+            await self._handle_one(d, pool)
+        except (Exception, asyncio.CancelledError) as e:
+            if d not in self._answered:
+                why = "cancelled before it finished" if isinstance(e, asyncio.CancelledError) else e
+                label = d.job.id if d.job is not None else d.message_id or "(no message_id)"
+                log.warning("message %s: %s; message requeued", label, why)
+                await self._requeue(d)
+            raise
+        finally:
+            self._answered.discard(d)
+
+    async def _handle_one(self, d: Delivery, pool: Pool) -> None:
         label = f"message {d.message_id or '(no message_id)'}"
         job, policy, partition = d.job, d.policy, self.partition
         if job is None:
@@ -372,15 +438,18 @@ class Worker:
         if config.policy is None and policy is not None:
             config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
         self._touched.add(partition)  # its results.csv is written again soon
-        stopped = self._storyboard_stopped(job, partition, config)
+        stopped = await self._storyboard_stopped(job, partition, config)
         if stopped is not None:
-            self.store.register_jobs(partition, [job])  # listed, pending, in results.csv
+            # Listed, pending, in results.csv.
+            await off_loop(self.store, self.store.register_jobs, partition, [job])
             await d.dead_letter(stopped)
             await self._ack(d)
             self.counts["stopped"] += 1
             log.warning("job %s: not rendered, %s; message acked", job.id, stopped)
             return
-        before = self.store.get(job.id)
+        # Off the event loop: while the database is away this waits for it (the store's
+        # budget) instead of failing at once.
+        before = await off_loop(self.store, self.store.get, job.id)
         watch = _DeadLetterWatch(self.store)
         # A claim owner per run: two deliveries of one job in this worker must not both
         # hold its claim (the second one waits for the first, as another worker would).
@@ -404,8 +473,7 @@ class Worker:
             state = await run
         except asyncio.CancelledError:
             # The run was cancelled (grace over) and has cleaned up; or this handler is.
-            await d.requeue()
-            self.counts["requeued"] += 1
+            await self._requeue(d)
             log.warning("job %s: cancelled before it finished; message requeued", job.id)
             if me.cancelling():
                 raise
@@ -413,10 +481,6 @@ class Worker:
         except PartitionConflict as e:
             await self._invalid(d, f"job {job.id}", str(e))
             return
-        except StoreUnavailable:
-            await d.requeue()  # nothing is lost: the next worker catches up
-            self.counts["requeued"] += 1
-            raise
         finally:
             self._runs.pop(me, None)
             # Written again: a write while the job ran shows it unfinished.
@@ -432,7 +496,7 @@ class Worker:
                 log.info("job %s: %s; message acked", job.id, state)
             return
         if state == FAILED_FATAL:
-            rec = self.store.get(job.id)
+            rec = await off_loop(self.store, self.store.get, job.id)
             reason = (rec.reason if rec is not None else None) or "(no reason recorded)"
             if job.id in watch.dead_lettered:
                 await d.dead_letter(reason)
@@ -453,20 +517,22 @@ class Worker:
                     reason,
                 )
             return
-        await d.requeue()
-        self.counts["requeued"] += 1
+        await self._requeue(d)
         raise RuntimeError(
             f"job {job.id}: run_one ended in state {state!r}, neither done nor "
             "dead-lettered; message requeued"
         )
 
-    def _storyboard_stopped(self, job: Job, partition: str, config: BatchConfig) -> str | None:
+    async def _storyboard_stopped(
+        self, job: Job, partition: str, config: BatchConfig
+    ) -> str | None:
         """Under the delivery policy a storyboard's shots stop at its first fatal failure,
         as in ``comfy-assets run``: why this shot is not rendered (another shot of its
         partition is a dead letter), or None."""
         if job.shot is None or (config.policy or "delivery") != "delivery":
             return None
-        dead = [r for r in self.store.dead_letters(partition) if r.shot is not None]
+        dead_letters = await off_loop(self.store, self.store.dead_letters, partition)
+        dead = [r for r in dead_letters if r.shot is not None]
         dead = [r for r in dead if r.job_id != job.id]
         if not dead:
             return None
@@ -479,19 +545,40 @@ class Worker:
 
     async def _write_results(self, every_s: float) -> None:
         """Write the results.csv of every partition a message touched, every ``every_s``
-        seconds (and once more when the worker stops): the same table ``run`` writes."""
+        seconds (and once more when the worker stops): the same table ``run`` writes.
+        Off the event loop; while the store's database is away, left for later."""
         while True:
             await asyncio.sleep(every_s)
-            self._flush_results()
+            touched, self._touched = self._touched, set()
+            pending = sorted(touched)
+            try:
+                while pending and not self.store.outage.away:
+                    try:
+                        await off_loop(self.store, write_results, self.store, pending[0])
+                    except (OSError, StoreUnavailable) as e:
+                        self._touched.add(pending[0])  # tried again next time
+                        self._results_not_written(pending[0], e)
+                    pending.pop(0)
+            finally:
+                self._touched.update(pending)
 
     def _flush_results(self) -> None:
+        """The last write of the touched partitions' results.csv, when the worker stops."""
         touched, self._touched = self._touched, set()
         for partition in sorted(touched):
+            if self.store.outage.away:
+                path = results_csv_path(self.store.root, partition)
+                log.warning("%s not written: the store's database is away", path)
+                continue
             try:
                 write_results(self.store, partition)
             except (OSError, StoreUnavailable) as e:
-                self._touched.add(partition)  # tried again next time
-                log.warning("results.csv of %s not written: %s", partition, e)
+                self._results_not_written(partition, e)
+
+    def _results_not_written(self, partition: str, error: BaseException) -> None:
+        # write_csv's OSError may not name the file (a write cut short by a full disk).
+        path = results_csv_path(self.store.root, partition)
+        log.warning("%s not written: %s", path, error)
 
     async def _invalid(self, d: Delivery, label: str, error: str) -> None:
         reason = f"invalid job: {error}"
@@ -506,8 +593,19 @@ class Worker:
         )
 
     async def _ack(self, d: Delivery) -> None:
+        self._answered.add(d)  # an ack that fails is not followed by a requeue
         await d.ack()
         self.counts["acked"] += 1
+
+    async def _requeue(self, d: Delivery) -> None:
+        self._answered.add(d)
+        await d.requeue()
+        self.counts["requeued"] += 1
+
+    async def _give_back(self, d: Delivery) -> None:
+        """Requeue a delivery no handler took."""
+        await self._requeue(d)
+        self._answered.discard(d)
 
 
 def job_messages(

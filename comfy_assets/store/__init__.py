@@ -6,7 +6,7 @@ SQLite (``<root>/store.db``, WAL) by default, PostgreSQL by URL, the same code f
 - ``records``: what the store returns and raises
 - ``statements``: prebuilt hot statements (compare-and-set updates, upserts)
 - ``register``: registering a job file's jobs in bulk
-- ``retry``: calls that lose their database connection, tried again
+- ``retry``: calls that lose their database connection, tried again; outages, full disks
 - ``store``: the ``Store`` class
 """
 
@@ -26,7 +26,7 @@ from comfy_assets.store.records import (
     StoreConflict,
     UnknownJob,
 )
-from comfy_assets.store.retry import StoreUnavailable
+from comfy_assets.store.retry import StoreDiskFull, StoreUnavailable, off_loop
 from comfy_assets.store.schema import metadata
 from comfy_assets.store.store import (
     DB_URL_ENV,
@@ -57,7 +57,9 @@ __all__ = [
     "ServerLease",
     "Store",
     "StoreConflict",
+    "StoreDiskFull",
     "StoreUnavailable",
     "UnknownJob",
     "metadata",
+    "off_loop",
 ]

@@ -33,6 +33,7 @@ from comfy_assets.store.records import (
     UnknownJob,
 )
 from comfy_assets.store.retry import (
+    Outage,
     mark_commit_unknown,
     mark_connecting,
 )
@@ -51,6 +52,7 @@ class StoreBase:
     engine: sa.Engine
     dialect: str
     retry_s: float
+    outage: Outage
 
     @contextmanager
     def _write(self) -> Iterator[sa.Connection]:

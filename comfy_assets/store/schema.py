@@ -116,13 +116,27 @@ pool_waiters_table = sa.Table(
 )
 
 
+# Seconds a PostgreSQL connect may take before it counts as a failed one (then retried).
+CONNECT_TIMEOUT_S = 10
+
+# Checkpoint the SQLite WAL every this many pages (of 4 KiB), and truncate it to this
+# many bytes after a checkpoint.
+WAL_PAGES = 256
+WAL_BYTES = 1 << 20
+
+
 def make_engine(db_url: str) -> sa.Engine:
     """An engine for ``db_url``. SQLite gets WAL, a busy timeout and write transactions
     that take the write lock up front (``BEGIN IMMEDIATE``), so processes sharing the file
     queue for it instead of failing."""
     url = sa.make_url(db_url)
     if url.get_backend_name() != "sqlite":
-        return sa.create_engine(url, pool_pre_ping=True)
+        connect_args: dict[str, Any] = {}
+        if url.get_backend_name() == "postgresql" and "connect_timeout" not in url.query:
+            # A server that drops our packets (a partition, a failover's new address not
+            # up yet) would otherwise hold a connect for minutes, past any retry budget.
+            connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
+        return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
     engine = sa.create_engine(url, connect_args={"timeout": 60.0})
 
     @sa.event.listens_for(engine, "connect")
@@ -137,6 +151,11 @@ def make_engine(db_url: str) -> sa.Engine:
         # commits, which idempotent prompt_ids make cheap to redo.
         cur.execute("PRAGMA synchronous = NORMAL")
         cur.execute("PRAGMA foreign_keys = ON")
+        # The WAL is folded into the database every WAL_PAGES pages and cut back to
+        # WAL_BYTES after: left at SQLite's 1000 pages and no limit, it alone can fill
+        # a small disk (4 MB of page versions), and stays that size after.
+        cur.execute(f"PRAGMA wal_autocheckpoint = {WAL_PAGES}")
+        cur.execute(f"PRAGMA journal_size_limit = {WAL_BYTES}")
         cur.close()
 
     @sa.event.listens_for(engine, "begin")

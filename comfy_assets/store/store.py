@@ -7,6 +7,7 @@ One class made of its parts: ``claims`` (registration, job claims), ``transition
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -15,7 +16,16 @@ from comfy_assets.store.base import folder_name
 from comfy_assets.store.claims import Claims
 from comfy_assets.store.leases import ServerLeases
 from comfy_assets.store.queries import Queries
-from comfy_assets.store.retry import StoreUnavailable
+from comfy_assets.store.retry import (
+    DEFAULT_RETRY_S,
+    Outage,
+    StoreDiskFull,
+    StoreUnavailable,
+    database_place,
+    disk_full,
+    refused_for_good,
+    retried,
+)
 from comfy_assets.store.schema import (
     create_tables,
     make_engine,
@@ -44,14 +54,22 @@ class Store(Claims, Transitions, Queries, ServerLeases):
 
     ``root`` also holds the outputs (``job_dir``). Make one Store per process (a new one
     after fork); threads may share it. A call whose database connection is lost is tried
-    again for ``retry_s`` seconds, then raises StoreUnavailable (``store.retry``).
-    Opening raises BadDbUrl for a URL SQLAlchemy cannot use, and StoreUnavailable at once
-    for a database that refuses the connection (down, unknown role or database).
+    again for ``retry_s`` seconds, then raises StoreUnavailable (``store.retry``);
+    ``outage`` says when the database goes away and comes back. A write the database's
+    disk has no room for raises StoreDiskFull.
+
+    Opening raises BadDbUrl for a URL SQLAlchemy cannot use. A PostgreSQL server that
+    cannot be reached is tried again for ``retry_s`` seconds (a restart, a failover),
+    then StoreUnavailable; one that refuses us (unknown role or database, a wrong
+    password) raises StoreUnavailable at once.
     """
 
-    def __init__(self, root: Path, db_url: str | None = None, *, retry_s: float = 30.0) -> None:
+    def __init__(
+        self, root: Path, db_url: str | None = None, *, retry_s: float = DEFAULT_RETRY_S
+    ) -> None:
         self.root = Path(root)
         self.retry_s = retry_s  # how long a call that loses its connection is tried again
+        self.outage = Outage()
         if db_url is None:
             self.root.mkdir(parents=True, exist_ok=True)
             db_url = f"sqlite:///{self.root / 'store.db'}"
@@ -62,18 +80,53 @@ class Store(Claims, Transitions, Queries, ServerLeases):
             raise BadDbUrl(f"--db-url: not a database URL SQLAlchemy can open ({e})") from e
         self.dialect = self.engine.dialect.name
         try:
-            create_tables(self.engine)
-        except sa.exc.DBAPIError as e:
+            self._create_tables()
+        except BaseException:
             self.engine.dispose()
-            raise StoreUnavailable("opening the store", 0.0, e) from e
+            raise
+
+    def _create_tables(self) -> None:
+        """``create_tables``, tried again while a PostgreSQL server is away (see the class
+        docstring). Raises StoreUnavailable, StoreDiskFull."""
+        what = "opening the store"
+        started = time.monotonic()
+        delay = 0.05
+        while True:
+            try:
+                create_tables(self.engine)
+            except sa.exc.DBAPIError as e:
+                if disk_full(e):
+                    raise StoreDiskFull(what, database_place(self.engine), e) from e
+                # A failure at the first try was not waited for, however long it took.
+                waited = time.monotonic() - started if self.outage.away else 0.0
+                networked = self.dialect != "sqlite"
+                if not networked or refused_for_good(e) or waited >= self.retry_s:
+                    raise StoreUnavailable(what, waited, e) from e
+                if not isinstance(e, sa.exc.OperationalError | sa.exc.InterfaceError):
+                    raise StoreUnavailable(what, waited, e) from e
+                self.outage.lost(what, e, self.retry_s)
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+            else:
+                self.outage.reached()
+                return
 
     @classmethod
-    def existing(cls, root: Path, db_url: str | None = None) -> Store:
+    def existing(
+        cls, root: Path, db_url: str | None = None, *, retry_s: float = DEFAULT_RETRY_S
+    ) -> Store:
         """The store at ``root`` (or ``db_url``) for a command that reads or changes it:
         raises NoStore rather than create an empty SQLite store where none was."""
         if db_url is None and not (Path(root) / "store.db").is_file():
             raise NoStore(f"no result store at {root} (no store.db)")
-        return cls(root, db_url)
+        return cls(root, db_url, retry_s=retry_s)
+
+    @retried
+    def ping(self) -> None:
+        """Reach the database (``SELECT 1``); tried again like every call, so it returns
+        once the database answers, or raises StoreUnavailable after ``retry_s``."""
+        with self._read() as conn:
+            conn.execute(sa.text("SELECT 1"))
 
     def close(self) -> None:
         """Close pooled connections."""
