@@ -28,7 +28,7 @@ from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import knob_doc
 from comfy_assets.service import broker
-from comfy_assets.service.messages import MAX_MESSAGE_BYTES
+from comfy_assets.service.messages import MAX_MESSAGE_BYTES, chained_problems
 from comfy_assets.service.sources import FileSource, JobSource, RabbitSource
 from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import StoreUnavailable
@@ -240,6 +240,9 @@ def _worker(args: argparse.Namespace) -> int:
     if args.jobs is not None:
         try:
             job_file = load_job_file(args.jobs, rules=rules_of(args))
+            chained = chained_problems(job_file)
+            if chained:
+                raise JobFileError(chained)
             source = FileSource(job_file, partition=args.partition)
         except JobFileError as e:
             print(f"error: {args.jobs}:\n{e}", file=sys.stderr)

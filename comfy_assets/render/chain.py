@@ -85,9 +85,11 @@ class Chain:
     async def _watch_parked(self) -> None:
         """While jobs are parked, put them back in line every ``RECHECK_S``."""
         while not self.finished.is_set():
-            await asyncio.sleep(RECHECK_S)
-            if self.parked and not self.stopped:
-                self._unpark(None)
+            try:
+                await asyncio.wait_for(self.finished.wait(), RECHECK_S)
+            except TimeoutError:
+                if self.parked and not self.stopped:
+                    self._unpark(None)
 
     async def _not_rendered(self, item: Item, reason: str) -> None:
         """Settle a claimed job whose upstream job failed: degraded under the draft

@@ -126,6 +126,18 @@ def file_messages(job_file: JobFile, partition: str | None = None) -> list[tuple
     return [(job.id, _body(job, job_file.policy, name, encode)) for job in job_file.jobs]
 
 
+def chained_problems(job_file: JobFile) -> list[LineError]:
+    """Each input of ``job_file`` taken from another job, as an error of its line and
+    field: a worker renders one job at a time, alone, so it cannot wait for another."""
+    where = str(job_file.path)
+    return [
+        LineError(where, job.line, f"inputs.{item.key}", CHAINED)
+        for job in job_file.jobs
+        for item in job.inputs
+        if isinstance(item, InputFromJob)
+    ]
+
+
 def queue_problems(
     job_file: JobFile, max_bytes: int, partition: str | None = None
 ) -> list[LineError]:
@@ -135,12 +147,9 @@ def queue_problems(
     would fit without them). Sizes come from ``message_size``: no input file is read."""
     where = str(job_file.path)
     name = partition or job_file.path.stem
-    errors: list[LineError] = []
+    errors = chained_problems(job_file)
     for job in job_file.jobs:
-        chained = [i for i in job.inputs if isinstance(i, InputFromJob)]
-        for item in chained:
-            errors.append(LineError(where, job.line, f"inputs.{item.key}", CHAINED))
-        if chained:
+        if job.depends_on:
             continue
         size = message_size(job, job_file.policy, name)
         if size <= max_bytes:
