@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dagster import DynamicPartitionsDefinition
 
-from comfy_assets.jobs.inputs import InputRules
+from comfy_assets.jobs.inputs import FOLLOW_INPUT_LINKS_ENV, MAX_INPUT_BYTES_ENV, InputRules
 
 job_files_partitions = DynamicPartitionsDefinition(name="job_files")
 
@@ -63,10 +63,6 @@ def job_dirs_from_env() -> list[Path]:
     """Return the watched folders: ``COMFY_ASSETS_JOB_DIRS`` (os.pathsep-separated)."""
     raw = os.environ.get(JOB_DIRS_ENV, "").strip() or DEFAULT_JOB_DIR
     return [Path(part) for part in raw.split(os.pathsep) if part.strip()]
-
-
-FOLLOW_INPUT_LINKS_ENV = "COMFY_ASSETS_FOLLOW_INPUT_LINKS"
-MAX_INPUT_BYTES_ENV = "COMFY_ASSETS_MAX_INPUT_BYTES"
 
 
 def input_rules_from_env() -> InputRules:

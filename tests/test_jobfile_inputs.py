@@ -176,7 +176,10 @@ def test_an_input_file_exactly_at_the_size_limit_is_accepted(tmp_path):
     assert job.inputs[0].size == 5
     (error,) = errors_of(path, InputRules(max_input_bytes=4))
     assert (error.line, error.field) == (1, "inputs.10.image")
-    assert "over the limit of 4 bytes (max_input_bytes)" in error.message
+    assert (
+        "over the limit of 4 bytes (--max-input-bytes, or COMFY_ASSETS_MAX_INPUT_BYTES in Dagster)"
+        in error.message
+    )
 
 
 def test_a_link_out_of_the_folder_is_followed_only_when_allowed(tmp_path):
@@ -330,7 +333,7 @@ def test_every_hostile_input_is_refused_with_its_line_and_field_and_nothing_else
         ("pics/none.png", "no such file"),
         ("pics", "a folder, not a regular file"),
         ("pics/pipe.png", "a special file, not a regular file"),
-        ("pics/big.png", "over the limit of 64 bytes (max_input_bytes)"),
+        ("pics/big.png", "over the limit of 64 bytes (--max-input-bytes"),
         ("pics/a\n.png", "holds a control character (U+000A)"),
         ("pics/a\x7f.png", "holds a control character (U+007F)"),
         ("pics/a\x85.png", "holds a control character (U+0085)"),

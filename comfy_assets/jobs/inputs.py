@@ -33,6 +33,11 @@ UPSTREAM_FIELDS = ("job", "node", "index")
 # would split a log line or a CSV row.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _READ_CHUNK = 1024**2
+# Dagster's names for the two rules (``partitions.input_rules_from_env``); the commands'
+# are ``--follow-input-links`` and ``--max-input-bytes`` (``cli.options``). A refusal
+# names both, so whoever reads it finds the knob of the tool they ran.
+FOLLOW_INPUT_LINKS_ENV = "COMFY_ASSETS_FOLLOW_INPUT_LINKS"
+MAX_INPUT_BYTES_ENV = "COMFY_ASSETS_MAX_INPUT_BYTES"
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,8 @@ class InputReader:
         if not self.rules.follow_links and os.path.commonpath([root, target]) != root:
             return (
                 f"{quoted(spec)} is a link that leads out of the job file's folder "
-                f"(to {target}); refused unless links may be followed (follow_links)"
+                f"(to {target}); refused unless links may be followed (--follow-input-links, or "
+                f"{FOLLOW_INPUT_LINKS_ENV}=1 in Dagster)"
             )
         found = self._by_target.get(target)
         if found is None:
@@ -157,7 +163,10 @@ class InputReader:
         finally:
             os.close(fd)
         if size > limit:
-            return f"over the limit of {limit} bytes (max_input_bytes) ({target})"
+            return (
+                f"over the limit of {limit} bytes (--max-input-bytes, or {MAX_INPUT_BYTES_ENV} "
+                f"in Dagster) ({target})"
+            )
         return ReadInput(Path(target), digest.hexdigest(), size)
 
 

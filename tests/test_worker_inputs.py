@@ -1,0 +1,136 @@
+"""A worker on another folder (another host, as far as files go) renders a job file with
+input pictures enqueued elsewhere: the pictures travel in the messages, every job is
+posted once, and each output is the inverse of its own picture. The machine's RabbitMQ,
+the commands as a user runs them, a fake ComfyUI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aio_pika
+import httpx
+import numpy as np
+import pytest
+
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.service import broker
+from comfy_assets.store import Store
+from fake_comfy import FakeComfy
+from tests.support import ROOT, fake_servers, wait_until
+from tests.test_inputs_render import image_jobs, output_of, picture, pixels_of
+from tests.upload_support import inverted_as_comfyui_saves
+
+pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(180)]
+
+URL = os.environ.get("COMFY_ASSETS_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
+
+
+@pytest.fixture
+async def queue() -> AsyncIterator[str]:
+    """A fresh queue name; the queue and its ``.dead`` are deleted at the end."""
+    name = f"test-worker-inputs-{uuid.uuid4().hex[:10]}"
+    try:
+        connection = await aio_pika.connect(URL, timeout=5)
+    except OSError as e:
+        pytest.fail(f"RabbitMQ unreachable at {URL}: {e!r}")
+    await connection.close()
+    yield name
+    async with await aio_pika.connect(URL) as connection:
+        channel = await connection.channel()
+        for q in (name, broker.dead_queue_name(name)):
+            await channel.queue_delete(q)
+
+
+async def ready_count(queue_name: str) -> int:
+    async with await aio_pika.connect(URL) as connection:
+        channel = await connection.channel()
+        declared = await channel.declare_queue(queue_name, passive=True)
+        return declared.declaration_result.message_count or 0
+
+
+def command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "comfy_assets.cli", *args]
+
+
+def environment() -> dict[str, str]:
+    """Ours, with this checkout first on the path whatever the command's folder."""
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+async def fake_stats(url: str) -> dict:
+    async with httpx.AsyncClient(base_url=url) as http:
+        answer = await http.get("/fake/stats")
+    answer.raise_for_status()
+    return answer.json()
+
+
+async def test_a_worker_without_the_pictures_renders_each_enqueued_job_once_from_its_own(
+    tmp_path: Path, queue: str
+) -> None:
+    studio = tmp_path / "studio"
+    names = ["a/key.png", "b/key.png", "c.png"]  # two share a base name, not their bytes
+    sources = [picture(studio / n, seed) for seed, n in enumerate(names, start=40)]
+    path = image_jobs(studio, names, salt=queue)
+    jobs = load_job_file(path).jobs
+
+    enqueue = await asyncio.create_subprocess_exec(
+        *command("enqueue", "--rabbitmq", URL, "--queue", queue, "--jobs", "jobs.jsonl"),
+        cwd=studio,
+        env=environment(),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(enqueue.communicate(), 60)
+    assert enqueue.returncode == 0, err.decode()
+    assert out.decode() == f"enqueued 3 jobs to {queue}\n"
+    shutil.rmtree(studio)  # the job file, its workflow and its pictures: gone
+
+    host = tmp_path / "host"  # the worker's folder and its --workflows-dir: empty
+    host.mkdir()
+    store_dir = tmp_path / "store"
+    Store(store_dir).close()
+    fake = FakeComfy(prompt_seconds=0.005)
+    async with fake_servers(fake) as specs:
+        argv = command("worker", "--rabbitmq", URL, "--queue", queue, "--server")
+        argv += [f"gpu0={specs[0].url}", "--store", str(store_dir), "--workflows-dir", "."]
+        argv += ["--attempts", "1", "--poll-s", "0.05"]
+        log = tmp_path / "worker.log"
+        with log.open("wb") as written:  # a file, not a pipe: nobody has to read it meanwhile
+            worker = await asyncio.create_subprocess_exec(
+                *argv, cwd=host, env=environment(), stdout=written, stderr=written
+            )
+        store = Store(store_dir)
+        try:
+
+            def all_done() -> bool:
+                records = [store.get(job.id) for job in jobs]
+                return all(r is not None and r.state == "succeeded" for r in records)
+
+            await wait_until(all_done, 120, "the worker to render the 3 jobs")
+            worker.send_signal(signal.SIGTERM)
+            code = await asyncio.wait_for(worker.wait(), 60)
+        finally:
+            if worker.returncode is None:
+                worker.kill()
+                await worker.wait()
+        assert code == 0, log.read_text()
+        stats = await fake_stats(specs[0].url)
+
+    for job, source in zip(jobs, sources, strict=True):
+        assert stats["prompts"][job.prompt_id]["posted"] == 1, job.id
+        assert stats["prompts"][job.prompt_id]["executed"] == 1, job.id
+        partition = store.get(job.id).partition
+        out = pixels_of(output_of(store, partition, job.id))
+        assert np.array_equal(out, inverted_as_comfyui_saves(source))
+    assert len(stats["prompts"]) == 3 and stats["uploads"] == 3
+    assert list(host.iterdir()) == []  # nothing written beside the worker
+    assert await ready_count(queue) == 0
+    assert await ready_count(broker.dead_queue_name(queue)) == 0
+    store.close()
