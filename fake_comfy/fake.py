@@ -108,7 +108,8 @@ class FakeComfy:
     @property
     def stats(self) -> dict[str, Any]:
         """{"prompts": {prompt_id: {"posted", "executed"}}, "runs": [...], "requests": {...},
-        "uploads": N, "uploaded": {name: N}} (fake_comfy.records)."""
+        "uploads": N, "uploaded": {name: {"count", "first", "last"}}, "posts": [...]}
+        (fake_comfy.records)."""
         return self.records.snapshot()
 
     def new_session(self) -> None:

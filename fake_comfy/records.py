@@ -6,8 +6,10 @@
                "last_message", "end", "outcome"}],
      "requests": {"GET /queue": N, "GET /history/{prompt_id}": N, ...},
      "uploads": N,
-     "uploaded": {name: {"count": N, "first": t, "last": t}}}
-posted: every POST /prompt carrying that id (also those answered 500 or 400);
+     "uploaded": {name: {"count": N, "first": t, "last": t}},
+     "posts": [{"prompt_id", "time"}]}
+posted: every POST /prompt carrying that id (also those answered 500 or 400); `posts`
+lists the same POSTs in the order they came, each with its time;
 executed: executions that started. Times are seconds since the epoch (floats); `end` and
 `outcome` are None while the run is under way; `last_message` is when its last socket
 message went out (execution_success, say: before `end` for a `late` prompt, whose history
@@ -41,6 +43,7 @@ class Records:
         self._requests: dict[str, int] = {}
         self._uploads = 0
         self._uploaded: dict[str, dict[str, Any]] = {}
+        self._posts: list[dict[str, Any]] = []
 
     def request(self, route: str) -> None:
         """Counts one HTTP request, ``route`` as "METHOD /path/{name}"."""
@@ -64,9 +67,11 @@ class Records:
         return counts
 
     def posted(self, prompt_id: str) -> None:
-        """Counts one POST /prompt for `prompt_id`."""
+        """Counts one POST /prompt for `prompt_id` and lists it with its time."""
+        now = time.time()
         with self._lock:
             self._counts(prompt_id)["posted"] += 1
+            self._posts.append({"prompt_id": prompt_id, "time": now})
 
     def known(self, prompt_id: str) -> None:
         """Lists a prompt the fake queued itself (busy=N) with no POST."""
@@ -133,4 +138,5 @@ class Records:
                 "requests": dict(self._requests),
                 "uploads": self._uploads,
                 "uploaded": copy.deepcopy(self._uploaded),
+                "posts": copy.deepcopy(self._posts),
             }

@@ -551,6 +551,11 @@ async def test_script_words_are_consumed_one_per_post_including_refused_ones(
         "c": {"posted": 1, "executed": 1},
         "d": {"posted": 1, "executed": 1},
     }
+    # Every POST in the order it came, refused ones too, each with its time.
+    posts = fake.stats["posts"]
+    assert [p["prompt_id"] for p in posts] == ["a", "b", "c", "d"]
+    times = [p["time"] for p in posts]
+    assert times == sorted(times)
     assert fake.script == []
 
 

@@ -19,7 +19,7 @@ from fake_comfy import FakeComfy
 from fake_comfy.proxy import FaultProxy
 from tests.campaign.invariants import violations
 from tests.campaign.play import play
-from tests.campaign.schedule import MODES, Schedule, ServerPlan, make_schedule
+from tests.campaign.schedule import MODES, PICTURES, Schedule, ServerPlan, make_schedule
 from tests.support import ROOT, executed, fast_config, write_jobs
 
 CI_SEEDS = range(22)
@@ -36,6 +36,20 @@ def test_the_ci_seeds_cover_every_mode_and_every_fault():
     assert any(p.restart and p.restart_at == "download" for p in servers)
     assert any("POST /prompt" in p.lose_answer for p in servers)
     assert any("GET /view" in p.lose_answer for p in servers)
+    assert any("POST /upload/image" in p.lose_answer for p in servers)
+    lines = [(s, line) for s in schedules for line in s.plan]
+    assert {line.kind for _, line in lines} == {"image", "picture", "chained"}
+    # Two jobs of a file whose pictures share a base name, other bytes.
+    assert any(
+        {"pictures/a/key.png", "pictures/b/key.png"}
+        <= {PICTURES[j.picture] for j in s.plan if j.kind == "picture"}
+        for s in schedules
+    )
+    assert any(line.kind == "chained" and line.node == "4" for _, line in lines)
+    assert any(
+        line.kind == "chained" and s.plan[line.upstream].kind != "image" for s, line in lines
+    )
+    assert not any(line.kind == "chained" for s, line in lines if s.mode == "worker")
     words = {w.split("=")[0] for p in servers for w in p.script}
     assert words >= {"ok", "500", "invalid", "error", "oom", "drop", "hang", "slow"}
     assert words >= {"partial", "late", "silent", "restart", "busy"}

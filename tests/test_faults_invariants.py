@@ -13,12 +13,21 @@ from pathlib import Path
 
 import pytest
 
+from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.parse import load_job_file
 from tests.campaign.invariants import violations
 from tests.campaign.play import Played, play
-from tests.campaign.schedule import Schedule, ServerPlan
+from tests.campaign.schedule import PICTURES, JobPlan, Schedule, ServerPlan
 
-CLEAN = Schedule(seed=0, jobs=2, servers=(ServerPlan(script=()),), mode="run")
+# An image job, a job inverting an input picture, and one chained from the image job's
+# solid output.
+CLEAN = Schedule(
+    seed=0,
+    jobs=3,
+    servers=(ServerPlan(script=()),),
+    mode="run",
+    lines=(JobPlan(), JobPlan("picture", picture=0), JobPlan("chained", upstream=0, node="3")),
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +55,17 @@ def broken(
     return violations(mine)
 
 
+def jobs(played: Played) -> list[Job]:
+    return load_job_file(played.phases[0].job_files[0]).jobs
+
+
 def job_ids(played: Played) -> list[str]:
-    return [j.id for j in load_job_file(played.phases[0].job_files[0]).jobs]
+    return [j.id for j in jobs(played)]
+
+
+def post_time(played: Played, prompt_id: str) -> float:
+    (at,) = [p["time"] for p in played.stats["gpu0"]["posts"] if p["prompt_id"] == prompt_id]
+    return at
 
 
 def sql(played: Played, statement: str, *args: object) -> None:
@@ -57,6 +75,15 @@ def sql(played: Played, statement: str, *args: object) -> None:
 
 def test_a_clean_schedule_has_no_violation(clean, tmp_path):
     assert broken(clean, tmp_path, lambda p: None) == []
+
+
+def test_the_clean_schedule_uploads_its_inputs_and_posts_each_job_once(clean):
+    played, _ = clean
+    stats = played.stats["gpu0"]
+    # The picture, and the image job's solid output for the chained job.
+    assert stats["uploads"] == 2
+    assert [p["prompt_id"] for p in stats["posts"]].count(jobs(played)[2].prompt_id) == 1
+    assert len(stats["posts"]) == 3
 
 
 def test_a_traceback_in_a_runs_output_is_a_violation(clean, tmp_path):
@@ -198,5 +225,61 @@ def test_a_missing_results_row_and_a_run_that_never_ended_are_violations(clean, 
         p.phases[0].runs[0].timed_out = True
 
     found = broken(clean, tmp_path, change)
-    assert any("results.csv rows 1 are not the 2 jobs" in f for f in found), found
+    assert any("results.csv rows 2 are not the 3 jobs" in f for f in found), found
     assert any("did not end within the harness's timeout" in f for f in found), found
+
+
+def test_a_post_before_its_input_picture_was_uploaded_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        job = jobs(p)[1]
+        (name,) = [n for n in p.stats["gpu0"]["uploaded"] if job.inputs[0].sha256 in n]
+        p.stats["gpu0"]["uploaded"][name]["first"] = post_time(p, job.prompt_id) + 0.2
+
+    (found,) = broken(clean, tmp_path, change)
+    picture = jobs(clean[0])[1].inputs[0]
+    assert picture.path == PICTURES[0]
+    assert found.endswith(
+        f"before input 1.image was uploaded there as comfy_assets/{picture.sha256}.png "
+        "(first uploaded 0.200 s after the POST)"
+    )
+
+
+def test_a_post_whose_upstream_file_was_never_uploaded_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        uploaded = p.stats["gpu0"]["uploaded"]
+        picture = jobs(p)[1].inputs[0].sha256
+        (name,) = [n for n in uploaded if picture not in n]  # the upstream's solid image
+        del uploaded[name]
+
+    (found,) = broken(clean, tmp_path, change)
+    chained = jobs(clean[0])[2]
+    assert f"job {chained.id}: prompt {chained.prompt_id} posted to gpu0 before input " in found
+    assert found.endswith("(never uploaded)")
+
+
+def test_a_chained_job_posted_before_its_upstream_succeeded_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        upstream, _, chained = jobs(p)
+        sql(
+            p,
+            "UPDATE comfy_events SET time = ? WHERE job_id = ? AND to_state = 'succeeded'",
+            post_time(p, chained.prompt_id) + 0.5,
+            upstream.id,
+        )
+
+    (found,) = broken(clean, tmp_path, change)
+    upstream, _, chained = jobs(clean[0])
+    assert found.endswith(
+        f"job {chained.id}: prompt {chained.prompt_id} posted to gpu0 before job "
+        f"{upstream.id} it continues from was done (it succeeded 0.500 s after the POST)"
+    )
+
+
+def test_a_chained_job_posted_while_its_upstream_never_succeeded_is_a_violation(clean, tmp_path):
+    def change(p: Played) -> None:
+        sql(
+            p, "DELETE FROM comfy_events WHERE job_id = ? AND to_state = 'succeeded'", job_ids(p)[0]
+        )
+
+    (found,) = broken(clean, tmp_path, change)
+    assert found.endswith("it continues from was done (it never succeeded)")

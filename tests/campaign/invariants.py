@@ -18,6 +18,12 @@ the runs' output and results.csv.
   prompt executes until its execution_success, its `last_message`, before its history);
 - nothing of ours queued or running on any server at the end, and every server idle;
 - ``<store>/<partition>/results.csv`` has one row per job, in file order, with its state;
+- every POST of a job with inputs (the fake's ``posts``) comes after that server took an
+  upload of each input under its content-derived name (``comfy_assets/<sha256><suffix>``
+  of the picture's bytes, or of the upstream job's file its done record names): the
+  fake's ``uploaded`` first time; the server keeps its input folder across restarts;
+- a chained job is never posted before each job it continues from is done: its first
+  POST in a phase comes after the upstream's first ``succeeded`` event in that store;
 - each run that was not killed or stopped exits 0 when every job of its file is done, 1
   otherwise; a run stopped by SIGTERM exits 143 (or as it would have, had it ended
   first), and every prompt of ours left on a server after it is one its output says it
@@ -32,6 +38,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from comfy_assets.jobs.model import INPUT_SUBFOLDER, InputFile, Job, JobFile
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.store import Store
@@ -49,6 +56,9 @@ FAULT_REASON = re.compile(
 )
 # An object's repr where a reason should be: what a person reads is the class's guts.
 REPR = re.compile(r"<[A-Z]\w*[(:]|\bobject at 0x[0-9a-f]+")
+# The extension an uploaded input keeps (data/recorded/upload.json: the server keeps a
+# name's extension; a plain one only, so a name is never a path).
+PLAIN_SUFFIX = re.compile(r"\.[a-z0-9]{1,8}")
 EXCUSED = re.compile(r"may render twice|outputs missing|prompt lost")
 
 
@@ -138,6 +148,8 @@ def _jobs(played: Played, phase: Phase) -> list[str]:
                         f"says why; events: {details}"
                     )
             found += _results_csv(store, phase, partition, [j.id for j in job_file.jobs])
+            found += _inputs_before_posts(played, phase, store, jobs_path, job_file)
+            found += _upstream_done_before_posts(played, phase, store, job_file)
             for i, run in enumerate(phase.runs):
                 if run.killed or run.stopped or run.args == ["worker"] or run.jobs != jobs_path:
                     continue
@@ -186,6 +198,92 @@ def _successes(played: Played, phase: Phase, prompt_id: str) -> int:
         for run in stats["runs"][phase.first_run[i] : phase.end_run[i]]:
             count += run["prompt_id"] == prompt_id and run["outcome"] == "success"
     return count
+
+
+def _posts(played: Played, phase: Phase, prompt_id: str) -> list[tuple[str, float]]:
+    """(server, time) of every POST /prompt of ``prompt_id`` during ``phase``."""
+    found = []
+    for i, (server, stats) in enumerate(played.stats.items()):
+        for post in stats["posts"][phase.first_post[i] : phase.end_post[i]]:
+            if post["prompt_id"] == prompt_id:
+                found.append((server, post["time"]))
+    return found
+
+
+def _content_name(sha256: str, path: str) -> str:
+    """The name an input is uploaded under: its bytes' sha256 and the path's extension."""
+    suffix = Path(path).suffix.lower()
+    return f"{INPUT_SUBFOLDER}/{sha256}{suffix if PLAIN_SUFFIX.fullmatch(suffix) else ''}"
+
+
+def _input_names(store: Store, folder: Path, job: Job) -> dict[str, str]:
+    """Input key -> the content-derived name the prompt's server must have before its
+    POST: of the picture's bytes, or of the upstream job's file (the ``index``-th of
+    its node, in path order) as its done record in ``store`` says; an upstream file not
+    recorded is left out (the POST then came before the upstream was done, a violation
+    of its own)."""
+    names = {}
+    for inp in job.inputs:
+        if isinstance(inp, InputFile):
+            names[inp.key] = _content_name(_sha256(folder / inp.path), inp.path)
+            continue
+        files = sorted(
+            (f for f in store.files(inp.job) if f.node_id == inp.node), key=lambda f: f.path
+        )
+        if inp.index < len(files):
+            f = files[inp.index]
+            names[inp.key] = _content_name(f.sha256, f.path)
+    return names
+
+
+def _inputs_before_posts(
+    played: Played, phase: Phase, store: Store, jobs_path: Path, job_file: JobFile
+) -> list[str]:
+    found = []
+    for job in job_file.jobs:
+        if not job.inputs:
+            continue
+        names = _input_names(store, jobs_path.parent, job)
+        for server, at in _posts(played, phase, job.prompt_id):
+            uploaded = played.stats[server]["uploaded"]
+            for key, name in names.items():
+                first = uploaded.get(name, {}).get("first")
+                if first is None or first >= at:
+                    when = (
+                        "never uploaded"
+                        if first is None
+                        else f"first uploaded {first - at:.3f} s after the POST"
+                    )
+                    found.append(
+                        f"{phase.store.name} job {job.id}: prompt {job.prompt_id} posted to "
+                        f"{server} before input {key} was uploaded there as {name} ({when})"
+                    )
+    return found
+
+
+def _upstream_done_before_posts(
+    played: Played, phase: Phase, store: Store, job_file: JobFile
+) -> list[str]:
+    found = []
+    for job in job_file.jobs:
+        posts = _posts(played, phase, job.prompt_id)
+        if not job.depends_on or not posts:
+            continue
+        server, first = min(posts, key=lambda p: p[1])
+        for upstream in job.depends_on:
+            done = [e.time for e in store.events(upstream) if e.to_state == "succeeded"]
+            if not done or min(done) >= first:
+                when = (
+                    "it never succeeded"
+                    if not done
+                    else f"it succeeded {min(done) - first:.3f} s after the POST"
+                )
+                found.append(
+                    f"{phase.store.name} job {job.id}: prompt {job.prompt_id} posted to "
+                    f"{server} before job {upstream} it continues from was done "
+                    f"({when})"
+                )
+    return found
 
 
 def _one_at_a_time(played: Played) -> list[str]:

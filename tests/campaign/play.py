@@ -2,7 +2,8 @@
 ``comfy-assets run`` as subprocesses (``python -m comfy_assets.cli run``), or the
 in-process worker, and everything the invariants need afterwards.
 
-``play(schedule, folder)`` returns a ``Played``: per phase its store, job files, runs
+``play(schedule, folder)`` writes the job files of the schedule's plan (and the input
+pictures beside them), and returns a ``Played``: per phase its store, job files, runs
 (arguments, exit status, stdout, stderr, whether it was SIGKILLed) and the sha256 of
 every file on every server when the phase ended; the fakes' records (``FakeComfy.stats``)
 and what each fake still had queued or running of ours once every run had ended.
@@ -13,7 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import io
+import json
 import logging
+import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from PIL import Image
+
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.service.sources import MemorySource
@@ -31,8 +38,8 @@ from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from fake_comfy.proxy import FaultProxy
-from tests.campaign.schedule import Schedule, ServerPlan
-from tests.support import ROOT, write_jobs
+from tests.campaign.schedule import PICTURES, Schedule, ServerPlan
+from tests.support import ROOT, WORKFLOWS, job_id
 
 RUN_TIMEOUT_S = 120.0  # a run that has not ended by then is a violation (and killed)
 IDLE_TIMEOUT_S = 10.0
@@ -60,9 +67,12 @@ class Phase:
     store: Path
     job_files: list[Path]
     runs: list[RunOutput] = field(default_factory=list)
-    # Per server, the phase's runs are stats["runs"][first_run[i]:end_run[i]].
+    # Per server, the phase's runs are stats["runs"][first_run[i]:end_run[i]], and its
+    # POSTs stats["posts"][first_post[i]:end_post[i]].
     first_run: list[int] = field(default_factory=list)
     end_run: list[int] = field(default_factory=list)
+    first_post: list[int] = field(default_factory=list)
+    end_post: list[int] = field(default_factory=list)
     server_bytes: dict[str, dict[str, str]] = field(default_factory=dict)
     worker: dict[str, Any] | None = None
     # sigterm: per server, our prompts still queued or running once the stopped run exited
@@ -184,6 +194,43 @@ def _restarter(host: Host, stop: threading.Event, errors: list[str]) -> None:
             stop.wait(_LOOK_S)
     except Exception:
         errors.append(f"restarting {host.name}: {traceback.format_exc()}")
+
+
+def picture_png(seed: int, index: int) -> bytes:
+    """The PNG of input picture ``index`` of a schedule: 16 x 12 seeded random pixels."""
+    rng = random.Random(f"picture:{seed}:{index}")
+    pixels = bytes(rng.randrange(256) for _ in range(16 * 12 * 3))
+    out = io.BytesIO()
+    Image.frombytes("RGB", (16, 12), pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def write_plan(folder: Path, schedule: Schedule, *, name: str, salt: str) -> Path:
+    """The job file ``folder/name`` of the schedule's plan (job ids from ``salt``), the
+    workflows and input pictures beside it; returns its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for workflow in ("image.json", "invert_picture.json"):
+        shutil.copy(WORKFLOWS / workflow, folder / workflow)
+    for index, picture in enumerate(PICTURES):
+        (folder / picture).parent.mkdir(parents=True, exist_ok=True)
+        (folder / picture).write_bytes(picture_png(schedule.seed, index))
+    lines = []
+    for i, plan in enumerate(schedule.plan):
+        job: dict[str, Any] = {"id": job_id(i, salt)}
+        if plan.kind == "image":
+            job |= {"workflow": "image.json", "set": {"1.color": 1000 + i}}
+        elif plan.kind == "picture":
+            job |= {
+                "workflow": "invert_picture.json",
+                "inputs": {"1.image": PICTURES[plan.picture]},
+            }
+        else:
+            upstream = {"job": job_id(plan.upstream, salt), "node": plan.node}
+            job |= {"workflow": "invert_picture.json", "inputs": {"1.image": upstream}}
+        lines.append(json.dumps(job))
+    path = folder / name
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def server_bytes(fake: FakeComfy) -> dict[str, str]:
@@ -347,8 +394,8 @@ def play(schedule: Schedule, folder: Path) -> Played:
     phases: list[Phase] = []
     stop = threading.Event()
     threads: list[threading.Thread] = []
-    main_jobs = write_jobs(folder / "jobs", s.jobs, name="jobs.jsonl", salt=f"seed{s.seed}")
-    other_jobs = write_jobs(folder / "jobs", s.jobs, name="other.jsonl", salt=f"other{s.seed}")
+    main_jobs = write_plan(folder / "jobs", s, name="jobs.jsonl", salt=f"seed{s.seed}")
+    other_jobs = write_plan(folder / "jobs", s, name="other.jsonl", salt=f"other{s.seed}")
     try:
         for host in hosts:
             host.start()
@@ -367,8 +414,10 @@ def play(schedule: Schedule, folder: Path) -> Played:
                             p.unlink()
             phase = Phase(store=store, job_files=files)
             phase.first_run = [len(h.fake.stats["runs"]) for h in hosts]
+            phase.first_post = [len(h.fake.stats["posts"]) for h in hosts]
             _play_phase(s, hosts, phase)
             phase.end_run = [len(h.fake.stats["runs"]) for h in hosts]
+            phase.end_post = [len(h.fake.stats["posts"]) for h in hosts]
             phase.server_bytes = {h.name: server_bytes(h.fake) for h in hosts}
             phases.append(phase)
         stop.set()

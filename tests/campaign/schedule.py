@@ -1,8 +1,9 @@
 """Seeded, bounded random fault schedules.
 
 ``make_schedule(seed)`` is a pure function of the seed: the same seed gives the same
-schedule (``Schedule.describe()`` prints it). A schedule has 1-3 fake servers, 4-8 image
-jobs, and:
+schedule (``Schedule.describe()`` prints it). A schedule has 1-3 fake servers, 4-8 jobs
+(``JobPlan``: image jobs, jobs inverting an input picture, and jobs chained from an
+earlier job's output; two of the pictures share a base name with other bytes), and:
 
 - per server a script over the fake's whole vocabulary (``fake_comfy.script.WORDS`` and
   ``busy=N``), at most ``2 * jobs`` words;
@@ -16,7 +17,11 @@ jobs, and:
   once on the shared servers and store, on one job file or two), ``cache_replay`` (a run,
   then the fake's output files deleted and the same file rendered into a new store: the
   cache replays names that are gone) or ``worker`` (the in-process worker fed every job
-  twice: duplicate delivery).
+  twice: duplicate delivery; no chained jobs there, as ``enqueue`` refuses them).
+
+The job plan and the lost answers of ``POST /upload/image`` come from a second generator
+seeded by the seed, drawn after everything else: the faults of a seed are those it had
+before jobs took input pictures.
 
 Bounds keep a schedule to seconds: fast prompts, small deadlines, few faults.
 """
@@ -24,10 +29,15 @@ Bounds keep a schedule to seconds: fast prompts, small deadlines, few faults.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fake_comfy.script import WORDS
 
+# Input pictures of the jobs (paths relative to the job file): two share a base name and
+# have other bytes, so a job given the other's picture would be seen.
+PICTURES = ("pictures/a/key.png", "pictures/b/key.png", "pictures/c.png")
+KINDS = ("image", "picture", "chained")
+_KIND_WEIGHTS = (5, 3, 2)
 MODES = ("run", "sigkill", "sigterm", "concurrent", "cache_replay", "worker")
 # Words that fail a job for good (dead letter at once) are rarer, so most jobs test
 # the paths that must end in a single success.
@@ -47,6 +57,26 @@ _WORD_WEIGHTS = {
     "busy": 1,
 }
 assert set(_WORD_WEIGHTS) - {"busy"} == WORDS, "every script word is in the campaign"
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """One job line. kind: ``image`` (EmptyImage of its own colour, saved as ``solid``
+    and ``inverted``), ``picture`` (LoadImage of ``PICTURES[picture]``, inverted, saved as
+    ``img2img``) or ``chained`` (the same workflow, loading the file node ``node`` of the
+    job on line ``upstream + 1`` wrote: an earlier line)."""
+
+    kind: str = "image"
+    picture: int = 0
+    upstream: int = -1
+    node: str = ""
+
+    def describe(self) -> str:
+        if self.kind == "picture":
+            return f"picture:{PICTURES[self.picture]}"
+        if self.kind == "chained":
+            return f"chained:job{self.upstream}/node{self.node}"
+        return self.kind
 
 
 @dataclass(frozen=True)
@@ -93,12 +123,19 @@ class Schedule:
     timeout_s: float = 3.0
     poll_s: float = 0.1
     base_delay_s: float = 0.02
+    lines: tuple[JobPlan, ...] = ()  # one per job (empty: every job an image job)
+
+    @property
+    def plan(self) -> tuple[JobPlan, ...]:
+        """The job lines, one per job, in file order."""
+        return self.lines or tuple(JobPlan() for _ in range(self.jobs))
 
     def describe(self) -> str:
         """A few lines that say the whole schedule (for failure messages and the bench)."""
         lines = [
             f"seed={self.seed} mode={self.mode} jobs={self.jobs} attempts={self.attempts} "
-            f"kill_after_runs={self.kill_after_runs} same_file={self.same_file}"
+            f"kill_after_runs={self.kill_after_runs} same_file={self.same_file}",
+            f"  lines: {' '.join(j.describe() for j in self.plan)}",
         ]
         for i, s in enumerate(self.servers):
             lines.append(
@@ -123,7 +160,27 @@ def _view_404(rng: random.Random, jobs: int) -> dict[str, int | None]:
         # One output for good: its job renders anew under a new name, or ends a dead
         # letter naming the 404.
         return {f"solid_{rng.randint(1, jobs):05d}_.png": None}
-    return {"inverted_*": None}  # every inverted image for good: all jobs dead letters
+    # Every inverted image for good: every image job a dead letter, and every job chained
+    # from one not rendered.
+    return {"inverted_*": None}
+
+
+def _plan(rng: random.Random, jobs: int, mode: str) -> tuple[JobPlan, ...]:
+    """The job lines: image jobs, picture jobs and (but for the worker) jobs chained from
+    an earlier line."""
+    lines: list[JobPlan] = []
+    for i in range(jobs):
+        kinds = KINDS if i and mode != "worker" else KINDS[:2]
+        kind = rng.choices(kinds, weights=_KIND_WEIGHTS[: len(kinds)])[0]
+        if kind == "picture":
+            lines.append(JobPlan("picture", picture=rng.randrange(len(PICTURES))))
+        elif kind == "chained":
+            up = rng.randrange(i)
+            node = rng.choice(("3", "4")) if lines[up].kind == "image" else "3"
+            lines.append(JobPlan("chained", upstream=up, node=node))
+        else:
+            lines.append(JobPlan())
+    return tuple(lines)
 
 
 def make_schedule(seed: int) -> Schedule:
@@ -156,6 +213,12 @@ def make_schedule(seed: int) -> Schedule:
                 restart_at=rng.choice(("prompt", "download")),
             )
         )
+    more = random.Random(f"inputs:{seed}")
+    lines = _plan(more, jobs, mode)
+    for i, plan in enumerate(servers):
+        if any(j.kind != "image" for j in lines) and more.random() < 0.2:
+            lose = {**plan.lose_answer, "POST /upload/image": more.randint(1, 2)}
+            servers[i] = replace(plan, lose_answer=lose)
     return Schedule(
         seed=seed,
         jobs=jobs,
@@ -164,4 +227,5 @@ def make_schedule(seed: int) -> Schedule:
         attempts=rng.randint(4, 6),
         kill_after_runs=rng.randint(0, jobs),
         same_file=rng.random() < 0.5,
+        lines=lines,
     )
