@@ -269,6 +269,8 @@ def outputs_contact_sheet(
 
 RESULTS_COLUMNS = {
     "job_id": "The job's id.",
+    "line": "Its line in the job file.",
+    "shot": "Its shot number in a storyboard (empty for none).",
     "state": "succeeded, degraded, failed_fatal (dead letter), pending, missing, ...",
     "server": "The ComfyUI server that rendered it last.",
     "attempts": "Attempts since its inputs last changed.",
