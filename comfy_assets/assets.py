@@ -16,11 +16,14 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
+    AssetDep,
     AssetExecutionContext,
     AssetObservation,
     AssetSpec,
     AutomationCondition,
+    DynamicPartitionsDefinition,
     Failure,
+    IdentityPartitionMapping,
     MaterializeResult,
     MetadataValue,
     PreviewWarning,
@@ -52,7 +55,12 @@ from comfy_assets.metadata import (
     results_metadata,
     table,
 )
-from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK, job_files_partitions
+from comfy_assets.partitions import (
+    JOB_FILES_ASSET,
+    JOB_FILES_CHECK,
+    job_files_partitions,
+    storyboard_partitions,
+)
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
@@ -77,15 +85,21 @@ NO_SERVER_RETRY_WAIT_S = 60
 PROGRESS_LOG_S = 5.0
 
 
-def _partition_check(name: str, asset: str, description: str, **kwargs: Any) -> AssetCheckSpec:
-    """A check recorded per partition of job_files (shown on the partition in the UI)."""
+def _partition_check(
+    name: str,
+    asset: str,
+    description: str,
+    partitions_def: DynamicPartitionsDefinition = job_files_partitions,
+    **kwargs: Any,
+) -> AssetCheckSpec:
+    """A check recorded per partition of the asset (shown on the partition in the UI)."""
     # Dagster 1.13 marks partitions_def on a check as preview and warns on every import.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PreviewWarning)
         return AssetCheckSpec(
             name,
             asset=asset,
-            partitions_def=job_files_partitions,
+            partitions_def=partitions_def,
             description=description,
             **kwargs,
         )
@@ -335,19 +349,27 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
     )
 
 
+# Built once renders of the same key is, by films_automation_sensor: after the run that
+# rendered the storyboard has ended, again after each new render of it.
+FILMS_CONDITION = AutomationCondition.eager()
+
+
 @multi_asset(
     specs=[
         AssetSpec(
             "films",
-            deps=[renders],
-            partitions_def=job_files_partitions,
+            # Same keys: a storyboard's film is cut from that job file's renders.
+            deps=[AssetDep(renders, partition_mapping=IdentityPartitionMapping())],
+            partitions_def=storyboard_partitions,
             group_name="films",
             owners=OWNERS,
             kinds={"video"},
+            automation_condition=FILMS_CONDITION,
             description=(
                 "A storyboard's shots cut into one film (film.mp4, in shot order) behind the "
                 "blocking check `gate`; policy delivery or draft (a bad shot becomes a "
-                "slate). Shows the film's contact sheet and what the render cost."
+                "slate). A partition per job file with shots, built after its renders. "
+                "Shows the film, its contact sheet and what the render cost."
             ),
         )
     ],
@@ -357,12 +379,14 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
             "films",
             "Every shot is done, decodes fully and lasts its duration_s (under draft a "
             "bad shot may be a slate); judged before the film is written.",
+            storyboard_partitions,
             blocking=True,
         )
     ],
-    partitions_def=job_files_partitions,
-    # A job file without shots has no film: neither the film nor its gate is recorded
-    # (only an observation saying so), which a subsettable asset may leave out.
+    partitions_def=storyboard_partitions,
+    # A partition added by hand for a job file without shots has no film: neither the film
+    # nor its gate is recorded (only an observation saying so; the sensor then deletes
+    # the partition), which a subsettable asset may leave out.
     can_subset=True,
 )
 def films(

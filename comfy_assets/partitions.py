@@ -23,6 +23,9 @@ from pathlib import Path
 from dagster import DynamicPartitionsDefinition
 
 job_files_partitions = DynamicPartitionsDefinition(name="job_files")
+# The job files whose jobs have shot numbers (storyboards), by the same keys: the partitions
+# of ``films``, so a job file without shots is no film partition waiting for ever.
+storyboard_partitions = DynamicPartitionsDefinition(name="storyboards")
 
 # The asset of the job files themselves (reported by the sensor, upstream of ``renders``)
 # and its check that every file in the watched folders is valid.

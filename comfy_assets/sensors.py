@@ -9,7 +9,11 @@ once even if the cursor is lost. Reverting a file to a version that already ran 
 nothing (its jobs are done in the store anyway).
 
 Each accepted file version is reported as a materialization of its partition of the
-``job_files`` asset (upstream of ``renders``), and the asset's check ``valid`` is
+``job_files`` asset (upstream of ``renders``); a version whose jobs have shot numbers is a
+partition of ``storyboards`` too (``films``), and one without is taken out of it. A
+partition that names no job file and was never built (added by hand in the UI's
+Materialize dialog) is deleted on the next tick, so its failed run does not leave the
+assets red. The ``job_files`` asset's check ``valid`` is
 evaluated whenever the set of bad files changes: failed, with every error on its own
 line, while any file is invalid or ambiguous; passed once none is.
 
@@ -33,9 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dagster import (
+    AddDynamicPartitionsRequest,
     AssetCheckEvaluation,
+    AssetKey,
     AssetMaterialization,
+    AssetRecordsFilter,
+    DagsterInstance,
     DefaultSensorStatus,
+    DeleteDynamicPartitionsRequest,
     MetadataValue,
     RunRequest,
     SensorEvaluationContext,
@@ -53,6 +62,7 @@ from comfy_assets.partitions import (
     job_dirs_from_env,
     job_files_partitions,
     partition_key_for,
+    storyboard_partitions,
 )
 
 SENSOR_INTERVAL_ENV = "COMFY_ASSETS_SENSOR_INTERVAL_S"
@@ -172,6 +182,39 @@ def _ambiguous(key: str, entries: list[os.DirEntry[str]]) -> str:
     return f"partition {key!r} matches several job files, rename all but one: {paths}"
 
 
+def _shots_accepted(instance: DagsterInstance, key: str) -> int:
+    """Shots of the version of ``key``'s job file the sensor last accepted (0 for none)."""
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey(JOB_FILES_ASSET), asset_partitions=[key]), limit=1
+    ).records
+    materialization = records[0].asset_materialization if records else None
+    shots = materialization.metadata.get("shots") if materialization else None
+    return int(shots.value) if shots is not None else 0
+
+
+def stray_partitions(
+    instance: DagsterInstance, present: set[str], job_files: set[str], storyboards: set[str]
+) -> tuple[list[str], list[str]]:
+    """The partitions to delete: of ``job_files``, those that name no file of the watched
+    folders (``present``) and were never rendered; of ``storyboards``, those never filmed
+    whose file is gone or was accepted without shots. Such a partition was added by hand
+    (the UI's "+ Add a partition"): a run of it fails, and the failure would stay on the
+    assets for good, since Dagster cannot wipe a partition of a partitioned asset."""
+    stray: list[str] = []
+    absent = job_files - present
+    if absent:
+        stray = sorted(absent - instance.get_materialized_partitions(AssetKey("renders")))
+    stray_storyboards: list[str] = []
+    if storyboards:
+        waiting = storyboards - instance.get_materialized_partitions(AssetKey("films"))
+        stray_storyboards = [
+            key
+            for key in sorted(waiting)
+            if key not in present or _shots_accepted(instance, key) == 0
+        ]
+    return stray, stray_storyboards
+
+
 def current_problems(dirs: list[Path] | None = None) -> list[str]:
     """Every problem of the watched folders now, each a text of one or more lines: a name
     several files share, or a file that does not validate (its errors, ``path:line:
@@ -223,6 +266,8 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
 
     run_requests: list[RunRequest] = []
     materializations: list[AssetMaterialization] = []
+    with_shots: list[str] = []  # accepted this tick: a partition of storyboards
+    without_shots: list[str] = []  # accepted this tick: not one
     deferred = 0
     workflows = WorkflowCache()  # files dropped together share a workflow: read it once
     for _, key, path, stat in sorted(candidates, key=lambda item: (item[0], item[1])):
@@ -255,6 +300,8 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
             )
         )
         materializations.append(_materialization(key, path, job_file))
+        shots = any(job.shot is not None for job in job_file.jobs)
+        (with_shots if shots else without_shots).append(key)
         context.log.info(f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}")
 
     problems = ambiguous + problems
@@ -265,10 +312,40 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
             f"{deferred} changed job files left for the next tick ({max_runs} runs per tick)"
         )
 
-    new_keys: list[str] = []
-    if run_requests:
-        existing = set(context.instance.get_dynamic_partitions(job_files_partitions.name))
-        new_keys = [req.partition_key for req in run_requests if req.partition_key not in existing]
+    instance = context.instance
+    existing = set(instance.get_dynamic_partitions(job_files_partitions.name))
+    new_keys = [req.partition_key for req in run_requests if req.partition_key not in existing]
+    existing_storyboards = set(instance.get_dynamic_partitions(storyboard_partitions.name))
+    new_storyboards = [key for key in with_shots if key not in existing_storyboards]
+    # A storyboard whose new version has no shots is no film any more.
+    unshot = [key for key in without_shots if key in existing_storyboards]
+    stray, stray_storyboards = stray_partitions(
+        instance,
+        set(by_key),
+        existing,
+        existing_storyboards - set(with_shots) - set(without_shots),
+    )
+    for key in stray:
+        context.log.warning(
+            f"partition {key} names no job file in the watched folders and was never "
+            "rendered (added by hand?): deleted"
+        )
+    for key in stray_storyboards:
+        context.log.warning(
+            f"partition {key} of storyboards names no job file with shots and has no film "
+            "(added by hand?): deleted"
+        )
+    for key in unshot:
+        context.log.info(f"partition {key}: no job has a shot number now; no film partition")
+    requests: list[AddDynamicPartitionsRequest | DeleteDynamicPartitionsRequest] = []
+    if new_keys:
+        requests.append(job_files_partitions.build_add_request(new_keys))
+    if new_storyboards:
+        requests.append(storyboard_partitions.build_add_request(new_storyboards))
+    if stray:
+        requests.append(job_files_partitions.build_delete_request(stray))
+    if unshot or stray_storyboards:
+        requests.append(storyboard_partitions.build_delete_request(unshot + stray_storyboards))
 
     # Every problem standing now (not only this tick's), for the ``valid`` check; it is
     # evaluated again only when they change, so the asset stays red until they are fixed.
@@ -290,7 +367,5 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
         skip_reason=skip_reason,
         asset_events=events,
         cursor=dump_cursor(seen, reported),
-        dynamic_partitions_requests=(
-            [job_files_partitions.build_add_request(new_keys)] if new_keys else []
-        ),
+        dynamic_partitions_requests=requests,
     )
