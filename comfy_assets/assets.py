@@ -46,12 +46,14 @@ from comfy_assets.film.shots import (
 from comfy_assets.jobs.states import DONE
 from comfy_assets.metadata import (
     JOB_COLUMNS,
+    OutputsSheet,
     column_schema,
     film_metadata,
     job_files_check_fields,
     jobs_frame,
+    media_url,
     outputs_contact_sheet,
-    png_file_markdown,
+    picture_markdown,
     results_metadata,
     table,
 )
@@ -175,7 +177,7 @@ def renders(
     job_ids = [job.id for job in job_file.jobs]
 
     store = result_store.open()
-    sheet: Path | None = None
+    sheet: OutputsSheet | None = None
     try:
         summary = run_batch_sync(
             job_file,
@@ -217,7 +219,20 @@ def renders(
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
     jobs = jobs_frame(current, job_ids)
-    metadata: dict[str, object] = {
+    metadata: dict[str, object] = {}
+    if sheet is not None:
+        # First, so the pictures are at the top of the asset's page.
+        url = result_store.media_url
+        metadata["contact_sheet"] = MetadataValue.md(
+            picture_markdown(
+                sheet.path,
+                f"{partition}: {sheet.caption()}",
+                CONTACT_SHEET_PX,
+                media_url(url, result_store.root, sheet.path) if url else None,
+            )
+        )
+        metadata["pictures"] = f"{sheet.caption()}, each labelled with its job and file name"
+    metadata |= {
         "job_file": MetadataValue.path(str(job_file.path.resolve())),
         "job_file_sha256": job_file.sha256,
         "jobs": len(job_ids),
@@ -230,10 +245,7 @@ def renders(
         "job_table": table(jobs, column_schema(jobs, JOB_COLUMNS)),
     }
     if sheet is not None:
-        metadata["contact_sheet"] = MetadataValue.md(
-            png_file_markdown(sheet, f"{partition} contact sheet", CONTACT_SHEET_PX)
-        )
-        metadata["contact_sheet_path"] = MetadataValue.path(str(sheet.resolve()))
+        metadata["contact_sheet_path"] = MetadataValue.path(str(sheet.path.resolve()))
     if summary.stopped:
         metadata["stopped"] = summary.stopped
     dead_frame = jobs[jobs["state"] == "failed_fatal"][["job", "reason", "job_id"]]
@@ -445,6 +457,8 @@ def films(
     finally:
         store.close()
     policy = film_policy(job_file, comfy.policy)
+    url = result_store.media_url
+    media = (url, result_store.root) if url else None
 
     how = policy.mode
     if film.gate.draft:
@@ -456,7 +470,7 @@ def films(
     )
     yield MaterializeResult(
         metadata={
-            **film_metadata(film, cost, CONTACT_SHEET_PX),
+            **film_metadata(film, cost, CONTACT_SHEET_PX, media),
             "job_file_sha256": job_file.sha256,
         },
         check_results=[_gate_check(film.gate, partition)],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import _thread
+import hashlib
 import json
 import shutil
 import threading
@@ -165,12 +166,38 @@ def test_a_four_job_file_renders_every_job_once_and_writes_its_rows(
     types = {c.name: c.type for c in job_table.schema.columns}
     assert types["attempts"] == "int" and types["seconds"] == "float"
     assert types["state"] == "string"
-    # A labeled contact sheet of the outputs: one tile a job, small enough to inline.
+    # A contact sheet of every output, each tile labelled, small enough for the event log.
     sheet = metadata["contact_sheet"].value
-    assert sheet.startswith("![four contact sheet](data:image/png;base64,")
+    assert sheet.startswith("![four: 8 outputs of 4 jobs](data:image/png;base64,")
     assert len(sheet) < 100_000  # metadata lives in the event log
+    assert list(metadata)[0] == "contact_sheet"  # at the top of the page
     with Image.open(metadata["contact_sheet_path"].value) as image:
-        assert image.width == 4 * 160  # four 160 px tiles in a row, one a job
+        assert image.width == 8 * 160  # eight 160 px tiles in a row: 4 jobs, 2 outputs each
+        rgb = image.convert("RGB")
+        # The first job's outputs in the workflow's node order: node 3 saves the colour,
+        # node 4 its inverse (alphabetically first, "inverted_", is not first).
+        assert rgb.getpixel((80, 100)) == (0x11, 0x00, 0x00)
+        assert rgb.getpixel((240, 100)) == (0xEE, 0xFF, 0xFF)
+
+
+def test_with_a_media_url_the_pictures_are_a_short_link_the_ui_shows_inline(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    write_job_file(jobs_dir, "linked", [0x110000, 0x002200])
+    store = ResultStoreResource(folder=str(tmp_path / "store"), media_url="http://media.test/s/")
+
+    with serving(FakeComfy()) as comfy:
+        result = render(instance, "linked", comfy, tmp_path / "store", store)
+
+    (event,) = [
+        e for e in result.get_asset_materialization_events() if e.asset_key.path == ["renders"]
+    ]
+    sheet = event.materialization.metadata["contact_sheet"].value
+    sheet_file = tmp_path / "store" / "linked" / "outputs.contact.png"
+    digest = hashlib.sha256(sheet_file.read_bytes()).hexdigest()[:12]
+    url = f"http://media.test/s/linked/outputs.contact.png?v={digest}"
+    assert sheet == f"[![linked: 4 outputs of 2 jobs]({url})]({url})"
+    assert len(sheet) < 1000  # the UI inlines markdown shorter than this
 
 
 def test_a_changed_file_rerenders_only_the_changed_job(

@@ -8,6 +8,7 @@ shot N.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -61,10 +62,12 @@ def materialize_partition(
     *,
     partition: str = PARTITION,
     only_films: bool = False,
+    media_url: str | None = None,
 ) -> ExecuteInProcessResult:
     """Run render_job's assets for one partition, as the sensor would, then films, as
     films_automation_sensor would (or films alone); returns the films run's result."""
-    resources = {"comfy": comfy, "result_store": ResultStoreResource(folder=str(store_dir))}
+    store = ResultStoreResource(folder=str(store_dir), media_url=media_url)
+    resources = {"comfy": comfy, "result_store": store}
     if not only_films:
         if partition not in instance.get_dynamic_partitions("job_files"):
             instance.add_dynamic_partitions("job_files", [partition])
@@ -149,6 +152,24 @@ def test_a_clean_storyboard_becomes_a_film_as_long_as_its_shots(
     prompt_ids = {job.prompt_id for job in job_file.jobs}
     assert counts([fake], "executed") == dict.fromkeys(prompt_ids, 1)
     assert not list((tmp_path / "store" / PARTITION).glob(".film-work-*"))
+
+
+def test_with_a_media_url_the_film_is_a_link_that_plays_it(
+    storyboard: Path, tmp_path: Path, instance
+) -> None:
+    with serving(FakeComfy(prompt_seconds=0.005)) as comfy:
+        result = materialize_partition(
+            instance, comfy, tmp_path / "store", media_url="http://media.test/store"
+        )
+
+    metadata = film_event(result).metadata
+    film = tmp_path / "store" / PARTITION / "film.mp4"
+    digest = hashlib.sha256(film.read_bytes()).hexdigest()[:12]
+    assert list(metadata)[:2] == ["film", "contact_sheet"]  # at the top of the page
+    assert metadata["film"].value == f"http://media.test/store/{PARTITION}/film.mp4?v={digest}"
+    sheet = metadata["contact_sheet"].value
+    assert sheet.startswith("[![film contact sheet](http://media.test/store/storyboard/")
+    assert len(sheet) < 1000  # inline in the UI, no click
 
 
 def test_a_failed_shot_blocks_the_film_under_delivery_and_keeps_the_other_shots(
