@@ -75,7 +75,7 @@ from comfy_assets.render.run import run_batch_sync
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.sensors import JOB_FILE_SHA_TAG, current_problems
 from comfy_assets.store import StoreUnavailable
-from comfy_assets.versions import load_partition_file, load_rendered_file
+from comfy_assets.versions import job_file_missing, load_partition_file, load_rendered_file
 
 # Who answers for these assets in the UI (Dagster owners: an e-mail or "team:<name>").
 OWNERS = ["team:render"]
@@ -132,9 +132,22 @@ def job_files_valid() -> AssetCheckResult:
     return AssetCheckResult(**job_files_check_fields(current_problems()))
 
 
-@asset(
-    partitions_def=job_files_partitions,
-    deps=[job_files],
+@multi_asset(
+    specs=[
+        AssetSpec(
+            "renders",
+            deps=[job_files],
+            partitions_def=job_files_partitions,
+            group_name="renders",
+            owners=OWNERS,
+            kinds={"comfyui"},
+            description=(
+                "Every job of the job file rendered on the ComfyUI pool; jobs already done "
+                "with the same inputs are not rendered again. Shows the job table and a "
+                "contact sheet of every output."
+            ),
+        )
+    ],
     check_specs=[
         _partition_check(
             "no_dead_letters",
@@ -147,18 +160,16 @@ def job_files_valid() -> AssetCheckResult:
             "Every job of the file's current version is succeeded or degraded.",
         ),
     ],
-    group_name="renders",
-    owners=OWNERS,
-    kinds={"comfyui"},
-    description=(
-        "Every job of the job file rendered on the ComfyUI pool; jobs already done with the "
-        "same inputs are not rendered again. Shows the job table and a contact sheet."
-    ),
+    partitions_def=job_files_partitions,
+    # A partition that names no job file materializes nothing and checks nothing (see
+    # job_file_missing), which a subsettable asset may leave out.
+    can_subset=True,
 )
 def renders(
     context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
-) -> MaterializeResult:
-    """Render the partition's job file; return its job table, counts and checks."""
+) -> Iterator[MaterializeResult]:
+    """Render the partition's job file; yield its job table, counts and checks (nothing for
+    a partition that names no job file)."""
     # Dead letters: the batch runs to its end, then the asset materializes with the check
     # no_dead_letters failed (severity ERROR). It does not raise: Dagster cannot fail a step
     # and record its materialization, and raising would skip render_results, losing the
@@ -167,6 +178,8 @@ def renders(
     # prompts, releases its claims and server leases, and re-raises. A missing or invalid
     # job file fails the run without retries.
     partition = context.partition_key
+    if job_file_missing(context, partition):
+        return
     job_file = load_partition_file(partition)
     requested = context.run.tags.get(JOB_FILE_SHA_TAG)
     if requested and requested != job_file.sha256:
@@ -249,7 +262,7 @@ def renders(
     if summary.stopped:
         metadata["stopped"] = summary.stopped
     dead_frame = jobs[jobs["state"] == "failed_fatal"][["job", "reason", "job_id"]]
-    return MaterializeResult(
+    yield MaterializeResult(
         metadata=metadata,
         check_results=[
             AssetCheckResult(
@@ -424,6 +437,8 @@ def films(
     # placeholder shots, policy, draft, concat_mode), the contact sheet, and the cost
     # report of comfy_assets.render.cost over every recorded attempt of the file's jobs.
     partition = context.partition_key
+    if job_file_missing(context, partition):
+        return
     job_file = load_rendered_file(context, partition)
     if not has_shots(job_file):
         context.log.info(f"{job_file.path}: no job has a shot number; no film")

@@ -229,9 +229,10 @@ def jobs_frame(records: Sequence[Any], job_ids: Sequence[str]) -> pd.DataFrame:
 
 # A partition's contact sheet: every output of its done jobs (shots in shot order, then
 # jobs in line order, each job's outputs in its workflow's node order), up to SHEET_TILES.
+# Four 140 px tiles a row: 560 px fit the metadata column of Dagster's UI (wider is cut).
 SHEET_TILES = 60
-SHEET_COLUMNS = 8
-SHEET_TILE_PX = 160
+SHEET_COLUMNS = 4
+SHEET_TILE_PX = 140
 PICTURE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp"}) | VIDEO_SUFFIXES
 
 

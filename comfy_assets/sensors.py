@@ -12,13 +12,14 @@ Each accepted file version is reported as a materialization of its partition of 
 ``job_files`` asset (upstream of ``renders``); a version whose jobs have shot numbers is a
 partition of ``storyboards`` too (``films``), and one without is taken out of it. A
 partition that names no job file and was never built (added by hand in the UI's
-Materialize dialog) is deleted on the next tick, so its failed run does not leave the
-assets red. The ``job_files`` asset's check ``valid`` is
+Materialize dialog) is deleted once no run of it is waiting or running, STRAY_GRACE_S
+after the sensor first saw it (a run of it materializes nothing and succeeds), so it
+stays neither Missing nor red. The ``job_files`` asset's check ``valid`` is
 evaluated whenever the set of bad files changes: failed, with every error on its own
 line, while any file is invalid or ambiguous; passed once none is.
 
 The cursor is JSON: ``{"v": 1, "files": {partition_key: [sha256[:16], size, mtime_ns,
-ok, errors?]}, "reported": digest}``. A file that fails validation is reported once (tick
+ok, errors?]}, "reported": digest, "stray": {"<definition>/<key>": first seen}}``. A file that fails validation is reported once (tick
 log, skip reason, the ``valid`` check) and remembered as not ok with its errors; it
 launches as soon as its content changes. ``touch`` re-validates a bad file whose content
 did not change (for a fix made elsewhere, e.g. a workflow). Files beyond the per-tick
@@ -32,6 +33,7 @@ and a half-written file could be valid and launch with only part of its jobs.
 import hashlib
 import json
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +45,12 @@ from dagster import (
     AssetMaterialization,
     AssetRecordsFilter,
     DagsterInstance,
+    DagsterRunStatus,
     DefaultSensorStatus,
     DeleteDynamicPartitionsRequest,
     MetadataValue,
     RunRequest,
+    RunsFilter,
     SensorEvaluationContext,
     SensorResult,
     sensor,
@@ -75,6 +79,15 @@ JOB_FILE_TAG = "comfy_assets/job_file"
 JOB_FILE_SHA_TAG = "comfy_assets/job_file_sha256"
 
 CURSOR_VERSION = 1
+# A partition that names no job file is deleted this long after the sensor first saw it.
+STRAY_GRACE_S = 300.0
+UNFINISHED = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
+]
 _HASH_CHARS = 16
 
 
@@ -132,12 +145,22 @@ def reported_digest(cursor: str | None) -> str | None:
     return json.loads(cursor).get("reported") if cursor else None
 
 
-def dump_cursor(seen: dict[str, SeenFile], reported: str | None = None) -> str:
+def stray_since(cursor: str | None) -> dict[str, float]:
+    """When each partition that names no job file was first seen (epoch seconds), by
+    ``<partitions definition>/<key>``."""
+    return dict(json.loads(cursor).get("stray", {})) if cursor else {}
+
+
+def dump_cursor(
+    seen: dict[str, SeenFile], reported: str | None = None, stray: dict[str, float] | None = None
+) -> str:
     """Serialize the remembered files (sorted, so equal states give equal cursors)."""
     files = {key: seen[key].to_json() for key in sorted(seen)}
     data: dict[str, object] = {"v": CURSOR_VERSION, "files": files}
     if reported is not None:
         data["reported"] = reported
+    if stray:
+        data["stray"] = {key: stray[key] for key in sorted(stray)}
     return json.dumps(data, separators=(",", ":"))
 
 
@@ -192,27 +215,51 @@ def _shots_accepted(instance: DagsterInstance, key: str) -> int:
     return int(shots.value) if shots is not None else 0
 
 
+def _has_unfinished_run(instance: DagsterInstance, key: str) -> bool:
+    """Whether a run of partition ``key`` is queued or running."""
+    runs = instance.get_runs(
+        filters=RunsFilter(tags={"dagster/partition": key}, statuses=UNFINISHED), limit=1
+    )
+    return bool(runs)
+
+
 def stray_partitions(
-    instance: DagsterInstance, present: set[str], job_files: set[str], storyboards: set[str]
-) -> tuple[list[str], list[str]]:
-    """The partitions to delete: of ``job_files``, those that name no file of the watched
-    folders (``present``) and were never rendered; of ``storyboards``, those never filmed
-    whose file is gone or was accepted without shots. Such a partition was added by hand
-    (the UI's "+ Add a partition"): a run of it fails, and the failure would stay on the
-    assets for good, since Dagster cannot wipe a partition of a partitioned asset."""
-    stray: list[str] = []
+    instance: DagsterInstance,
+    present: set[str],
+    job_files: set[str],
+    storyboards: set[str],
+    since: dict[str, float],
+    now: float,
+) -> tuple[list[str], list[str], dict[str, float]]:
+    """The partitions to delete now, of ``job_files`` and of ``storyboards``, and when each
+    one that stays was first seen. A partition is stray when it names no job file of the
+    watched folders (``present``) and was never rendered, or (of ``storyboards``) never
+    filmed, with its file gone or accepted without shots: someone added it by hand (the
+    UI's "+ Add a partition"). It stays while a run of it is queued or running (that run
+    finds no file and materializes nothing), and STRAY_GRACE_S after it was first seen, so
+    the run launched right after adding it finds it; then it goes, Missing for good
+    otherwise. ``since`` (from the cursor) says when each was first seen."""
+    candidates: list[tuple[str, str]] = []
     absent = job_files - present
     if absent:
-        stray = sorted(absent - instance.get_materialized_partitions(AssetKey("renders")))
-    stray_storyboards: list[str] = []
+        rendered = instance.get_materialized_partitions(AssetKey("renders"))
+        candidates += [(job_files_partitions.name, key) for key in sorted(absent - rendered)]
     if storyboards:
         waiting = storyboards - instance.get_materialized_partitions(AssetKey("films"))
-        stray_storyboards = [
-            key
+        candidates += [
+            (storyboard_partitions.name, key)
             for key in sorted(waiting)
             if key not in present or _shots_accepted(instance, key) == 0
         ]
-    return stray, stray_storyboards
+    delete: dict[str, list[str]] = {job_files_partitions.name: [], storyboard_partitions.name: []}
+    still: dict[str, float] = {}
+    for definition, key in candidates:
+        first = since.get(f"{definition}/{key}", now)
+        if now - first >= STRAY_GRACE_S and not _has_unfinished_run(instance, key):
+            delete[definition].append(key)
+        else:
+            still[f"{definition}/{key}"] = first
+    return delete[job_files_partitions.name], delete[storyboard_partitions.name], still
 
 
 def current_problems(dirs: list[Path] | None = None) -> list[str]:
@@ -319,21 +366,23 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
     new_storyboards = [key for key in with_shots if key not in existing_storyboards]
     # A storyboard whose new version has no shots is no film any more.
     unshot = [key for key in without_shots if key in existing_storyboards]
-    stray, stray_storyboards = stray_partitions(
+    stray, stray_storyboards, stray_seen = stray_partitions(
         instance,
         set(by_key),
         existing,
         existing_storyboards - set(with_shots) - set(without_shots),
+        stray_since(context.cursor),
+        time.time(),
     )
     for key in stray:
         context.log.warning(
             f"partition {key} names no job file in the watched folders and was never "
-            "rendered (added by hand?): deleted"
+            f"rendered (added by hand?): deleted {STRAY_GRACE_S:.0f} s after it was seen"
         )
     for key in stray_storyboards:
         context.log.warning(
             f"partition {key} of storyboards names no job file with shots and has no film "
-            "(added by hand?): deleted"
+            f"(added by hand?): deleted {STRAY_GRACE_S:.0f} s after it was seen"
         )
     for key in unshot:
         context.log.info(f"partition {key}: no job has a shot number now; no film partition")
@@ -366,6 +415,6 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
         run_requests=run_requests,
         skip_reason=skip_reason,
         asset_events=events,
-        cursor=dump_cursor(seen, reported),
+        cursor=dump_cursor(seen, reported, stray_seen),
         dynamic_partitions_requests=requests,
     )

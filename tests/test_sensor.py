@@ -17,11 +17,13 @@ from dagster import (
     AssetMaterialization,
     AssetRecordsFilter,
     DagsterInstance,
+    DagsterRunStatus,
     DeleteDynamicPartitionsRequest,
     SensorResult,
     build_sensor_context,
     instance_for_test,
 )
+from dagster._core.test_utils import create_run_for_test
 
 from comfy_assets import sensors
 from comfy_assets.partitions import (
@@ -176,7 +178,14 @@ def test_only_a_job_file_with_shots_is_a_partition_of_films(jobs_dir: Path, inst
     assert instance.get_dynamic_partitions(storyboard_partitions.name) == []
 
 
-def test_a_partition_added_by_hand_that_names_no_job_file_is_deleted(
+def aged(cursor: str | None, seconds: float) -> str:
+    """``cursor`` as if every partition naming no job file had been seen ``seconds`` earlier."""
+    data = json.loads(cursor or "{}")
+    data["stray"] = {key: first - seconds for key, first in data.get("stray", {}).items()}
+    return json.dumps(data)
+
+
+def test_a_partition_added_by_hand_that_names_no_job_file_is_deleted_after_a_while(
     jobs_dir: Path, instance
 ) -> None:
     write_jobs(jobs_dir / "a.jsonl")
@@ -189,14 +198,39 @@ def test_a_partition_added_by_hand_that_names_no_job_file_is_deleted(
     instance.add_dynamic_partitions(job_files_partitions.name, ["nosuch"])
     instance.add_dynamic_partitions(storyboard_partitions.name, ["nosuch", "a"])
 
+    # Kept for a while: the user launches a run of it right after adding it.
     second = tick(instance, first.cursor)
+    assert "nosuch" in instance.get_dynamic_partitions(job_files_partitions.name)
+    third = tick(instance, aged(second.cursor, sensors.STRAY_GRACE_S - 5))
+    assert "nosuch" in instance.get_dynamic_partitions(job_files_partitions.name)
+
+    fourth = tick(instance, aged(third.cursor, sensors.STRAY_GRACE_S))
 
     assert sorted(instance.get_dynamic_partitions(job_files_partitions.name)) == ["a", "gone"]
     # gone.jsonl has no film and no file: nothing to cut, its film partition goes too.
     assert instance.get_dynamic_partitions(storyboard_partitions.name) == []
-    assert second.run_requests == []
-    third = tick(instance, second.cursor)
-    assert third.dynamic_partitions_requests == []
+    assert fourth.run_requests == []
+    assert tick(instance, fourth.cursor).dynamic_partitions_requests == []
+
+
+def test_a_partition_named_by_no_job_file_stays_while_a_run_of_it_is_running(
+    jobs_dir: Path, instance
+) -> None:
+    first = tick(instance, None)
+    instance.add_dynamic_partitions(job_files_partitions.name, ["nosuch"])
+    run = create_run_for_test(
+        instance,
+        job_name="render_job",
+        tags={"dagster/partition": "nosuch"},
+        status=DagsterRunStatus.STARTED,
+    )
+    second = tick(instance, aged(tick(instance, first.cursor).cursor, sensors.STRAY_GRACE_S))
+    assert instance.get_dynamic_partitions(job_files_partitions.name) == ["nosuch"]
+
+    instance.report_run_canceled(run)
+    tick(instance, aged(second.cursor, 1))
+
+    assert instance.get_dynamic_partitions(job_files_partitions.name) == []
 
 
 def test_touched_file_with_the_same_bytes_requests_nothing(jobs_dir: Path, instance) -> None:
