@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -111,6 +112,32 @@ def pages(url: str, partitions: Sequence[str], storyboards: Sequence[str]) -> li
         f"runs:         {url}/runs",
         f"sensor:       {url}/locations/{LOCATION}/sensors/job_file_sensor",
     ]
+
+
+# What Dagster's commands (``dagster job launch``, ``dg launch``) need to act on the kept
+# demo's home, servers and store as its daemon does.
+ENV_FILE = "env"
+SHARED_SETTINGS = (
+    "DAGSTER_HOME",
+    "COMFY_ASSETS_SERVERS",
+    "COMFY_ASSETS_STORE",
+    "COMFY_ASSETS_JOB_DIRS",
+    "COMFY_ASSETS_MEDIA_URL",
+)
+
+
+def write_env(demo_dir: Path, env: dict[str, str]) -> str:
+    """Write ``<demo_dir>/env``, the kept demo's settings as shell ``export`` lines; return
+    how to name it from the current folder (``.demo/env``) for ``. FILE``."""
+    path = demo_dir / ENV_FILE
+    try:
+        name = str(path.relative_to(Path.cwd()))
+    except ValueError:
+        name = str(path)
+    lines = [f"export {key}={shlex.quote(env[key])}" for key in SHARED_SETTINGS if key in env]
+    header = f"# The kept demo's settings for Dagster's commands (dagster, dg): . {name}"
+    path.write_text("\n".join([header, *lines]) + "\n")
+    return name
 
 
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -232,7 +259,8 @@ def run_demo(
                 for line in pages(ui_url, keys, storyboards):
                     announce(f"  {line}")
             announce(f"stop them with: {_stop_command(demo_dir)}")
-            announce(f"Dagster commands on this home need: export DAGSTER_HOME={home}")
+            settings = write_env(demo_dir, env)
+            announce(f"Dagster commands on this home (dagster, dg) need its settings: . {settings}")
         return 0
     finally:
         if not kept:
