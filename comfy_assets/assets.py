@@ -16,11 +16,14 @@ from dagster import (
     AssetCheckResult,
     AssetCheckSeverity,
     AssetCheckSpec,
+    AssetDep,
     AssetExecutionContext,
     AssetObservation,
     AssetSpec,
     AutomationCondition,
+    DynamicPartitionsDefinition,
     Failure,
+    IdentityPartitionMapping,
     MaterializeResult,
     MetadataValue,
     PreviewWarning,
@@ -43,16 +46,23 @@ from comfy_assets.film.shots import (
 from comfy_assets.jobs.states import DONE
 from comfy_assets.metadata import (
     JOB_COLUMNS,
+    OutputsSheet,
     column_schema,
     film_metadata,
     job_files_check_fields,
     jobs_frame,
+    media_url,
     outputs_contact_sheet,
-    png_file_markdown,
+    picture_markdown,
     results_metadata,
     table,
 )
-from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK, job_files_partitions
+from comfy_assets.partitions import (
+    JOB_FILES_ASSET,
+    JOB_FILES_CHECK,
+    job_files_partitions,
+    storyboard_partitions,
+)
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
@@ -65,7 +75,7 @@ from comfy_assets.render.run import run_batch_sync
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.sensors import JOB_FILE_SHA_TAG, current_problems
 from comfy_assets.store import StoreUnavailable
-from comfy_assets.versions import load_partition_file, load_rendered_file
+from comfy_assets.versions import job_file_missing, load_partition_file, load_rendered_file
 
 # Who answers for these assets in the UI (Dagster owners: an e-mail or "team:<name>").
 OWNERS = ["team:render"]
@@ -77,15 +87,21 @@ NO_SERVER_RETRY_WAIT_S = 60
 PROGRESS_LOG_S = 5.0
 
 
-def _partition_check(name: str, asset: str, description: str, **kwargs: Any) -> AssetCheckSpec:
-    """A check recorded per partition of job_files (shown on the partition in the UI)."""
+def _partition_check(
+    name: str,
+    asset: str,
+    description: str,
+    partitions_def: DynamicPartitionsDefinition = job_files_partitions,
+    **kwargs: Any,
+) -> AssetCheckSpec:
+    """A check recorded per partition of the asset (shown on the partition in the UI)."""
     # Dagster 1.13 marks partitions_def on a check as preview and warns on every import.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PreviewWarning)
         return AssetCheckSpec(
             name,
             asset=asset,
-            partitions_def=job_files_partitions,
+            partitions_def=partitions_def,
             description=description,
             **kwargs,
         )
@@ -116,9 +132,22 @@ def job_files_valid() -> AssetCheckResult:
     return AssetCheckResult(**job_files_check_fields(current_problems()))
 
 
-@asset(
-    partitions_def=job_files_partitions,
-    deps=[job_files],
+@multi_asset(
+    specs=[
+        AssetSpec(
+            "renders",
+            deps=[job_files],
+            partitions_def=job_files_partitions,
+            group_name="renders",
+            owners=OWNERS,
+            kinds={"comfyui"},
+            description=(
+                "Every job of the job file rendered on the ComfyUI pool; jobs already done "
+                "with the same inputs are not rendered again. Shows the job table and a "
+                "contact sheet of every output."
+            ),
+        )
+    ],
     check_specs=[
         _partition_check(
             "no_dead_letters",
@@ -131,18 +160,16 @@ def job_files_valid() -> AssetCheckResult:
             "Every job of the file's current version is succeeded or degraded.",
         ),
     ],
-    group_name="renders",
-    owners=OWNERS,
-    kinds={"comfyui"},
-    description=(
-        "Every job of the job file rendered on the ComfyUI pool; jobs already done with the "
-        "same inputs are not rendered again. Shows the job table and a contact sheet."
-    ),
+    partitions_def=job_files_partitions,
+    # A partition that names no job file materializes nothing and checks nothing (see
+    # job_file_missing), which a subsettable asset may leave out.
+    can_subset=True,
 )
 def renders(
     context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
-) -> MaterializeResult:
-    """Render the partition's job file; return its job table, counts and checks."""
+) -> Iterator[MaterializeResult]:
+    """Render the partition's job file; yield its job table, counts and checks (nothing for
+    a partition that names no job file)."""
     # Dead letters: the batch runs to its end, then the asset materializes with the check
     # no_dead_letters failed (severity ERROR). It does not raise: Dagster cannot fail a step
     # and record its materialization, and raising would skip render_results, losing the
@@ -151,6 +178,8 @@ def renders(
     # prompts, releases its claims and server leases, and re-raises. A missing or invalid
     # job file fails the run without retries.
     partition = context.partition_key
+    if job_file_missing(context, partition):
+        return
     job_file = load_partition_file(partition)
     requested = context.run.tags.get(JOB_FILE_SHA_TAG)
     if requested and requested != job_file.sha256:
@@ -161,7 +190,7 @@ def renders(
     job_ids = [job.id for job in job_file.jobs]
 
     store = result_store.open()
-    sheet: Path | None = None
+    sheet: OutputsSheet | None = None
     try:
         summary = run_batch_sync(
             job_file,
@@ -204,7 +233,20 @@ def renders(
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
     jobs = jobs_frame(current, job_ids, outputs)
-    metadata: dict[str, object] = {
+    metadata: dict[str, object] = {}
+    if sheet is not None:
+        # First, so the pictures are at the top of the asset's page.
+        url = result_store.media_url
+        metadata["contact_sheet"] = MetadataValue.md(
+            picture_markdown(
+                sheet.path,
+                f"{partition}: {sheet.caption()}",
+                CONTACT_SHEET_PX,
+                media_url(url, result_store.root, sheet.path) if url else None,
+            )
+        )
+        metadata["pictures"] = f"{sheet.caption()}, each labelled with its job and file name"
+    metadata |= {
         "job_file": MetadataValue.path(str(job_file.path.resolve())),
         "job_file_sha256": job_file.sha256,
         "jobs": len(job_ids),
@@ -217,14 +259,11 @@ def renders(
         "job_table": table(jobs, column_schema(jobs, JOB_COLUMNS)),
     }
     if sheet is not None:
-        metadata["contact_sheet"] = MetadataValue.md(
-            png_file_markdown(sheet, f"{partition} contact sheet", CONTACT_SHEET_PX)
-        )
-        metadata["contact_sheet_path"] = MetadataValue.path(str(sheet.resolve()))
+        metadata["contact_sheet_path"] = MetadataValue.path(str(sheet.path.resolve()))
     if summary.stopped:
         metadata["stopped"] = summary.stopped
     dead_frame = jobs[jobs["state"] == "failed_fatal"][["job", "reason", "job_id"]]
-    return MaterializeResult(
+    yield MaterializeResult(
         metadata=metadata,
         check_results=[
             AssetCheckResult(
@@ -336,19 +375,27 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
     )
 
 
+# Built once renders of the same key is, by films_automation_sensor: after the run that
+# rendered the storyboard has ended, again after each new render of it.
+FILMS_CONDITION = AutomationCondition.eager()
+
+
 @multi_asset(
     specs=[
         AssetSpec(
             "films",
-            deps=[renders],
-            partitions_def=job_files_partitions,
+            # Same keys: a storyboard's film is cut from that job file's renders.
+            deps=[AssetDep(renders, partition_mapping=IdentityPartitionMapping())],
+            partitions_def=storyboard_partitions,
             group_name="films",
             owners=OWNERS,
             kinds={"video"},
+            automation_condition=FILMS_CONDITION,
             description=(
                 "A storyboard's shots cut into one film (film.mp4, in shot order) behind the "
                 "blocking check `gate`; policy delivery or draft (a bad shot becomes a "
-                "slate). Shows the film's contact sheet and what the render cost."
+                "slate). A partition per job file with shots, built after its renders. "
+                "Shows the film, its contact sheet and what the render cost."
             ),
         )
     ],
@@ -358,12 +405,14 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
             "films",
             "Every shot is done, decodes fully and lasts its duration_s (under draft a "
             "bad shot may be a slate); judged before the film is written.",
+            storyboard_partitions,
             blocking=True,
         )
     ],
-    partitions_def=job_files_partitions,
-    # A job file without shots has no film: neither the film nor its gate is recorded
-    # (only an observation saying so), which a subsettable asset may leave out.
+    partitions_def=storyboard_partitions,
+    # A partition added by hand for a job file without shots has no film: neither the film
+    # nor its gate is recorded (only an observation saying so; the sensor then deletes
+    # the partition), which a subsettable asset may leave out.
     can_subset=True,
 )
 def films(
@@ -389,6 +438,8 @@ def films(
     # placeholder shots, policy, draft, concat_mode), the contact sheet, and the cost
     # report of comfy_assets.render.cost over every recorded attempt of the file's jobs.
     partition = context.partition_key
+    if job_file_missing(context, partition):
+        return
     job_file = load_rendered_file(context, partition)
     if not has_shots(job_file):
         context.log.info(f"{job_file.path}: no job has a shot number; no film")
@@ -422,6 +473,8 @@ def films(
     finally:
         store.close()
     policy = film_policy(job_file, comfy.policy)
+    url = result_store.media_url
+    media = (url, result_store.root) if url else None
 
     how = policy.mode
     if film.gate.draft:
@@ -433,7 +486,7 @@ def films(
     )
     yield MaterializeResult(
         metadata={
-            **film_metadata(film, cost, CONTACT_SHEET_PX),
+            **film_metadata(film, cost, CONTACT_SHEET_PX, media),
             "job_file_sha256": job_file.sha256,
         },
         check_results=[_gate_check(film.gate, partition)],

@@ -1,10 +1,11 @@
 """The Dagster definitions of comfy-assets (``workspace.yaml``, ``[tool.dagster]``).
 
 Job files dropped into the watched folders become partitions of ``renders`` through
-``job_file_sensor``, which launches ``render_job`` (renders + render_results + films) once
-per file version. ``films`` cuts a storyboard's shots into ``film.mp4`` behind its blocking
-``gate`` check (a file without shots materializes as "no shots"). ``all_results`` gathers
-every partition's table, built again by ``results_automation_sensor`` after any render.
+``job_file_sensor``, which launches ``render_job`` (renders + render_results) once per file
+version. A job file with shots is a partition of ``films`` too (``storyboards``):
+``films_automation_sensor`` cuts its shots into ``film.mp4`` behind the blocking ``gate``
+check once its render run has ended. ``all_results`` gathers every partition's table,
+built again by ``results_automation_sensor`` after any render.
 ``job_files`` (the files themselves, reported by the sensor) is upstream of ``renders``.
 """
 
@@ -33,12 +34,23 @@ from comfy_assets.sensors import job_file_sensor
 # worker died; the batch itself retries each job with backoff.
 render_job = define_asset_job(
     "render_job",
-    selection=[renders, render_results, films],  # all partitioned by job_files
+    selection=[renders, render_results],  # both partitioned by job_files
     tags={"dagster/max_retries": "2"},
     description=(
-        "Render every job of one job file, write its results CSV and, for a storyboard, "
-        "its film (refused by the gate when a shot is missing or bad, unless draft)."
+        "Render every job of one job file and write its results CSV (a storyboard's film "
+        "follows, launched by films_automation_sensor)."
     ),
+)
+
+# Cuts a storyboard's film after its renders: films is partitioned by storyboards only,
+# so it cannot share render_job (one partitions definition a job).
+films_automation_sensor = AutomationConditionSensorDefinition(
+    "films_automation_sensor",
+    target=AssetSelection.assets(films),
+    default_status=DefaultSensorStatus.RUNNING,
+    minimum_interval_seconds=10,
+    description="Cuts a storyboard's film once its render run has ended (and after each "
+    "new render of it).",
 )
 
 # Builds all_results after renders; running from the start like job_file_sensor (the
@@ -54,7 +66,7 @@ results_automation_sensor = AutomationConditionSensorDefinition(
 defs = Definitions(
     assets=[job_files, renders, render_results, films, all_results],
     asset_checks=[job_files_valid],
-    sensors=[job_file_sensor, results_automation_sensor],
+    sensors=[job_file_sensor, results_automation_sensor, films_automation_sensor],
     jobs=[render_job],
     resources=default_resources(),
 )

@@ -6,11 +6,14 @@ open-source Dagster shows an image; metadata lives in the event log, so they sta
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import quote
 
 import pandas as pd
 from dagster import (
@@ -235,51 +238,100 @@ def jobs_frame(
     return frame
 
 
-# Tiles of a partition's contact sheet: the first jobs (in shot, then line order).
-SHEET_TILES = 12
+# A partition's contact sheet: every output of its done jobs (shots in shot order, then
+# jobs in line order, each job's outputs in its workflow's node order), up to SHEET_TILES.
+# Four 140 px tiles a row: 560 px fit the metadata column of Dagster's UI (wider is cut).
+SHEET_TILES = 60
 SHEET_COLUMNS = 4
-SHEET_TILE_PX = 160
+SHEET_TILE_PX = 140
 PICTURE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp"}) | VIDEO_SUFFIXES
 
 
-def tile_label(job_id: str, shot: int | None) -> str:
-    """``shot 3 · job 1a2b3c4d`` for a storyboard shot, ``job 1a2b3c4d`` otherwise."""
+@dataclass(frozen=True)
+class OutputsSheet:
+    """A partition's contact sheet: ``shown`` of the ``outputs`` pictures and videos of
+    ``jobs`` done jobs."""
+
+    path: Path
+    shown: int
+    outputs: int
+    jobs: int
+
+    def caption(self) -> str:
+        """``40 outputs of 20 jobs``, or ``the first 60 of 84 outputs of 42 jobs``."""
+        jobs = f"{self.jobs} job" + ("" if self.jobs == 1 else "s")
+        if self.shown < self.outputs:
+            return f"the first {self.shown} of {self.outputs} outputs of {jobs}"
+        return f"{self.outputs} output" + ("" if self.outputs == 1 else "s") + f" of {jobs}"
+
+
+def tile_label(job_id: str, shot: int | None, name: str) -> str:
+    """Two lines: ``shot 3 · job 1a2b3c4d`` (``job 1a2b3c4d`` without a shot) and the
+    output's file name."""
     job = f"job {job_id[:8]}"
-    return job if shot is None else f"shot {shot} · {job}"
+    return (job if shot is None else f"shot {shot} · {job}") + "\n" + name
+
+
+def _node_order(node_id: str | None) -> tuple[int, int, str]:
+    """Workflow node ids in their numeric order ("3" before "10"), others after."""
+    if node_id is not None and node_id.isdigit():
+        return (0, int(node_id), "")
+    return (1, 0, node_id or "")
 
 
 def outputs_contact_sheet(
     store: Store, partition: str, records: Sequence[Any], out: Path
-) -> Path | None:
-    """Write ``out``: a labeled contact sheet of the first SHEET_TILES done jobs' outputs
-    (each job's first image, or the middle frame of its first video), shots in shot
-    order. Returns None when no job has a picture. Raises MediaError for a broken file."""
+) -> OutputsSheet | None:
+    """Write ``out``: a contact sheet of every picture and video the done jobs wrote (a
+    video's middle frame), each tile labelled with its shot, job and file name; the first
+    SHEET_TILES of them. Returns None when no job has one. Raises MediaError for a broken
+    file."""
     done = [r for r in records if r.state in DONE]
     done.sort(key=lambda r: (r.shot is None, r.shot or 0, r.line))
     clips: list[Path] = []
     labels: list[str] = []
+    outputs = jobs = 0
     for record in done:
-        if len(clips) >= SHEET_TILES:
-            break
         files = [
             f for f in store.files(record.job_id) if Path(f.path).suffix.lower() in PICTURE_SUFFIXES
         ]
-        if not files:
-            continue
-        videos = [f for f in files if Path(f.path).suffix.lower() in VIDEO_SUFFIXES]
-        chosen = (videos or files)[0] if record.shot is not None else files[0]
-        clips.append(store.job_dir(partition, record.job_id) / chosen.path)
-        labels.append(tile_label(record.job_id, record.shot))
+        files.sort(key=lambda f: (_node_order(f.node_id), f.path))
+        outputs += len(files)
+        jobs += 1 if files else 0
+        for f in files[: max(0, SHEET_TILES - len(clips))]:
+            clips.append(store.job_dir(partition, record.job_id) / f.path)
+            labels.append(tile_label(record.job_id, record.shot, PurePosixPath(f.path).name))
     if not clips:
         return None
     sheet = contact_sheet(
         clips, out, columns=SHEET_COLUMNS, thumb_width=SHEET_TILE_PX, labels=labels
     )
-    return sheet.path
+    return OutputsSheet(sheet.path, len(clips), outputs, jobs)
+
+
+def media_url(base: str, root: Path, path: Path) -> str:
+    """The URL of ``path``, a file of the store folder ``root`` served at ``base``, with
+    ``?v=`` and the first 12 hex digits of its sha256, so a browser shows the file as it
+    is now rather than one it cached. Raises ValueError for a path outside ``root``."""
+    relative = path.resolve().relative_to(root.resolve()).as_posix()
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    return f"{base.rstrip('/')}/{quote(relative)}?v={digest}"
+
+
+def picture_markdown(path: Path, alt: str, max_px: int, url: str | None) -> str:
+    """The picture at ``path`` as markdown: with its ``url``, a link of a few dozen
+    characters that the UI shows inline, full size, without a click (a click on it opens
+    the file); without one, a base64 thumbnail ``max_px`` square (the UI shows markdown
+    over 1000 characters behind [Show Markdown])."""
+    if url is not None:
+        return f"[![{alt}]({url})]({url})"
+    return png_file_markdown(path, alt, max_px)
 
 
 RESULTS_COLUMNS = {
     "job_id": "The job's id.",
+    "line": "Its line in the job file.",
+    "shot": "Its shot number in a storyboard (empty for none).",
     "state": "succeeded, degraded, failed_fatal (dead letter), pending, missing, ...",
     "server": "The ComfyUI server that rendered it last.",
     "attempts": "Attempts since its inputs last changed.",
@@ -302,10 +354,25 @@ def results_metadata(frame: pd.DataFrame, path: Path) -> dict[str, object]:
 
 
 def film_metadata(
-    film: FilmResult, cost: dict[str, float | int | None] | None, sheet_px: int
+    film: FilmResult,
+    cost: dict[str, float | int | None] | None,
+    sheet_px: int,
+    media: tuple[str, Path] | None = None,
 ) -> dict[str, object]:
-    """The film materialization's metadata: the film, then the cost report as numbers."""
-    metadata: dict[str, object] = {
+    """The film materialization's metadata: the contact sheet, the film, then the cost
+    report as numbers. ``media``: the store's ``(media URL, folder)`` when the folder is
+    served over HTTP; the film is then a link that plays it and the sheet is inline."""
+    sheet_url = film_url = None
+    if media is not None:
+        sheet_url = media_url(*media, film.contact_sheet)
+        film_url = media_url(*media, film.concat.path)
+    metadata: dict[str, object] = {}
+    if film_url is not None:
+        metadata["film"] = MetadataValue.url(film_url)
+    metadata["contact_sheet"] = MetadataValue.md(
+        picture_markdown(film.contact_sheet, "film contact sheet", sheet_px, sheet_url)
+    )
+    metadata |= {
         "path": MetadataValue.path(str(film.concat.path.resolve())),
         "duration_s": MetadataValue.float(float(film.concat.duration_s)),
         "shot_count": film.concat.clips,
@@ -314,9 +381,6 @@ def film_metadata(
         "policy": film.gate.mode,
         "draft": film.gate.draft,
         "concat_mode": film.concat.mode,
-        "contact_sheet": MetadataValue.md(
-            png_file_markdown(film.contact_sheet, "film contact sheet", sheet_px)
-        ),
         "contact_sheet_path": MetadataValue.path(str(film.contact_sheet.resolve())),
     }
     if film.concat.reason:

@@ -25,6 +25,9 @@ from dagster import DynamicPartitionsDefinition
 from comfy_assets.jobs.inputs import FOLLOW_INPUT_LINKS_ENV, MAX_INPUT_BYTES_ENV, InputRules
 
 job_files_partitions = DynamicPartitionsDefinition(name="job_files")
+# The job files whose jobs have shot numbers (storyboards), by the same keys: the partitions
+# of ``films``, so a job file without shots is no film partition waiting for ever.
+storyboard_partitions = DynamicPartitionsDefinition(name="storyboards")
 
 # The asset of the job files themselves (reported by the sensor, upstream of ``renders``)
 # and its check that every file in the watched folders is valid.

@@ -6,6 +6,8 @@ One deployment differs from another by environment only:
   (default ``gpu0=http://127.0.0.1:8188,gpu1=http://127.0.0.1:8189``).
 - ``COMFY_ASSETS_STORE``: the result store's folder (default ``store``).
 - ``COMFY_ASSETS_DB_URL``: the store's database URL (default: SQLite inside the folder).
+- ``COMFY_ASSETS_MEDIA_URL``: where the store's folder is served over HTTP, if it is
+  (``make demo`` serves it); the UI then shows the pictures inline and links the film.
 
 When a variable is set, :func:`env_or_default` passes it as an ``EnvVar`` (the UI shows
 the variable's name, not its value); when unset, the default is a plain value, because an
@@ -29,6 +31,7 @@ from comfy_assets.store import DB_URL_ENV, Store
 
 SERVERS_ENV = "COMFY_ASSETS_SERVERS"
 STORE_ENV = "COMFY_ASSETS_STORE"
+MEDIA_URL_ENV = "COMFY_ASSETS_MEDIA_URL"
 DEFAULT_SERVERS = "gpu0=http://127.0.0.1:8188,gpu1=http://127.0.0.1:8189"
 DEFAULT_STORE = "store"
 
@@ -108,6 +111,13 @@ class ResultStoreResource(ConfigurableResource):
     db_url: str | None = Field(
         default=None, description="Database URL; None means SQLite inside the folder."
     )
+    media_url: str | None = Field(
+        default=None,
+        description="The URL the store's folder is served at over HTTP (a web server "
+        "of yours, read-only), e.g. http://media.internal/store; with it the UI shows "
+        "each partition's pictures inline and links the film. None: pictures are "
+        "thumbnails behind [Show Markdown], files are paths.",
+    )
 
     @property
     def root(self) -> Path:
@@ -126,5 +136,6 @@ def default_resources() -> dict[str, ConfigurableResource]:
         "result_store": ResultStoreResource(
             folder=env_or_default(STORE_ENV, DEFAULT_STORE),
             db_url=env_or_default(DB_URL_ENV, None),
+            media_url=env_or_default(MEDIA_URL_ENV, None),
         ),
     }

@@ -9,12 +9,17 @@ once even if the cursor is lost. Reverting a file to a version that already ran 
 nothing (its jobs are done in the store anyway).
 
 Each accepted file version is reported as a materialization of its partition of the
-``job_files`` asset (upstream of ``renders``), and the asset's check ``valid`` is
+``job_files`` asset (upstream of ``renders``); a version whose jobs have shot numbers is a
+partition of ``storyboards`` too (``films``), and one without is taken out of it. A
+partition that names no job file and was never built (added by hand in the UI's
+Materialize dialog) is deleted once no run of it is waiting or running, STRAY_GRACE_S
+after the sensor first saw it (a run of it materializes nothing and succeeds), so it
+stays neither Missing nor red. The ``job_files`` asset's check ``valid`` is
 evaluated whenever the set of bad files changes: failed, with every error on its own
 line, while any file is invalid or ambiguous; passed once none is.
 
 The cursor is JSON: ``{"v": 1, "files": {partition_key: [sha256[:16], size, mtime_ns,
-ok, errors?]}, "reported": digest}``. A file that fails validation is reported once (tick
+ok, errors?]}, "reported": digest, "stray": {"<definition>/<key>": first seen}}``. A file that fails validation is reported once (tick
 log, skip reason, the ``valid`` check) and remembered as not ok with its errors; it
 launches as soon as its content changes. ``touch`` re-validates a bad file whose content
 did not change (for a fix made elsewhere, e.g. a workflow). Files beyond the per-tick
@@ -28,16 +33,24 @@ and a half-written file could be valid and launch with only part of its jobs.
 import hashlib
 import json
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
 from dagster import (
+    AddDynamicPartitionsRequest,
     AssetCheckEvaluation,
+    AssetKey,
     AssetMaterialization,
+    AssetRecordsFilter,
+    DagsterInstance,
+    DagsterRunStatus,
     DefaultSensorStatus,
+    DeleteDynamicPartitionsRequest,
     MetadataValue,
     RunRequest,
+    RunsFilter,
     SensorEvaluationContext,
     SensorResult,
     sensor,
@@ -54,6 +67,7 @@ from comfy_assets.partitions import (
     job_dirs_from_env,
     job_files_partitions,
     partition_key_for,
+    storyboard_partitions,
 )
 
 SENSOR_INTERVAL_ENV = "COMFY_ASSETS_SENSOR_INTERVAL_S"
@@ -66,6 +80,15 @@ JOB_FILE_TAG = "comfy_assets/job_file"
 JOB_FILE_SHA_TAG = "comfy_assets/job_file_sha256"
 
 CURSOR_VERSION = 1
+# A partition that names no job file is deleted this long after the sensor first saw it.
+STRAY_GRACE_S = 300.0
+UNFINISHED = [
+    DagsterRunStatus.QUEUED,
+    DagsterRunStatus.NOT_STARTED,
+    DagsterRunStatus.STARTING,
+    DagsterRunStatus.STARTED,
+    DagsterRunStatus.CANCELING,
+]
 _HASH_CHARS = 16
 
 
@@ -123,12 +146,22 @@ def reported_digest(cursor: str | None) -> str | None:
     return json.loads(cursor).get("reported") if cursor else None
 
 
-def dump_cursor(seen: dict[str, SeenFile], reported: str | None = None) -> str:
+def stray_since(cursor: str | None) -> dict[str, float]:
+    """When each partition that names no job file was first seen (epoch seconds), by
+    ``<partitions definition>/<key>``."""
+    return dict(json.loads(cursor).get("stray", {})) if cursor else {}
+
+
+def dump_cursor(
+    seen: dict[str, SeenFile], reported: str | None = None, stray: dict[str, float] | None = None
+) -> str:
     """Serialize the remembered files (sorted, so equal states give equal cursors)."""
     files = {key: seen[key].to_json() for key in sorted(seen)}
     data: dict[str, object] = {"v": CURSOR_VERSION, "files": files}
     if reported is not None:
         data["reported"] = reported
+    if stray:
+        data["stray"] = {key: stray[key] for key in sorted(stray)}
     return json.dumps(data, separators=(",", ":"))
 
 
@@ -171,6 +204,63 @@ def _by_key(dirs: list[Path]) -> dict[str, list[os.DirEntry[str]]]:
 def _ambiguous(key: str, entries: list[os.DirEntry[str]]) -> str:
     paths = ", ".join(sorted(entry.path for entry in entries))
     return f"partition {key!r} matches several job files, rename all but one: {paths}"
+
+
+def _shots_accepted(instance: DagsterInstance, key: str) -> int:
+    """Shots of the version of ``key``'s job file the sensor last accepted (0 for none)."""
+    records = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey(JOB_FILES_ASSET), asset_partitions=[key]), limit=1
+    ).records
+    materialization = records[0].asset_materialization if records else None
+    shots = materialization.metadata.get("shots") if materialization else None
+    return int(shots.value) if shots is not None else 0
+
+
+def _has_unfinished_run(instance: DagsterInstance, key: str) -> bool:
+    """Whether a run of partition ``key`` is queued or running."""
+    runs = instance.get_runs(
+        filters=RunsFilter(tags={"dagster/partition": key}, statuses=UNFINISHED), limit=1
+    )
+    return bool(runs)
+
+
+def stray_partitions(
+    instance: DagsterInstance,
+    present: set[str],
+    job_files: set[str],
+    storyboards: set[str],
+    since: dict[str, float],
+    now: float,
+) -> tuple[list[str], list[str], dict[str, float]]:
+    """The partitions to delete now, of ``job_files`` and of ``storyboards``, and when each
+    one that stays was first seen. A partition is stray when it names no job file of the
+    watched folders (``present``) and was never rendered, or (of ``storyboards``) never
+    filmed, with its file gone or accepted without shots: someone added it by hand (the
+    UI's "+ Add a partition"). It stays while a run of it is queued or running (that run
+    finds no file and materializes nothing), and STRAY_GRACE_S after it was first seen, so
+    the run launched right after adding it finds it; then it goes, Missing for good
+    otherwise. ``since`` (from the cursor) says when each was first seen."""
+    candidates: list[tuple[str, str]] = []
+    absent = job_files - present
+    if absent:
+        rendered = instance.get_materialized_partitions(AssetKey("renders"))
+        candidates += [(job_files_partitions.name, key) for key in sorted(absent - rendered)]
+    if storyboards:
+        waiting = storyboards - instance.get_materialized_partitions(AssetKey("films"))
+        candidates += [
+            (storyboard_partitions.name, key)
+            for key in sorted(waiting)
+            if key not in present or _shots_accepted(instance, key) == 0
+        ]
+    delete: dict[str, list[str]] = {job_files_partitions.name: [], storyboard_partitions.name: []}
+    still: dict[str, float] = {}
+    for definition, key in candidates:
+        first = since.get(f"{definition}/{key}", now)
+        if now - first >= STRAY_GRACE_S and not _has_unfinished_run(instance, key):
+            delete[definition].append(key)
+        else:
+            still[f"{definition}/{key}"] = first
+    return delete[job_files_partitions.name], delete[storyboard_partitions.name], still
 
 
 def current_problems(dirs: list[Path] | None = None) -> list[str]:
@@ -224,6 +314,8 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
 
     run_requests: list[RunRequest] = []
     materializations: list[AssetMaterialization] = []
+    with_shots: list[str] = []  # accepted this tick: a partition of storyboards
+    without_shots: list[str] = []  # accepted this tick: not one
     deferred = 0
     workflows = WorkflowCache()  # files dropped together share a workflow: read it once
     for _, key, path, stat in sorted(candidates, key=lambda item: (item[0], item[1])):
@@ -256,6 +348,8 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
             )
         )
         materializations.append(_materialization(key, path, job_file))
+        shots = any(job.shot is not None for job in job_file.jobs)
+        (with_shots if shots else without_shots).append(key)
         context.log.info(f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}")
 
     problems = ambiguous + problems
@@ -266,10 +360,42 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
             f"{deferred} changed job files left for the next tick ({max_runs} runs per tick)"
         )
 
-    new_keys: list[str] = []
-    if run_requests:
-        existing = set(context.instance.get_dynamic_partitions(job_files_partitions.name))
-        new_keys = [req.partition_key for req in run_requests if req.partition_key not in existing]
+    instance = context.instance
+    existing = set(instance.get_dynamic_partitions(job_files_partitions.name))
+    new_keys = [req.partition_key for req in run_requests if req.partition_key not in existing]
+    existing_storyboards = set(instance.get_dynamic_partitions(storyboard_partitions.name))
+    new_storyboards = [key for key in with_shots if key not in existing_storyboards]
+    # A storyboard whose new version has no shots is no film any more.
+    unshot = [key for key in without_shots if key in existing_storyboards]
+    stray, stray_storyboards, stray_seen = stray_partitions(
+        instance,
+        set(by_key),
+        existing,
+        existing_storyboards - set(with_shots) - set(without_shots),
+        stray_since(context.cursor),
+        time.time(),
+    )
+    for key in stray:
+        context.log.warning(
+            f"partition {key} names no job file in the watched folders and was never "
+            f"rendered (added by hand?): deleted {STRAY_GRACE_S:.0f} s after it was seen"
+        )
+    for key in stray_storyboards:
+        context.log.warning(
+            f"partition {key} of storyboards names no job file with shots and has no film "
+            f"(added by hand?): deleted {STRAY_GRACE_S:.0f} s after it was seen"
+        )
+    for key in unshot:
+        context.log.info(f"partition {key}: no job has a shot number now; no film partition")
+    requests: list[AddDynamicPartitionsRequest | DeleteDynamicPartitionsRequest] = []
+    if new_keys:
+        requests.append(job_files_partitions.build_add_request(new_keys))
+    if new_storyboards:
+        requests.append(storyboard_partitions.build_add_request(new_storyboards))
+    if stray:
+        requests.append(job_files_partitions.build_delete_request(stray))
+    if unshot or stray_storyboards:
+        requests.append(storyboard_partitions.build_delete_request(unshot + stray_storyboards))
 
     # Every problem standing now (not only this tick's), for the ``valid`` check; it is
     # evaluated again only when they change, so the asset stays red until they are fixed.
@@ -290,8 +416,6 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
         run_requests=run_requests,
         skip_reason=skip_reason,
         asset_events=events,
-        cursor=dump_cursor(seen, reported),
-        dynamic_partitions_requests=(
-            [job_files_partitions.build_add_request(new_keys)] if new_keys else []
-        ),
+        cursor=dump_cursor(seen, reported, stray_seen),
+        dynamic_partitions_requests=requests,
     )

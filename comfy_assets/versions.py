@@ -11,6 +11,22 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, input_rules_from_env
 
 
+def job_file_missing(context: AssetExecutionContext, partition: str) -> bool:
+    """True, with an error line in the run's log, when no watched folder has the
+    partition's job file: a partition added by hand (the UI's "+ Add a partition") or one
+    whose file was removed. The step then materializes nothing and succeeds: Dagster shows
+    an asset red after a failed run until a later run materializes it, and a partition
+    that names no file will never be materialized (job_file_sensor deletes it)."""
+    try:
+        find_job_file(partition)
+    except FileNotFoundError as exc:
+        context.log.error(f"partition {partition}: {exc}; nothing to do (added by hand?)")
+        return True
+    except AmbiguousJobFileError:
+        return False  # load_partition_file fails the step with the names
+    return False
+
+
 def load_partition_file(partition: str) -> JobFile:
     """The job file of a partition; a missing or invalid file fails without retries."""
     try:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import _thread
+import hashlib
 import json
+import logging
 import shutil
 import threading
 import uuid
@@ -165,12 +167,38 @@ def test_a_four_job_file_renders_every_job_once_and_writes_its_rows(
     types = {c.name: c.type for c in job_table.schema.columns}
     assert types["attempts"] == "int" and types["seconds"] == "float"
     assert types["state"] == "string"
-    # A labeled contact sheet of the outputs: one tile a job, small enough to inline.
+    # A contact sheet of every output, each tile labelled, small enough for the event log.
     sheet = metadata["contact_sheet"].value
-    assert sheet.startswith("![four contact sheet](data:image/png;base64,")
+    assert sheet.startswith("![four: 8 outputs of 4 jobs](data:image/png;base64,")
     assert len(sheet) < 100_000  # metadata lives in the event log
+    assert list(metadata)[0] == "contact_sheet"  # at the top of the page
     with Image.open(metadata["contact_sheet_path"].value) as image:
-        assert image.width == 4 * 160  # four 160 px tiles in a row, one a job
+        assert image.width == 4 * 140  # four 140 px tiles a row: 2 jobs of 2 outputs
+        rgb = image.convert("RGB")
+        # The first job's outputs in the workflow's node order: node 3 saves the colour,
+        # node 4 its inverse (alphabetically first, "inverted_", is not first).
+        assert rgb.getpixel((70, 100)) == (0x11, 0x00, 0x00)
+        assert rgb.getpixel((210, 100)) == (0xEE, 0xFF, 0xFF)
+
+
+def test_with_a_media_url_the_pictures_are_a_short_link_the_ui_shows_inline(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    write_job_file(jobs_dir, "linked", [0x110000, 0x002200])
+    store = ResultStoreResource(folder=str(tmp_path / "store"), media_url="http://media.test/s/")
+
+    with serving(FakeComfy()) as comfy:
+        result = render(instance, "linked", comfy, tmp_path / "store", store)
+
+    (event,) = [
+        e for e in result.get_asset_materialization_events() if e.asset_key.path == ["renders"]
+    ]
+    sheet = event.materialization.metadata["contact_sheet"].value
+    sheet_file = tmp_path / "store" / "linked" / "outputs.contact.png"
+    digest = hashlib.sha256(sheet_file.read_bytes()).hexdigest()[:12]
+    url = f"http://media.test/s/linked/outputs.contact.png?v={digest}"
+    assert sheet == f"[![linked: 4 outputs of 2 jobs]({url})]({url})"
+    assert len(sheet) < 1000  # the UI inlines markdown shorter than this
 
 
 def test_a_changed_file_rerenders_only_the_changed_job(
@@ -369,18 +397,23 @@ def test_all_results_is_requested_after_each_render_and_current_after(
     assert frame["partition"].tolist() == ["one", "one", "two"]
 
 
-def test_a_missing_job_file_fails_the_run_and_posts_nothing(
+def test_a_partition_that_names_no_job_file_renders_nothing_and_leaves_no_failed_run(
     jobs_dir: Path, tmp_path: Path, instance
 ) -> None:
+    # A partition added by hand in the UI: a failed run would leave renders red until some
+    # later run materialized it, and nothing ever materializes this partition.
     fake = FakeComfy()
 
     with serving(fake) as comfy:
         result = render(instance, "gone", comfy, tmp_path / "store")
 
-    assert not result.success
-    (failure,) = result.get_step_failure_events()
-    assert "no job file for partition 'gone'" in str(
-        failure.step_failure_data.user_failure_data.description
+    assert result.success
+    assert result.get_asset_materialization_events() == []
+    assert [e.step_key for e in result.get_step_skipped_events()] == ["render_results"]
+    assert any(
+        "partition gone: no job file for partition 'gone'" in record.user_message
+        and record.level == logging.ERROR
+        for record in instance.all_logs(result.run_id)
     )
     assert fake.stats["prompts"] == {}
 

@@ -6,32 +6,40 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dagster import AssetCheckKey, AssetKey, DefaultSensorStatus
+from dagster import AssetCheckKey, AssetKey, DefaultSensorStatus, IdentityPartitionMapping
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.definitions import defs
-from comfy_assets.partitions import job_files_partitions
+from comfy_assets.partitions import job_files_partitions, storyboard_partitions
 from comfy_assets.resources import ComfyPoolResource, ServerConfig, default_resources
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_render_job_renders_tabulates_and_films_one_job_file() -> None:
+def test_render_job_renders_and_tabulates_one_job_file() -> None:
     job = defs.resolve_job_def("render_job")
 
     assert job.partitions_def == job_files_partitions
     assert job.tags["dagster/max_retries"] == "2"
     graph = job.asset_layer.asset_graph
-    assert graph.executable_asset_keys == {
-        AssetKey("renders"),
-        AssetKey("render_results"),
-        AssetKey("films"),
-    }
+    assert graph.executable_asset_keys == {AssetKey("renders"), AssetKey("render_results")}
     assert graph.asset_check_keys == {
         AssetCheckKey(AssetKey("renders"), "no_dead_letters"),
         AssetCheckKey(AssetKey("renders"), "all_jobs_done"),
-        AssetCheckKey(AssetKey("films"), "gate"),
     }
+
+
+def test_films_has_a_partition_per_storyboard_and_follows_its_renders() -> None:
+    graph = defs.resolve_asset_graph()
+    node = graph.get(AssetKey("films"))
+
+    assert node.partitions_def == storyboard_partitions
+    mapping = graph.get_partition_mapping(AssetKey("films"), AssetKey("renders"))
+    assert isinstance(mapping, IdentityPartitionMapping)
+    assert node.automation_condition is not None
+    automation = defs.resolve_sensor_def("films_automation_sensor")
+    assert automation.default_status == DefaultSensorStatus.RUNNING
+    assert automation.asset_selection.resolve(graph) == {AssetKey("films")}
 
 
 def test_every_asset_and_the_sensor_are_defined() -> None:
@@ -68,14 +76,13 @@ def test_the_graph_reads_job_files_renders_results_films_all_results() -> None:
 def test_checks_are_recorded_per_partition_except_the_job_files_check() -> None:
     graph = defs.resolve_asset_graph()
     partitioned = {
-        key.to_user_string(): graph.get(key).partitions_def == job_files_partitions
-        for key in graph.asset_check_keys
+        key.to_user_string(): graph.get(key).partitions_def for key in graph.asset_check_keys
     }
     assert partitioned == {
-        "renders:no_dead_letters": True,
-        "renders:all_jobs_done": True,
-        "films:gate": True,
-        "job_files:valid": False,  # one verdict on every file of the watched folders
+        "renders:no_dead_letters": job_files_partitions,
+        "renders:all_jobs_done": job_files_partitions,
+        "films:gate": storyboard_partitions,
+        "job_files:valid": None,  # one verdict on every file of the watched folders
     }
 
 

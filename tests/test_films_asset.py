@@ -8,6 +8,7 @@ shot N.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -21,6 +22,7 @@ from dagster import (
     AssetKey,
     DagsterInstance,
     ExecuteInProcessResult,
+    evaluate_automation_conditions,
     materialize,
 )
 
@@ -60,16 +62,28 @@ def materialize_partition(
     *,
     partition: str = PARTITION,
     only_films: bool = False,
+    media_url: str | None = None,
 ) -> ExecuteInProcessResult:
-    """Run render_job's assets (or films alone) for one partition, as the sensor would."""
-    if partition not in instance.get_dynamic_partitions("job_files"):
-        instance.add_dynamic_partitions("job_files", [partition])
+    """Run render_job's assets for one partition, as the sensor would, then films, as
+    films_automation_sensor would (or films alone); returns the films run's result."""
+    store = ResultStoreResource(folder=str(store_dir), media_url=media_url)
+    resources = {"comfy": comfy, "result_store": store}
+    if not only_films:
+        if partition not in instance.get_dynamic_partitions("job_files"):
+            instance.add_dynamic_partitions("job_files", [partition])
+        materialize(
+            [renders, render_results],
+            partition_key=partition,
+            instance=instance,
+            resources=resources,
+        )
+    if partition not in instance.get_dynamic_partitions("storyboards"):
+        instance.add_dynamic_partitions("storyboards", [partition])
     return materialize(
-        [renders, render_results, films],
-        selection=[films] if only_films else None,
+        [films],
         partition_key=partition,
         instance=instance,
-        resources={"comfy": comfy, "result_store": ResultStoreResource(folder=str(store_dir))},
+        resources=resources,
         raise_on_error=False,
     )
 
@@ -138,6 +152,24 @@ def test_a_clean_storyboard_becomes_a_film_as_long_as_its_shots(
     prompt_ids = {job.prompt_id for job in job_file.jobs}
     assert counts([fake], "executed") == dict.fromkeys(prompt_ids, 1)
     assert not list((tmp_path / "store" / PARTITION).glob(".film-work-*"))
+
+
+def test_with_a_media_url_the_film_is_a_link_that_plays_it(
+    storyboard: Path, tmp_path: Path, instance
+) -> None:
+    with serving(FakeComfy(prompt_seconds=0.005)) as comfy:
+        result = materialize_partition(
+            instance, comfy, tmp_path / "store", media_url="http://media.test/store"
+        )
+
+    metadata = film_event(result).metadata
+    film = tmp_path / "store" / PARTITION / "film.mp4"
+    digest = hashlib.sha256(film.read_bytes()).hexdigest()[:12]
+    assert list(metadata)[:2] == ["film", "contact_sheet"]  # at the top of the page
+    assert metadata["film"].value == f"http://media.test/store/{PARTITION}/film.mp4?v={digest}"
+    sheet = metadata["contact_sheet"].value
+    assert sheet.startswith("[![film contact sheet](http://media.test/store/storyboard/")
+    assert len(sheet) < 1000  # inline in the UI, no click
 
 
 def test_a_failed_shot_blocks_the_film_under_delivery_and_keeps_the_other_shots(
@@ -309,7 +341,7 @@ def test_a_fixed_job_line_renders_only_that_shot_and_turns_a_draft_into_a_clean_
     assert probe(film).duration_s == pytest.approx(sum(SHOT_SECONDS), abs=FRAME_S)
 
 
-def test_a_job_file_without_shots_shows_no_film_and_no_gate(
+def test_a_film_partition_added_by_hand_for_a_file_without_shots_cuts_no_film(
     tmp_path: Path, instance, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     (tmp_path / "workflows").mkdir()
@@ -335,9 +367,35 @@ def test_a_job_file_without_shots_shows_no_film_and_no_gate(
     assert not (tmp_path / "store" / "stills" / "film.mp4").exists()
 
 
-def test_render_job_cuts_the_film_behind_a_blocking_gate() -> None:
-    job = defs.resolve_job_def("render_job")
-    graph = job.asset_layer.asset_graph
+def test_a_storyboard_film_is_requested_once_its_renders_are_built(
+    storyboard: Path, tmp_path: Path, instance
+) -> None:
+    def requested(cursor=None):
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        return evaluation.get_requested_partitions(AssetKey("films")), evaluation.cursor
+
+    instance.add_dynamic_partitions("job_files", [PARTITION, "stills"])
+    instance.add_dynamic_partitions("storyboards", [PARTITION])  # as the sensor does
+    store_dir = tmp_path / "store"
+    with serving(FakeComfy(prompt_seconds=0.005)) as comfy:
+        wanted, cursor = requested()
+        assert wanted == set()  # renders not built yet: nothing to cut
+        resources = {"comfy": comfy, "result_store": ResultStoreResource(folder=str(store_dir))}
+        materialize(
+            [renders, render_results],
+            partition_key=PARTITION,
+            instance=instance,
+            resources=resources,
+        )
+        wanted, cursor = requested(cursor)
+        assert wanted == {PARTITION}
+        materialize_partition(instance, comfy, store_dir, only_films=True)
+        wanted, cursor = requested(cursor)
+        assert wanted == set()  # cut: nothing changed since
+
+
+def test_the_film_is_cut_behind_a_blocking_gate() -> None:
+    graph = defs.resolve_asset_graph()
 
     assert AssetKey("films") in graph.executable_asset_keys
     assert AssetCheckKey(AssetKey("films"), "gate") in graph.asset_check_keys

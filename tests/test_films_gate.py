@@ -90,7 +90,8 @@ def test_clean_storyboard_is_stream_copied_in_shot_order(tmp_path):
     assert close(colour_at(film.concat.path, 5.9), COLOURS[5])
     sheet = Image.open(film.contact_sheet)
     assert film.contact_sheet == tmp_path / "film.contact.png"
-    assert sheet.width == 6 * 160  # one row of six 160-pixel tiles
+    assert sheet.size[0] == 3 * 160  # two rows of three 160-pixel tiles, labelled "shot N"
+    assert sheet.size[1] == 2 * (round(160 * 72 / 128) + 18)
 
 
 def test_mixed_sizes_are_reencoded_and_keep_the_durations(tmp_path):

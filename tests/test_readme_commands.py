@@ -1,67 +1,274 @@
-"""The README's Dagster commands, run as written (bash, from a project folder) against a
-Dagster home like the demo's: the launch prints its run id and queues that run."""
+"""Every ``sh`` block of the README, run as written (bash -euo pipefail) in a project folder
+like a fresh clone after ``make``, against fake ComfyUI servers: each exits 0 and does what
+the README says. The fakes' ports in the README (82xx, the UI's 3000) are swapped for free
+ones, so the blocks never meet a real ComfyUI or another engineer's UI."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
+import pandas as pd
 import pytest
-from dagster import DagsterInstance, DagsterRunStatus
+from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
+
+from comfy_assets.jobs.parse import load_job_file
+from fake_comfy import FakeComfy
 
 REPO = Path(__file__).resolve().parents[1]
 VENV = Path(sys.prefix)
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(400)
+
+SH_BLOCK = re.compile(r"^( *)```sh\n(.*?)^\1```", re.M | re.S)
+# The fakes' ports in the README's examples, and the UI's.
+README_PORTS = re.compile(r"\b(8288|8289|8290|8291|3000)\b")
+
+# Blocks no test runs, each with why. Any other block must be claimed by a test below.
+NOT_RUN = {
+    "make demo    #": "make reinstalls the venv; tests/test_demo.py runs the demo, and "
+    "make test is this suite",
+}
+# A string of each block a test below runs.
+RUN_HERE = [
+    "fake_comfy --port 8288",
+    "--policy draft --out draft.mp4",
+    ".venv/bin/dg check defs",
+    ".venv/bin/dg dev --port 3000",
+    "dagster job launch",
+]
+
+
+def readme_blocks() -> list[str]:
+    """The README's ```sh blocks, without their indentation."""
+    return [
+        "\n".join(line[len(indent) :] for line in body.splitlines())
+        for indent, body in SH_BLOCK.findall((REPO / "README.md").read_text())
+    ]
 
 
 def readme_block(containing: str) -> str:
-    """The README's ```sh block holding ``containing``, without its indentation."""
-    blocks = re.findall(r"^( *)```sh\n(.*?)^\1```", (REPO / "README.md").read_text(), re.M | re.S)
-    (block,) = [
-        "\n".join(line[len(indent) :] for line in body.splitlines())
-        for indent, body in blocks
-        if containing in body
-    ]
+    """The one README ```sh block holding ``containing``."""
+    (block,) = [block for block in readme_blocks() if containing in block]
     return block
 
 
-def test_the_readme_launch_command_queues_the_partition_and_prints_its_run_id(
-    tmp_path: Path,
-) -> None:
-    if not (VENV / "bin" / "dagster").exists():
-        pytest.skip(f"no dagster command in {VENV}")
-    # A project folder as the README assumes one: .venv, workspace.yaml and the demo's
-    # home (made here from the template, with the partition the sensor would have added).
-    (tmp_path / ".venv").symlink_to(VENV)
-    workspace = (REPO / "workspace.yaml").read_text()
-    (tmp_path / "workspace.yaml").write_text(
-        workspace.replace("working_directory: .", f"working_directory: {REPO}")
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def with_free_ports(block: str, ports: dict[str, int]) -> str:
+    """``block`` with each README port swapped for a free one (the same one every time)."""
+
+    def swap(match: re.Match[str]) -> str:
+        if match.group(1) not in ports:
+            ports[match.group(1)] = free_port()
+        return str(ports[match.group(1)])
+
+    return README_PORTS.sub(swap, block)
+
+
+def refused(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A project folder as a fresh clone after ``make`` has it: .venv, the packages (dg
+    looks for them there), pyproject.toml, workspace.yaml, the template home, data."""
+    root = tmp_path / "project"
+    root.mkdir()
+    (root / ".venv").symlink_to(VENV)
+    for name in ("comfy_assets", "fake_comfy", "dagster_home"):
+        (root / name).symlink_to(REPO / name)
+    for name in ("pyproject.toml", "workspace.yaml"):
+        shutil.copy(REPO / name, root / name)
+    for name in ("jobs", "workflows"):
+        shutil.copytree(REPO / "data" / name, root / "data" / name)
+    return root
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without the project's settings (a new shell)."""
+    return {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("COMFY_ASSETS_") and key != "DAGSTER_HOME"
+    }
+
+
+def run_block(block: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``block`` in bash as pasted into a terminal that stops at the first error; stop
+    what it left in the background (its process group) when it ends."""
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=cwd,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
-    home = tmp_path / ".demo" / "dagster_home"
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
+
+
+def wait_until(condition, what: str, timeout_s: float = 60.0) -> None:
+    """Look at ``condition`` every 50 ms (the condition is the signal, not the time)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_every_sh_block_of_the_readme_is_run_here_or_said_why_not() -> None:
+    for block in readme_blocks():
+        claimed = [key for key in [*NOT_RUN, *RUN_HERE] if key in block]
+        assert len(claimed) == 1, f"no test (or several) runs this README block:\n{block}"
+    for key in [*NOT_RUN, *RUN_HERE]:
+        assert sum(key in block for block in readme_blocks()) == 1, key
+
+
+def test_the_by_hand_example_renders_requeues_and_cuts_the_film(project: Path) -> None:
+    ports: dict[str, int] = {}
+    example = with_free_ports(readme_block("fake_comfy --port 8288"), ports)
+
+    done = run_block(example, project)
+
+    assert done.returncode == 0, done.stdout
+    out = done.stdout
+    assert "run exited 1 (a dead letter)" in out
+    assert "failed_fatal gpu2 attempt 1 execution_error" in out  # shot 3's events
+    assert "job 24c31bfd-4ab1-5bcb-bf13-588f244c3bf2: requeued (pending)" in out
+    assert "summary: 6 done, 0 dead-lettered" in out
+    assert "film: 6 shots, 7.750 s, delivery" in out
+    assert f"gpu3 unreachable: connection refused (http://127.0.0.1:{ports['8291']})" in out
+    assert (project / "reel.mp4").stat().st_size > 0
+    job_file = load_job_file(project / "data/jobs/storyboard.jsonl")
+    frame = pd.read_csv(project / "store/storyboard/results.csv")
+    assert frame["job_id"].tolist() == [job.id for job in job_file.jobs]
+    assert set(frame["state"]) == {"succeeded"}
+    assert frame["shot"].tolist() == [1, 2, 3, 4, 5, 6]
+    for port in (ports["8288"], ports["8289"], ports["8290"]):  # the fakes were stopped
+        wait_until(lambda port=port: refused(port), f"the fake on port {port} to stop")
+
+    # The Films section's command, on the store the example left.
+    draft = run_block(readme_block("--policy draft --out draft.mp4"), project)
+
+    assert draft.returncode == 0, draft.stdout
+    assert "film: 6 shots, 7.750 s, draft" in draft.stdout
+    assert (project / "draft.mp4").stat().st_size > 0
+
+
+def test_dg_checks_and_lists_the_definitions(project: Path) -> None:
+    done = run_block(readme_block(".venv/bin/dg check defs"), project)
+
+    assert done.returncode == 0, done.stdout
+    assert "All definitions loaded successfully." in done.stdout
+    for name in ("renders", "films", "render_job", "job_file_sensor", "films_automation_sensor"):
+        assert name in done.stdout
+    assert "virtual environment" not in done.stdout  # no warning about an inactive venv
+
+
+def test_dg_dev_serves_the_ui_until_stopped(project: Path) -> None:
+    ports: dict[str, int] = {}
+    command = with_free_ports(readme_block(".venv/bin/dg dev --port 3000"), ports)
+    url = f"http://127.0.0.1:{ports['3000']}/server_info"
+
+    def answers() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return True
+        except (urllib.error.URLError, OSError):
+            return False
+
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", "-c", command],
+        cwd=project,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        wait_until(lambda: answers() or proc.poll() is not None, "dg dev's UI", 240)
+        assert proc.poll() is None, proc.communicate()[0]
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl+C
+        out, _ = proc.communicate(timeout=120)
+    assert "Serving dagster-webserver" in out or "dagster-webserver" in out, out
+
+
+@contextmanager
+def serving(*fakes: FakeComfy) -> Iterator[str]:
+    """Serve the fakes in threads; yield them as a COMFY_ASSETS_SERVERS value."""
+    with ExitStack() as stack:
+        yield ",".join(
+            f"gpu{i}={stack.enter_context(fake.serve_in_thread(port=0))}"
+            for i, fake in enumerate(fakes)
+        )
+
+
+def test_the_dagster_launches_queue_a_run_and_render_a_partition(project: Path) -> None:
+    # The demo's home as make demo KEEP=1 leaves it: the partition the sensor added, and
+    # .demo/env naming the home, the servers and the store.
+    home = project / ".demo" / "dagster_home"
     home.mkdir(parents=True)
     shutil.copy(REPO / "dagster_home" / "dagster.yaml", home / "dagster.yaml")
     with DagsterInstance.from_config(str(home)) as instance:
         instance.add_dynamic_partitions("job_files", ["images"])
+    fakes = [FakeComfy(prompt_seconds=0.005), FakeComfy(prompt_seconds=0.005)]
+    store = project / ".demo" / "store"
+    with ExitStack() as stack:
+        servers = stack.enter_context(serving(*fakes))
+        (project / ".demo" / "env").write_text(
+            f"export DAGSTER_HOME={home}\n"
+            f"export COMFY_ASSETS_SERVERS={servers}\n"
+            f"export COMFY_ASSETS_STORE={store}\n"
+            f"export COMFY_ASSETS_JOB_DIRS={project / 'data' / 'jobs'}\n"
+        )
 
-    done = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", readme_block("dagster job launch")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
+        done = run_block(readme_block("dagster job launch"), project)
 
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stdout
     (run_id,) = re.findall(r"^launched run ([0-9a-f-]{36})$", done.stdout, re.M)
     uuid.UUID(run_id)
+    job_file = load_job_file(project / "data" / "jobs" / "images.jsonl")
     with DagsterInstance.from_config(str(home)) as instance:
-        run = instance.get_run_by_id(run_id)
-        assert run is not None
-        assert run.job_name == "render_job"
-        assert run.tags["dagster/partition"] == "images"
-        assert run.status == DagsterRunStatus.QUEUED  # the daemon (not running here) takes it
+        launched = instance.get_run_by_id(run_id)
+        assert launched is not None
+        assert launched.job_name == "render_job"
+        assert launched.tags["dagster/partition"] == "images"
+        assert launched.status == DagsterRunStatus.QUEUED  # the daemon (not running here) takes it
+        # dg launch rendered the partition in its own process: every job once.
+        (in_process,) = [
+            run
+            for run in instance.get_runs(filters=RunsFilter(statuses=[DagsterRunStatus.SUCCESS]))
+        ]
+        assert in_process.tags["dagster/partition"] == "images"
+        assert "images" in instance.get_materialized_partitions(AssetKey("renders"))
+    executed = sum(len(fake.stats["runs"]) for fake in fakes)
+    assert executed == len(job_file.jobs)
+    assert (store / "images" / "outputs.contact.png").is_file()

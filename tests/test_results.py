@@ -18,6 +18,8 @@ from comfy_assets.render.results import (
 @dataclass
 class Rec:
     job_id: str
+    line: int = 1
+    shot: int | None = None
     state: str = "succeeded"
     server: str | None = "gpu0"
     attempts: int = 1
@@ -58,6 +60,8 @@ def test_a_row_per_job_with_a_column_per_set_key() -> None:
 
     assert list(frame.columns) == [
         "job_id",
+        "line",
+        "shot",
         "1.color",
         "1.width",
         "1.height",
@@ -84,10 +88,10 @@ def test_csv_keeps_integers_when_a_key_is_missing_in_some_rows(tmp_path: Path) -
     text = path.read_text().splitlines()
 
     assert text[0] == (
-        "job_id,1.width,1.color,take,inputs,state,server,attempts,seconds,files,reason"
+        "job_id,line,shot,1.width,1.color,take,inputs,state,server,attempts,seconds,files,reason"
     )
-    assert text[1] == "a,64,,1,,succeeded,gpu0,1,0.5,,"
-    assert text[2] == "b,,3,1,,succeeded,gpu0,1,0.5,,"
+    assert text[1] == "a,1,,64,,1,,succeeded,gpu0,1,0.5,,"
+    assert text[2] == "b,1,,,3,1,,succeeded,gpu0,1,0.5,,"
     assert [p.name for p in path.parent.iterdir()] == ["results.csv"]  # no temp file left
 
 
@@ -98,6 +102,21 @@ def test_job_ids_order_the_rows_and_show_missing_jobs() -> None:
 
     assert frame["job_id"].tolist() == ["b", "a", "c"]
     assert frame["state"].tolist() == ["succeeded", "succeeded", "missing"]
+
+
+def test_a_storyboard_sorts_by_shot_and_every_row_names_its_line(tmp_path: Path) -> None:
+    records = [
+        rec("a", {"1.color": 1}, line=2, shot=3),
+        rec("b", {"1.color": 2}, line=3, shot=1),
+        rec("c", {"1.color": 3}, line=4),
+    ]
+    path = write_csv(results_table(records, {}), tmp_path / "p" / "results.csv")
+
+    frame = pd.read_csv(path).sort_values("shot")
+
+    assert frame["job_id"].tolist() == ["b", "a", "c"]  # the job without a shot last
+    assert frame["line"].tolist() == [3, 2, 4]
+    assert path.read_text().splitlines()[3] == "c,4,,3,succeeded,gpu0,1,0.5,,"
 
 
 def test_list_values_are_written_as_json() -> None:

@@ -14,12 +14,16 @@ from dagster import (
     AssetCheckKey,
     AssetCheckSeverity,
     AssetKey,
+    AssetMaterialization,
     AssetRecordsFilter,
     DagsterInstance,
+    DagsterRunStatus,
+    DeleteDynamicPartitionsRequest,
     SensorResult,
     build_sensor_context,
     instance_for_test,
 )
+from dagster._core.test_utils import create_run_for_test
 
 from comfy_assets import sensors
 from comfy_assets.partitions import (
@@ -28,6 +32,7 @@ from comfy_assets.partitions import (
     job_dirs_from_env,
     job_files_partitions,
     partition_key_for,
+    storyboard_partitions,
 )
 from comfy_assets.sensors import SeenFile, dump_cursor, job_file_sensor, parse_cursor
 
@@ -71,7 +76,13 @@ def tick(instance: DagsterInstance, cursor: str | None) -> SensorResult:
     for event in result.asset_events:
         instance.report_runless_asset_event(event)
     for request in result.dynamic_partitions_requests:
-        instance.add_dynamic_partitions(request.partitions_def_name, list(request.partition_keys))
+        if isinstance(request, DeleteDynamicPartitionsRequest):
+            for key in request.partition_keys:
+                instance.delete_dynamic_partition(request.partitions_def_name, key)
+        else:
+            instance.add_dynamic_partitions(
+                request.partitions_def_name, list(request.partition_keys)
+            )
     return result
 
 
@@ -139,6 +150,87 @@ def test_changed_file_requests_one_run_with_a_new_run_key(jobs_dir: Path, instan
     assert run_keys(second) != run_keys(first)
     assert second.dynamic_partitions_requests == []  # the partition exists already
     assert third.run_requests == []
+
+
+def write_storyboard(path: Path, shots: int = 2) -> Path:
+    lines = [json.loads(job_line(n)) | {"shot": n} for n in range(shots)]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def test_only_a_job_file_with_shots_is_a_partition_of_films(jobs_dir: Path, instance) -> None:
+    write_jobs(jobs_dir / "images.jsonl")
+    story = write_storyboard(jobs_dir / "story.jsonl")
+
+    first = tick(instance, None)
+
+    assert sorted(instance.get_dynamic_partitions(job_files_partitions.name)) == [
+        "images",
+        "story",
+    ]
+    assert instance.get_dynamic_partitions(storyboard_partitions.name) == ["story"]
+
+    # The storyboard loses its shots: no film partition waits for it any more.
+    write_jobs(story, color=0xFF0000)
+    os.utime(story, ns=(0, story.stat().st_mtime_ns + 1_000_000))
+    tick(instance, first.cursor)
+
+    assert instance.get_dynamic_partitions(storyboard_partitions.name) == []
+
+
+def aged(cursor: str | None, seconds: float) -> str:
+    """``cursor`` as if every partition naming no job file had been seen ``seconds`` earlier."""
+    data = json.loads(cursor or "{}")
+    data["stray"] = {key: first - seconds for key, first in data.get("stray", {}).items()}
+    return json.dumps(data)
+
+
+def test_a_partition_added_by_hand_that_names_no_job_file_is_deleted_after_a_while(
+    jobs_dir: Path, instance
+) -> None:
+    write_jobs(jobs_dir / "a.jsonl")
+    write_storyboard(jobs_dir / "gone.jsonl")
+    first = tick(instance, None)
+    instance.report_runless_asset_event(AssetMaterialization("renders", partition="gone"))
+    (jobs_dir / "gone.jsonl").unlink()  # rendered once: its partition keeps its history
+    # What the UI's Materialize dialog does with "+ Add a partition": a key with no file,
+    # and a film partition for a job file without shots.
+    instance.add_dynamic_partitions(job_files_partitions.name, ["nosuch"])
+    instance.add_dynamic_partitions(storyboard_partitions.name, ["nosuch", "a"])
+
+    # Kept for a while: the user launches a run of it right after adding it.
+    second = tick(instance, first.cursor)
+    assert "nosuch" in instance.get_dynamic_partitions(job_files_partitions.name)
+    third = tick(instance, aged(second.cursor, sensors.STRAY_GRACE_S - 5))
+    assert "nosuch" in instance.get_dynamic_partitions(job_files_partitions.name)
+
+    fourth = tick(instance, aged(third.cursor, sensors.STRAY_GRACE_S))
+
+    assert sorted(instance.get_dynamic_partitions(job_files_partitions.name)) == ["a", "gone"]
+    # gone.jsonl has no film and no file: nothing to cut, its film partition goes too.
+    assert instance.get_dynamic_partitions(storyboard_partitions.name) == []
+    assert fourth.run_requests == []
+    assert tick(instance, fourth.cursor).dynamic_partitions_requests == []
+
+
+def test_a_partition_named_by_no_job_file_stays_while_a_run_of_it_is_running(
+    jobs_dir: Path, instance
+) -> None:
+    first = tick(instance, None)
+    instance.add_dynamic_partitions(job_files_partitions.name, ["nosuch"])
+    run = create_run_for_test(
+        instance,
+        job_name="render_job",
+        tags={"dagster/partition": "nosuch"},
+        status=DagsterRunStatus.STARTED,
+    )
+    second = tick(instance, aged(tick(instance, first.cursor).cursor, sensors.STRAY_GRACE_S))
+    assert instance.get_dynamic_partitions(job_files_partitions.name) == ["nosuch"]
+
+    instance.report_run_canceled(run)
+    tick(instance, aged(second.cursor, 1))
+
+    assert instance.get_dynamic_partitions(job_files_partitions.name) == []
 
 
 def test_touched_file_with_the_same_bytes_requests_nothing(jobs_dir: Path, instance) -> None:

@@ -5,10 +5,13 @@
 1. creates ``.demo/`` afresh (an old one is deleted, so the sensor sees every file anew)
    with ``dagster_home/`` (a copy of the template ``dagster_home/dagster.yaml``);
 2. starts two fake ComfyUI servers (``python -m fake_comfy --port 0``), the Dagster
-   daemon and, unless ``--no-ui``, the web UI, all with the project's settings in the
+   daemon and, unless ``--no-ui``, the web UI and a read-only web server of the store
+   folder (``python -m http.server``, on loopback: ``COMFY_ASSETS_MEDIA_URL``, so the UI
+   shows the pictures inline and links the film), all with the project's settings in the
    environment (``COMFY_ASSETS_*``, ``DAGSTER_HOME``); logs go to ``.demo/logs/``;
 3. waits (bounded) until every job file of ``data/jobs`` has a successful run of its
-   current version, launched by ``job_file_sensor`` through the daemon's queue;
+   current version, launched by ``job_file_sensor`` through the daemon's queue, and
+   every storyboard its film, cut by ``films_automation_sensor``;
 4. prints each partition's counts, checks and results CSV, verifies the CSV has one row
    per job line, every job done, and exits 0 only then; otherwise prints why (run status,
    step errors from the event log, the daemon's log) and exits 1.
@@ -23,12 +26,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shlex
 import shutil
 import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
+from urllib.parse import quote
 
 from dagster import (
     DagsterInstance,
@@ -52,6 +57,7 @@ from comfy_assets.cli.demo_report import (
     expected_files,
     report_all_results,
     report_partition,
+    wait_for_films,
     wait_for_runs,
 )
 
@@ -84,18 +90,54 @@ def _stop_command(demo_dir: Path) -> str:
     return f"{command} (or make demo-stop)" if _python().startswith(".venv") else command
 
 
-def pages(url: str) -> list[str]:
-    """The UI pages worth opening after the demo, one line each."""
-    return [
+def pages(url: str, partitions: Sequence[str], storyboards: Sequence[str]) -> list[str]:
+    """The UI pages worth opening after the demo, one line each; an asset's page opens on
+    a partition (its pictures, its film), one line a partition."""
+
+    def on(asset: str, keys: Sequence[str]) -> list[str]:
+        return [f"{url}/assets/{asset}?view=partitions&partition={quote(key)}" for key in keys]
+
+    lines = [
         f"overview:     {url}/overview/activity/assets",
         f"asset graph:  {url}/asset-groups (a group: {url}/locations/{LOCATION}/asset-groups/renders)",
-        f"renders:      {url}/assets/renders?view=partitions",
+    ]
+    for label, links in (
+        ("renders:", on("renders", partitions)),
+        ("films:", on("films", storyboards)),
+    ):
+        lines += [f"{label if i == 0 else '':<14}{link}" for i, link in enumerate(links)]
+    return lines + [
         f"job files:    {url}/assets/job_files?view=checks",
-        f"films:        {url}/assets/films?view=partitions",
         f"all_results:  {url}/assets/all_results",
         f"runs:         {url}/runs",
         f"sensor:       {url}/locations/{LOCATION}/sensors/job_file_sensor",
     ]
+
+
+# What Dagster's commands (``dagster job launch``, ``dg launch``) need to act on the kept
+# demo's home, servers and store as its daemon does.
+ENV_FILE = "env"
+SHARED_SETTINGS = (
+    "DAGSTER_HOME",
+    "COMFY_ASSETS_SERVERS",
+    "COMFY_ASSETS_STORE",
+    "COMFY_ASSETS_JOB_DIRS",
+    "COMFY_ASSETS_MEDIA_URL",
+)
+
+
+def write_env(demo_dir: Path, env: dict[str, str]) -> str:
+    """Write ``<demo_dir>/env``, the kept demo's settings as shell ``export`` lines; return
+    how to name it from the current folder (``.demo/env``) for ``. FILE``."""
+    path = demo_dir / ENV_FILE
+    try:
+        name = str(path.relative_to(Path.cwd()))
+    except ValueError:
+        name = str(path)
+    lines = [f"export {key}={shlex.quote(env[key])}" for key in SHARED_SETTINGS if key in env]
+    header = f"# The kept demo's settings for Dagster's commands (dagster, dg): . {name}"
+    path.write_text("\n".join([header, *lines]) + "\n")
+    return name
 
 
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -162,6 +204,18 @@ def run_demo(
         servers = ",".join(f"gpu{i}={url}" for i, url in enumerate(urls))
         env["COMFY_ASSETS_SERVERS"] = servers
         announce(f"fake ComfyUI servers: {servers}")
+        if ui:
+            # The UI has no way to serve a file: this server lets it show the pictures
+            # and play the film (read-only, loopback only, the store folder alone).
+            media_port = free_port()
+            media_url = f"http://127.0.0.1:{media_port}"
+            media = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
+            media += ["--directory", str(store), str(media_port)]
+            wait_for_ui(
+                media_url, children.start("media", media, env), what="the media server", path="/"
+            )
+            env["COMFY_ASSETS_MEDIA_URL"] = media_url
+            announce(f"pictures and films of {store} served at {media_url}")
 
         # Create the instance's SQLite storage here, once: the daemon and the UI starting
         # on an empty DAGSTER_HOME at the same time race to create it.
@@ -180,6 +234,7 @@ def run_demo(
             announce(f"Dagster home {home}; logs in {logs}")
 
             states = wait_for_runs(instance, expected, watched, timeout_s)
+            wait_for_films(instance, expected, watched, min(timeout_s, 120.0))
             problems: list[str] = []
             for item in expected:
                 run_id = states[item.key].run_id or ""
@@ -199,10 +254,13 @@ def run_demo(
             )
             if ui:
                 announce(f"open the UI at {ui_url}:")
-                for line in pages(ui_url):
+                keys = [item.key for item in expected]
+                storyboards = [item.key for item in expected if item.shots]
+                for line in pages(ui_url, keys, storyboards):
                     announce(f"  {line}")
             announce(f"stop them with: {_stop_command(demo_dir)}")
-            announce(f"Dagster commands on this home need: export DAGSTER_HOME={home}")
+            settings = write_env(demo_dir, env)
+            announce(f"Dagster commands on this home (dagster, dg) need its settings: . {settings}")
         return 0
     finally:
         if not kept:

@@ -136,18 +136,25 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for_ui(url: str, child: Child, timeout_s: float = 90.0) -> None:
-    """Wait until the web UI answers (so the printed URL works)."""
+def wait_for_ui(
+    url: str,
+    child: Child,
+    timeout_s: float = 90.0,
+    *,
+    what: str = "the web UI",
+    path: str = "/server_info",
+) -> None:
+    """Wait until ``what`` answers at ``url + path`` (so the printed URL works)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not child.alive():
-            raise DemoFailed(f"the web UI exited with {child.proc.returncode}:\n{tail(child.log)}")
+            raise DemoFailed(f"{what} exited with {child.proc.returncode}:\n{tail(child.log)}")
         try:
-            with urllib.request.urlopen(f"{url}/server_info", timeout=2):
+            with urllib.request.urlopen(f"{url}{path}", timeout=2):
                 return
         except (urllib.error.URLError, OSError):
             time.sleep(0.5)
-    raise DemoFailed(f"the web UI did not answer at {url} in {timeout_s:.0f} s:\n{tail(child.log)}")
+    raise DemoFailed(f"{what} did not answer at {url} in {timeout_s:.0f} s:\n{tail(child.log)}")
 
 
 def save_pids(demo_dir: Path, children: Children) -> None:

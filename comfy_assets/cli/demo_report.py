@@ -10,6 +10,7 @@ from pathlib import Path
 import pandas as pd
 from dagster import (
     AssetKey,
+    AssetMaterialization,
     AssetRecordsFilter,
     DagsterEventType,
     DagsterInstance,
@@ -157,6 +158,64 @@ def wait_for_runs(
         time.sleep(1.0)
 
 
+def _film_of(instance: DagsterInstance, item: Expected) -> AssetMaterialization | None:
+    """The newest film materialization of the partition's current version, if any."""
+    films = instance.fetch_materializations(
+        AssetRecordsFilter(asset_key=AssetKey(FILMS_ASSET), asset_partitions=[item.key]),
+        limit=1,
+        ascending=False,
+    )
+    film = films.records[0].asset_materialization if films.records else None
+    if film is None or _meta_value(dict(film.metadata), "job_file_sha256") != item.sha256:
+        return None
+    return film
+
+
+def wait_for_films(
+    instance: DagsterInstance, expected: list[Expected], watched: list[Child], timeout_s: float
+) -> None:
+    """Wait (bounded) until films_automation_sensor has cut the film of every storyboard's
+    current version; a films run that failed for good ends the wait with its errors."""
+    storyboards = [item for item in expected if item.shots]
+    if not storyboards:
+        return
+    announce("waiting for films_automation_sensor to cut the films")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for child in watched:
+            if not child.alive():
+                raise DemoFailed(
+                    f"{child.name} exited with {child.proc.returncode}:\n{tail(child.log)}"
+                )
+        waiting = []
+        for item in storyboards:
+            if _film_of(instance, item) is not None:
+                continue
+            failed = [
+                run
+                for run in instance.get_runs(
+                    filters=RunsFilter(
+                        tags={"dagster/partition": item.key}, statuses=[DagsterRunStatus.FAILURE]
+                    )
+                )
+                if AssetKey(FILMS_ASSET) in (run.asset_selection or ())
+                and run.tags.get("dagster/will_retry") != "true"
+            ]
+            if failed:
+                raise DemoFailed(
+                    f"the film of {item.key} failed (run {failed[0].run_id[:8]}):\n"
+                    + run_errors(instance, failed[0].run_id)
+                )
+            waiting.append(item.key)
+        if not waiting:
+            return
+        if time.monotonic() > deadline:
+            raise DemoFailed(
+                f"no film of {', '.join(waiting)} within {timeout_s:.0f} s of its render"
+            )
+        time.sleep(1.0)
+
+
 def _meta_value(metadata: dict, key: str) -> object:
     entry = metadata.get(key)
     return getattr(entry, "value", entry)
@@ -205,15 +264,12 @@ def report_partition(
     if not item.shots:
         announce("  film: none (no job of this file has a shot number)")
         return problems
-    films = instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=AssetKey(FILMS_ASSET), asset_partitions=[item.key]),
-        limit=1,
-        ascending=False,
-    )
-    film = films.records[0].asset_materialization if films.records else None
+    film = _film_of(instance, item)
     if film is None:
         return [*problems, f"{item.key}: no film materialized for {item.shots} shots"]
-    announce(f"  film: {_meta_value(dict(film.metadata), 'path')}")
+    metadata = dict(film.metadata)
+    link = _meta_value(metadata, "film")
+    announce(f"  film: {_meta_value(metadata, 'path')}" + (f" (plays at {link})" if link else ""))
     return problems
 
 

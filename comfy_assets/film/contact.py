@@ -31,7 +31,8 @@ def contact_sheet(
 ) -> ContactSheet:
     """Write a PNG with one tile per clip (the frame in the middle of each video, or the image
     itself), ``columns`` tiles a row, each ``thumb_width`` pixels wide with its label printed
-    beneath (``labels`` default to 1, 2, ...). Thumbnails keep the first clip's aspect ratio;
+    beneath (``labels`` default to 1, 2, ...; a label may have several lines, each cut to
+    the tile's width with "…"). Thumbnails keep the first clip's aspect ratio;
     others are letterboxed. Raises ValueError for no clips or mismatched labels, MediaError
     for a broken clip.
     """
@@ -45,7 +46,8 @@ def contact_sheet(
     infos = [probe(Path(c)) for c in clips]
     thumb_height = max(2, round(thumb_width * infos[0].height / infos[0].width))
     font = ImageFont.load_default(size=12)
-    label_height = 18
+    lines = max(label.count("\n") + 1 for label in labels)
+    label_height = 4 + 14 * lines
     cols = min(columns, len(infos))
     rows = -(-len(infos) // cols)
     sheet = Image.new(
@@ -58,10 +60,22 @@ def contact_sheet(
         top = (i // cols) * (thumb_height + label_height)
         sheet.paste(fit(_middle_image(info), thumb_width, thumb_height), (left, top))
         tiles.append((left, top, left + thumb_width, top + thumb_height))
-        draw.text((left + 4, top + thumb_height + 2), label, font=font, fill=(235, 235, 235))
+        for n, text in enumerate(label.split("\n")):
+            text = _fit(text, font, thumb_width - 8)
+            place = (left + 4, top + thumb_height + 2 + 14 * n)
+            draw.text(place, text, font=font, fill=(235, 235, 235))
     with atomic_output(Path(out)) as tmp:
         sheet.save(tmp, format="PNG")
     return ContactSheet(path=Path(out), tiles=tiles)
+
+
+def _fit(text: str, font: ImageFont.FreeTypeFont | ImageFont.ImageFont, width: int) -> str:
+    """``text``, cut with "…" to at most ``width`` pixels in ``font``."""
+    if font.getlength(text) <= width:
+        return text
+    while text and font.getlength(text + "…") > width:
+        text = text[:-1]
+    return text + "…"
 
 
 def _middle_image(info: MediaInfo) -> Image.Image:

@@ -366,10 +366,12 @@ def build_film(
         clips.append(clip)
     metadata = {"comment": _comment(result)}
     joined = concat(clips, out, width=film_width, height=film_height, fps=rate, metadata=metadata)
+    # Three 160 px tiles a row: 480 px fit the metadata column of Dagster's UI.
     sheet = contact_sheet(
         clips,
         out.with_name(f"{out.stem}.contact.png"),
-        labels=[str(v.shot) for v in result.verdicts],
+        columns=3,
+        labels=[f"shot {v.shot}" for v in result.verdicts],
     )
     return FilmResult(joined, sheet.path, result)
 

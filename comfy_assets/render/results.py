@@ -2,7 +2,8 @@
 ``<store>/<partition>/results.csv`` by ``write_results`` (the one writer: the ``run``
 command, the ``render_results`` asset and the worker all call it).
 
-One row per job: ``job_id``, one column per ``set`` key of the job file (named as in the
+One row per job: ``job_id``, ``line`` (its line in the job file), ``shot`` (its shot
+number, empty for none), one column per ``set`` key of the job file (named as in the
 file, ``"<node id>.<input name>"``, so they never clash with the fixed columns), then
 ``take``, ``inputs`` (each input file as ``key=path@sha256:<hex>``, or for a file of an
 upstream job ``key=job <id> node <n> #<index>@sha256:<hex>``, joined with ``"; "``),
@@ -23,7 +24,7 @@ import pandas as pd
 
 from comfy_assets.store import Store
 
-FIXED_BEFORE = ["job_id"]
+FIXED_BEFORE = ["job_id", "line", "shot"]
 FIXED_AFTER = ["take", "inputs", "state", "server", "attempts", "seconds", "files", "reason"]
 RESULTS_CSV = "results.csv"
 # A job of the job file with no record in the store (it never got registered).
@@ -34,6 +35,8 @@ class JobRow(Protocol):
     """The fields of a store job record that the table shows."""
 
     job_id: str
+    line: int  # 1-based, in the job file
+    shot: int | None
     state: str
     server: str | None
     attempts: int
@@ -110,6 +113,8 @@ def results_table(
         rows.append(
             {
                 "job_id": job_id,
+                "line": record.line,
+                "shot": record.shot,
                 **{key: _cell(value) for key, value in values.items()},
                 "take": record.take,
                 "inputs": inputs_cell(record.inputs, files),
@@ -124,8 +129,8 @@ def results_table(
     columns = FIXED_BEFORE + set_columns + FIXED_AFTER
     # object dtype keeps 64 as 64 (not 64.0) when some jobs don't set a key.
     frame = pd.DataFrame(rows, columns=columns, dtype=object)
-    frame["attempts"] = frame["attempts"].astype("Int64")
-    frame["take"] = frame["take"].astype("Int64")
+    for name in ("line", "shot", "take", "attempts"):
+        frame[name] = frame[name].astype("Int64")
     frame["seconds"] = frame["seconds"].astype("Float64")
     return frame
 
