@@ -1,7 +1,10 @@
 """Facts copied from the recordings of a real ComfyUI v0.8.0 (data/recorded/*.json).
 
 The JSON files beside this package (`fake_comfy/data/`) hold the long fragments verbatim:
-`object_info.json` (the /object_info subset of basics.json) and `recorded_fragments.json`
+`object_info.json` (the /object_info subset of basics.json), `model_nodes.json` (the model
+loaders and the upscale node, written from the v0.8.0 source's INPUT_TYPES and schemas as
+server.py `node_info` shows them, with empty file lists: not recorded, the recording
+server had no models) and `recorded_fragments.json`
 (system_stats, the IndexError of execution_error.json, the node error of a dropped output
 from validation_errors.json). Short strings live here as constants.
 """
@@ -51,7 +54,11 @@ MSG_NO_PROMPT = "No prompt provided"
 @cache
 def _object_info() -> dict[str, Any]:
     with (_DATA / "object_info.json").open(encoding="utf-8") as f:
-        return json.load(f)
+        info = json.load(f)
+    with (_DATA / "model_nodes.json").open(encoding="utf-8") as f:
+        for name, node in json.load(f).items():
+            info.setdefault(name, node)
+    return info
 
 
 @cache
@@ -61,7 +68,8 @@ def _fragments() -> dict[str, Any]:
 
 
 def object_info() -> dict[str, Any]:
-    """The recorded /object_info subset: {class_type: node definition} (basics.json).
+    """The recorded /object_info subset: {class_type: node definition} (basics.json),
+    and the model loaders of model_nodes.json (their file lists empty).
 
     Shared and cached: callers must not mutate it.
     """
