@@ -113,9 +113,7 @@ async def test_a_folder_prefix_lists_a_file_in_that_folder_only() -> None:
     async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
         info = (await c.get("/object_info")).json()
         one = (await c.get("/object_info/LoraLoader")).json()
-    assert info["CheckpointLoaderSimple"]["input"]["required"]["ckpt_name"][0] == [
-        "a.safetensors"
-    ]
+    assert info["CheckpointLoaderSimple"]["input"]["required"]["ckpt_name"][0] == ["a.safetensors"]
     assert one["LoraLoader"]["input"]["required"]["lora_name"][0] == ["ink.safetensors"]
     assert info["VAELoader"]["input"]["required"]["vae_name"][0] == []
 
@@ -139,9 +137,7 @@ async def test_the_least_recently_used_model_goes_and_is_loaded_again(tmp_path: 
 
 
 async def test_two_resident_models_are_each_loaded_once(tmp_path: Path) -> None:
-    fake = FakeComfy(
-        models=["a.safetensors", "b.safetensors"], resident=2, prompt_seconds=0.001
-    )
+    fake = FakeComfy(models=["a.safetensors", "b.safetensors"], resident=2, prompt_seconds=0.001)
     async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
         for seed, ckpt in enumerate(["a", "b", "a", "b"]):
             await render(c, fake, text_to_image(f"{ckpt}.safetensors", seed=seed))
