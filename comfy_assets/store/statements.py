@@ -237,6 +237,18 @@ def acquire_server(dialect: str) -> Any:
 
 
 @cache
+def note_server_model(dialect: str) -> Any:
+    """Upsert that sets the models a server holds (``last_model``; binds ``v_server``,
+    ``v_model``, ``v_now``) whoever holds its lease, the lease itself untouched."""
+    insert = insert_for(dialect, server_leases_table).values(
+        server=_b("v_server"), last_model=_b("v_model", sa.Text), updated_at=_b("v_now")
+    )
+    return insert.on_conflict_do_update(
+        index_elements=["server"], set_={"last_model": insert.excluded.last_model}
+    )
+
+
+@cache
 def upsert_waiter(dialect: str) -> Any:
     """INSERT a pool waiter row (binds ``owner``, ``expires_at``), or move its expiry."""
     insert = insert_for(dialect, pool_waiters_table)
