@@ -47,16 +47,19 @@ from comfy_assets.metadata import (
     film_metadata,
     job_files_check_fields,
     jobs_frame,
+    model_load_metadata,
     outputs_contact_sheet,
     png_file_markdown,
     results_metadata,
     table,
 )
 from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK, job_files_partitions
+from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
     combine_results,
+    last_model_tries,
     results_csv_path,
     write_csv,
     write_results,
@@ -174,6 +177,7 @@ def renders(
         )
         in_file = set(job_ids)
         current = [record for record in summary.jobs if record.job_id in in_file]
+        tries = [t for t in store.model_loads(partition) if t.job_id in in_file]
         sheet_path = result_store.root / partition / "outputs.contact.png"
         try:
             sheet = outputs_contact_sheet(store, partition, current, sheet_path)
@@ -202,7 +206,7 @@ def renders(
         ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
-    jobs = jobs_frame(current, job_ids)
+    jobs = jobs_frame(current, job_ids, last_model_tries(tries))
     metadata: dict[str, object] = {
         "job_file": MetadataValue.path(str(job_file.path.resolve())),
         "job_file_sha256": job_file.sha256,
@@ -215,6 +219,8 @@ def renders(
         "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
         "job_table": table(jobs, column_schema(jobs, JOB_COLUMNS)),
     }
+    if tries:  # what loading models cost, per server (jobs that load none: nothing)
+        metadata.update(model_load_metadata(model_load_cost(tries)))
     if sheet is not None:
         metadata["contact_sheet"] = MetadataValue.md(
             png_file_markdown(sheet, f"{partition} contact sheet", CONTACT_SHEET_PX)

@@ -300,7 +300,8 @@ class Batch(Settle):
                         # stays pending, unposted.
                         self.claims.release(item.job.id)
                         break
-                    self.pool.assign(slot, self.queue.needs(item))
+                    item.loaded_on = slot.name
+                    item.model_loaded = self.pool.assign(slot, self.queue.needs(item))
                     slot = await self._run_item(item, rec, slot)
                 except NoServerReachable as e:
                     self.claims.release(item.job.id)  # unposted: it stays pending

@@ -42,6 +42,9 @@ class Item:
     prev_unsettled: bool = False
     # Its claim, taken by a consumer before it waited in line for a server.
     rec: JobRecord | None = None
+    # The server it was last sent to, and whether that server had to load a model for it.
+    loaded_on: str | None = None
+    model_loaded: bool = False
     seq: int = field(default=0, compare=False)  # arrival rank in the queue (lower first)
 
 

@@ -20,6 +20,7 @@ from comfy_assets.store.schema import (
     events_table,
     files_table,
     jobs_table,
+    model_loads_table,
     pool_waiters_table,
     server_leases_table,
 )
@@ -234,6 +235,17 @@ def acquire_server(dialect: str) -> Any:
     )
     # SQLAlchemy keeps an INSERT's rowcount only when asked; 0 means "not taken".
     return upsert.execution_options(preserve_rowcount=True)
+
+
+@cache
+def upsert_model_load(dialect: str) -> Any:
+    """INSERT an attempt's model row (binds are the column names), replacing the same
+    number."""
+    insert = insert_for(dialect, model_loads_table)
+    return insert.on_conflict_do_update(
+        index_elements=["job_id", "attempt"],
+        set_={c: insert.excluded[c] for c in ("server", "models", "loaded")},
+    )
 
 
 @cache
