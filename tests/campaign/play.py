@@ -107,7 +107,13 @@ class Host:
     def __init__(self, name: str, plan: ServerPlan, schedule: Schedule, seed: int) -> None:
         self.name = name
         self.plan = plan
-        self.fake = FakeComfy(script=plan.script, prompt_seconds=schedule.prompt_seconds)
+        self.fake = FakeComfy(
+            script=plan.script,
+            prompt_seconds=schedule.prompt_seconds,
+            models=plan.models,
+            model_load_s=plan.model_load_s,
+            resident=plan.resident,
+        )
         self.fake.busy = plan.busy
         self._serving: contextlib.AbstractContextManager[str] | None = None
         self.port = 0
@@ -339,6 +345,19 @@ class _LogLines(logging.Handler):
         self.text.append(self.format(record) + "\n")
 
 
+def _write_jobs(schedule: Schedule, folder: Path, name: str, salt: str) -> Path:
+    """The schedule's job file: image jobs, or text-to-image jobs of its checkpoints."""
+    if not schedule.checkpoints:
+        return write_jobs(folder, schedule.jobs, name=name, salt=salt)
+    extra = [
+        {"set": {"4.ckpt_name": c, "3.seed": i, "5.width": 64, "5.height": 64}}
+        for i, c in enumerate(schedule.checkpoints)
+    ]
+    return write_jobs(
+        folder, schedule.jobs, name=name, salt=salt, workflow="text_to_image.json", extra=extra
+    )
+
+
 def play(schedule: Schedule, folder: Path) -> Played:
     """Play ``schedule`` in ``folder`` (job files, stores); see the module docstring."""
     s = schedule
@@ -347,8 +366,8 @@ def play(schedule: Schedule, folder: Path) -> Played:
     phases: list[Phase] = []
     stop = threading.Event()
     threads: list[threading.Thread] = []
-    main_jobs = write_jobs(folder / "jobs", s.jobs, name="jobs.jsonl", salt=f"seed{s.seed}")
-    other_jobs = write_jobs(folder / "jobs", s.jobs, name="other.jsonl", salt=f"other{s.seed}")
+    main_jobs = _write_jobs(s, folder / "jobs", "jobs.jsonl", f"seed{s.seed}")
+    other_jobs = _write_jobs(s, folder / "jobs", "other.jsonl", f"other{s.seed}")
     try:
         for host in hosts:
             host.start()
