@@ -10,7 +10,7 @@ import sys
 import tempfile
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -53,8 +53,11 @@ def scratch_dir() -> Path:
 
 
 @contextmanager
-def fake_processes(count: int, prompt_seconds: float, out: Path) -> Iterator[list[ServerSpec]]:
-    """Start ``count`` fake ComfyUI servers, each its own process (as real servers are)."""
+def fake_processes(
+    count: int, prompt_seconds: float, out: Path, extra: Sequence[Sequence[str]] = ()
+) -> Iterator[list[ServerSpec]]:
+    """Start ``count`` fake ComfyUI servers, each its own process (as real servers are);
+    ``extra[i]``: more options of server ``i`` (``--models a.safetensors``, ...)."""
     procs = []
     try:
         specs = []
@@ -70,6 +73,7 @@ def fake_processes(count: int, prompt_seconds: float, out: Path) -> Iterator[lis
                     str(prompt_seconds),
                     "--output-dir",
                     str(out / f"fake{i}"),
+                    *(extra[i] if i < len(extra) else ()),
                 ],
                 stdout=subprocess.PIPE,
                 text=True,

@@ -52,6 +52,7 @@ from comfy_assets.metadata import (
     job_files_check_fields,
     jobs_frame,
     media_url,
+    model_load_metadata,
     outputs_contact_sheet,
     picture_markdown,
     results_metadata,
@@ -63,10 +64,12 @@ from comfy_assets.partitions import (
     job_files_partitions,
     storyboard_partitions,
 )
+from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
     combine_results,
+    last_model_tries,
     results_csv_path,
     write_csv,
     write_results,
@@ -204,6 +207,7 @@ def renders(
         in_file = set(job_ids)
         current = [record for record in summary.jobs if record.job_id in in_file]
         outputs = store.partition_files(partition)
+        tries = [t for t in store.model_loads(partition) if t.job_id in in_file]
         sheet_path = result_store.root / partition / "outputs.contact.png"
         try:
             sheet = outputs_contact_sheet(store, partition, current, sheet_path)
@@ -232,7 +236,7 @@ def renders(
         ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
-    jobs = jobs_frame(current, job_ids, outputs)
+    jobs = jobs_frame(current, job_ids, outputs, last_model_tries(tries))
     metadata: dict[str, object] = {}
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
@@ -258,6 +262,8 @@ def renders(
         "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
         "job_table": table(jobs, column_schema(jobs, JOB_COLUMNS)),
     }
+    if tries:  # what loading models cost, per server (jobs that load none: nothing)
+        metadata.update(model_load_metadata(model_load_cost(tries)))
     if sheet is not None:
         metadata["contact_sheet_path"] = MetadataValue.path(str(sheet.path.resolve()))
     if summary.stopped:

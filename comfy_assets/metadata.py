@@ -33,6 +33,7 @@ from comfy_assets.film.probe import VIDEO_SUFFIXES
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.states import DONE
 from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
+from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, inputs_cell
 from comfy_assets.store import Store
 
@@ -197,17 +198,23 @@ JOB_COLUMNS = {
     "seconds": "Wall time of the job, seconds.",
     "reason": "Why it failed or degraded.",
     "job_id": "The job's id (the job line's id).",
+    "models": "The model files its workflow loads.",
+    "model_loaded": "Its server had to load one of them for its last try.",
 }
+# Jobs that load no model have no model columns (their batch's tables show none).
+MODEL_JOB_COLUMNS = ("models", "model_loaded")
 
 
 def jobs_frame(
     records: Sequence[Any],
     job_ids: Sequence[str],
     files: Mapping[str, Iterable[FileRow]] | None = None,
+    models: dict[str, tuple[tuple[str, ...], bool]] | None = None,
 ) -> pd.DataFrame:
     """One row per job id (in line order) from the store's job records; a job without a
     record is ``missing``. ``files``: each job's output files (for the sha256 of an input
-    taken from an upstream job). Columns: JOB_COLUMNS."""
+    taken from an upstream job). Columns: JOB_COLUMNS, the model ones only with ``models``
+    (``render.results.last_model_tries``) not empty."""
     files = files or {}
     by_id = {record.job_id: record for record in records}
     rows = []
@@ -231,7 +238,11 @@ def jobs_frame(
                 "reason": record.reason,
             }
         )
-    frame = pd.DataFrame(rows, columns=list(JOB_COLUMNS), dtype=object)
+        if models and job_id in models:
+            rows[-1]["models"] = " ".join(models[job_id][0])
+            rows[-1]["model_loaded"] = models[job_id][1]
+    columns = [c for c in JOB_COLUMNS if models or c not in MODEL_JOB_COLUMNS]
+    frame = pd.DataFrame(rows, columns=columns, dtype=object)
     for name in ("line", "shot", "take", "attempts"):
         frame[name] = frame[name].astype("Int64")
     frame["seconds"] = frame["seconds"].astype("Float64")
@@ -393,3 +404,25 @@ def film_metadata(
         else:
             metadata[key] = MetadataValue.float(float(value))
     return metadata
+
+
+def model_load_metadata(cost: ModelLoadCost) -> dict[str, object]:
+    """A partition's model loads (``render.cost.model_load_cost``): how many, the GPU
+    seconds they took, and per server."""
+    frame = pd.DataFrame(
+        [
+            {"server": server, "loads": loads, "gpu_seconds": seconds}
+            for server, (loads, seconds) in cost.by_server.items()
+        ],
+        columns=["server", "loads", "gpu_seconds"],
+    )
+    described = {
+        "server": "The ComfyUI server.",
+        "loads": "Tries for which it had to load a model.",
+        "gpu_seconds": "GPU seconds those loads took (estimated: render/cost.py).",
+    }
+    return {
+        "model_loads": cost.loads,
+        "model_load_gpu_seconds": MetadataValue.float(float(cost.gpu_seconds)),
+        "model_loads_by_server": table(frame, column_schema(frame, described)),
+    }

@@ -1,5 +1,6 @@
 """`python -m fake_comfy --port P [--host H] [--script ok,500,hang] [--busy N]
-[--prompt-seconds S] [--output-dir D] [--input-dir D]`
+[--prompt-seconds S] [--output-dir D] [--input-dir D]
+[--models a.safetensors,loras:b.safetensors] [--model-load-s S] [--resident N]`
 
 Prints `fake_comfy listening on http://HOST:PORT` (flushed) once it listens (port 0 picks
 a free port) and exits 0 on Ctrl+C or SIGTERM.
@@ -39,6 +40,22 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="where uploads go and LoadImage reads (default: a temporary folder)",
     )
+    parser.add_argument(
+        "--models",
+        default="",
+        help="comma-separated model files its loaders list (FOLDER:NAME for one folder: "
+        "checkpoints, loras, vae, diffusion_models, text_encoders, controlnet, "
+        "upscale_models; a bare name is in every folder)",
+    )
+    parser.add_argument(
+        "--model-load-s",
+        type=float,
+        default=0.0,
+        help="seconds a loader takes for a model file not loaded",
+    )
+    parser.add_argument(
+        "--resident", type=int, default=1, help="model files kept loaded (least recently used goes)"
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -67,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
             busy=args.busy,
             output_dir=args.output_dir,
             input_dir=args.input_dir,
+            models=[m for m in args.models.split(",") if m.strip()],
+            model_load_s=args.model_load_s,
+            resident=args.resident,
         )
     except ValueError as ex:
         print(f"fake_comfy: {ex}", file=sys.stderr)

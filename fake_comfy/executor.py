@@ -25,7 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from fake_comfy import inputs as inputs_mod
-from fake_comfy import nodes, recorded
+from fake_comfy import nodes, recorded, sampling
 from fake_comfy.cache import CacheEntry
 from fake_comfy.graph import execution_order, is_link
 from fake_comfy.state import QueueItem
@@ -113,16 +113,20 @@ class Executor:
             await self._run_one(item)
             self.apply_free()
 
-    def request_free(self) -> None:
-        """POST /free with free_memory: reset the cache between two prompts (main.py
-        prompt_worker reads the flag after each prompt, or at once when it is idle)."""
+    def request_free(self, free_memory: bool = True, unload_models: bool = True) -> None:
+        """POST /free: reset the cache (``free_memory``) and unload the models
+        (``unload_models``) between two prompts (main.py prompt_worker reads the flags
+        after each prompt, or at once when it is idle)."""
         session = self.fake.session
-        session.free_requested = True
+        session.free_requested = session.free_requested or free_memory
+        self.fake.models.unload_requested = self.fake.models.unload_requested or unload_models
         if session.running is None and not session.queue:
             self.apply_free()
 
     def apply_free(self) -> None:
         session = self.fake.session
+        if self.fake.models.unload_requested:
+            self.fake.models.unload_all()
         if session.free_requested:
             session.free_requested = False
             session.cache.reset()
@@ -262,12 +266,16 @@ class Executor:
                 if index == trigger and word in ("error", "oom"):
                     raise nodes.index_error_failure() if word == "error" else nodes.oom_failure()
                 # The node's time passes whole: an interrupt lands only between nodes.
+                await fake.models.before_node(pid, item.prompt, class_type, inputs)
                 await asyncio.sleep(node_s)
                 if class_type in output_classes:
                     ui = await nodes.save(class_type, inputs, ctx)
                     session.cache.set(keys[node_id], CacheEntry(ui=ui))
                 else:
-                    if nodes.runs_in_thread(class_type, inputs):
+                    computed = sampling.compute(class_type, inputs)
+                    if computed is not None:
+                        results[node_id] = computed
+                    elif nodes.runs_in_thread(class_type, inputs):
                         results[node_id] = await asyncio.to_thread(
                             nodes.compute, class_type, inputs, fake.folders
                         )

@@ -1,7 +1,7 @@
 """FakeComfy: the in-process API of the fake ComfyUI v0.8.0 server.
 
     fake = FakeComfy(script=["ok", "500"], prompt_seconds=0.01, busy=0, output_dir=None,
-                     input_dir=None)
+                     input_dir=None, models=["a.safetensors"], model_load_s=2.0, resident=1)
     async with fake.serve(port=0) as url:      # "http://127.0.0.1:PORT"
         await fake.wait_idle(5.0)
     fake.stats                                 # == GET /fake/stats
@@ -39,6 +39,7 @@ from fake_comfy.executor import Executor
 from fake_comfy.hub import Hub
 from fake_comfy.inputs import Folders
 from fake_comfy.media import OutputFolder
+from fake_comfy.models import Models
 from fake_comfy.records import Records
 from fake_comfy.script import Script
 from fake_comfy.server import build_app
@@ -62,6 +63,10 @@ class FakeComfy:
     input_dir: the input folder, where uploads go and LoadImage / LoadVideo read (a
         temporary folder beside the temporary output folder, removed with the object,
         when None).
+    models: model files its loaders list (fake_comfy.models: ``FOLDER:NAME`` or a bare
+        name); ``fake.models.set_files([...])`` changes them, as files copied to a server.
+    model_load_s: seconds a loader takes for a file not loaded; resident: how many files
+        stay loaded (least recently used goes). ValueError for bad values.
     """
 
     def __init__(
@@ -71,6 +76,9 @@ class FakeComfy:
         busy: int = 0,
         output_dir: str | os.PathLike[str] | None = None,
         input_dir: str | os.PathLike[str] | None = None,
+        models: Iterable[str] = (),
+        model_load_s: float = 0.0,
+        resident: int = 1,
     ) -> None:
         if prompt_seconds < 0 or busy < 0:
             raise ValueError(f"prompt_seconds and busy must be >= 0, got {prompt_seconds}, {busy}")
@@ -78,6 +86,7 @@ class FakeComfy:
         self.prompt_seconds = float(prompt_seconds)
         self.busy = int(busy)
         self.records = Records()
+        self.models = Models(models, model_load_s, resident)
         self._root = Path(tempfile.mkdtemp(prefix="fake_comfy_"))
         weakref.finalize(self, shutil.rmtree, self._root, ignore_errors=True)
         self.output_dir = Path(output_dir) if output_dir is not None else self._root / "output"
@@ -109,11 +118,14 @@ class FakeComfy:
     def stats(self) -> dict[str, Any]:
         """{"prompts": {prompt_id: {"posted", "executed"}}, "runs": [...], "requests": {...},
         "uploads": N, "uploaded": {name: {"count", "first", "last"}}, "posts": [...]}
-        (fake_comfy.records)."""
-        return self.records.snapshot()
+        (fake_comfy.records) and "model_loads": {file: [{"prompt_id", "start", "end"}]}
+        (fake_comfy.models)."""
+        return {**self.records.snapshot(), "model_loads": self.models.loads()}
 
     def new_session(self) -> None:
-        """Forgets queue, history and numbers (a server start or the `restart` word)."""
+        """Forgets queue, history, numbers and loaded models (a server start or the
+        `restart` word)."""
+        self.models.unload_all()
         self.session = Session()
         self.notify()
 

@@ -4,7 +4,10 @@ The JSON files beside this package (`fake_comfy/data/`) hold the long fragments 
 `object_info.json` (the /object_info subset of basics.json, plus LoadVideo,
 GetVideoComponents, ImageFromBatch and RepeatImageBatch as v0.8.0's source
 defines them: comfy_api/latest/_io.py get_v1_info of comfy_extras/nodes_video.py and
-nodes_images.py at fc0cb10b) and `recorded_fragments.json`
+nodes_images.py at fc0cb10b), `model_nodes.json` (the model
+loaders and the upscale node, written from the v0.8.0 source's INPUT_TYPES and schemas as
+server.py `node_info` shows them, with empty file lists: not recorded, the recording
+server had no models) and `recorded_fragments.json`
 (system_stats, the IndexError of execution_error.json, the node error of a dropped output
 from validation_errors.json). Short strings live here as constants.
 """
@@ -54,7 +57,11 @@ MSG_NO_PROMPT = "No prompt provided"
 @cache
 def _object_info() -> dict[str, Any]:
     with (_DATA / "object_info.json").open(encoding="utf-8") as f:
-        return json.load(f)
+        info = json.load(f)
+    with (_DATA / "model_nodes.json").open(encoding="utf-8") as f:
+        for name, node in json.load(f).items():
+            info.setdefault(name, node)
+    return info
 
 
 @cache
@@ -65,8 +72,9 @@ def _fragments() -> dict[str, Any]:
 
 def object_info() -> dict[str, Any]:
     """The /object_info subset: {class_type: node definition} (basics.json; see the
-    module docstring). The file combos of LoadImage and LoadVideo are empty here: the
-    server lists its input folder in them (fake_comfy.inputs).
+    module docstring), and the model loaders of model_nodes.json (their file lists
+    empty). The file combos of LoadImage and LoadVideo are empty here: the server lists
+    its input folder in them (fake_comfy.inputs).
 
     Shared and cached: callers must not mutate it.
     """

@@ -156,7 +156,12 @@ async def post_prompt(request: web.Request) -> web.Response:
         return _bad_request(error, {})
     prompt = body["prompt"]
     try:
-        valid = validate_prompt(prompt, body.get("partial_execution_targets"), folders=fake.folders)
+        valid = validate_prompt(
+            prompt,
+            body.get("partial_execution_targets"),
+            fake.models.object_info(),
+            folders=fake.folders,
+        )
     except MalformedPrompt as ex:
         log.warning("fake_comfy: POST /prompt %s: %s", prompt_id, ex)
         return _text_500()
@@ -289,14 +294,17 @@ async def post_interrupt(request: web.Request) -> web.Response:
 
 async def post_free(request: web.Request) -> web.Response:
     """POST /free: 200, empty body. ``free_memory: true`` resets the node output cache
-    between two prompts (at once when idle; cache_replay.json); models are not modelled."""
+    between two prompts (at once when idle; cache_replay.json); ``unload_models``, true
+    or (absent) as ``free_memory``, unloads the models (main.py prompt_worker)."""
     try:
         body = await _json_body(request)
     except ValueError as ex:
         log.warning("fake_comfy: %s", ex)
         return _text_500()
-    if isinstance(body, dict) and body.get("free_memory"):
-        request.app[FAKE_KEY].executor.request_free()
+    if isinstance(body, dict) and (body.get("free_memory") or body.get("unload_models")):
+        free_memory = bool(body.get("free_memory"))
+        unload = bool(body.get("unload_models")) or free_memory
+        request.app[FAKE_KEY].executor.request_free(free_memory, unload)
     return _empty_200()
 
 
@@ -375,16 +383,18 @@ async def get_ws(request: web.Request) -> web.WebSocketResponse:
 
 async def get_object_info(request: web.Request) -> web.Response:
     """GET /object_info: the recorded subset of node classes (basics.json), LoadImage and
-    LoadVideo listing the files at the top of the input folder (upload.json)."""
-    folder = request.app[FAKE_KEY].input.root
-    info = recorded.object_info()
+    LoadVideo listing the files at the top of the input folder (upload.json), the model
+    loaders listing this fake's files (fake_comfy.models)."""
+    fake = request.app[FAKE_KEY]
+    folder = fake.input.root
+    info = fake.models.object_info()
     return web.json_response({k: with_listed_files(k, v, folder) for k, v in info.items()})
 
 
 async def get_object_info_node(request: web.Request) -> web.Response:
     """GET /object_info/{node_class}: {node_class: info}, or {} when unknown."""
     name = request.match_info["node_class"]
-    info = recorded.object_info()
+    info = request.app[FAKE_KEY].models.object_info()
     if name not in info:
         return web.json_response({})
     folder = request.app[FAKE_KEY].input.root
@@ -425,8 +435,9 @@ async def get_system_stats(request: web.Request) -> web.Response:
 
 
 async def get_fake_stats(request: web.Request) -> web.Response:
-    """GET /fake/stats: {"prompts": {id: {"posted", "executed"}}, "runs": [...]}."""
-    return web.json_response(request.app[FAKE_KEY].records.snapshot())
+    """GET /fake/stats: {"prompts": {id: {"posted", "executed"}}, "runs": [...],
+    "requests": {...}, "model_loads": {file: [...]}} (FakeComfy.stats)."""
+    return web.json_response(request.app[FAKE_KEY].stats)
 
 
 @web.middleware

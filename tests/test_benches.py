@@ -42,3 +42,16 @@ def test_overhead_runs_both_sides_and_prints_the_ratio() -> None:
     for name in ("ours", "bare"):
         assert float(lines[f"cpu_s_{name}_4"]) > 0
     assert "ratio" in lines
+
+
+def test_models_runs_every_scenario_and_counts_the_fakes_loads() -> None:
+    lines = figures(
+        "bench/models.py",
+        *("--jobs", "12", "--servers", "2", "--models", "2"),
+        *("--prompt-s", "0.02", "--load-s", "0.05"),
+    )
+    for name in ("", "fifo_", "two_process_", "hetero_"):
+        assert int(lines[f"{name}model_loads"]) >= 2, name
+    assert {"ratio", "lower_bound_s", "fifo_over_planned", "two_process_loads_over_one"} <= set(
+        lines
+    )

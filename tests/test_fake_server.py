@@ -24,6 +24,7 @@ from PIL import Image
 from fake_comfy import FakeComfy, workflows
 
 RECORDED = Path(__file__).resolve().parent.parent / "data" / "recorded"
+FAKE_DATA = Path(__file__).resolve().parent.parent / "fake_comfy" / "data"
 WAIT_S = 5.0  # bound on every wait; a healthy fake answers in milliseconds
 NODE_S = 0.001
 
@@ -151,15 +152,13 @@ async def test_idle_routes_answer_the_recorded_bodies(fake: FakeComfy) -> None:
         free = await c.post("/free", json={"unload_models": True, "free_memory": True})
         assert (free.status_code, free.content, "content-type" in free.headers) == (200, b"", False)
         info = (await c.get("/object_info")).json()
-        recorded_info = recorded_http("basics", path="/object_info")["response"]["body"]
-        assert {k: info[k] for k in recorded_info} == recorded_info
-        # The classes the input files need, from the v0.8.0 source (fake_comfy.recorded).
-        assert sorted(set(info) - set(recorded_info)) == [
-            "GetVideoComponents",
-            "ImageFromBatch",
-            "LoadVideo",
-            "RepeatImageBatch",
-        ]
+        want = recorded_http("basics", path="/object_info")["response"]["body"]
+        assert {name: info[name] for name in want} == want
+        # Beside the recorded classes: the classes the input files need, from the v0.8.0
+        # source (fake_comfy.recorded), and the model loaders (their file lists empty here).
+        loaders = json.loads((FAKE_DATA / "model_nodes.json").read_text())
+        inputs = ["GetVideoComponents", "ImageFromBatch", "LoadVideo", "RepeatImageBatch"]
+        assert sorted(set(info) - set(want)) == sorted([*inputs, *loaders])
 
 
 async def test_view_refuses_missing_files_and_traversal_like_the_real_server(

@@ -55,6 +55,17 @@ def test_the_ci_seeds_cover_every_mode_and_every_fault():
     assert words >= {"partial", "late", "silent", "restart", "busy"}
 
 
+def test_the_ci_seeds_draw_model_mixes_and_load_times():
+    schedules = [make_schedule(seed) for seed in CI_SEEDS]
+    mixed = [s for s in schedules if s.checkpoints]
+    assert {s.mode for s in mixed} == set(MODES)
+    assert any("nowhere.safetensors" in s.checkpoints for s in mixed)  # on no server
+    assert any(len(set(s.checkpoints)) > 1 for s in mixed)
+    assert any(p.model_load_s > 0 and p.resident == 2 for s in mixed for p in s.servers)
+    # Some server lacks a checkpoint another one lists.
+    assert any(len({p.models for p in s.servers}) > 1 for s in mixed)
+
+
 def test_a_seed_gives_the_same_schedule():
     assert make_schedule(5) == make_schedule(5)
     assert make_schedule(5) != make_schedule(6)

@@ -165,6 +165,21 @@ def test_server_leases_are_exclusive_until_expiry(any_store):
     )
 
 
+def test_the_models_a_server_holds_are_noted_whoever_holds_its_lease(any_store):
+    any_store.note_server_model("gpu1", '["a.safetensors"]', now=100.0)  # no lease row yet
+    assert any_store.acquire_server("gpu1", "a", 10.0, now=101.0)
+    any_store.note_server_model("gpu1", '["b.safetensors"]', now=102.0)
+    lease = any_store.server_leases()["gpu1"]
+    assert (lease.owner, lease.last_model, lease.held(now=103.0)) == (
+        "a",
+        '["b.safetensors"]',
+        True,
+    )
+    any_store.note_server_model("gpu1", None)  # started again: it holds nothing
+    assert any_store.release_server("gpu1", "a")
+    assert any_store.server_leases()["gpu1"].last_model is None
+
+
 def test_two_processes_racing_claim_each_job_exactly_once(backend, any_store, workflow_dir):
     jobs = make_jobs(workflow_dir, 8)
     any_store.register_jobs("film", jobs)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
+from comfy_assets.comfy.capabilities import Capabilities
 from comfy_assets.comfy.errors import (
     ComfyError,
     ConnectionLost,
@@ -220,6 +221,15 @@ class ComfyClient:
         """POST /queue ``{"delete": [...]}``. Loses the race against a prompt that already
         started: check /queue and /history afterwards (interrupt_reconnect.json)."""
         await self._post_ok("/queue", {"delete": list(prompt_ids)})
+
+    async def object_info(self) -> Capabilities:
+        """GET /object_info: the node classes this server has and the model files its
+        loaders list (``capabilities.py``; basics.json). Large on a real server with
+        custom nodes: asked once per server start, not per job."""
+        body = await self._get_json("/object_info")
+        return self._parse(
+            "GET /object_info", lambda b: Capabilities.from_object_info(self.name, b), body
+        )
 
     async def is_output_node(self, class_type: str) -> bool:
         """Whether ``class_type`` is an output node on this server (``output_node`` of

@@ -157,3 +157,15 @@ class NoServerReachable(Exception):
         super().__init__(f"no server reachable for {waited_s:.3g} s ({listed})")
         self.waited_s = waited_s
         self.reasons = reasons
+
+
+class NoServerCanRun(Exception):
+    """No server of the pool can run a job: each one checked lacks a node class or a
+    model file it needs (read from its /object_info), and the others were unreachable
+    for longer than the pool waits. Not a ComfyError: nothing was posted; the job is a
+    dead letter with ``reason``, e.g. ``no server has checkpoint 'sdxl.safetensors'
+    (gpu0, gpu1 checked)``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason

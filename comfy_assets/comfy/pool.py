@@ -18,6 +18,11 @@ are downloaded; a server our own prompt just left is retaken without a probe. Ac
 processes, a pool that waits marks itself in the store and a pool that frees a server
 leaves it to that process for a moment, so runs that share servers take turns.
 
+What a server can run and which models it holds (``holdings.py``, ``plan.py``): a job
+goes only to a server whose /object_info lists its node classes and model files, and a
+consumer's ``choose`` (the batch's plan) says which free servers should take a job now
+and of which group: the pool offers only those, its own group first.
+
 No Dagster here: the batch runner, the CLI and the RabbitMQ worker all use this.
 """
 
@@ -28,9 +33,13 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.client import ComfyClient
+from comfy_assets.comfy.errors import NoServerCanRun
 from comfy_assets.comfy.follow import PromptFollower
+from comfy_assets.comfy.holdings import Holdings
 from comfy_assets.comfy.lease_keeping import LeaseKeeping
 from comfy_assets.comfy.orphans import Orphans
 from comfy_assets.comfy.probing import Probing
@@ -46,8 +55,12 @@ from comfy_assets.comfy.uploads import Uploads
 
 log = logging.getLogger("comfy_assets.pool")
 
+# A consumer's say on a free server (name, seconds it has waited in line): None, take
+# nothing there now; else a rank, lower first (0: its own job's group).
+Chooser = Callable[[str, float], int | None]
 
-class Pool(Probing, LeaseKeeping, Orphans):
+
+class Pool(Probing, LeaseKeeping, Orphans, Holdings):
     """Named ComfyUI servers shared through server leases.
 
     A lease that can't be renewed (the store fails until only a third of it is left) or
@@ -77,7 +90,9 @@ class Pool(Probing, LeaseKeeping, Orphans):
     ``busy_poll_s``: how often to look again when every server is held by another process.
     ``stats_ttl_s``: how long a healthy ``/system_stats`` answer stands (``/queue`` is
     asked at every probe). ``probe_ttl_s``: how long a probe's /queue answer stands
-    for a server nobody took since.
+    for a server nobody took since. ``planned``: batches over this pool follow the plan
+    (``plan.py``); False: jobs in the order they came, models only breaking ties (the
+    behaviour before the plan, for comparison: ``bench/models.py``).
     """
 
     def __init__(
@@ -92,11 +107,13 @@ class Pool(Probing, LeaseKeeping, Orphans):
         probe_ttl_s: float = 0.1,
         orphan_grace_s: float | None = None,
         store_timeout_s: float = 30.0,
+        planned: bool = True,
     ) -> None:
         if not servers:
             raise ValueError("a pool needs at least one server")
         self.lost_listeners: list[Callable[[Slot], None]] = []
         self.uploads = Uploads()  # input files on each server, uploaded once per server
+        self.planned = planned
         self.store_timeout_s = store_timeout_s
         self._store_failing_since: float | None = None  # loop time
         self.settings = PoolSettings() if settings is None else settings
@@ -128,7 +145,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
         self._renewer: asyncio.Task[None] | None = None
         self._reported: dict[str, str] = {}  # last state reported per server (log once)
         self._reported_at: dict[str, float] = {}  # monotonic time of that report
-        self.last_model: dict[str, str | None] = {}
+        self._init_holdings()
         # Prompts of ours that have finished: ComfyUI still lists a prompt in /queue while
         # it writes its history, so a probe right after execution_success sees it; it no
         # longer occupies the GPU and must not keep the server from its next prompt.
@@ -214,18 +231,37 @@ class Pool(Probing, LeaseKeeping, Orphans):
         models: Sequence[str] = (),
         only: str | None = None,
         allow_prompt: str | None = None,
+        needs: Needs | None = None,
+        choose: Chooser | None = None,
+        check: Callable[[], str | None] | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> Slot:
         """Hold a free server for one prompt; wait (without spinning) until one is free.
 
         ``prefer``: the job's previous server (wins ties on queue length).
-        ``models``: the job's model names (affinity: a server that last ran one wins ties).
+        ``models``: the job's model names (affinity: a server holding them wins ties).
         ``only``: restrict to one server (catch-up of a prompt already queued there), and
         ``allow_prompt``: that prompt_id of ours may be on it.
+        ``needs``: only a server that can run the job (its /object_info read first);
+        raises NoServerCanRun once none of the pool can (``cannot_run``).
+        ``choose``: the consumer's say on each free server (``Chooser``), ranked after
+        queue length and ``prefer``. ``check``: asked at each look; a reason it returns
+        is raised as NoServerCanRun (a job waiting for no server that can run it).
+        ``gone``: asked at each look; True ends the wait with None (the consumer has
+        nothing left to run, so it leaves the line to those that have).
         """
         slot = await self.acquire_until(
-            None, prefer=prefer, models=models, only=only, allow_prompt=allow_prompt
+            None,
+            prefer=prefer,
+            models=models,
+            only=only,
+            allow_prompt=allow_prompt,
+            needs=needs,
+            choose=choose,
+            check=check,
+            gone=gone,
         )
-        assert slot is not None, "acquire without a stop event returns a slot"
+        assert slot is not None, "acquire without a stop event or gone returns a slot"
         return slot
 
     async def acquire_until(
@@ -236,36 +272,39 @@ class Pool(Probing, LeaseKeeping, Orphans):
         models: Sequence[str] = (),
         only: str | None = None,
         allow_prompt: str | None = None,
+        needs: Needs | None = None,
+        choose: Chooser | None = None,
+        check: Callable[[], str | None] | None = None,
+        gone: Callable[[], bool] | None = None,
     ) -> Slot | None:
         """``acquire``, or None once ``stop`` is set (and ``wake()`` called): a consumer
         with nothing left to run must not wait for a server for ever."""
+        want = _Want(prefer, tuple(models), only, allow_prompt, needs, choose, check, gone)
         if only is not None:  # catch-up of one prompt: not in line with the others
-            return await self._acquire_loop(prefer, models, only, allow_prompt, stop)
+            return await self._acquire_loop(want, stop)
         # Consumers line up: only the first looks (FIFO), so a release wakes one
         # consumer, not a stampede of probes and lease reads.
         async with self._line:
-            return await self._acquire_loop(prefer, models, only, allow_prompt, stop)
+            return await self._acquire_loop(want, stop)
 
     def wake(self) -> None:
         """Wake the consumer waiting for a server (to see its stop event)."""
         self._changed.set()
 
-    async def _acquire_loop(
-        self,
-        prefer: str | None,
-        models: Sequence[str],
-        only: str | None,
-        allow_prompt: str | None,
-        stop: asyncio.Event | None,
-    ) -> Slot | None:
+    async def _acquire_loop(self, want: _Want, stop: asyncio.Event | None) -> Slot | None:
         waited = False  # a whole busy_poll_s, with no release of ours to wake us
         while True:
-            if stop is not None and stop.is_set():
+            if (stop is not None and stop.is_set()) or (want.gone is not None and want.gone()):
                 for name in list(self._kept):
                     self._let_go(name)
                 return None
             self._changed.clear()
-            slot, all_unhealthy = await self._try_acquire(prefer, models, only, allow_prompt)
+            reason = self.cannot_run_now(want.needs) if want.needs is not None else None
+            if reason is None and want.check is not None:
+                reason = want.check()
+            if reason is not None:
+                raise NoServerCanRun(reason)
+            slot, all_unhealthy = await self._try_acquire(want)
             if slot is not None:
                 return slot
             self._check_reachable()
@@ -286,19 +325,19 @@ class Pool(Probing, LeaseKeeping, Orphans):
             except TimeoutError:
                 waited = True
 
-    async def _try_acquire(
-        self,
-        prefer: str | None,
-        models: Sequence[str],
-        only: str | None,
-        allow_prompt: str | None,
-    ) -> tuple[Slot | None, bool]:
+    async def _try_acquire(self, want: _Want) -> tuple[Slot | None, bool]:
+        only, models = want.only, want.models
         for name in list(self._kept):
             if only is not None and name != only:
                 continue
             follower = self._followers.get(name)
             spec = self.spec(name)
-            if spec is not None and follower is not None and follower.queue_remaining() == 0:
+            if (
+                spec is not None
+                and follower is not None
+                and follower.queue_remaining() == 0
+                and self._wanted(spec.name, want) is not None
+            ):
                 # Our prompt left it and nothing else is queued there: no queue is
                 # shorter, and the lease is already ours.
                 return self._take(spec, models, {}), False
@@ -309,6 +348,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
                 len(rest) == 1
                 and self._just_freed(rest[0].name)
                 and not self._yielding(rest[0].name)
+                and self._wanted(rest[0].name, want) is not None
             ):
                 # We hold every other server and ours just left this one: nothing to
                 # choose, nothing to read; the lease itself says if another process won.
@@ -321,6 +361,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
             return None, False
         now = time.time()
         leases = self._ask_leases(self.leases.server_leases, {})
+        self._held_from(leases)
         free = []
         for spec in self.servers:
             if only is not None and spec.name != only:
@@ -333,26 +374,46 @@ class Pool(Probing, LeaseKeeping, Orphans):
             free.append(spec)
         if not free:
             return None, False
-        if len(free) == 1 and self.settings.max_queue is None and self._just_freed(free[0].name):
+        if (
+            len(free) == 1
+            and self.settings.max_queue is None
+            and self._just_freed(free[0].name)
+            and self._wanted(free[0].name, want) is not None
+        ):
             # Our own prompt has just left this server, the only free one: there is no
             # choice to make, and a probe would only keep the GPU waiting.
             return self._take(free[0], models, {}), False
         probes = await asyncio.gather(*(self.probe(s) for s in free))
         self._report(probes)
+        if want.needs is not None or want.choose is not None:
+            await self.read_capabilities(
+                [s for s, p in zip(free, probes, strict=True) if p.healthy]
+            )
         candidates = []
+        declined = False
         for order, (spec, p) in enumerate(zip(free, probes, strict=True)):
             if not p.healthy:
                 continue
-            orphans = [pid for pid in p.ours if pid != allow_prompt and pid not in self._finished]
+            orphans = [
+                pid for pid in p.ours if pid != want.allow_prompt and pid not in self._finished
+            ]
             self._watch_orphans(spec, orphans)
             if orphans:
                 continue  # a prompt of ours is still there (a dead holder's): not free
             if self.settings.max_queue is not None and p.foreign_queue >= self.settings.max_queue:
                 continue
-            last = self._last_model(spec.name, leases)
-            affinity = 0 if (last is not None and last in models) else 1
-            key = (p.foreign_queue, 0 if spec.name == prefer else 1, affinity, order)
+            rank = self._wanted(spec.name, want)
+            if rank is None:
+                declined = True
+                continue  # it can't run the job, or the plan keeps it for later
+            key = (p.foreign_queue, 0 if spec.name == want.prefer else 1, rank, order)
             candidates.append((key, spec, p))
+        # How long free servers have been declined: the plan's estimates give way after
+        # a load's time (``plan.py``, rule 1).
+        if not declined:
+            want.declined_since = None
+        elif want.declined_since is None:
+            want.declined_since = asyncio.get_running_loop().time()
         if not candidates:
             return None, all(not p.healthy for p in probes)
         candidates.sort(key=lambda c: c[0])
@@ -421,10 +482,18 @@ class Pool(Probing, LeaseKeeping, Orphans):
         freed = self._freed_at.get(name)
         return freed is not None and asyncio.get_running_loop().time() - freed < self.stats_ttl_s
 
-    def _last_model(self, name: str, leases: dict) -> str | None:
-        lease = leases.get(name)
-        stored = getattr(lease, "last_model", None) if lease is not None else None
-        return stored or self.last_model.get(name)
+    def _wanted(self, name: str, want: _Want) -> int | None:
+        """How much ``want`` wants free server ``name`` (lower first), or None: it can't
+        run the job (``want.needs``), or the consumer's ``choose`` keeps it for later.
+        Without ``choose``: 0 when it holds every model of the job, else 1."""
+        if want.needs is not None and not self.can_run(name, want.needs):
+            if want.choose is None:
+                return None
+        if want.choose is not None:
+            since = want.declined_since
+            waited = 0.0 if since is None else asyncio.get_running_loop().time() - since
+            return want.choose(name, waited)
+        return 0 if frozenset(want.models) <= self.plan.holds(name) else 1
 
     # -- holding ------------------------------------------------------------------------
 
@@ -477,11 +546,9 @@ class Pool(Probing, LeaseKeeping, Orphans):
             self._finished[slot.prompt_id] = None
             while len(self._finished) > 4096:
                 self._finished.popitem(last=False)
-        model = slot.models[0] if slot.models else None
-        if model is not None:
-            self.last_model[slot.name] = model
+        self._prompt_left(slot)
         if slot.name not in self._kept:
-            self._release_lease(slot.name, model)
+            self._release_lease(slot.name, self.held_text(slot.name))
         self._changed.set()
 
     def _let_go(self, name: str, kept_at: float | None = None) -> None:
@@ -489,7 +556,7 @@ class Pool(Probing, LeaseKeeping, Orphans):
         if name not in self._kept or (kept_at is not None and self._kept[name] != kept_at):
             return
         del self._kept[name]
-        self._release_lease(name, self.last_model.get(name))
+        self._release_lease(name, self.held_text(name))
         self._changed.set()
 
     def slot_abandoned(self, slot: Slot) -> None:
@@ -504,3 +571,19 @@ class Pool(Probing, LeaseKeeping, Orphans):
             slot.name,
             self.settings.server_lease_s,
         )
+
+
+@dataclass
+class _Want:
+    """What a consumer in line wants of a server (``Pool.acquire``'s arguments), and
+    since when free servers have been declined for it."""
+
+    prefer: str | None
+    models: tuple[str, ...]
+    only: str | None
+    allow_prompt: str | None
+    needs: Needs | None
+    choose: Chooser | None
+    check: Callable[[], str | None] | None
+    gone: Callable[[], bool] | None
+    declined_since: float | None = None  # loop time a free server was first declined

@@ -84,6 +84,7 @@ class Probing:
         server is named again every ``REPORT_AGAIN_S`` so a long wait is not silent."""
         now = time.monotonic()
         for p in probes:
+            self._came_back(p.name, p.healthy)
             state = "healthy" if p.healthy else f"unreachable: {p.reason}"
             changed = self._reported.get(p.name, "healthy") != state
             stale = not p.healthy and now - self._reported_at.get(p.name, now) >= REPORT_AGAIN_S

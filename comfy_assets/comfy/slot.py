@@ -36,6 +36,8 @@ class ServerLeaseStore(Protocol):
 
     def release_server(self, server: str, owner: str, last_model: str | None = None) -> None: ...
 
+    def note_server_model(self, server: str, last_model: str | None) -> None: ...
+
     def server_leases(self) -> dict: ...
 
     def mark_waiting(self, owner: str, wait_s: float) -> None: ...
@@ -61,12 +63,15 @@ class Slot:
     spec: ServerSpec
     client: ComfyClient
     pool: Pool
-    models: tuple[str, ...] = ()
+    models: tuple[str, ...] = ()  # the model files of its prompt (``Pool.assign``)
+    load_expected: bool = False  # the server did not hold them: it loads one for this prompt
+    assigned: bool = False  # ``Pool.assign`` said which job's models it runs
     released: bool = False
     prompt_id: str | None = None  # ours on the server, once posted (set by the runner)
     dispatching: bool = True  # held but not yet posted: the GPU waits on us
     handover: asyncio.Event | None = None  # set once the next prompt here is posted
     lost: str | None = None  # why our server lease was lost while held (set by the pool)
+    posted_at: float | None = None  # loop time our prompt's POST was answered (for estimates)
 
     @property
     def name(self) -> str:
@@ -75,12 +80,17 @@ class Slot:
     def release(self) -> None:
         """Give the server back (call once the prompt has left it). Safe to call twice."""
         if not self.released:
-            self.dispatched()
+            self._dispatch_over()
             self.released = True
             self.pool.slot_released(self)
 
     def dispatched(self) -> None:
         """Say that the prompt has been posted (or won't be): the dispatch is over."""
+        if self.prompt_id is not None and self.posted_at is None:
+            self.posted_at = asyncio.get_running_loop().time()
+        self._dispatch_over()
+
+    def _dispatch_over(self) -> None:
         if self.dispatching:
             self.dispatching = False
             self.pool.dispatch_done()
@@ -92,6 +102,6 @@ class Slot:
         process may take it only after the lease time, never while our prompt may run.
         """
         if not self.released:
-            self.dispatched()
+            self._dispatch_over()
             self.released = True
             self.pool.slot_abandoned(self)

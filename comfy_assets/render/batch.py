@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
-from comfy_assets.comfy.errors import NoServerReachable
+from comfy_assets.comfy.errors import NoServerCanRun, NoServerReachable
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
@@ -35,7 +35,7 @@ from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.chain import Chain
 from comfy_assets.render.claims import Claims
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.outcome import AttemptHooks, NotPosted
+from comfy_assets.render.outcome import AttemptHooks, AttemptResult, NotPosted
 from comfy_assets.render.outputs import outputs_problem, take_folder
 from comfy_assets.render.owners import owner_alive
 from comfy_assets.render.progress import Ended, Progress
@@ -98,7 +98,7 @@ class Batch(Settle, Chain):
         self.on_progress = on_progress
         self.started = time.monotonic()
         self.progress = Progress(len(self.jobs))
-        self.queue = JobQueue()
+        self.queue = JobQueue(pool.plan, pool.planned)
         self.unresolved = len(self.jobs)
         self.resolutions = 0  # jobs resolved so far (a parked job's check may miss one)
         self._init_chain()
@@ -207,16 +207,68 @@ class Batch(Settle, Chain):
             self.pool.wake()  # a consumer waiting for a server sees it is over
         self.queue.changed.set()
 
-    async def _acquire(self, head: Item) -> Slot | None:
-        """A free server for ``head``'s kind of job, or None once the batch is finished
-        (a consumer must not wait forever for a server when nothing is left to run)."""
+    async def _acquire(self) -> tuple[Slot | None, Item | None]:
+        """A free server and the job the plan gives it (``render/queue.py``), or (None,
+        None) once the batch is finished or no job waits here any more (a consumer must
+        not wait for a server with nothing to run); the job is None when another
+        consumer took the last of its group meanwhile. Raises NoServerCanRun when some
+        job waiting here can run nowhere."""
         slot = await self.pool.acquire_until(
-            self.finished, prefer=head.prev_server, models=head.job.models
+            self.finished,
+            choose=self.queue.chooser(),
+            check=self._unrunnable_group,
+            gone=lambda: not self.queue.ready,
         )
         if slot is not None and self.finished.is_set():
             slot.release()
-            return None
-        return slot
+            return None, None
+        if slot is None:
+            return None, None
+        return slot, self.queue.pop_chosen(slot.name)
+
+    async def _claim_ahead(self) -> None:
+        """Claim the oldest job not claimed yet and leave it in the queue, unless as many
+        are claimed as there are consumers; a job no server can run is dead-lettered at
+        once, nothing posted."""
+        if self.queue.claimed >= self.consumers:
+            return
+        item = self.queue.pop_unclaimed()
+        if item is None:
+            return
+        rec = await self._claim(item)
+        if rec is None:
+            return
+        reason = await self.pool.cannot_run(self.queue.needs(item))
+        if reason is not None:
+            await self._dead_letter_now(item, rec, reason)
+            return
+        self.queue.put_back(item, rec)
+
+    def _unrunnable_group(self) -> str | None:
+        """Why some job waiting here can run on no server now, else None (``check`` of
+        ``Pool.acquire``, asked at each look)."""
+        for group in self.queue.groups():
+            reason = self.pool.cannot_run_now(group)
+            if reason is not None:
+                return reason
+        return None
+
+    async def _dead_letter_unrunnable(self) -> None:
+        """Dead-letter every job waiting here that no server can run now."""
+        for group in self.queue.groups():
+            reason = self.pool.cannot_run_now(group)
+            if reason is None:
+                continue
+            for item in self.queue.pop_all(group):
+                rec = await self._claim(item)
+                if rec is not None:
+                    await self._dead_letter_now(item, rec, reason)
+
+    async def _dead_letter_now(self, item: Item, rec: JobRecord, reason: str) -> None:
+        """``item`` (claimed: ``rec``) can run on no server: a dead letter (degraded in a
+        draft) with ``reason``, nothing posted."""
+        result = AttemptResult("permanent", reason, prompt_id=item.job.prompt_id)
+        await self._settle(item, rec.attempts + 1, result)
 
     async def _consumer(self) -> None:
         slot: Slot | None = None
@@ -229,9 +281,29 @@ class Batch(Settle, Chain):
                     self.queue.changed.clear()
                     await self.queue.changed.wait()
                     continue
-                held = slot is not None and not slot.released
-                item = self.queue.pop_for(slot) if held else self.queue.ready.popleft()
+                try:
+                    if slot is None or slot.released:
+                        # A job is claimed before we wait for a server and left in the
+                        # queue, so a server handed to a consumer goes straight to the
+                        # submit and the POST: one store write less between two prompts.
+                        await self._claim_ahead()
+                        if not self.queue.ready or self.stopped:
+                            continue
+                        slot, item = await self._acquire()
+                        if slot is None:
+                            continue  # the batch is finished, or nothing waits here
+                    else:
+                        item = self.queue.pop_for(slot)
+                except NoServerCanRun:  # a server started again without a model
+                    await self._dead_letter_unrunnable()
+                    continue
+                except NoServerReachable as e:
+                    self._stop_unreachable(e)  # the jobs here stay pending, unposted
+                    break
                 if item is None:
+                    if slot is not None:  # nothing for it now (the plan keeps it for later)
+                        slot.release()
+                        slot = None
                     continue
                 verdict, reason = "ready", ""
                 while item.job.depends_on:
@@ -245,20 +317,20 @@ class Batch(Settle, Chain):
                 # The job is claimed before we wait for a server, so a server handed to
                 # us goes straight to the submit and the POST: one store write less
                 # between two prompts on a GPU.
-                rec = await self._claim(item, requeue_dependant=verdict == "ready")
+                rec = await self._claim(item)
                 if rec is None:
                     continue
                 if verdict == "blocked":
                     await self._not_rendered(item, reason)
                     continue
                 try:
-                    if (slot is None or slot.released) and not self.stopped:
-                        slot = await self._acquire(item)
-                    if slot is None or self.stopped:
+                    if self.stopped:
                         # Stopped (delivery policy) while we claimed or waited: the job
                         # stays pending, unposted.
                         self.claims.release(item.job.id)
                         break
+                    item.loaded_on = slot.name
+                    item.model_loaded = self.pool.assign(slot, self.queue.needs(item))
                     slot = await self._run_item(item, rec, slot)
                 except NoServerReachable as e:
                     self.claims.release(item.job.id)  # unposted: it stays pending
@@ -269,18 +341,18 @@ class Batch(Settle, Chain):
                 slot.release()
             self.queue.changed.set()  # wake the other consumers to see the end
 
-    async def _claim(self, item: Item, requeue_dependant: bool = False) -> JobRecord | None:
+    async def _claim(self, item: Item) -> JobRecord | None:
         """Claim ``item``'s job; its record when it is ours to run, else None (done,
-        dead-lettered, or held by another worker: then it is resolved or put back).
-        ``requeue_dependant``: a chained job dead-lettered only for its upstream job is
-        requeued (its upstream job is no longer failed)."""
+        dead-lettered, or held by another worker: then it is resolved or put back). A
+        chained job dead-lettered only for its upstream job, which is no longer failed,
+        is requeued first."""
         job, cfg, store = item.job, self.config, self.store
+        if item.rec is not None:
+            rec, item.rec = item.rec, None
+            if job.id in self.claims.held:  # claimed before its consumer waited in line
+                return rec
         status, rec = await self.claims.claim(job.id)
-        if (
-            status == "dead_lettered"
-            and requeue_dependant
-            and await self._requeue_if_upstream_fixed(job, rec)
-        ):
+        if status == "dead_lettered" and await self._requeue_if_upstream_fixed(job, rec):
             status, rec = await self.claims.claim(job.id)
         if status == "done":
             problem = await self._db(outputs_problem, store, self.partition, job.id)

@@ -115,6 +115,9 @@ class Chain:
         longer blocked: back to pending (True), so it renders in this run."""
         if not job.depends_on or not (rec.reason or "").startswith(NOT_RENDERED):
             return False
+        verdict, _ = await self._upstreams(job)
+        if verdict == "blocked":
+            return False
         try:
             await self._db(
                 self.store.transition,
@@ -136,7 +139,7 @@ class Chain:
             changed = False
             # Put back in line by an upstream job's end, but no consumer is left.
             for item in [i for i in self.queue.ready if i.job.depends_on]:
-                self.queue.ready.remove(item)
+                self.queue.remove(item)
                 self._park(item)
             for job_id, item in list(self.parked.items()):
                 verdict, reason = await self._upstreams(item.job)

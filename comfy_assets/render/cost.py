@@ -1,12 +1,15 @@
-"""What a batch cost in GPU time, and what three retry strategies are expected to cost.
+"""What a batch cost in GPU time, what three retry strategies are expected to cost, and
+what its model loads took.
 
 Pure arithmetic on attempt records, so the numbers can go straight into Dagster metadata.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 OUTCOMES = ("success", "transient", "permanent")
 
@@ -75,3 +78,48 @@ def cost_report(attempts: list[AttemptCost], shots: int) -> dict[str, float | in
         "expected_s_rerun_whole_batch": round(n * t / clean_batch, 1) if clean_batch > 0 else None,
         "expected_s_tiered_retry": round(n * t / (1 - p), 1) if p < 1 else None,
     }
+
+
+class ModelTry(Protocol):
+    """What ``model_load_cost`` reads of a try (``store.ModelLoadRecord`` has it)."""
+
+    server: str | None
+    models: tuple[str, ...]
+    loaded: bool
+    gpu_seconds: float | None
+
+
+@dataclass(frozen=True)
+class ModelLoadCost:
+    """Model loads of a batch and the GPU seconds they took: in all, and per server as
+    ``{server: (loads, seconds)}`` (seconds rounded to 0.1)."""
+
+    loads: int
+    gpu_seconds: float
+    by_server: dict[str, tuple[int, float]]
+
+
+def model_load_cost(tries: Sequence[ModelTry]) -> ModelLoadCost:
+    """Count the tries whose server had to load a model and that ran (GPU seconds known),
+    and estimate what each load took: the try's GPU seconds less the median GPU seconds
+    of the tries of the same models that loaded nothing (of any models when there are
+    none; nothing when no try loaded nothing, so the whole try counts), never below 0.
+    ComfyUI does not report the time a loader took, so this is the seed's cost model
+    with its largest term: a prompt whose model is loaded costs its usual time."""
+    plain: dict[tuple[str, ...], list[float]] = {}
+    for t in tries:
+        if not t.loaded and t.gpu_seconds is not None:
+            plain.setdefault(tuple(t.models), []).append(t.gpu_seconds)
+    everyone = [s for seconds in plain.values() for s in seconds]
+    by_server: dict[str, list[float]] = {}
+    for t in tries:
+        if not t.loaded or t.gpu_seconds is None:
+            continue
+        usual = plain.get(tuple(t.models)) or everyone
+        extra = t.gpu_seconds - (statistics.median(usual) if usual else 0.0)
+        by_server.setdefault(t.server or "-", []).append(max(extra, 0.0))
+    return ModelLoadCost(
+        loads=sum(len(s) for s in by_server.values()),
+        gpu_seconds=round(sum(sum(s) for s in by_server.values()), 1),
+        by_server={name: (len(s), round(sum(s), 1)) for name, s in sorted(by_server.items())},
+    )

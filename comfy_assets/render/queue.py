@@ -1,13 +1,30 @@
-"""The jobs of a batch waiting for a consumer: ready ones, and ones waiting out a delay."""
+"""The jobs of a batch waiting for a server (ready ones, and ones waiting out a delay),
+grouped by what they need of a server, and which of them a free server takes.
+
+Jobs with the same ``Needs`` (node classes and model files: ``comfy/capabilities.py``)
+form a group, in the order they came. A consumer claims a job before it waits in line
+for a server and leaves it here, claimed, at the head of its group (so a server handed
+over goes straight to a POST, with no claim to write on the way); the pool asks the
+consumer's ``chooser`` about each free server, and the plan (``comfy/plan.py``) answers
+with the group that server takes a job of, or nothing (it waits for a model to be worth
+loading). With ``planned`` off, a free server takes the oldest job it can run, whatever
+its model (a server holding that model still wins a tie): the behaviour before the plan,
+for comparison.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
+from comfy_assets.comfy.capabilities import Needs
+from comfy_assets.comfy.plan import Demand, Plan
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
+from comfy_assets.store import JobRecord
 
 
 @dataclass
@@ -23,19 +40,71 @@ class Item:
     # The last attempt never ended (its process died mid-attempt): its POST may have been
     # accepted although no run number was recorded.
     prev_unsettled: bool = False
+    # Its claim, taken by a consumer before it waited in line for a server.
+    rec: JobRecord | None = None
+    # The server it was last sent to, and whether that server had to load a model for it.
+    loaded_on: str | None = None
+    model_loaded: bool = False
+    seq: int = field(default=0, compare=False)  # arrival rank in the queue (lower first)
 
 
 class JobQueue:
-    """Jobs ready to run, and jobs waiting for a delay (backoff, someone else's claim)."""
+    """Jobs ready to run, by group, and jobs waiting for a delay (backoff, someone
+    else's claim). ``plan``: the pool's; ``planned`` False: oldest first."""
 
-    def __init__(self) -> None:
-        self.ready: deque[Item] = deque()
+    def __init__(self, plan: Plan, planned: bool = True) -> None:
+        self.plan = plan
+        self.planned = planned
         self.changed = asyncio.Event()
+        self._groups: dict[Needs, deque[Item]] = {}
+        self._size = 0
+        self._claimed = 0  # items here with their claim taken
         self._timers: set[asyncio.TimerHandle] = set()
+        self._next = itertools.count(1)
+        self._first = itertools.count(-1, -1)  # back at the head: older than any
+        self._needs: dict[str, Needs] = {}  # by workflow sha256
+        self._chosen: dict[str, Needs] = {}  # the group last chosen for each server
+
+    # -- what is waiting ----------------------------------------------------------------
+
+    def needs(self, item: Item) -> Needs:
+        """What ``item``'s job needs of a server (computed once per workflow)."""
+        key = item.job.workflow_sha256
+        found = self._needs.get(key)
+        if found is None:
+            found = self._needs[key] = Needs.of(item.job.workflow)
+        return found
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def ready(self) -> _Ready:
+        """The ready jobs as a line (``len``, ``bool``, iteration oldest first)."""
+        return _Ready(self)
+
+    @property
+    def claimed(self) -> int:
+        """How many jobs here are claimed already."""
+        return self._claimed
+
+    @property
+    def waiting(self) -> int:
+        return len(self._timers)
+
+    def demand(self) -> dict[Needs, Demand]:
+        """Per group: how many jobs wait, and the arrival rank of the oldest."""
+        return {g: Demand(len(q), q[0].seq) for g, q in self._groups.items() if q}
+
+    def groups(self) -> list[Needs]:
+        """The groups with jobs waiting."""
+        return [g for g, q in self._groups.items() if q]
+
+    # -- in and out -----------------------------------------------------------------------
 
     def push(self, item: Item) -> None:
-        self.ready.append(item)
-        self.changed.set()
+        item.seq = next(self._next)
+        self._add(item, front=False)
 
     def push_later(self, item: Item, delay_s: float) -> None:
         """Put ``item`` back after ``delay_s`` seconds, at the head of the line: it has
@@ -45,32 +114,130 @@ class JobQueue:
 
         def fire() -> None:
             self._timers.discard(handle)
-            self.ready.appendleft(item)
-            self.changed.set()
+            item.seq = next(self._first)
+            self._add(item, front=True)
 
         handle = loop.call_later(delay_s, fire)
         self._timers.add(handle)
 
-    @property
-    def waiting(self) -> int:
-        return len(self._timers)
+    def put_back(self, item: Item, rec: JobRecord) -> None:
+        """A job a consumer claimed before it waited in line: back in its place in its
+        group, for whichever consumer gets a server for that group."""
+        item.rec = rec
+        self._add(item, front=None)
+
+    def _add(self, item: Item, *, front: bool | None) -> None:
+        """Add ``item`` at the head of its group (``front``), at its end, or (None) in the
+        order of arrival among those before it (they are few: it left the head)."""
+        group = self._groups.setdefault(self.needs(item), deque())
+        if front:
+            group.appendleft(item)
+        elif front is None:
+            index = 0
+            while index < len(group) and group[index].seq < item.seq:
+                index += 1
+            group.insert(index, item)
+        else:
+            group.append(item)
+        self._size += 1
+        self._claimed += item.rec is not None
+        self.changed.set()
+
+    def _take(self, group: Needs, index: int = 0) -> Item:
+        items = self._groups[group]
+        item = items.popleft() if index == 0 else items[index]
+        if index:
+            del items[index]
+        self._size -= 1
+        self._claimed -= item.rec is not None
+        return item
+
+    def pop_unclaimed(self) -> Item | None:
+        """The oldest job not claimed yet (for a consumer to claim before it waits)."""
+        best: tuple[int, Needs, int] | None = None
+        for group, items in self._groups.items():
+            for index, item in enumerate(items):
+                if item.rec is None:
+                    if best is None or item.seq < best[0]:
+                        best = (item.seq, group, index)
+                    break
+        return None if best is None else self._take(best[1], best[2])
+
+    def pop_group(self, group: Needs) -> Item | None:
+        """The head of ``group`` (claimed ones first), or None if it has none."""
+        return self._take(group) if self._groups.get(group) else None
+
+    def pop_chosen(self, server: str) -> Item | None:
+        """The job for ``server`` just handed to a consumer: the head of the group its
+        chooser gave it; None if another consumer took the last of them meanwhile."""
+        group = self._chosen.pop(server, None)
+        return None if group is None else self.pop_group(group)
 
     def pop_for(self, slot: Slot) -> Item | None:
-        """The best job for this server: its own previous server, else the model the
-        server last ran (looking a little ahead), else the first in line."""
-        if not self.ready:
-            return None
-        last = slot.pool.last_model.get(slot.name)
-        for i, item in enumerate(list(self.ready)[:64]):
-            if item.prev_server == slot.name or (last and last in item.job.models):
-                del self.ready[i]
-                return item
-        return self.ready.popleft()
+        """The job for a server a consumer still holds; None when the plan keeps it for
+        later (the consumer then lets it go)."""
+        group = self._choose(slot.name, 0.0)
+        return None if group is None else self.pop_group(group)
+
+    def pop_all(self, group: Needs) -> list[Item]:
+        """Every job of ``group`` (none of them can run)."""
+        items = []
+        while (item := self.pop_group(group)) is not None:
+            items.append(item)
+        return items
+
+    def remove(self, item: Item) -> None:
+        """Take ``item`` itself out of the line, if it is there."""
+        group = self._groups.get(self.needs(item), deque())
+        for index, other in enumerate(group):
+            if other is item:
+                self._take(self.needs(item), index)
+                return
 
     def cancel_all(self) -> list[Item]:
         for h in self._timers:
             h.cancel()
         self._timers.clear()
-        items = list(self.ready)
-        self.ready.clear()
+        items = [i for group in self._groups.values() for i in group]
+        self._groups.clear()
+        self._size = self._claimed = 0
         return items
+
+    # -- choosing with the pool -----------------------------------------------------------
+
+    def _choose(self, server: str, waited_s: float) -> Needs | None:
+        demand = self.demand()
+        if self.planned:
+            return self.plan.choose(server, demand, waited_s)
+        return self.plan.oldest(server, demand)
+
+    def chooser(self) -> Callable[[str, float], int | None]:
+        """A consumer's say on each free server (``comfy.pool.Chooser``): None when no
+        job here should go there now, else 0 when the server holds the models of the
+        group chosen for it, 1 when it must load one."""
+
+        def choose(server: str, waited_s: float) -> int | None:
+            group = self._choose(server, waited_s)
+            if group is None:
+                return None
+            self._chosen[server] = group
+            return 0 if self.plan.fits(server, group) else 1
+
+        return choose
+
+
+@dataclass
+class _Ready:
+    """``JobQueue.ready``: the ready jobs as a line, oldest first."""
+
+    queue: JobQueue
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __bool__(self) -> bool:
+        return len(self.queue) > 0
+
+    def __iter__(self) -> Iterator[Item]:
+        items = [i for group in self.queue._groups.values() for i in group]
+        return iter(sorted(items, key=lambda i: i.seq))

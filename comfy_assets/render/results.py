@@ -8,7 +8,9 @@ file, ``"<node id>.<input name>"``, so they never clash with the fixed columns),
 ``take``, ``inputs`` (each input file as ``key=path@sha256:<hex>``, or for a file of an
 upstream job ``key=job <id> node <n> #<index>@sha256:<hex>``, joined with ``"; "``),
 ``state``, ``server``, ``attempts``, ``seconds``, ``files`` (``name:sha256[:12]``
-joined with spaces) and ``reason``.
+joined with spaces) and ``reason``. In a partition whose jobs load models, ``models``
+(the job's model files, space-separated) and ``model_loaded`` (whether the server of its
+last try had to load one: true/false, empty before any try) follow ``server``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from comfy_assets.store import Store
 
 FIXED_BEFORE = ["job_id", "line", "shot"]
 FIXED_AFTER = ["take", "inputs", "state", "server", "attempts", "seconds", "files", "reason"]
+MODEL_COLUMNS = ["models", "model_loaded"]  # after "server", when jobs load models
 RESULTS_CSV = "results.csv"
 # A job of the job file with no record in the store (it never got registered).
 MISSING_STATE = "missing"
@@ -45,6 +48,14 @@ class JobRow(Protocol):
     set: Mapping[str, Any]  # the job's "node.input" overrides
     take: int
     inputs: Sequence[Mapping[str, Any]]  # store.register.inputs_json's items
+
+
+class ModelTryRow(Protocol):
+    """A try of a job that loads models (``store.ModelLoadRecord``)."""
+
+    job_id: str
+    models: tuple[str, ...]
+    loaded: bool
 
 
 class FileRow(Protocol):
@@ -84,17 +95,24 @@ def _cell(value: Any) -> Any:
     return json.dumps(value, sort_keys=True) if isinstance(value, list | dict) else value
 
 
+def last_model_tries(tries: Iterable[ModelTryRow]) -> dict[str, tuple[tuple[str, ...], bool]]:
+    """Each job's models and whether its last try loaded one, from its tries in order."""
+    return {t.job_id: (tuple(t.models), t.loaded) for t in tries}
+
+
 def results_table(
     records: Sequence[JobRow],
     files: Mapping[str, Iterable[FileRow]],
     job_ids: Sequence[str] | None = None,
+    models: Mapping[str, tuple[tuple[str, ...], bool]] | None = None,
 ) -> pd.DataFrame:
     """Build the results table.
 
     ``files`` maps job id to its output files. ``job_ids`` (the job file's ids in line
     order) selects and orders the rows; a job of the file without a record gets a row
     with state ``missing`` so a gap is visible. Without it every record is a row, in the
-    given order.
+    given order. ``models`` (``last_model_tries``): when not empty, the ``models`` and
+    ``model_loaded`` columns.
     """
     by_id = {record.job_id: record for record in records}
     order = list(job_ids) if job_ids is not None else [record.job_id for record in records]
@@ -127,6 +145,13 @@ def results_table(
             }
         )
     columns = FIXED_BEFORE + set_columns + FIXED_AFTER
+    if models:
+        at = columns.index("server") + 1
+        columns[at:at] = MODEL_COLUMNS
+        for row in rows:
+            found = models.get(row["job_id"])
+            if found is not None:
+                row["models"], row["model_loaded"] = " ".join(found[0]), found[1]
     # object dtype keeps 64 as 64 (not 64.0) when some jobs don't set a key.
     frame = pd.DataFrame(rows, columns=columns, dtype=object)
     for name in ("line", "shot", "take", "attempts"):
@@ -157,7 +182,8 @@ def write_results(
         records = sorted(records, key=lambda record: (record.line, record.job_id))
     by_job = store.partition_files(partition)
     files = {record.job_id: by_job.get(record.job_id, []) for record in records}
-    frame = results_table(records, files, job_ids=job_ids)
+    models = last_model_tries(store.model_loads(partition))
+    frame = results_table(records, files, job_ids=job_ids, models=models)
     return write_csv(frame, results_csv_path(store.root, partition)), frame
 
 

@@ -29,6 +29,8 @@ class Settle:
             gpu_seconds=r.gpu_seconds,
             outcome=r.kind,
             reason=r.reason or None,
+            models=job.models,
+            model_loaded=item.model_loaded and r.server == item.loaded_on,
         )
         where = f" on {r.server}" if r.server else ""
         # The move to rendering, unless already written: in the same transaction.

@@ -56,6 +56,17 @@ class ServerLeases(StoreBase):
             return conn.execute(q.RELEASE_SERVER, params).rowcount == 1
 
     @retried
+    def note_server_model(
+        self, server: str, last_model: str | None, now: float | None = None
+    ) -> None:
+        """Remember that ``server`` holds ``last_model`` now (None: nothing, as after a
+        restart), whoever holds its lease: every process sharing the servers plans with
+        it (``comfy/plan.py``)."""
+        params = {"v_server": server, "v_model": last_model, "v_now": _now(now)}
+        with self._write() as conn:
+            conn.execute(q.note_server_model(self.dialect), params)
+
+    @retried
     def server_leases(self) -> dict[str, ServerLease]:
         """Every server ever leased, by name (a released one has ``owner`` None)."""
         with self._read() as conn:

@@ -1,7 +1,9 @@
-"""Reading the store: a job, a partition's jobs, files, attempts, events, dead letters."""
+"""Reading the store: a job, a partition's jobs, files, attempts, model loads, events,
+dead letters."""
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
 import sqlalchemy as sa
@@ -17,6 +19,7 @@ from comfy_assets.store.records import (
     AttemptRecord,
     FileRecord,
     JobRecord,
+    ModelLoadRecord,
 )
 from comfy_assets.store.retry import (
     retried,
@@ -26,6 +29,7 @@ from comfy_assets.store.schema import (
     events_table,
     files_table,
     jobs_table,
+    model_loads_table,
 )
 
 R = TypeVar("R")
@@ -74,6 +78,32 @@ class Queries(StoreBase):
             for r in conn.execute(stmt):
                 by_job.setdefault(r.job_id, []).append(FileRecord(**r._mapping))
         return by_job
+
+    @retried
+    def model_loads(self, partition: str) -> list[ModelLoadRecord]:
+        """Every try of ``partition``'s jobs that load models, by job and attempt: their
+        model files, whether the server had to load one, outcome and GPU seconds."""
+        m, a = model_loads_table.c, attempts_table.c
+        stmt = (
+            sa.select(m.job_id, m.attempt, m.server, m.models, m.loaded, a.outcome, a.gpu_seconds)
+            .join(attempts_table, (a.job_id == m.job_id) & (a.attempt == m.attempt))
+            .join(jobs_table, jobs_table.c.job_id == m.job_id)
+            .where(jobs_table.c.partition == partition)
+            .order_by(m.job_id, m.attempt)
+        )
+        with self._read() as conn:
+            return [
+                ModelLoadRecord(
+                    r.job_id,
+                    r.attempt,
+                    r.server,
+                    tuple(json.loads(r.models)),
+                    bool(r.loaded),
+                    r.outcome,
+                    r.gpu_seconds,
+                )
+                for r in conn.execute(stmt)
+            ]
 
     @retried
     def attempts(self, job_id: str) -> list[AttemptRecord]:

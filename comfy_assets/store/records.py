@@ -143,6 +143,22 @@ class AttemptEntry:
     queue_wait_s: float | None = None
     gpu_seconds: float | None = None
     reason: str | None = None
+    models: tuple[str, ...] = ()  # the job's model files (a model_loads row when any)
+    model_loaded: bool = False  # its server had to load one of them for this try
+
+
+@dataclass(frozen=True)
+class ModelLoadRecord:
+    """One try of a job that loads models: its model files, whether its server had to
+    load one (the pool's view), and the try's outcome and GPU seconds (None: not run)."""
+
+    job_id: str
+    attempt: int
+    server: str | None
+    models: tuple[str, ...]
+    loaded: bool
+    outcome: str
+    gpu_seconds: float | None
 
 
 @dataclass(frozen=True)
@@ -162,7 +178,9 @@ class RenderingStart:
 @dataclass(frozen=True)
 class ServerLease:
     """Who holds a GPU server and until when (epoch seconds). ``owner`` is None once
-    released; ``last_model`` survives the release (model affinity)."""
+    released; ``last_model``, the model files the server holds (a JSON list, written by
+    ``comfy/plan.py: held_text``; an older row: one bare file name), survives the
+    release."""
 
     server: str
     owner: str | None

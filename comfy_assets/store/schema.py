@@ -106,6 +106,19 @@ server_leases_table = sa.Table(
     sa.Column("updated_at", sa.Double, nullable=False),
 )
 
+# The model files of an attempt's job and whether its server had to load one for it
+# (the pool's view when it sent the job there: comfy/plan.py); written with the attempt
+# row, for jobs that load models only.
+model_loads_table = sa.Table(
+    "comfy_model_loads",
+    metadata,
+    sa.Column("job_id", sa.String(36), sa.ForeignKey("comfy_jobs.job_id"), primary_key=True),
+    sa.Column("attempt", sa.Integer, primary_key=True),
+    sa.Column("server", sa.String(255)),
+    sa.Column("models", sa.Text, nullable=False),  # a JSON list of file names
+    sa.Column("loaded", sa.Boolean, nullable=False),
+)
+
 # Pools with a consumer waiting for a server, so a pool that frees one hands it to another
 # process instead of keeping it for its own next job (fairness across concurrent runs).
 pool_waiters_table = sa.Table(

@@ -20,6 +20,7 @@ from comfy_assets.store.schema import (
     events_table,
     files_table,
     jobs_table,
+    model_loads_table,
     pool_waiters_table,
     server_leases_table,
 )
@@ -234,6 +235,29 @@ def acquire_server(dialect: str) -> Any:
     )
     # SQLAlchemy keeps an INSERT's rowcount only when asked; 0 means "not taken".
     return upsert.execution_options(preserve_rowcount=True)
+
+
+@cache
+def upsert_model_load(dialect: str) -> Any:
+    """INSERT an attempt's model row (binds are the column names), replacing the same
+    number."""
+    insert = insert_for(dialect, model_loads_table)
+    return insert.on_conflict_do_update(
+        index_elements=["job_id", "attempt"],
+        set_={c: insert.excluded[c] for c in ("server", "models", "loaded")},
+    )
+
+
+@cache
+def note_server_model(dialect: str) -> Any:
+    """Upsert that sets the models a server holds (``last_model``; binds ``v_server``,
+    ``v_model``, ``v_now``) whoever holds its lease, the lease itself untouched."""
+    insert = insert_for(dialect, server_leases_table).values(
+        server=_b("v_server"), last_model=_b("v_model", sa.Text), updated_at=_b("v_now")
+    )
+    return insert.on_conflict_do_update(
+        index_elements=["server"], set_={"last_model": insert.excluded.last_model}
+    )
 
 
 @cache

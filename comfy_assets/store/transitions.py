@@ -4,6 +4,7 @@ requeues and notes, each with its event row and JSON log line, in one transactio
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import PurePosixPath
 from typing import Any
@@ -401,11 +402,22 @@ class Transitions(StoreBase):
         return 1, seconds, waited, seconds - (waited or 0.0) if gpu is None else gpu
 
     def _write_attempt(self, conn: sa.Connection, row: dict[str, Any], now: float) -> None:
-        """The attempt row (replacing the same number) and the job's ``attempts``."""
+        """The attempt row (replacing the same number) and the job's ``attempts``; its
+        model row for a job that loads models."""
         bump = {"b_id": row["job_id"], "b_attempt": row["attempt"], "v_now": now}
         if conn.execute(q.BUMP_ATTEMPTS, bump).rowcount != 1:
             raise UnknownJob(row["job_id"])
-        conn.execute(q.upsert_attempt(self.dialect), row)
+        columns = {k: v for k, v in row.items() if k in q.ATTEMPT_COLUMNS}
+        conn.execute(q.upsert_attempt(self.dialect), columns)
+        if row.get("models"):
+            model_row = {
+                "job_id": row["job_id"],
+                "attempt": row["attempt"],
+                "server": row["server"],
+                "models": json.dumps(sorted(row["models"])),
+                "loaded": bool(row["model_loaded"]),
+            }
+            conn.execute(q.upsert_model_load(self.dialect), model_row)
 
 
 def _via(
@@ -449,6 +461,8 @@ def _attempt_row(job_id: str, entry: AttemptEntry, now: float) -> dict[str, Any]
         "gpu_seconds": entry.gpu_seconds,
         "outcome": entry.outcome,
         "reason": entry.reason,
+        "models": entry.models,
+        "model_loaded": entry.model_loaded,
     }
 
 

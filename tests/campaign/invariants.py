@@ -51,7 +51,8 @@ FAULT_REASON = re.compile(
     r"prompt_outputs_failed_validation|IndexError|OutOfMemory|node_errors|outputs missing"
     r"|outputs dropped"
     r"|\b404\b|\b500\b|\b400\b|lost|deadline|interrupted|socket|connect|disconnect"
-    r"|unreachable|timed out|timeout|partial|not executed|Internal Server Error",
+    r"|unreachable|timed out|timeout|partial|not executed|Internal Server Error"
+    r"|no server has",
     re.IGNORECASE,
 )
 # An object's repr where a reason should be: what a person reads is the class's guts.

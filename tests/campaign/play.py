@@ -39,7 +39,7 @@ from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from fake_comfy.proxy import FaultProxy
 from tests.campaign.schedule import PICTURES, Schedule, ServerPlan
-from tests.support import ROOT, WORKFLOWS, job_id
+from tests.support import ROOT, WORKFLOWS, job_id, write_jobs
 
 RUN_TIMEOUT_S = 120.0  # a run that has not ended by then is a violation (and killed)
 IDLE_TIMEOUT_S = 10.0
@@ -117,7 +117,13 @@ class Host:
     def __init__(self, name: str, plan: ServerPlan, schedule: Schedule, seed: int) -> None:
         self.name = name
         self.plan = plan
-        self.fake = FakeComfy(script=plan.script, prompt_seconds=schedule.prompt_seconds)
+        self.fake = FakeComfy(
+            script=plan.script,
+            prompt_seconds=schedule.prompt_seconds,
+            models=plan.models,
+            model_load_s=plan.model_load_s,
+            resident=plan.resident,
+        )
         self.fake.busy = plan.busy
         self._serving: contextlib.AbstractContextManager[str] | None = None
         self.port = 0
@@ -386,6 +392,20 @@ class _LogLines(logging.Handler):
         self.text.append(self.format(record) + "\n")
 
 
+def _write_jobs(schedule: Schedule, folder: Path, name: str, salt: str) -> Path:
+    """The schedule's job file: its plan's lines (images, pictures, chained jobs), or
+    text-to-image jobs of its checkpoints."""
+    if not schedule.checkpoints:
+        return write_plan(folder, schedule, name=name, salt=salt)
+    extra = [
+        {"set": {"4.ckpt_name": c, "3.seed": i, "5.width": 64, "5.height": 64}}
+        for i, c in enumerate(schedule.checkpoints)
+    ]
+    return write_jobs(
+        folder, schedule.jobs, name=name, salt=salt, workflow="text_to_image.json", extra=extra
+    )
+
+
 def play(schedule: Schedule, folder: Path) -> Played:
     """Play ``schedule`` in ``folder`` (job files, stores); see the module docstring."""
     s = schedule
@@ -394,8 +414,8 @@ def play(schedule: Schedule, folder: Path) -> Played:
     phases: list[Phase] = []
     stop = threading.Event()
     threads: list[threading.Thread] = []
-    main_jobs = write_plan(folder / "jobs", s, name="jobs.jsonl", salt=f"seed{s.seed}")
-    other_jobs = write_plan(folder / "jobs", s, name="other.jsonl", salt=f"other{s.seed}")
+    main_jobs = _write_jobs(s, folder / "jobs", "jobs.jsonl", f"seed{s.seed}")
+    other_jobs = _write_jobs(s, folder / "jobs", "other.jsonl", f"other{s.seed}")
     try:
         for host in hosts:
             host.start()

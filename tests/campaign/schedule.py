@@ -23,6 +23,12 @@ The job plan and the lost answers of ``POST /upload/image`` come from a second g
 seeded by the seed, drawn after everything else: the faults of a seed are those it had
 before jobs took input pictures.
 
+About half the schedules are of text-to-image jobs over a mix of 1-3 checkpoints (one
+of them, now and then, on no server: a dead letter at once, nothing posted) instead of
+image jobs; each server then lists some of the checkpoints (every one on at least one
+server), keeps 1-2 loaded and takes up to 50 ms to load one. Those draws come from a
+random generator of their own, so the other draws of a seed stay what they were.
+
 Bounds keep a schedule to seconds: fast prompts, small deadlines, few faults.
 """
 
@@ -101,6 +107,9 @@ class ServerPlan:
     restart: bool = False
     restart_after_s: float = 0.0
     restart_at: str = "prompt"  # or "download": at the first GET /view it serves
+    models: tuple[str, ...] = ()  # checkpoints it lists (fake_comfy --models)
+    model_load_s: float = 0.0
+    resident: int = 1
 
     @property
     def proxied(self) -> bool:
@@ -119,6 +128,7 @@ class Schedule:
     attempts: int = 6
     kill_after_runs: int = 0  # sigkill: runs ended on the fakes before the kill
     same_file: bool = True  # concurrent: both runs on one job file
+    checkpoints: tuple[str, ...] = ()  # per job, its checkpoint (text to image); () images
     prompt_seconds: float = 0.01
     timeout_s: float = 3.0
     poll_s: float = 0.1
@@ -137,11 +147,18 @@ class Schedule:
             f"kill_after_runs={self.kill_after_runs} same_file={self.same_file}",
             f"  lines: {' '.join(j.describe() for j in self.plan)}",
         ]
+        if self.checkpoints:
+            lines.append(f"  checkpoints per job: {','.join(self.checkpoints)}")
         for i, s in enumerate(self.servers):
             lines.append(
                 f"  gpu{i}: script={','.join(s.script) or '-'} busy={s.busy} cuts={s.cuts} "
                 f"within={s.cut_within_s:.2f}s view_404={s.view_404} lose={s.lose_answer} "
                 f"restart={s.restart}@{s.restart_at}+{s.restart_after_s:.3f}s"
+                + (
+                    f" models={','.join(s.models)} load={s.model_load_s:.3f}s resident={s.resident}"
+                    if s.models
+                    else ""
+                )
             )
         return "\n".join(lines)
 
@@ -219,7 +236,7 @@ def make_schedule(seed: int) -> Schedule:
         if any(j.kind != "image" for j in lines) and more.random() < 0.2:
             lose = {**plan.lose_answer, "POST /upload/image": more.randint(1, 2)}
             servers[i] = replace(plan, lose_answer=lose)
-    return Schedule(
+    schedule = Schedule(
         seed=seed,
         jobs=jobs,
         servers=tuple(servers),
@@ -229,3 +246,39 @@ def make_schedule(seed: int) -> Schedule:
         same_file=rng.random() < 0.5,
         lines=lines,
     )
+    return _with_models(schedule, random.Random(f"models{seed}"))
+
+
+def _with_models(schedule: Schedule, rng: random.Random) -> Schedule:
+    """About half the schedules: text-to-image jobs over a mix of checkpoints, the
+    servers' lists, load times and resident counts (see the module docstring)."""
+    if rng.random() < 0.5:
+        return schedule
+    names = [f"ckpt{i}.safetensors" for i in range(rng.randint(1, 3))]
+    servers = []
+    for plan in schedule.servers:
+        listed = tuple(n for n in names if rng.random() < 0.6)
+        servers.append(
+            replace(
+                plan,
+                models=listed,
+                model_load_s=rng.uniform(0.0, 0.05),
+                resident=rng.randint(1, 2),
+                view_404={_output(k): v for k, v in plan.view_404.items()},
+            )
+        )
+    for name in names:  # every checkpoint on some server
+        if not any(name in p.models for p in servers):
+            i = rng.randrange(len(servers))
+            servers[i] = replace(servers[i], models=(*servers[i].models, name))
+    unlisted = ["nowhere.safetensors"] if rng.random() < 0.2 else []
+    checkpoints = tuple(rng.choice(names + unlisted) for _ in range(schedule.jobs))
+    # Text-to-image jobs only: the job lines' pictures and chains are the other half's.
+    return replace(schedule, servers=tuple(servers), checkpoints=checkpoints, lines=())
+
+
+def _output(pattern: str) -> str:
+    """An image job's output name pattern as a text-to-image job's (``ComfyUI_*``)."""
+    if pattern.startswith("solid_"):
+        return "ComfyUI_" + pattern.removeprefix("solid_")
+    return "ComfyUI_*" if pattern == "inverted_*" else pattern
