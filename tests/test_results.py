@@ -116,7 +116,7 @@ def test_a_storyboard_sorts_by_shot_and_every_row_names_its_line(tmp_path: Path)
 
     assert frame["job_id"].tolist() == ["b", "a", "c"]  # the job without a shot last
     assert frame["line"].tolist() == [3, 2, 4]
-    assert path.read_text().splitlines()[3] == "c,4,,3,succeeded,gpu0,1,0.5,,"
+    assert path.read_text().splitlines()[3] == "c,4,,3,1,,succeeded,gpu0,1,0.5,,"
 
 
 def test_list_values_are_written_as_json() -> None:
