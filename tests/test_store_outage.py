@@ -136,17 +136,21 @@ async def test_a_store_gone_at_the_rendering_write_stops_the_run_and_removes_the
 # -- an outage behind a proxy the test cuts: the server others share is never restarted --
 
 
-async def test_run_started_while_the_database_is_down_waits_for_it_then_renders_every_job_once(
-    pg_store, pg_url, db_proxy, tmp_path
+@pytest.mark.parametrize(
+    ("what", "done_line"),
+    [("run", "summary: 6 done, 0 dead-lettered"), ("worker", "6 acked (6 done,")],
+)
+async def test_run_or_worker_started_while_the_database_is_down_waits_for_it_then_finishes(
+    pg_store, pg_url, db_proxy, tmp_path, what, done_line
 ):
     fake = FakeComfy(prompt_seconds=0.01)
     jobs = write_jobs(tmp_path / "jobs", 6)
-    log = tmp_path / "run.log"
+    log = tmp_path / f"{what}.log"
     db_proxy.cut()
     async with fake_servers(fake) as servers:
         proc = await start(
             command(
-                "run",
+                what,
                 "--jobs",
                 jobs,
                 "--server",
@@ -163,7 +167,7 @@ async def test_run_started_while_the_database_is_down_waits_for_it_then_renders_
             await wait_until(
                 lambda: "store: the database is unreachable (opening the store" in log.read_text(),
                 60,
-                "run to say it waits for the database",
+                f"{what} to say it waits for the database",
             )
             db_proxy.restore()
             code = await asyncio.wait_for(proc.wait(), 120)
@@ -174,47 +178,7 @@ async def test_run_started_while_the_database_is_down_waits_for_it_then_renders_
     assert "Traceback" not in text
     assert text.count("store: the database is unreachable") == 1, text
     assert "store: the database is reachable again" in text
-    assert "summary: 6 done, 0 dead-lettered" in text
-    assert all(executed(fake, job.prompt_id) == 1 for job in load_job_file(jobs).jobs)
-
-
-async def test_a_worker_started_while_the_database_is_down_waits_for_it_then_finishes(
-    pg_store, pg_url, db_proxy, tmp_path
-):
-    fake = FakeComfy(prompt_seconds=0.01)
-    jobs = write_jobs(tmp_path / "jobs", 4)
-    log = tmp_path / "worker.log"
-    db_proxy.cut()
-    async with fake_servers(fake) as servers:
-        proc = await start(
-            command(
-                "worker",
-                "--jobs",
-                jobs,
-                "--server",
-                f"gpu0={servers[0].url}",
-                "--store",
-                tmp_path / "store",
-                "--db-url",
-                via(db_proxy, pg_url),
-                *FAST,
-            ),
-            log,
-        )
-        try:
-            await wait_until(
-                lambda: "store: the database is unreachable (opening the store" in log.read_text(),
-                60,
-                "the worker to say it waits for the database",
-            )
-            db_proxy.restore()
-            code = await asyncio.wait_for(proc.wait(), 120)
-        finally:
-            await stop(proc)
-    text = log.read_text()
-    assert code == 0, text
-    assert "Traceback" not in text
-    assert "4 acked (4 done," in text
+    assert done_line in text, text
     assert all(executed(fake, job.prompt_id) == 1 for job in load_job_file(jobs).jobs)
 
 
