@@ -10,11 +10,8 @@ import os
 import shutil
 import signal
 import sys
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import aio_pika
 import httpx
 import numpy as np
 import pytest
@@ -25,36 +22,13 @@ from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import ROOT, fake_servers, wait_until
 from tests.test_inputs_render import image_jobs, output_of, picture, pixels_of
+from tests.test_worker_rabbitmq import URL, queue, ready_count  # noqa: F401 (a fixture)
 from tests.upload_support import inverted_as_comfyui_saves
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.timeout(180)]
 
-URL = os.environ.get("COMFY_ASSETS_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
 
-
-@pytest.fixture
-async def queue() -> AsyncIterator[str]:
-    """A fresh queue name; the queue and its ``.dead`` are deleted at the end."""
-    name = f"test-worker-inputs-{uuid.uuid4().hex[:10]}"
-    try:
-        connection = await aio_pika.connect(URL, timeout=5)
-    except OSError as e:
-        pytest.fail(f"RabbitMQ unreachable at {URL}: {e!r}")
-    await connection.close()
-    yield name
-    async with await aio_pika.connect(URL) as connection:
-        channel = await connection.channel()
-        for q in (name, broker.dead_queue_name(name)):
-            await channel.queue_delete(q)
-
-
-async def ready_count(queue_name: str) -> int:
-    async with await aio_pika.connect(URL) as connection:
-        channel = await connection.channel()
-        declared = await channel.declare_queue(queue_name, passive=True)
-        return declared.declaration_result.message_count or 0
-
-
+# The queue fixture and the ready count of the worker's RabbitMQ tests.
 def command(*args: str) -> list[str]:
     return [sys.executable, "-m", "comfy_assets.cli", *args]
 
@@ -72,7 +46,8 @@ async def fake_stats(url: str) -> dict:
 
 
 async def test_a_worker_without_the_pictures_renders_each_enqueued_job_once_from_its_own(
-    tmp_path: Path, queue: str
+    tmp_path: Path,
+    queue: str,  # noqa: F811 (the fixture imported above)
 ) -> None:
     studio = tmp_path / "studio"
     names = ["a/key.png", "b/key.png", "c.png"]  # two share a base name, not their bytes

@@ -58,14 +58,12 @@ Locate = Callable[[InputFromJob], Awaitable[UpstreamFile]]
 @dataclass
 class Staged:
     """A job's inputs on one server: the ``workflow`` to post (placeholders replaced by
-    the names the server answered), ``names`` (input key → that name), ``fresh`` (keys
-    uploaded by this call rather than known to be there) and ``sha256`` (input key → the
-    sha256 of the bytes the prompt reads)."""
+    the names the server answered), ``names`` (input key → that name) and ``fresh`` (keys
+    uploaded by this call rather than known to be there)."""
 
     workflow: dict[str, Any]
     names: dict[str, str] = field(default_factory=dict)
     fresh: set[str] = field(default_factory=set)
-    sha256: dict[str, str] = field(default_factory=dict)
 
 
 def input_label(inp: InputFile | InputFromJob) -> str:
@@ -104,7 +102,7 @@ async def stage(
     workflow = dict(job.workflow)
     for inp in job.inputs:
         label = input_label(inp)
-        filename, sha256, read = await _source(inp, label, locate)
+        filename, read = await _source(inp, label, locate)
         try:
             name, fresh = await uploads.ensure(client, server, INPUT_SUBFOLDER, filename, read)
         except ComfyError as e:
@@ -113,7 +111,6 @@ async def stage(
         node["inputs"] = {**node["inputs"], inp.input_name: name}
         workflow[inp.node_id] = node
         staged.names[inp.key] = name
-        staged.sha256[inp.key] = sha256
         if fresh:
             staged.fresh.add(inp.key)
     staged.workflow = workflow
@@ -122,8 +119,8 @@ async def stage(
 
 async def _source(
     inp: InputFile | InputFromJob, label: str, locate: Locate
-) -> tuple[str, str, Callable[[], Awaitable[bytes]]]:
-    """(upload file name, sha256, reader of the bytes) of one input. Raises InputProblem."""
+) -> tuple[str, Callable[[], Awaitable[bytes]]]:
+    """(upload file name, reader of the bytes) of one input. Raises InputProblem."""
     if isinstance(inp, InputFile):
 
         async def read_file() -> bytes:
@@ -133,7 +130,7 @@ async def _source(
                 # ValueError: InputChanged, the bytes are no longer those validated.
                 raise InputProblem(f"{label}: {_why(e)}; run the job file again") from e
 
-        return inp.upload_name, inp.sha256, read_file
+        return inp.upload_name, read_file
     try:
         found = await locate(inp)
     except LookupError as e:
@@ -150,7 +147,7 @@ async def _source(
             )
         return data
 
-    return upload_name(found.sha256, found.path.name), found.sha256, read_upstream
+    return upload_name(found.sha256, found.path.name), read_upstream
 
 
 def _why(e: BaseException) -> str:
