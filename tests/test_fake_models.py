@@ -136,7 +136,7 @@ async def test_the_least_recently_used_model_goes_and_is_loaded_again(tmp_path: 
             assert load["end"] - load["start"] >= 0.01
 
 
-async def test_two_resident_models_are_each_loaded_once(tmp_path: Path) -> None:
+async def test_two_resident_models_are_each_loaded_once() -> None:
     fake = FakeComfy(models=["a.safetensors", "b.safetensors"], resident=2, prompt_seconds=0.001)
     async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
         for seed, ckpt in enumerate(["a", "b", "a", "b"]):
@@ -144,7 +144,7 @@ async def test_two_resident_models_are_each_loaded_once(tmp_path: Path) -> None:
     assert loads(fake) == {"a.safetensors": 1, "b.safetensors": 1}
 
 
-async def test_a_checkpoint_and_its_lora_stay_loaded_together(tmp_path: Path) -> None:
+async def test_a_checkpoint_and_its_lora_stay_loaded_together() -> None:
     fake = FakeComfy(models=["a.safetensors", "ink.safetensors"], resident=1, prompt_seconds=0.001)
     async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
         for seed in range(3):
