@@ -15,7 +15,8 @@ from contextlib import contextmanager
 
 
 class TcpProxy:
-    """Forwards ``127.0.0.1:port`` to ``target_host:target_port`` while up.
+    """Forwards ``listen_host:port`` (``127.0.0.1`` by default) to
+    ``target_host:target_port`` while up.
 
     ``cut()``: every open connection is closed and new ones are refused (nothing listens
     on the port), as during a server restart. ``restore()``: it listens again on the same
@@ -23,10 +24,13 @@ class TcpProxy:
     and return once done.
     """
 
-    def __init__(self, target_host: str, target_port: int) -> None:
+    def __init__(
+        self, target_host: str, target_port: int, *, listen_host: str = "127.0.0.1"
+    ) -> None:
         self.target = (target_host, target_port)
+        self.listen_host = listen_host
         with socket.socket() as probe:  # a free port, kept for the proxy's whole life
-            probe.bind(("127.0.0.1", 0))
+            probe.bind((listen_host, 0))
             self.port = probe.getsockname()[1]
         self.connections = 0
         self._loop = asyncio.new_event_loop()
@@ -59,7 +63,7 @@ class TcpProxy:
     async def _restore(self) -> None:
         if self._server is None:
             self._server = await asyncio.start_server(
-                self._serve, "127.0.0.1", self.port, reuse_address=True
+                self._serve, self.listen_host, self.port, reuse_address=True
             )
 
     async def _cut(self) -> None:
