@@ -67,11 +67,15 @@ class AttemptHooks:
     ``submitted(server, detail)`` before the POST (``detail``: why this post may render
     the job a second time, or None), ``rendering(server, number)`` after it.
     ``stopped()``: why nothing may be posted any more (the batch stopped), else None;
-    asked right before ``submitted`` and again right before the POST."""
+    asked right before ``submitted`` and again right before the POST. ``unsure()``: why
+    nothing may be posted right now (this process's heartbeat is not reaching the store:
+    others may take its jobs), else None; asked right before the POST, whose attempt
+    then ends transient, nothing posted."""
 
     submitted: Callable[[str, str | None], Awaitable[None]] = _nothing
     rendering: Callable[[str, int], Awaitable[None]] = _nothing
     stopped: Callable[[], str | None] = lambda: None
+    unsure: Callable[[], str | None] = lambda: None
 
 
 class NotPosted(Exception):
