@@ -454,7 +454,7 @@ class Batch(Settle, Chain):
             submitted=submitted,
             rendering=rendering,
             stopped=lambda: self.stopped,
-            unsure=self.heartbeat.stale if self.heartbeat is not None else lambda: None,
+            unsure=self._unsure,
         )
         attempt = Attempt(
             job,
@@ -598,6 +598,22 @@ class Batch(Settle, Chain):
         attempt.claim_lost = claim
         task.cancel()
         return True
+
+    async def _unsure(self) -> str | None:
+        """Wait while our heartbeat is not reaching the store (see ``AttemptHooks``), up
+        to the store's budget: then, or once found gone, why nothing may be posted."""
+        heartbeat = self.heartbeat
+        if heartbeat is None:
+            return None
+        waited = 0.0
+        step = heartbeat.beat_s / 4
+        while (why := heartbeat.stale()) is not None:
+            if heartbeat.gone is not None or self.stopped or waited >= self.store.retry_s:
+                return why
+            # Its thread beats again as soon as the store answers.
+            await asyncio.sleep(step)
+            waited += step
+        return None
 
     def _claim_gone(self, job_id: str, why: str) -> None:
         """Our claim on ``job_id`` is gone (``Claims``): stop its attempt, if one runs."""
