@@ -201,6 +201,8 @@ def renders(
             servers=comfy.server_specs(),
             store=store,
             config=comfy.batch_config(),
+            # The run's owner row names it: a run whose owner is gone has died (dead_runs.py).
+            run_id=context.run_id,
             on_line=context.log.info,
             on_progress=log_every(context.log.info, PROGRESS_LOG_S),
         )

@@ -14,11 +14,13 @@ from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 from aiohttp import web
 
 import fake_comfy.fake
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.render.config import BatchConfig
+from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,3 +182,15 @@ def opened_files() -> Iterator[list[str]]:
         yield seen
     finally:
         _WATCHERS.remove(seen)
+
+
+def gone_owner(store: Store, owner: str = "gone-host:2:deadbeef", silent_s: float = 60.0) -> str:
+    """An owner registered in ``store`` whose heartbeat stopped ``silent_s`` seconds ago,
+    as a process killed with its host leaves it."""
+    store.register_owner(owner, host=owner.split(":", 1)[0], pid=2)
+    with store.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE comfy_owners SET beat_at = beat_at - :s WHERE owner = :o"),
+            {"s": silent_s, "o": owner},
+        )
+    return owner

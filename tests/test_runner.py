@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import socket
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from tests.support import (
     executed,
     fake_servers,
     fast_config,
+    gone_owner,
     outcomes,
     posted,
     running,
@@ -216,20 +215,14 @@ async def test_an_edited_job_keeps_only_its_new_outputs(tmp_path):
     assert len(on_disk) == 2
 
 
-async def test_the_claim_of_a_dead_process_on_this_host_is_taken_over_at_once(tmp_path):
+async def test_the_claim_of_an_owner_whose_heartbeat_stopped_is_taken_over_at_once(tmp_path):
     fake = FakeComfy(prompt_seconds=0.005)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
     job = jf.jobs[0]
     store = Store(tmp_path / "store")
     store.register_jobs("p", jf.jobs)
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    dead_owner = f"{socket.gethostname()}:{int(gone.stdout)}:deadbeef"
-    assert store.claim(job.id, dead_owner, lease_s=3600.0) == "claimed"
+    owner = gone_owner(store)
+    assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
     lines: list[str] = []
     async with fake_servers(fake) as servers:
         summary = await run_batch(
@@ -241,24 +234,15 @@ async def test_the_claim_of_a_dead_process_on_this_host_is_taken_over_at_once(tm
             on_line=lines.append,
         )
     assert summary.done == 1
-    assert any(f"claim of {dead_owner} taken over" in line for line in lines)
-
-
-def dead_owner() -> str:
-    """A claim owner of this host whose process has ended."""
-    gone = subprocess.run(
-        [sys.executable, "-c", "import os; print(os.getpid())"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return f"{socket.gethostname()}:{int(gone.stdout)}:deadbeef"
+    taken = f"job {job.id}: claim taken over from {owner} (its holder is gone: no heartbeat for"
+    assert any(line.startswith(taken) for line in lines), lines
+    assert store.beat_owner(owner) is False  # found gone: it never comes back
 
 
 async def post_as_a_killed_run(store: Store, job, url: str, server: str) -> None:
     """What a run killed right after its POST leaves: the job submitted on ``server``
     under a dead owner's claim, and its prompt queued there."""
-    owner = dead_owner()
+    owner = gone_owner(store)
     assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
     store.transition(
         job.id, "submitted", owner=owner, server=server, attempt=1, prompt_id=job.prompt_id

@@ -214,7 +214,7 @@ def test_an_expired_claim_is_taken_over_with_an_event(store, workflow_dir):
     rec = store.get(job.id)
     assert (rec.claimed_by, rec.claim_expires_at) == ("w2", 120.0)
     last = store.events(job_id=job.id)[-1]
-    assert last.detail == "claim taken over from w1"
+    assert last.detail == "claim taken over from w1 (its lease expired)"
     assert (last.from_state, last.to_state, last.time) == ("pending", "pending", 110.0)
     assert store.renew_claim(job.id, "w1", 10.0, now=111.0) is False
 

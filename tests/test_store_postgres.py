@@ -94,7 +94,9 @@ def test_claims_expire_and_are_taken_over(any_store, workflow_dir):
     assert any_store.claim(job.id, "w1", lease_s=10.0, now=100.0) == "claimed"
     assert any_store.claim(job.id, "w2", lease_s=10.0, now=105.0) == "held"
     assert any_store.claim(job.id, "w2", lease_s=10.0, now=110.0) == "claimed"
-    assert any_store.events(job_id=job.id)[-1].detail == "claim taken over from w1"
+    assert (
+        any_store.events(job_id=job.id)[-1].detail == "claim taken over from w1 (its lease expired)"
+    )
     assert any_store.renew_claim(job.id, "w1", 10.0, now=111.0) is False
     assert any_store.renew_claim(job.id, "w2", 10.0, now=111.0) is True
     assert any_store.release_claim(job.id, "w2") is True

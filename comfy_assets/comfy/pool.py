@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -359,7 +358,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
             # Every server we may take runs a prompt of ours: none can be free, and the
             # store need not be asked (our next consumer waits for one of them).
             return None, False
-        now = time.time()
+        # Lease times are the store's clock, not this host's (hosts' clocks differ).
+        now = self.leases.now()
         leases = self._ask_leases(self.leases.server_leases, {})
         self._held_from(leases)
         free = []

@@ -44,6 +44,10 @@ class ServerLeaseStore(Protocol):
 
     def others_waiting(self, owner: str) -> bool: ...
 
+    def now(self) -> float:
+        """Epoch seconds by the clock the leases' expiry times are written in."""
+        ...
+
 
 @dataclass
 class ServerProbe:

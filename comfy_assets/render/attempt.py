@@ -190,7 +190,7 @@ class Attempt(CatchUp, Removal):
             return self.result(kind, describe_error(e.error, what), server=name)
         await self.hooks.submitted(name, self.twice)
         # The last moment to find out, nothing posted yet (the job is submitted now).
-        stop = slot.lost or self.hooks.stopped()
+        stop = slot.lost or self.hooks.stopped() or await self.hooks.unsure()
         if stop is not None:
             slot.release()
             return self.result("transient", f"not posted: {stop}", server=name)

@@ -37,12 +37,13 @@ from comfy_assets.render.claims import Claims
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outcome import AttemptHooks, AttemptResult, NotPosted
 from comfy_assets.render.outputs import outputs_problem, take_folder
-from comfy_assets.render.owners import owner_alive
+from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.progress import Ended, Progress
 from comfy_assets.render.queue import Item, JobQueue
 from comfy_assets.render.rendering import DeferredRendering
 from comfy_assets.render.settle import Settle
 from comfy_assets.store import (
+    OWNER_DEAD_S,
     AttemptEntry,
     ClaimLost,
     JobRecord,
@@ -81,8 +82,10 @@ class Batch(Settle, Chain):
         on_line: Callable[[str], None] | None = None,
         consumers: int | None = None,
         on_progress: Callable[[Progress], None] | None = None,
+        heartbeat: OwnerHeartbeat | None = None,
     ) -> None:
         self.jobs = list(jobs)
+        self.heartbeat = heartbeat  # of ``owner``: nothing is posted while it is stale
         # Three per server: one follows the prompt, one waits in line for the server, and
         # one may still be finishing the job before (downloads, the done record) when a
         # prompt shorter than that work ends: with two, the freed server would wait for it.
@@ -380,17 +383,16 @@ class Batch(Settle, Chain):
             )
             self._resolve("dead_lettered", job.id)
             return None
-        if status == "held" and rec.claimed_by and not owner_alive(rec.claimed_by):
-            holder = rec.claimed_by
-            status, rec = await self.claims.claim(job.id, dead_holder=holder)
-            if status == "claimed":
-                self.report(f"job {job.id}: claim of {holder} taken over (that process is gone)")
+        if status == "claimed" and rec.taken_over:
+            self.report(f"job {job.id}: {rec.taken_over}")
         if status == "held":
             if job.id not in self.told_held:
                 self.told_held.add(job.id)
-                until = time.strftime("%H:%M:%S", time.localtime(rec.claim_expires_at or 0))
-                self.report(f"job {job.id}: claimed by {rec.claimed_by} until {until}; waiting")
-            left = (rec.claim_expires_at or 0) - time.time()
+                self.report(
+                    f"job {job.id}: claimed by {rec.claimed_by}; waiting (taken over if its "
+                    f"heartbeat stops for {OWNER_DEAD_S:.0f} s)"
+                )
+            left = (rec.claim_expires_at or 0) - store.now()
             self.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
             return None
         if rec.state in ("submitted", "rendering"):
@@ -448,7 +450,12 @@ class Batch(Settle, Chain):
         async def rendering(server: str, n: int) -> None:
             self.renderings.defer(job.id, RenderingStart(server, attempt_number, n, time.time()))
 
-        hooks = AttemptHooks(submitted=submitted, rendering=rendering, stopped=lambda: self.stopped)
+        hooks = AttemptHooks(
+            submitted=submitted,
+            rendering=rendering,
+            stopped=lambda: self.stopped,
+            unsure=self._unsure,
+        )
         attempt = Attempt(
             job,
             self.pool,
@@ -591,6 +598,22 @@ class Batch(Settle, Chain):
         attempt.claim_lost = claim
         task.cancel()
         return True
+
+    async def _unsure(self) -> str | None:
+        """Wait while our heartbeat is not reaching the store (see ``AttemptHooks``), up
+        to the store's budget: then, or once found gone, why nothing may be posted."""
+        heartbeat = self.heartbeat
+        if heartbeat is None:
+            return None
+        waited = 0.0
+        step = heartbeat.beat_s / 4
+        while (why := heartbeat.stale()) is not None:
+            if heartbeat.gone is not None or self.stopped or waited >= self.store.retry_s:
+                return why
+            # Its thread beats again as soon as the store answers.
+            await asyncio.sleep(step)
+            waited += step
+        return None
 
     def _claim_gone(self, job_id: str, why: str) -> None:
         """Our claim on ``job_id`` is gone (``Claims``): stop its attempt, if one runs."""

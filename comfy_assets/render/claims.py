@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,19 +36,17 @@ class Claims:
     held: set[str] = field(default_factory=set, init=False)
     # Claims asked for and not yet answered.
     asking: set[str] = field(default_factory=set, init=False)
-    # Epoch time until which each claim of ours stands for sure (the store said so).
+    # Epoch time (the store's clock) until which each claim of ours stands for sure.
     until: dict[str, float] = field(default_factory=dict, init=False)
     # Jobs whose final record is being written: no longer renewed, released at the end.
     finishing: set[str] = field(default_factory=set, init=False)
 
-    async def claim(self, job_id: str, dead_holder: str | None = None) -> tuple[str, JobRecord]:
+    async def claim(self, job_id: str) -> tuple[str, JobRecord]:
         """``Store.claim_job`` for us: (status, record). A claim taken is held (renewed,
         released at the end); one asked for stays in ``asking`` if we are cancelled
         meanwhile, since it may still land on its worker thread."""
         self.asking.add(job_id)
-        status, rec = await self.db(
-            self.store.claim_job, job_id, self.owner, self.lease_s, dead_holder=dead_holder
-        )
+        status, rec = await self.db(self.store.claim_job, job_id, self.owner, self.lease_s)
         self.asking.discard(job_id)
         if status == "claimed":
             self.held.add(job_id)
@@ -103,7 +100,7 @@ class Claims:
 
     async def _renew(self, job_id: str) -> bool:
         """Renew one claim; False when the store failed and the claim still stands."""
-        asked_at = time.time()
+        asked_at = self.store.now()
         try:
             renewed = await self.db(self.store.renew_claim, job_id, self.owner, self.lease_s)
         except Exception as e:  # the store, whatever its driver: judged by the time left

@@ -25,7 +25,8 @@ class BatchConfig(PoolSettings):
     timeout_s: float = knob(600.0, "Seconds one attempt may take at most.")
     lease_s: float = knob(
         3600.0,
-        "Seconds a job stays claimed by this run without renewal (another run may take it after).",
+        "Seconds a job stays claimed without renewal by a run that has no heartbeat in the "
+        "store; a run whose heartbeat stops loses its claims within seconds, whatever this is.",
     )
     catch_up_s: float = knob(
         60.0,

@@ -57,6 +57,10 @@ class Eviction:
     history: HistoryEntry | None = None
 
 
+async def _none() -> str | None:
+    return None
+
+
 async def _nothing(*args: object) -> None:
     return None
 
@@ -67,11 +71,15 @@ class AttemptHooks:
     ``submitted(server, detail)`` before the POST (``detail``: why this post may render
     the job a second time, or None), ``rendering(server, number)`` after it.
     ``stopped()``: why nothing may be posted any more (the batch stopped), else None;
-    asked right before ``submitted`` and again right before the POST."""
+    asked right before ``submitted`` and again right before the POST. ``unsure()``
+    waits while this process's heartbeat is not reaching the store (others may soon take
+    its jobs), up to the store's budget; then why nothing may be posted, else None. Asked
+    right before the POST: an answer ends the attempt transient, nothing posted."""
 
     submitted: Callable[[str, str | None], Awaitable[None]] = _nothing
     rendering: Callable[[str, int], Awaitable[None]] = _nothing
     stopped: Callable[[], str | None] = lambda: None
+    unsure: Callable[[], Awaitable[str | None]] = _none
 
 
 class NotPosted(Exception):

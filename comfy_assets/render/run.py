@@ -14,7 +14,7 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import Job, JobFile
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.owners import new_owner
+from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.progress import Progress
 from comfy_assets.render.summary import BatchSummary, summarize
 from comfy_assets.store import Store, off_loop
@@ -45,6 +45,7 @@ class BatchArguments(TypedDict):
     store: Store
     config: BatchConfig
     owner: NotRequired[str | None]
+    run_id: NotRequired[str | None]
     on_line: NotRequired[Callable[[str], None] | None]
     on_progress: NotRequired[Callable[[Progress], None] | None]
 
@@ -57,14 +58,45 @@ async def run_batch(
     store: Store,
     config: BatchConfig,
     owner: str | None = None,
+    run_id: str | None = None,
     on_line: Callable[[str], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> BatchSummary:
     """Register the jobs of ``job_file`` as ``partition`` and run them all over a pool of
     ``servers``; returns the summary. Raises only on cancellation (after cleaning up:
-    prompts interrupted and removed, claims and server leases released)."""
+    prompts interrupted and removed, claims and server leases released).
+
+    Without an ``owner``, the batch is a new owner with a heartbeat in the store
+    (``OwnerHeartbeat``, naming ``run_id``, the Dagster run, if any): found gone by
+    another process, this process exits 1 at once (``owners.stop_process``). A given
+    ``owner`` is the caller's to keep alive (or an owner without a heartbeat, whose
+    claims are taken over only when their lease expires)."""
+    heartbeat = None
+    if owner is None:
+        owner = new_owner()
+        heartbeat = OwnerHeartbeat(store, owner, run_id=run_id)
+        await off_loop(store, heartbeat.start)
+    try:
+        return await _run_batch(
+            job_file, partition, servers, store, config, owner, heartbeat, on_line, on_progress
+        )
+    finally:
+        if heartbeat is not None:
+            await off_loop(store, heartbeat.stop)
+
+
+async def _run_batch(
+    job_file: JobFile,
+    partition: str,
+    servers: Sequence[ServerSpec],
+    store: Store,
+    config: BatchConfig,
+    owner: str,
+    heartbeat: OwnerHeartbeat | None,
+    on_line: Callable[[str], None] | None,
+    on_progress: Callable[[Progress], None] | None,
+) -> BatchSummary:
     started = time.monotonic()
-    owner = owner or new_owner()
     # Store calls here wait out a database outage off the event loop (``off_loop``).
     await off_loop(store, store.register_jobs, partition, job_file.jobs)
     stop_on_fatal, draft = resolve_policy(job_file, config)
@@ -80,6 +112,7 @@ async def run_batch(
             draft=draft,
             on_line=on_line,
             on_progress=on_progress,
+            heartbeat=heartbeat,
         )
         await batch.run()
     summary = await off_loop(
@@ -160,13 +193,15 @@ async def run_one(
     config: BatchConfig,
     owner: str,
     on_line: Callable[[str], None] | None = None,
+    heartbeat: OwnerHeartbeat | None = None,
 ) -> str:
     """Run one job (a message from a queue) to its end over a long-lived ``pool``.
 
     Returns the job's final state: ``succeeded``/``degraded`` (done, also when it was
     done before: nothing is posted), ``failed_fatal`` (dead letter, with its reason in
     the store); while another live worker holds its claim it waits. Retries with
-    backoff happen inside. Raises only on cancellation, after cleaning up.
+    backoff happen inside; nothing is posted while ``heartbeat`` (``owner``'s, kept by
+    the caller) is stale. Raises only on cancellation, after cleaning up.
     """
     await off_loop(store, store.register_jobs, partition, [job])
     batch = Batch(
@@ -179,6 +214,7 @@ async def run_one(
         draft=config.policy == "draft",
         on_line=on_line,
         consumers=1,
+        heartbeat=heartbeat,
     )
     await batch.run()
     rec = await off_loop(store, store.get, job.id)

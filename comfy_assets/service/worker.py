@@ -43,7 +43,7 @@ from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.owners import new_owner
+from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.results import results_csv_path, write_results
 from comfy_assets.render.run import make_pool, run_one
 from comfy_assets.service import broker
@@ -148,6 +148,7 @@ class Worker:
         self._runs: dict[asyncio.Task[Any], asyncio.Task[str]] = {}  # handler -> its run
         self._slots = asyncio.Semaphore(len(self.servers))
         self._run_number = 0
+        self.owner_heartbeat: OwnerHeartbeat | None = None  # while ``run`` runs
         self._touched: set[str] = set()  # partitions whose results.csv is out of date
         self._answered: set[Delivery] = set()  # handed to ack/requeue: never answer again
         self.results_every_s = results_every_s
@@ -200,6 +201,16 @@ class Worker:
         budget; ``StoreDiskFull``: no room to write it), ``OSError`` (our disk: an output
         that cannot be written) or the exception of a message's handling, after the
         shutdown."""
+        # Other workers, on any host, take this one's jobs only once this stops beating.
+        owner_heartbeat = OwnerHeartbeat(self.store, self.owner)
+        await off_loop(self.store, owner_heartbeat.start)
+        try:
+            await self._run(owner_heartbeat)
+        finally:
+            await off_loop(self.store, owner_heartbeat.stop)
+
+    async def _run(self, owner_heartbeat: OwnerHeartbeat) -> None:
+        self.owner_heartbeat = owner_heartbeat
         pool = make_pool(self.servers, self.store, self.config, self.owner)
         heartbeat: asyncio.Task[None] | None = None
         results: asyncio.Task[None] | None = None
@@ -465,6 +476,7 @@ class Worker:
                 store=cast(Store, watch),
                 config=config,
                 owner=claim_owner,
+                heartbeat=self.owner_heartbeat,
             ),
             name=f"job {job.id}",
         )

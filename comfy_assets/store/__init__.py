@@ -7,9 +7,12 @@ SQLite (``<root>/store.db``, WAL) by default, PostgreSQL by URL, the same code f
 - ``statements``: prebuilt hot statements (compare-and-set updates, upserts)
 - ``register``: registering a job file's jobs in bulk
 - ``retry``: calls that lose their database connection, tried again; outages, full disks
+- ``owners``: the processes holding claims and leases, and their heartbeats
+- ``clock``: the database's clock, which every expiry is judged by
 - ``store``: the ``Store`` class
 """
 
+from comfy_assets.store.owners import OWNER_BEAT_S, OWNER_DEAD_S, OwnerRecord
 from comfy_assets.store.records import (
     AttemptEntry,
     AttemptRecord,
@@ -41,6 +44,8 @@ from comfy_assets.store.store import (
 __all__ = [
     "DB_URL_ENV",
     "OUTCOMES",
+    "OWNER_BEAT_S",
+    "OWNER_DEAD_S",
     "TRANSITION_FIELDS",
     "AttemptEntry",
     "BadDbUrl",
@@ -53,6 +58,7 @@ __all__ = [
     "ModelLoadRecord",
     "OutputFile",
     "OutputFileLike",
+    "OwnerRecord",
     "PartitionConflict",
     "RegisterResult",
     "RenderingStart",

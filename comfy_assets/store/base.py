@@ -5,7 +5,8 @@ Every method of the store is one short transaction, safe when many processes sha
 database: SQLite write transactions start with ``BEGIN IMMEDIATE`` (one writer at a
 time), PostgreSQL rows are locked with ``SELECT ... FOR UPDATE``, and every UPDATE repeats
 what it read in its WHERE clause (compare-and-set) and checks the rowcount. Times are
-epoch seconds; every time-dependent method takes ``now``.
+epoch seconds by the database's clock (``store/clock.py``); every time-dependent method
+takes ``now``.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,6 +28,7 @@ from comfy_assets.jobs.states import (
     State,
 )
 from comfy_assets.store import statements as q
+from comfy_assets.store.clock import DbClock
 from comfy_assets.store.records import (
     JobRecord,
     UnknownJob,
@@ -53,6 +54,11 @@ class StoreBase:
     dialect: str
     retry_s: float
     outage: Outage
+    clock: DbClock
+
+    def _now(self, now: float | None) -> float:
+        """``now``, or the database's time when None (``store.clock``)."""
+        return self.clock.now() if now is None else now
 
     @contextmanager
     def _write(self) -> Iterator[sa.Connection]:
@@ -118,10 +124,6 @@ class StoreBase:
         # SQLite: this transaction holds the write lock, so nobody else takes these ids.
         last = conn.execute(q.LAST_EVENT_ID).scalar_one()
         return list(range(last + 1, last + 1 + n))
-
-
-def _now(now: float | None) -> float:
-    return time.time() if now is None else now
 
 
 # C0 control characters and DEL.

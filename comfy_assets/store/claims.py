@@ -14,7 +14,8 @@ from comfy_assets.jobs.states import (
     FAILED_FATAL,
 )
 from comfy_assets.store import statements as q
-from comfy_assets.store.base import StoreBase, _event, _job_record, _now, folder_name
+from comfy_assets.store.base import _event, _job_record, folder_name
+from comfy_assets.store.owners import Owners, owner_of
 from comfy_assets.store.records import (
     ClaimStatus,
     JobRecord,
@@ -26,7 +27,7 @@ from comfy_assets.store.retry import (
 )
 
 
-class Claims(StoreBase):
+class Claims(Owners):
     """Registration and job claims (a part of ``Store``)."""
 
     @retried
@@ -44,7 +45,7 @@ class Claims(StoreBase):
         for an id given twice or a bad partition name.
         """
         folder_name(partition, "partition")
-        now = _now(now)
+        now = self._now(now)
         with self._write() as conn:
             result, events = register(conn, self.dialect, partition, jobs, now)
             events = self._insert_events(conn, events)
@@ -66,26 +67,20 @@ class Claims(StoreBase):
         owner: str,
         lease_s: float = 3600.0,
         now: float | None = None,
-        *,
-        dead_holder: str | None = None,
     ) -> tuple[ClaimStatus, JobRecord]:
         """Try to take ``job_id`` for ``owner`` until ``now + lease_s`` (seconds): the
         claim's status (see ``claim``) and the job's record as the claim left it, in one
-        transaction. ``dead_holder``: an owner known to be dead (a process of this host
-        that no longer runs), whose claim is taken over as if expired. Raises UnknownJob."""
-        now = _now(now)
+        transaction. A claim whose lease runs on is taken over all the same when its
+        holder is gone (``store/owners.py``: released, or no heartbeat): the holder is
+        then marked found gone, so it can never act on the job again. Raises UnknownJob."""
+        now = self._now(now)
         event = None
         with self._write() as conn:
-            if dead_holder is None:  # the usual case, a job nobody holds: one statement
-                params = {
-                    "b_id": job_id,
-                    "v_owner": owner,
-                    "v_expires": now + lease_s,
-                    "v_now": now,
-                }
-                claimed = conn.execute(q.CLAIM_FREE, params).first()
-                if claimed is not None:
-                    return ClaimStatus.CLAIMED, _job_record(claimed)
+            # The usual case, a job nobody holds: one statement.
+            params = {"b_id": job_id, "v_owner": owner, "v_expires": now + lease_s, "v_now": now}
+            claimed = conn.execute(q.CLAIM_FREE, params).first()
+            if claimed is not None:
+                return ClaimStatus.CLAIMED, _job_record(claimed)
             row = self._lock(conn, job_id)
             record = _job_record(row)
             if row.state in DONE:
@@ -94,9 +89,12 @@ class Claims(StoreBase):
                 return ClaimStatus.DEAD_LETTERED, record
             holder = row.claimed_by
             live = row.claim_expires_at is not None and row.claim_expires_at > now
-            live = live and not (dead_holder is not None and holder == dead_holder)
+            gone = None
             if holder not in (None, owner) and live:
-                return ClaimStatus.HELD, record
+                gone = self._gone_reason(conn, owner_of(holder), lock=True)
+                if gone is None:
+                    return ClaimStatus.HELD, record
+                self._mark_gone(conn, owner_of(holder))
             params = {
                 "b_id": job_id,
                 "b_state": row.state,
@@ -107,13 +105,18 @@ class Claims(StoreBase):
             }
             q.expect_rows(conn.execute(q.CLAIM, params), 1, f"claim job {job_id}")
             if holder not in (None, owner):
-                detail = f"claim taken over from {holder}"
+                why = f"its holder is gone: {gone}" if gone else "its lease expired"
+                detail = f"claim taken over from {holder} ({why})"
                 event = _event(now, row, row.state, detail)
                 event = self._insert_events(conn, [event])[0]
         if event:
             log_event(event)
         claimed = dataclasses.replace(
-            record, claimed_by=owner, claim_expires_at=now + lease_s, updated_at=now
+            record,
+            claimed_by=owner,
+            claim_expires_at=now + lease_s,
+            updated_at=now,
+            taken_over=event.detail if event else None,
         )
         return ClaimStatus.CLAIMED, claimed
 
@@ -123,7 +126,7 @@ class Claims(StoreBase):
     ) -> bool:
         """Extend ``owner``'s claim to ``now + lease_s``. False if lost (released, taken
         over, or the job finished). An expired claim nobody took over is renewed."""
-        now = _now(now)
+        now = self._now(now)
         params = {"b_id": job_id, "b_owner": owner, "v_expires": now + lease_s, "v_now": now}
         with self._write() as conn:
             return conn.execute(q.RENEW_CLAIM, params).rowcount == 1

@@ -4,7 +4,7 @@ upsert each), and the marks of pools waiting for a server (fairness across runs)
 from __future__ import annotations
 
 from comfy_assets.store import statements as q
-from comfy_assets.store.base import StoreBase, _now
+from comfy_assets.store.base import StoreBase
 from comfy_assets.store.records import ServerLease
 from comfy_assets.store.retry import retried
 
@@ -24,7 +24,7 @@ class ServerLeases(StoreBase):
         """Take ``server`` for ``owner`` until ``now + lease_s`` (seconds), only if it is
         free, expired or already ours: one atomic upsert, so two processes never hold it
         at once. True if ``owner`` holds it now."""
-        now = _now(now)
+        now = self._now(now)
         params = {
             "v_server": server,
             "v_owner": owner,
@@ -40,7 +40,7 @@ class ServerLeases(StoreBase):
         self, server: str, owner: str, lease_s: float, now: float | None = None
     ) -> bool:
         """Extend ``owner``'s lease to ``now + lease_s``; False if it is not ours now."""
-        now = _now(now)
+        now = self._now(now)
         params = {"b_server": server, "b_owner": owner, "v_expires": now + lease_s, "v_now": now}
         with self._write() as conn:
             return conn.execute(q.RENEW_SERVER, params).rowcount == 1
@@ -51,7 +51,12 @@ class ServerLeases(StoreBase):
     ) -> bool:
         """Free ``server`` if ``owner`` holds it, remembering ``last_model`` (unchanged
         when None). False, and nothing changes, if ``owner`` did not hold it."""
-        params = {"b_server": server, "b_owner": owner, "v_model": last_model, "v_now": _now(now)}
+        params = {
+            "b_server": server,
+            "b_owner": owner,
+            "v_model": last_model,
+            "v_now": self._now(now),
+        }
         with self._write() as conn:
             return conn.execute(q.RELEASE_SERVER, params).rowcount == 1
 
@@ -62,7 +67,7 @@ class ServerLeases(StoreBase):
         """Remember that ``server`` holds ``last_model`` now (None: nothing, as after a
         restart), whoever holds its lease: every process sharing the servers plans with
         it (``comfy/plan.py``)."""
-        params = {"v_server": server, "v_model": last_model, "v_now": _now(now)}
+        params = {"v_server": server, "v_model": last_model, "v_now": self._now(now)}
         with self._write() as conn:
             conn.execute(q.note_server_model(self.dialect), params)
 
@@ -76,13 +81,13 @@ class ServerLeases(StoreBase):
     @retried
     def mark_waiting(self, owner: str, wait_s: float, now: float | None = None) -> None:
         """Say that ``owner`` waits for a server, for the next ``wait_s`` seconds."""
-        params = {"owner": owner, "expires_at": _now(now) + wait_s}
+        params = {"owner": owner, "expires_at": self._now(now) + wait_s}
         with self._write() as conn:
             conn.execute(q.upsert_waiter(self.dialect), params)
 
     @retried
     def others_waiting(self, owner: str, now: float | None = None) -> bool:
         """True when another owner waits for a server now (see ``mark_waiting``)."""
-        params = {"b_owner": owner, "b_now": _now(now)}
+        params = {"b_owner": owner, "b_now": self._now(now)}
         with self._read() as conn:
             return conn.execute(q.OTHERS_WAITING, params).first() is not None

@@ -57,6 +57,8 @@ class JobRecord:
     gpu_seconds: float | None
     take: int = 1
     inputs: tuple[dict[str, Any], ...] = ()
+    # Set by a claim that took the job over from another owner: what the event says.
+    taken_over: str | None = None
 
     @property
     def done(self) -> bool:
@@ -190,7 +192,8 @@ class ServerLease:
     updated_at: float
 
     def held(self, now: float | None = None) -> bool:
-        """True if an owner holds it at ``now`` (epoch seconds, default the clock)."""
+        """True if an owner holds it at ``now`` (epoch seconds, default this host's
+        clock; pass ``store.now()`` to judge by the database's)."""
         now = time.time() if now is None else now
         return self.owner is not None and self.expires_at is not None and self.expires_at > now
 

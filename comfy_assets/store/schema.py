@@ -129,6 +129,23 @@ pool_waiters_table = sa.Table(
 )
 
 
+# The processes that hold claims and leases (owners), with their heartbeats: an owner is
+# known to be gone when it released itself or its heartbeat stopped (store/owners.py),
+# whatever its host name and pid say. Times are the database's clock.
+owners_table = sa.Table(
+    "comfy_owners",
+    metadata,
+    sa.Column("owner", sa.String(255), primary_key=True),
+    sa.Column("host", sa.String(255), nullable=False),
+    sa.Column("pid", sa.Integer, nullable=False),
+    sa.Column("run_id", sa.String(64)),  # the Dagster run it renders for, if any
+    sa.Column("started_at", sa.Double, nullable=False),
+    sa.Column("beat_at", sa.Double, nullable=False),
+    sa.Column("gone_at", sa.Double),  # when another process found it gone
+    sa.Column("released_at", sa.Double),  # when it ended by itself
+    sa.Index("ix_comfy_owners_run_id", "run_id"),
+)
+
 # Seconds a PostgreSQL connect may take before it counts as a failed one (then retried).
 CONNECT_TIMEOUT_S = 10
 

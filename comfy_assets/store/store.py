@@ -1,6 +1,7 @@
 """The ``Store``: jobs, claims, transitions, done records, dead letters, server leases.
 
-One class made of its parts: ``claims`` (registration, job claims), ``transitions``
+One class made of its parts: ``claims`` (registration, job claims), ``owners`` (the
+processes holding them, their heartbeats, the database's clock), ``transitions``
 (state changes and their records), ``queries`` (reading), ``leases`` (server leases);
 ``base`` holds what they share. See ``base`` for how every call stays one transaction.
 """
@@ -14,6 +15,7 @@ import sqlalchemy as sa
 
 from comfy_assets.store.base import folder_name
 from comfy_assets.store.claims import Claims
+from comfy_assets.store.clock import DbClock
 from comfy_assets.store.leases import ServerLeases
 from comfy_assets.store.queries import Queries
 from comfy_assets.store.retry import (
@@ -70,6 +72,7 @@ class Store(Claims, Transitions, Queries, ServerLeases):
         self.root = Path(root)
         self.retry_s = retry_s  # how long a call that loses its connection is tried again
         self.outage = Outage()
+        self.clock = DbClock()
         if db_url is None:
             self.root.mkdir(parents=True, exist_ok=True)
             db_url = f"sqlite:///{self.root / 'store.db'}"
@@ -94,6 +97,8 @@ class Store(Claims, Transitions, Queries, ServerLeases):
         while True:
             try:
                 create_tables(self.engine)
+                with self.engine.connect() as conn:
+                    self.clock.measure(conn, self.dialect)
             except sa.exc.DBAPIError as e:
                 if disk_full(e):
                     raise StoreDiskFull(what, database_place(self.engine), e) from e

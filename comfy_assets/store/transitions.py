@@ -22,7 +22,7 @@ from comfy_assets.jobs.states import (
     is_allowed,
 )
 from comfy_assets.store import statements as q
-from comfy_assets.store.base import _TERMINAL, StoreBase, _event, _now
+from comfy_assets.store.base import _TERMINAL, StoreBase, _event
 from comfy_assets.store.records import (
     AttemptEntry,
     ClaimLost,
@@ -92,7 +92,7 @@ class Transitions(StoreBase):
         if unknown:
             raise TypeError(f"transition() got unknown fields: {', '.join(sorted(unknown))}")
         to = str(to_state)
-        now = _now(now)
+        now = self._now(now)
         fast = (
             from_state is not None
             and owner is not None
@@ -139,7 +139,7 @@ class Transitions(StoreBase):
         (time the prompt ran) is kept as given. The job's ``attempts`` becomes at least
         ``entry.attempt``. Raises UnknownJob, ValueError (unknown outcome, no duration).
         """
-        now = _now(now)
+        now = self._now(now)
         row = _attempt_row(job_id, entry, now)
         with self._write() as conn:
             self._write_attempt(conn, row, now)
@@ -179,7 +179,7 @@ class Transitions(StoreBase):
         if state not in DONE:
             raise ValueError(f"mark_done state must be succeeded or degraded, got {state!r}")
         rows = [_file_row(job_id, f) for f in files]
-        now = _now(now)
+        now = self._now(now)
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
             row = self._locked_for_move(conn, job_id, owner, state, tried_row, now)
@@ -233,7 +233,7 @@ class Transitions(StoreBase):
         (the last attempt's row) and first ``rendering`` (``RenderingStart``) recorded,
         in one transaction. Raises ClaimLost unless ``owner`` holds the claim,
         InvalidTransition (a done job, say), UnknownJob."""
-        now = _now(now)
+        now = self._now(now)
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
             row = self._locked_for_move(conn, job_id, owner, FAILED_FATAL, tried_row, now)
@@ -266,7 +266,7 @@ class Transitions(StoreBase):
     ) -> None:
         """Write an event that changes nothing (``from_state == to_state``): something a
         worker did to a job it no longer holds, say. Raises UnknownJob."""
-        now = _now(now)
+        now = self._now(now)
         with self._write() as conn:
             row = self._lock(conn, job_id)
             event = _event(now, row, row.state, detail, server, attempt)
@@ -277,7 +277,7 @@ class Transitions(StoreBase):
     def requeue(self, job_id: str, now: float | None = None) -> bool:
         """Send a dead-lettered job back to pending (reason cleared, attempts 0).
         False, and nothing changes, if it is not failed_fatal or not in the store."""
-        now = _now(now)
+        now = self._now(now)
         with self._write() as conn:
             row = conn.execute(q.LOCK_JOB, {"b_id": job_id}).first()
             if row is None or row.state != FAILED_FATAL:

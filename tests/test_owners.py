@@ -1,0 +1,174 @@
+"""Owners and their heartbeats: a claim is taken from a gone owner at once and never from
+a live one, whatever host names and pids say; the database's clock decides."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+
+import pytest
+import sqlalchemy as sa
+
+from comfy_assets.render.owners import OwnerHeartbeat
+from comfy_assets.store import OWNER_DEAD_S, Store
+from tests.support import gone_owner
+from tests.test_store import make_jobs
+
+
+def test_a_live_owner_with_a_dead_pid_of_this_host_keeps_its_claims(store, workflow_dir):
+    # Two containers sharing a host name: this pid is gone here, but its owner beats.
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("p", [job])
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(ended.stdout)
+    holder = f"{socket.gethostname()}:{pid}:aaaaaaaa"
+    store.register_owner(holder, pid=pid)
+    assert store.claim(job.id, holder) == "claimed"
+    assert store.claim(job.id, "other:3:bbbbbbbb") == "held"
+    assert store.owner_gone(holder) is None
+    assert store.get(job.id).claimed_by == holder
+
+
+def test_the_claim_of_a_silent_owner_is_taken_over_at_once_and_it_never_comes_back(
+    store, workflow_dir
+):
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("p", [job])
+    holder = gone_owner(store, silent_s=OWNER_DEAD_S + 1)
+    assert store.claim(job.id, holder, lease_s=3600.0) == "claimed"
+    assert store.owner_gone(holder).startswith("no heartbeat for ")
+    status, rec = store.claim_job(job.id, "taker:2:cccccccc")
+    assert status == "claimed"
+    assert rec.taken_over.startswith(
+        f"claim taken over from {holder} (its holder is gone: no heartbeat for "
+    )
+    assert store.events(job_id=job.id)[-1].detail == rec.taken_over
+    assert store.beat_owner(holder) is False
+    assert store.owner_gone(holder) == "found gone by another process"
+
+
+def test_a_silent_owner_nobody_found_gone_lives_on_when_it_beats_again(store):
+    holder = gone_owner(store, silent_s=OWNER_DEAD_S + 1)
+    assert store.owner_gone(holder) is not None
+    assert store.beat_owner(holder) is True
+    assert store.owner_gone(holder) is None
+
+
+def test_a_worker_claim_belongs_to_its_owner(store, workflow_dir):
+    # A worker claims each delivery as OWNER#N: its owner's heartbeat is what counts.
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("p", [job])
+    worker = "w:2:dddddddd"
+    store.register_owner(worker)
+    assert store.claim(job.id, f"{worker}#1") == "claimed"
+    assert store.claim(job.id, "other:2:eeeeeeee") == "held"
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE comfy_owners SET beat_at = beat_at - 60"))
+    assert store.claim(job.id, "other:2:eeeeeeee") == "claimed"
+
+
+def test_a_released_owner_is_gone_and_its_leftover_claims_are_free(store, workflow_dir):
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("p", [job])
+    holder = "ended:2:ffffffff"
+    store.register_owner(holder)
+    assert store.claim(job.id, holder) == "claimed"
+    store.release_owner(holder)
+    assert store.owner_gone(holder) == "released at its end"
+    assert store.claim(job.id, "next:2:12345678") == "claimed"
+
+
+def test_an_owner_without_a_row_keeps_its_claim_for_the_lease(store, workflow_dir):
+    (job,) = make_jobs(workflow_dir, 1)
+    store.register_jobs("p", [job])
+    assert store.claim(job.id, "old", lease_s=10.0, now=100.0) == "claimed"
+    assert store.claim(job.id, "new", lease_s=10.0, now=109.0) == "held"
+    assert store.claim(job.id, "new", lease_s=10.0, now=111.0) == "claimed"
+
+
+def test_owners_lists_run_ids_and_ages_by_the_database_clock(store):
+    store.register_owner("a:2:00000001", run_id="run-1")
+    gone_owner(store, "b:2:00000002", silent_s=30.0)
+    by_owner = {o.owner: o for o in store.owners()}
+    assert by_owner["a:2:00000001"].run_id == "run-1"
+    assert by_owner["a:2:00000001"].gone is False
+    assert by_owner["b:2:00000002"].gone is True
+    assert by_owner["b:2:00000002"].beat_age_s >= 30.0
+    assert [o.owner for o in store.owners(run_ids=["run-1"])] == ["a:2:00000001"]
+    assert store.mark_owner_gone("a:2:00000001") is None  # alive: unchanged
+    assert store.mark_owner_gone("b:2:00000002").startswith("no heartbeat for ")
+    assert store.beat_owner("b:2:00000002") is False
+
+
+def test_the_heartbeat_registers_beats_and_releases(store):
+    heartbeat = OwnerHeartbeat(store, "hb:2:abcdef01", beat_s=0.05)
+    heartbeat.start()
+    assert store.owner_gone("hb:2:abcdef01") is None
+    assert heartbeat.stale() is None
+    heartbeat.stop()
+    assert store.owner_gone("hb:2:abcdef01") == "released at its end"
+
+
+def test_a_heartbeat_found_gone_calls_on_gone_and_stops(store):
+    told: list[str] = []
+    said = threading.Event()
+
+    def on_gone(reason: str) -> None:
+        told.append(reason)
+        said.set()
+
+    heartbeat = OwnerHeartbeat(store, "hb:2:abcdef02", beat_s=0.05, on_gone=on_gone)
+    heartbeat.start()
+    with store.engine.begin() as conn:
+        conn.execute(sa.text("UPDATE comfy_owners SET gone_at = 1.0"))
+    assert said.wait(30)
+    heartbeat.stop()
+    assert told[0].startswith("this process (owner hb:2:abcdef02) was found gone by another")
+    assert heartbeat.stale() == told[0]
+    assert store.owner_gone("hb:2:abcdef02") == "found gone by another process"
+
+
+@pytest.mark.skipif(shutil.which("faketime") is None, reason="faketime is not installed")
+def test_a_host_clock_a_minute_ahead_reads_the_database_clock(pg_url):
+    # faketime sets this process's clock 60 s ahead: store.now() is the database's all
+    # the same, so its leases neither run out early nor late.
+    script = (
+        "import time; from comfy_assets.store import Store; "
+        f"s = Store('/nonexistent-store', {pg_url!r}); "
+        "print(round(time.time() - s.now()))"
+    )
+    out = subprocess.run(
+        ["faketime", "-f", "+60s", sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert int(out.stdout.strip()) == 60
+
+
+def test_a_postgresql_store_beats_and_takes_over_by_its_own_clock(pg_url, tmp_path, workflow_dir):
+    store = Store(tmp_path / "store", pg_url)
+    try:
+        (job,) = make_jobs(workflow_dir, 1)
+        store.register_jobs("p", [job])
+        holder = gone_owner(store, silent_s=OWNER_DEAD_S + 1)
+        assert store.claim(job.id, holder) == "claimed"
+        live = "live:2:87654321"
+        store.register_owner(live)
+        assert store.beat_owner(live) is True
+        status, rec = store.claim_job(job.id, live)
+        assert status == "claimed" and rec.taken_over is not None
+        assert store.claim(job.id, holder) == "held"
+        assert store.beat_owner(holder) is False
+    finally:
+        store.close()
