@@ -22,6 +22,9 @@ from tests.support import write_jobs
 
 RUN_TIMEOUT_S = 90.0  # a process that has not ended by then fails the test (no measure)
 WAIT_S = 60.0
+# What a run or worker prints when it takes a claim whose holder is gone.
+TAKEN = "claim taken over from"
+WAITING = "waiting (taken over if its heartbeat stops"
 
 
 def _skip_reason() -> str | None:
@@ -181,9 +184,7 @@ def test_a_worker_host_cut_from_the_database_posts_nothing_and_records_nothing_t
     with Store(store, farm.local_db_url) as s:
         cut_at = s.now()
     try:
-        farm.wait(
-            "w2 to take over w1's claims", lambda: "taken over" in run2.text(), WAIT_S, watch=[run2]
-        )
+        farm.wait("w2 to take over w1's claims", lambda: TAKEN in run2.text(), WAIT_S, watch=[run2])
     finally:
         w1.heal(farm.db_address)
     with Store(store, farm.local_db_url) as s:
@@ -243,12 +244,14 @@ def test_a_worker_host_killed_mid_job_is_taken_over_by_a_new_worker(farm, tmp_pa
     farm.wait("every job done", lambda: done_count(farm) == count, WAIT_S, watch=[worker2])
     worker2.signal(15)
     assert finish(worker2) == 0, worker2.text()
-    assert "taken over" in worker2.text(), worker2.text()
+    assert TAKEN in worker2.text(), worker2.text()
     check(farm, store, jobs, [worker1, worker2], results_csv=False)
 
 
 @needs_farm
-def test_two_runs_of_one_host_name_and_the_same_pid_take_nothing_from_each_other(farm, tmp_path):
+def test_two_runs_of_one_host_name_in_pid_namespaces_of_their_own_take_nothing_from_each_other(
+    farm, tmp_path
+):
     for i in (1, 2, 3):
         farm.add_gpu_host(f"gpu{i}", fakes=2, prompt_seconds=0.1)
     jobs = write_jobs(tmp_path / "jobs", 16, salt="same-name")
@@ -257,13 +260,17 @@ def test_two_runs_of_one_host_name_and_the_same_pid_take_nothing_from_each_other
     a, b = farm.add_host("a", hostname="vm"), farm.add_host("b", hostname="vm")
     run_a = a.start(run_cmd(farm, jobs, store), name="run")
     farm.wait("A mid-attempt", lambda: in_flight(farm, "vm"), WAIT_S, poll_s=0.02, watch=[run_a])
+    # As in two containers started one after the other: on b, a process came and went
+    # first, so B's pid is A's plus one, and A's pid is no process of b's namespace.
+    assert finish(b.start(["true"], name="true")) == 0
     run_b = b.start(run_cmd(farm, jobs, store), name="run")
+    farm.wait("B waiting for A's claims", lambda: WAITING in run_b.text(), WAIT_S, watch=[run_b])
     pids = (run_a.ns_pid, run_b.ns_pid)
     code_a, code_b = finish(run_a), finish(run_b)
-    assert pids[0] is not None and pids[0] == pids[1], pids
+    assert pids[0] is not None and pids[1] == pids[0] + 1, pids
     assert (code_a, code_b) == (0, 0), run_a.text() + run_b.text()
     for run in (run_a, run_b):
-        assert "taken over" not in run.text(), run.text()
+        assert TAKEN not in run.text(), run.text()
     snapshot = check(farm, store, jobs, [run_a, run_b])
     assert not interrupted(snapshot)
 
@@ -279,20 +286,16 @@ def test_a_host_a_minute_ahead_steals_no_live_claim_and_takes_a_dead_hosts_at_on
     run_a = a.start(run_cmd(farm, jobs, store), name="run")
     farm.wait("A mid-attempt", lambda: in_flight(farm, "a"), WAIT_S, poll_s=0.02, watch=[run_a])
     run_b = ahead.start(run_cmd(farm, jobs, store), name="run")
-    farm.wait(
-        "both runs posting", lambda: in_flight(farm, "ahead"), WAIT_S, poll_s=0.02, watch=[run_b]
-    )
-    farm.wait(
-        "A mid-attempt again",
-        lambda: in_flight(farm, "a"),
-        WAIT_S,
-        poll_s=0.02,
-        watch=[run_a, run_b],
-    )
-    assert "taken over" not in run_b.text(), run_b.text()
+    farm.wait("B waiting for A's claims", lambda: WAITING in run_b.text(), WAIT_S, watch=[run_b])
+    # B asks for A's claims every --poll-s: two more jobs of A done, and B has asked
+    # many times while A was alive.
+    done = done_count(farm)
+    farm.wait("A going on", lambda: done_count(farm) >= done + 2, WAIT_S, watch=[run_a])
+    farm.wait("A mid-attempt again", lambda: in_flight(farm, "a"), WAIT_S, watch=[run_a])
+    assert TAKEN not in run_b.text(), run_b.text()
     a.kill()
     assert finish(run_b) == 0, run_b.text()
-    assert "taken over" in run_b.text(), run_b.text()
+    assert TAKEN in run_b.text(), run_b.text()
     check(farm, store, jobs, [run_a, run_b])
 
 
@@ -313,7 +316,7 @@ def test_the_database_host_restarted_mid_batch_loses_nothing_and_takes_nothing(f
     code_a, code_b = finish(run_a), finish(run_b)
     assert (code_a, code_b) == (0, 0), run_a.text() + run_b.text()
     for run in (run_a, run_b):
-        assert "taken over" not in run.text(), run.text()
+        assert TAKEN not in run.text(), run.text()
     check(farm, store, jobs, [run_a, run_b])
 
 
