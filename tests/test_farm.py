@@ -252,9 +252,10 @@ def test_a_worker_host_killed_mid_job_is_taken_over_by_a_new_worker(farm, tmp_pa
 def test_two_runs_of_one_host_name_in_pid_namespaces_of_their_own_take_nothing_from_each_other(
     farm, tmp_path
 ):
-    for i in (1, 2, 3):
-        farm.add_gpu_host(f"gpu{i}", fakes=2, prompt_seconds=0.1)
-    jobs = write_jobs(tmp_path / "jobs", 16, salt="same-name")
+    # Long enough a batch for B to start and wait while A renders.
+    for i in (1, 2):
+        farm.add_gpu_host(f"gpu{i}", fakes=2, prompt_seconds=0.2)
+    jobs = write_jobs(tmp_path / "jobs", 24, salt="same-name")
     store = tmp_path / "store"
     schema(farm, store)
     a, b = farm.add_host("a", hostname="vm"), farm.add_host("b", hostname="vm")
@@ -277,9 +278,9 @@ def test_two_runs_of_one_host_name_in_pid_namespaces_of_their_own_take_nothing_f
 
 @needs_farm
 def test_a_host_a_minute_ahead_steals_no_live_claim_and_takes_a_dead_hosts_at_once(farm, tmp_path):
-    for i in (1, 2, 3):
-        farm.add_gpu_host(f"gpu{i}", fakes=2, prompt_seconds=0.15)
-    jobs = write_jobs(tmp_path / "jobs", 16, salt="skew")
+    for i in (1, 2):
+        farm.add_gpu_host(f"gpu{i}", fakes=2, prompt_seconds=0.25)
+    jobs = write_jobs(tmp_path / "jobs", 24, salt="skew")
     store = tmp_path / "store"
     schema(farm, store)
     a, ahead = farm.add_host("a"), farm.add_host("ahead", clock_offset_s=60)
