@@ -5,10 +5,11 @@ the next version of its job file.
 Dagster's storage on PostgreSQL (a fresh database, ``dagster_home/production/
 dagster.yaml`` as DAGSTER_HOME), the result store in another, ``dagster-daemon run`` and
 a code server (``dagster code-server start``, as docs/production.md runs it), two fakes
-in this process with 1 s prompts. The job file sensor launches the run; mid-batch the
-code server and every process under it (the run worker and its step) get SIGKILL at
-once, a new version of the file is dropped, and the code server is started again (as
-systemd's ``Restart=always`` does).
+in this process with 1 s prompts. The job file sensor launches the run; mid-batch a new
+version of the file is dropped (its run queues behind the running one), then the code
+server and every process under it (the run worker and its step) get SIGKILL at once,
+and the code server is started again (as systemd's ``Restart=always`` does). Deselect
+with ``-m 'not slow'`` (about two minutes).
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from dagster import DagsterEventType, DagsterInstance, DagsterRunStatus, RunsFilter
+from dagster import (
+    DagsterEventType,
+    DagsterInstance,
+    DagsterRun,
+    DagsterRunStatus,
+    RunRecord,
+    RunsFilter,
+)
 
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store
@@ -39,8 +47,8 @@ __all__ = ["dagster_pg_url"]  # a fixture of this module too
 
 BIN = Path(sys.executable).parent
 PARTITION = "deadrun"
-FIRST_JOBS = 12
-SECOND_JOBS = 16  # the first version's 12 jobs and 4 more
+FIRST_JOBS = 24
+SECOND_JOBS = 28  # the first version's jobs and 4 more
 
 
 def free_port() -> int:
@@ -103,7 +111,13 @@ def process(args: list[str], env: dict[str, str], log: Path) -> Iterator[subproc
             kill_tree(proc)
 
 
-def render_runs(instance: DagsterInstance) -> list:
+def check_run(instance: DagsterInstance, run_id: str) -> DagsterRun:
+    run = instance.get_run_by_id(run_id)
+    assert run is not None
+    return run
+
+
+def render_runs(instance: DagsterInstance) -> list[RunRecord]:
     return list(instance.get_run_records(RunsFilter(job_name="render_job")))
 
 
@@ -177,29 +191,33 @@ def test_a_run_killed_with_its_code_server_is_failed_retried_and_lets_the_next_v
                     raise AssertionError(f"{e}\n{log_tail()}") from e
                 [doomed] = render_runs(instance)
                 doomed_id = doomed.dagster_run.run_id
-                assert doomed.dagster_run.status == DagsterRunStatus.STARTED
+                # A new version of the file (written aside, then renamed): its run waits in
+                # the queue behind the running one (one run per dagster/partition).
+                write_jobs(tmp_path / "v2", SECOND_JOBS, name=f"{PARTITION}.jsonl", salt="dead-run")
+                os.replace(tmp_path / "v2" / f"{PARTITION}.jsonl", job_path)
+
+                def queued_behind() -> bool:
+                    return any(
+                        r.dagster_run.status == DagsterRunStatus.QUEUED
+                        for r in render_runs(instance)
+                    )
+
+                wait_until(queued_behind, 60, "the new version's run to be queued", [daemon_proc])
+                doomed = check_run(instance, doomed_id)
+                assert doomed.status == DagsterRunStatus.STARTED
                 done_at_kill = store.counts(PARTITION)["succeeded"]
                 killed_at = time.time()
                 killed = kill_tree(first_server)
                 assert len(killed) >= 3, "the code server, its run worker and its step"
                 assert done_at_kill < FIRST_JOBS, "killed mid-batch"
 
-                # A new version of the file (written aside, then renamed), and the code
-                # server back, as its supervisor brings it.
-                write_jobs(tmp_path / "v2", SECOND_JOBS, name=f"{PARTITION}.jsonl", salt="dead-run")
-                os.replace(tmp_path / "v2" / f"{PARTITION}.jsonl", job_path)
+                # The code server back, as its supervisor brings it.
                 with process(code_server, env, logs / "code_server_again.log"):
-                    times: dict[str, float] = {}
 
                     def settled() -> bool:
-                        runs = render_runs(instance)
-                        for r in runs:
-                            run = r.dagster_run
-                            if run.run_id == doomed_id and run.status == DagsterRunStatus.FAILURE:
-                                times.setdefault("failed", r.end_time or time.time())
-                            if run.parent_run_id == doomed_id and run.is_finished:
-                                times.setdefault("retry_done", r.end_time or time.time())
-                        newer = [r for r in runs if r.dagster_run.run_id != doomed_id]
+                        newer = [
+                            r for r in render_runs(instance) if r.dagster_run.run_id != doomed_id
+                        ]
                         return len(newer) >= 2 and all(r.dagster_run.is_finished for r in newer)
 
                     try:
@@ -253,8 +271,14 @@ def test_a_run_killed_with_its_code_server_is_failed_retried_and_lets_the_next_v
         for before, after in zip(on_server, on_server[1:], strict=False):
             assert after["posted"] >= before["end"], (name, before, after)
 
+    def after_kill(at: float | None) -> str:
+        return "?" if at is None else f"{at - killed_at:.1f} s"
+
     print(
-        f"\nSIGKILL at {done_at_kill}/{FIRST_JOBS} jobs; dead run FAILURE after "
-        f"{times['failed'] - killed_at:.1f} s; its retry ended after "
-        f"{times['retry_done'] - killed_at:.1f} s; {json.dumps(counts)}"
+        f"\nSIGKILL at {done_at_kill}/{FIRST_JOBS} jobs; after it: dead run FAILURE "
+        f"{after_kill(by_id[doomed_id].end_time)}, the new version's run started "
+        f"{after_kill(by_id[newer.run_id].start_time)} and ended "
+        f"{after_kill(by_id[newer.run_id].end_time)}, the retry started "
+        f"{after_kill(by_id[retry.run_id].start_time)} and ended "
+        f"{after_kill(by_id[retry.run_id].end_time)}; {json.dumps(counts)}"
     )
