@@ -59,7 +59,9 @@ def dead_run_reason(
     """Why a STARTED run is dead, or None while it may be alive.
 
     ``owners``: the run's owner rows (``Store.owners(run_ids=[run_id])``);
-    ``started_s_ago``: seconds since Dagster marked it STARTED (None: unknown);
+    ``started_s_ago``: seconds since Dagster marked it STARTED (None: unknown), by the
+    hosts' clocks (the run worker's against the code location's), which is why only the
+    ``no_live_owner_s`` rule uses it: ten minutes leave room for clocks a minute apart;
     ``renders``: whether the run renders (so its batch registers an owner).
 
     - an owner not gone: alive, whatever the run's age;
