@@ -47,8 +47,8 @@ __all__ = ["dagster_pg_url"]  # a fixture of this module too
 
 BIN = Path(sys.executable).parent
 PARTITION = "deadrun"
-FIRST_JOBS = 24
-SECOND_JOBS = 28  # the first version's jobs and 4 more
+FIRST_JOBS = 40  # 20 s on two servers: still rendering once the new version is queued
+SECOND_JOBS = 44  # the first version's jobs and 4 more
 
 
 def free_port() -> int:
