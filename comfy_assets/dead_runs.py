@@ -85,18 +85,19 @@ def dead_run_reason(
             )
             return (
                 f"its batch's {where} {how} (by the database's clock; an owner is gone "
-                f"after {OWNER_DEAD_S:.0f} s without one): the run's process is gone"
+                f"after {OWNER_DEAD_S:.0f} s without one): the run is taken for dead, and "
+                "its process, should it beat again, stops at once"
             )
         if renders and newest.beat_age_s >= no_live_owner_s:
             return (
                 f"its batch ended {newest.beat_age_s:.0f} s ago ({where} released) and the "
-                "run has not ended since: the run's process is gone"
+                "run has not ended since: the run is taken for dead"
             )
         return None
     if renders and started_s_ago is not None and started_s_ago >= no_live_owner_s:
         return (
             f"it started {started_s_ago:.0f} s ago and no batch of it has registered in "
-            "the result store: the run's process is gone"
+            "the result store: the run is taken for dead"
         )
     return None
 
