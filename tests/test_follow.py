@@ -331,7 +331,7 @@ async def test_server_gone_mid_prompt_keeps_trying_until_the_deadline():
         await client.aclose()
 
 
-async def test_a_server_gone_longer_than_give_up_s_is_given_up_before_the_deadline():
+async def test_a_server_gone_longer_than_give_up_s_is_given_up_before_the_deadline(caplog):
     fake = FakeComfy(script=["hang"], prompt_seconds=0.01)
     pid, client_id = new_id(), uuid.uuid4().hex
     async with fake.serve(port=0) as url:
@@ -345,6 +345,9 @@ async def test_a_server_gone_longer_than_give_up_s_is_given_up_before_the_deadli
     finally:
         await follower.__aexit__(None, None, None)
         await client.aclose()
+    said = [r.getMessage() for r in caplog.records if "no answer while prompt" in r.getMessage()]
+    assert len(said) == 1  # once per outage, not once per poll
+    assert said[0].startswith(f"{client.name}: no answer while prompt {pid} is there (")
 
 
 async def test_a_server_restarted_on_the_same_port_has_forgotten_the_prompt():

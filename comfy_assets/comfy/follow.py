@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Self
@@ -47,6 +48,8 @@ _TERMINAL = frozenset({"execution_success", "execution_error", "execution_interr
 _PLAIN_ERRORS = (ServerUnreachable, ConnectionLost, RequestTimeout)  # (message, server=)
 _MAX_BUFFERED_PROMPTS = 1024  # prompt ids whose events are kept before anyone waits
 _RECONNECT_FIRST_S = 0.05
+
+log = logging.getLogger("comfy_assets.comfy.follow")
 
 
 @dataclass(frozen=True)
@@ -303,7 +306,14 @@ class PromptFollower:
         try:
             async with asyncio.timeout_at(deadline):
                 entry = await self.client.history(run.prompt_id)
-                run.trouble_since = None  # it answers again
+                if run.trouble_since is not None:  # it answers again
+                    log.warning(
+                        "%s: answers again after %.0f s; following prompt %s",
+                        self.client.name,
+                        asyncio.get_running_loop().time() - run.trouble_since,
+                        run.prompt_id,
+                    )
+                    run.trouble_since = None
                 if entry is not None and entry.number == run.number:
                     return entry
                 if not suspect:
@@ -324,6 +334,15 @@ class PromptFollower:
             now = asyncio.get_running_loop().time()
             if run.trouble_since is None:
                 run.trouble_since = now
+                # Said once per outage: a server cut off mid-prompt is otherwise silent.
+                log.warning(
+                    "%s: no answer while prompt %s is there (%s); still following it, for up "
+                    "to %.0f s",
+                    self.client.name,
+                    run.prompt_id,
+                    exc.message,
+                    self.give_up_s,
+                )
             elif now - run.trouble_since >= self.give_up_s:
                 if type(exc) not in _PLAIN_ERRORS:
                     raise
