@@ -90,14 +90,6 @@ def test_a_released_owner_is_gone_and_its_leftover_claims_are_free(store, workfl
     assert store.claim(job.id, "next:2:12345678") == "claimed"
 
 
-def test_an_owner_without_a_row_keeps_its_claim_for_the_lease(store, workflow_dir):
-    (job,) = make_jobs(workflow_dir, 1)
-    store.register_jobs("p", [job])
-    assert store.claim(job.id, "old", lease_s=10.0, now=100.0) == "claimed"
-    assert store.claim(job.id, "new", lease_s=10.0, now=109.0) == "held"
-    assert store.claim(job.id, "new", lease_s=10.0, now=111.0) == "claimed"
-
-
 def test_owners_lists_run_ids_and_ages_by_the_database_clock(store):
     store.register_owner("a:2:00000001", run_id="run-1")
     gone_owner(store, "b:2:00000002", silent_s=30.0)

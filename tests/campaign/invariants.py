@@ -291,21 +291,27 @@ def _one_at_a_time(played: Played) -> list[str]:
     found = []
     for server, stats in played.stats.items():
         busy = played.busy_clients[server]
-        ours: list[dict[str, Any]] = sorted(
-            (r for r in stats["runs"] if r["client_id"] != busy), key=lambda r: r["posted"]
-        )
-        for before, after in zip(ours, ours[1:], strict=False):
-            end = before["end"] if before["end"] is not None else float("inf")
-            if before["word"] == "late" and before["outcome"] == "success":
-                # Its last message (execution_success) came before its history: from
-                # then on it holds no GPU, only its place in /queue.
-                end = before["last_message"]
-            if after["posted"] < end:
-                found.append(
-                    f"{server}: prompt {after['prompt_id']} posted while our prompt "
-                    f"{before['prompt_id']} was queued or running ({before['outcome']}, "
-                    f"{end - after['posted']:.3f} s before it ended)"
-                )
+        found += overlapping_posts(server, [r for r in stats["runs"] if r["client_id"] != busy])
+    return found
+
+
+def overlapping_posts(server: str, runs: list[dict[str, Any]]) -> list[str]:
+    """One line per prompt of ``runs`` (a fake's records of our prompts on ``server``)
+    posted while another of them was queued or running there."""
+    found = []
+    ours = sorted(runs, key=lambda r: r["posted"])
+    for before, after in zip(ours, ours[1:], strict=False):
+        end = before["end"] if before["end"] is not None else float("inf")
+        if before["word"] == "late" and before["outcome"] == "success":
+            # Its last message (execution_success) came before its history: from
+            # then on it holds no GPU, only its place in /queue.
+            end = before["last_message"]
+        if after["posted"] < end:
+            found.append(
+                f"{server}: prompt {after['prompt_id']} posted while our prompt "
+                f"{before['prompt_id']} was queued or running ({before['outcome']}, "
+                f"{end - after['posted']:.3f} s before it ended)"
+            )
     return found
 
 

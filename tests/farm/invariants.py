@@ -27,7 +27,7 @@ from typing import Any
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.store import Store
-from tests.campaign.invariants import EXCUSED, TRACEBACK
+from tests.campaign.invariants import EXCUSED, TRACEBACK, overlapping_posts
 
 
 @dataclass
@@ -166,17 +166,7 @@ def once(jobs: list[JobEnd], stats: dict[str, dict[str, Any]]) -> list[str]:
 def one_at_a_time(stats: dict[str, dict[str, Any]]) -> list[str]:
     found = []
     for server, s in stats.items():
-        runs = sorted(s["runs"], key=lambda r: r["posted"])
-        for before, after in zip(runs, runs[1:], strict=False):
-            end = before["end"] if before["end"] is not None else float("inf")
-            if before["word"] == "late" and before["outcome"] == "success":
-                end = before["last_message"]  # from then on it holds no GPU
-            if after["posted"] < end:
-                found.append(
-                    f"{server}: prompt {after['prompt_id']} posted while our prompt "
-                    f"{before['prompt_id']} was queued or running ({before['outcome']}, "
-                    f"{end - after['posted']:.3f} s before it ended)"
-                )
+        found += overlapping_posts(server, s["runs"])
     return found
 
 
