@@ -18,7 +18,8 @@ prompt's end and the next one's start on a server (``gap_ms_median``). From Post
 ``db_statements_*`` (``pg_stat_statements``: every statement the server ran for the
 store's database, BEGIN/COMMIT and the pool's pings included), ``db_xacts_*``
 (``pg_stat_database``: commits + rollbacks), ``db_connections_*`` (``pg_stat_activity``
-sampled every 0.25 s). ``steady`` figures are between the 10th and the 90th percentile of
+sampled every 0.25 s), ``db_server_cpu_ms_per_job`` (the server's processes, from /proc);
+``worker_cpu_ms_per_job``: the worker processes' CPU. ``steady`` figures are between the 10th and the 90th percentile of
 acks; ``_all`` ones cover the workers' whole lives (start-up, idle time and shutdown
 included). RabbitMQ: messages published (``enqueue``'s own count) and acked (the
 workers' ``message acked`` lines); no rates are read from the broker (its management
@@ -39,7 +40,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import scratch_dir, utilization_and_gaps, write_jobs
-from bench.farm_db import Counters, Snapshot, private_postgres
+from bench.farm_db import Counters, Snapshot, private_postgres, server_cpu_s
 from comfy_assets.store import Store
 from tests.farm import Farm, Proc, unavailable
 
@@ -48,6 +49,16 @@ SAMPLE_S = 0.25
 READY = "taking jobs of"  # the worker's line once it consumes
 ACKED = re.compile(r"; message acked")
 REQUEUED = re.compile(r"; message requeued")
+
+
+def cpu_s(pid: int | None) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class Worker:
@@ -152,6 +163,7 @@ def measure(
 
     marks: dict[str, Snapshot] = {}
     acked_at: dict[str, int] = {}
+    cpu: dict[str, tuple[float, float]] = {}  # mark -> (database server, workers) CPU s
     deadline = time.monotonic() + args.timeout_s
     while True:
         counters.sample_connections()
@@ -161,6 +173,7 @@ def measure(
         for name, share in (("p10", 0.1), ("p90", 0.9)):
             if name not in marks and acked >= share * args.jobs:
                 marks[name], acked_at[name] = counters.snapshot(), acked
+                cpu[name] = (server_cpu_s(db_url), sum(cpu_s(w.proc.pid) for w in workers))
         if acked >= args.jobs:
             break
         for w in workers:
@@ -189,6 +202,7 @@ def measure(
 
     steady = marks["p90"].minus(marks["p10"])
     steady_jobs = acked_at["p90"] - acked_at["p10"]
+    db_cpu, workers_cpu = (b - a for a, b in zip(cpu["p10"], cpu["p90"], strict=True))
     whole = end.minus(s0)
     idle_d = idle.minus(done)
     shapes = sorted(((n / steady_jobs, q) for q, n in steady.statements.items() if n), reverse=True)
@@ -214,6 +228,9 @@ def measure(
         "db_idle_statements_per_s_per_worker": (
             f"{idle_d.calls / idle_d.at / args.worker_hosts:.2f}"
         ),
+        "db_server_cpu_ms_per_job": f"{db_cpu / steady_jobs * 1000:.2f}",
+        "db_server_cores_steady": f"{db_cpu / steady.at:.3f}",
+        "worker_cpu_ms_per_job": f"{workers_cpu / steady_jobs * 1000:.2f}",
         "db_connections_peak": counters.peak_connections,
         "db_connections_active_peak": counters.peak_active,
         "rabbitmq_published": published,

@@ -120,6 +120,41 @@ def private_postgres(address: str = "127.0.0.1") -> Iterator[str]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def server_cpu_s(url: str) -> float:
+    """CPU seconds (user + system) the server at ``url`` has used so far: its postmaster
+    and every process it runs now (backends, writers), from /proc. A backend that has
+    exited is no longer counted: compare readings taken while the same sessions live."""
+    host, port = url.split("@", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    del host
+    pids = [
+        int(p.split("/")[2]) for p in glob.glob("/proc/[0-9]*/cmdline") if _is_postmaster(p, port)
+    ]
+    ticks = 0
+    todo = list(pids)
+    while todo:
+        pid = todo.pop()
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+            with open(f"/proc/{pid}/task/{pid}/children") as f:
+                todo += [int(c) for c in f.read().split()]
+        except OSError:
+            continue  # gone meanwhile
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _is_postmaster(cmdline_path: str, port: str) -> bool:
+    try:
+        with open(cmdline_path, "rb") as f:
+            args = f.read().split(b"\0")
+    except OSError:
+        return False
+    return (
+        bool(args) and args[0].endswith(b"/postgres") and f"-p {port}".encode() in b" ".join(args)
+    )
+
+
 def _run(argv: list[str]) -> None:
     done = subprocess.run(_as_postgres(argv), capture_output=True, text=True)
     if done.returncode != 0:
