@@ -12,18 +12,19 @@ queue; a client host then enqueues the job file (``comfy-assets enqueue``), as a
 arriving at a standing farm. Once every message is acked the workers idle ``--idle-s``
 seconds, then stop (SIGTERM).
 
-Prints ``name=value`` lines. From the fakes' own records (``/fake/stats``):
-``utilization`` (busy prompt seconds / (servers x makespan)) and the gap between one
-prompt's end and the next one's start on a server (``gap_ms_median``). From PostgreSQL:
-``db_statements_*`` (``pg_stat_statements``: every statement the server ran for the
-store's database, BEGIN/COMMIT and the pool's pings included), ``db_xacts_*``
-(``pg_stat_database``: commits + rollbacks), ``db_connections_*`` (``pg_stat_activity``
-sampled every 0.25 s), ``db_server_cpu_ms_per_job`` (the server's processes, from /proc);
-``worker_cpu_ms_per_job``: the worker processes' CPU. ``steady`` figures are between the 10th and the 90th percentile of
-acks; ``_all`` ones cover the workers' whole lives (start-up, idle time and shutdown
-included). RabbitMQ: messages published (``enqueue``'s own count) and acked (the
-workers' ``message acked`` lines); no rates are read from the broker (its management
-plugin is not needed).
+Prints ``name=value`` lines (each described in bench/README.md). From the fakes' own
+records (``/fake/stats``): ``utilization`` (busy prompt seconds / (servers x makespan))
+and the gap between one prompt's end and the next one's start on a server
+(``gap_ms_median``). From PostgreSQL: ``db_statements_*`` (``pg_stat_statements``: every
+statement a client sent and the server ran for the store's database, BEGIN and COMMIT
+included), ``db_xacts_*`` (``pg_stat_database``: commits + rollbacks), ``db_wal_*``
+(``pg_stat_wal``), ``db_connections_*`` (``pg_stat_activity`` sampled every 0.25 s),
+``db_server_cpu_ms_per_job`` (the server's processes, from /proc), and
+``worker_cpu_ms_per_job`` (the worker processes'). ``steady`` figures are between the
+10th and the 90th percentile of acks; ``_all`` ones cover the workers' whole lives
+(start-up, idle time and shutdown included). RabbitMQ: messages published
+(``enqueue``'s own count) and acked or requeued (the workers' ``message acked`` /
+``message requeued`` lines); no rate is read from the broker.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import statistics
 import sys
@@ -91,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-s", type=float, default=1.0, help="seconds per prompt (1)")
     ap.add_argument("--idle-s", type=float, default=6.0, help="idle time measured after (6 s)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
-    ap.add_argument("--top", type=int, default=12, help="statement shapes printed (12)")
+    ap.add_argument("--keep", action="store_true", help="keep the hosts' logs and outputs")
     return ap.parse_args()
 
 
@@ -102,13 +104,19 @@ def main() -> None:
         raise SystemExit(f"bench/farm.py: {why}")
     load_start = os.getloadavg()
     folder = scratch_dir()
-    with Farm(folder) as farm, private_postgres(farm.db_address) as db_url:
-        Store(folder / "schema", db_url).close()  # the schema, before workers race to make it
-        counters = Counters(db_url)
-        try:
-            figures, shapes = measure(args, farm, db_url, counters)
-        finally:
-            counters.close()
+    try:
+        with Farm(folder) as farm, private_postgres(farm.db_address) as db_url:
+            Store(folder / "schema", db_url).close()  # the schema, before workers race for it
+            counters = Counters(db_url)
+            try:
+                figures, shapes = measure(args, farm, db_url, counters)
+            finally:
+                counters.close()
+    finally:
+        if args.keep:
+            print(f"kept: {folder}", file=sys.stderr)
+        else:
+            shutil.rmtree(folder, ignore_errors=True)
     load_end = os.getloadavg()
     print("hosts=namespaces")
     print(f"gpu_hosts={args.gpu_hosts}")
@@ -121,13 +129,13 @@ def main() -> None:
     print(f"load_1m_end={load_end[0]:.2f}")
     for name, value in figures.items():
         print(f"{name}={value}")
-    for calls, query in shapes[: args.top]:
-        print(f"steady_per_job={calls:.2f} {query[:110]}")
+    for calls, rows, query in shapes:
+        print(f"steady_per_job={calls:.2f} rows={rows:.2f} {query[:110]}")
 
 
 def measure(
     args: argparse.Namespace, farm: Farm, db_url: str, counters: Counters
-) -> tuple[dict[str, object], list[tuple[float, str]]]:
+) -> tuple[dict[str, object], list[tuple[float, float, str]]]:
     per_node = args.prompt_s / NODES_EXECUTED
     gpus = [
         farm.add_gpu_host(f"gpu{i + 1}", fakes=args.fakes, prompt_seconds=per_node)
@@ -205,7 +213,14 @@ def measure(
     db_cpu, workers_cpu = (b - a for a, b in zip(cpu["p10"], cpu["p90"], strict=True))
     whole = end.minus(s0)
     idle_d = idle.minus(done)
-    shapes = sorted(((n / steady_jobs, q) for q, n in steady.statements.items() if n), reverse=True)
+    shapes = sorted(
+        (
+            (n / steady_jobs, steady.rows.get(q, 0) / steady_jobs, q)
+            for q, n in steady.statements.items()
+            if n / steady_jobs >= 0.05  # not the once-per-worker statements
+        ),
+        reverse=True,
+    )
     figures: dict[str, object] = {
         "done": sum(w.acked for w in workers),
         "worker_exit_codes": ",".join(map(str, codes)),
@@ -222,11 +237,17 @@ def measure(
         "db_statements_per_s": f"{steady.calls / steady.at:.1f}",
         "db_xacts_per_job": f"{(steady.commits + steady.rollbacks) / steady_jobs:.2f}",
         "db_xacts_per_s": f"{(steady.commits + steady.rollbacks) / steady.at:.1f}",
+        "db_rows_per_job": f"{sum(steady.rows.values()) / steady_jobs:.2f}",
+        "db_wal_kb_per_job": f"{steady.wal_bytes / steady_jobs / 1024:.2f}",
+        "db_wal_syncs_per_s": f"{steady.wal_syncs / steady.at:.1f}",
         "db_statements_per_job_all": f"{whole.calls / args.jobs:.2f}",
         "db_xacts_per_job_all": f"{(whole.commits + whole.rollbacks) / args.jobs:.2f}",
         "db_rollbacks_all": whole.rollbacks,
         "db_idle_statements_per_s_per_worker": (
             f"{idle_d.calls / idle_d.at / args.worker_hosts:.2f}"
+        ),
+        "db_idle_rows_per_s_per_worker": (
+            f"{sum(idle_d.rows.values()) / idle_d.at / args.worker_hosts:.2f}"
         ),
         "db_server_cpu_ms_per_job": f"{db_cpu / steady_jobs * 1000:.2f}",
         "db_server_cores_steady": f"{db_cpu / steady.at:.3f}",

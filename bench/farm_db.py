@@ -166,16 +166,22 @@ class Snapshot:
     """The store database's counts at one moment (``at``: time.monotonic()).
 
     ``statements``: calls per statement text as ``pg_stat_statements`` normalises it
-    (every statement a client sent and the server ran, BEGIN/COMMIT/ROLLBACK and the
-    pool's ``SELECT 1`` pings included; a statement that failed to parse is not there).
+    (every statement a client sent and the server ran, BEGIN/COMMIT/ROLLBACK included;
+    not the statements run inside functions and triggers, nor one that failed to parse).
+    ``rows``: rows those calls returned or changed, per statement text.
     ``commits``, ``rollbacks``: ``pg_stat_database`` of the store's database; a backend
     reports them when it goes idle, at most once a second, and at its exit.
+    ``wal_bytes``, ``wal_syncs``: ``pg_stat_wal``, the whole server (the store's database
+    is the only one written to), reported as the transaction counts are.
     """
 
     at: float
     commits: int
     rollbacks: int
     statements: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    wal_bytes: int = 0
+    wal_syncs: int = 0
 
     @property
     def calls(self) -> int:
@@ -188,6 +194,9 @@ class Snapshot:
             self.commits - earlier.commits,
             self.rollbacks - earlier.rollbacks,
             {q: n - earlier.statements.get(q, 0) for q, n in self.statements.items()},
+            {q: n - earlier.rows.get(q, 0) for q, n in self.rows.items()},
+            self.wal_bytes - earlier.wal_bytes,
+            self.wal_syncs - earlier.wal_syncs,
         )
 
 
@@ -212,17 +221,24 @@ class Counters:
             "SELECT xact_commit, xact_rollback FROM pg_stat_database WHERE datname = %s",
             (self.database,),
         ).fetchone()
+        wal_bytes, wal_syncs = self._conn.execute(
+            "SELECT wal_bytes, wal_sync FROM pg_stat_wal"
+        ).fetchone()
         statements: dict[str, int] = {}
+        rows: dict[str, int] = {}
         if self.statements_available:
-            rows = self._conn.execute(
-                "SELECT query, calls FROM pg_stat_statements "
+            found = self._conn.execute(
+                "SELECT query, calls, rows FROM pg_stat_statements "
                 "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s)",
                 (self.database,),
             ).fetchall()
-            for query, calls in rows:
+            for query, calls, n in found:
                 key = " ".join(query.split())
                 statements[key] = statements.get(key, 0) + calls
-        return Snapshot(time.monotonic(), commits, rollbacks, statements)
+                rows[key] = rows.get(key, 0) + n
+        return Snapshot(
+            time.monotonic(), commits, rollbacks, statements, rows, int(wal_bytes), wal_syncs
+        )
 
     def sample_connections(self) -> tuple[int, int]:
         """Connections to the store's database now (all, and those running a statement);
