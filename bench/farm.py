@@ -129,13 +129,13 @@ def main() -> None:
     print(f"load_1m_end={load_end[0]:.2f}")
     for name, value in figures.items():
         print(f"{name}={value}")
-    for calls, rows, query in shapes:
-        print(f"steady_per_job={calls:.2f} rows={rows:.2f} {query[:110]}")
+    for calls, rows, ms, query in shapes:
+        print(f"steady_per_job={calls:.2f} rows={rows:.2f} ms={ms:.3f} {query[:110]}")
 
 
 def measure(
     args: argparse.Namespace, farm: Farm, db_url: str, counters: Counters
-) -> tuple[dict[str, object], list[tuple[float, float, str]]]:
+) -> tuple[dict[str, object], list[tuple[float, float, float, str]]]:
     per_node = args.prompt_s / NODES_EXECUTED
     gpus = [
         farm.add_gpu_host(f"gpu{i + 1}", fakes=args.fakes, prompt_seconds=per_node)
@@ -215,7 +215,12 @@ def measure(
     idle_d = idle.minus(done)
     shapes = sorted(
         (
-            (n / steady_jobs, steady.rows.get(q, 0) / steady_jobs, q)
+            (
+                n / steady_jobs,
+                steady.rows.get(q, 0) / steady_jobs,
+                steady.exec_ms.get(q, 0.0) / n,
+                q,
+            )
             for q, n in steady.statements.items()
             if n / steady_jobs >= 0.05  # not the once-per-worker statements
         ),
@@ -238,6 +243,7 @@ def measure(
         "db_xacts_per_job": f"{(steady.commits + steady.rollbacks) / steady_jobs:.2f}",
         "db_xacts_per_s": f"{(steady.commits + steady.rollbacks) / steady.at:.1f}",
         "db_rows_per_job": f"{sum(steady.rows.values()) / steady_jobs:.2f}",
+        "db_exec_ms_per_job": f"{sum(steady.exec_ms.values()) / steady_jobs:.2f}",
         "db_wal_kb_per_job": f"{steady.wal_bytes / steady_jobs / 1024:.2f}",
         "db_wal_syncs_per_s": f"{steady.wal_syncs / steady.at:.1f}",
         "db_statements_per_job_all": f"{whole.calls / args.jobs:.2f}",

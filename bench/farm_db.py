@@ -168,7 +168,8 @@ class Snapshot:
     ``statements``: calls per statement text as ``pg_stat_statements`` normalises it
     (every statement a client sent and the server ran, BEGIN/COMMIT/ROLLBACK included;
     not the statements run inside functions and triggers, nor one that failed to parse).
-    ``rows``: rows those calls returned or changed, per statement text.
+    ``rows``: rows those calls returned or changed, per statement text; ``exec_ms``: the
+    server's time running them (milliseconds, lock waits included, not the network).
     ``commits``, ``rollbacks``: ``pg_stat_database`` of the store's database; a backend
     reports them when it goes idle, at most once a second, and at its exit.
     ``wal_bytes``, ``wal_syncs``: ``pg_stat_wal``, the whole server (the store's database
@@ -180,6 +181,7 @@ class Snapshot:
     rollbacks: int
     statements: dict[str, int] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
+    exec_ms: dict[str, float] = field(default_factory=dict)
     wal_bytes: int = 0
     wal_syncs: int = 0
 
@@ -195,6 +197,7 @@ class Snapshot:
             self.rollbacks - earlier.rollbacks,
             {q: n - earlier.statements.get(q, 0) for q, n in self.statements.items()},
             {q: n - earlier.rows.get(q, 0) for q, n in self.rows.items()},
+            {q: t - earlier.exec_ms.get(q, 0.0) for q, t in self.exec_ms.items()},
             self.wal_bytes - earlier.wal_bytes,
             self.wal_syncs - earlier.wal_syncs,
         )
@@ -226,18 +229,27 @@ class Counters:
         ).fetchone()
         statements: dict[str, int] = {}
         rows: dict[str, int] = {}
+        exec_ms: dict[str, float] = {}
         if self.statements_available:
             found = self._conn.execute(
-                "SELECT query, calls, rows FROM pg_stat_statements "
+                "SELECT query, calls, rows, total_exec_time FROM pg_stat_statements "
                 "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = %s)",
                 (self.database,),
             ).fetchall()
-            for query, calls, n in found:
+            for query, calls, n, ms in found:
                 key = " ".join(query.split())
                 statements[key] = statements.get(key, 0) + calls
                 rows[key] = rows.get(key, 0) + n
+                exec_ms[key] = exec_ms.get(key, 0.0) + ms
         return Snapshot(
-            time.monotonic(), commits, rollbacks, statements, rows, int(wal_bytes), wal_syncs
+            time.monotonic(),
+            commits,
+            rollbacks,
+            statements,
+            rows,
+            exec_ms,
+            int(wal_bytes),
+            wal_syncs,
         )
 
     def sample_connections(self) -> tuple[int, int]:
