@@ -5,7 +5,9 @@ Job files dropped into the watched folders become partitions of ``renders`` thro
 version. A job file with shots is a partition of ``films`` too (``storyboards``):
 ``films_automation_sensor`` cuts its shots into ``film.mp4`` behind the blocking ``gate``
 check once its render run has ended. ``all_results`` gathers every partition's table,
-built again by ``results_automation_sensor`` after any render.
+built again by ``results_automation_sensor`` after any render. ``dead_runs_sensor`` fails
+a run whose batch stopped beating in the store (its host died), so run retries launch it
+again.
 ``job_files`` (the files themselves, reported by the sensor) is upstream of ``renders``.
 """
 
@@ -27,6 +29,7 @@ from comfy_assets.assets import (
     render_results,
     renders,
 )
+from comfy_assets.dead_runs import dead_runs_sensor
 from comfy_assets.resources import default_resources
 from comfy_assets.sensors import job_file_sensor
 
@@ -66,7 +69,12 @@ results_automation_sensor = AutomationConditionSensorDefinition(
 defs = Definitions(
     assets=[job_files, renders, render_results, films, all_results],
     asset_checks=[job_files_valid],
-    sensors=[job_file_sensor, results_automation_sensor, films_automation_sensor],
+    sensors=[
+        job_file_sensor,
+        results_automation_sensor,
+        films_automation_sensor,
+        dead_runs_sensor,
+    ],
     jobs=[render_job],
     resources=default_resources(),
 )

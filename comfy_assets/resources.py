@@ -124,9 +124,12 @@ class ResultStoreResource(ConfigurableResource):
         """The store's folder as a path."""
         return Path(self.folder)
 
-    def open(self) -> Store:
-        """Open the store (a new connection pool; close it when done)."""
-        return Store(self.root, db_url=self.db_url)
+    def open(self, *, retry_s: float | None = None) -> Store:
+        """Open the store (a new connection pool; close it when done). ``retry_s``: how
+        long a call waits out a database outage (``Store``'s default when None)."""
+        if retry_s is None:
+            return Store(self.root, db_url=self.db_url)
+        return Store(self.root, db_url=self.db_url, retry_s=retry_s)
 
 
 def default_resources() -> dict[str, ConfigurableResource]:

@@ -184,10 +184,15 @@ def opened_files() -> Iterator[list[str]]:
         _WATCHERS.remove(seen)
 
 
-def gone_owner(store: Store, owner: str = "gone-host:2:deadbeef", silent_s: float = 60.0) -> str:
-    """An owner registered in ``store`` whose heartbeat stopped ``silent_s`` seconds ago,
-    as a process killed with its host leaves it."""
-    store.register_owner(owner, host=owner.split(":", 1)[0], pid=2)
+def gone_owner(
+    store: Store,
+    owner: str = "gone-host:2:deadbeef",
+    silent_s: float = 60.0,
+    run_id: str | None = None,
+) -> str:
+    """An owner registered in ``store`` (rendering for the Dagster run ``run_id``) whose
+    heartbeat stopped ``silent_s`` seconds ago, as a process killed with its host leaves it."""
+    store.register_owner(owner, run_id=run_id, host=owner.split(":", 1)[0], pid=2)
     with store.engine.begin() as conn:
         conn.execute(
             sa.text("UPDATE comfy_owners SET beat_at = beat_at - :s WHERE owner = :o"),

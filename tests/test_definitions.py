@@ -56,6 +56,9 @@ def test_every_asset_and_the_sensor_are_defined() -> None:
     assert sensor.minimum_interval_seconds == 10
     automation = defs.resolve_sensor_def("results_automation_sensor")
     assert automation.default_status == DefaultSensorStatus.RUNNING
+    dead_runs = defs.resolve_sensor_def("dead_runs_sensor")
+    assert dead_runs.default_status == DefaultSensorStatus.RUNNING
+    assert dead_runs.targets == []  # it fails dead runs; run retries launch them again
 
 
 def test_the_graph_reads_job_files_renders_results_films_all_results() -> None:

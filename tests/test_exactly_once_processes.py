@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+import sqlalchemy as sa
+
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
@@ -146,3 +148,32 @@ def test_a_bad_job_file_is_rejected_with_every_error_and_nothing_posted(tmp_path
     for line_no in (2, 3, 4, 5):
         assert f"jobs.jsonl:{line_no}:" in result.stderr, result.stderr
     assert fake.stats["prompts"] == {}
+
+
+def test_a_run_found_gone_stops_at_once_and_leaves_its_prompt_to_the_taker(tmp_path):
+    # Another process found this run gone (its heartbeat looked stopped) and took its
+    # claims: the run must neither record, nor post, nor remove its prompt again.
+    fake = FakeComfy(prompt_seconds=3.0)
+    jobs = write_jobs(tmp_path / "jobs", 2)
+    by_prompt = {j.prompt_id: j for j in load_job_file(jobs).jobs}
+    store_dir = tmp_path / "store"
+    with fake.serve_in_thread(port=0) as url:
+        run = subprocess.Popen(
+            run_args(jobs, url, store_dir),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_until(lambda: any(r["outcome"] is None for r in fake.stats["runs"]), 60, "a prompt")
+        store = Store(store_dir)
+        with store.engine.begin() as conn:
+            conn.execute(sa.text("UPDATE comfy_owners SET gone_at = 1.0"))
+        out, err = run.communicate(timeout=60)
+        runs = fake.stats["runs"]
+    assert run.returncode == 1, out + err
+    assert "comfy-assets: stopping at once: this process (owner " in err
+    assert "was found gone by another" in err
+    assert len(runs) == 1  # nothing posted after
+    assert runs[0]["outcome"] != "interrupted"  # nor removed: it is the taker's now
+    assert store.get(by_prompt[runs[0]["prompt_id"]].id).state in ("submitted", "rendering")

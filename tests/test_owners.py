@@ -13,9 +13,12 @@ import threading
 import pytest
 import sqlalchemy as sa
 
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.owners import OwnerHeartbeat
+from comfy_assets.render.run import make_pool, run_one
 from comfy_assets.store import OWNER_DEAD_S, Store
-from tests.support import gone_owner
+from fake_comfy import FakeComfy
+from tests.support import fake_servers, fast_config, gone_owner, posted, write_jobs
 from tests.test_store import make_jobs
 
 
@@ -172,3 +175,31 @@ def test_a_postgresql_store_beats_and_takes_over_by_its_own_clock(pg_url, tmp_pa
         assert store.beat_owner(holder) is False
     finally:
         store.close()
+
+
+async def test_nothing_is_posted_while_the_heartbeat_does_not_reach_the_store(tmp_path):
+    # Cut off from the database (its beats failing), a process must not post: others may
+    # be taking its jobs. Here the heartbeat's last beat is long past and none lands.
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    (job,) = jf.jobs
+    store = Store(tmp_path / "store", retry_s=0.2)
+    owner = "cut:2:0000000a"
+    heartbeat = OwnerHeartbeat(store, owner)
+    store.register_owner(owner)
+    heartbeat._last_ok -= 60.0  # no beat for a minute, and its thread is not started
+    async with fake_servers(fake) as servers:
+        async with make_pool(servers, store, fast_config(), owner) as pool:
+            state = await run_one(
+                job,
+                partition="p",
+                pool=pool,
+                store=store,
+                config=fast_config(attempts=2),
+                owner=owner,
+                heartbeat=heartbeat,
+            )
+    assert posted(fake, job.prompt_id) == 0
+    assert state == "failed_fatal"
+    reason = store.get(job.id).reason
+    assert "not posted: this process's heartbeat has not reached the store for" in reason

@@ -96,6 +96,10 @@ class PrivatePostgres:
                 "-E",
                 "UTF8",
             )
+            # Hosts come over the bridge (its /24), as trusted as the loopback.
+            subnet = address.rsplit(".", 1)[0] + ".0/24"
+            with (self.data / "pg_hba.conf").open("a") as hba:
+                hba.write(f"host all all {subnet} trust\n")
             self._ctl("start", "-l", str(self.folder / "server.log"))
             engine = sa.create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
             with engine.connect() as conn:

@@ -9,12 +9,13 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tests.farm.database import PrivatePostgres
 from tests.farm.gpu import Fake, GpuHost
-from tests.farm.host import Host
+from tests.farm.host import Host, Proc
 from tests.farm.net import Bridge, Netns, free_subnet
 from tests.tcp_proxy import TcpProxy
 
@@ -189,11 +190,25 @@ class Farm:
         """Every fake's prompts running or pending, by server name."""
         return {f.name: f.queued() for f in self.fakes}
 
-    def wait(self, what: str, predicate: Any, timeout: float, poll_s: float = 0.05) -> None:
-        """Return once ``predicate()`` is true; TimeoutError naming ``what`` after
-        ``timeout`` seconds. A poll of what the farm shows, never a fixed sleep."""
+    def wait(
+        self,
+        what: str,
+        predicate: Any,
+        timeout: float,
+        poll_s: float = 0.05,
+        watch: Sequence[Proc] = (),
+    ) -> None:
+        """Return once ``predicate()`` is true: a poll of what the farm shows, never a fixed
+        sleep. TimeoutError naming ``what`` after ``timeout`` seconds, or as soon as a
+        process of ``watch`` has exited (with its output)."""
         deadline = time.monotonic() + timeout
         while not predicate():
+            for proc in watch:
+                if proc.returncode is not None:
+                    raise TimeoutError(
+                        f"{what}: {proc.name} exited {proc.returncode} first:\n"
+                        f"{proc.text()[-3000:]}"
+                    )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what}: not within {timeout} s")
             time.sleep(poll_s)

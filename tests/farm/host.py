@@ -6,8 +6,8 @@ every process of the host at once, as a power cut would.
 
 from __future__ import annotations
 
+import glob
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -17,6 +17,28 @@ from pathlib import Path
 from tests.farm.net import Netns
 
 START_TIMEOUT_S = 10.0
+
+
+NO_FAKETIME = "libfaketime (apt-get install faketime)"
+
+
+def libfaketime() -> str | None:
+    """The path of libfaketime (its multithreaded build), or None when not installed."""
+    found = sorted(glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1"))
+    return found[0] if found else None
+
+
+def clock_env(offset_s: float) -> dict[str, str]:
+    """The environment that sets a process's wall clock ``offset_s`` seconds off:
+    libfaketime preloaded (not the ``faketime`` wrapper, whose shared semaphore is named
+    by its pid, and pids repeat across the hosts' PID namespaces). Only the wall clock is
+    off, as on a host whose clock was set wrong: its monotonic clock (timeouts, the
+    waits of threads) runs as any other's."""
+    return {
+        "LD_PRELOAD": libfaketime() or "",
+        "FAKETIME": f"{offset_s:+g}s",
+        "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+    }
 
 
 class HostError(RuntimeError):
@@ -140,10 +162,8 @@ class Host:
         self.procs: list[Proc] = []
         self.alive = False
         folder.mkdir(parents=True, exist_ok=True)
-        if clock_offset_s and shutil.which("faketime") is None:
-            raise HostError(
-                "a host with a clock offset needs `faketime` (apt-get install faketime)"
-            )
+        if clock_offset_s and libfaketime() is None:
+            raise HostError(f"a host with its clock off needs {NO_FAKETIME}")
         self._init = subprocess.Popen(
             [
                 "ip",
@@ -196,9 +216,7 @@ class Host:
             raise HostError(f"host {self.name} is down (killed)")
         name = name or f"{Path(cmd[0]).name}-{len(self.procs)}"
         log = self.folder / f"{name}.log"
-        prefix: list[str] = []
-        if self.clock_offset_s:
-            prefix = ["faketime", "-f", f"{self.clock_offset_s:+g}s"]
+        clock = clock_env(self.clock_offset_s) if self.clock_offset_s else {}
         argv = [
             "nsenter",
             "--target",
@@ -208,13 +226,12 @@ class Host:
             "--uts",
             "--mount",
             f"--wd={self.cwd}",
-            *prefix,
             *cmd,
         ]
         with log.open("ab") as out:
             popen = subprocess.Popen(
                 argv,
-                env={**self.env, **(env or {})},
+                env={**self.env, **clock, **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
