@@ -1,7 +1,8 @@
 """The benchmarks under bench/ still run against the code they measure.
 
 bench/gap_parts.py wraps methods of the pool, the follower and the client by name, and
-bench/overhead.py drives ``comfy-assets run`` and the bare client: a rename in
+bench/overhead.py drives ``comfy-assets run`` and the bare client, bench/farm.py drives
+``enqueue`` and ``worker`` on the namespace hosts of tests/farm: a rename in
 comfy_assets breaks them without breaking any other test. Tiny sizes: these check that
 each bench runs to its figures, not the figures themselves (nothing is timed here).
 """
@@ -12,6 +13,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 RUN_S = 120.0  # bound on a run of a few jobs, interpreter and fakes' start-up included
@@ -55,3 +58,23 @@ def test_models_runs_every_scenario_and_counts_the_fakes_loads() -> None:
     assert {"ratio", "lower_bound_s", "fifo_over_planned", "two_process_loads_over_one"} <= set(
         lines
     )
+
+
+def test_farm_renders_every_job_across_namespace_hosts_and_counts_the_database() -> None:
+    from tests.farm import unavailable
+
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    lines = figures(
+        "bench/farm.py",
+        *("--gpu-hosts", "1", "--fakes", "2", "--worker-hosts", "1"),
+        *("--jobs", "8", "--prompt-s", "0.05", "--idle-s", "0.5"),
+    )
+    assert lines["done"] == "8"
+    assert lines["rabbitmq_published"] == lines["rabbitmq_acked"] == "8"
+    assert lines["worker_exit_codes"] == "0"
+    # Every job touches the store: claims, transitions, the done record.
+    assert float(lines["db_statements_per_job"]) > 0
+    assert int(lines["db_connections_peak"]) >= 1
+    assert "utilization" in lines
