@@ -282,3 +282,28 @@ def test_a_move_from_a_wrong_known_state_or_by_another_owner_goes_the_checked_wa
     any_store.transition(job.id, "submitted", owner="w1", from_state="rendering")
     assert any_store.get(job.id).state == "submitted"
     assert [e.to_state for e in any_store.events(job_id=job.id)][-1] == "submitted"
+
+
+def test_a_waiter_counts_only_for_the_servers_it_waits_for(any_store):
+    # A pool leaves a freed server for another process only if that one could take it.
+    any_store.mark_waiting("a", 60.0, ["gpu_0", "gpu1"])
+    assert any_store.others_waiting("b", "gpu_0")
+    assert any_store.others_waiting("b", "gpu1")
+    assert not any_store.others_waiting("b", "gpuX0")  # "_" is no wildcard here
+    assert not any_store.others_waiting("b", "gpu")
+    assert not any_store.others_waiting("a", "gpu1")  # its own mark
+    any_store.mark_waiting("c", 60.0)  # a process of an older version: any server
+    assert any_store.others_waiting("b", "gpu9")
+
+
+def test_a_store_made_before_a_column_existed_gets_it_when_opened(backend, any_store):
+    with any_store.engine.begin() as conn:
+        conn.execute(sa.text("ALTER TABLE comfy_pool_waiters DROP COLUMN servers"))
+    any_store.close()
+    reopened = Store(*backend)
+    try:
+        reopened.mark_waiting("a", 60.0, ["gpu0"])
+        assert reopened.others_waiting("b", "gpu0")
+        assert not reopened.others_waiting("b", "gpu1")
+    finally:
+        reopened.close()

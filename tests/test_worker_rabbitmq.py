@@ -191,9 +191,11 @@ async def test_every_job_of_a_file_enqueued_twice_runs_once_and_every_message_is
     assert await ready_count(broker.dead_queue_name(queue)) == 0
 
 
-async def test_prefetch_keeps_a_one_server_worker_from_holding_a_second_message(tmp_path, queue):
-    jobs = write_jobs(tmp_path / "jobs", 2)
-    first, second = load_job_file(jobs).jobs
+async def test_prefetch_keeps_a_one_server_worker_from_holding_a_third_message(tmp_path, queue):
+    # Two messages per server: one renders, the next waits in line for the server; a
+    # third goes to another worker, even while the first hangs.
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    first, second, third = load_job_file(jobs).jobs
     await broker.enqueue(URL, queue, job_messages(jobs))
     fake_a = FakeComfy(script=["hang"], prompt_seconds=0.005)
     fake_b = FakeComfy(prompt_seconds=0.005)
@@ -201,18 +203,22 @@ async def test_prefetch_keeps_a_one_server_worker_from_holding_a_second_message(
     async with fake_servers(fake_a, fake_b) as (spec_a, spec_b):
         worker_a = make_worker(queue, [spec_a], store, jobs.parent, grace_s=0.0)
         async with running_worker(worker_a):
-            await wait_until(lambda: running(fake_a, first.prompt_id), 30, "A to run job 1")
-            # A holds job 1 (hanging) and, with prefetch 1, nothing else: B gets job 2.
+            held = [first, second]
+            await wait_until(
+                lambda: any(running(fake_a, j.prompt_id) for j in held), 30, "A to run a job"
+            )
+            # A holds a job hanging and the other in line for its server: B gets job 3.
             worker_b = make_worker(queue, [spec_b], store, jobs.parent)
             async with running_worker(worker_b):
-                await wait_until(lambda: worker_b.counts["acked"] == 1, 30, "B to finish job 2")
-            assert running(fake_a, first.prompt_id)
-        # A stopped with no grace: job 1 requeued (its interruption: the SIGTERM test).
-    assert (posted(fake_b, second.prompt_id), executed(fake_b, second.prompt_id)) == (1, 1)
-    assert posted(fake_a, second.prompt_id) == 0
-    assert posted(fake_b, first.prompt_id) == 0
-    assert worker_a.counts["requeued"] == 1 and worker_a.counts["acked"] == 0
-    assert await ready_count(queue) == 1
+                await wait_until(lambda: worker_b.counts["acked"] == 1, 30, "B to finish job 3")
+            assert sum(running(fake_a, j.prompt_id) for j in held) == 1
+        # A stopped with no grace: jobs 1 and 2 requeued (its interruption: the SIGTERM test).
+    assert (posted(fake_b, third.prompt_id), executed(fake_b, third.prompt_id)) == (1, 1)
+    assert sum(posted(fake_a, j.prompt_id) for j in held) == 1
+    assert posted(fake_a, third.prompt_id) == 0
+    assert posted(fake_b, first.prompt_id) == posted(fake_b, second.prompt_id) == 0
+    assert worker_a.counts["requeued"] == 2 and worker_a.counts["acked"] == 0
+    assert await ready_count(queue) == 2
 
 
 async def test_a_dead_letter_carries_its_reason_and_a_duplicate_is_not_published_again(

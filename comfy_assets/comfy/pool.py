@@ -162,8 +162,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
         self._handovers: deque[asyncio.Event] = deque()
         # Fairness across processes: servers left to another waiting process until then.
         self._yielded: dict[str, float] = {}
-        self._others = False
-        self._others_asked_at = -1e9
+        # Per server: (when asked, whether another process waits for it).
+        self._others: dict[str, tuple[float, bool]] = {}
         self._marked_at = -1e9
         # Loop time until which each lease we hold or keep is ours for sure (the last
         # acquire or renewal that the store confirmed, plus lease_s).
@@ -460,20 +460,26 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
         )
         return slot
 
-    def _others_waiting(self) -> bool:
-        """Whether another process waits for a server (asked at most every busy_poll_s)."""
+    def _others_waiting(self, name: str) -> bool:
+        """Whether another process waits for server ``name`` (asked at most every
+        busy_poll_s per server): one that could not take it is no reason to leave it."""
         now = asyncio.get_running_loop().time()
-        if now - self._others_asked_at >= self.busy_poll_s:
-            self._others_asked_at = now
-            self._others = self._ask_leases(self.leases.others_waiting, False, self.owner)
-        return self._others
+        asked_at, waiting = self._others.get(name, (-1e9, False))
+        if now - asked_at >= self.busy_poll_s:
+            waiting = self._ask_leases(self.leases.others_waiting, False, self.owner, name)
+            self._others[name] = (now, waiting)
+        return waiting
 
     def _mark_waiting(self) -> None:
-        """Tell other processes that we wait for a server (renewed every busy_poll_s)."""
+        """Tell other processes that we wait for one of our servers (renewed every
+        busy_poll_s)."""
         now = asyncio.get_running_loop().time()
         if now - self._marked_at >= self.busy_poll_s:
             self._marked_at = now
-            self._ask_leases(self.leases.mark_waiting, None, self.owner, 4 * self.busy_poll_s)
+            names = [s.name for s in self.servers]
+            self._ask_leases(
+                self.leases.mark_waiting, None, self.owner, 4 * self.busy_poll_s, names
+            )
 
     def _yielding(self, name: str) -> bool:
         return self._yielded.get(name, 0.0) > asyncio.get_running_loop().time()
@@ -524,7 +530,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
             return
         self._held.pop(slot.name, None)
         loop = asyncio.get_running_loop()
-        if self._line.locked() and self._others_waiting():
+        if self._line.locked() and self._others_waiting(slot.name):
             # Another process waits for a server too: leave this one to it for a moment
             # rather than hand it to our own next job (runs that share servers all move).
             self._yielded[slot.name] = loop.time() + 3 * self.busy_poll_s
@@ -534,7 +540,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
             kept_at = self._kept[slot.name] = loop.time()
             # Nobody came for it after all (the batch ended, say): give it back.
             loop.call_later(3 * self.busy_poll_s, self._let_go, slot.name, kept_at)
-        elif slot.prompt_id is not None and not self._others_waiting():
+        elif slot.prompt_id is not None and not self._others_waiting(slot.name):
             # Nobody in line yet, ours or another process's: our next consumer is most
             # likely finishing its job (downloads, the done record) and comes back within
             # moments. Keeping the lease saves writing it away and back between two of

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -40,9 +41,9 @@ class ServerLeaseStore(Protocol):
 
     def server_leases(self) -> dict: ...
 
-    def mark_waiting(self, owner: str, wait_s: float) -> None: ...
+    def mark_waiting(self, owner: str, wait_s: float, servers: Sequence[str]) -> None: ...
 
-    def others_waiting(self, owner: str) -> bool: ...
+    def others_waiting(self, owner: str, server: str) -> bool: ...
 
     def now(self) -> float:
         """Epoch seconds by the clock the leases' expiry times are written in."""

@@ -73,6 +73,12 @@ OUTCOMES = (
 )
 
 
+# Messages in hand per server: one job renders while the next waits in line for its
+# server, so a freed server gets its next prompt at once instead of after the first
+# job's downloads, done record and ack, and the next message's round trip.
+JOBS_PER_SERVER = 2
+
+
 class _DeadLetterWatch:
     """The store as one ``run_one`` call sees it, noting the jobs that call dead-lettered.
 
@@ -146,7 +152,7 @@ class Worker:
         self._failure: BaseException | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._runs: dict[asyncio.Task[Any], asyncio.Task[str]] = {}  # handler -> its run
-        self._slots = asyncio.Semaphore(len(self.servers))
+        self._slots = asyncio.Semaphore(JOBS_PER_SERVER * len(self.servers))
         self._run_number = 0
         self.owner_heartbeat: OwnerHeartbeat | None = None  # while ``run`` runs
         self._touched: set[str] = set()  # partitions whose results.csv is out of date
@@ -222,7 +228,7 @@ class Worker:
             try:
                 # A stop asked for while RabbitMQ is being reached needs no connection.
                 opened, _ = await self._unless_stopped(
-                    self.source.open(len(self.servers), self._broker_lost)
+                    self.source.open(JOBS_PER_SERVER * len(self.servers), self._broker_lost)
                 )
                 if opened and health_file is not None:
                     health_file.touch()  # fail now, not in the background
@@ -292,7 +298,8 @@ class Worker:
         )
 
     async def _consume(self, pool: Pool) -> None:
-        """Take one message per free server until stopped or the source is exhausted."""
+        """Take messages, ``JOBS_PER_SERVER`` per server at most in hand, until stopped
+        or the source is exhausted."""
         while not self._stop.is_set():
             got, _ = await self._unless_stopped(self._slots.acquire())
             if not got:

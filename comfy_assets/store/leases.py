@@ -3,6 +3,8 @@ upsert each), and the marks of pools waiting for a server (fairness across runs)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from comfy_assets.store import statements as q
 from comfy_assets.store.base import StoreBase
 from comfy_assets.store.records import ServerLease
@@ -79,15 +81,25 @@ class ServerLeases(StoreBase):
             return {r.server: ServerLease(**r._mapping) for r in rows}
 
     @retried
-    def mark_waiting(self, owner: str, wait_s: float, now: float | None = None) -> None:
-        """Say that ``owner`` waits for a server, for the next ``wait_s`` seconds."""
-        params = {"owner": owner, "expires_at": self._now(now) + wait_s}
+    def mark_waiting(
+        self,
+        owner: str,
+        wait_s: float,
+        servers: Sequence[str] | None = None,
+        now: float | None = None,
+    ) -> None:
+        """Say that ``owner`` waits for one of ``servers`` (None: any), for the next
+        ``wait_s`` seconds."""
+        listed = None if servers is None else " " + " ".join(servers) + " "
+        params = {"owner": owner, "expires_at": self._now(now) + wait_s, "servers": listed}
         with self._write() as conn:
             conn.execute(q.upsert_waiter(self.dialect), params)
 
     @retried
-    def others_waiting(self, owner: str, now: float | None = None) -> bool:
-        """True when another owner waits for a server now (see ``mark_waiting``)."""
-        params = {"b_owner": owner, "b_now": self._now(now)}
+    def others_waiting(self, owner: str, server: str, now: float | None = None) -> bool:
+        """True when another owner waits now for ``server`` (see ``mark_waiting``)."""
+        escaped = server.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        pattern = f"% {escaped} %"
+        params = {"b_owner": owner, "b_server": pattern, "b_now": self._now(now)}
         with self._read() as conn:
             return conn.execute(q.OTHERS_WAITING, params).first() is not None

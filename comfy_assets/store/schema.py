@@ -126,6 +126,9 @@ pool_waiters_table = sa.Table(
     metadata,
     sa.Column("owner", sa.String(255), primary_key=True),
     sa.Column("expires_at", sa.Double, nullable=False),
+    # The servers it waits for, as " gpu0 gpu1 " (server names hold no spaces); NULL:
+    # any server. A pool yields a server only to a process that could take it.
+    sa.Column("servers", sa.Text),
 )
 
 
@@ -201,6 +204,7 @@ def make_engine(db_url: str) -> sa.Engine:
 ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
     (jobs_table, "take"),
     (jobs_table, "inputs_json"),
+    (pool_waiters_table, "servers"),
 )
 
 

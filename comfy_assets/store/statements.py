@@ -117,7 +117,15 @@ SERVER_LEASES = sa.select(server_leases_table).order_by(LEASE.server)
 # Another owner than ``b_owner`` waiting for a server at ``b_now``.
 OTHERS_WAITING = (
     sa.select(WAITER.owner)
-    .where(WAITER.owner != _b("b_owner"), WAITER.expires_at > _b("b_now"))
+    .where(
+        WAITER.owner != _b("b_owner"),
+        WAITER.expires_at > _b("b_now"),
+        sa.or_(
+            WAITER.servers.is_(None),
+            # b_server is "% name %", the name's LIKE wildcards escaped (store/leases.py).
+            WAITER.servers.like(_b("b_server", sa.String), escape="\\"),
+        ),
+    )
     .limit(1)
 )
 
@@ -262,8 +270,10 @@ def note_server_model(dialect: str) -> Any:
 
 @cache
 def upsert_waiter(dialect: str) -> Any:
-    """INSERT a pool waiter row (binds ``owner``, ``expires_at``), or move its expiry."""
+    """INSERT a pool waiter row (binds ``owner``, ``expires_at``, ``servers``), or move
+    its expiry and servers."""
     insert = insert_for(dialect, pool_waiters_table)
     return insert.on_conflict_do_update(
-        index_elements=["owner"], set_={"expires_at": insert.excluded.expires_at}
+        index_elements=["owner"],
+        set_={"expires_at": insert.excluded.expires_at, "servers": insert.excluded.servers},
     )
