@@ -52,6 +52,9 @@ async def by_worker(jobs: Path, url: str, store: Store) -> Worker:
         store=store,
         config=fast_config(attempts=1),
         workflows_dir=jobs.parent / "elsewhere",
+        # One message at a time, as run and Dagster post them: the fakes' scripts answer
+        # by the order of POSTs, which two messages in hand per server may swap.
+        jobs_per_server=1,
     )
     await asyncio.wait_for(worker.run(), 60)
     return worker

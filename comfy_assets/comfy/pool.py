@@ -59,6 +59,12 @@ log = logging.getLogger("comfy_assets.pool")
 Chooser = Callable[[str, float], int | None]
 
 
+# Seconds a mark that this pool waits for a server stands (``Pool._mark_waiting``): long
+# enough to be written rarely, short enough that a mark left by a pool that got its
+# server makes others leave a freed server idle (``3 x busy_poll_s``) only briefly.
+WAITING_MARK_S = 1.0
+
+
 class Pool(Probing, LeaseKeeping, Orphans, Holdings):
     """Named ComfyUI servers shared through server leases.
 
@@ -471,15 +477,15 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
         return waiting
 
     def _mark_waiting(self) -> None:
-        """Tell other processes that we wait for one of our servers (renewed every
-        busy_poll_s)."""
+        """Tell other processes that we wait for one of our servers: a mark good for
+        ``WAITING_MARK_S``, renewed at half its life. A consumer in line for a busy
+        server waits most of the time, so a mark per poll would be a write every
+        busy_poll_s for as long as the pool works."""
         now = asyncio.get_running_loop().time()
-        if now - self._marked_at >= self.busy_poll_s:
+        if now - self._marked_at >= WAITING_MARK_S / 2:
             self._marked_at = now
             names = [s.name for s in self.servers]
-            self._ask_leases(
-                self.leases.mark_waiting, None, self.owner, 4 * self.busy_poll_s, names
-            )
+            self._ask_leases(self.leases.mark_waiting, None, self.owner, WAITING_MARK_S, names)
 
     def _yielding(self, name: str) -> bool:
         return self._yielded.get(name, 0.0) > asyncio.get_running_loop().time()

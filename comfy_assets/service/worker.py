@@ -102,7 +102,10 @@ class _DeadLetterWatch:
 
 
 class Worker:
-    """Consumes ``source`` and runs its jobs over ``servers``, at most one per server.
+    """Consumes ``source`` and runs its jobs over ``servers``: ``jobs_per_server`` in
+    hand per server (one renders, the next waits in line for it; the two may be posted
+    in either order), a storyboard's shots under the delivery policy one per server at
+    most, so a shot starts only once the shots before it on that server have ended.
 
     ``store``: the result store (shared by every worker using the same servers).
     ``config``: retries, deadlines, leases (seconds). ``grace_s``: seconds running jobs
@@ -130,9 +133,12 @@ class Worker:
         heartbeat_s: float = 5.0,
         owner: str | None = None,
         results_every_s: float = 5.0,
+        jobs_per_server: int = JOBS_PER_SERVER,
     ) -> None:
         if not servers:
             raise ValueError("a worker needs at least one server")
+        if jobs_per_server < 1:
+            raise ValueError("jobs_per_server must be at least 1")
         self.source = source
         self.servers = list(servers)
         self.store = store
@@ -152,7 +158,11 @@ class Worker:
         self._failure: BaseException | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._runs: dict[asyncio.Task[Any], asyncio.Task[str]] = {}  # handler -> its run
-        self._slots = asyncio.Semaphore(JOBS_PER_SERVER * len(self.servers))
+        self.jobs_per_server = jobs_per_server
+        self._slots = asyncio.Semaphore(jobs_per_server * len(self.servers))
+        # Shots of storyboards under the delivery policy running at once: a shot in hand
+        # checks whether its storyboard stopped only once one has ended (FIFO).
+        self._shots = asyncio.Semaphore(len(self.servers))
         self._run_number = 0
         self.owner_heartbeat: OwnerHeartbeat | None = None  # while ``run`` runs
         self._touched: set[str] = set()  # partitions whose results.csv is out of date
@@ -228,7 +238,7 @@ class Worker:
             try:
                 # A stop asked for while RabbitMQ is being reached needs no connection.
                 opened, _ = await self._unless_stopped(
-                    self.source.open(JOBS_PER_SERVER * len(self.servers), self._broker_lost)
+                    self.source.open(self.jobs_per_server * len(self.servers), self._broker_lost)
                 )
                 if opened and health_file is not None:
                     health_file.touch()  # fail now, not in the background
@@ -298,7 +308,7 @@ class Worker:
         )
 
     async def _consume(self, pool: Pool) -> None:
-        """Take messages, ``JOBS_PER_SERVER`` per server at most in hand, until stopped
+        """Take messages, ``jobs_per_server`` per server at most in hand, until stopped
         or the source is exhausted."""
         while not self._stop.is_set():
             got, _ = await self._unless_stopped(self._slots.acquire())
@@ -456,6 +466,15 @@ class Worker:
         if config.policy is None and policy is not None:
             config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
         self._touched.add(partition)  # its results.csv is written again soon
+        if job.shot is not None and (config.policy or "delivery") == "delivery":
+            async with self._shots:  # the shots before it have ended: their fates are known
+                await self._handle_job(d, pool, job, partition, config)
+        else:
+            await self._handle_job(d, pool, job, partition, config)
+
+    async def _handle_job(
+        self, d: Delivery, pool: Pool, job: Job, partition: str, config: BatchConfig
+    ) -> None:
         stopped = await self._storyboard_stopped(job, partition, config)
         if stopped is not None:
             # Listed, pending, in results.csv.
