@@ -244,5 +244,6 @@ async def test_a_worker_whose_database_stays_away_past_its_budget_stops_and_requ
     store.close()
     assert fake.stats["prompts"] == {}
     assert source.acked == []
-    assert len(source.requeued) == 1  # one server: the one message it held
+    # One server: the messages it held, two at most (one before the outage was seen).
+    assert len(source.requeued) in (1, 2)
     assert worker.stop_reason.startswith("error: the store's database is unreachable (")
