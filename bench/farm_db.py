@@ -11,113 +11,35 @@ from __future__ import annotations
 
 import glob
 import os
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psycopg
+
+from tests.farm.database import PrivatePostgres
 
 DATABASE = "render"  # the store's database; the bench's queries go to "postgres"
 
 
-def postgres_bin(tool: str) -> str:
-    """Path of a PostgreSQL server program (``initdb``, ``pg_ctl``), the newest version
-    under /usr/lib first; raises FileNotFoundError when the server is not installed."""
-    found = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{tool}"), key=_version)
-    path = found[-1] if found else shutil.which(tool)
-    if path is None:
-        raise FileNotFoundError(f"{tool}: no PostgreSQL server programs under /usr/lib or on PATH")
-    return path
-
-
-def _version(path: str) -> float:
-    name = Path(path).parent.parent.name
-    return float(name) if name.replace(".", "", 1).isdigit() else 0.0
-
-
-def free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
-def _as_postgres(argv: list[str]) -> list[str]:
-    """The server refuses to run as root: run it as the ``postgres`` user then."""
-    return ["runuser", "-u", "postgres", "--", *argv] if os.geteuid() == 0 else argv
-
-
 @contextmanager
-def private_postgres(address: str = "127.0.0.1") -> Iterator[str]:
-    """A PostgreSQL server of its own listening on ``address`` (a free port) with the
-    settings of a packaged server (fsync on), trust auth for clients of its subnet,
+def private_postgres(address: str) -> Iterator[str]:
+    """A PostgreSQL server of its own listening on ``address`` (and 127.0.0.1) with the
+    settings of a packaged server (fsync on: the farm's ``PrivatePostgres``, durable),
     ``pg_stat_statements`` preloaded and created, and an empty database ``render``.
     Yields its SQLAlchemy URL (``postgresql+psycopg://postgres@ADDRESS:PORT/render``); the
-    server is stopped (fast shutdown) and its folder removed at the end. Raises
-    FileNotFoundError without the server programs, subprocess.CalledProcessError (with
-    the tool's output) when it does not start."""
-    folder = Path(tempfile.mkdtemp(prefix="bench-farm-pg-"))
-    data = folder / "data"
-    port = free_port(address)
-    started = False
+    server is stopped and its folder removed at the end. Raises DatabaseError (with the
+    tool's output) without the server programs or when it does not start."""
+    db = PrivatePostgres(address, durable=True, database=DATABASE, preload=("pg_stat_statements",))
     try:
-        if os.geteuid() == 0:
-            shutil.chown(folder, "postgres", "postgres")
-        _run(
-            [
-                postgres_bin("initdb"),
-                "-D",
-                str(data),
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "--no-sync",
-                "--locale=C",
-                "-E",
-                "UTF8",
-            ]
-        )
-        with (data / "pg_hba.conf").open("a") as hba:  # the hosts of the bridge
-            hba.write("host all all samenet trust\n")
-        options = (
-            f"-c listen_addresses={address} -p {port} -k {folder} -c max_connections=300 "
-            "-c shared_preload_libraries=pg_stat_statements"
-        )
-        _run(
-            [
-                postgres_bin("pg_ctl"),
-                "-D",
-                str(data),
-                "-o",
-                options,
-                "-w",
-                "-t",
-                "60",
-                "-l",
-                str(folder / "server.log"),
-                "start",
-            ]
-        )
-        started = True
         with psycopg.connect(
-            f"postgresql://postgres@{address}:{port}/postgres", autocommit=True
+            db.admin_url.replace("postgresql+psycopg://", "postgresql://", 1), autocommit=True
         ) as conn:
             conn.execute("CREATE EXTENSION pg_stat_statements")
-            conn.execute(f"CREATE DATABASE {DATABASE}")
-        yield f"postgresql+psycopg://postgres@{address}:{port}/{DATABASE}"
+        yield db.url
     finally:
-        if started:
-            subprocess.run(
-                _as_postgres([postgres_bin("pg_ctl"), "-D", str(data), "-m", "fast", "-w", "stop"]),
-                capture_output=True,
-            )
-        shutil.rmtree(folder, ignore_errors=True)
+        db.close()
 
 
 def server_cpu_s(url: str) -> float:
@@ -153,12 +75,6 @@ def _is_postmaster(cmdline_path: str, port: str) -> bool:
     return (
         bool(args) and args[0].endswith(b"/postgres") and f"-p {port}".encode() in b" ".join(args)
     )
-
-
-def _run(argv: list[str]) -> None:
-    done = subprocess.run(_as_postgres(argv), capture_output=True, text=True)
-    if done.returncode != 0:
-        raise subprocess.CalledProcessError(done.returncode, argv, done.stdout, done.stderr)
 
 
 @dataclass

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -60,15 +61,25 @@ class PrivatePostgres:
     test process uses; ``url``: the one hosts use (over the bridge). ``restart()`` is a
     fast restart (every connection dropped, the server back once it accepts connections);
     ``close()`` stops it at once and removes its folder. ``durable=False`` (the default)
-    runs it with fsync off: its data does not have to survive the machine.
+    runs it with fsync off: its data does not have to survive the machine. ``database``:
+    the name of its one database; ``preload``: server libraries to preload (such as
+    ``pg_stat_statements``, for a bench that counts statements).
     """
 
-    def __init__(self, address: str, *, durable: bool = False) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        durable: bool = False,
+        database: str = "farm",
+        preload: Sequence[str] = (),
+    ) -> None:
         bin_dir = _bin_dir()
         if bin_dir is None:
             raise DatabaseError(unavailable() or "no PostgreSQL")
         self.bin_dir = bin_dir
         self.address = address
+        self.database = database
         self.port = _free_port()
         self.folder = Path(tempfile.mkdtemp(prefix="cafarm-pg-"))
         shutil.chown(self.folder, "postgres", "postgres")
@@ -79,6 +90,8 @@ class PrivatePostgres:
             f"-k {self.folder}",
             "-c max_connections=300",
         ]
+        if preload:
+            options.append(f"-c shared_preload_libraries={','.join(preload)}")
         if not durable:
             options += ["-c fsync=off", "-c synchronous_commit=off", "-c full_page_writes=off"]
         self._options = " ".join(options)
@@ -103,7 +116,7 @@ class PrivatePostgres:
             self._ctl("start", "-l", str(self.folder / "server.log"))
             engine = sa.create_engine(self.admin_url, isolation_level="AUTOCOMMIT")
             with engine.connect() as conn:
-                conn.execute(sa.text('CREATE DATABASE "farm"'))
+                conn.execute(sa.text(f'CREATE DATABASE "{database}"'))
             engine.dispose()
         except BaseException:
             self.close()
@@ -115,13 +128,13 @@ class PrivatePostgres:
 
     @property
     def local_url(self) -> str:
-        """The ``farm`` database from the root namespace (the test process)."""
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/farm"
+        """Its database from the root namespace (the test process)."""
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{self.database}"
 
     @property
     def url(self) -> str:
-        """The ``farm`` database from a host of the farm (over the bridge)."""
-        return f"postgresql+psycopg://postgres@{self.address}:{self.port}/farm"
+        """Its database from a host of the farm (over the bridge)."""
+        return f"postgresql+psycopg://postgres@{self.address}:{self.port}/{self.database}"
 
     def _pg(self, tool: str, *args: str) -> str:
         done = subprocess.run(
