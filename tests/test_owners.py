@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.owners import OwnerHeartbeat
-from comfy_assets.render.run import make_pool, run_one
+from comfy_assets.render.run import make_pool, run_batch, run_one
 from comfy_assets.store import OWNER_DEAD_S, Store
 from fake_comfy import FakeComfy
 from tests.support import fake_servers, fast_config, gone_owner, posted, write_jobs
@@ -195,3 +195,32 @@ async def test_nothing_is_posted_while_the_heartbeat_does_not_reach_the_store(tm
     assert state == "failed_fatal"
     reason = store.get(job.id).reason
     assert "not posted: this process's heartbeat has not reached the store for" in reason
+
+
+async def test_a_job_taken_over_from_a_server_this_pool_lacks_says_it_may_render_twice(tmp_path):
+    # A worker of another host died with the prompt on its own server: this pool has no
+    # address for it, so nothing can be caught up there, and the job's events say so.
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    (job,) = jf.jobs
+    store = Store(tmp_path / "store")
+    store.register_jobs("p", jf.jobs)
+    owner = gone_owner(store)
+    assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
+    store.transition(job.id, "submitted", owner=owner, server="gpu9", attempt=1)
+    store.transition(job.id, "rendering", owner=owner, server="gpu9", attempt=1, number=4)
+    lines: list[str] = []
+    async with fake_servers(fake) as servers:
+        summary = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(),
+            on_line=lines.append,
+        )
+    assert summary.done == 1
+    assert posted(fake, job.prompt_id) == 1
+    details = [e.detail or "" for e in store.events(job_id=job.id)]
+    said = "catch-up on gpu9 not possible: not a server of this pool; posting anew: the job may render twice"
+    assert any(said in d for d in details), details

@@ -29,7 +29,17 @@ class CatchUp:
         server held meanwhile) for ``catch_up_s`` seconds: posting elsewhere while our
         prompt may still run there would render the job twice."""
         name = self.prev_server
-        if name is None or self.pool.spec(name) is None:
+        if name is None:
+            return None
+        if self.pool.spec(name) is None:
+            if self.prev_unsettled or self.prev_number is not None:
+                # Its prompt may be on a server this pool has no address for (another
+                # worker's): nothing can be asked there, and the event says so.
+                self.twice = (
+                    f"catch-up on {name} not possible: not a server of this pool; posting "
+                    "anew: the job may render twice"
+                )
+                log.warning("%s: %s", self.label, self.twice)
             return None
         client = self.pool.client(name)
         pid = self.job.prompt_id
