@@ -3,6 +3,7 @@ a live one, whatever host names and pids say; the database's clock decides."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import socket
@@ -18,7 +19,8 @@ from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.run import make_pool, run_batch, run_one
 from comfy_assets.store import OWNER_DEAD_S, Store
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, gone_owner, posted, write_jobs
+from tests.support import executed, fake_servers, fast_config, gone_owner, posted, write_jobs
+from tests.test_runner import post_as_a_killed_run
 from tests.test_store import make_jobs
 
 
@@ -224,3 +226,34 @@ async def test_a_job_taken_over_from_a_server_this_pool_lacks_says_it_may_render
     details = [e.detail or "" for e in store.events(job_id=job.id)]
     said = "catch-up on gpu9 not possible: not a server of this pool; posting anew: the job may render twice"
     assert any(said in d for d in details), details
+
+
+def test_a_server_lease_of_a_gone_owner_is_free_to_take_and_of_a_live_one_is_not(store):
+    live, gone = "live:2:11111111", gone_owner(store, "dead:2:22222222")
+    store.register_owner(live)
+    assert store.acquire_server("gpu0", live, 3600.0)
+    assert store.acquire_server("gpu1", gone, 3600.0)
+    leases = store.server_leases()
+    assert (leases["gpu0"].holder_gone, leases["gpu1"].holder_gone) == (False, True)
+    assert not store.acquire_server("gpu0", "taker:2:33333333", 30.0)
+    assert store.acquire_server("gpu1", "taker:2:33333333", 30.0)
+    assert store.server_leases()["gpu1"].owner == "taker:2:33333333"
+
+
+async def test_a_run_takes_the_server_and_the_job_of_an_owner_killed_with_its_host(tmp_path):
+    # Killed mid-prompt: its claim and its server lease both run for an hour; both are
+    # taken at once, and its prompt is caught up, not posted again.
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    (job,) = jf.jobs
+    store = Store(tmp_path / "store")
+    store.register_jobs("p", jf.jobs)
+    owner = gone_owner(store)
+    async with fake_servers(fake) as servers:
+        assert store.acquire_server("gpu0", owner, 3600.0)
+        await post_as_a_killed_run(store, job, servers[0].url, "gpu0")  # as ``owner``
+        summary = await asyncio.wait_for(
+            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config()), 120
+        )
+    assert summary.done == 1
+    assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)

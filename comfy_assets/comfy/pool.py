@@ -376,7 +376,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
                 continue
             lease = leases.get(spec.name)
             if lease is not None and lease.owner and lease.expires_at > now:
-                continue
+                if not lease.holder_gone:  # its owner is gone: free to take
+                    continue
             free.append(spec)
         if not free:
             return None, False

@@ -25,8 +25,9 @@ class BatchConfig(PoolSettings):
     timeout_s: float = knob(600.0, "Seconds one attempt may take at most.")
     lease_s: float = knob(
         3600.0,
-        "Seconds a job stays claimed without renewal by a run that has no heartbeat in the "
-        "store; a run whose heartbeat stops loses its claims within seconds, whatever this is.",
+        "Seconds a job's claim stands without renewal. It decides only for a holder with no "
+        "owner row in the store (an older version): a run or worker whose heartbeat stops "
+        "loses its claims and servers within seconds, whatever this is.",
     )
     catch_up_s: float = knob(
         60.0,

@@ -24,7 +24,7 @@ class ServerLeases(StoreBase):
         now: float | None = None,
     ) -> bool:
         """Take ``server`` for ``owner`` until ``now + lease_s`` (seconds), only if it is
-        free, expired or already ours: one atomic upsert, so two processes never hold it
+        free, expired, held by a gone owner (``store/owners.py``) or already ours: one atomic upsert, so two processes never hold it
         at once. True if ``owner`` holds it now."""
         now = self._now(now)
         params = {
@@ -75,10 +75,14 @@ class ServerLeases(StoreBase):
 
     @retried
     def server_leases(self) -> dict[str, ServerLease]:
-        """Every server ever leased, by name (a released one has ``owner`` None)."""
+        """Every server ever leased, by name (a released one has ``owner`` None;
+        ``holder_gone``: its owner is gone, so the lease is free to take)."""
         with self._read() as conn:
-            rows = conn.execute(q.SERVER_LEASES)
-            return {r.server: ServerLease(**r._mapping) for r in rows}
+            rows = conn.execute(q.server_leases(self.dialect))
+            return {
+                r.server: ServerLease(**{**r._mapping, "holder_gone": bool(r.holder_gone)})
+                for r in rows
+            }
 
     @retried
     def mark_waiting(

@@ -21,17 +21,17 @@ from dataclasses import dataclass
 import sqlalchemy as sa
 
 from comfy_assets.store.base import StoreBase
-from comfy_assets.store.clock import db_now, db_started
+from comfy_assets.store.clock import db_now
 from comfy_assets.store.retry import retried
-from comfy_assets.store.schema import owners_table
+from comfy_assets.store.schema import OWNER_BEAT_S, OWNER_DEAD_S, owners_table
+from comfy_assets.store.statements import gone_condition
 
-# Seconds between an owner's heartbeats, and the silence after which it is gone.
-OWNER_BEAT_S = 2.0
-OWNER_DEAD_S = 10.0
 # Rows of owners that ended more than this many seconds ago are deleted.
 OWNER_KEEP_S = 7 * 86400.0
 
 OWNER = owners_table.c  # columns
+
+__all__ = ["OWNER_BEAT_S", "OWNER_DEAD_S", "OwnerRecord", "Owners", "gone_condition", "owner_of"]
 
 
 @dataclass(frozen=True)
@@ -55,16 +55,6 @@ def owner_of(claim_owner: str) -> str:
     """The owner a claim's holder belongs to: a worker claims each job it runs as
     ``OWNER#N`` (two deliveries of one job in one worker must not share a claim)."""
     return claim_owner.split("#", 1)[0]
-
-
-def gone_condition(dialect: str, dead_s: float = OWNER_DEAD_S) -> sa.ColumnElement[bool]:
-    """SQL: the owner row is gone (see the module docstring)."""
-    now = db_now(dialect)
-    return sa.or_(
-        OWNER.released_at.is_not(None),
-        OWNER.gone_at.is_not(None),
-        sa.and_(OWNER.beat_at < now - dead_s, db_started(dialect) < now - dead_s),
-    )
 
 
 class Owners(StoreBase):

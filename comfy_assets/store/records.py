@@ -190,6 +190,7 @@ class ServerLease:
     prompt_id: str | None
     last_model: str | None
     updated_at: float
+    holder_gone: bool = False  # its owner is gone (``store/owners.py``): free to take
 
     def held(self, now: float | None = None) -> bool:
         """True if an owner holds it at ``now`` (epoch seconds, default this host's

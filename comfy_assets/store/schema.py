@@ -132,6 +132,10 @@ pool_waiters_table = sa.Table(
 )
 
 
+# Seconds between an owner's heartbeats, and the silence after which it is gone.
+OWNER_BEAT_S = 2.0
+OWNER_DEAD_S = 10.0
+
 # The processes that hold claims and leases (owners), with their heartbeats: an owner is
 # known to be gone when it released itself or its heartbeat stopped (store/owners.py),
 # whatever its host name and pid say. Times are the database's clock.

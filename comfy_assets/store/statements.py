@@ -14,13 +14,16 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import sqlite
 
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
+from comfy_assets.store.clock import db_now, db_started
 from comfy_assets.store.records import StoreConflict
 from comfy_assets.store.schema import (
+    OWNER_DEAD_S,
     attempts_table,
     events_table,
     files_table,
     jobs_table,
     model_loads_table,
+    owners_table,
     pool_waiters_table,
     server_leases_table,
 )
@@ -31,6 +34,7 @@ FILE = files_table.c  # columns
 EVENT = events_table.c  # columns
 LEASE = server_leases_table.c  # columns
 WAITER = pool_waiters_table.c  # columns
+OWNER = owners_table.c  # columns
 
 
 def expect_rows(result: sa.CursorResult, expected: int, what: str) -> None:
@@ -51,6 +55,22 @@ def insert_for(dialect: str, table: sa.Table) -> Any:
 
         return postgresql.insert(table)
     return sqlite.insert(table)
+
+
+def gone_condition(dialect: str, dead_s: float = OWNER_DEAD_S) -> sa.ColumnElement[bool]:
+    """SQL: the owner row is gone (``store/owners.py``): released, found gone, or
+    silent for ``dead_s`` by the database's clock while the database has been up that long."""
+    now = db_now(dialect)
+    return sa.or_(
+        OWNER.released_at.is_not(None),
+        OWNER.gone_at.is_not(None),
+        sa.and_(OWNER.beat_at < now - dead_s, db_started(dialect) < now - dead_s),
+    )
+
+
+def gone_owners(dialect: str) -> sa.Select:
+    """SQL: the owners that are gone (``gone_condition``)."""
+    return sa.select(OWNER.owner).where(gone_condition(dialect))
 
 
 SELECT_JOB = sa.select(jobs_table).where(JOB.job_id == _b("b_id"))
@@ -113,7 +133,14 @@ NEXT_EVENT_IDS = sa.text(
     "SELECT nextval(pg_get_serial_sequence('comfy_events', 'id')) FROM generate_series(1, :n)"
 )
 
-SERVER_LEASES = sa.select(server_leases_table).order_by(LEASE.server)
+
+@cache
+def server_leases(dialect: str) -> Any:
+    """Every server lease, with ``holder_gone``: whether its owner is gone."""
+    gone = LEASE.owner.in_(gone_owners(dialect))
+    return sa.select(server_leases_table, gone.label("holder_gone")).order_by(LEASE.server)
+
+
 # Another owner than ``b_owner`` waiting for a server at ``b_now``.
 OTHERS_WAITING = (
     sa.select(WAITER.owner)
@@ -217,7 +244,8 @@ def upsert_attempt(dialect: str) -> Any:
 
 @cache
 def acquire_server(dialect: str) -> Any:
-    """Upsert that takes a server only if free, expired or already ``v_owner``'s (binds
+    """Upsert that takes a server only if free, expired, held by a gone owner or already
+    ``v_owner``'s (binds
     ``v_server``, ``v_owner``, ``v_expires``, ``v_prompt``, ``v_now``)."""
     insert = insert_for(dialect, server_leases_table).values(
         server=_b("v_server"),
@@ -239,6 +267,9 @@ def acquire_server(dialect: str) -> Any:
             LEASE.owner.is_(None),
             LEASE.owner == insert.excluded.owner,
             LEASE.expires_at <= insert.excluded.updated_at,
+            # Its holder is gone: a prompt of its still on the server keeps the pool
+            # from posting there (an orphan) until it ends or a catch-up adopts it.
+            LEASE.owner.in_(gone_owners(dialect)),
         ),
     )
     # SQLAlchemy keeps an INSERT's rowcount only when asked; 0 means "not taken".
