@@ -211,16 +211,9 @@ async def test_a_job_taken_over_from_a_server_this_pool_lacks_says_it_may_render
     assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
     store.transition(job.id, "submitted", owner=owner, server="gpu9", attempt=1)
     store.transition(job.id, "rendering", owner=owner, server="gpu9", attempt=1, number=4)
-    lines: list[str] = []
     async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+        config = fast_config()
+        summary = await run_batch(jf, partition="p", servers=servers, store=store, config=config)
     assert summary.done == 1
     assert posted(fake, job.prompt_id) == 1
     details = [e.detail or "" for e in store.events(job_id=job.id)]
