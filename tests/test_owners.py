@@ -10,10 +10,12 @@ import socket
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
+from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.run import make_pool, run_batch, run_one
@@ -199,15 +201,19 @@ async def test_nothing_is_posted_while_the_heartbeat_does_not_reach_the_store(tm
     assert "not posted: this process's heartbeat has not reached the store for" in reason
 
 
+def one_job_of_a_gone_owner(tmp_path: Path) -> tuple[FakeComfy, JobFile, Store, str]:
+    """A fake, a job file of one job registered in a new store, and a gone owner."""
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    store = Store(tmp_path / "store")
+    store.register_jobs("p", jf.jobs)
+    return FakeComfy(prompt_seconds=0.005), jf, store, gone_owner(store)
+
+
 async def test_a_job_taken_over_from_a_server_this_pool_lacks_says_it_may_render_twice(tmp_path):
     # A worker of another host died with the prompt on its own server: this pool has no
     # address for it, so nothing can be caught up there, and the job's events say so.
-    fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    fake, jf, store, owner = one_job_of_a_gone_owner(tmp_path)
     (job,) = jf.jobs
-    store = Store(tmp_path / "store")
-    store.register_jobs("p", jf.jobs)
-    owner = gone_owner(store)
     assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
     store.transition(job.id, "submitted", owner=owner, server="gpu9", attempt=1)
     store.transition(job.id, "rendering", owner=owner, server="gpu9", attempt=1, number=4)
@@ -236,12 +242,8 @@ def test_a_server_lease_of_a_gone_owner_is_free_to_take_and_of_a_live_one_is_not
 async def test_a_run_takes_the_server_and_the_job_of_an_owner_killed_with_its_host(tmp_path):
     # Killed mid-prompt: its claim and its server lease both run for an hour; both are
     # taken at once, and its prompt is caught up, not posted again.
-    fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    fake, jf, store, owner = one_job_of_a_gone_owner(tmp_path)
     (job,) = jf.jobs
-    store = Store(tmp_path / "store")
-    store.register_jobs("p", jf.jobs)
-    owner = gone_owner(store)
     async with fake_servers(fake) as servers:
         assert store.acquire_server("gpu0", owner, 3600.0)
         await post_as_a_killed_run(store, job, servers[0].url, "gpu0")  # as ``owner``

@@ -56,6 +56,10 @@ class StoreBase:
     outage: Outage
     clock: DbClock
 
+    def now(self) -> float:
+        """Epoch seconds by the database's clock (``store/clock.py``)."""
+        return self.clock.now()
+
     def _now(self, now: float | None) -> float:
         """``now``, or the database's time when None (``store.clock``)."""
         return self.clock.now() if now is None else now

@@ -24,8 +24,9 @@ class ServerLeases(StoreBase):
         now: float | None = None,
     ) -> bool:
         """Take ``server`` for ``owner`` until ``now + lease_s`` (seconds), only if it is
-        free, expired, held by a gone owner (``store/owners.py``) or already ours: one atomic upsert, so two processes never hold it
-        at once. True if ``owner`` holds it now."""
+        free, expired, held by a gone owner (``store/owners.py``) or already ours: one
+        atomic upsert, so two processes never hold it at once. True if ``owner`` holds it
+        now."""
         now = self._now(now)
         params = {
             "v_server": server,

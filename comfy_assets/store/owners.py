@@ -24,12 +24,10 @@ from comfy_assets.store.base import StoreBase
 from comfy_assets.store.clock import db_now
 from comfy_assets.store.retry import retried
 from comfy_assets.store.schema import OWNER_BEAT_S, OWNER_DEAD_S, owners_table
-from comfy_assets.store.statements import gone_condition
+from comfy_assets.store.statements import OWNER, gone_condition
 
 # Rows of owners that ended more than this many seconds ago are deleted.
 OWNER_KEEP_S = 7 * 86400.0
-
-OWNER = owners_table.c  # columns
 
 __all__ = ["OWNER_BEAT_S", "OWNER_DEAD_S", "OwnerRecord", "Owners", "gone_condition", "owner_of"]
 
@@ -59,10 +57,6 @@ def owner_of(claim_owner: str) -> str:
 
 class Owners(StoreBase):
     """Owners and their heartbeats (a part of ``Store``)."""
-
-    def now(self) -> float:
-        """Epoch seconds by the database's clock (``store/clock.py``)."""
-        return self.clock.now()
 
     @retried
     def register_owner(
