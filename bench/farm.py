@@ -211,6 +211,12 @@ def measure(
     steady = marks["p90"].minus(marks["p10"])
     steady_jobs = acked_at["p90"] - acked_at["p10"]
     db_cpu, workers_cpu = (b - a for a, b in zip(cpu["p10"], cpu["p90"], strict=True))
+    window = "p10-p90 of acks"
+    if steady_jobs == 0:
+        # A run this small acks in bursts: both percentiles fell in one sample. Its
+        # per-job figures are over the whole batch, and its CPU is not measured.
+        steady, steady_jobs, window = done.minus(s0), args.jobs, "whole batch"
+        db_cpu = workers_cpu = float("nan")
     whole = end.minus(s0)
     idle_d = idle.minus(done)
     shapes = sorted(
@@ -235,6 +241,7 @@ def measure(
         "jobs_per_s": f"{args.jobs / pool['makespan_s']:.2f}",
         "enqueue_s": f"{enqueue_s:.2f}",
         "enqueue_msgs_per_s": f"{published / enqueue_s:.1f}",
+        "steady_window": window,
         "steady_window_s": f"{steady.at:.2f}",
         "steady_jobs": steady_jobs,
         "steady_jobs_per_s": f"{steady_jobs / steady.at:.2f}",
