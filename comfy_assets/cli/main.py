@@ -64,6 +64,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "film": ("comfy_assets.cli.film", "add_film_parser"),
     "enqueue": ("comfy_assets.cli.worker", "add_enqueue_parser"),
     "worker": ("comfy_assets.cli.worker", "add_worker_parser"),
+    "api": ("comfy_assets.cli.api", "add_api_parser"),
 }
 
 

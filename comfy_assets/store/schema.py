@@ -153,6 +153,40 @@ owners_table = sa.Table(
     sa.Index("ix_comfy_owners_run_id", "run_id"),
 )
 
+# Jobs submitted through the HTTP API (comfy_assets/api): the client that owns each, the
+# request's content (to tell a retry from a conflict), the queue message to publish (again
+# after a crash or a requeue) and the job's webhook; store/api_jobs.py reads and writes
+# them, with the webhook outbox.
+api_jobs_table = sa.Table(
+    "comfy_api_jobs",
+    metadata,
+    sa.Column("job_id", sa.String(36), primary_key=True),
+    sa.Column("client", sa.String(255), nullable=False),
+    sa.Column("content_json", sa.Text, nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("webhook", sa.Text),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("published_at", sa.Double),
+    sa.Column("notified_at", sa.Double),  # the finished_at its last webhook was made for
+    sa.Index("ix_comfy_api_jobs_client", "client"),
+)
+
+api_webhooks_table = sa.Table(
+    "comfy_api_webhooks",
+    metadata,
+    sa.Column("webhook_id", sa.String(64), primary_key=True),
+    sa.Column("job_id", sa.String(36), nullable=False),
+    sa.Column("url", sa.Text, nullable=False),
+    sa.Column("payload", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("attempts", sa.Integer, nullable=False),
+    sa.Column("next_at", sa.Double),  # NULL once delivered or given up
+    sa.Column("delivered_at", sa.Double),
+    sa.Column("given_up_at", sa.Double),
+    sa.Column("last_error", sa.Text),
+    sa.Index("ix_comfy_api_webhooks_next_at", "next_at"),
+)
+
 # Seconds a PostgreSQL connect may take before it counts as a failed one (then retried).
 CONNECT_TIMEOUT_S = 10
 

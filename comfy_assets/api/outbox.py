@@ -1,0 +1,191 @@
+"""Webhooks: when a job with a ``webhook`` ends, a signed POST to it, from a durable
+outbox, at least once, retried with exponential backoff for ``give_up_after_s`` (26 h).
+
+The outbox is a table of the store (``comfy_api_webhooks``): each ending of a job (its
+``finished_at``: a done record or a dead letter, and again after a requeue) becomes one
+row, its ``webhook-id`` derived from the job and the ending, so an API restarted, or two
+API processes, make it once. Deliveries run in the API process, apart from the requests
+and from the workers: a slow, failing or hostile receiver costs at most
+``concurrency`` sockets of ``timeout_s`` seconds each, and never a render. No redirect is
+followed, the answer's body is not read, and the connection goes only to public
+addresses unless ``--allow-private-webhooks`` (``webhook_urls.GuardedResolver``). Every
+attempt is an event of the job (``webhook msg_... attempt 2 to https://host/path:
+HTTP 503; next in 37 s``), shown by ``GET /v1/jobs/{id}/events`` and ``comfy-assets
+events``.
+
+The body is the Standard Webhooks shape ``{"type": "job.succeeded", "timestamp": ...,
+"data": <the job as GET /v1/jobs/{id} answers it>}``, signed (``signing``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from urllib.parse import urlsplit
+
+import aiohttp
+
+from comfy_assets.api import signing
+from comfy_assets.api.views import iso, job_view
+from comfy_assets.api.webhook_urls import GuardedResolver
+from comfy_assets.render.backoff import backoff_delay
+from comfy_assets.store import JobRecord, StoreUnavailable, off_loop
+from comfy_assets.store.api_jobs import ApiJob, ApiLedger, Webhook
+
+log = logging.getLogger("comfy_assets.api.outbox")
+
+WEBHOOK_NAMESPACE = uuid.UUID("6f1c2a7e-3f0e-5b5e-9d3c-0a4b7c9e2d11")
+GIVE_UP_AFTER_S = 26 * 3600.0
+BASE_DELAY_S = 5.0
+MAX_DELAY_S = 3600.0
+# Seconds an attempt holds its row: longer than any attempt takes, so two API processes
+# never deliver it at once, and short enough that a process killed mid-attempt loses
+# little time.
+HOLD_S = 120.0
+
+
+def webhook_id(job_id: str, finished_at: float) -> str:
+    """The ``webhook-id`` of one ending of a job: the same in every API process."""
+    return "msg_" + uuid.uuid5(WEBHOOK_NAMESPACE, f"{job_id} {finished_at!r}").hex
+
+
+def shown_url(url: str) -> str:
+    """``url`` without its query and fragment, for events and logs (a query may carry a
+    receiver's secret)."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}{parts.path}"
+
+
+class Outbox:
+    """Makes and delivers webhooks (see the module docstring). ``key``: the HMAC key
+    (``signing.load_key``); ``allow_private``: call any address."""
+
+    def __init__(
+        self,
+        ledger: ApiLedger,
+        key: bytes,
+        *,
+        allow_private: bool = False,
+        timeout_s: float = 10.0,
+        concurrency: int = 8,
+        give_up_after_s: float = GIVE_UP_AFTER_S,
+        base_delay_s: float = BASE_DELAY_S,
+        max_delay_s: float = MAX_DELAY_S,
+        poll_s: float = 0.5,
+    ) -> None:
+        self.ledger = ledger
+        self.store = ledger.store
+        self.key = key
+        self.allow_private = allow_private
+        self.timeout_s = timeout_s
+        self.give_up_after_s = give_up_after_s
+        self.base_delay_s = base_delay_s
+        self.max_delay_s = max_delay_s
+        self.poll_s = poll_s
+        self._slots = asyncio.Semaphore(concurrency)
+        self._running: set[asyncio.Task[None]] = set()
+
+    async def run(self) -> None:
+        """Forever: turn endings into outbox rows and deliver the rows that are due.
+        A store away is waited for (logged once a round)."""
+        connector = aiohttp.TCPConnector(resolver=GuardedResolver(self.allow_private), limit=64)
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+            try:
+                while True:
+                    try:
+                        await self.make_webhooks()
+                        await self.deliver_due(session)
+                    except StoreUnavailable as e:
+                        log.warning("webhooks: %s; trying again", e)
+                    await asyncio.sleep(self.poll_s)
+            finally:
+                for task in self._running:
+                    task.cancel()
+                await asyncio.gather(*self._running, return_exceptions=True)
+
+    async def make_webhooks(self) -> int:
+        """An outbox row for each ending not yet given one; returns how many."""
+        endings = await off_loop(self.ledger, self.ledger.endings)
+        for api, record in endings:
+            await self._make(api, record)
+        return len(endings)
+
+    async def _make(self, api: ApiJob, record: JobRecord) -> None:
+        assert record.finished_at is not None and api.webhook is not None
+        files = await off_loop(self.store, self.store.files, api.job_id)
+        attempts = await off_loop(self.store, self.store.attempts, api.job_id)
+        data = job_view(api, record, files, attempts)
+        payload = {
+            "type": f"job.{record.state}",
+            "timestamp": iso(record.finished_at),
+            "data": data,
+        }
+        hook = Webhook(
+            webhook_id=webhook_id(api.job_id, record.finished_at),
+            job_id=api.job_id,
+            url=api.webhook,
+            payload=json.dumps(payload, separators=(",", ":")),
+            created_at=self.ledger.now(),
+            attempts=0,
+            next_at=self.ledger.now(),
+            delivered_at=None,
+            given_up_at=None,
+            last_error=None,
+        )
+        await off_loop(self.ledger, self.ledger.add_webhook, hook, record.finished_at)
+
+    async def deliver_due(self, session: aiohttp.ClientSession) -> None:
+        """Start an attempt for each due row this process can take (at most
+        ``concurrency`` at once); returns without waiting for them."""
+        if self._slots.locked():
+            return
+        for hook in await off_loop(self.ledger, self.ledger.due_webhooks):
+            if self._slots.locked():
+                return
+            if not await off_loop(self.ledger, self.ledger.take_webhook, hook, HOLD_S):
+                continue  # another API process took it
+            await self._slots.acquire()
+            task = asyncio.create_task(self._attempt(session, hook))
+            self._running.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("webhook attempt failed: %r", task.exception(), exc_info=task.exception())
+
+    async def _attempt(self, session: aiohttp.ClientSession, hook: Webhook) -> None:
+        """POST ``hook`` once; record the outcome in its row and as an event."""
+        body = hook.payload.encode()
+        headers = signing.headers(self.key, hook.webhook_id, int(time.time()), body)
+        error: str | None = None
+        try:
+            async with session.post(
+                hook.url, data=body, headers=headers, allow_redirects=False
+            ) as r:
+                if not 200 <= r.status < 300:
+                    error = f"HTTP {r.status}"
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"[:500] if str(e) else type(e).__name__
+        number = hook.attempts + 1
+        what = f"webhook {hook.webhook_id} attempt {number} to {shown_url(hook.url)}"
+        next_at: float | None = None
+        if error is None:
+            detail = f"{what}: delivered"
+        elif self.ledger.now() - hook.created_at >= self.give_up_after_s:
+            detail = f"{what}: {error}; given up after {self.give_up_after_s:g} s"
+        else:
+            delay = backoff_delay(number, base_s=self.base_delay_s, cap_s=self.max_delay_s)
+            delay = max(delay, 0.1)
+            next_at = self.ledger.now() + delay
+            detail = f"{what}: {error}; next in {delay:.0f} s"
+        await off_loop(
+            self.ledger, self.ledger.webhook_tried, hook.webhook_id, error=error, next_at=next_at
+        )
+        await off_loop(self.store, self.store.note, hook.job_id, detail)
+        log.info("job %s: %s", hook.job_id, detail)

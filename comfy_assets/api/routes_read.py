@@ -1,0 +1,162 @@
+"""The routes that read: a job's files and events (live with ``Accept:
+text/event-stream``), the servers' health, and the API's own liveness and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from comfy_assets.api.app import API, error, json_response
+from comfy_assets.api.files import file_response
+from comfy_assets.api.routes_jobs import owned
+from comfy_assets.api.views import current_files, event_view, iso
+from comfy_assets.jobs.states import DONE, FAILED_FATAL
+from comfy_assets.service import broker
+from comfy_assets.store import StoreUnavailable, off_loop
+
+EVENT_STREAM = "text/event-stream"
+STREAM_POLL_S = 0.5
+KEEP_ALIVE_S = 15.0
+READY_TIMEOUT_S = 3.0
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/jobs/{job_id}/files/{name:.+}", get_file)
+    app.router.add_get("/v1/jobs/{job_id}/events", get_events)
+    app.router.add_get("/v1/servers", get_servers)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+
+
+async def get_file(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/jobs/{id}/files/{name}``: one file of the job's done record."""
+    api = request.app[API]
+    job = await owned(request)
+    name = request.match_info["name"]
+    record = await off_loop(api.store, api.store.get, job.job_id)
+    files = await off_loop(api.store, api.store.files, job.job_id)
+    found = [f for f in current_files(record, files) if f.path == name]
+    if record is None or not found:
+        return error(404, f"job {job.job_id} has no file {name[:200]!r}")
+    path = api.store.job_dir(record.partition, job.job_id) / found[0].path
+    try:
+        return await file_response(request, path, found[0].sha256, found[0].bytes)
+    except FileNotFoundError:
+        return error(404, f"file {name[:200]!r} of job {job.job_id} is gone from the store")
+
+
+def _ended(state: str) -> bool:
+    return state in DONE or state == FAILED_FATAL
+
+
+async def get_events(request: web.Request) -> web.StreamResponse:
+    """``GET /v1/jobs/{id}/events``: ``{"events": [...]}`` oldest first; with ``Accept:
+    text/event-stream``, a Server-Sent Events stream of them (``event: transition``,
+    ``id`` the event's), live until the job ends (then ``event: end``). A stream
+    resumed with ``Last-Event-ID`` starts after that event."""
+    api = request.app[API]
+    job = await owned(request)
+    if EVENT_STREAM not in request.headers.get("Accept", ""):
+        events = await off_loop(api.store, api.store.events, job.job_id)
+        return json_response({"events": [event_view(e) for e in events]})
+    try:
+        last_id = int(request.headers.get("Last-Event-ID", "0"))
+    except ValueError:
+        last_id = 0
+    response = web.StreamResponse(
+        headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    quiet_since = time.monotonic()
+    try:
+        while True:
+            events = await off_loop(api.store, api.store.events, job.job_id)
+            fresh = [e for e in events if (e.id or 0) > last_id]
+            for event in fresh:
+                last_id = event.id or last_id
+                await response.write(_sse("transition", event_view(event), last_id))
+            if fresh:
+                quiet_since = time.monotonic()
+            record = await off_loop(api.store, api.store.get, job.job_id)
+            if record is not None and _ended(record.state):
+                end = {"state": str(record.state), "reason": record.reason}
+                await response.write(_sse("end", end, None))
+                break
+            if time.monotonic() - quiet_since >= KEEP_ALIVE_S:
+                await response.write(b": keep-alive\n\n")
+                quiet_since = time.monotonic()
+            await asyncio.sleep(STREAM_POLL_S)
+    except (ConnectionResetError, StoreUnavailable):
+        return response  # the client left, or the store did: the stream just ends
+    await response.write_eof()
+    return response
+
+
+def _sse(kind: str, data: Any, event_id: int | None) -> bytes:
+    lines = [f"event: {kind}"]
+    if event_id is not None:
+        lines.append(f"id: {event_id}")
+    lines.append("data: " + json.dumps(data, ensure_ascii=False))
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+async def get_servers(request: web.Request) -> web.Response:
+    """``GET /v1/servers``: each server's health as ``comfy-assets health`` sees it (for
+    the API's ``--server``s) and its lease in the store (every server a worker used)."""
+    api = request.app[API]
+    leases = await off_loop(api.store, api.store.server_leases)
+    servers: dict[str, dict[str, Any]] = {}
+    if api.servers:
+        from comfy_assets.comfy.health import probe_all
+
+        probes = await asyncio.to_thread(probe_all, list(api.servers), api.probe_timeout_s)
+        for probe in probes:
+            servers[probe.spec.name] = {
+                "name": probe.spec.name,
+                "healthy": probe.healthy,
+                "health": probe.line(),
+                "queue": probe.queue_length,
+                "lease": None,
+            }
+    for name, lease in sorted(leases.items()):
+        entry = servers.setdefault(
+            name, {"name": name, "healthy": None, "health": None, "queue": None, "lease": None}
+        )
+        entry["lease"] = {
+            "held": lease.held(api.store.now()),
+            "expires_at": iso(lease.expires_at),
+            "last_model": lease.last_model,
+        }
+    return json_response({"servers": [servers[n] for n in sorted(servers)]})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``: 200 while the process serves (liveness; no token needed)."""
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """``GET /readyz``: 200 when the store answers and the broker is connected, 503
+    naming what is not (readiness; no token needed)."""
+    api = request.app[API]
+    problems: dict[str, str] = {}
+    try:
+        await asyncio.wait_for(asyncio.to_thread(_ping, api.store), READY_TIMEOUT_S)
+    except Exception as e:  # any failure to answer is "not ready", said in the body
+        problems["store"] = f"{type(e).__name__}: {e}"[:300]
+    try:
+        await asyncio.wait_for(api.publisher.ensure(), READY_TIMEOUT_S)
+    except (broker.BrokerError, TimeoutError, OSError) as e:
+        problems["broker"] = f"{type(e).__name__}: {e}"[:300]
+    if problems:
+        return json_response({"status": "not ready", "problems": problems}, status=503)
+    return json_response({"status": "ready"})
+
+
+def _ping(store: Any) -> None:
+    with store.engine.connect() as conn:
+        conn.exec_driver_sql("SELECT 1")

@@ -1,0 +1,118 @@
+"""Which webhook URLs the API calls: http(s) only, and only public addresses unless
+``--allow-private-webhooks``.
+
+A webhook is a request our host makes to a place a client names, so without a check a
+client could make the API call what only our network reaches: the cloud's metadata
+service (169.254.169.254, fd00:ec2::254), loopback (our own ComfyUI servers, RabbitMQ's
+management UI), a private network. A URL is refused when it is not http(s), has user
+info, or any address its host resolves to is not a global unicast address
+(``ipaddress``'s ``is_global``: loopback, link-local, private, shared, reserved,
+multicast and unspecified ranges are all outside it). The check is made at submission
+(422) and again at each delivery, by the resolver the delivery connects through
+(``GuardedResolver``), so a name that resolves elsewhere later (DNS rebinding) is
+refused too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from urllib.parse import urlsplit
+
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import DefaultResolver
+
+MAX_URL_CHARS = 2000
+
+
+class RefusedUrl(ValueError):
+    """A webhook URL the API will not call; the message says why."""
+
+
+def address_problem(text: str) -> str | None:
+    """Why the address ``text`` may not be called, or None for a global one."""
+    try:
+        ip = ipaddress.ip_address(text.split("%", 1)[0])
+    except ValueError:
+        return f"{text!r} is not an IP address"
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_global and not ip.is_multicast:
+        return None
+    for kind in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
+        if getattr(ip, f"is_{kind}"):
+            return f"{ip} is a {kind.replace('_', '-')} address"
+    return f"{ip} is not a public address"
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` before it is resolved, or None."""
+    if len(url) > MAX_URL_CHARS:
+        return f"longer than {MAX_URL_CHARS} characters"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"not a URL: {e}"
+    if parts.scheme not in ("http", "https"):
+        return f"not an http(s) URL (scheme {parts.scheme!r})"
+    if not parts.hostname:
+        return "no host"
+    if parts.username is not None or parts.password is not None:
+        return "user info in a webhook URL is refused"
+    if port == 0:
+        return "port 0"
+    if any(ord(c) < 33 or ord(c) == 127 for c in url):
+        return "white space or control characters"
+    return None
+
+
+async def check_url(url: str, *, allow_private: bool, timeout_s: float = 5.0) -> None:
+    """Refuse ``url`` (raise RefusedUrl) when it is not http(s) or, unless
+    ``allow_private``, when its host resolves to an address that is not public (or does
+    not resolve within ``timeout_s`` seconds)."""
+    problem = url_problem(url)
+    if problem is not None:
+        raise RefusedUrl(problem)
+    if allow_private:
+        return
+    host = urlsplit(url).hostname or ""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), timeout_s
+        )
+    except (OSError, TimeoutError) as e:
+        raise RefusedUrl(f"its host {host!r} does not resolve: {e}") from e
+    for info in infos:
+        problem = address_problem(str(info[4][0]))
+        if problem is not None:
+            raise RefusedUrl(
+                f"its host {host!r} resolves to {problem} (refused unless --allow-private-webhooks)"
+            )
+
+
+class GuardedResolver(AbstractResolver):
+    """aiohttp's resolver, answering only public addresses (``address_problem``): a
+    delivery cannot reach what the submission check refused, whatever the name resolves
+    to by then. ``allow_private`` lets every address through."""
+
+    def __init__(self, allow_private: bool) -> None:
+        self._inner = DefaultResolver()
+        self.allow_private = allow_private
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = await self._inner.resolve(host, port, family)
+        if self.allow_private:
+            return found
+        allowed = [r for r in found if address_problem(r["host"]) is None]
+        if not allowed:
+            problem = address_problem(found[0]["host"]) if found else "nothing"
+            raise OSError(f"webhook host {host!r} resolves to {problem}; not called")
+        return allowed
+
+    async def close(self) -> None:
+        await self._inner.close()

@@ -1,0 +1,269 @@
+"""The HTTP API's part of the store: which client owns each job it took, the message to
+publish for it, and the webhook outbox.
+
+A job taken by the API is a row of ``comfy_api_jobs`` (owner, content, queue message,
+webhook) beside its ordinary row of ``comfy_jobs`` (state, attempts, files), which the
+workers write as for any other job. ``published_at`` is set once the broker confirmed the
+message: a row without it is published (again) by whichever API process finds it, so a
+crash between the store and the broker loses nothing. A job's ending (its
+``finished_at``) that a webhook has not been made for becomes one row of
+``comfy_api_webhooks``, the outbox, delivered and retried from there.
+
+Every method is one short transaction (see ``store/base.py``) and is retried while the
+database is away, like the ``Store``'s own.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from comfy_assets.jobs.events import log_event
+from comfy_assets.jobs.states import FAILED_FATAL, State
+from comfy_assets.store.base import _TERMINAL, StoreBase, _event, _job_record
+from comfy_assets.store.records import JobRecord
+from comfy_assets.store.retry import retried
+from comfy_assets.store.schema import api_jobs_table, api_webhooks_table, jobs_table
+from comfy_assets.store.statements import insert_for
+from comfy_assets.store.store import Store
+
+API = api_jobs_table.c
+HOOK = api_webhooks_table.c
+
+
+@dataclass(frozen=True)
+class ApiJob:
+    """One job the API took: its ``client`` (a name of the tokens file), ``content`` (what
+    tells a retry from another job: ``api.submission.content_of``), ``message`` (the queue
+    message body, UTF-8 JSON), ``webhook`` URL or None; times in epoch seconds."""
+
+    job_id: str
+    client: str
+    content: dict[str, Any]
+    message: bytes
+    webhook: str | None
+    created_at: float
+    published_at: float | None = None
+    notified_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Webhook:
+    """One delivery of the outbox: ``webhook_id`` (the ``webhook-id`` header, stable
+    across retries), the job it is about, the URL, the JSON ``payload``, ``attempts`` so
+    far, ``next_at`` (epoch seconds; None once delivered or given up)."""
+
+    webhook_id: str
+    job_id: str
+    url: str
+    payload: str
+    created_at: float
+    attempts: int
+    next_at: float | None
+    delivered_at: float | None
+    given_up_at: float | None
+    last_error: str | None
+
+
+def _api_job(row: sa.Row) -> ApiJob:
+    return ApiJob(
+        job_id=row.job_id,
+        client=row.client,
+        content=json.loads(row.content_json),
+        message=row.message.encode(),
+        webhook=row.webhook,
+        created_at=row.created_at,
+        published_at=row.published_at,
+        notified_at=row.notified_at,
+    )
+
+
+class ApiLedger(StoreBase):
+    """The API's tables in ``store``'s database (same engine, clock and outage)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.root = store.root
+        self.engine = store.engine
+        self.dialect = store.dialect
+        self.retry_s = store.retry_s
+        self.outage = store.outage
+        self.clock = store.clock
+
+    @retried
+    def get(self, job_id: str) -> ApiJob | None:
+        """The API's row of ``job_id``, or None when the API did not take it."""
+        with self._read() as conn:
+            row = conn.execute(sa.select(api_jobs_table).where(API.job_id == job_id)).first()
+        return None if row is None else _api_job(row)
+
+    @retried
+    def add(self, job: ApiJob) -> ApiJob:
+        """Record ``job`` unless a row of its id exists; returns the row that is there
+        afterwards (``job`` itself, or the one another request wrote first)."""
+        values = {
+            "job_id": job.job_id,
+            "client": job.client,
+            "content_json": json.dumps(job.content, sort_keys=True),
+            "message": job.message.decode(),
+            "webhook": job.webhook,
+            "created_at": job.created_at,
+        }
+        stmt = insert_for(self.dialect, api_jobs_table).on_conflict_do_nothing()
+        with self._write() as conn:
+            conn.execute(stmt, values)
+            row = conn.execute(sa.select(api_jobs_table).where(API.job_id == job.job_id)).one()
+        return _api_job(row)
+
+    @retried
+    def mark_published(self, job_id: str, published: bool = True) -> None:
+        """Note that the broker confirmed ``job_id``'s message (or, ``published=False``,
+        that it must be published again: a requeue)."""
+        value = self.now() if published else None
+        with self._write() as conn:
+            conn.execute(
+                api_jobs_table.update().where(API.job_id == job_id).values(published_at=value)
+            )
+
+    @retried
+    def unpublished(self, created_before: float, limit: int = 100) -> list[ApiJob]:
+        """Rows whose message the broker has not confirmed, created before
+        ``created_before`` (epoch seconds), oldest first."""
+        stmt = (
+            sa.select(api_jobs_table)
+            .where(API.published_at.is_(None), API.created_at < created_before)
+            .order_by(API.created_at)
+            .limit(limit)
+        )
+        with self._read() as conn:
+            return [_api_job(r) for r in conn.execute(stmt)]
+
+    @retried
+    def cancel(self, job_id: str, reason: str) -> tuple[State, bool]:
+        """Dead-letter ``job_id`` with ``reason`` whoever holds its claim: its holder's
+        next renewal or move finds the claim gone and stops its attempt (its prompt
+        interrupted and removed). Returns (the state before, whether it changed): a job
+        that already ended (done or a dead letter) is left as it is. Raises UnknownJob."""
+        now = self.now()
+        with self._write() as conn:
+            row = self._lock(conn, job_id)
+            before = State(row.state)
+            if before in _TERMINAL:
+                return before, False
+            values = {
+                "state": FAILED_FATAL.value,
+                "reason": reason,
+                "finished_at": now,
+                "updated_at": now,
+                "claimed_by": None,
+                "claim_expires_at": None,
+            }
+            self._update(conn, row, values)
+            event = self._insert_events(conn, [_event(now, row, FAILED_FATAL, reason)])[0]
+        log_event(event)
+        return before, True
+
+    # -- the webhook outbox ------------------------------------------------------------
+
+    @retried
+    def endings(self, limit: int = 100) -> list[tuple[ApiJob, JobRecord]]:
+        """Jobs with a webhook that ended (done or a dead letter) since their last
+        webhook was made: each with its ``JobRecord``."""
+        terminal = [s.value for s in _TERMINAL]
+        stmt = (
+            sa.select(api_jobs_table, jobs_table)
+            .join(jobs_table, jobs_table.c.job_id == API.job_id)
+            .where(
+                API.webhook.is_not(None),
+                jobs_table.c.state.in_(terminal),
+                jobs_table.c.finished_at.is_not(None),
+                sa.or_(API.notified_at.is_(None), API.notified_at != jobs_table.c.finished_at),
+            )
+            .limit(limit)
+        )
+        api_columns = set(api_jobs_table.c.keys())
+        found = []
+        with self._read() as conn:
+            for row in conn.execute(stmt):
+                mapping = row._mapping
+                api = {k: mapping[api_jobs_table.c[k]] for k in api_columns}
+                job = {k: mapping[jobs_table.c[k]] for k in jobs_table.c.keys()}
+                found.append((_api_job(_Row(api)), _job_record(_Row(job))))
+        return found
+
+    @retried
+    def add_webhook(self, hook: Webhook, finished_at: float) -> None:
+        """Put ``hook`` in the outbox (once: its id is derived from the ending) and note
+        that the ending at ``finished_at`` has its webhook, in one transaction."""
+        values = {k: getattr(hook, k) for k in api_webhooks_table.c.keys()}
+        stmt = insert_for(self.dialect, api_webhooks_table).on_conflict_do_nothing()
+        with self._write() as conn:
+            conn.execute(stmt, values)
+            conn.execute(
+                api_jobs_table.update()
+                .where(API.job_id == hook.job_id)
+                .values(notified_at=finished_at)
+            )
+
+    @retried
+    def due_webhooks(self, limit: int = 20) -> list[Webhook]:
+        """Deliveries whose next attempt is due, the most overdue first."""
+        stmt = (
+            sa.select(api_webhooks_table)
+            .where(HOOK.next_at.is_not(None), HOOK.next_at <= self.now())
+            .order_by(HOOK.next_at)
+            .limit(limit)
+        )
+        with self._read() as conn:
+            return [Webhook(**r._mapping) for r in conn.execute(stmt)]
+
+    @retried
+    def take_webhook(self, hook: Webhook, hold_s: float) -> bool:
+        """Take ``hook``'s attempt for ``hold_s`` seconds (its ``next_at`` moved on,
+        compare-and-set): False when another API process took it first."""
+        stmt = (
+            api_webhooks_table.update()
+            .where(HOOK.webhook_id == hook.webhook_id, HOOK.next_at == hook.next_at)
+            .values(next_at=self.now() + hold_s)
+        )
+        with self._write() as conn:
+            return bool(conn.execute(stmt).rowcount)
+
+    @retried
+    def webhook_tried(self, webhook_id: str, *, error: str | None, next_at: float | None) -> None:
+        """Record an attempt: delivered (``error`` None), or failed with ``error`` and
+        tried again at ``next_at`` (epoch seconds; None: given up)."""
+        now = self.now()
+        values: dict[str, Any] = {"attempts": HOOK.attempts + 1, "last_error": error}
+        if error is None:
+            values.update(next_at=None, delivered_at=now)
+        elif next_at is None:
+            values.update(next_at=None, given_up_at=now)
+        else:
+            values.update(next_at=next_at)
+        with self._write() as conn:
+            conn.execute(
+                api_webhooks_table.update().where(HOOK.webhook_id == webhook_id).values(**values)
+            )
+
+    @retried
+    def webhooks(self, job_id: str) -> list[Webhook]:
+        """The outbox rows of ``job_id``, oldest first."""
+        stmt = (
+            sa.select(api_webhooks_table)
+            .where(HOOK.job_id == job_id)
+            .order_by(HOOK.created_at, HOOK.webhook_id)
+        )
+        with self._read() as conn:
+            return [Webhook(**r._mapping) for r in conn.execute(stmt)]
+
+
+class _Row:
+    """A mapping read as a row (attribute access), for the record builders."""
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self.__dict__.update(values)
+        self._mapping = values
