@@ -8,6 +8,7 @@ import copy
 import os
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,8 @@ def data_uri(data: bytes, kind: str = "image/png") -> str:
     return f"data:{kind};base64,{base64.b64encode(data).decode()}"
 
 
-@pytest.fixture
-async def queue() -> AsyncIterator[str]:
+@asynccontextmanager
+async def fresh_queue() -> AsyncIterator[str]:
     """A fresh queue name; the queue and its ``.dead`` are deleted at the end."""
     name = f"test-api-{uuid.uuid4().hex[:10]}"
     try:

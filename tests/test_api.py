@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -24,14 +25,20 @@ from tests.api_support import (
     api_client,
     auth,
     data_uri,
+    fresh_queue,
     job_body,
     make_api,
-    queue,  # noqa: F401  (a fixture)
     queued,
 )
 from tests.support import wait_until
 
 pytestmark = pytest.mark.rabbitmq
+
+
+@pytest.fixture
+async def queue() -> AsyncIterator[str]:
+    async with fresh_queue() as name:
+        yield name
 
 
 async def test_a_job_is_202_once_queued_200_when_sent_again_409_when_changed(
