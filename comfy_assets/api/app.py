@@ -170,8 +170,11 @@ def make_app(api: Api, *, background: bool = True) -> web.Application:
 
 
 async def _start_background(app: web.Application) -> None:
+    from comfy_assets.api.routes_jobs import cancel_loop
+
     api = app[API]
     api.background.append(asyncio.create_task(republish_loop(api.ledger, api.publisher)))
+    api.background.append(asyncio.create_task(cancel_loop(api)))
     if api.webhook_key is not None:
         outbox = Outbox(api.ledger, api.webhook_key, allow_private=api.allow_private_webhooks)
         api.background.append(asyncio.create_task(outbox.run()))

@@ -12,11 +12,14 @@ later (``publisher.republish_loop``).
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 from aiohttp import web
 
 from comfy_assets.api.app import API, CLIENT, Answer, Api, error, json_response
+from comfy_assets.api.interrupting import interrupt_prompt
 from comfy_assets.api.publisher import publish_recorded
 from comfy_assets.api.submission import (
     Invalid,
@@ -32,8 +35,10 @@ from comfy_assets.jobs.model import is_job_id
 from comfy_assets.jobs.states import FAILED_FATAL
 from comfy_assets.jobs.strict_json import loads_bounded
 from comfy_assets.service import broker
-from comfy_assets.store import PartitionConflict, UnknownJob, off_loop
+from comfy_assets.store import PartitionConflict, StoreUnavailable, UnknownJob, off_loop
 from comfy_assets.store.api_jobs import ApiJob
+
+log = logging.getLogger("comfy_assets.api")
 
 NOT_CONFIRMED = (
     "recorded, but the queue did not confirm it ({why}); send the same request again "
@@ -190,22 +195,62 @@ async def get_job(request: web.Request) -> web.Response:
 
 
 async def cancel(request: web.Request) -> web.Response:
-    """``POST /v1/jobs/{id}/cancel``: a job not yet ended becomes a dead letter
-    ``cancelled by <client>`` (a worker rendering it loses its claim, which interrupts
-    and removes its prompt); 409 for a job that already ended."""
+    """``POST /v1/jobs/{id}/cancel``: a waiting job becomes a dead letter ``cancelled by
+    <client>`` at once (200); a job whose prompt is in flight has its claim taken and its
+    prompt removed and interrupted on its server (``interrupting``), then becomes that
+    dead letter once its attempt has settled: 200 when that happened within
+    ``CANCEL_WAIT_S``, else 202 (the API finishes it: ``cancel_loop``). 409 for a job
+    that has already ended."""
     api = request.app[API]
     job = await owned(request)
+    client = request[CLIENT]
     try:
-        before, changed = await off_loop(
-            api.ledger, api.ledger.cancel, job.job_id, f"cancelled by {request[CLIENT]}"
-        )
+        before, outcome = await off_loop(api.ledger, api.ledger.cancel, job.job_id, client)
     except UnknownJob:
         # Recorded by the API but not yet by the store: the request that took it, or the
         # API's own republishing, writes it in a moment.
         return error(409, f"job {job.job_id} is being recorded; cancel it again in a moment")
-    if not changed:
+    if outcome == "ended":
         return error(409, f"job {job.job_id} has already ended ({before}); nothing cancelled")
+    if outcome == "taken":
+        record = await off_loop(api.store, api.store.get, job.job_id)
+        if record is not None:
+            done = await interrupt_prompt(api.servers, record.server, record.prompt_id)
+            await off_loop(api.store, api.store.note, job.job_id, done)
+        if not await _finished_cancel(api, job.job_id):
+            return json_response(await current_view(api, job), status=202)
     return json_response(await current_view(api, job))
+
+
+CANCEL_WAIT_S = 10.0
+CANCEL_POLL_S = 0.1
+
+
+async def _finished_cancel(api: Api, job_id: str) -> bool:
+    """Wait up to ``CANCEL_WAIT_S`` for a taken job's attempt to settle, then make it
+    the dead letter; True once it is one."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + CANCEL_WAIT_S
+    while loop.time() < deadline:
+        record = await off_loop(api.store, api.store.get, job_id)
+        if record is None or record.state == FAILED_FATAL:
+            return record is not None
+        if await off_loop(api.ledger, api.ledger.finish_cancel, record):
+            return True
+        await asyncio.sleep(CANCEL_POLL_S)
+    return False
+
+
+async def cancel_loop(api: Api, every_s: float = 1.0) -> None:
+    """Forever: finish the cancels whose attempt settled later than the request waited
+    (or whose API was killed meanwhile: the taken claim is the record of the cancel)."""
+    while True:
+        try:
+            for record in await off_loop(api.ledger, api.ledger.cancels):
+                await off_loop(api.ledger, api.ledger.finish_cancel, record)
+        except StoreUnavailable as e:
+            log.warning("finishing cancels: %s; trying again", e)
+        await asyncio.sleep(every_s)
 
 
 async def requeue(request: web.Request) -> web.Response:

@@ -22,9 +22,9 @@ from typing import Any
 import sqlalchemy as sa
 
 from comfy_assets.jobs.events import log_event
-from comfy_assets.jobs.states import FAILED_FATAL, State
+from comfy_assets.jobs.states import FAILED_FATAL, IN_FLIGHT, InvalidTransition, State
 from comfy_assets.store.base import _TERMINAL, StoreBase, _event, _job_record
-from comfy_assets.store.records import JobRecord
+from comfy_assets.store.records import ClaimLost, JobRecord
 from comfy_assets.store.retry import retried
 from comfy_assets.store.schema import api_jobs_table, api_webhooks_table, jobs_table
 from comfy_assets.store.statements import insert_for
@@ -32,6 +32,17 @@ from comfy_assets.store.store import Store
 
 API = api_jobs_table.c
 HOOK = api_webhooks_table.c
+# The claim owner of a job a cancel took from its worker: "api-cancel:<client>"; no
+# heartbeat row, so nobody takes the claim before it expires.
+CANCEL_PREFIX = "api-cancel:"
+CANCEL_HOLD_S = 3600.0
+# Seconds after which a cancelled job still in flight is dead-lettered anyway.
+CANCEL_SETTLE_S = 120.0
+
+
+def cancel_owner(client: str) -> str:
+    """The claim owner a cancel of ``client``'s takes a job's claim as."""
+    return CANCEL_PREFIX + client
 
 
 @dataclass(frozen=True)
@@ -142,29 +153,77 @@ class ApiLedger(StoreBase):
             return [_api_job(r) for r in conn.execute(stmt)]
 
     @retried
-    def cancel(self, job_id: str, reason: str) -> tuple[State, bool]:
-        """Dead-letter ``job_id`` with ``reason`` whoever holds its claim: its holder's
-        next renewal or move finds the claim gone and stops its attempt (its prompt
-        interrupted and removed). Returns (the state before, whether it changed): a job
-        that already ended (done or a dead letter) is left as it is. Raises UnknownJob."""
+    def cancel(self, job_id: str, client: str) -> tuple[State, str]:
+        """Cancel ``job_id`` for ``client``: returns (its state before, what happened).
+
+        - "ended": it is done or a dead letter already; nothing changes;
+        - "dead_lettered": it was waiting (pending, failed_retryable): now a dead letter
+          ``cancelled by <client>``, its claim freed (a worker holding it finds it gone);
+        - "taken": an attempt is in flight: its claim is taken by ``cancel_owner(client)``
+          for ``CANCEL_HOLD_S`` seconds, so the worker can neither record the attempt
+          nor try the job again; ``finish_cancel`` makes it a dead letter once the
+          attempt has settled (its prompt interrupted: ``api.interrupting``).
+
+        Raises UnknownJob."""
         now = self.now()
         with self._write() as conn:
             row = self._lock(conn, job_id)
             before = State(row.state)
             if before in _TERMINAL:
-                return before, False
-            values = {
-                "state": FAILED_FATAL.value,
-                "reason": reason,
-                "finished_at": now,
-                "updated_at": now,
-                "claimed_by": None,
-                "claim_expires_at": None,
-            }
+                return before, "ended"
+            if before in IN_FLIGHT:
+                owner = cancel_owner(client)
+                values: dict[str, Any] = {
+                    "claimed_by": owner,
+                    "claim_expires_at": now + CANCEL_HOLD_S,
+                    "updated_at": now,
+                }
+                detail = f"cancel asked by {client}: claim taken, prompt interrupted"
+                event = _event(now, row, row.state, detail)
+                outcome = "taken"
+            else:
+                values = {
+                    "state": FAILED_FATAL.value,
+                    "reason": f"cancelled by {client}",
+                    "finished_at": now,
+                    "updated_at": now,
+                    "claimed_by": None,
+                    "claim_expires_at": None,
+                }
+                event = _event(now, row, FAILED_FATAL, f"cancelled by {client}")
+                outcome = "dead_lettered"
             self._update(conn, row, values)
-            event = self._insert_events(conn, [_event(now, row, FAILED_FATAL, reason)])[0]
+            event = self._insert_events(conn, [event])[0]
         log_event(event)
-        return before, True
+        return before, outcome
+
+    @retried
+    def cancels(self) -> list[JobRecord]:
+        """Jobs whose claim a cancel took (``cancel``'s "taken") and that are not a dead
+        letter yet."""
+        stmt = sa.select(jobs_table).where(
+            jobs_table.c.claimed_by.like(CANCEL_PREFIX + "%"),
+            jobs_table.c.state.not_in([s.value for s in _TERMINAL]),
+        )
+        with self._read() as conn:
+            return [_job_record(r) for r in conn.execute(stmt)]
+
+    def finish_cancel(self, record: JobRecord, settle_s: float = CANCEL_SETTLE_S) -> bool:
+        """Make a job whose claim a cancel took a dead letter ``cancelled by <client>``
+        once its attempt has settled (it left submitted/rendering), or ``settle_s``
+        seconds after the cancel when it never does (its worker's attempt found the
+        claim gone and stopped). True when it is a dead letter now."""
+        owner = record.claimed_by or ""
+        if not owner.startswith(CANCEL_PREFIX):
+            return False
+        if record.state in IN_FLIGHT and self.now() - record.updated_at < settle_s:
+            return False
+        client = owner[len(CANCEL_PREFIX) :]
+        try:
+            self.store.dead_letter(record.job_id, owner, f"cancelled by {client}")
+        except (ClaimLost, InvalidTransition):
+            return False  # it moved meanwhile: looked at again next time
+        return True
 
     # -- the webhook outbox ------------------------------------------------------------
 
