@@ -153,7 +153,9 @@ async def _take(api: Api, client: str, sub: Submission) -> web.Response:
             await publish_recorded(api.ledger, api.publisher, job.id, sub.message)
         except broker.BrokerError as e:
             return _not_confirmed(e)
-        view = await current_view(api, existing)
+        # Just registered: pending, no attempt, no file (a worker may have started it
+        # since; GET /v1/jobs/{id} says).
+        view = job_view(existing, None, [], [])
         return json_response(view, status=202, headers={"Location": job_path(job.id)})
     return await _again(api, client, sub, existing)
 
