@@ -33,8 +33,8 @@ VENV = Path(sys.prefix)
 pytestmark = pytest.mark.timeout(400)
 
 SH_BLOCK = re.compile(r"^( *)```sh\n(.*?)^\1```", re.M | re.S)
-# The fakes' ports in the README's examples, and the UI's.
-README_PORTS = re.compile(r"\b(8288|8289|8290|8291|3000)\b")
+# The fakes' ports in the README's examples, the UI's, and the API's (docs/api.md).
+README_PORTS = re.compile(r"\b(8288|8289|8290|8291|3000|8380)\b")
 
 # Blocks no test runs, each with why. Any other block must be claimed by a test below.
 NOT_RUN = {
@@ -51,11 +51,12 @@ RUN_HERE = [
 ]
 
 
-def readme_blocks() -> list[str]:
-    """The README's ```sh blocks, without their indentation."""
+def readme_blocks(page: str = "README.md") -> list[str]:
+    """The ```sh blocks of ``page`` (the README, or a page of docs/), without their
+    indentation."""
     return [
         "\n".join(line[len(indent) :] for line in body.splitlines())
-        for indent, body in SH_BLOCK.findall((REPO / "README.md").read_text())
+        for indent, body in SH_BLOCK.findall((REPO / page).read_text())
     ]
 
 
@@ -272,3 +273,38 @@ def test_the_dagster_launches_queue_a_run_and_render_a_partition(project: Path) 
     executed = sum(len(fake.stats["runs"]) for fake in fakes)
     assert executed == len(job_file.jobs)
     assert (store / "images" / "outputs.contact.png").is_file()
+
+
+def test_the_api_docs_example_submits_follows_and_fetches_a_picture(project: Path) -> None:
+    """docs/api.md's one sh block, on a queue of its own (deleted after)."""
+    import asyncio
+    import hashlib
+    import json
+
+    import aio_pika
+
+    [block] = readme_blocks("docs/api.md")
+    queue = f"test-docs-api-{uuid.uuid4().hex[:8]}"
+    assert block.count("--queue renders") == 2
+    example = with_free_ports(block, {}).replace("--queue renders", f"--queue {queue}")
+    try:
+        done = run_block(example, project, timeout_s=120)
+    finally:
+
+        async def delete_queues() -> None:
+            url = "amqp://guest:guest@127.0.0.1:5672/"
+            async with await aio_pika.connect(url) as connection:
+                channel = await connection.channel()
+                for name in (queue, f"{queue}.dead"):
+                    await channel.queue_delete(name)
+
+        asyncio.run(delete_queues())
+
+    assert done.returncode == 0, done.stdout
+    assert '"state": "pending"' in done.stdout  # the 202
+    assert "event: end" in done.stdout and '"state": "succeeded"' in done.stdout
+    job = json.loads((project / "job.json").read_text())
+    picture = (project / "picture.png").read_bytes()
+    assert picture.startswith(b"\x89PNG")
+    assert hashlib.sha256(picture).hexdigest() in {f["sha256"] for f in job["files"]}
+    assert f"picture.png: {job['files'][0]['url']}" in done.stdout
