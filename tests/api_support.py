@@ -92,7 +92,7 @@ def make_api(store: Store, queue_name: str, **overrides: Any) -> Api:
         store=store,
         ledger=ApiLedger(store),
         publisher=Publisher(AMQP, queue_name),
-        clients=Clients(TOKENS and {t: n for n, t in TOKENS.items()}),
+        clients=Clients({t: n for n, t in TOKENS.items()}),
         limits=limits,
         **overrides,
     )

@@ -1,0 +1,178 @@
+"""The API's parts that need no service: Standard Webhooks signatures (the
+specification's own example), the resolver webhooks connect through, the tokens file,
+the webhook outbox's retries and give-up (over a SQLite store, a receiver on loopback),
+JSON pointers and Range headers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from comfy_assets.api.files import byte_range
+from comfy_assets.api.outbox import Outbox, webhook_id
+from comfy_assets.api.signing import load_key, signature, verify
+from comfy_assets.api.submission import parse_submission, pointer
+from comfy_assets.api.tokens import Clients, TokensError
+from comfy_assets.api.webhook_urls import GuardedResolver, address_problem
+from comfy_assets.store import OutputFile, Store
+from comfy_assets.store.api_jobs import ApiJob, ApiLedger
+from tests.api_support import job_body
+from tests.support import wait_until
+
+
+def test_the_signature_of_the_specifications_example(tmp_path: Path) -> None:
+    # https://github.com/standard-webhooks/standard-webhooks/blob/main/spec/standard-webhooks.md
+    secret = tmp_path / "secret"
+    secret.write_text("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n")
+    key = load_key(secret)
+    body = b'{"test": 2432232314}'
+    expected = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
+    assert signature(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body) == expected
+    assert verify(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", "1614265330", body, f"v1,x {expected}")
+    assert not verify(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", "1614265331", body, expected)
+
+
+@pytest.mark.parametrize(
+    ("address", "refused"),
+    [
+        ("127.0.0.1", True),
+        ("169.254.169.254", True),
+        ("10.0.0.7", True),
+        ("192.168.1.1", True),
+        ("100.64.0.1", True),
+        ("::1", True),
+        ("fd00:ec2::254", True),
+        ("::ffff:127.0.0.1", True),
+        ("0.0.0.0", True),
+        ("224.0.0.1", True),
+        ("93.184.215.14", False),
+        ("2606:4700::6810:85e5", False),
+    ],
+)
+def test_which_addresses_a_webhook_may_reach(address: str, refused: bool) -> None:
+    assert (address_problem(address) is not None) == refused
+
+
+async def test_the_delivery_resolver_answers_only_public_addresses() -> None:
+    with pytest.raises(OSError, match="loopback"):
+        await GuardedResolver(allow_private=False).resolve("localhost", 80, socket.AF_INET)
+    found = await GuardedResolver(allow_private=True).resolve("localhost", 80, socket.AF_INET)
+    assert found[0]["host"] == "127.0.0.1"
+
+
+def test_a_tokens_file_that_cannot_be_used(tmp_path: Path) -> None:
+    path = tmp_path / "tokens"
+    for text, what in [
+        ("", "no NAME:TOKEN"),
+        ("alice\n", ":1: expected NAME:TOKEN"),
+        ("alice:short\n", "at least 16"),
+        ("a b:0123456789abcdef\n", "expected NAME:TOKEN"),
+        ("alice:0123456789abcdef\nalice:0123456789abcdeg\n", ":2: client 'alice' repeated"),
+        ("alice:0123456789abcdef\nbob:0123456789abcdef\n", "another client's too"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(TokensError, match=what) as e:
+            Clients.load(path)
+        assert "0123456789" not in str(e.value)  # never a token
+    path.write_text("# clients\nalice:0123456789abcdef\n\nbob:fedcba9876543210\n")
+    clients = Clients.load(path)
+    assert clients.names == ["alice", "bob"]
+    assert clients.client("Bearer 0123456789abcdef") == "alice"
+    assert clients.client("bearer fedcba9876543210") == "bob"
+    for header in (None, "", "Bearer", "Basic 0123456789abcdef", "Bearer 0123456789abcde"):
+        assert clients.client(header) is None
+
+
+def test_pointers_and_ranges() -> None:
+    assert pointer("set.1.color") == "/set/1.color"
+    assert pointer("inputs.a/b~c.image") == "/inputs/a~1b~0c.image"
+    assert pointer("json") == "" and pointer("id") == "/id"
+    assert byte_range(None, 10) is None
+    assert byte_range("bytes=2-4", 10) == (2, 4)
+    assert byte_range("bytes=8-", 10) == (8, 9)
+    assert byte_range("bytes=-3", 10) == (7, 9)
+    assert byte_range("bytes=5-100", 10) == (5, 9)
+    assert byte_range("bytes=10-", 10) == "unsatisfiable"
+    assert byte_range("bytes=1-2,4-5", 10) is None  # several ranges: the whole file
+    assert byte_range("items=1-2", 10) is None
+
+
+async def test_the_outbox_retries_then_delivers_then_gives_up(store: Store) -> None:
+    """A receiver that answers 503 twice gets the webhook a third time, signed, with the
+    same id; a receiver gone for longer than the give-up time gets given up on; every
+    attempt is an event of its job."""
+    answers = [503, 503, 204]
+    got: list[tuple[str, bool]] = []
+    key = b"k" * 32
+
+    async def receive(request: web.Request) -> web.Response:
+        body = await request.read()
+        h = request.headers
+        ok = verify(key, h["webhook-id"], h["webhook-timestamp"], body, h["webhook-signature"])
+        got.append((h["webhook-id"], ok))
+        return web.Response(status=answers.pop(0))
+
+    app = web.Application()
+    app.router.add_post("/hook", receive)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    ledger = ApiLedger(store)
+    delivered, dropped = (
+        _ended_job(store, ledger, f"http://127.0.0.1:{port}/hook"),
+        _ended_job(store, ledger, "http://127.0.0.1:9/gone"),
+    )
+    outbox = Outbox(
+        ledger,
+        key,
+        allow_private=True,
+        base_delay_s=0.01,
+        max_delay_s=0.02,
+        give_up_after_s=3.0,
+        poll_s=0.01,
+    )
+
+    task = asyncio.create_task(outbox.run())
+    try:
+        await wait_until(
+            lambda: (
+                all(h.next_at is None for j in (delivered, dropped) for h in ledger.webhooks(j))
+                and bool(ledger.webhooks(delivered))
+            ),
+            30,
+            "both webhooks delivered or given up",
+        )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runner.cleanup()
+    [hook] = ledger.webhooks(delivered)
+    assert hook.webhook_id == webhook_id(delivered, store.get(delivered).finished_at)  # type: ignore[union-attr]
+    assert got == [(hook.webhook_id, True)] * 3
+    assert hook.delivered_at is not None and hook.attempts == 3
+    notes = [e.detail for e in store.events(delivered) if (e.detail or "").startswith("webhook")]
+    assert [n.rsplit(": ", 1)[-1].split(";")[0] for n in notes] == [
+        "HTTP 503",
+        "HTTP 503",
+        "delivered",
+    ]
+    [gone] = ledger.webhooks(dropped)
+    assert gone.given_up_at is not None and gone.delivered_at is None
+    last = [e.detail for e in store.events(dropped) if (e.detail or "").startswith("webhook")][-1]
+    assert "given up after 3 s" in (last or "")
+
+
+def _ended_job(store: Store, ledger: ApiLedger, url: str) -> str:
+    body = job_body()
+    sub = parse_submission(body, partition="api-alice", max_input_bytes=10, max_message_bytes=10**6)
+    ledger.add(ApiJob(sub.job.id, "alice", sub.content, sub.message, url, store.now()))
+    store.register_jobs("api-alice", [sub.job])
+    assert store.claim(sub.job.id, "test-owner") == "claimed"
+    store.mark_done(sub.job.id, "test-owner", files=[OutputFile("a.png", "0" * 64, 1)])
+    return sub.job.id
