@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.api import publisher
 from comfy_assets.api.app import Limits
-from comfy_assets.api.submission import pointer
+from comfy_assets.api.submission import parse_submission, pointer
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service.messages import file_messages
@@ -261,15 +260,16 @@ async def test_cancel_then_requeue(store: Store, queue: str) -> None:
 
 
 async def test_a_job_recorded_but_not_confirmed_is_published_again(
-    store: Store, queue: str, monkeypatch: pytest.MonkeyPatch
+    store: Store, queue: str
 ) -> None:
     """The API died between the store and the broker: the next API publishes it."""
     api = make_api(store, queue)
-    job_id = job_body()["id"]
-    api.ledger.add(
-        ApiJob(job_id, "alice", {"take": 1}, b'{"id": "' + job_id.encode() + b'"}', None, 0.0)
+    sub = parse_submission(
+        job_body(), partition="api-alice", max_input_bytes=10, max_message_bytes=10**6
     )
-    monkeypatch.setattr(publisher, "REPUBLISH_AFTER_S", 0.0)
+    job_id = sub.job.id
+    row = ApiJob(job_id, "alice", sub.content, sub.message, None, store.now() - 60)
+    api.ledger.take(row, "api-alice", sub.job)  # and killed before the publish
     client = await api_client(api, background=True)
     async with client:
         await wait_until(
@@ -278,4 +278,5 @@ async def test_a_job_recorded_but_not_confirmed_is_published_again(
             "the job published again",
         )
     [message] = await queued(queue)
-    assert message.message_id == job_id
+    assert message.message_id == job_id and message.body == sub.message
+    assert store.get(job_id).state == "pending"  # type: ignore[union-attr]

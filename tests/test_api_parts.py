@@ -171,8 +171,8 @@ async def test_the_outbox_retries_then_delivers_then_gives_up(store: Store) -> N
 def _ended_job(store: Store, ledger: ApiLedger, url: str) -> str:
     body = job_body()
     sub = parse_submission(body, partition="api-alice", max_input_bytes=10, max_message_bytes=10**6)
-    ledger.add(ApiJob(sub.job.id, "alice", sub.content, sub.message, url, store.now()))
-    store.register_jobs("api-alice", [sub.job])
+    row = ApiJob(sub.job.id, "alice", sub.content, sub.message, url, store.now())
+    ledger.take(row, "api-alice", sub.job)
     assert store.claim(sub.job.id, "test-owner") == "claimed"
     store.mark_done(sub.job.id, "test-owner", files=[OutputFile("a.png", "0" * 64, 1)])
     return sub.job.id

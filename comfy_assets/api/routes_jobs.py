@@ -129,10 +129,9 @@ async def _webhook_problems(api: Api, url: str) -> list[Problem]:
 
 async def _take(api: Api, client: str, sub: Submission) -> web.Response:
     job = sub.job
-    existing = await off_loop(api.ledger, api.ledger.get, job.id)
+    existing, known = await off_loop(api.ledger, api.ledger.lookup, job.id)
     if existing is None:
-        record = await off_loop(api.store, api.store.get, job.id)
-        if record is not None:
+        if known:
             return error(409, f"job id {job.id} is in use by a job the API did not take")
         row = ApiJob(
             job_id=job.id,
@@ -142,13 +141,14 @@ async def _take(api: Api, client: str, sub: Submission) -> web.Response:
             webhook=sub.webhook,
             created_at=api.ledger.now(),
         )
-        existing = await off_loop(api.ledger, api.ledger.add, row)
-        if existing.client != client or existing.content != sub.content:
-            return await _again(api, client, sub, existing)  # another request was first
         try:
-            await off_loop(api.store, api.store.register_jobs, partition_of(client), [job])
+            existing, inserted = await off_loop(
+                api.ledger, api.ledger.take, row, partition_of(client), job
+            )
         except PartitionConflict:
             return error(409, f"job id {job.id} is in use by a job the API did not take")
+        if not inserted:
+            return await _again(api, client, sub, existing)  # another request was first
         try:
             await publish_recorded(api.ledger, api.publisher, job.id, sub.message)
         except broker.BrokerError as e:

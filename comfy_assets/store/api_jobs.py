@@ -22,9 +22,11 @@ from typing import Any
 import sqlalchemy as sa
 
 from comfy_assets.jobs.events import log_event
+from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.states import FAILED_FATAL, IN_FLIGHT, InvalidTransition, State
 from comfy_assets.store.base import _TERMINAL, StoreBase, _event, _job_record
 from comfy_assets.store.records import ClaimLost, JobRecord
+from comfy_assets.store.register import register
 from comfy_assets.store.retry import retried
 from comfy_assets.store.schema import api_jobs_table, api_webhooks_table, jobs_table
 from comfy_assets.store.statements import insert_for
@@ -112,9 +114,27 @@ class ApiLedger(StoreBase):
         return None if row is None else _api_job(row)
 
     @retried
-    def add(self, job: ApiJob) -> ApiJob:
-        """Record ``job`` unless a row of its id exists; returns the row that is there
-        afterwards (``job`` itself, or the one another request wrote first)."""
+    def lookup(self, job_id: str) -> tuple[ApiJob | None, bool]:
+        """The API's row of ``job_id`` (or None), and whether the store has a job of that
+        id at all (one the API took, or a job file's), in one read."""
+        stmt = (
+            sa.select(api_jobs_table, jobs_table.c.job_id.label("known"))
+            .select_from(jobs_table.outerjoin(api_jobs_table, API.job_id == jobs_table.c.job_id))
+            .where(jobs_table.c.job_id == job_id)
+        )
+        with self._read() as conn:
+            row = conn.execute(stmt).first()
+            if row is None:  # no job row: perhaps an API row alone (written, not registered)
+                api = conn.execute(sa.select(api_jobs_table).where(API.job_id == job_id)).first()
+                return (None if api is None else _api_job(api)), False
+        return (None if row.client is None else _api_job(row)), True
+
+    @retried
+    def take(self, job: ApiJob, partition: str, rendered: Job) -> tuple[ApiJob, bool]:
+        """Record ``job`` and register ``rendered`` (its Job) under ``partition``, in one
+        transaction, unless the API has a row of that id already: returns the row that is
+        there afterwards and whether this call wrote it. Raises PartitionConflict (a job
+        of that id in another partition: nothing is written)."""
         values = {
             "job_id": job.job_id,
             "client": job.client,
@@ -125,9 +145,15 @@ class ApiLedger(StoreBase):
         }
         stmt = insert_for(self.dialect, api_jobs_table).on_conflict_do_nothing()
         with self._write() as conn:
-            conn.execute(stmt, values)
+            inserted = bool(conn.execute(stmt, values).rowcount)
             row = conn.execute(sa.select(api_jobs_table).where(API.job_id == job.job_id)).one()
-        return _api_job(row)
+            events = []
+            if inserted:
+                _, found = register(conn, self.dialect, partition, [rendered], self.now())
+                events = self._insert_events(conn, found)
+        for event in events:
+            log_event(event)
+        return _api_job(row), inserted
 
     @retried
     def mark_published(self, job_id: str, published: bool = True) -> None:
