@@ -73,6 +73,7 @@ class Run:
         self.latencies: list[float] = []
         self.retries = 0
         self.kills = 0
+        self.api_cpu_s = 0.0  # of the API processes killed or stopped so far
 
     def start_api(self, tokens: Path) -> None:
         log = (self.folder / "api.log").open("ab")
@@ -86,8 +87,16 @@ class Run:
             cwd=ROOT, stdout=log, stderr=log,
         )  # fmt: skip
 
+    def api_cpu(self) -> float:
+        """CPU seconds (user + system) the running API has used (from /proc)."""
+        assert self.api is not None
+        with open(f"/proc/{self.api.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def kill_api(self) -> None:
         assert self.api is not None
+        self.api_cpu_s += self.api_cpu()
         self.api.send_signal(signal.SIGKILL)
         self.api.wait()
         self.kills += 1
@@ -200,6 +209,7 @@ async def one_run(args: argparse.Namespace, name: str, kill: bool) -> dict[str, 
         run.start_api(tokens)
         try:
             await wait_ready(run.port)
+            cpu_before = run.api_cpu()
             started = time.monotonic()
             tasks = [
                 client(run, secrets[n], args.jobs_per_client, i * args.jobs_per_client)
@@ -209,6 +219,7 @@ async def one_run(args: argparse.Namespace, name: str, kill: bool) -> dict[str, 
                 tasks.append(killer(run, tokens, total // 3))
             await asyncio.gather(*tasks)
             elapsed = time.monotonic() - started
+            api_cpu_s = run.api_cpu_s + run.api_cpu() - cpu_before
             ids = list(run.accepted)
             deadline = time.monotonic() + args.render_timeout_s
             while done_count(db_url, ids) < len(ids) and time.monotonic() < deadline:
@@ -231,6 +242,7 @@ async def one_run(args: argparse.Namespace, name: str, kill: bool) -> dict[str, 
         f"{name}_submissions_per_s": round(len(ids) / elapsed, 1),
         f"{name}_p50_ms": round(statistics.median(lat) * 1000, 1),
         f"{name}_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 1),
+        f"{name}_api_cpu_ms_per_submission": round(api_cpu_s * 1000 / max(1, len(ids)), 2),
         f"{name}_retries": run.retries,
         f"{name}_api_kills": run.kills,
         f"{name}_rendered_once": sum(1 for c in counts if c == 1),
