@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from comfy_assets.api.app import Limits
+from comfy_assets.api.publisher import Publisher
 from comfy_assets.api.submission import parse_submission, pointer
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
@@ -21,6 +22,7 @@ from comfy_assets.service.messages import file_messages
 from comfy_assets.store import OutputFile, Store
 from comfy_assets.store.api_jobs import ApiJob
 from tests.api_support import (
+    AMQP,
     api_client,
     auth,
     data_uri,
@@ -280,3 +282,27 @@ async def test_a_job_recorded_but_not_confirmed_is_published_again(
     [message] = await queued(queue)
     assert message.message_id == job_id and message.body == sub.message
     assert store.get(job_id).state == "pending"  # type: ignore[union-attr]
+
+
+async def test_a_broker_away_answers_503_and_the_same_request_later_publishes(
+    store: Store, queue: str
+) -> None:
+    """No 202 without the broker's confirm: the job is recorded, the client told to send
+    it again, and that retry (the broker back) publishes it and answers 200."""
+    api = make_api(store, queue)
+    api.publisher = Publisher("amqp://guest:guest@127.0.0.1:1/", queue, timeout_s=2)
+    client = await api_client(api)
+    body = job_body()
+    async with client:
+        away = await client.post("/v1/jobs", json=body, headers=auth())
+        assert away.status == 503 and away.headers["Retry-After"] == "5"
+        assert "send the same request again" in (await away.json())["message"]
+        assert (await client.get("/readyz")).status == 503
+        assert api.ledger.get(body["id"]).published_at is None  # type: ignore[union-attr]
+        assert store.get(body["id"]).state == "pending"  # type: ignore[union-attr]
+        api.publisher = Publisher(AMQP, queue)  # the broker is back
+        again = await client.post("/v1/jobs", json=body, headers=auth())
+        assert again.status == 200
+        assert (await client.get("/readyz")).status == 200
+    [message] = await queued(queue)
+    assert message.message_id == body["id"]
