@@ -14,6 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from comfy_assets.api.app import json_response
+from comfy_assets.jobs.states import State
 
 JSON = "application/json"
 UUID = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
@@ -119,18 +120,7 @@ SCHEMAS: dict[str, Any] = {
         ],
         "properties": {
             "id": {"type": "string"},
-            "state": {
-                "type": "string",
-                "enum": [
-                    "pending",
-                    "submitted",
-                    "rendering",
-                    "succeeded",
-                    "degraded",
-                    "failed_retryable",
-                    "failed_fatal",
-                ],
-            },
+            "state": {"type": "string", "enum": [s.value for s in State]},
             "take": {"type": "integer"},
             "attempts": {"type": "integer"},
             "servers": {"type": "array", "items": {"type": "string"}},
