@@ -306,3 +306,21 @@ async def test_a_broker_away_answers_503_and_the_same_request_later_publishes(
         assert (await client.get("/readyz")).status == 200
     [message] = await queued(queue)
     assert message.message_id == body["id"]
+
+
+async def test_a_higher_take_renders_the_job_again(store: Store, queue: str) -> None:
+    client = await api_client(make_api(store, queue))
+    body = job_body()
+    async with client:
+        assert (await client.post("/v1/jobs", json=body, headers=auth())).status == 202
+        second = await client.post("/v1/jobs", json=dict(body, take=2), headers=auth())
+        assert second.status == 202 and (await second.json())["take"] == 2
+        same = await client.post("/v1/jobs", json=dict(body, take=2), headers=auth())
+        assert same.status == 200
+        back = await client.post("/v1/jobs", json=body, headers=auth())
+        assert back.status == 409 and (await back.json())["differs"] == ["/take"]
+    record = store.get(body["id"])
+    assert record is not None and record.take == 2 and record.state == "pending"
+    assert [e.detail for e in store.events(body["id"])] == ["registered", "take 1 → 2"]
+    first, again = await queued(queue)
+    assert json.loads(first.body).get("take", 1) == 1 and json.loads(again.body)["take"] == 2

@@ -4,8 +4,9 @@
 ``POST /v1/jobs`` answers 202 only once the job is durable: its rows in the store
 (``comfy_api_jobs``, then the job itself, pending) and its message confirmed by the
 broker. The same id with the same content answers 200 with the job as it is now (a
-client retrying after a timeout: nothing is rendered twice); with other content, 409
-naming the fields that differ. A job recorded whose message the broker did not confirm
+client retrying after a timeout: nothing is rendered twice); with a higher ``take`` and
+nothing else changed, 202: a new take, rendered again; with other content, 409 naming
+the fields that differ. A job recorded whose message the broker did not confirm
 (503) is published by the same request sent again, or by the API itself a few seconds
 later (``publisher.republish_loop``).
 """
@@ -13,6 +14,7 @@ later (``publisher.republish_loop``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 
@@ -166,6 +168,8 @@ async def _again(api: Api, client: str, sub: Submission, existing: ApiJob) -> we
     if existing.client != client:
         return error(409, f"job id {sub.job.id} is in use")
     differ = differences(existing.content, sub.content)
+    if differ == ["/take"] and sub.content["take"] > existing.content.get("take", 1):
+        return await _retake(api, client, sub, existing)
     if differ:
         return error(
             409,
@@ -182,6 +186,19 @@ async def _again(api: Api, client: str, sub: Submission, existing: ApiJob) -> we
         except PartitionConflict:
             return error(409, f"job id {sub.job.id} is in use by a job the API did not take")
     return json_response(await current_view(api, existing), status=200)
+
+
+async def _retake(api: Api, client: str, sub: Submission, existing: ApiJob) -> web.Response:
+    """The same job with a higher ``take``: rendered again (202), the earlier take's
+    files kept (README, "Takes"). Its ending gets a webhook of its own."""
+    again = dataclasses.replace(existing, content=sub.content, message=sub.message)
+    await off_loop(api.ledger, api.ledger.retake, again, partition_of(client), sub.job)
+    try:
+        await publish_recorded(api.ledger, api.publisher, sub.job.id, sub.message)
+    except broker.BrokerError as e:
+        return _not_confirmed(e)
+    view = await current_view(api, again)
+    return json_response(view, status=202, headers={"Location": job_path(sub.job.id)})
 
 
 def _not_confirmed(e: broker.BrokerError) -> web.Response:

@@ -156,6 +156,23 @@ class ApiLedger(StoreBase):
         return _api_job(row), inserted
 
     @retried
+    def retake(self, job: ApiJob, partition: str, rendered: Job) -> None:
+        """Replace ``job``'s content and message by a new take's (``rendered``, its Job,
+        registered again: pending under its new prompt_id), its message to be published
+        (``published_at`` cleared), in one transaction."""
+        values = {
+            "content_json": json.dumps(job.content, sort_keys=True),
+            "message": job.message.decode(),
+            "published_at": None,
+        }
+        with self._write() as conn:
+            conn.execute(api_jobs_table.update().where(API.job_id == job.job_id).values(**values))
+            _, found = register(conn, self.dialect, partition, [rendered], self.now())
+            events = self._insert_events(conn, found)
+        for event in events:
+            log_event(event)
+
+    @retried
     def mark_published(self, job_id: str, published: bool = True) -> None:
         """Note that the broker confirmed ``job_id``'s message (or, ``published=False``,
         that it must be published again: a requeue)."""
