@@ -5,7 +5,8 @@ the client and a local webhook receiver that checks every signature.
 A client submits a job with an input picture as a data URI, follows it live (Server-Sent
 Events) until it ends, fetches its picture (the bytes of the done record), gets a signed
 webhook that is retried after the receiver's first 500 with the same ``webhook-id``,
-and sees each attempt among the job's events; a job cancelled while its prompt runs
+and sees each attempt among the job's events; a job accepted just before the API is
+SIGKILLed renders once all the same (the restarted API answers for it); a job cancelled while its prompt runs
 ends as a dead letter ``cancelled by alice``, its prompt interrupted and never posted
 again."""
 
@@ -14,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import signal
 import socket
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,36 +102,41 @@ async def test_submit_follow_fetch_webhook_and_cancel(
             command("worker", "--rabbitmq", AMQP, "--queue", queue, *servers, *env_db, *FAST),
             tmp_path / "worker.log",
         )
-        api = await start(
-            command(
-                "api",
-                *env_db,
-                "--rabbitmq",
-                AMQP,
-                "--queue",
-                queue,
-                "--listen",
-                f"127.0.0.1:{port}",
-                "--tokens",
-                write_tokens(tmp_path / "tokens"),
-                "--webhook-secret-file",
-                secret,
-                "--allow-private-webhooks",
-                *servers,
-            ),
-            tmp_path / "api.log",
+        api_args = command(
+            "api",
+            *env_db,
+            "--rabbitmq",
+            AMQP,
+            "--queue",
+            queue,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--tokens",
+            write_tokens(tmp_path / "tokens"),
+            "--webhook-secret-file",
+            secret,
+            "--allow-private-webhooks",
+            *servers,
         )
+        apis = [await start(api_args, tmp_path / "api.log")]
+
+        async def kill_and_restart() -> None:
+            apis[-1].send_signal(signal.SIGKILL)
+            await apis[-1].wait()
+            apis.append(await start(api_args, tmp_path / "api-restarted.log"))
+
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
-                await _scenario(http, fakes, receiver, hook_port)
+                await _scenario(http, fakes, receiver, hook_port, kill_and_restart)
         finally:
-            for proc in (api, worker):
+            for proc in (*apis, worker):
                 await stop(proc)
             await runner.cleanup()
-            for name in ("api.log", "worker.log"):
-                print(f"--- {name}\n{(tmp_path / name).read_text()[-4000:]}")
+            for name in ("api.log", "api-restarted.log", "worker.log"):
+                if (tmp_path / name).exists():
+                    print(f"--- {name}\n{(tmp_path / name).read_text()[-4000:]}")
     with Store(store_dir, pg_url) as store:
-        assert store.counts("api-alice")["succeeded"] == 1
+        assert store.counts("api-alice")["succeeded"] == 2
 
 
 async def _ready(http: httpx.AsyncClient) -> bool:
@@ -140,7 +147,11 @@ async def _ready(http: httpx.AsyncClient) -> bool:
 
 
 async def _scenario(
-    http: httpx.AsyncClient, fakes: list[FakeComfy], receiver: Receiver, hook_port: int
+    http: httpx.AsyncClient,
+    fakes: list[FakeComfy],
+    receiver: Receiver,
+    hook_port: int,
+    kill_and_restart: Callable[[], Awaitable[None]],
 ) -> None:
     await wait_for(lambda: _ready(http), 60, "the API to be ready")
     job_id = str(uuid.uuid4())
@@ -203,6 +214,24 @@ async def _scenario(
         lambda: _at_least(webhook_events(), 2), 30, "both webhook attempts as events"
     )
     assert "HTTP 500; next in" in details[0] and details[1].endswith(": delivered")
+
+    # An API SIGKILLed right after a 202 loses nothing: the job renders, once.
+    # (Its own filename prefix: the fake, like ComfyUI, would answer the same prompt
+    # from its cache.)
+    workflow = json.loads(json.dumps(INVERT).replace("img2img", "kept"))
+    kept = {"id": str(uuid.uuid4()), "workflow": workflow, "inputs": {"1.image": data_uri(PICTURE)}}
+    assert (await http.post("/v1/jobs", json=kept, headers=auth())).status_code == 202
+    await kill_and_restart()
+    await wait_for(lambda: _ready(http), 60, "the restarted API to be ready")
+
+    async def kept_done() -> bool:
+        state = (await http.get(f"/v1/jobs/{kept['id']}", headers=auth())).json()["state"]
+        return state == "succeeded"
+
+    await wait_for(kept_done, 60, "the job accepted before the kill to render")
+    runs = [r for f in fakes for r in f.stats["runs"] if r["prompt_id"] not in prompt_ids]
+    assert [r["outcome"] for r in runs] == ["success"]
+    prompt_ids |= {r["prompt_id"] for r in runs}
 
     # A job cancelled while its prompt runs: interrupted, a dead letter, never executed.
     for fake in fakes:
