@@ -176,3 +176,31 @@ def _ended_job(store: Store, ledger: ApiLedger, url: str) -> str:
     assert store.claim(sub.job.id, "test-owner") == "claimed"
     store.mark_done(sub.job.id, "test-owner", files=[OutputFile("a.png", "0" * 64, 1)])
     return sub.job.id
+
+
+def test_the_api_command_refuses_bad_input(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from comfy_assets.cli.main import main
+
+    monkeypatch.delenv("COMFY_ASSETS_RABBITMQ_URL", raising=False)
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice:short\n")
+    base = ["api", "--store", str(tmp_path / "store"), "--tokens", str(tokens)]
+    assert main(base) == 2
+    assert "no RabbitMQ URL" in capsys.readouterr().err
+    amqp = ["--rabbitmq", "amqp://guest:guest@127.0.0.1:5672/"]
+    assert main([*base, *amqp]) == 2
+    err = capsys.readouterr().err
+    assert f"--tokens {tokens}:1: the token of 'alice' must have at least 16" in err
+    assert "short" not in err
+    tokens.write_text("alice:0123456789abcdef\n")
+    secret = tmp_path / "secret"
+    secret.write_text("whsec_not base64!\n")
+    assert main([*base, *amqp, "--webhook-secret-file", str(secret)]) == 2
+    assert "not base64 after whsec_" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main([*base, *amqp, "--listen", "nowhere"])
+    assert e.value.code == 2
+    assert "expected HOST:PORT, got 'nowhere'" in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()  # nothing was created
