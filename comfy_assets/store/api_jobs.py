@@ -38,8 +38,10 @@ HOOK = api_webhooks_table.c
 # heartbeat row, so nobody takes the claim before it expires.
 CANCEL_PREFIX = "api-cancel:"
 CANCEL_HOLD_S = 3600.0
-# Seconds after which a cancelled job still in flight is dead-lettered anyway.
-CANCEL_SETTLE_S = 120.0
+# Seconds after which a cancelled job still in flight is dead-lettered anyway (its
+# server's lease held all along), and before which it is not (its lease free).
+CANCEL_SETTLE_S = 1800.0
+CANCEL_QUIET_S = 5.0
 
 
 def cancel_owner(client: str) -> str:
@@ -253,14 +255,25 @@ class ApiLedger(StoreBase):
 
     def finish_cancel(self, record: JobRecord, settle_s: float = CANCEL_SETTLE_S) -> bool:
         """Make a job whose claim a cancel took a dead letter ``cancelled by <client>``
-        once its attempt has settled (it left submitted/rendering), or ``settle_s``
-        seconds after the cancel when it never does (its worker's attempt found the
-        claim gone and stopped). True when it is a dead letter now."""
+        once its attempt has settled: it left submitted/rendering, or (its worker found
+        the claim gone, or died) its server's lease is no longer held, a few seconds
+        after the cancel (held for another prompt counts as free); or ``settle_s`` seconds after it whatever the lease says. Not
+        before: a worker whose attempt is still under way records its end, and must find
+        the job in flight. True when it is a dead letter now."""
         owner = record.claimed_by or ""
         if not owner.startswith(CANCEL_PREFIX):
             return False
-        if record.state in IN_FLIGHT and self.now() - record.updated_at < settle_s:
-            return False
+        if record.state in IN_FLIGHT:
+            waited = self.now() - record.updated_at
+            lease = self.store.server_leases().get(record.server or "")
+            # Held for another prompt: this job's attempt is over.
+            busy = (
+                lease is not None
+                and lease.held(self.now())
+                and lease.prompt_id in (None, record.prompt_id)
+            )
+            if waited < settle_s and (busy or waited < CANCEL_QUIET_S):
+                return False
         client = owner[len(CANCEL_PREFIX) :]
         try:
             self.store.dead_letter(record.job_id, owner, f"cancelled by {client}")
