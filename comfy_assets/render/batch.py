@@ -101,7 +101,7 @@ class Batch(Settle, Chain):
         self.on_progress = on_progress
         self.started = time.monotonic()
         self.progress = Progress(len(self.jobs))
-        self.queue = JobQueue(pool.plan, pool.planned)
+        self.queue = JobQueue(pool.plan, pool.planned, pool)
         self.unresolved = len(self.jobs)
         self.resolutions = 0  # jobs resolved so far (a parked job's check may miss one)
         self._init_chain()

@@ -131,6 +131,71 @@ pool_waiters_table = sa.Table(
     sa.Column("servers", sa.Text),
 )
 
+# Each server's health as every process sharing the store judges it (store/health.py):
+# its state (ok, quarantined until ``until``, on trial after a cool-down), its strikes
+# (jobs in a row that failed there and rendered elsewhere), the cool-down level, and its
+# counts. ``failed_jobs``: a JSON list of the last jobs that failed there, each
+# [job id, where it rendered, reason].
+server_health_table = sa.Table(
+    "comfy_server_health",
+    metadata,
+    sa.Column("server", sa.String(255), primary_key=True),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("until", sa.Double),
+    sa.Column("strikes", sa.Integer, nullable=False),
+    sa.Column("level", sa.Integer, nullable=False),
+    sa.Column("quarantines", sa.Integer, nullable=False),
+    sa.Column("jobs_done", sa.Integer, nullable=False),
+    sa.Column("failures_server", sa.Integer, nullable=False),
+    sa.Column("failures_job", sa.Integer, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("failed_jobs", sa.Text),
+    sa.Column("updated_at", sa.Double, nullable=False),
+)
+
+# Failures that may be the server's, until the job's next attempt elsewhere says whose
+# they are (``verdict`` NULL: open; "server", "job" or "unknown" once judged). A server
+# with open failures takes no job that has not failed elsewhere while a server without
+# any can run it (render/queue.py).
+server_failures_table = sa.Table(
+    "comfy_server_failures",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+    sa.Column("server", sa.String(255), nullable=False),
+    sa.Column("job_id", sa.String(36), nullable=False),
+    sa.Column("workflow_sha256", sa.String(64), nullable=False),
+    sa.Column("signature", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("at", sa.Double, nullable=False),
+    sa.Column("verdict", sa.String(8)),
+    sa.Index("ix_comfy_server_failures_job", "job_id"),
+    sa.Index("ix_comfy_server_failures_open", "server", "verdict"),
+)
+
+# Workflows (by sha256) known to fail in one node with one error on two servers: their
+# jobs are dead letters at their first such failure.
+workflow_failures_table = sa.Table(
+    "comfy_workflow_failures",
+    metadata,
+    sa.Column("workflow_sha256", sa.String(64), primary_key=True),
+    sa.Column("signature", sa.String(400), primary_key=True),
+    sa.Column("servers", sa.Text, nullable=False),  # " gpu2 gpu0 "
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("at", sa.Double, nullable=False),
+)
+
+# What happened to a server: quarantined, on trial, re-admitted (by whom and why).
+server_events_table = sa.Table(
+    "comfy_server_events",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+    sa.Column("time", sa.Double, nullable=False),
+    sa.Column("server", sa.String(255), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),
+    sa.Index("ix_comfy_server_events_server", "server"),
+)
+
 
 # Seconds between an owner's heartbeats, and the silence after which it is gone.
 OWNER_BEAT_S = 2.0
