@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -34,6 +33,8 @@ class HealthRecord(Protocol):
     open_failures: int
 
     def blocked(self) -> str | None: ...
+
+    def line(self) -> str: ...
 
 
 class Quarantine:
@@ -82,9 +83,8 @@ class Quarantine:
         why = record.blocked() if record is not None else None
         if why is None or record is None:
             return None
-        if why == "quarantined" and record.until is not None:
-            until = time.strftime("%H:%M:%S", time.localtime(record.until))
-            return f"quarantined until {until}: {record.reason}"
+        if why == "quarantined":
+            return record.line().removeprefix(f"{name} ")
         return why
 
     def on_probation(self, name: str) -> bool:
@@ -104,14 +104,21 @@ class Quarantine:
 
     def _check_usable(self) -> None:
         """Raise NoServerReachable once every server has been quarantined for
-        ``unreachable_timeout_s``: the batch stops with its jobs pending, as when none
-        answers."""
+        ``unreachable_timeout_s``, or at once when no cool-down ends within it: the
+        batch stops with its jobs pending, as when none answers."""
         since, limit = self._blocked_since, self.settings.unreachable_timeout_s
         if since is None or limit is None:
             return
         waited = asyncio.get_running_loop().time() - since
         blocked = self.all_blocked()
-        if blocked and waited >= limit:
+        if not blocked:
+            return
+        ends = [self.health[name].until for name in blocked if name in self.health]
+        if all(end is not None for end in ends) and ends:
+            left = min(e for e in ends if e is not None) - self.leases.now()
+            if left > limit - waited:
+                raise NoServerReachable(waited, blocked, what="usable")
+        if waited >= limit:
             raise NoServerReachable(waited, blocked, what="usable")
 
     def all_blocked(self) -> dict[str, str]:

@@ -105,6 +105,7 @@ class Batch(Settle, Chain):
         self.unresolved = len(self.jobs)
         self.resolutions = 0  # jobs resolved so far (a parked job's check may miss one)
         self._init_chain()
+        self._blocked_groups = {}
         self.claims = Claims(store, owner, config.lease_s, self._db, self._claim_gone)
         self.renderings = DeferredRendering(self._write_rendering, self._rendering_failed)
         self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
@@ -248,10 +249,11 @@ class Batch(Settle, Chain):
         self.queue.put_back(item, rec)
 
     def _unrunnable_group(self) -> str | None:
-        """Why some job waiting here can run on no server now, else None (``check`` of
-        ``Pool.acquire``, asked at each look)."""
+        """Why some job waiting here can run on no server now (or only on quarantined
+        ones, for too long), else None (``check`` of ``Pool.acquire``, asked at each
+        look)."""
         for group in self.queue.groups():
-            reason = self.pool.cannot_run_now(group)
+            reason = self.pool.cannot_run_now(group) or self._quarantined_group(group)
             if reason is not None:
                 return reason
         return None
@@ -299,6 +301,7 @@ class Batch(Settle, Chain):
                         item = self.queue.pop_for(slot)
                 except NoServerCanRun:  # a server started again without a model
                     await self._dead_letter_unrunnable()
+                    await self._leave_quarantined()
                     continue
                 except NoServerReachable as e:
                     self._stop_unreachable(e)  # the jobs here stay pending, unposted

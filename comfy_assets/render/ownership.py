@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import time
 from functools import lru_cache
 from typing import Any
 
@@ -64,8 +65,14 @@ class Ownership:
     pool: Any
     store: Any
     queue: Any
+    config: Any
+    claims: Any
     _db: Any
     report: Any
+    _resolve: Any
+    # Per group of jobs: monotonic time every server able to run it was first seen
+    # quarantined.
+    _blocked_groups: dict[Any, float]
 
     async def _owned(self, item: Item, r: AttemptResult) -> tuple[AttemptResult, bool]:
         """The attempt's result once ownership is decided, and whether the job is tried
@@ -168,6 +175,43 @@ class Ownership:
         another reason, given up): they no longer hold their servers back."""
         if item.failed_on:
             await self._health(self.store.job_unjudged, item.job.id)
+
+    def _quarantined_group(self, group: Any) -> str | None:
+        """Why the jobs of ``group`` wait for no good reason any more: every server that
+        can run them is quarantined, for ``unreachable_timeout_s`` already or with no
+        cool-down ending within it; else None (they wait, or need not)."""
+        pool = self.pool
+        capable = [s.name for s in pool.servers if pool.lacks(s.name, group) is None]
+        blocked = {name: pool.blocked(name) for name in capable}
+        if not capable or any(why is None for why in blocked.values()):
+            self._blocked_groups.pop(group, None)
+            return None
+        limit = self.config.unreachable_timeout_s
+        if limit is None:
+            return None  # the worker waits for ever: a cool-down ends
+        now = time.monotonic()
+        waited = now - self._blocked_groups.setdefault(group, now)
+        ends = [pool.health[n].until for n in capable if n in pool.health]
+        soonest = min((e for e in ends if e is not None), default=None)
+        late = soonest is not None and soonest - self.store.now() > limit - waited
+        if waited < limit and not late:
+            return None
+        listed = "; ".join(f"{name} {why}" for name, why in blocked.items())
+        return f"every server that can run it is quarantined ({listed})"
+
+    async def _leave_quarantined(self) -> None:
+        """The jobs waiting here for servers that are all quarantined (``_quarantined_
+        group``) are not run in this batch: their claims are released, they stay pending
+        for a later run, and a line says why."""
+        for group in self.queue.groups():
+            reason = self._quarantined_group(group)
+            if reason is None:
+                continue
+            for item in self.queue.pop_all(group):
+                if item.rec is not None:
+                    self.claims.release(item.job.id)
+                self.report(f"job {item.job.id}: not run, {reason}; it stays pending")
+                self._resolve("not_run", item.job.id)
 
     async def _health(self, call: Any, *args: Any, **kwargs: Any) -> None:
         """A write to the servers' health; its changes of state are said, and the pool

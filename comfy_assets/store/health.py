@@ -21,6 +21,7 @@ Every method is one transaction; times are the database's clock (``store/clock.p
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -78,6 +79,25 @@ class ServerHealthRecord:
     reason: str | None
     failed_jobs: tuple[tuple[str, str, str], ...] = ()
     open_failures: int = 0
+
+    def line(self) -> str:
+        """The server's state for people: ``gpu2 quarantined until 12:04:10: 3 jobs
+        failed here that rendered on gpu0, gpu1 (last: ...)``, ``gpu2 on trial (its
+        cool-down is over: its next job decides)``, ``gpu0 ok``, with its strikes and
+        open failures when it has some."""
+        if self.state == "quarantined":
+            until = time.strftime("%H:%M:%S", time.localtime(self.until or 0))
+            return f"{self.server} quarantined until {until}: {self.reason}"
+        if self.state == "trial":
+            text = f"{self.server} on trial (its cool-down is over: its next job decides)"
+        else:
+            text = f"{self.server} ok"
+        notes = []
+        if self.strikes:
+            notes.append(f"{self.strikes} of {QUARANTINE_STRIKES} strikes (last: {self.reason})")
+        if self.open_failures:
+            notes.append(f"{self.open_failures} failures here not judged elsewhere yet")
+        return text + (f"; {'; '.join(notes)}" if notes else "")
 
     def blocked(self) -> str | None:
         """Why no job may start there now (quarantined, or on trial with its one job
@@ -174,6 +194,7 @@ class ServerHealth(StoreBase):
             )
         else:
             why = reason
+        row["reason"] = why  # what ``health`` and the pool say of it while quarantined
         detail = f"quarantined for {cooldown:.0f} s: {why}"
         self._event(conn, row["server"], "quarantined", detail, now)
         return HealthChange(row["server"], "quarantined", detail, now + cooldown, cooldown)
