@@ -56,6 +56,7 @@ from comfy_assets.metadata import (
     outputs_contact_sheet,
     picture_markdown,
     results_metadata,
+    servers_metadata,
     table,
 )
 from comfy_assets.partitions import (
@@ -210,6 +211,8 @@ def renders(
         current = [record for record in summary.jobs if record.job_id in in_file]
         outputs = store.partition_files(partition)
         tries = [t for t in store.model_loads(partition) if t.job_id in in_file]
+        failed_on = store.failed_on(partition)
+        health = store.server_health()
         sheet_path = result_store.root / partition / "outputs.contact.png"
         try:
             sheet = outputs_contact_sheet(store, partition, current, sheet_path)
@@ -238,7 +241,7 @@ def renders(
         ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
-    jobs = jobs_frame(current, job_ids, outputs, last_model_tries(tries))
+    jobs = jobs_frame(current, job_ids, outputs, last_model_tries(tries), failed_on)
     metadata: dict[str, object] = {}
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
@@ -263,6 +266,7 @@ def renders(
         "seconds": MetadataValue.float(float(summary.seconds)),
         "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
         "job_table": table(jobs, column_schema(jobs, JOB_COLUMNS)),
+        **servers_metadata([s.name for s in comfy.server_specs()], current, health),
     }
     if tries:  # what loading models cost, per server (jobs that load none: nothing)
         metadata.update(model_load_metadata(model_load_cost(tries)))

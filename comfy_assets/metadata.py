@@ -194,6 +194,7 @@ JOB_COLUMNS = {
     "inputs": "Its input files: key=path@sha256 (or the upstream job, node and file).",
     "state": "succeeded, degraded, failed_fatal (dead letter), pending, ...",
     "server": "The ComfyUI server that rendered it last.",
+    "failed_on": "The servers its failed attempts ran on, in order (where a dead letter failed).",
     "attempts": "Attempts since its inputs last changed.",
     "seconds": "Wall time of the job, seconds.",
     "reason": "Why it failed or degraded.",
@@ -210,12 +211,15 @@ def jobs_frame(
     job_ids: Sequence[str],
     files: Mapping[str, Iterable[FileRow]] | None = None,
     models: dict[str, tuple[tuple[str, ...], bool]] | None = None,
+    failed_on: Mapping[str, Sequence[str]] | None = None,
 ) -> pd.DataFrame:
     """One row per job id (in line order) from the store's job records; a job without a
     record is ``missing``. ``files``: each job's output files (for the sha256 of an input
     taken from an upstream job). Columns: JOB_COLUMNS, the model ones only with ``models``
-    (``render.results.last_model_tries``) not empty."""
+    (``render.results.last_model_tries``) not empty; ``failed_on``: the servers each job
+    failed on (``Store.failed_on``)."""
     files = files or {}
+    failed_on = failed_on or {}
     by_id = {record.job_id: record for record in records}
     rows = []
     for job_id in job_ids:
@@ -233,6 +237,7 @@ def jobs_frame(
                 "inputs": inputs_cell(record.inputs, files),
                 "state": str(record.state),
                 "server": record.server,
+                "failed_on": " ".join(failed_on.get(job_id, ())),
                 "attempts": record.attempts,
                 "seconds": None if record.seconds is None else round(record.seconds, 3),
                 "reason": record.reason,
@@ -404,6 +409,44 @@ def film_metadata(
         else:
             metadata[key] = MetadataValue.float(float(value))
     return metadata
+
+
+SERVER_COLUMNS = {
+    "server": "The ComfyUI server.",
+    "state": "ok, quarantined (until when, why) or trial (its next job decides).",
+    "jobs_done": "Jobs of this partition it rendered.",
+    "failures_server": "Failures it owns: jobs that failed there and rendered elsewhere, "
+    "and infrastructure errors (every partition of the store).",
+    "failures_job": "Failures there that were the job's own (every partition).",
+    "quarantines": "Times it was quarantined (every partition).",
+}
+
+
+def servers_metadata(
+    servers: Sequence[str], records: Sequence[Any], health: Mapping[str, Any]
+) -> dict[str, object]:
+    """The ``servers`` table of a partition: per server, its state and the failures it
+    and the jobs own (``Store.server_health``), the partition's jobs it rendered."""
+    done: dict[str, int] = {}
+    for record in records:
+        if str(record.state) in ("succeeded", "degraded") and record.server:
+            done[record.server] = done.get(record.server, 0) + 1
+    rows = []
+    for name in dict.fromkeys([*servers, *done]):
+        h = health.get(name)
+        state = h.line().removeprefix(f"{name} ") if h is not None else "ok"
+        rows.append(
+            {
+                "server": name,
+                "state": state,
+                "jobs_done": done.get(name, 0),
+                "failures_server": h.failures_server if h is not None else 0,
+                "failures_job": h.failures_job if h is not None else 0,
+                "quarantines": h.quarantines if h is not None else 0,
+            }
+        )
+    frame = pd.DataFrame(rows, columns=list(SERVER_COLUMNS))
+    return {"servers": table(frame, column_schema(frame, SERVER_COLUMNS))}
 
 
 def model_load_metadata(cost: ModelLoadCost) -> dict[str, object]:

@@ -3,6 +3,8 @@ quarantined for every process sharing the store, and never blamed for a bad work
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from pathlib import Path
 
 import pytest
@@ -10,9 +12,11 @@ import pytest
 from comfy_assets.comfy.infra import infra_cause
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.run import run_batch
+from comfy_assets.service.sources import MemorySource
+from comfy_assets.service.worker import Worker
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, job_id, write_jobs
+from tests.support import fake_servers, fast_config, job_id, wait_until, write_jobs
 
 
 def prompts(fake: FakeComfy) -> int:
@@ -195,3 +199,29 @@ def test_infrastructure_errors_are_recognised(exception_type, message, cause):
 )
 def test_errors_of_the_job_are_not_infrastructure(exception_type, message):
     assert infra_cause(exception_type, message) is None
+
+
+async def test_a_worker_whose_every_server_is_quarantined_takes_no_message_and_says_why(
+    tmp_path, caplog
+):
+    store = Store(tmp_path / "store")
+    store.server_failed("gpu0", job_id(99), "0" * 64, "disk", "disk full", infrastructure=True)
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    source = MemorySource("images")
+    source.put(jobs.read_text().splitlines()[0])
+    source.end()
+    fake = FakeComfy(prompt_seconds=0.002)
+    caplog.set_level(logging.WARNING, logger="comfy_assets.service.worker")
+    async with fake_servers(fake) as specs:
+        worker = Worker(
+            source, servers=specs, store=store, config=fast_config(), workflows_dir=jobs.parent
+        )
+        task = asyncio.create_task(worker.run())
+        said = "every server is quarantined (gpu0 quarantined until "
+        await wait_until(lambda: said in caplog.text, 30, "the worker's quarantine line")
+        assert source.acked == [] and prompts(fake) == 0
+        assert source._deliveries == {}  # not one message taken
+        # Re-admitted by hand: the worker takes the message and renders it.
+        store.readmit_server("gpu0", "test")
+        await asyncio.wait_for(task, 60)
+    assert len(source.acked) == 1 and prompts(fake) == 1

@@ -121,6 +121,26 @@ class Quarantine:
         if waited >= limit:
             raise NoServerReachable(waited, blocked, what="usable")
 
+    async def until_usable(
+        self, say: Callable[[str], None], back: Callable[[], None] = lambda: None
+    ) -> None:
+        """Return once some server of the pool may take a prompt. While none may (every
+        one quarantined), ``say`` why, once, and look again every ``HEALTH_TTL_S``;
+        ``back`` is called when one may again after that."""
+        said = False
+        while True:
+            self._read_health()
+            blocked = self.all_blocked()
+            if not blocked:
+                if said:
+                    back()
+                return
+            if not said:
+                listed = "; ".join(f"{name} {why}" for name, why in blocked.items())
+                say(f"every server is quarantined ({listed})")
+                said = True
+            await asyncio.sleep(HEALTH_TTL_S)
+
     def all_blocked(self) -> dict[str, str]:
         """Every server of the pool with why it takes no prompt, when none may take
         one; else empty."""

@@ -7,8 +7,9 @@ number, empty for none), one column per ``set`` key of the job file (named as in
 file, ``"<node id>.<input name>"``, so they never clash with the fixed columns), then
 ``take``, ``inputs`` (each input file as ``key=path@sha256:<hex>``, or for a file of an
 upstream job ``key=job <id> node <n> #<index>@sha256:<hex>``, joined with ``"; "``),
-``state``, ``server``, ``attempts``, ``seconds``, ``files`` (``name:sha256[:12]``
-joined with spaces) and ``reason``. In a partition whose jobs load models, ``models``
+``state``, ``server``, ``failed_on`` (the servers its failed attempts ran on, in order,
+space-separated: where a dead letter failed), ``attempts``, ``seconds``, ``files``
+(``name:sha256[:12]`` joined with spaces) and ``reason``. In a partition whose jobs load models, ``models``
 (the job's model files, space-separated) and ``model_loaded`` (whether the server of its
 last try had to load one: true/false, empty before any try) follow ``server``.
 """
@@ -27,7 +28,17 @@ import pandas as pd
 from comfy_assets.store import Store
 
 FIXED_BEFORE = ["job_id", "line", "shot"]
-FIXED_AFTER = ["take", "inputs", "state", "server", "attempts", "seconds", "files", "reason"]
+FIXED_AFTER = [
+    "take",
+    "inputs",
+    "state",
+    "server",
+    "failed_on",
+    "attempts",
+    "seconds",
+    "files",
+    "reason",
+]
 MODEL_COLUMNS = ["models", "model_loaded"]  # after "server", when jobs load models
 RESULTS_CSV = "results.csv"
 # A job of the job file with no record in the store (it never got registered).
@@ -105,6 +116,7 @@ def results_table(
     files: Mapping[str, Iterable[FileRow]],
     job_ids: Sequence[str] | None = None,
     models: Mapping[str, tuple[tuple[str, ...], bool]] | None = None,
+    failed_on: Mapping[str, Sequence[str]] | None = None,
 ) -> pd.DataFrame:
     """Build the results table.
 
@@ -112,8 +124,10 @@ def results_table(
     order) selects and orders the rows; a job of the file without a record gets a row
     with state ``missing`` so a gap is visible. Without it every record is a row, in the
     given order. ``models`` (``last_model_tries``): when not empty, the ``models`` and
-    ``model_loaded`` columns.
+    ``model_loaded`` columns. ``failed_on``: the servers each job failed on
+    (``Store.failed_on``).
     """
+    failed_on = failed_on or {}
     by_id = {record.job_id: record for record in records}
     order = list(job_ids) if job_ids is not None else [record.job_id for record in records]
 
@@ -138,6 +152,7 @@ def results_table(
                 "inputs": inputs_cell(record.inputs, files),
                 "state": str(record.state),
                 "server": record.server,
+                "failed_on": " ".join(failed_on.get(job_id, ())),
                 "attempts": record.attempts,
                 "seconds": None if record.seconds is None else round(record.seconds, 3),
                 "files": files_cell(files.get(job_id, ())),
@@ -183,7 +198,8 @@ def write_results(
     by_job = store.partition_files(partition)
     files = {record.job_id: by_job.get(record.job_id, []) for record in records}
     models = last_model_tries(store.model_loads(partition))
-    frame = results_table(records, files, job_ids=job_ids, models=models)
+    failed = store.failed_on(partition)
+    frame = results_table(records, files, job_ids=job_ids, models=models, failed_on=failed)
     return write_csv(frame, results_csv_path(store.root, partition)), frame
 
 

@@ -317,6 +317,12 @@ class Worker:
             if not await self._store_back():
                 self._slots.release()
                 return
+            # A message taken now would only wait in hand for a quarantine to end.
+            usable = pool.until_usable(self._say_unusable, self._say_usable)
+            got, _ = await self._unless_stopped(usable)
+            if not got:
+                self._slots.release()
+                return
             got, delivery = await self._unless_stopped(self.source.next())
             if delivery is None:
                 self._slots.release()
@@ -338,6 +344,12 @@ class Worker:
             task = asyncio.create_task(self._handle(delivery, pool))
             self._handlers.add(task)
             task.add_done_callback(self._handler_done)
+
+    def _say_unusable(self, why: str) -> None:
+        log.warning("worker %s: %s; taking no message until one is usable", self.owner, why)
+
+    def _say_usable(self) -> None:
+        log.info("worker %s: a server is usable again; taking messages", self.owner)
 
     async def _store_back(self) -> bool:
         """While the store's database is away, take no message: wait for it here, once,

@@ -31,6 +31,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from comfy_assets.store.base import StoreBase
 from comfy_assets.store.retry import retried
 from comfy_assets.store.schema import (
+    attempts_table,
+    jobs_table,
     server_events_table,
     server_failures_table,
     server_health_table,
@@ -414,6 +416,31 @@ class ServerHealth(StoreBase):
             detail = f"re-admitted by hand ({by})"
             self._event(conn, server, "readmitted", detail, now)
             return HealthChange(server, "readmitted", detail)
+
+    @retried
+    def failed_on(self, partition: str) -> dict[str, tuple[str, ...]]:
+        """The servers each job of ``partition`` had a failed attempt on since its
+        inputs last changed, in the order of its attempts, each once (jobs with none are
+        left out)."""
+        a, j = attempts_table.c, jobs_table.c
+        stmt = (
+            sa.select(a.job_id, a.server)
+            .join(jobs_table, j.job_id == a.job_id)
+            .where(
+                j.partition == partition,
+                a.outcome != "success",
+                a.server.is_not(None),
+                a.attempt > j.attempts_before,
+            )
+            .order_by(a.job_id, a.attempt)
+        )
+        found: dict[str, list[str]] = {}
+        with self._read() as conn:
+            for job_id, server in conn.execute(stmt):
+                servers = found.setdefault(job_id, [])
+                if server not in servers:
+                    servers.append(server)
+        return {job_id: tuple(servers) for job_id, servers in found.items()}
 
     @retried
     def server_events(self, server: str | None = None) -> list[tuple[float, str, str, str]]:
