@@ -39,13 +39,16 @@ async def run(tmp_path: Path, store: Store, fakes: list[FakeComfy], jobs: Path, 
         )
 
 
-@pytest.mark.parametrize("word", ["error", "cuda", "disk"])
+@pytest.mark.parametrize(
+    ("word", "db"), [("error", "sqlite"), ("cuda", "sqlite"), ("disk", "sqlite"), ("error", "pg")]
+)
 async def test_a_sick_server_of_three_runs_at_most_5_prompts_of_30_and_nothing_is_dead_lettered(
-    tmp_path, word
+    tmp_path, word, db, request
 ):
     sick = FakeComfy(default_word=word, prompt_seconds=0.001)
     healthy = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
-    store = Store(tmp_path / "store")
+    url = request.getfixturevalue("pg_url") if db == "pg" else None
+    store = Store(tmp_path / "store", url)
     lines: list[str] = []
     jobs = write_jobs(tmp_path / "jobs", 30, name="big.jsonl")
     async with fake_servers(healthy[0], healthy[1], sick) as servers:
@@ -67,15 +70,17 @@ async def test_a_sick_server_of_three_runs_at_most_5_prompts_of_30_and_nothing_i
     kinds = [kind for _, server, kind, _ in store.server_events() if server == "gpu2"]
     assert kinds[:1] == ["quarantined"]
 
-    # A second file on the same store, right after: nothing goes to gpu2 in its cool-down.
+    # A second file on the same store right after (another process: a Store of its
+    # own): nothing goes to gpu2 during its cool-down.
     before = prompts(sick)
     second = write_jobs(tmp_path / "jobs", 6, name="next.jsonl")
+    other = Store(tmp_path / "store", url)
     async with fake_servers(healthy[0], healthy[1], sick) as servers:
         summary = await run_batch(
             load_job_file(second),
             partition="next",
             servers=servers,
-            store=store,
+            store=other,
             config=fast_config(),
         )
     assert summary.counts["succeeded"] == 6

@@ -162,11 +162,12 @@ class Ownership:
         store is written only when that changes something."""
         if server is None:
             return
-        record = self.pool.health.get(server)
-        busy = record is not None and (
-            record.strikes or record.level or record.state != "ok" or record.open_failures
-        )
-        if not item.failed_on and not busy:
+        health = self.pool.health
+        record = health.get(server)
+        busy = record is not None and (record.strikes or record.level or record.state != "ok")
+        # An open failure of this job may come from an earlier run (its Item is new).
+        judging = any(r.open_failures for r in health.values())
+        if not item.failed_on and not busy and not judging:
             return
         await self._health(self.store.job_rendered, server, item.job.id)
 
