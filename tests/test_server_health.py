@@ -66,7 +66,12 @@ async def test_a_sick_server_of_three_runs_at_most_5_prompts_of_30_and_nothing_i
     assert executions(healthy[0]) + executions(healthy[1]) == 30
     health = store.server_health()["gpu2"]
     assert health.state == "quarantined"
-    assert any(line.startswith("server gpu2 quarantined for 60 s: ") for line in lines)
+    said = [line for line in lines if line.startswith("server gpu2 quarantined for 60 s: ")]
+    assert len(said) == 1
+    named = said[0].rsplit("; jobs that failed here: ", 1)[1].split(", ")
+    assert len(named) >= (3 if word == "error" else 1)
+    assert set(named) <= {j for j, _, _ in health.failed_jobs}
+    assert all(store.get(j).state == "succeeded" for j in named)  # rendered elsewhere
     kinds = [kind for _, server, kind, _ in store.server_events() if server == "gpu2"]
     assert kinds[:1] == ["quarantined"]
 

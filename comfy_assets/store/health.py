@@ -197,7 +197,8 @@ class ServerHealth(StoreBase):
         else:
             why = reason
         row["reason"] = why  # what ``health`` and the pool say of it while quarantined
-        detail = f"quarantined for {cooldown:.0f} s: {why}"
+        failed = ", ".join(job for job, _, _ in jobs)
+        detail = f"quarantined for {cooldown:.0f} s: {why}; jobs that failed here: {failed}"
         self._event(conn, row["server"], "quarantined", detail, now)
         return HealthChange(row["server"], "quarantined", detail, now + cooldown, cooldown)
 
