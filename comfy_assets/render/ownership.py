@@ -83,20 +83,10 @@ class Ownership:
             return r, False
         job = item.job
         if failure.kind == "infrastructure":
-            item.failed_on[server] = failure
-            await self._health(
-                self.store.server_failed,
-                server,
-                job.id,
-                graph_sha256(job.workflow),
-                failure.signature,
-                failure.summary,
-                infrastructure=True,
-            )
+            await self._server_failed(item, server, failure, infrastructure=True)
             return r, True
         if failure.kind != "execution_error":  # a deadline, a lost prompt: backoff stands
-            item.failed_on[server] = failure
-            await self._open_failure(item, server, failure)
+            await self._server_failed(item, server, failure)
             return r, False
         known = await self._db(
             self.store.known_workflow_failure, graph_sha256(job.workflow), failure.signature
@@ -124,14 +114,16 @@ class Ownership:
             )
             reason = f"failed on {' and '.join(servers)}: {failure.summary}"
             return dataclasses.replace(r, kind="permanent", reason=reason), False
-        item.failed_on[server] = failure
         needs = self.queue.needs(item)
         others = [
             s.name
             for s in self.pool.servers
-            if s.name not in item.failed_on and self.pool.lacks(s.name, needs) is None
+            if s.name not in item.failed_on
+            and s.name != server
+            and self.pool.lacks(s.name, needs) is None
         ]
         if not others:
+            item.failed_on[server] = failure
             await self._health(self.store.failure_owned_by_job, server, job.id)
             tried = list(item.failed_on)
             where = (
@@ -140,11 +132,16 @@ class Ownership:
                 else f"failed on {' and '.join(tried)}, every server that can run it"
             )
             return dataclasses.replace(r, kind="permanent", reason=f"{where}: {r.reason}"), False
-        await self._open_failure(item, server, failure)
+        await self._server_failed(item, server, failure)
         reason = f"{r.reason}; trying another server ({', '.join(others)} can run it)"
         return dataclasses.replace(r, kind="transient", reason=reason), True
 
-    async def _open_failure(self, item: Item, server: str, failure: Failure) -> None:
+    async def _server_failed(
+        self, item: Item, server: str, failure: Failure, *, infrastructure: bool = False
+    ) -> None:
+        """The job failed on ``server`` in a way that may be the server's: it goes
+        elsewhere next, and the store counts it (``Store.server_failed``)."""
+        item.failed_on[server] = failure
         job = item.job
         await self._health(
             self.store.server_failed,
@@ -153,7 +150,7 @@ class Ownership:
             graph_sha256(job.workflow),
             failure.signature,
             failure.summary,
-            infrastructure=False,
+            infrastructure=infrastructure,
         )
 
     async def _rendered(self, item: Item, server: str | None) -> None:

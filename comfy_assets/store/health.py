@@ -75,7 +75,6 @@ class ServerHealthRecord:
     strikes: int
     level: int
     quarantines: int
-    jobs_done: int
     failures_server: int
     failures_job: int
     reason: str | None
@@ -143,7 +142,6 @@ class ServerHealth(StoreBase):
             "strikes": 0,
             "level": 0,
             "quarantines": 0,
-            "jobs_done": 0,
             "failures_server": 0,
             "failures_job": 0,
             "reason": None,
@@ -274,7 +272,6 @@ class ServerHealth(StoreBase):
                 if change is not None:
                     changes.append(change)
             row = self._health_row(conn, server, now)
-            row["jobs_done"] += 1
             row["strikes"] = 0
             if _state(row, now) == "trial":
                 row.update(state="ok", until=None)
@@ -379,24 +376,17 @@ class ServerHealth(StoreBase):
         found = {}
         for r in rows:
             values = dict(r._mapping)
-            found[r.server] = ServerHealthRecord(
-                server=r.server,
+            values.pop("updated_at")
+            values.update(
                 state=_state(values, now),
-                until=r.until,
-                strikes=r.strikes,
-                level=r.level,
-                quarantines=r.quarantines,
-                jobs_done=r.jobs_done,
-                failures_server=r.failures_server,
-                failures_job=r.failures_job,
-                reason=r.reason,
                 failed_jobs=tuple(tuple(j) for j in json.loads(r.failed_jobs or "[]")),
                 open_failures=int(counts.get(r.server, 0)),
             )
+            found[r.server] = ServerHealthRecord(**values)
         for server, n in counts.items():
             if server not in found:
                 found[server] = ServerHealthRecord(
-                    server, "ok", None, 0, 0, 0, 0, 0, 0, None, (), int(n)
+                    server, "ok", None, 0, 0, 0, 0, 0, None, (), int(n)
                 )
         return found
 

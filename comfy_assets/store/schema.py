@@ -145,7 +145,6 @@ server_health_table = sa.Table(
     sa.Column("strikes", sa.Integer, nullable=False),
     sa.Column("level", sa.Integer, nullable=False),
     sa.Column("quarantines", sa.Integer, nullable=False),
-    sa.Column("jobs_done", sa.Integer, nullable=False),
     sa.Column("failures_server", sa.Integer, nullable=False),
     sa.Column("failures_job", sa.Integer, nullable=False),
     sa.Column("reason", sa.Text),
