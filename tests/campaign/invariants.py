@@ -172,14 +172,14 @@ def _jobs(played: Played, phase: Phase) -> list[str]:
 
 
 def _left_for_quarantine(phase: Phase, job_id: str) -> bool:
-    """Whether the last run of ``phase`` said it left ``job_id`` pending because every
-    server that can run it is quarantined (or stopped with none usable)."""
-    if not phase.runs:
-        return False
-    out = phase.runs[-1].stdout + phase.runs[-1].stderr
-    return (
+    """Whether a run of ``phase`` that did not end by a signal said it left ``job_id``
+    pending because every server that can run it is quarantined (or stopped with none
+    usable)."""
+    ended = [r for r in phase.runs if not r.killed and not r.stopped]
+    return any(
         f"job {job_id}: not run, every server that can run it is quarantined" in out
         or "no server usable" in out
+        for out in (r.stdout + r.stderr for r in ended)
     )
 
 
