@@ -21,6 +21,7 @@ from dagster import (
     AssetObservation,
     AssetSpec,
     AutomationCondition,
+    DataVersion,
     DynamicPartitionsDefinition,
     Failure,
     IdentityPartitionMapping,
@@ -55,6 +56,7 @@ from comfy_assets.metadata import (
     model_load_metadata,
     outputs_contact_sheet,
     picture_markdown,
+    renders_data_version,
     results_metadata,
     table,
 )
@@ -272,6 +274,9 @@ def renders(
         metadata["stopped"] = summary.stopped
     dead_frame = jobs[jobs["state"] == "failed_fatal"][["job", "reason", "job_id"]]
     yield MaterializeResult(
+        # What the film and the results are made of: a render that changed nothing (a
+        # backfill) keeps it, and nothing downstream is built again for it.
+        data_version=DataVersion(renders_data_version(current, outputs)),
         metadata=metadata,
         check_results=[
             AssetCheckResult(
@@ -295,9 +300,19 @@ def renders(
     )
 
 
+# Built again after renders however it was launched (a backfill of renders alone, say),
+# unless the same run builds it; all_results follows it.
+RENDER_RESULTS_CONDITION = (
+    AutomationCondition.any_deps_updated().since_last_handled()
+    & ~AutomationCondition.any_deps_in_progress()
+    & ~AutomationCondition.in_progress()
+).with_label("renders updated")
+
+
 @asset(
     partitions_def=job_files_partitions,
     deps=[renders],
+    automation_condition=RENDER_RESULTS_CONDITION,
     group_name="renders",
     owners=OWNERS,
     kinds={"pandas", "csv"},
@@ -384,8 +399,18 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
 
 
 # Built once renders of the same key is, by films_automation_sensor: after the run that
-# rendered the storyboard has ended, again after each new render of it.
-FILMS_CONDITION = AutomationCondition.eager()
+# rendered the storyboard has ended, again after each render that changed its data version
+# (a job done anew, a new take, a dead letter requeued and rendered); a render that
+# changed nothing, as a backfill over every partition, cuts no film again.
+FILMS_CONDITION = (
+    (
+        AutomationCondition.newly_missing()
+        | AutomationCondition.any_deps_match(AutomationCondition.data_version_changed())
+    ).since_last_handled()
+    & ~AutomationCondition.any_deps_missing()
+    & ~AutomationCondition.any_deps_in_progress()
+    & ~AutomationCondition.in_progress()
+).with_label("renders changed")
 
 
 @multi_asset(

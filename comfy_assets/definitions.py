@@ -56,14 +56,16 @@ films_automation_sensor = AutomationConditionSensorDefinition(
     "new render of it).",
 )
 
-# Builds all_results after renders; running from the start like job_file_sensor (the
-# default automation sensor starts stopped).
+# Builds render_results after renders launched without it (a backfill of renders), then
+# all_results after any results; running from the start like job_file_sensor (the default
+# automation sensor starts stopped).
 results_automation_sensor = AutomationConditionSensorDefinition(
     "results_automation_sensor",
-    target=AssetSelection.assets(all_results),
+    target=AssetSelection.assets(render_results, all_results),
     default_status=DefaultSensorStatus.RUNNING,
     minimum_interval_seconds=10,
-    description="Materializes all_results again after any job file's results change.",
+    description="Materializes a job file's render_results after its renders however they "
+    "were launched, and all_results again after any job file's results change.",
 )
 
 defs = Definitions(

@@ -35,7 +35,7 @@ from comfy_assets.jobs.states import DONE
 from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, inputs_cell
-from comfy_assets.store import Store
+from comfy_assets.store import FileRecord, JobRecord, Store
 
 # Errors of one bad file shown by the ``valid`` check; the rest are counted.
 MAX_ERRORS_PER_FILE = 50
@@ -426,3 +426,15 @@ def model_load_metadata(cost: ModelLoadCost) -> dict[str, object]:
         "model_load_gpu_seconds": MetadataValue.float(float(cost.gpu_seconds)),
         "model_loads_by_server": table(frame, column_schema(frame, described)),
     }
+
+
+def renders_data_version(records: Sequence[JobRecord], outputs: dict[str, list[FileRecord]]) -> str:
+    """The data version of a partition of ``renders``: a sha256 (hex) of every current
+    job's id, prompt_id and state and of each of its output files' path and sha256.
+    Equal when a render changed nothing."""
+    digest = hashlib.sha256()
+    for record in sorted(records, key=lambda r: r.job_id):
+        digest.update(f"{record.job_id} {record.prompt_id} {record.state}\n".encode())
+        for file in outputs.get(record.job_id, []):
+            digest.update(f"  {file.path} {file.sha256}\n".encode())
+    return digest.hexdigest()
