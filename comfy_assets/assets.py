@@ -47,6 +47,7 @@ from comfy_assets.film.shots import (
 from comfy_assets.jobs.states import DONE
 from comfy_assets.metadata import (
     JOB_COLUMNS,
+    WIDE_JOB_COLUMNS,
     OutputsSheet,
     column_schema,
     film_metadata,
@@ -241,6 +242,7 @@ def renders(
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
     jobs = jobs_frame(current, job_ids, outputs, last_model_tries(tries))
+    shown = jobs.drop(columns=list(WIDE_JOB_COLUMNS))  # the full ids are in results.csv
     metadata: dict[str, object] = {}
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
@@ -264,7 +266,7 @@ def renders(
         "gpu_seconds": MetadataValue.float(float(summary.gpu_seconds)),
         "seconds": MetadataValue.float(float(summary.seconds)),
         "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
-        "job_table": table(jobs, column_schema(jobs, JOB_COLUMNS)),
+        "job_table": table(shown, column_schema(shown, JOB_COLUMNS)),
     }
     if tries:  # what loading models cost, per server (jobs that load none: nothing)
         metadata.update(model_load_metadata(model_load_cost(tries)))

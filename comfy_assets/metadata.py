@@ -187,20 +187,24 @@ def png_file_markdown(path: Path, alt: str, max_px: int) -> str:
 
 
 JOB_COLUMNS = {
-    "job": "The job id's first 8 characters (as in log lines).",
+    "job": "The job id's first 8 characters (as in log lines; the full id is in "
+    "results.csv and in the dead_letters table).",
     "line": "Its line in the job file.",
     "shot": "Its shot number in a storyboard.",
     "take": "Its take (a new take renders the job again; earlier takes' files stay).",
-    "inputs": "Its input files: key=path@sha256 (or the upstream job, node and file).",
     "state": "succeeded, degraded, failed_fatal (dead letter), pending, ...",
     "server": "The ComfyUI server that rendered it last.",
     "attempts": "Attempts since its inputs last changed.",
     "seconds": "Wall time of the job, seconds.",
+    "inputs": "Its input files: key=path@sha256 (the first 12 hex digits; or the upstream "
+    "job, node and file); in full in results.csv.",
     "reason": "Why it failed or degraded.",
     "job_id": "The job's id (the job line's id).",
     "models": "The model files its workflow loads.",
     "model_loaded": "Its server had to load one of them for its last try.",
 }
+# Left out of the job table in the UI, so it fits a page: the full id is in results.csv.
+WIDE_JOB_COLUMNS = ("job_id",)
 # Jobs that load no model have no model columns (their batch's tables show none).
 MODEL_JOB_COLUMNS = ("models", "model_loaded")
 
@@ -230,7 +234,7 @@ def jobs_frame(
                 "line": record.line,
                 "shot": record.shot,
                 "take": record.take,
-                "inputs": inputs_cell(record.inputs, files),
+                "inputs": inputs_cell(record.inputs, files, short=True),
                 "state": str(record.state),
                 "server": record.server,
                 "attempts": record.attempts,
