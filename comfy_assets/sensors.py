@@ -30,6 +30,7 @@ Write job files atomically (to a hidden name, then rename): hidden files are ign
 and a half-written file could be valid and launch with only part of its jobs.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -90,6 +91,8 @@ UNFINISHED = [
     DagsterRunStatus.CANCELING,
 ]
 _HASH_CHARS = 16
+# A tick logs the first this many run requests one a line, then how many more.
+LOGGED_REQUESTS = 20
 
 
 def _int_from_env(name: str, default: int) -> int:
@@ -169,6 +172,12 @@ def _digest(problems: list[str]) -> str:
     return hashlib.sha256("\n\n".join(problems).encode()).hexdigest()[:_HASH_CHARS]
 
 
+@functools.lru_cache(maxsize=64)
+def _resolved_folder(folder: Path) -> Path:
+    # One realpath per watched folder, not one per file: thousands of files share a few.
+    return folder.resolve()
+
+
 def _materialization(key: str, path: Path, job_file: JobFile) -> AssetMaterialization:
     """The job file version the sensor accepted, as a partition of ``job_files``."""
     shots = sum(1 for job in job_file.jobs if job.shot is not None)
@@ -177,7 +186,7 @@ def _materialization(key: str, path: Path, job_file: JobFile) -> AssetMaterializ
         partition=key,
         description=f"{path.name}: {len(job_file.jobs)} jobs accepted, run requested",
         metadata={
-            "path": MetadataValue.path(str(path.resolve())),
+            "path": MetadataValue.path(str(_resolved_folder(path.parent) / path.name)),
             "sha256": job_file.sha256,
             "jobs": len(job_file.jobs),
             "shots": shots,
@@ -350,8 +359,16 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
         materializations.append(_materialization(key, path, job_file))
         shots = any(job.shot is not None for job in job_file.jobs)
         (with_shots if shots else without_shots).append(key)
-        context.log.info(f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}")
+        if len(run_requests) <= LOGGED_REQUESTS:
+            context.log.info(
+                f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}"
+            )
 
+    if len(run_requests) > LOGGED_REQUESTS:
+        context.log.info(
+            f"and {len(run_requests) - LOGGED_REQUESTS} more job files, a run requested for "
+            f"each ({len(run_requests)} in all)"
+        )
     problems = ambiguous + problems
     for problem in problems:
         context.log.error(problem)
