@@ -86,10 +86,13 @@ def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def job_files_check_evaluation(problems: Sequence[str]) -> AssetCheckEvaluation:
-    """The ``valid`` check's evaluation as the sensor reports it (see job_files_check_fields)."""
+def job_files_check_evaluation(
+    problems: Sequence[str], asset_key: AssetKey | None = None
+) -> AssetCheckEvaluation:
+    """The ``valid`` check's evaluation of the job files' asset ``asset_key``, as the
+    sensor reports it (see job_files_check_fields)."""
     return AssetCheckEvaluation(
-        asset_key=AssetKey(JOB_FILES_ASSET),
+        asset_key=asset_key or AssetKey(JOB_FILES_ASSET),
         check_name=JOB_FILES_CHECK,
         **job_files_check_fields(problems),
     )
