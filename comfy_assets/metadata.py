@@ -35,7 +35,7 @@ from comfy_assets.jobs.states import DONE
 from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, inputs_cell
-from comfy_assets.store import Store
+from comfy_assets.store import FileRecord, JobRecord, Store
 
 # Errors of one bad file shown by the ``valid`` check; the rest are counted.
 MAX_ERRORS_PER_FILE = 50
@@ -86,10 +86,13 @@ def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def job_files_check_evaluation(problems: Sequence[str]) -> AssetCheckEvaluation:
-    """The ``valid`` check's evaluation as the sensor reports it (see job_files_check_fields)."""
+def job_files_check_evaluation(
+    problems: Sequence[str], asset_key: AssetKey | None = None
+) -> AssetCheckEvaluation:
+    """The ``valid`` check's evaluation of the job files' asset ``asset_key``, as the
+    sensor reports it (see job_files_check_fields)."""
     return AssetCheckEvaluation(
-        asset_key=AssetKey(JOB_FILES_ASSET),
+        asset_key=asset_key or AssetKey(JOB_FILES_ASSET),
         check_name=JOB_FILES_CHECK,
         **job_files_check_fields(problems),
     )
@@ -187,21 +190,25 @@ def png_file_markdown(path: Path, alt: str, max_px: int) -> str:
 
 
 JOB_COLUMNS = {
-    "job": "The job id's first 8 characters (as in log lines).",
+    "job": "The job id's first 8 characters (as in log lines; the full id is in "
+    "results.csv and in the dead_letters table).",
     "line": "Its line in the job file.",
     "shot": "Its shot number in a storyboard.",
     "take": "Its take (a new take renders the job again; earlier takes' files stay).",
-    "inputs": "Its input files: key=path@sha256 (or the upstream job, node and file).",
     "state": "succeeded, degraded, failed_fatal (dead letter), pending, ...",
     "server": "The ComfyUI server that rendered it last.",
     "failed_on": "The servers its failed attempts ran on, in order (where a dead letter failed).",
     "attempts": "Attempts since its inputs last changed.",
     "seconds": "Wall time of the job, seconds.",
+    "inputs": "Its input files: key=path@sha256 (the first 12 hex digits; or the upstream "
+    "job, node and file); in full in results.csv.",
     "reason": "Why it failed or degraded.",
     "job_id": "The job's id (the job line's id).",
     "models": "The model files its workflow loads.",
     "model_loaded": "Its server had to load one of them for its last try.",
 }
+# Left out of the job table in the UI, so it fits a page: the full id is in results.csv.
+WIDE_JOB_COLUMNS = ("job_id",)
 # Jobs that load no model have no model columns (their batch's tables show none).
 MODEL_JOB_COLUMNS = ("models", "model_loaded")
 
@@ -234,7 +241,7 @@ def jobs_frame(
                 "line": record.line,
                 "shot": record.shot,
                 "take": record.take,
-                "inputs": inputs_cell(record.inputs, files),
+                "inputs": inputs_cell(record.inputs, files, short=True),
                 "state": str(record.state),
                 "server": record.server,
                 "failed_on": " ".join(failed_on.get(job_id, ())),
@@ -469,3 +476,15 @@ def model_load_metadata(cost: ModelLoadCost) -> dict[str, object]:
         "model_load_gpu_seconds": MetadataValue.float(float(cost.gpu_seconds)),
         "model_loads_by_server": table(frame, column_schema(frame, described)),
     }
+
+
+def renders_data_version(records: Sequence[JobRecord], outputs: dict[str, list[FileRecord]]) -> str:
+    """The data version of a partition of ``renders``: a sha256 (hex) of every current
+    job's id, prompt_id and state and of each of its output files' path and sha256.
+    Equal when a render changed nothing."""
+    digest = hashlib.sha256()
+    for record in sorted(records, key=lambda r: r.job_id):
+        digest.update(f"{record.job_id} {record.prompt_id} {record.state}\n".encode())
+        for file in outputs.get(record.job_id, []):
+            digest.update(f"  {file.path} {file.sha256}\n".encode())
+    return digest.hexdigest()

@@ -122,7 +122,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine):
         self.uploads = Uploads()  # input files on each server, uploaded once per server
         self.planned = planned
         self.store_timeout_s = store_timeout_s
-        self._store_failing_since: float | None = None  # loop time
+        self._store_failing_since: dict[str, float] = {}  # loop time, by store call
         self.settings = PoolSettings() if settings is None else settings
         self._none_reachable_since: float | None = None  # loop time
         self.orphan_grace_s = (

@@ -82,22 +82,36 @@ def files_cell(files: Iterable[FileRow]) -> str:
     return " ".join(f"{f.path}:{f.sha256[:12]}" for f in sorted(files, key=lambda f: f.path))
 
 
-def inputs_cell(inputs: Sequence[Mapping[str, Any]], files: Mapping[str, Iterable[FileRow]]) -> str:
+# Hex digits of a sha256, and characters of a job id, in a short cell (the UI's table).
+SHORT_SHA256 = 12
+SHORT_JOB_ID = 8
+
+
+def inputs_cell(
+    inputs: Sequence[Mapping[str, Any]],
+    files: Mapping[str, Iterable[FileRow]],
+    *,
+    short: bool = False,
+) -> str:
     """Each input of a job, ``key=path@sha256:<hex>`` (a file of an upstream job: its
     ``job <id> node <n> #<index>``, with the sha256 of that file once it is written, from
-    ``files``), joined with ``"; "``."""
+    ``files``), joined with ``"; "``. ``short``: the sha256's first SHORT_SHA256 hex
+    digits and the upstream job id's first SHORT_JOB_ID characters, as in log lines."""
+    sha_chars = SHORT_SHA256 if short else None
+    id_chars = SHORT_JOB_ID if short else None
     cells = []
     for item in inputs:
         if "path" in item:
-            cells.append(f"{item['key']}={item['path']}@sha256:{item['sha256']}")
+            cells.append(f"{item['key']}={item['path']}@sha256:{item['sha256'][:sha_chars]}")
             continue
         node, index = str(item["node"]), int(item["index"])
         written = sorted(
             (f for f in files.get(str(item["job"]), ()) if f.node_id == node),
             key=lambda f: str(f.path),
         )
-        sha = written[index].sha256 if index < len(written) else "not written yet"
-        cells.append(f"{item['key']}=job {item['job']} node {node} #{index}@sha256:{sha}")
+        sha = written[index].sha256[:sha_chars] if index < len(written) else "not written yet"
+        upstream = str(item["job"])[:id_chars]
+        cells.append(f"{item['key']}=job {upstream} node {node} #{index}@sha256:{sha}")
     return "; ".join(cells)
 
 

@@ -5,6 +5,8 @@ Times are seconds since the epoch (DOUBLE), durations seconds, sizes bytes.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -226,6 +228,28 @@ WAL_PAGES = 256
 WAL_BYTES = 1 << 20
 
 
+# How long a SQLite statement waits for another process's lock before it fails.
+SQLITE_BUSY_S = 60.0
+
+
+def _set_wal(cur: Any) -> None:
+    """Put the database in WAL mode, waiting for the lock like any write: SQLite does not
+    call its busy handler for the switch, so two processes opening a new store at once
+    would otherwise see "database is locked" at once. Raises sqlite3.OperationalError
+    for any other failure, or once SQLITE_BUSY_S have passed."""
+    give_up_at = time.monotonic() + SQLITE_BUSY_S
+    delay = 0.005
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= give_up_at:
+                raise
+        time.sleep(delay)  # another process holds the lock: its switch takes milliseconds
+        delay = min(delay * 2, 0.2)
+
+
 def make_engine(db_url: str) -> sa.Engine:
     """An engine for ``db_url``. SQLite gets WAL, a busy timeout and write transactions
     that take the write lock up front (``BEGIN IMMEDIATE``), so processes sharing the file
@@ -246,8 +270,8 @@ def make_engine(db_url: str) -> sa.Engine:
         # write, which turns a read-then-write into a lock upgrade that can fail.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA busy_timeout = 60000")
-        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_S * 1000:.0f}")
+        _set_wal(cur)
         # NORMAL in WAL mode survives a process crash; a power cut may lose the last
         # commits, which idempotent prompt_ids make cheap to redo.
         cur.execute("PRAGMA synchronous = NORMAL")
