@@ -72,7 +72,8 @@ def add_api_parser(sub: argparse._SubParsersAction) -> None:
         action="append",
         default=[],
         metavar="NAME=URL",
-        help="a ComfyUI server whose health GET /v1/servers shows (repeat)",
+        help="a ComfyUI server of the workers: GET /v1/servers shows its health, a cancel "
+        "interrupts its prompt there (repeat)",
     )
     p.add_argument(
         "--max-input-bytes",
