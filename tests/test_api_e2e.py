@@ -270,6 +270,9 @@ async def _scenario(
     assert await interrupted()  # posted once, interrupted, never run again
     servers = (await http.get("/v1/servers", headers=auth())).json()["servers"]
     assert [s["name"] for s in servers] == ["gpu0", "gpu1"] and all(s["healthy"] for s in servers)
+    assert servers[0]["health"].startswith("gpu0 healthy")
+    judged = [s["store_health"] for s in servers if s["store_health"] is not None]
+    assert all(h["state"] == "ok" for h in judged)
 
 
 async def _true(value: bool) -> bool:

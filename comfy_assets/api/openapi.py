@@ -148,13 +148,19 @@ SCHEMAS: dict[str, Any] = {
     },
     "Server": {
         "type": "object",
-        "required": ["name", "healthy", "health", "queue", "lease"],
+        "required": ["name", "healthy", "health", "queue", "lease", "store_health"],
         "properties": {
             "name": {"type": "string"},
             "healthy": {"type": "boolean", "nullable": True},
             "health": _nullable("string"),
             "queue": _nullable("integer"),
             "lease": {"type": "object", "nullable": True, "additionalProperties": True},
+            "store_health": {
+                "type": "object",
+                "nullable": True,
+                "description": "quarantined, on trial or ok, as the workers judged it",
+                "additionalProperties": True,
+            },
         },
     },
     "Status": {

@@ -105,8 +105,9 @@ def _sse(kind: str, data: Any, event_id: int | None) -> bytes:
 
 
 async def get_servers(request: web.Request) -> web.Response:
-    """``GET /v1/servers``: each server's health as ``comfy-assets health`` sees it (for
-    the API's ``--server``s) and its lease in the store (every server a worker used)."""
+    """``GET /v1/servers``: each server's health as ``comfy-assets health --store`` sees
+    it: the probe of the API's ``--server``s, and from the store each server's lease and
+    its health as the workers judged it (quarantined, on trial, strikes)."""
     api = request.app[API]
     leases = await off_loop(api.store, api.store.server_leases)
     servers: dict[str, dict[str, Any]] = {}
@@ -121,15 +122,25 @@ async def get_servers(request: web.Request) -> web.Response:
                 "health": probe.line(),
                 "queue": probe.queue_length,
                 "lease": None,
+                "store_health": None,
             }
+    blank = {"healthy": None, "health": None, "queue": None, "lease": None, "store_health": None}
     for name, lease in sorted(leases.items()):
-        entry = servers.setdefault(
-            name, {"name": name, "healthy": None, "health": None, "queue": None, "lease": None}
-        )
+        entry = servers.setdefault(name, {"name": name, **blank})
         entry["lease"] = {
             "held": lease.held(api.store.now()),
             "expires_at": iso(lease.expires_at),
             "last_model": lease.last_model,
+        }
+    judged = await off_loop(api.store, api.store.server_health)
+    for name, record in sorted(judged.items()):
+        entry = servers.setdefault(name, {"name": name, **blank})
+        entry["store_health"] = {
+            "state": record.state,
+            "until": iso(record.until),
+            "strikes": record.strikes,
+            "reason": record.reason,
+            "line": record.line(),
         }
     return json_response({"servers": [servers[n] for n in sorted(servers)]})
 
