@@ -147,12 +147,15 @@ def parse_submission(
 
 def content_of(obj: dict[str, Any], job: Job, webhook: str | None) -> dict[str, Any]:
     """What makes two requests of one id the same job: the workflow as sent (its
-    sha256), ``set``, each input's sha256, ``take`` and the webhook."""
+    sha256), ``set``, each input's sha256 and type, ``take`` and the webhook."""
     workflow = json.dumps(obj.get("workflow"), sort_keys=True, separators=(",", ":"))
     return {
         "workflow": hashlib.sha256(workflow.encode()).hexdigest(),
         "set": job.set,
-        "inputs": {item.key: item.sha256 for item in job.inputs if hasattr(item, "sha256")},
+        # The name it is uploaded under: its sha256 and the suffix its type gives.
+        "inputs": {
+            item.key: item.upload_name for item in job.inputs if hasattr(item, "upload_name")
+        },
         "take": job.take,
         "webhook": webhook,
     }
