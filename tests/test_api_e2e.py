@@ -29,7 +29,7 @@ from aiohttp import web
 from comfy_assets.api.signing import load_key, verify
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.api_support import AMQP, auth, data_uri, fresh_queue, write_tokens
+from tests.api_support import AMQP, TOKENS, auth, data_uri, fresh_queue, write_tokens
 from tests.process_support import FAST, command, start, stop
 from tests.support import ROOT
 
@@ -135,6 +135,9 @@ async def test_submit_follow_fetch_webhook_and_cancel(
             for name in ("api.log", "api-restarted.log", "worker.log"):
                 if (tmp_path / name).exists():
                     print(f"--- {name}\n{(tmp_path / name).read_text()[-4000:]}")
+    for name in ("api.log", "api-restarted.log"):
+        logged = (tmp_path / name).read_text()
+        assert not any(token in logged for token in TOKENS.values())  # never a token
     with Store(store_dir, pg_url) as store:
         assert store.counts("api-alice")["succeeded"] == 2
 
