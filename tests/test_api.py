@@ -324,3 +324,20 @@ async def test_a_higher_take_renders_the_job_again(store: Store, queue: str) -> 
     assert [e.detail for e in store.events(body["id"])] == ["registered", "take 1 → 2"]
     first, again = await queued(queue)
     assert json.loads(first.body).get("take", 1) == 1 and json.loads(again.body)["take"] == 2
+
+
+async def test_a_large_input_is_taken_whole(store: Store, queue: str) -> None:
+    """A body past the size validated on the event loop: the same answer, the same bytes
+    in the message."""
+    limits = Limits(
+        max_input_bytes=1024**2, max_message_bytes=2 * 1024**2, max_body_bytes=4 * 1024**2
+    )
+    client = await api_client(make_api(store, queue, limits=limits))
+    data = bytes(range(256)) * 1500  # 384,000 bytes
+    body = job_body(inputs={"1.image": data_uri(data)}, set={})
+    body["workflow"]["1"] = {"class_type": "LoadImage", "inputs": {"image": "x.png"}}
+    async with client:
+        assert (await client.post("/v1/jobs", json=body, headers=auth())).status == 202
+    [message] = await queued(queue)
+    sent = json.loads(message.body)["inputs"]["1.image"]
+    assert sent["size"] == len(data) and sent["sha256"] == hashlib.sha256(data).hexdigest()
