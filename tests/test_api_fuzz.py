@@ -34,7 +34,7 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     queue = f"test-api-fuzz-{uuid.uuid4().hex[:10]}"
     store = Store(Path(tmp_path_factory.mktemp("fuzz")) / "store")
     started = threading.Event()
-    stop: list[asyncio.AbstractEventLoop] = []
+    loops: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
     found: list[str] = []
 
     async def serve() -> None:
@@ -46,26 +46,20 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         found.append(f"http://127.0.0.1:{port}")
-        stop.append(asyncio.get_running_loop())
+        done = asyncio.Event()
+        loops.append((asyncio.get_running_loop(), done))
         started.set()
         try:
-            await asyncio.Event().wait()
+            await done.wait()
         finally:
             await runner.cleanup()
 
-    def run() -> None:
-        try:
-            asyncio.run(serve())
-        except asyncio.CancelledError:
-            pass
-
-    thread = threading.Thread(target=run, daemon=True)
+    thread = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
     thread.start()
     assert started.wait(30), "the API did not start"
     yield found[0]
-    loop = stop[0]
-    for task in asyncio.all_tasks(loop):
-        loop.call_soon_threadsafe(task.cancel)
+    loop, done = loops[0]
+    loop.call_soon_threadsafe(done.set)
     thread.join(30)
     store.close()
 
