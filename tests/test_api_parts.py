@@ -165,7 +165,7 @@ async def test_the_outbox_retries_then_delivers_then_gives_up(store: Store) -> N
     [gone] = ledger.webhooks(dropped)
     assert gone.given_up_at is not None and gone.delivered_at is None
     last = [e.detail for e in store.events(dropped) if (e.detail or "").startswith("webhook")][-1]
-    assert "given up after 3 s" in (last or "")
+    assert "given up after 6 s" in (last or "")
 
 
 def _ended_job(store: Store, ledger: ApiLedger, url: str) -> str:
