@@ -134,7 +134,7 @@ async def test_the_outbox_retries_then_delivers_then_gives_up(store: Store) -> N
         allow_private=True,
         base_delay_s=0.01,
         max_delay_s=0.02,
-        give_up_after_s=3.0,
+        give_up_after_s=6.0,
         poll_s=0.01,
     )
 
