@@ -223,7 +223,7 @@ class ApiLedger(StoreBase):
                     "claim_expires_at": now + CANCEL_HOLD_S,
                     "updated_at": now,
                 }
-                detail = f"cancel asked by {client}: claim taken, prompt interrupted"
+                detail = f"cancel asked by {client}: claim taken from its worker"
                 event = _event(now, row, row.state, detail)
                 outcome = "taken"
             else:
