@@ -270,6 +270,11 @@ async def _scenario(
 
     final = await wait_for(dead_letter, 60, "the cancelled job's dead letter")
     assert final["reason"] == "cancelled by alice"
+    events = (await http.get(f"/v1/jobs/{slow['id']}/events", headers=auth())).json()["events"]
+    details = [e["detail"] or "" for e in events]
+    assert "cancel asked by alice: claim taken from its worker" in details
+    assert any(d.startswith("cancel: prompt ") and "interrupted on gpu" in d for d in details)
+    assert (events[-1]["to"], events[-1]["detail"]) == ("failed_fatal", "cancelled by alice")
     assert await interrupted()  # posted once, interrupted, never run again
     servers = (await http.get("/v1/servers", headers=auth())).json()["servers"]
     assert [s["name"] for s in servers] == ["gpu0", "gpu1"] and all(s["healthy"] for s in servers)
