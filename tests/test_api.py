@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from comfy_assets.api import routes_jobs
 from comfy_assets.api.app import Limits
 from comfy_assets.api.publisher import Publisher
 from comfy_assets.api.submission import parse_submission, pointer
@@ -341,3 +342,39 @@ async def test_a_large_input_is_taken_whole(store: Store, queue: str) -> None:
     [message] = await queued(queue)
     sent = json.loads(message.body)["inputs"]["1.image"]
     assert sent["size"] == len(data) and sent["sha256"] == hashlib.sha256(data).hexdigest()
+
+
+async def test_an_in_flight_job_is_cancelled_once_its_attempt_settles(
+    store: Store, queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cancel takes a rendering job's claim and answers 202 at once here (no wait);
+    while the worker's server lease still holds its prompt, the job stays in flight (its
+    worker records its end); once that attempt has settled, the API's own loop makes it
+    the dead letter."""
+    monkeypatch.setattr(routes_jobs, "CANCEL_WAIT_S", 0.0)
+    api = make_api(store, queue)
+    client = await api_client(api, background=True)
+    body = job_body()
+    job_id = body["id"]
+    async with client:
+        assert (await client.post("/v1/jobs", json=body, headers=auth())).status == 202
+        prompt_id = store.get(job_id).prompt_id  # type: ignore[union-attr]
+        assert store.claim(job_id, "worker-1") == "claimed"
+        assert store.acquire_server("gpu0", "worker-1", 600, prompt_id=prompt_id)
+        store.transition(job_id, "submitted", owner="worker-1", server="gpu0", attempt=1)
+        answer = await client.post(f"/v1/jobs/{job_id}/cancel", headers=auth())
+        assert answer.status == 202 and (await answer.json())["state"] == "submitted"
+        record = store.get(job_id)
+        assert record is not None and record.claimed_by == "api-cancel:alice"
+        assert not api.ledger.finish_cancel(record)  # its worker's attempt is under way
+        # The attempt ends (interrupted): its worker records it, as settle does.
+        store.transition(job_id, "failed_retryable", server="gpu0", attempt=1, detail="x")
+        store.release_server("gpu0", "worker-1")
+        await wait_until(
+            lambda: store.get(job_id).state == "failed_fatal",  # type: ignore[union-attr]
+            20,
+            "the cancel finished by the API",
+        )
+        view = await (await client.get(f"/v1/jobs/{job_id}", headers=auth())).json()
+    assert view["reason"] == "cancelled by alice"
+    assert store.claim(job_id, "worker-1") == "dead_lettered"  # its worker acks it

@@ -271,9 +271,10 @@ async def _finished_cancel(api: Api, job_id: str) -> bool:
 async def cancel_loop(api: Api, every_s: float = 1.0) -> None:
     """Forever: finish the cancels whose attempt settled later than the request waited
     (or whose API was killed meanwhile: the taken claim is the record of the cancel)."""
+    partitions = [partition_of(name) for name in api.clients.names]
     while True:
         try:
-            for record in await off_loop(api.ledger, api.ledger.cancels):
+            for record in await off_loop(api.ledger, api.ledger.cancels, partitions):
                 await off_loop(api.ledger, api.ledger.finish_cancel, record)
         except StoreUnavailable as e:
             log.warning("finishing cancels: %s; trying again", e)
