@@ -22,7 +22,7 @@ from aiohttp import web
 from comfy_assets.api.outbox import Outbox
 from comfy_assets.api.publisher import Publisher, republish_loop
 from comfy_assets.api.ratelimit import RateLimit
-from comfy_assets.api.tokens import Clients
+from comfy_assets.api.tokens import Clients, partition_of
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.store import Store, StoreUnavailable
 from comfy_assets.store.api_jobs import ApiLedger
@@ -176,7 +176,12 @@ async def _start_background(app: web.Application) -> None:
     api.background.append(asyncio.create_task(republish_loop(api.ledger, api.publisher)))
     api.background.append(asyncio.create_task(cancel_loop(api)))
     if api.webhook_key is not None:
-        outbox = Outbox(api.ledger, api.webhook_key, allow_private=api.allow_private_webhooks)
+        outbox = Outbox(
+            api.ledger,
+            api.webhook_key,
+            partitions=[partition_of(name) for name in api.clients.names],
+            allow_private=api.allow_private_webhooks,
+        )
         api.background.append(asyncio.create_task(outbox.run()))
     for task in api.background:
         task.add_done_callback(_background_done)

@@ -24,6 +24,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -45,6 +46,8 @@ MAX_DELAY_S = 3600.0
 # never deliver it at once, and short enough that a process killed mid-attempt loses
 # little time.
 HOLD_S = 120.0
+# Seconds between looks at every job with a webhook for an ending without one.
+FULL_SCAN_S = 60.0
 
 
 def webhook_id(job_id: str, finished_at: float) -> str:
@@ -61,13 +64,15 @@ def shown_url(url: str) -> str:
 
 class Outbox:
     """Makes and delivers webhooks (see the module docstring). ``key``: the HMAC key
-    (``signing.load_key``); ``allow_private``: call any address."""
+    (``signing.load_key``); ``partitions``: the clients' (``tokens.partition_of``);
+    ``allow_private``: call any address."""
 
     def __init__(
         self,
         ledger: ApiLedger,
         key: bytes,
         *,
+        partitions: Sequence[str] = (),
         allow_private: bool = False,
         timeout_s: float = 10.0,
         concurrency: int = 8,
@@ -85,6 +90,9 @@ class Outbox:
         self.base_delay_s = base_delay_s
         self.max_delay_s = max_delay_s
         self.poll_s = poll_s
+        self.partitions = list(partitions)
+        self._cursor: int | None = None  # the last event looked at for endings
+        self._next_full_scan = 0.0
         self._slots = asyncio.Semaphore(concurrency)
         self._running: set[asyncio.Task[None]] = set()
 
@@ -108,11 +116,29 @@ class Outbox:
                 await asyncio.gather(*self._running, return_exceptions=True)
 
     async def make_webhooks(self) -> int:
-        """An outbox row for each ending not yet given one; returns how many."""
-        endings = await off_loop(self.ledger, self.ledger.endings)
-        for api, record in endings:
-            await self._make(api, record)
-        return len(endings)
+        """An outbox row for each ending not yet given one; returns how many. The jobs
+        are found among the events since the last look (a range of their primary key);
+        every ``FULL_SCAN_S`` seconds, and first, among all jobs with a webhook, for
+        endings written while no API ran or committed out of id order."""
+        made = 0
+        loop = asyncio.get_running_loop()
+        if self._cursor is None or loop.time() >= self._next_full_scan:
+            cursor = await off_loop(self.ledger, self.ledger.last_event_id)
+            while endings := await off_loop(self.ledger, self.ledger.endings):
+                for api, record in endings:
+                    await self._make(api, record)
+                made += len(endings)
+            self._cursor = max(cursor, self._cursor or 0)
+            self._next_full_scan = loop.time() + FULL_SCAN_S
+            return made
+        ids, self._cursor = await off_loop(
+            self.ledger, self.ledger.ended_since, self._cursor, self.partitions
+        )
+        if ids:
+            for api, record in await off_loop(self.ledger, self.ledger.endings, ids, len(ids)):
+                await self._make(api, record)
+                made += 1
+        return made
 
     async def _make(self, api: ApiJob, record: JobRecord) -> None:
         assert record.finished_at is not None and api.webhook is not None

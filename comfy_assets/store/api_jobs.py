@@ -28,7 +28,12 @@ from comfy_assets.store.base import _TERMINAL, StoreBase, _event, _job_record
 from comfy_assets.store.records import ClaimLost, JobRecord
 from comfy_assets.store.register import register
 from comfy_assets.store.retry import retried
-from comfy_assets.store.schema import api_jobs_table, api_webhooks_table, jobs_table
+from comfy_assets.store.schema import (
+    api_jobs_table,
+    api_webhooks_table,
+    events_table,
+    jobs_table,
+)
 from comfy_assets.store.statements import insert_for
 from comfy_assets.store.store import Store
 
@@ -287,9 +292,43 @@ class ApiLedger(StoreBase):
     # -- the webhook outbox ------------------------------------------------------------
 
     @retried
-    def endings(self, limit: int = 100) -> list[tuple[ApiJob, JobRecord]]:
-        """Jobs with a webhook that ended (done or a dead letter) since their last
-        webhook was made: each with its ``JobRecord``."""
+    def last_event_id(self) -> int:
+        """The id of the newest event row (0 for none)."""
+        with self._read() as conn:
+            return int(conn.execute(sa.select(sa.func.max(events_table.c.id))).scalar() or 0)
+
+    @retried
+    def ended_since(
+        self, event_id: int, partitions: list[str], limit: int = 1000
+    ) -> tuple[list[str], int]:
+        """The jobs of ``partitions`` with an ending (a move to succeeded, degraded or
+        failed_fatal) among the events after ``event_id``, and the id of the last event
+        looked at: a range of the events' primary key, however long the store's
+        history."""
+        t = events_table.c
+        stmt = (
+            sa.select(t.id, t.job_id)
+            .where(
+                t.id > event_id,
+                t.to_state.in_([s.value for s in _TERMINAL]),
+                t.partition.in_(partitions),
+            )
+            .order_by(t.id)
+            .limit(limit)
+        )
+        with self._read() as conn:
+            rows = conn.execute(stmt).all()
+        if not rows:
+            return [], event_id
+        return sorted({r.job_id for r in rows}), rows[-1].id
+
+    @retried
+    def endings(
+        self, job_ids: list[str] | None = None, limit: int = 100
+    ) -> list[tuple[ApiJob, JobRecord]]:
+        """Jobs with a webhook (of ``job_ids``, or any) that ended (done or a dead
+        letter) since their last webhook was made: each with its ``JobRecord``, at most
+        ``limit``."""
         terminal = [s.value for s in _TERMINAL]
         stmt = (
             sa.select(api_jobs_table, jobs_table)
@@ -302,6 +341,8 @@ class ApiLedger(StoreBase):
             )
             .limit(limit)
         )
+        if job_ids is not None:
+            stmt = stmt.where(API.job_id.in_(job_ids))
         api_columns = set(api_jobs_table.c.keys())
         found = []
         with self._read() as conn:
