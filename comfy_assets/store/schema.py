@@ -235,6 +235,7 @@ api_jobs_table = sa.Table(
     sa.Column("published_at", sa.Double),
     sa.Column("notified_at", sa.Double),  # the finished_at its last webhook was made for
     sa.Index("ix_comfy_api_jobs_client", "client"),
+    sa.Index("ix_comfy_api_jobs_published_at", "published_at"),  # NULL: to publish
 )
 
 api_webhooks_table = sa.Table(
