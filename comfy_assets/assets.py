@@ -66,7 +66,7 @@ from comfy_assets.metadata import (
     results_metadata,
     table,
 )
-from comfy_assets.partitions import JOB_FILES_CHECK
+from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
@@ -439,17 +439,25 @@ def build_assets(farm: Farm) -> FarmAssets:
     renders_key = farm.key("renders")
     both = {farm.comfy_key, farm.store_key}
 
-    job_files = AssetSpec(
-        farm.job_files_key,
+    def spec(name: str, group: str, kind: str, description: str, **kwargs: Any) -> AssetSpec:
+        """One of the farm's assets, owned by OWNERS, of one kind."""
+        return AssetSpec(
+            farm.key(name),
+            group_name=farm.group_of(group),
+            owners=OWNERS,
+            kinds={kind},
+            description=description,
+            **kwargs,
+        )
+
+    job_files = spec(
+        JOB_FILES_ASSET,
+        "job_files",
+        "json",
+        "The job files (*.jsonl) in the watched folders, one partition a file. Each "
+        f"accepted version is recorded here by {farm.name('job_file_sensor')}; a bad "
+        "file fails the check `valid`, every error on its own line, until it is fixed.",
         partitions_def=jobs_partitions,
-        group_name=farm.group_of("job_files"),
-        owners=OWNERS,
-        kinds={"json"},
-        description=(
-            "The job files (*.jsonl) in the watched folders, one partition a file. Each "
-            f"accepted version is recorded here by {farm.name('job_file_sensor')}; a bad "
-            "file fails the check `valid`, every error on its own line, until it is fixed."
-        ),
     )
 
     @asset_check(
@@ -465,18 +473,15 @@ def build_assets(farm: Farm) -> FarmAssets:
     @multi_asset(
         name=farm.name("renders"),
         specs=[
-            AssetSpec(
-                renders_key,
+            spec(
+                "renders",
+                "renders",
+                "comfyui",
+                "Every job of the job file rendered on the ComfyUI pool; jobs already done "
+                "with the same inputs are not rendered again. Shows the job table and a "
+                "contact sheet of every output.",
                 deps=[job_files],
                 partitions_def=jobs_partitions,
-                group_name=farm.group_of("renders"),
-                owners=OWNERS,
-                kinds={"comfyui"},
-                description=(
-                    "Every job of the job file rendered on the ComfyUI pool; jobs already "
-                    "done with the same inputs are not rendered again. Shows the job table "
-                    "and a contact sheet of every output."
-                ),
             )
         ],
         check_specs=[
@@ -508,19 +513,24 @@ def build_assets(farm: Farm) -> FarmAssets:
             getattr(context.resources, farm.store_key),
         )
 
+    # Both results tables: a CSV each, in the renders group, reading the farm's store.
+    tables: dict[str, Any] = {
+        "group_name": farm.group_of("renders"),
+        "owners": OWNERS,
+        "kinds": {"pandas", "csv"},
+        "required_resource_keys": {farm.store_key},
+    }
+
     @asset(
         key=farm.key("render_results"),
         partitions_def=jobs_partitions,
         deps=[renders_key],
         automation_condition=RENDER_RESULTS_CONDITION,
-        group_name=farm.group_of("renders"),
-        owners=OWNERS,
-        kinds={"pandas", "csv"},
-        required_resource_keys={farm.store_key},
         description=(
             "The job file's results table (results.csv): a row per job with its `set` "
             "values, state, server, attempts, seconds, output files and reason."
         ),
+        **tables,
     )
     def render_results(context: AssetExecutionContext) -> MaterializeResult:
         """Write the partition's results CSV (``write_partition_results``)."""
@@ -529,15 +539,10 @@ def build_assets(farm: Farm) -> FarmAssets:
     @asset(
         key=farm.key("all_results"),
         deps=[farm.key("render_results")],
-        group_name=farm.group_of("renders"),
-        owners=OWNERS,
-        kinds={"pandas", "csv"},
         automation_condition=ALL_RESULTS_CONDITION,
-        required_resource_keys={farm.store_key},
-        description=(
-            "Every job file's results in one table (all_results.csv) with a `partition` "
-            "column; built again automatically after any render."
-        ),
+        description="Every job file's results in one table (all_results.csv) with a "
+        "`partition` column; built again automatically after any render.",
+        **tables,
     )
     def all_results(context: AssetExecutionContext) -> MaterializeResult:
         """Concatenate every partition's results CSV (``gather_results``)."""
@@ -546,21 +551,18 @@ def build_assets(farm: Farm) -> FarmAssets:
     @multi_asset(
         name=farm.name("films"),
         specs=[
-            AssetSpec(
-                farm.key("films"),
+            spec(
+                "films",
+                "films",
+                "video",
+                "A storyboard's shots cut into one film (film.mp4, in shot order) behind the "
+                "blocking check `gate`; policy delivery or draft (a bad shot becomes a "
+                "slate). A partition per job file with shots, built after its renders. Shows "
+                "the film, its contact sheet and what the render cost.",
                 # Same keys: a storyboard's film is cut from that job file's renders.
                 deps=[AssetDep(renders_key, partition_mapping=IdentityPartitionMapping())],
                 partitions_def=films_partitions,
-                group_name=farm.group_of("films"),
-                owners=OWNERS,
-                kinds={"video"},
                 automation_condition=FILMS_CONDITION,
-                description=(
-                    "A storyboard's shots cut into one film (film.mp4, in shot order) behind "
-                    "the blocking check `gate`; policy delivery or draft (a bad shot becomes "
-                    "a slate). A partition per job file with shots, built after its renders. "
-                    "Shows the film, its contact sheet and what the render cost."
-                ),
             )
         ],
         check_specs=[

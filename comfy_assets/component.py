@@ -130,30 +130,21 @@ class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
         description="Where a web server of yours serves the store folder; the UI then shows "
         "pictures inline and links the film.",
     )
-    policy: str | None = Field(
-        default=None,
-        description="delivery or draft for every film of the farm; None: each job file's "
-        "header decides (delivery by default).",
-    )
+    # None: each job file's header decides (delivery by default).
+    policy: str | None = Field(None, description="delivery or draft for every film of the farm.")
     key_prefix: list[str] = Field(
         default_factory=list,
         description="The prefix of the farm's asset keys, sensor, job and resource names "
         "(e.g. [draft]: draft/renders, draft_render_job); two farms need two prefixes.",
     )
-    group: str | None = Field(
-        default=None,
-        description="The group of every asset of the farm; None: job_files, renders and "
-        "films (prefixed).",
-    )
+    # None: the groups job_files, renders and films (prefixed).
+    group: str | None = Field(None, description="The group of every asset of the farm.")
     sensor_interval_s: int | None = Field(
         default=None,
         description="Seconds between two looks at the job folders; None: "
         "COMFY_ASSETS_SENSOR_INTERVAL_S, else 10.",
     )
-    automation_interval_s: int = Field(
-        default=10,
-        description="Seconds between two evaluations of the films' and results' automation.",
-    )
+    automation_interval_s: int = Field(10, description="Seconds between two automation ticks.")
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         """The farm's definitions. Raises ValueError for a bad key prefix, interval,
