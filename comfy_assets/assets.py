@@ -24,7 +24,6 @@ from dagster import (
     AssetObservation,
     AssetsDefinition,
     AssetSpec,
-    AutomationCondition,
     DataVersion,
     DynamicPartitionsDefinition,
     Failure,
@@ -38,6 +37,11 @@ from dagster import (
     multi_asset,
 )
 
+from comfy_assets.automation import (
+    ALL_RESULTS_CONDITION,
+    FILMS_CONDITION,
+    RENDER_RESULTS_CONDITION,
+)
 from comfy_assets.farm import DEFAULT_FARM, Farm
 from comfy_assets.film.gate import GateBlocked, GateResult
 from comfy_assets.film.make import make_film
@@ -247,15 +251,6 @@ def render_partition(
     )
 
 
-# Built again after renders however it was launched (a backfill of renders alone, say),
-# unless the same run builds it; all_results follows it.
-RENDER_RESULTS_CONDITION = (
-    AutomationCondition.any_deps_updated().since_last_handled()
-    & ~AutomationCondition.any_deps_in_progress()
-    & ~AutomationCondition.in_progress()
-).with_label("renders updated")
-
-
 def write_partition_results(
     context: AssetExecutionContext, farm: Farm, result_store: ResultStoreResource
 ) -> MaterializeResult:
@@ -273,16 +268,6 @@ def write_partition_results(
     return MaterializeResult(
         metadata={**results_metadata(frame, path), "job_file_sha256": job_file.sha256}
     )
-
-
-# Built again after any partition's results change, once nothing of its own is running.
-# Unlike AutomationCondition.eager() it does not wait for every partition to exist: a job
-# file that was never rendered (or failed) would hold it back for ever.
-ALL_RESULTS_CONDITION = (
-    AutomationCondition.newly_missing() | AutomationCondition.any_deps_updated()
-).since_last_handled().with_label(
-    "missing or any results updated"
-) & ~AutomationCondition.in_progress()
 
 
 def gather_results(
@@ -320,21 +305,6 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
             "bad_shots": MetadataValue.md(listing),
         },
     )
-
-
-# Built once renders of the same key is, by films_automation_sensor: after the run that
-# rendered the storyboard has ended, again after each render that changed its data version
-# (a job done anew, a new take, a dead letter requeued and rendered); a render that
-# changed nothing, as a backfill over every partition, cuts no film again.
-FILMS_CONDITION = (
-    (
-        AutomationCondition.newly_missing()
-        | AutomationCondition.any_deps_match(AutomationCondition.data_version_changed())
-    ).since_last_handled()
-    & ~AutomationCondition.any_deps_missing()
-    & ~AutomationCondition.any_deps_in_progress()
-    & ~AutomationCondition.in_progress()
-).with_label("renders changed")
 
 
 def cut_film(
