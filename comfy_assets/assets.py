@@ -24,7 +24,6 @@ from dagster import (
     AssetObservation,
     AssetsDefinition,
     AssetSpec,
-    AutomationCondition,
     DataVersion,
     DynamicPartitionsDefinition,
     Failure,
@@ -38,6 +37,11 @@ from dagster import (
     multi_asset,
 )
 
+from comfy_assets.automation import (
+    ALL_RESULTS_CONDITION,
+    FILMS_CONDITION,
+    RENDER_RESULTS_CONDITION,
+)
 from comfy_assets.farm import DEFAULT_FARM, Farm
 from comfy_assets.film.gate import GateBlocked, GateResult
 from comfy_assets.film.make import make_film
@@ -67,7 +71,7 @@ from comfy_assets.metadata import (
     servers_metadata,
     table,
 )
-from comfy_assets.partitions import JOB_FILES_CHECK
+from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
@@ -251,15 +255,6 @@ def render_partition(
     )
 
 
-# Built again after renders however it was launched (a backfill of renders alone, say),
-# unless the same run builds it; all_results follows it.
-RENDER_RESULTS_CONDITION = (
-    AutomationCondition.any_deps_updated().since_last_handled()
-    & ~AutomationCondition.any_deps_in_progress()
-    & ~AutomationCondition.in_progress()
-).with_label("renders updated")
-
-
 def write_partition_results(
     context: AssetExecutionContext, farm: Farm, result_store: ResultStoreResource
 ) -> MaterializeResult:
@@ -277,16 +272,6 @@ def write_partition_results(
     return MaterializeResult(
         metadata={**results_metadata(frame, path), "job_file_sha256": job_file.sha256}
     )
-
-
-# Built again after any partition's results change, once nothing of its own is running.
-# Unlike AutomationCondition.eager() it does not wait for every partition to exist: a job
-# file that was never rendered (or failed) would hold it back for ever.
-ALL_RESULTS_CONDITION = (
-    AutomationCondition.newly_missing() | AutomationCondition.any_deps_updated()
-).since_last_handled().with_label(
-    "missing or any results updated"
-) & ~AutomationCondition.in_progress()
 
 
 def gather_results(
@@ -324,21 +309,6 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
             "bad_shots": MetadataValue.md(listing),
         },
     )
-
-
-# Built once renders of the same key is, by films_automation_sensor: after the run that
-# rendered the storyboard has ended, again after each render that changed its data version
-# (a job done anew, a new take, a dead letter requeued and rendered); a render that
-# changed nothing, as a backfill over every partition, cuts no film again.
-FILMS_CONDITION = (
-    (
-        AutomationCondition.newly_missing()
-        | AutomationCondition.any_deps_match(AutomationCondition.data_version_changed())
-    ).since_last_handled()
-    & ~AutomationCondition.any_deps_missing()
-    & ~AutomationCondition.any_deps_in_progress()
-    & ~AutomationCondition.in_progress()
-).with_label("renders changed")
 
 
 def cut_film(
@@ -443,17 +413,25 @@ def build_assets(farm: Farm) -> FarmAssets:
     renders_key = farm.key("renders")
     both = {farm.comfy_key, farm.store_key}
 
-    job_files = AssetSpec(
-        farm.job_files_key,
+    def spec(name: str, group: str, kind: str, description: str, **kwargs: Any) -> AssetSpec:
+        """One of the farm's assets, owned by OWNERS, of one kind."""
+        return AssetSpec(
+            farm.key(name),
+            group_name=farm.group_of(group),
+            owners=OWNERS,
+            kinds={kind},
+            description=description,
+            **kwargs,
+        )
+
+    job_files = spec(
+        JOB_FILES_ASSET,
+        "job_files",
+        "json",
+        "The job files (*.jsonl) in the watched folders, one partition a file. Each "
+        f"accepted version is recorded here by {farm.name('job_file_sensor')}; a bad "
+        "file fails the check `valid`, every error on its own line, until it is fixed.",
         partitions_def=jobs_partitions,
-        group_name=farm.group_of("job_files"),
-        owners=OWNERS,
-        kinds={"json"},
-        description=(
-            "The job files (*.jsonl) in the watched folders, one partition a file. Each "
-            f"accepted version is recorded here by {farm.name('job_file_sensor')}; a bad "
-            "file fails the check `valid`, every error on its own line, until it is fixed."
-        ),
     )
 
     @asset_check(
@@ -469,18 +447,15 @@ def build_assets(farm: Farm) -> FarmAssets:
     @multi_asset(
         name=farm.name("renders"),
         specs=[
-            AssetSpec(
-                renders_key,
+            spec(
+                "renders",
+                "renders",
+                "comfyui",
+                "Every job of the job file rendered on the ComfyUI pool; jobs already done "
+                "with the same inputs are not rendered again. Shows the job table and a "
+                "contact sheet of every output.",
                 deps=[job_files],
                 partitions_def=jobs_partitions,
-                group_name=farm.group_of("renders"),
-                owners=OWNERS,
-                kinds={"comfyui"},
-                description=(
-                    "Every job of the job file rendered on the ComfyUI pool; jobs already "
-                    "done with the same inputs are not rendered again. Shows the job table "
-                    "and a contact sheet of every output."
-                ),
             )
         ],
         check_specs=[
@@ -512,19 +487,24 @@ def build_assets(farm: Farm) -> FarmAssets:
             getattr(context.resources, farm.store_key),
         )
 
+    # Both results tables: a CSV each, in the renders group, reading the farm's store.
+    tables: dict[str, Any] = {
+        "group_name": farm.group_of("renders"),
+        "owners": OWNERS,
+        "kinds": {"pandas", "csv"},
+        "required_resource_keys": {farm.store_key},
+    }
+
     @asset(
         key=farm.key("render_results"),
         partitions_def=jobs_partitions,
         deps=[renders_key],
         automation_condition=RENDER_RESULTS_CONDITION,
-        group_name=farm.group_of("renders"),
-        owners=OWNERS,
-        kinds={"pandas", "csv"},
-        required_resource_keys={farm.store_key},
         description=(
             "The job file's results table (results.csv): a row per job with its `set` "
             "values, state, server, attempts, seconds, output files and reason."
         ),
+        **tables,
     )
     def render_results(context: AssetExecutionContext) -> MaterializeResult:
         """Write the partition's results CSV (``write_partition_results``)."""
@@ -533,15 +513,10 @@ def build_assets(farm: Farm) -> FarmAssets:
     @asset(
         key=farm.key("all_results"),
         deps=[farm.key("render_results")],
-        group_name=farm.group_of("renders"),
-        owners=OWNERS,
-        kinds={"pandas", "csv"},
         automation_condition=ALL_RESULTS_CONDITION,
-        required_resource_keys={farm.store_key},
-        description=(
-            "Every job file's results in one table (all_results.csv) with a `partition` "
-            "column; built again automatically after any render."
-        ),
+        description="Every job file's results in one table (all_results.csv) with a "
+        "`partition` column; built again automatically after any render.",
+        **tables,
     )
     def all_results(context: AssetExecutionContext) -> MaterializeResult:
         """Concatenate every partition's results CSV (``gather_results``)."""
@@ -550,21 +525,18 @@ def build_assets(farm: Farm) -> FarmAssets:
     @multi_asset(
         name=farm.name("films"),
         specs=[
-            AssetSpec(
-                farm.key("films"),
+            spec(
+                "films",
+                "films",
+                "video",
+                "A storyboard's shots cut into one film (film.mp4, in shot order) behind the "
+                "blocking check `gate`; policy delivery or draft (a bad shot becomes a "
+                "slate). A partition per job file with shots, built after its renders. Shows "
+                "the film, its contact sheet and what the render cost.",
                 # Same keys: a storyboard's film is cut from that job file's renders.
                 deps=[AssetDep(renders_key, partition_mapping=IdentityPartitionMapping())],
                 partitions_def=films_partitions,
-                group_name=farm.group_of("films"),
-                owners=OWNERS,
-                kinds={"video"},
                 automation_condition=FILMS_CONDITION,
-                description=(
-                    "A storyboard's shots cut into one film (film.mp4, in shot order) behind "
-                    "the blocking check `gate`; policy delivery or draft (a bad shot becomes "
-                    "a slate). A partition per job file with shots, built after its renders. "
-                    "Shows the film, its contact sheet and what the render cost."
-                ),
             )
         ],
         check_specs=[

@@ -24,26 +24,62 @@ the ``dagster_dg_cli.registry_modules`` entry point of comfy-assets.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import dagster as dg
 from dagster.components import Scaffolder, ScaffoldRequest, scaffold_component
-from pydantic import Field
+from dagster.components.resolved.errors import ResolutionException
+from pydantic import ConfigDict, Field
 
 from comfy_assets.farm import farm_of
 from comfy_assets.farm_defs import build_farm_defs
 from comfy_assets.jobs.model import POLICIES
-from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
+from comfy_assets.resources import ComfyPoolResource, ResultStoreResource, ServerConfig
+
+# A value that is one environment variable and nothing else: ``{{ env.NAME }}``.
+_ONE_VARIABLE = re.compile(r"\{\{\s*env\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+
+
+def _secret(context: dg.ResolutionContext, raw: Any) -> Any:
+    """A value that may hold a password: ``{{ env.NAME }}`` alone becomes ``EnvVar(NAME)``,
+    which Dagster reads at run time and the UI shows by its name, never its value (a
+    resolved URL would show with its password); anything else resolves as usual. Raises
+    ResolutionException for a variable that is not set, as a template would."""
+    if isinstance(raw, str):
+        match = _ONE_VARIABLE.fullmatch(raw.strip())
+        if match is not None:
+            name = match.group(1)
+            if name not in os.environ:
+                raise ResolutionException(f"Environment variable {name} is not set.")
+            return dg.EnvVar(name)
+    return context.resolve_value(raw)
+
+
+# In the YAML a string; resolved, an EnvVar or the string (kept an EnvVar: pydantic would
+# turn a str subclass into a plain str).
+Secret = Annotated[
+    dg.EnvVar | str, dg.Resolver(_secret, model_field_type=str, inject_before_resolve=False)
+]
+OptionalSecret = Annotated[
+    dg.EnvVar | str | None,
+    dg.Resolver(_secret, model_field_type=str | None, inject_before_resolve=False),
+]
+# dg.Model's own settings, and EnvVar values kept as they are.
+_MODEL_CONFIG = ConfigDict(extra="forbid", arbitrary_types_allowed=True)
 
 
 class RenderFarmServer(dg.Resolvable, dg.Model):
     """One ComfyUI server of the farm (one GPU)."""
 
+    model_config = _MODEL_CONFIG
+
     name: str = Field(description="Its name in logs, leases and tables, e.g. gpu0.")
-    url: str = Field(
-        description="Its base URL, e.g. http://10.0.0.5:8188 (user:password@ for basic auth: "
-        "give it by {{ env.VAR }})."
+    url: Secret = Field(
+        description="Its base URL, e.g. http://10.0.0.5:8188; with user:password@ for basic "
+        "auth, give it as {{ env.VAR }} alone: the UI then shows the variable's name."
     )
 
 
@@ -71,6 +107,8 @@ class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
     its store: the assets job_files, renders, render_results, all_results and films under
     ``key_prefix``, with their checks, sensors and render job (see comfy_assets.farm_defs)."""
 
+    model_config = _MODEL_CONFIG
+
     servers: list[RenderFarmServer] = Field(
         description="The ComfyUI servers, one per GPU; at most one prompt of ours on each."
     )
@@ -81,40 +119,32 @@ class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
         description="The result store's folder (outputs, results.csv, films; the SQLite "
         "database unless db_url); relative to the project root."
     )
-    db_url: str | None = Field(
+    db_url: OptionalSecret = Field(
         default=None,
         description="The store's database URL (postgresql+psycopg://...); None: SQLite in "
-        "the store folder. Give a password by {{ env.VAR }}.",
+        "the store folder. With a password, give it as {{ env.VAR }} alone: the UI then "
+        "shows the variable's name.",
     )
-    media_url: str | None = Field(
+    media_url: OptionalSecret = Field(
         default=None,
         description="Where a web server of yours serves the store folder; the UI then shows "
         "pictures inline and links the film.",
     )
-    policy: str | None = Field(
-        default=None,
-        description="delivery or draft for every film of the farm; None: each job file's "
-        "header decides (delivery by default).",
-    )
+    # None: each job file's header decides (delivery by default).
+    policy: str | None = Field(None, description="delivery or draft for every film of the farm.")
     key_prefix: list[str] = Field(
         default_factory=list,
         description="The prefix of the farm's asset keys, sensor, job and resource names "
         "(e.g. [draft]: draft/renders, draft_render_job); two farms need two prefixes.",
     )
-    group: str | None = Field(
-        default=None,
-        description="The group of every asset of the farm; None: job_files, renders and "
-        "films (prefixed).",
-    )
+    # None: the groups job_files, renders and films (prefixed).
+    group: str | None = Field(None, description="The group of every asset of the farm.")
     sensor_interval_s: int | None = Field(
         default=None,
         description="Seconds between two looks at the job folders; None: "
         "COMFY_ASSETS_SENSOR_INTERVAL_S, else 10.",
     )
-    automation_interval_s: int = Field(
-        default=10,
-        description="Seconds between two evaluations of the films' and results' automation.",
-    )
+    automation_interval_s: int = Field(10, description="Seconds between two automation ticks.")
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         """The farm's definitions. Raises ValueError for a bad key prefix, interval,
@@ -132,7 +162,7 @@ class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
             automation_interval_s=self.automation_interval_s,
         )
         comfy = ComfyPoolResource(
-            servers_spec=",".join(f"{s.name}={s.url}" for s in self.servers),
+            servers=[ServerConfig(name=s.name, url=s.url) for s in self.servers],
             policy=self.policy,
         )
         store = ResultStoreResource(

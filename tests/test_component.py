@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dagster import AssetCheckKey, AssetKey, DagsterInstance, instance_for_test
+from dagster import AssetCheckKey, AssetKey, DagsterInstance, EnvVar, instance_for_test
 from dagster.components.testing import create_defs_folder_sandbox
 
 from comfy_assets.component import RenderFarm
@@ -60,16 +60,18 @@ def test_two_farms_in_one_project_render_each_its_own_files_on_its_own_servers(
         for name in FARMS
     }
     with ExitStack() as stack, create_defs_folder_sandbox() as sandbox:
+        # The draft farm's database URL is a secret of the environment too.
+        monkeypatch.setenv("DRAFT_DB_URL", f"sqlite:///{tmp_path / 'draft.db'}")
         for name, fake in fakes.items():
             url = stack.enter_context(fake.serve_in_thread(port=0))
             monkeypatch.setenv(f"{name.upper()}_GPU0_URL", url)
+            attributes = farm_attributes(name, tmp_path)
+            if name == "draft":
+                attributes["db_url"] = "{{ env.DRAFT_DB_URL }}"
             sandbox.scaffold_component(
                 component_cls=RenderFarm,
                 defs_path=name,
-                defs_yaml_contents={
-                    "type": "comfy_assets.RenderFarm",
-                    "attributes": farm_attributes(name, tmp_path),
-                },
+                defs_yaml_contents={"type": "comfy_assets.RenderFarm", "attributes": attributes},
             )
         with sandbox.build_all_defs() as defs, instance_for_test() as instance:
             keys = set(defs.resolve_all_asset_keys())
@@ -86,12 +88,22 @@ def test_two_farms_in_one_project_render_each_its_own_files_on_its_own_servers(
                 job = defs.resolve_job_def(f"{name}_render_job")
                 assert job.execute_in_process(partition_key="shots", instance=instance).success
             assert len(keys) == 2 * 5
+            # The server URL, a secret, is read at run time: the UI shows its variable.
+            comfy = defs.resources["draft_comfy"]
+            for secret, name in (
+                (comfy.servers[0].url, "DRAFT_GPU0_URL"),
+                (defs.resources["draft_result_store"].db_url, "DRAFT_DB_URL"),
+            ):
+                assert isinstance(secret, EnvVar) and secret == name
 
     for name in FARMS:
         prompt_ids = {job.prompt_id for job in load_job_file(job_files[name]).jobs}
         assert executed(fakes[name]) == prompt_ids  # its own jobs, on its own server
         assert (tmp_path / "store" / name / "shots" / "results.csv").is_file()
         assert len(prompt_ids) == 2
+    assert (tmp_path / "draft.db").is_file()  # the database the secret URL named
+    assert not (tmp_path / "store" / "draft" / "store.db").exists()
+    assert (tmp_path / "store" / "final" / "store.db").is_file()
 
 
 def dg(project: Path, *args: str, home: Path, env: dict[str, str]) -> str:

@@ -176,3 +176,31 @@ def test_dagster_home_template_is_a_valid_instance_config(tmp_path: Path) -> Non
         assert instance.run_retries_enabled
         assert instance.run_retries_max_retries == 2
         assert instance.run_monitoring_enabled
+
+
+def test_the_definitions_are_the_default_farm_of_the_factory_and_a_second_farm_shares_nothing(
+    tmp_path: Path,
+) -> None:
+    from dagster import Definitions
+
+    from comfy_assets.farm import DEFAULT_FARM, Farm
+    from comfy_assets.farm_defs import build_farm_defs
+    from comfy_assets.resources import ResultStoreResource
+
+    resources = default_resources()
+    again = build_farm_defs(DEFAULT_FARM, resources["comfy"], resources["result_store"])
+    assert set(again.resolve_all_asset_keys()) == set(defs.resolve_all_asset_keys())
+    names = {s.name for s in defs.sensors}
+    assert {s.name for s in again.sensors} == names
+    draft = build_farm_defs(
+        Farm(key_prefix=("draft",), job_dirs=(tmp_path,)),
+        ComfyPoolResource(servers_spec="gpu0=http://127.0.0.1:8188"),
+        ResultStoreResource(folder=str(tmp_path / "store")),
+    )
+    both = Definitions.merge(defs, draft)  # no name or key in common
+    keys = set(both.resolve_all_asset_keys())
+    assert AssetKey(["draft", "renders"]) in keys and AssetKey("renders") in keys
+    assert both.resolve_job_def("draft_render_job").partitions_def.name == "draft_job_files"
+    assert {s.name for s in both.sensors} == names | {f"draft_{name}" for name in names}
+    with pytest.raises(ValueError, match="key_prefix"):
+        Farm(key_prefix=("no/slash",))

@@ -321,7 +321,9 @@ def test_every_help_in_the_command_line_reference_is_the_programs_own() -> None:
     sections = dict(HELP_SECTION.findall((REPO / "docs" / "command-line.md").read_text()))
     commands = ["", *COMMANDS]
     wanted = [f"comfy-assets {c}".strip() for c in commands] + ["python -m fake_comfy"]
-    assert sorted(sections) == sorted(wanted)  # every command has its section
+    missing = sorted(set(wanted) - set(sections))
+    assert not missing, f"docs/command-line.md has no `--help` section for {missing}"
+    assert sorted(sections) == sorted(wanted), "a section for a command that is not there"
     env = {**clean_env(), "COLUMNS": "100"}
     for title, shown in sections.items():
         argv = title.split()
@@ -334,7 +336,9 @@ def test_every_help_in_the_command_line_reference_is_the_programs_own() -> None:
         done = subprocess.run(
             [*program, *rest, "--help"], capture_output=True, text=True, env=env, check=True
         )
-        assert done.stdout.rstrip() == shown.rstrip(), title
+        assert done.stdout.rstrip() == shown.rstrip(), (
+            f"`{title} --help` in docs/command-line.md should read:\n{done.stdout}"
+        )
 
 
 def test_the_api_docs_example_submits_follows_and_fetches_a_picture(project: Path) -> None:

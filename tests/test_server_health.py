@@ -235,3 +235,22 @@ async def test_a_worker_whose_every_server_is_quarantined_takes_no_message_and_s
         store.readmit_server("gpu0", "test")
         await asyncio.wait_for(task, 60)
     assert len(source.acked) == 1 and prompts(fake) == 1
+
+
+def test_health_shows_a_quarantine_and_readmit_ends_it(tmp_path, capsys):
+    from comfy_assets.cli.main import main
+
+    store = Store(tmp_path / "store")
+    reason = "execution_error in node 2 (SaveImage): OSError: [Errno 28] No space left on device"
+    store.server_failed("gpu2", job_id(1), "0" * 64, "disk", reason, infrastructure=True)
+    store.close()
+    assert main(["health", "--store", str(tmp_path / "store")]) == 1  # none usable
+    out = capsys.readouterr().out
+    assert out.startswith("gpu2 quarantined until ")
+    assert out.rstrip().endswith(f": {reason}")
+    assert main(["health", "--store", str(tmp_path / "store"), "--readmit", "gpu2"]) == 0
+    assert capsys.readouterr().out.startswith("gpu2 re-admitted by hand (")
+    assert main(["health", "--store", str(tmp_path / "store")]) == 0
+    assert capsys.readouterr().out == "gpu2 ok\n"
+    assert main(["health", "--readmit", "gpu2"]) == 2
+    assert "--readmit needs --store DIR" in capsys.readouterr().err

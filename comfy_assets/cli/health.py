@@ -79,11 +79,11 @@ def health(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"comfy-assets health: {exc}", file=sys.stderr)
         return 2
-    if not specs and args.store is None:
-        print("comfy-assets health: give --server NAME=URL, or --store DIR", file=sys.stderr)
-        return 2
     if args.readmit and args.store is None:
         print("comfy-assets health: --readmit needs --store DIR", file=sys.stderr)
+        return 2
+    if not specs and args.store is None:
+        print("comfy-assets health: give --server NAME=URL, or --store DIR", file=sys.stderr)
         return 2
     records: dict[str, ServerHealthRecord] = {}
     code = 0
@@ -106,6 +106,9 @@ def health(args: argparse.Namespace) -> int:
         if args.readmit and not specs:
             return code
     if not specs:
+        if not records:
+            print(f"no server has a failure on record in {args.store}", flush=True)
+            return 0
         for record in records.values():
             print(record.line(), flush=True)
         return 0 if any(r.blocked() is None for r in records.values()) else 1

@@ -97,7 +97,8 @@ class ServerHealthRecord:
         if self.strikes:
             notes.append(f"{self.strikes} of {QUARANTINE_STRIKES} strikes (last: {self.reason})")
         if self.open_failures:
-            notes.append(f"{self.open_failures} failures here not judged elsewhere yet")
+            n = self.open_failures
+            notes.append(f"{n} failure{'s' if n > 1 else ''} here not judged elsewhere yet")
         return text + (f"; {'; '.join(notes)}" if notes else "")
 
     def blocked(self) -> str | None:
