@@ -67,6 +67,9 @@ class Settle(Ownership):
                 store.transition,
                 job.id,
                 "failed_retryable",
+                # With our claim: one taken meanwhile (a cancel by the API, say) raises
+                # ClaimLost, and the job is left to its new holder.
+                owner=self.owner,
                 server=r.server,
                 attempt=attempt_number,
                 detail=r.reason,
