@@ -118,8 +118,11 @@ async def test_the_fake_sampler_reports_each_step_as_a_comfyui_sampler_does():
         got = await capture(url, workflow)
     steps = [(m["data"]["value"], m["data"]["max"]) for m in got if _kind(m) == "progress"]
     assert steps == [(1, 4), (2, 4), (3, 4), (4, 4)]  # step + 1 of steps, as latent_preview
-    states = [m["data"]["nodes"]["3"] for m in got if _kind(m) == "progress_state"
-              and "3" in m["data"]["nodes"]]
+    states = [
+        m["data"]["nodes"]["3"]
+        for m in got
+        if _kind(m) == "progress_state" and "3" in m["data"]["nodes"]
+    ]
     assert states[-1]["state"] == "finished" and (states[-1]["value"], states[-1]["max"]) == (4, 4)
 
 

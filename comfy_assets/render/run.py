@@ -16,6 +16,7 @@ from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.progress import Progress
+from comfy_assets.render.steering import Steering
 from comfy_assets.render.summary import BatchSummary, summarize
 from comfy_assets.store import Store, off_loop
 
@@ -111,10 +112,9 @@ async def _run_batch(
             stop_on_fatal=stop_on_fatal,
             draft=draft,
             on_line=on_line,
-            on_progress=on_progress,
             heartbeat=heartbeat,
         )
-        await batch.run()
+        await _steered(batch, on_progress)
     summary = await off_loop(
         store,
         summarize,
@@ -127,6 +127,22 @@ async def _run_batch(
     )
     summary.no_server = batch.no_server
     return summary
+
+
+async def _steered(batch: Batch, on_progress: Callable[[Progress], None] | None) -> None:
+    """Run ``batch``; ``on_progress`` gets its progress with the estimate, the reasons
+    and the running prompts, at each job's end and every few seconds (``steering.py``)."""
+    if on_progress is None:
+        await batch.run()
+        return
+    steering = Steering(batch, on_progress)
+    ticks = asyncio.create_task(steering.run(), name="progress")
+    try:
+        await batch.run()
+    finally:
+        ticks.cancel()
+        await asyncio.gather(ticks, return_exceptions=True)
+        steering.close()
 
 
 def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> BatchSummary:

@@ -1,0 +1,127 @@
+"""What a running batch tells the people steering it, every few seconds: how far it is,
+why its jobs left wait, how far each running prompt is and when it will be done.
+
+``Steering`` wraps a batch's ``on_progress``: each ``Progress`` the batch gives (a job
+ended) and one every ``every_s`` seconds (``run``) carry the estimate (``render/eta.py``),
+the jobs left by reason and a line per running prompt (``comfy/progress.py``). The
+reasons, a small fixed vocabulary (``REASONS``), each name what the jobs wait for:
+
+- ``rendering``: on a server (posted, or being posted or downloaded);
+- ``waiting for a server``: in line for one of the servers that can run them;
+- ``for their upstream shot``: a job they continue from is not done yet;
+- ``in backoff``: waiting out the delay after a failed attempt;
+- ``claimed by another process``: another worker holds their claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
+
+from comfy_assets.comfy.slot import Slot
+from comfy_assets.render.eta import Estimator, Running
+from comfy_assets.render.progress import Progress
+from comfy_assets.render.queue import Item
+
+if TYPE_CHECKING:
+    from comfy_assets.render.batch import Batch
+
+RENDERING = "rendering"
+FOR_A_SERVER = "waiting for a server"
+FOR_UPSTREAM = "for their upstream shot"
+IN_BACKOFF = "in backoff"
+FOR_A_CLAIM = "claimed by another process"
+REASONS = (RENDERING, FOR_A_SERVER, FOR_UPSTREAM, IN_BACKOFF, FOR_A_CLAIM)
+
+EVERY_S = 2.0  # seconds between the progress a batch gives while no job ends
+
+
+class Steering:
+    """The progress of ``batch`` with its estimate, reasons and running prompts, given to
+    ``on_progress`` (on the batch's event loop). Made before ``batch.run``; ``run`` gives
+    one every ``every_s`` seconds until cancelled."""
+
+    def __init__(
+        self,
+        batch: Batch,
+        on_progress: Callable[[Progress], None],
+        every_s: float | None = None,
+    ) -> None:
+        self.batch = batch
+        self.on_progress = on_progress
+        self.every_s = EVERY_S if every_s is None else every_s
+        self.estimator = Estimator()
+        self._workflow: dict[str, Hashable] = {
+            job.prompt_id: batch.queue.needs(Item(job)) for job in batch.jobs
+        }
+        batch.on_progress = self._batch_progress
+        batch.pool.prompt_listeners.append(self._prompt_ended)
+
+    def close(self) -> None:
+        """Stop measuring the pool's prompts (the pool may outlive the batch)."""
+        listeners = self.batch.pool.prompt_listeners
+        if self._prompt_ended in listeners:
+            listeners.remove(self._prompt_ended)
+
+    async def run(self) -> None:
+        """Give the progress every ``every_s`` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(self.every_s)
+            if self.batch.progress.remaining:
+                self.on_progress(self.now(self.batch.progress))
+
+    def _batch_progress(self, progress: Progress) -> None:
+        self.on_progress(self.now(progress))
+
+    def _prompt_ended(self, slot: Slot, seconds: float) -> None:
+        workflow = self._workflow.get(slot.prompt_id or "")
+        if workflow is not None:
+            self.estimator.prompt_ended(workflow, seconds)
+
+    def now(self, progress: Progress) -> Progress:
+        """``progress`` with the estimate, the reasons and the running prompts of now."""
+        batch, pool = self.batch, self.batch.pool
+        loop_now = asyncio.get_running_loop().time()
+        running: list[Running] = []
+        lines: list[str] = []
+        for job_id, attempt in list(batch.attempts.items()):
+            job, slot = attempt.job, attempt.slot
+            workflow = self._workflow.get(job.prompt_id, job.workflow_sha256)
+            if slot is None:
+                continue
+            posted = slot.posted_at
+            running.append(Running(workflow, 0.0 if posted is None else loop_now - posted))
+            follower = pool.open_follower(slot.name)
+            where = follower.progress(job.prompt_id) if follower is not None else None
+            how_far = where.describe(job.workflow) if where is not None else "posting"
+            lines.append(f"job {job_id[:8]} on {slot.name}: {how_far}")
+        waiting: dict[Hashable, int] = {}
+        counts = dict.fromkeys(REASONS, 0)
+        counts[RENDERING] = len(batch.attempts)
+        for item in batch.queue.ready:
+            self._count(waiting, item)
+        for item in batch.queue.later():
+            self._count(waiting, item)
+            counts[FOR_A_CLAIM if item.job.id in batch.told_held else IN_BACKOFF] += 1
+        for item in list(batch.parked.values()):
+            self._count(waiting, item)
+            counts[FOR_UPSTREAM] += 1
+        counts[FOR_A_SERVER] = max(
+            progress.remaining - sum(n for why, n in counts.items() if why != FOR_A_SERVER), 0
+        )
+        usable = max(len(pool.servers) - len(pool.unreachable()), 1)
+        estimate = self.estimator.left_s(waiting, running, usable)
+        return dataclasses.replace(
+            progress,
+            elapsed_s=max(time.monotonic() - batch.started, progress.elapsed_s),
+            estimate_s=estimate,
+            waiting=tuple((why, n) for why, n in counts.items() if n),
+            running=tuple(lines),
+        )
+
+    def _count(self, waiting: dict[Hashable, int], item: Item) -> None:
+        workflow = self._workflow.get(item.job.prompt_id, item.job.workflow_sha256)
+        waiting[workflow] = waiting.get(workflow, 0) + 1
