@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
+from comfy_assets.comfy.capabilities import Needs
+from comfy_assets.comfy.plan import models_of
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.render.eta import Estimator, Running
 from comfy_assets.render.progress import Progress
@@ -79,7 +81,8 @@ class Steering:
     def _prompt_ended(self, slot: Slot, seconds: float) -> None:
         workflow = self._workflow.get(slot.prompt_id or "")
         if workflow is not None:
-            self.estimator.prompt_ended(workflow, seconds)
+            load_s = self.batch.pool.plan.estimates.load_s
+            self.estimator.prompt_ended(workflow, seconds, slot.load_expected, load_s)
 
     def now(self, progress: Progress) -> Progress:
         """``progress`` with the estimate, the reasons and the running prompts of now."""
@@ -113,7 +116,16 @@ class Steering:
             progress.remaining - sum(n for why, n in counts.items() if why != FOR_A_SERVER), 0
         )
         usable = max(len(pool.servers) - len(pool.unreachable()), 1)
-        estimate = self.estimator.left_s(waiting, running, usable)
+        plan = pool.plan
+        # A workflow no server holds costs a load before its first job (plan.py).
+        loads = sum(
+            1
+            for workflow in waiting
+            if isinstance(workflow, Needs)
+            and models_of(workflow)
+            and not any(plan.fits(s, workflow) for s in plan.servers)
+        )
+        estimate = self.estimator.left_s(waiting, running, usable, loads, plan.estimates.load_s)
         return dataclasses.replace(
             progress,
             elapsed_s=max(time.monotonic() - batch.started, progress.elapsed_s),
