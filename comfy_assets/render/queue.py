@@ -92,9 +92,10 @@ class JobQueue:
     def waiting(self) -> int:
         return len(self._timers)
 
-    def later(self) -> list[Item]:
-        """The jobs waiting out a delay (backoff, someone else's claim)."""
-        return list(self._timers.values())
+    def later(self) -> list[tuple[Item, float]]:
+        """The jobs waiting out a delay (backoff, someone else's claim), each with the
+        loop time it is back in line."""
+        return [(item, handle.when()) for handle, item in self._timers.items()]
 
     def demand(self) -> dict[Needs, Demand]:
         """Per group: how many jobs wait, and the arrival rank of the oldest."""

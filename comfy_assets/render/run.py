@@ -131,11 +131,9 @@ async def _run_batch(
 
 async def _steered(batch: Batch, on_progress: Callable[[Progress], None] | None) -> None:
     """Run ``batch``; ``on_progress`` gets its progress with the estimate, the reasons
-    and the running prompts, at each job's end and every few seconds (``steering.py``)."""
-    if on_progress is None:
-        await batch.run()
-        return
-    steering = Steering(batch, on_progress)
+    and the running prompts, at each job's end and every few seconds, and the store what
+    ``comfy-assets status`` shows (``steering.py``)."""
+    steering = Steering(batch, on_progress or _ignore)
     ticks = asyncio.create_task(steering.run(), name="progress")
     try:
         await batch.run()
@@ -143,6 +141,10 @@ async def _steered(batch: Batch, on_progress: Callable[[Progress], None] | None)
         ticks.cancel()
         await asyncio.gather(ticks, return_exceptions=True)
         steering.close()
+
+
+def _ignore(progress: Progress) -> None:
+    """An ``on_progress`` that shows nothing."""
 
 
 def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> BatchSummary:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
@@ -24,9 +25,11 @@ from typing import TYPE_CHECKING
 from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.plan import models_of
 from comfy_assets.comfy.slot import Slot
+from comfy_assets.render import publish
 from comfy_assets.render.eta import Estimator, Running
 from comfy_assets.render.progress import Progress
 from comfy_assets.render.queue import Item
+from comfy_assets.store import StoreUnavailable
 
 if TYPE_CHECKING:
     from comfy_assets.render.batch import Batch
@@ -37,6 +40,8 @@ FOR_UPSTREAM = "for their upstream shot"
 IN_BACKOFF = "in backoff"
 FOR_A_CLAIM = "claimed by another process"
 REASONS = (RENDERING, FOR_A_SERVER, FOR_UPSTREAM, IN_BACKOFF, FOR_A_CLAIM)
+
+log = logging.getLogger("comfy_assets.render.steering")
 
 EVERY_S = 2.0  # seconds between the progress a batch gives while no job ends
 
@@ -59,21 +64,41 @@ class Steering:
         self._workflow: dict[str, Hashable] = {
             job.prompt_id: batch.queue.needs(Item(job)) for job in batch.jobs
         }
+        self._published = False
         batch.on_progress = self._batch_progress
         batch.pool.prompt_listeners.append(self._prompt_ended)
 
     def close(self) -> None:
-        """Stop measuring the pool's prompts (the pool may outlive the batch)."""
+        """Stop measuring the pool's prompts (the pool may outlive the batch) and take
+        the batch's rows out of the store."""
         listeners = self.batch.pool.prompt_listeners
         if self._prompt_ended in listeners:
             listeners.remove(self._prompt_ended)
+        if self._published:
+            try:
+                self.batch.store.clear_live(self.batch.owner)
+            except StoreUnavailable as e:  # they go stale by themselves
+                log.warning("status rows of %s not cleared: %s", self.batch.partition, e)
 
     async def run(self) -> None:
-        """Give the progress every ``every_s`` seconds, until cancelled."""
+        """Give the progress every ``every_s`` seconds, and write what ``status`` shows
+        to the store (``render/publish.py``), until cancelled."""
         while True:
             await asyncio.sleep(self.every_s)
-            if self.batch.progress.remaining:
-                self.on_progress(self.now(self.batch.progress))
+            if not self.batch.progress.remaining:
+                continue
+            progress = self.now(self.batch.progress)
+            self.on_progress(progress)
+            batch = self.batch
+            try:
+                await batch._db(
+                    batch.store.publish_live, batch.owner, publish.rows(batch, progress)
+                )
+                self._published = True
+            except StoreUnavailable as e:
+                # The batch's own store calls meet the outage and decide; status only
+                # misses a few seconds.
+                log.warning("status rows of %s not written: %s", batch.partition, e)
 
     def _batch_progress(self, progress: Progress) -> None:
         self.on_progress(self.now(progress))
@@ -106,7 +131,7 @@ class Steering:
         counts[RENDERING] = len(batch.attempts)
         for item in batch.queue.ready:
             self._count(waiting, item)
-        for item in batch.queue.later():
+        for item, _ in batch.queue.later():
             self._count(waiting, item)
             counts[FOR_A_CLAIM if item.job.id in batch.told_held else IN_BACKOFF] += 1
         for item in list(batch.parked.values()):

@@ -131,6 +131,18 @@ pool_waiters_table = sa.Table(
     sa.Column("servers", sa.Text),
 )
 
+# What each running batch says of itself every few seconds, for `comfy-assets status`
+# and the metrics (store/live.py): one row per (owner, kind, subject), a JSON detail.
+live_table = sa.Table(
+    "comfy_live",
+    metadata,
+    sa.Column("owner", sa.String(255), primary_key=True),
+    sa.Column("kind", sa.String(16), primary_key=True),  # "partition" or "server"
+    sa.Column("subject", sa.String(255), primary_key=True),  # its name
+    sa.Column("detail", sa.Text, nullable=False),
+    sa.Column("updated_at", sa.Double, nullable=False),
+)
+
 
 # Seconds between an owner's heartbeats, and the silence after which it is gone.
 OWNER_BEAT_S = 2.0
