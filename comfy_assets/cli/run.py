@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from comfy_assets.cli.metrics_option import add_metrics_option, start_metrics
 from comfy_assets.cli.options import add_input_options, bounded, byte_size, byte_size_text
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.inputs import rules_of
@@ -169,6 +170,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log scheduling and protocol steps")
     add_batch_options(p)
     add_knob_option(p, "unreachable_timeout_s", bounded(float, 0, strict=True))
+    add_metrics_option(p)
     p.set_defaults(func=run_command)
 
 
@@ -251,6 +253,10 @@ def run_command(args: argparse.Namespace) -> int:
     if isinstance(store, int):
         return store
     show_logs(args)
+    failed = start_metrics(args, store, partition)
+    if failed is not None:
+        store.close()
+        return failed
     # The batch (aiohttp, websockets), results.csv (pandas) and the bar (tqdm) are imported
     # by the command that runs them: ``requeue``, ``events`` and ``worker`` build their
     # parsers here too.

@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_assets.cli import worker_signals
+from comfy_assets.cli.metrics_option import add_metrics_option, start_metrics
 from comfy_assets.cli.options import add_input_options, bounded, byte_size
 from comfy_assets.cli.run import (
     add_batch_options,
@@ -172,6 +173,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     add_batch_options(p)
+    add_metrics_option(p)
     p.set_defaults(func=worker_command)
 
 
@@ -265,6 +267,9 @@ def _worker(args: argparse.Namespace) -> int:
     store = open_store(args, existing=False)
     if isinstance(store, int):
         return store
+    failed = start_metrics(args, store, None)
+    if failed is not None:
+        return failed
     worker = Worker(
         source,
         servers=servers,

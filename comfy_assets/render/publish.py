@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from comfy_assets.comfy.capabilities import Needs
@@ -30,21 +29,6 @@ if TYPE_CHECKING:
     from comfy_assets.render.progress import Progress
 
 MAX_IDS = 2000  # job ids a partition row names at most (rows stay small)
-
-# Whether a server is quarantined (health checks keep that state): None until the pool
-# has one; ``set_quarantine_reader`` installs it.
-_quarantined: Callable[[str], bool] | None = None
-
-
-def set_quarantine_reader(reader: Callable[[str], bool] | None) -> None:
-    """Install ``reader(server) -> quarantined?`` for the rows and the metrics."""
-    global _quarantined
-    _quarantined = reader
-
-
-def quarantined(server: str) -> bool:
-    """Whether ``server`` is quarantined now (False while nothing keeps that state)."""
-    return bool(_quarantined is not None and _quarantined(server))
 
 
 def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, Any]]:
@@ -113,7 +97,7 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
                 "since": since,
                 "progress": how_far,
             }
-        elif quarantined(name):
+        elif batch.store.server_quarantined(name):
             row = {"state": "quarantined"}
         elif name in unreachable:
             row = {"state": "unreachable", "reason": unreachable[name]}

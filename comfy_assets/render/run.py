@@ -20,11 +20,17 @@ from comfy_assets.render.steering import Steering
 from comfy_assets.render.summary import BatchSummary, summarize
 from comfy_assets.store import Store, off_loop
 
+# Called with each pool made here and its store (the metrics: ``metrics.py``).
+pool_watchers: list[Callable[[Pool, Store], None]] = []
+
 
 def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, owner: str) -> Pool:
     """The pool of ``servers`` with the leases, probes and polls of ``config``; its lease
     calls live through a failing store for as long as the store's own calls do."""
-    return Pool(servers, store, owner=owner, settings=config, store_timeout_s=store.retry_s)
+    pool = Pool(servers, store, owner=owner, settings=config, store_timeout_s=store.retry_s)
+    for watch in pool_watchers:
+        watch(pool, store)
+    return pool
 
 
 def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:

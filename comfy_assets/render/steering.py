@@ -45,6 +45,10 @@ log = logging.getLogger("comfy_assets.render.steering")
 
 EVERY_S = 2.0  # seconds between the progress a batch gives while no job ends
 
+# Called with each batch's progress as it is given, and (steering, None) once the batch
+# ended (the metrics: ``metrics.py``).
+watchers: list[Callable[[Steering, Progress | None], None]] = []
+
 
 class Steering:
     """The progress of ``batch`` with its estimate, reasons and running prompts, given to
@@ -74,6 +78,8 @@ class Steering:
         listeners = self.batch.pool.prompt_listeners
         if self._prompt_ended in listeners:
             listeners.remove(self._prompt_ended)
+        for watch in watchers:
+            watch(self, None)
         if self._published:
             try:
                 self.batch.store.clear_live(self.batch.owner)
@@ -88,7 +94,7 @@ class Steering:
             if not self.batch.progress.remaining:
                 continue
             progress = self.now(self.batch.progress)
-            self.on_progress(progress)
+            self._give(progress)
             batch = self.batch
             try:
                 await batch._db(
@@ -101,7 +107,12 @@ class Steering:
                 log.warning("status rows of %s not written: %s", batch.partition, e)
 
     def _batch_progress(self, progress: Progress) -> None:
-        self.on_progress(self.now(progress))
+        self._give(self.now(progress))
+
+    def _give(self, progress: Progress) -> None:
+        for watch in watchers:
+            watch(self, progress)
+        self.on_progress(progress)
 
     def _prompt_ended(self, slot: Slot, seconds: float) -> None:
         workflow = self._workflow.get(slot.prompt_id or "")

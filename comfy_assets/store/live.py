@@ -7,7 +7,7 @@ not read (``store/owners.py``), and an owner's rows are replaced whole at each w
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from comfy_assets.store.base import StoreBase
 from comfy_assets.store.retry import retried
-from comfy_assets.store.schema import live_table, owners_table
+from comfy_assets.store.schema import attempts_table, jobs_table, live_table, owners_table
 
 # Seconds after which a row nobody rewrote is stale (its batch ended or hangs).
 LIVE_STALE_S = 15.0
@@ -90,3 +90,36 @@ class Live(StoreBase):
             if isinstance(detail, dict):
                 out.append(LiveRow(r.owner, r.kind, r.subject, detail, now - r.updated_at))
         return out
+
+    @retried
+    def job_state_counts(self, partitions: Sequence[str] | None = None) -> dict[str, int]:
+        """Jobs by state, of ``partitions`` (None: every partition), for the metrics."""
+        jobs = jobs_table.c
+        query = sa.select(jobs.state, sa.func.count()).group_by(jobs.state)
+        if partitions is not None:
+            query = query.where(jobs.partition.in_(list(partitions)))
+        with self._read() as conn:
+            return {str(state): int(n) for state, n in conn.execute(query)}
+
+    @retried
+    def attempt_outcome_counts(
+        self, partitions: Sequence[str] | None = None
+    ) -> dict[tuple[str, str], int]:
+        """Attempts by (server, outcome) of the jobs of ``partitions`` (None: all)."""
+        tries, jobs = attempts_table.c, jobs_table.c
+        query = sa.select(tries.server, tries.outcome, sa.func.count()).group_by(
+            tries.server, tries.outcome
+        )
+        if partitions is not None:
+            query = query.join(jobs_table, jobs.job_id == tries.job_id).where(
+                jobs.partition.in_(list(partitions))
+            )
+        with self._read() as conn:
+            return {(server or "", outcome): int(n) for server, outcome, n in conn.execute(query)}
+
+    def server_quarantined(self, server: str) -> bool:
+        """Whether ``server`` is quarantined (its health checks keep it from new prompts).
+
+        The one place the metrics and ``status`` read it: False until the store keeps
+        a server's quarantine."""
+        return False
