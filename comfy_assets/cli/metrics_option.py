@@ -1,5 +1,6 @@
-"""``--metrics-port P`` of ``run`` and ``worker``: Prometheus metrics on
-``http://<host>:P/metrics`` (``comfy_assets/metrics.py``), imported only when asked."""
+"""Options of the steering features: ``--metrics-port P`` of ``run`` and ``worker``
+(Prometheus metrics on ``http://<host>:P/metrics``: ``comfy_assets/metrics.py``, imported
+only when asked) and ``--priority N`` of ``run`` and ``enqueue``."""
 
 from __future__ import annotations
 
@@ -16,6 +17,34 @@ def port(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {text!r}")
     return value
+
+
+def priority(text: str) -> int:
+    """An argparse ``type``: a batch's priority, an integer (``jobs/model.py``)."""
+    from comfy_assets.jobs.model import MAX_PRIORITY, is_priority
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if not is_priority(value):
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from -{MAX_PRIORITY} to {MAX_PRIORITY}, got {text!r}"
+        )
+    return value  # type: ignore[return-value]
+
+
+def add_priority_option(p: argparse.ArgumentParser) -> None:
+    """Register ``--priority N`` (default: the job file header's, else 0)."""
+    p.add_argument(
+        "--priority",
+        type=priority,
+        default=None,
+        metavar="N",
+        help="the batch's priority among those sharing the servers, higher first: a freed "
+        "server goes to the highest waiting; a prompt rendering is never interrupted "
+        '(default: the job file header\'s "priority", else 0)',
+    )
 
 
 def add_metrics_option(p: argparse.ArgumentParser) -> None:

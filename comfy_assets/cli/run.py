@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from comfy_assets.cli.metrics_option import add_metrics_option, start_metrics
+from comfy_assets.cli.metrics_option import add_metrics_option, add_priority_option, start_metrics
 from comfy_assets.cli.options import add_input_options, bounded, byte_size, byte_size_text
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.inputs import rules_of
@@ -164,6 +164,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     add_db_retry_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
+    add_priority_option(p)
     p.add_argument(
         "--events", action="store_true", help="also print every state transition as JSON"
     )
@@ -277,6 +278,7 @@ def run_command(args: argparse.Namespace) -> int:
                 config=batch_config(args),
                 on_line=ImportOnFirstLine(bar.line if bar else print_line),
                 on_progress=bar.update if bar else None,
+                priority=args.priority,
             )
     except PartitionConflict as e:
         print(

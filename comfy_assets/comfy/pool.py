@@ -41,6 +41,7 @@ from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.comfy.holdings import Holdings
 from comfy_assets.comfy.lease_keeping import LeaseKeeping
 from comfy_assets.comfy.orphans import Orphans
+from comfy_assets.comfy.priority import Priorities
 from comfy_assets.comfy.probing import Probing
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.comfy.settings import PoolSettings
@@ -65,7 +66,7 @@ Chooser = Callable[[str, float], int | None]
 WAITING_MARK_S = 1.0
 
 
-class Pool(Probing, LeaseKeeping, Orphans, Holdings):
+class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
     """Named ComfyUI servers shared through server leases.
 
     A lease that can't be renewed (the store fails until only a third of it is left) or
@@ -378,6 +379,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
             if lease is not None and lease.owner and lease.expires_at > now:
                 if not lease.holder_gone:  # its owner is gone: free to take
                     continue
+            if self._outranked(spec.name):  # a batch of a higher priority waits for it
+                continue
             free.append(spec)
         if not free:
             return None, False
@@ -473,7 +476,9 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
         now = asyncio.get_running_loop().time()
         asked_at, waiting = self._others.get(name, (-1e9, False))
         if now - asked_at >= self.busy_poll_s:
-            waiting = self._ask_leases(self.leases.others_waiting, False, self.owner, name)
+            waiting = self._ask_leases(
+                self.leases.others_waiting, False, self.owner, name, None, self.priority
+            )
             self._others[name] = (now, waiting)
         return waiting
 
@@ -486,7 +491,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings):
         if now - self._marked_at >= WAITING_MARK_S / 2:
             self._marked_at = now
             names = [s.name for s in self.servers]
-            self._ask_leases(self.leases.mark_waiting, None, self.owner, WAITING_MARK_S, names)
+            mark, priority = self.leases.mark_waiting, self.priority
+            self._ask_leases(mark, None, self.owner, WAITING_MARK_S, names, None, priority)
 
     def _yielding(self, name: str) -> bool:
         return self._yielded.get(name, 0.0) > asyncio.get_running_loop().time()

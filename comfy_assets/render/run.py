@@ -55,6 +55,7 @@ class BatchArguments(TypedDict):
     run_id: NotRequired[str | None]
     on_line: NotRequired[Callable[[str], None] | None]
     on_progress: NotRequired[Callable[[Progress], None] | None]
+    priority: NotRequired[int | None]
 
 
 async def run_batch(
@@ -68,9 +69,11 @@ async def run_batch(
     run_id: str | None = None,
     on_line: Callable[[str], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    priority: int | None = None,
 ) -> BatchSummary:
     """Register the jobs of ``job_file`` as ``partition`` and run them all over a pool of
-    ``servers``; returns the summary. Raises only on cancellation (after cleaning up:
+    ``servers``; returns the summary. ``priority``: the batch's among those sharing the
+    servers (higher first; None: the file header's, default 0: ``comfy/priority.py``). Raises only on cancellation (after cleaning up:
     prompts interrupted and removed, claims and server leases released).
 
     Without an ``owner``, the batch is a new owner with a heartbeat in the store
@@ -85,7 +88,16 @@ async def run_batch(
         await off_loop(store, heartbeat.start)
     try:
         return await _run_batch(
-            job_file, partition, servers, store, config, owner, heartbeat, on_line, on_progress
+            job_file,
+            partition,
+            servers,
+            store,
+            config,
+            owner,
+            heartbeat,
+            on_line,
+            on_progress,
+            job_file.header.priority if priority is None else priority,
         )
     finally:
         if heartbeat is not None:
@@ -102,12 +114,14 @@ async def _run_batch(
     heartbeat: OwnerHeartbeat | None,
     on_line: Callable[[str], None] | None,
     on_progress: Callable[[Progress], None] | None,
+    priority: int,
 ) -> BatchSummary:
     started = time.monotonic()
     # Store calls here wait out a database outage off the event loop (``off_loop``).
     await off_loop(store, store.register_jobs, partition, job_file.jobs)
     stop_on_fatal, draft = resolve_policy(job_file, config)
     async with make_pool(servers, store, config, owner) as pool:
+        pool.priority = priority
         batch = Batch(
             job_file.jobs,
             partition=partition,

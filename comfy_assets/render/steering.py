@@ -19,12 +19,13 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.plan import models_of
 from comfy_assets.comfy.slot import Slot
+from comfy_assets.jobs.model import is_priority
 from comfy_assets.render import publish
 from comfy_assets.render.eta import Estimator, Running
 from comfy_assets.render.progress import Progress
@@ -173,3 +174,19 @@ class Steering:
     def _count(self, waiting: dict[Hashable, int], item: Item) -> None:
         workflow = self._workflow.get(item.job.prompt_id, item.job.workflow_sha256)
         waiting[workflow] = waiting.get(workflow, 0) + 1
+
+
+# The Dagster run tag the QueuedRunCoordinator orders its queue by (an integer as a
+# string): the batch's priority when set.
+PRIORITY_TAG = "dagster/priority"
+
+
+def run_priority(tags: Mapping[str, str]) -> int | None:
+    """The priority a run's ``dagster/priority`` tag gives (None: not set, or not an
+    integer, which Dagster's queue also reads as unset)."""
+    text = tags.get(PRIORITY_TAG)
+    try:
+        value = int(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if is_priority(value) else None

@@ -129,6 +129,9 @@ pool_waiters_table = sa.Table(
     # The servers it waits for, as " gpu0 gpu1 " (server names hold no spaces); NULL:
     # any server. A pool yields a server only to a process that could take it.
     sa.Column("servers", sa.Text),
+    # The priority of the batch waiting (higher first): a freed server goes to the
+    # highest waiting, equal ones take turns.
+    sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
 )
 
 # What each running batch says of itself every few seconds, for `comfy-assets status`
@@ -221,6 +224,7 @@ ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
     (jobs_table, "take"),
     (jobs_table, "inputs_json"),
     (pool_waiters_table, "servers"),
+    (pool_waiters_table, "priority"),
 )
 
 
