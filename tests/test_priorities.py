@@ -103,3 +103,31 @@ def test_waiter_marks_carry_the_priority(tmp_path: Path) -> None:
     assert not store.others_waiting("rush", "gpu0", priority=11)  # nobody outranks the rush
     assert store.others_waiting("rush", "gpu0", priority=0)  # the big one waits, lower
     assert store.others_waiting("rush", "gpu0")
+
+
+def test_enqueue_priority_travels_in_the_message_and_is_checked(tmp_path: Path) -> None:
+    from comfy_assets.service.messages import file_messages, parse_message
+
+    job_file = load_job_file(write_jobs(tmp_path / "jobs", 2))
+    (_, body), _ = file_messages(job_file, "p", priority=10)
+    queued = parse_message(body, workflows_dir=tmp_path, source="m")
+    assert (queued.priority, queued.partition) == (10, "p")
+    (_, plain), _ = file_messages(job_file, "p")
+    assert parse_message(plain, workflows_dir=tmp_path, source="m").priority == 0
+    bad = json.loads(body)
+    bad["priority"] = True
+    with pytest.raises(JobFileError, match="priority: expected an integer, got true"):
+        parse_message(json.dumps(bad).encode(), workflows_dir=tmp_path, source="m")
+
+
+def test_a_long_lived_pool_has_the_highest_priority_of_the_jobs_it_runs() -> None:
+    from comfy_assets.comfy.priority import Priorities
+
+    pool = Priorities()
+    with pool.prioritized(5):
+        with pool.prioritized(0):
+            assert pool.priority == 5
+        with pool.prioritized(9):
+            assert pool.priority == 9
+        assert pool.priority == 5
+    assert pool.priority == 0

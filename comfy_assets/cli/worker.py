@@ -13,7 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_assets.cli import worker_signals
-from comfy_assets.cli.metrics_option import add_metrics_option, start_metrics
+from comfy_assets.cli.metrics_option import (
+    add_metrics_option,
+    add_priority_option,
+    start_metrics,
+)
 from comfy_assets.cli.options import add_input_options, bounded, byte_size
 from comfy_assets.cli.run import (
     add_batch_options,
@@ -67,6 +71,7 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
         help="partition the worker renders them under (default: the file's stem, as in run)",
     )
     add_max_message_option(p, "a job whose message is larger is an error; nothing is sent")
+    add_priority_option(p)
     p.set_defaults(func=enqueue_command)
 
 
@@ -110,7 +115,13 @@ def enqueue_command(args: argparse.Namespace) -> int:
     try:
         if args.partition is not None:
             folder_name(args.partition, "--partition")
-        jobs = job_messages(args.jobs, args.max_message_bytes, args.partition, rules=rules_of(args))
+        jobs = job_messages(
+            args.jobs,
+            args.max_message_bytes,
+            args.partition,
+            rules=rules_of(args),
+            priority=args.priority,
+        )
     except JobFileError as e:
         print(f"error: {args.jobs}: {len(e.errors)} problem(s), nothing enqueued", file=sys.stderr)
         for err in e.errors:

@@ -11,6 +11,9 @@ priority is not taken at all. A prompt already rendering is never interrupted.
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -21,6 +24,7 @@ class Priorities:
     """The pool's priority and whether another process outranks it for a server."""
 
     priority: int = 0
+    _in_flight: Counter[int] | None = None
     leases: ServerLeaseStore
     owner: str
     busy_poll_s: float
@@ -39,3 +43,19 @@ class Priorities:
             )
             seen[name] = (now, higher)
         return higher
+
+    @contextmanager
+    def prioritized(self, priority: int) -> Iterator[None]:
+        """While a job of ``priority`` runs on this (long-lived) pool, the pool has the
+        highest priority of the jobs it runs (a worker's messages each carry their own)."""
+        if self._in_flight is None:
+            self._in_flight = Counter()
+        self._in_flight[priority] += 1
+        self.priority = max(self._in_flight)
+        try:
+            yield
+        finally:
+            self._in_flight[priority] -= 1
+            if not self._in_flight[priority]:
+                del self._in_flight[priority]
+            self.priority = max(self._in_flight, default=0)

@@ -449,6 +449,7 @@ class Worker:
     async def _handle_one(self, d: Delivery, pool: Pool) -> None:
         label = f"message {d.message_id or '(no message_id)'}"
         job, policy, partition = d.job, d.policy, self.partition
+        priority = 0
         if job is None:
             try:
                 queued = parse_message(
@@ -460,17 +461,18 @@ class Worker:
             except JobFileError as e:
                 await self._invalid(d, label, "; ".join(str(x) for x in e.errors))
                 return
-            job, policy = queued.job, queued.policy
+            job, policy, priority = queued.job, queued.policy, queued.priority
             partition = queued.partition or self.partition
         config = self.config
         if config.policy is None and policy is not None:
             config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
         self._touched.add(partition)  # its results.csv is written again soon
-        if job.shot is not None and (config.policy or "delivery") == "delivery":
-            async with self._shots:  # the shots before it have ended: their fates are known
+        with pool.prioritized(priority):  # comfy/priority.py
+            if job.shot is not None and (config.policy or "delivery") == "delivery":
+                async with self._shots:  # the shots before it have ended: their fates are known
+                    await self._handle_job(d, pool, job, partition, config)
+            else:
                 await self._handle_job(d, pool, job, partition, config)
-        else:
-            await self._handle_job(d, pool, job, partition, config)
 
     async def _handle_job(
         self, d: Delivery, pool: Pool, job: Job, partition: str, config: BatchConfig
@@ -652,6 +654,7 @@ def job_messages(
     partition: str | None = None,
     *,
     rules: InputRules | None = None,
+    priority: int | None = None,
 ) -> list[tuple[str, bytes]]:
     """Validate the job file at ``path`` (input files under ``rules``, default
     ``InputRules()``) and return ``(job_id, body)`` per job, in file order:
@@ -667,4 +670,4 @@ def job_messages(
     problems = queue_problems(job_file, max_bytes, partition)
     if problems:
         raise JobFileError(problems)
-    return file_messages(job_file, partition)
+    return file_messages(job_file, partition, priority)
