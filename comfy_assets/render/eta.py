@@ -61,6 +61,7 @@ class Estimator:
         self._seconds: dict[Hashable, deque[float]] = {}
         self._loading: dict[Hashable, deque[float]] = {}
         self._ended: deque[tuple[float, float]] = deque()  # (end time, seconds), recent
+        self._busy = 0.0  # their seconds summed
 
     def prompt_ended(
         self, workflow: Hashable, seconds: float, loaded: bool = False, load_s: float = 0.0
@@ -77,8 +78,12 @@ class Estimator:
         now = self.clock()
         self.saw_running(seconds)
         self._ended.append((now, seconds))
+        self._busy += seconds
+        self._drop_old(now)
+
+    def _drop_old(self, now: float) -> None:
         while self._ended and self._ended[0][0] < now - WINDOW_S:
-            self._ended.popleft()
+            self._busy -= self._ended.popleft()[1]
 
     def saw_running(self, elapsed_s: float) -> None:
         """A prompt of the batch has run for ``elapsed_s`` seconds now."""
@@ -110,7 +115,10 @@ class Estimator:
         span = now - start
         if span <= 0:
             return float(max(usable, 1))
-        busy = sum(min(s, end - start) for end, s in self._ended if end > start)
+        self._drop_old(now)
+        # Prompts that ended in the window, counted whole: one that began before it
+        # adds at most a prompt's seconds to a window of minutes.
+        busy = min(self._busy, span * max(usable, 1))
         busy += sum(min(r.elapsed_s, span) for r in running)
         measured = busy / span
         return float(min(max(measured, 1.0), max(usable, 1)))

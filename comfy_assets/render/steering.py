@@ -45,6 +45,7 @@ REASONS = (RENDERING, FOR_A_SERVER, FOR_UPSTREAM, IN_BACKOFF, FOR_A_CLAIM)
 log = logging.getLogger("comfy_assets.render.steering")
 
 EVERY_S = 2.0  # seconds between the progress a batch gives while no job ends
+REFRESH_S = 0.5  # seconds a look at the batch's state stands for the jobs that end
 
 # Called with each batch's progress as it is given, and (steering, None) once the batch
 # ended (the metrics: ``metrics.py``).
@@ -70,6 +71,8 @@ class Steering:
             job.prompt_id: batch.queue.needs(Item(job)) for job in batch.jobs
         }
         self._published = False
+        self._last: Progress | None = None  # the last full look (``now``), and when
+        self._last_at = 0.0
         batch.on_progress = self._batch_progress
         batch.pool.prompt_listeners.append(self._prompt_ended)
 
@@ -108,7 +111,23 @@ class Steering:
                 log.warning("status rows of %s not written: %s", batch.partition, e)
 
     def _batch_progress(self, progress: Progress) -> None:
-        self._give(self.now(progress))
+        """A job ended: its progress with the last estimate (less the time since) and
+        running prompts, looked at anew at most every ``REFRESH_S``, so a batch of short
+        prompts does not pay for a look at its whole state per job."""
+        at = time.monotonic()
+        last = self._last
+        if last is None or at - self._last_at >= REFRESH_S or not progress.remaining:
+            self._last, self._last_at = self.now(progress), at
+            self._give(self._last)
+            return
+        estimate = last.estimate_s
+        if estimate is not None:
+            estimate = max(estimate - (at - self._last_at), 0.0)
+        self._give(
+            dataclasses.replace(
+                progress, estimate_s=estimate, waiting=last.waiting, running=last.running
+            )
+        )
 
     def _give(self, progress: Progress) -> None:
         for watch in watchers:
@@ -138,11 +157,10 @@ class Steering:
             where = follower.progress(job.prompt_id) if follower is not None else None
             how_far = where.describe(job.workflow) if where is not None else "posting"
             lines.append(f"job {job_id[:8]} on {slot.name}: {how_far}")
-        waiting: dict[Hashable, int] = {}
+        # The queue's groups are the workflows (``Needs``): counted per group, not per job.
+        waiting: dict[Hashable, int] = {g: d.count for g, d in batch.queue.demand().items()}
         counts = dict.fromkeys(REASONS, 0)
         counts[RENDERING] = len(batch.attempts)
-        for item in batch.queue.ready:
-            self._count(waiting, item)
         for item, _ in batch.queue.later():
             self._count(waiting, item)
             counts[FOR_A_CLAIM if item.job.id in batch.told_held else IN_BACKOFF] += 1
