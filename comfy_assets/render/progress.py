@@ -85,8 +85,8 @@ def log_every(
     seconds: float,
     clock: Callable[[], float] = time.monotonic,
 ) -> Callable[[Progress], None]:
-    """An ``on_progress`` that gives ``log`` the lines ``12/20 done, ...`` (``lines``) for
-    the first job to end, then at most once every ``seconds`` of ``clock``, and always
+    """An ``on_progress`` that gives ``log`` the lines ``12/20 done, ...`` (``lines``, one
+    call each) for the first job to end, then at most once every ``seconds`` of ``clock``, and always
     for the last."""
     last = [-math.inf]
 
@@ -94,6 +94,7 @@ def log_every(
         now = clock()
         if progress.remaining == 0 or now - last[0] >= seconds:
             last[0] = now
-            log("\n".join(progress.lines()))
+            for line in progress.lines():
+                log(line)
 
     return on_progress
