@@ -314,9 +314,10 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
             if slot is not None:
                 return slot
             self._check_reachable()
-            if waited and not all_unhealthy:
+            if (waited or self.priority) and not all_unhealthy:
                 # Other processes are told only of a real wait: a consumer that our own
-                # prompt's end hands a server to within moments costs the store nothing.
+                # prompt's end hands a server to within moments costs the store nothing
+                # (a batch of a priority says so at once: it is to go first).
                 self._mark_waiting()
             timeout = self.settings.unhealthy_wait_s if all_unhealthy else self.busy_poll_s
             since, limit = self._none_reachable_since, self.settings.unreachable_timeout_s
