@@ -117,3 +117,33 @@ def test_a_port_already_taken_is_said_and_nothing_runs(tmp_path: Path) -> None:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"error: --metrics-port {port}:" in proc.stderr
+
+
+def test_worker_metrics_port_serves_its_pool_and_the_stores_jobs(tmp_path: Path) -> None:
+    fake = FakeComfy(prompt_seconds=0.3)
+    jobs = write_jobs(tmp_path / "jobs", 4)
+    port = free_port()
+    with fake.serve_in_thread(port=0) as url:
+        cmd = [sys.executable, "-m", "comfy_assets.cli", "worker", "--jobs", str(jobs)]
+        cmd += ["--server", f"gpu0={url}", "--store", str(tmp_path / "s")]
+        cmd += ["--metrics-port", str(port), "--poll-s", "0.05"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        samples: dict = {}
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    samples = scrape(port)
+                except OSError:
+                    samples = {}
+                done = samples.get(("comfy_assets_jobs", (("state", "succeeded"),)), 0)
+                if done >= 1 and samples.get(("comfy_assets_server_up", (("server", "gpu0"),))):
+                    break
+                time.sleep(0.1)  # polling a server another process runs: no event to wait on
+        finally:
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert samples[("comfy_assets_server_up", (("server", "gpu0"),))] == 1
+    assert samples[("comfy_assets_server_quarantined", (("server", "gpu0"),))] == 0
+    assert samples[("comfy_assets_jobs", (("state", "succeeded"),))] >= 1
+    assert any(k[0] == "comfy_assets_prompt_seconds_count" for k in samples)
