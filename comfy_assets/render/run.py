@@ -4,6 +4,7 @@ for sync callers (``run_batch_sync``: Dagster, the CLI), and one queued job (``r
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +20,8 @@ from comfy_assets.render.progress import Progress
 from comfy_assets.render.steering import Steering
 from comfy_assets.render.summary import BatchSummary, summarize
 from comfy_assets.store import Store, off_loop
+
+log = logging.getLogger("comfy_assets.render.run")
 
 # Called with each pool made here and its store (the metrics: ``metrics.py``).
 pool_watchers: list[Callable[[Pool, Store], None]] = []
@@ -159,8 +162,11 @@ async def _steered(batch: Batch, on_progress: Callable[[Progress], None] | None)
         await batch.run()
     finally:
         ticks.cancel()
-        await asyncio.gather(ticks, return_exceptions=True)
+        (failed,) = await asyncio.gather(ticks, return_exceptions=True)
         steering.close()
+        if isinstance(failed, Exception):
+            # The progress lines stopped, the batch did not: said loudly, not raised.
+            log.error("progress reporting of %s failed", batch.partition, exc_info=failed)
 
 
 def _ignore(progress: Progress) -> None:
