@@ -100,7 +100,7 @@ def test_a_partition_nobody_runs_says_so_and_json_is_one_object(
     Store(tmp_path / "s").register_jobs("p", jf.jobs)
     assert main(["status", "--store", str(tmp_path / "s"), "--partition", "p", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert [j["reason"] for j in report["jobs"]] == ["not being run"] * 2
+    assert [j["reason"] for j in report["jobs"]] == ["not in a running batch"] * 2
     states = report["partitions"][0]["states"]
     assert {s: n for s, n in states.items() if n} == {"pending": 2}
     assert main(["status", "--store", str(tmp_path / "s"), "--partition", "q"]) == 1

@@ -17,7 +17,8 @@ for:
 - ``no server can run it``: the reason it was dead-lettered for;
 - ``every server that can run it is quarantined``: which;
 - ``dead-lettered``: failed for good (requeue it to run again), with the reason;
-- ``not being run``: no live batch holds its partition (start a run).
+- ``not in a running batch``: no run holds its partition now (a run, or a worker's
+  queue, brings it; workers write no status rows).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ REASONS = (
     "no server can run it",
     "every server that can run it is quarantined",
     "dead-lettered",
-    "not being run",
+    "not in a running batch",
 )
 _DONE = ("succeeded", "degraded")
 
@@ -190,6 +191,9 @@ def _reason(
     if rec.job_id in rendering_on:
         name, d = rendering_on[rec.job_id]
         return "rendering", f"on {name} since {_clock(d.get('since'))}, {d.get('progress')}"
+    if rec.state in ("submitted", "rendering") and rec.server:
+        who = f", for {owner_of(rec.claimed_by)}" if rec.claimed_by else ""
+        return "rendering", f"on {rec.server} (no progress known here{who})"
     if rec.claimed_by and (row is None or owner_of(rec.claimed_by) != row.owner):
         o = owners.get(owner_of(rec.claimed_by))
         if o is not None and not o.gone:
@@ -197,7 +201,10 @@ def _reason(
                 f"owner {o.owner} on {o.host} (pid {o.pid}), heartbeat {o.beat_age_s:.0f} s ago"
             )
     if row is None:
-        return "not being run", f"no live batch holds partition {rec.partition}: start a run"
+        return "not in a running batch", (
+            f"no running batch holds partition {rec.partition} (a run, or a worker's "
+            "queue, brings it)"
+        )
     h = held.get(rec.job_id)
     if h is not None and h.get("reason") == "upstream":
         ups = [
@@ -209,8 +216,6 @@ def _reason(
         after = h.get("after") or rec.reason or "a failed attempt"
         return "in backoff", f"until {_clock(h.get('until'))}, after: {after}"
     g = group_of.get(rec.job_id)
-    if rec.state in ("submitted", "rendering") and rec.server:
-        return "rendering", f"on {rec.server}"
     if g is not None:
         able = g.get("servers") or []
         if not able:
