@@ -4,23 +4,28 @@ one, and a storyboard's film.
 Thin on purpose: the work is ``comfy_assets.render.run.run_batch_sync``, the table is
 ``comfy_assets.render.results``, the film is ``comfy_assets.film.make``, and the metadata
 (tables, pictures, the job files' check) is built by ``comfy_assets.metadata``; this
-module turns their answers into Dagster events.
+module turns their answers into Dagster events. ``build_assets`` makes one farm's assets
+(``comfy_assets.farm``); the module's ``renders``, ``films``, ... are the default farm's.
 """
 
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from dagster import (
     AssetCheckResult,
+    AssetChecksDefinition,
     AssetCheckSeverity,
     AssetCheckSpec,
     AssetDep,
     AssetExecutionContext,
+    AssetKey,
     AssetObservation,
+    AssetsDefinition,
     AssetSpec,
     AutomationCondition,
+    DataVersion,
     DynamicPartitionsDefinition,
     Failure,
     IdentityPartitionMapping,
@@ -33,6 +38,7 @@ from dagster import (
     multi_asset,
 )
 
+from comfy_assets.farm import DEFAULT_FARM, Farm
 from comfy_assets.film.gate import GateBlocked, GateResult
 from comfy_assets.film.make import make_film
 from comfy_assets.film.probe import MediaError
@@ -46,6 +52,7 @@ from comfy_assets.film.shots import (
 from comfy_assets.jobs.states import DONE
 from comfy_assets.metadata import (
     JOB_COLUMNS,
+    WIDE_JOB_COLUMNS,
     OutputsSheet,
     column_schema,
     film_metadata,
@@ -55,15 +62,12 @@ from comfy_assets.metadata import (
     model_load_metadata,
     outputs_contact_sheet,
     picture_markdown,
+    renders_data_version,
     results_metadata,
+    servers_metadata,
     table,
 )
-from comfy_assets.partitions import (
-    JOB_FILES_ASSET,
-    JOB_FILES_CHECK,
-    job_files_partitions,
-    storyboard_partitions,
-)
+from comfy_assets.partitions import JOB_FILES_CHECK
 from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
@@ -93,9 +97,9 @@ PROGRESS_LOG_S = 5.0
 
 def _partition_check(
     name: str,
-    asset: str,
+    asset: AssetKey,
     description: str,
-    partitions_def: DynamicPartitionsDefinition = job_files_partitions,
+    partitions_def: DynamicPartitionsDefinition,
     **kwargs: Any,
 ) -> AssetCheckSpec:
     """A check recorded per partition of the asset (shown on the partition in the UI)."""
@@ -111,66 +115,11 @@ def _partition_check(
         )
 
 
-job_files = AssetSpec(
-    JOB_FILES_ASSET,
-    partitions_def=job_files_partitions,
-    group_name="job_files",
-    owners=OWNERS,
-    kinds={"json"},
-    description=(
-        "The job files (*.jsonl) in the watched folders, one partition a file. Each "
-        "accepted version is recorded here by job_file_sensor; a bad file fails the "
-        "check `valid`, every error on its own line, until it is fixed."
-    ),
-)
-
-
-@asset_check(
-    asset=JOB_FILES_ASSET,
-    name=JOB_FILES_CHECK,
-    description="Every job file in the watched folders is valid (the sensor reports this "
-    "check on each change; executing it validates every file now).",
-)
-def job_files_valid() -> AssetCheckResult:
-    """Validate every job file of the watched folders now."""
-    return AssetCheckResult(**job_files_check_fields(current_problems()))
-
-
-@multi_asset(
-    specs=[
-        AssetSpec(
-            "renders",
-            deps=[job_files],
-            partitions_def=job_files_partitions,
-            group_name="renders",
-            owners=OWNERS,
-            kinds={"comfyui"},
-            description=(
-                "Every job of the job file rendered on the ComfyUI pool; jobs already done "
-                "with the same inputs are not rendered again. Shows the job table and a "
-                "contact sheet of every output."
-            ),
-        )
-    ],
-    check_specs=[
-        _partition_check(
-            "no_dead_letters",
-            "renders",
-            "No job of the file failed for good (a dead letter).",
-        ),
-        _partition_check(
-            "all_jobs_done",
-            "renders",
-            "Every job of the file's current version is succeeded or degraded.",
-        ),
-    ],
-    partitions_def=job_files_partitions,
-    # A partition that names no job file materializes nothing and checks nothing (see
-    # job_file_missing), which a subsettable asset may leave out.
-    can_subset=True,
-)
-def renders(
-    context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
+def render_partition(
+    context: AssetExecutionContext,
+    farm: Farm,
+    comfy: ComfyPoolResource,
+    result_store: ResultStoreResource,
 ) -> Iterator[MaterializeResult]:
     """Render the partition's job file; yield its job table, counts and checks (nothing for
     a partition that names no job file)."""
@@ -182,9 +131,9 @@ def renders(
     # prompts, releases its claims and server leases, and re-raises. A missing or invalid
     # job file fails the run without retries.
     partition = context.partition_key
-    if job_file_missing(context, partition):
+    if job_file_missing(context, partition, farm):
         return
-    job_file = load_partition_file(partition)
+    job_file = load_partition_file(partition, farm)
     requested = context.run.tags.get(JOB_FILE_SHA_TAG)
     if requested and requested != job_file.sha256:
         context.log.warning(
@@ -213,6 +162,8 @@ def renders(
         current = [record for record in summary.jobs if record.job_id in in_file]
         outputs = store.partition_files(partition)
         tries = [t for t in store.model_loads(partition) if t.job_id in in_file]
+        failed_on = store.failed_on(partition)
+        health = store.server_health()
         sheet_path = result_store.root / partition / "outputs.contact.png"
         try:
             sheet = outputs_contact_sheet(store, partition, current, sheet_path)
@@ -241,7 +192,8 @@ def renders(
         ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
-    jobs = jobs_frame(current, job_ids, outputs, last_model_tries(tries))
+    jobs = jobs_frame(current, job_ids, outputs, last_model_tries(tries), failed_on)
+    shown = jobs.drop(columns=list(WIDE_JOB_COLUMNS))  # the full ids are in results.csv
     metadata: dict[str, object] = {}
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
@@ -265,7 +217,8 @@ def renders(
         "gpu_seconds": MetadataValue.float(float(summary.gpu_seconds)),
         "seconds": MetadataValue.float(float(summary.seconds)),
         "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
-        "job_table": table(jobs, column_schema(jobs, JOB_COLUMNS)),
+        "job_table": table(shown, column_schema(shown, JOB_COLUMNS)),
+        **servers_metadata([s.name for s in comfy.server_specs()], current, health),
     }
     if tries:  # what loading models cost, per server (jobs that load none: nothing)
         metadata.update(model_load_metadata(model_load_cost(tries)))
@@ -275,6 +228,9 @@ def renders(
         metadata["stopped"] = summary.stopped
     dead_frame = jobs[jobs["state"] == "failed_fatal"][["job", "reason", "job_id"]]
     yield MaterializeResult(
+        # What the film and the results are made of: a render that changed nothing (a
+        # backfill) keeps it, and nothing downstream is built again for it.
+        data_version=DataVersion(renders_data_version(current, outputs)),
         metadata=metadata,
         check_results=[
             AssetCheckResult(
@@ -298,24 +254,22 @@ def renders(
     )
 
 
-@asset(
-    partitions_def=job_files_partitions,
-    deps=[renders],
-    group_name="renders",
-    owners=OWNERS,
-    kinds={"pandas", "csv"},
-    description=(
-        "The job file's results table (results.csv): a row per job with its `set` values, "
-        "state, server, attempts, seconds, output files and reason."
-    ),
-)
-def render_results(
-    context: AssetExecutionContext, result_store: ResultStoreResource
+# Built again after renders however it was launched (a backfill of renders alone, say),
+# unless the same run builds it; all_results follows it.
+RENDER_RESULTS_CONDITION = (
+    AutomationCondition.any_deps_updated().since_last_handled()
+    & ~AutomationCondition.any_deps_in_progress()
+    & ~AutomationCondition.in_progress()
+).with_label("renders updated")
+
+
+def write_partition_results(
+    context: AssetExecutionContext, farm: Farm, result_store: ResultStoreResource
 ) -> MaterializeResult:
     """Write the partition's results CSV, a row per job of the job file version that
     renders rendered (the step fails if the file changed since)."""
     partition = context.partition_key
-    job_file = load_rendered_file(context, partition)
+    job_file = load_rendered_file(context, partition, farm)
     job_ids = [job.id for job in job_file.jobs]
     store = result_store.open()
     try:
@@ -338,24 +292,13 @@ ALL_RESULTS_CONDITION = (
 ) & ~AutomationCondition.in_progress()
 
 
-@asset(
-    deps=[render_results],
-    group_name="renders",
-    owners=OWNERS,
-    kinds={"pandas", "csv"},
-    automation_condition=ALL_RESULTS_CONDITION,
-    description=(
-        "Every job file's results in one table (all_results.csv) with a `partition` column; "
-        "built again automatically after any render."
-    ),
-)
-def all_results(
-    context: AssetExecutionContext, result_store: ResultStoreResource
+def gather_results(
+    context: AssetExecutionContext, farm: Farm, result_store: ResultStoreResource
 ) -> MaterializeResult:
     """Concatenate every partition's results CSV; partitions without one are logged."""
     root = result_store.root
     tables: dict[str, Path] = {}
-    for partition in context.instance.get_dynamic_partitions(job_files_partitions.name):
+    for partition in context.instance.get_dynamic_partitions(farm.job_files_partitions.name):
         path = results_csv_path(root, partition)
         if path.exists():
             tables[partition] = path
@@ -387,47 +330,25 @@ def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:
 
 
 # Built once renders of the same key is, by films_automation_sensor: after the run that
-# rendered the storyboard has ended, again after each new render of it.
-FILMS_CONDITION = AutomationCondition.eager()
+# rendered the storyboard has ended, again after each render that changed its data version
+# (a job done anew, a new take, a dead letter requeued and rendered); a render that
+# changed nothing, as a backfill over every partition, cuts no film again.
+FILMS_CONDITION = (
+    (
+        AutomationCondition.newly_missing()
+        | AutomationCondition.any_deps_match(AutomationCondition.data_version_changed())
+    ).since_last_handled()
+    & ~AutomationCondition.any_deps_missing()
+    & ~AutomationCondition.any_deps_in_progress()
+    & ~AutomationCondition.in_progress()
+).with_label("renders changed")
 
 
-@multi_asset(
-    specs=[
-        AssetSpec(
-            "films",
-            # Same keys: a storyboard's film is cut from that job file's renders.
-            deps=[AssetDep(renders, partition_mapping=IdentityPartitionMapping())],
-            partitions_def=storyboard_partitions,
-            group_name="films",
-            owners=OWNERS,
-            kinds={"video"},
-            automation_condition=FILMS_CONDITION,
-            description=(
-                "A storyboard's shots cut into one film (film.mp4, in shot order) behind the "
-                "blocking check `gate`; policy delivery or draft (a bad shot becomes a "
-                "slate). A partition per job file with shots, built after its renders. "
-                "Shows the film, its contact sheet and what the render cost."
-            ),
-        )
-    ],
-    check_specs=[
-        _partition_check(
-            "gate",
-            "films",
-            "Every shot is done, decodes fully and lasts its duration_s (under draft a "
-            "bad shot may be a slate); judged before the film is written.",
-            storyboard_partitions,
-            blocking=True,
-        )
-    ],
-    partitions_def=storyboard_partitions,
-    # A partition added by hand for a job file without shots has no film: neither the film
-    # nor its gate is recorded (only an observation saying so; the sensor then deletes
-    # the partition), which a subsettable asset may leave out.
-    can_subset=True,
-)
-def films(
-    context: AssetExecutionContext, comfy: ComfyPoolResource, result_store: ResultStoreResource
+def cut_film(
+    context: AssetExecutionContext,
+    farm: Farm,
+    comfy: ComfyPoolResource,
+    result_store: ResultStoreResource,
 ) -> Iterator[AssetCheckResult | AssetObservation | MaterializeResult]:
     """Cut the partition's shots into ``<store>/<partition>/film.mp4`` (and
     ``film.contact.png``) for a job file whose jobs have ``shot`` numbers, in the version
@@ -449,13 +370,13 @@ def films(
     # placeholder shots, policy, draft, concat_mode), the contact sheet, and the cost
     # report of comfy_assets.render.cost over every recorded attempt of the file's jobs.
     partition = context.partition_key
-    if job_file_missing(context, partition):
+    if job_file_missing(context, partition, farm):
         return
-    job_file = load_rendered_file(context, partition)
+    job_file = load_rendered_file(context, partition, farm)
     if not has_shots(job_file):
         context.log.info(f"{job_file.path}: no job has a shot number; no film")
         yield AssetObservation(
-            asset_key="films",
+            asset_key=farm.key("films"),
             partition=partition,
             description="no shots in this job file: no film",
             metadata={"status": "no shots", "job_file_sha256": job_file.sha256},
@@ -502,3 +423,183 @@ def films(
         },
         check_results=[_gate_check(film.gate, partition)],
     )
+
+
+class FarmAssets(NamedTuple):
+    """One farm's assets and checks (``build_assets``)."""
+
+    job_files: AssetSpec
+    job_files_valid: AssetChecksDefinition
+    renders: AssetsDefinition
+    render_results: AssetsDefinition
+    all_results: AssetsDefinition
+    films: AssetsDefinition
+
+
+def build_assets(farm: Farm) -> FarmAssets:
+    """The assets of ``farm``: its job files, renders (with the checks no_dead_letters and
+    all_jobs_done), render_results, all_results and films (with the blocking check gate),
+    keyed, grouped and partitioned by the farm, reading its resources ``farm.comfy_key``
+    and ``farm.store_key``."""
+    jobs_partitions = farm.job_files_partitions
+    films_partitions = farm.storyboard_partitions
+    renders_key = farm.key("renders")
+    both = {farm.comfy_key, farm.store_key}
+
+    job_files = AssetSpec(
+        farm.job_files_key,
+        partitions_def=jobs_partitions,
+        group_name=farm.group_of("job_files"),
+        owners=OWNERS,
+        kinds={"json"},
+        description=(
+            "The job files (*.jsonl) in the watched folders, one partition a file. Each "
+            f"accepted version is recorded here by {farm.name('job_file_sensor')}; a bad "
+            "file fails the check `valid`, every error on its own line, until it is fixed."
+        ),
+    )
+
+    @asset_check(
+        asset=farm.job_files_key,
+        name=JOB_FILES_CHECK,
+        description="Every job file in the watched folders is valid (the sensor reports this "
+        "check on each change; executing it validates every file now).",
+    )
+    def job_files_valid() -> AssetCheckResult:
+        """Validate every job file of the watched folders now."""
+        return AssetCheckResult(**job_files_check_fields(current_problems(farm.dirs())))
+
+    @multi_asset(
+        name=farm.name("renders"),
+        specs=[
+            AssetSpec(
+                renders_key,
+                deps=[job_files],
+                partitions_def=jobs_partitions,
+                group_name=farm.group_of("renders"),
+                owners=OWNERS,
+                kinds={"comfyui"},
+                description=(
+                    "Every job of the job file rendered on the ComfyUI pool; jobs already "
+                    "done with the same inputs are not rendered again. Shows the job table "
+                    "and a contact sheet of every output."
+                ),
+            )
+        ],
+        check_specs=[
+            _partition_check(
+                "no_dead_letters",
+                renders_key,
+                "No job of the file failed for good (a dead letter).",
+                jobs_partitions,
+            ),
+            _partition_check(
+                "all_jobs_done",
+                renders_key,
+                "Every job of the file's current version is succeeded or degraded.",
+                jobs_partitions,
+            ),
+        ],
+        partitions_def=jobs_partitions,
+        # A partition that names no job file materializes nothing and checks nothing (see
+        # job_file_missing), which a subsettable asset may leave out.
+        can_subset=True,
+        required_resource_keys=both,
+    )
+    def renders(context: AssetExecutionContext) -> Iterator[MaterializeResult]:
+        """Render the partition's job file (``render_partition``)."""
+        yield from render_partition(
+            context,
+            farm,
+            getattr(context.resources, farm.comfy_key),
+            getattr(context.resources, farm.store_key),
+        )
+
+    @asset(
+        key=farm.key("render_results"),
+        partitions_def=jobs_partitions,
+        deps=[renders_key],
+        automation_condition=RENDER_RESULTS_CONDITION,
+        group_name=farm.group_of("renders"),
+        owners=OWNERS,
+        kinds={"pandas", "csv"},
+        required_resource_keys={farm.store_key},
+        description=(
+            "The job file's results table (results.csv): a row per job with its `set` "
+            "values, state, server, attempts, seconds, output files and reason."
+        ),
+    )
+    def render_results(context: AssetExecutionContext) -> MaterializeResult:
+        """Write the partition's results CSV (``write_partition_results``)."""
+        return write_partition_results(context, farm, getattr(context.resources, farm.store_key))
+
+    @asset(
+        key=farm.key("all_results"),
+        deps=[farm.key("render_results")],
+        group_name=farm.group_of("renders"),
+        owners=OWNERS,
+        kinds={"pandas", "csv"},
+        automation_condition=ALL_RESULTS_CONDITION,
+        required_resource_keys={farm.store_key},
+        description=(
+            "Every job file's results in one table (all_results.csv) with a `partition` "
+            "column; built again automatically after any render."
+        ),
+    )
+    def all_results(context: AssetExecutionContext) -> MaterializeResult:
+        """Concatenate every partition's results CSV (``gather_results``)."""
+        return gather_results(context, farm, getattr(context.resources, farm.store_key))
+
+    @multi_asset(
+        name=farm.name("films"),
+        specs=[
+            AssetSpec(
+                farm.key("films"),
+                # Same keys: a storyboard's film is cut from that job file's renders.
+                deps=[AssetDep(renders_key, partition_mapping=IdentityPartitionMapping())],
+                partitions_def=films_partitions,
+                group_name=farm.group_of("films"),
+                owners=OWNERS,
+                kinds={"video"},
+                automation_condition=FILMS_CONDITION,
+                description=(
+                    "A storyboard's shots cut into one film (film.mp4, in shot order) behind "
+                    "the blocking check `gate`; policy delivery or draft (a bad shot becomes "
+                    "a slate). A partition per job file with shots, built after its renders. "
+                    "Shows the film, its contact sheet and what the render cost."
+                ),
+            )
+        ],
+        check_specs=[
+            _partition_check(
+                "gate",
+                farm.key("films"),
+                "Every shot is done, decodes fully and lasts its duration_s (under draft a "
+                "bad shot may be a slate); judged before the film is written.",
+                films_partitions,
+                blocking=True,
+            )
+        ],
+        partitions_def=films_partitions,
+        # A partition added by hand for a job file without shots has no film: neither the
+        # film nor its gate is recorded (only an observation saying so; the sensor then
+        # deletes the partition), which a subsettable asset may leave out.
+        can_subset=True,
+        required_resource_keys=both,
+    )
+    def films(
+        context: AssetExecutionContext,
+    ) -> Iterator[AssetCheckResult | AssetObservation | MaterializeResult]:
+        """Cut the partition's shots into its film (``cut_film``)."""
+        yield from cut_film(
+            context,
+            farm,
+            getattr(context.resources, farm.comfy_key),
+            getattr(context.resources, farm.store_key),
+        )
+
+    return FarmAssets(job_files, job_files_valid, renders, render_results, all_results, films)
+
+
+# The default farm's, as comfy_assets.definitions has them.
+job_files, job_files_valid, renders, render_results, all_results, films = build_assets(DEFAULT_FARM)

@@ -22,16 +22,17 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from dagster import (
-    AssetKey,
     DagsterRunStatus,
     DefaultSensorStatus,
     RunRecord,
     RunsFilter,
+    SensorDefinition,
     SensorEvaluationContext,
     SkipReason,
     sensor,
 )
 
+from comfy_assets.farm import DEFAULT_FARM, Farm
 from comfy_assets.resources import ResultStoreResource
 from comfy_assets.store import OWNER_DEAD_S, OwnerRecord, StoreDiskFull, StoreUnavailable
 
@@ -45,8 +46,6 @@ NO_LIVE_OWNER_S = 600.0
 # How long a store call waits out a database outage here: a tick must stay well under
 # the code server's sensor timeout (60 s); the next tick tries again.
 STORE_RETRY_S = 5.0
-RENDER_JOB = "render_job"
-RENDERS = AssetKey("renders")
 
 
 def dead_run_reason(
@@ -102,27 +101,46 @@ def dead_run_reason(
     return None
 
 
-def renders_run(record: RunRecord) -> bool:
-    """Whether the run renders a job file (``render_job``, or a selection with renders)."""
+def renders_run(record: RunRecord, farm: Farm = DEFAULT_FARM) -> bool:
+    """Whether the run renders a job file of ``farm`` (its ``render_job``, or a selection
+    with its renders)."""
     run = record.dagster_run
-    return run.job_name == RENDER_JOB or RENDERS in (run.asset_selection or ())
+    return run.job_name == farm.name("render_job") or farm.key("renders") in (
+        run.asset_selection or ()
+    )
 
 
-def failure_message(reason: str) -> str:
-    """The message of the run failure dead_runs_sensor reports."""
-    return f"dead_runs_sensor: marked failed: {reason}."
+def failure_message(reason: str, farm: Farm = DEFAULT_FARM) -> str:
+    """The message of the run failure the farm's dead_runs_sensor reports."""
+    return f"{farm.name('dead_runs_sensor')}: marked failed: {reason}."
 
 
-@sensor(
-    name="dead_runs_sensor",
-    minimum_interval_seconds=DEAD_RUNS_INTERVAL_S,
-    default_status=DefaultSensorStatus.RUNNING,
-    description="Fails a STARTED run whose batch's owner has stopped beating in the result "
-    "store (its host died), so that run retries launch it again and the next run of its "
-    "job file starts.",
-)
-def dead_runs_sensor(
-    context: SensorEvaluationContext, result_store: ResultStoreResource
+def build_dead_runs_sensor(farm: Farm) -> SensorDefinition:
+    """The farm's ``dead_runs_sensor`` (prefixed), asking the farm's result store. A run
+    of another farm has no owner in this store and is not this farm's render: it is
+    never judged dead here."""
+
+    @sensor(
+        name=farm.name("dead_runs_sensor"),
+        minimum_interval_seconds=DEAD_RUNS_INTERVAL_S,
+        default_status=DefaultSensorStatus.RUNNING,
+        required_resource_keys={farm.store_key},
+        description="Fails a STARTED run whose batch's owner has stopped beating in the "
+        "result store (its host died), so that run retries launch it again and the next "
+        "run of its job file starts.",
+    )
+    def dead_runs_sensor(context: SensorEvaluationContext, **_passed: object) -> SkipReason:
+        """Fail the STARTED runs ``dead_run_reason`` judges dead. (Called directly, Dagster
+        passes the required resources as keywords too; the context has them either way.)"""
+        return dead_runs_tick(context, getattr(context.resources, farm.store_key), farm)
+
+    return dead_runs_sensor
+
+
+def dead_runs_tick(
+    context: SensorEvaluationContext,
+    result_store: ResultStoreResource,
+    farm: Farm = DEFAULT_FARM,
 ) -> SkipReason:
     """Fail the STARTED runs ``dead_run_reason`` judges dead; the skip reason says what
     was done (the sensor requests no runs)."""
@@ -144,7 +162,7 @@ def dead_runs_sensor(
                 reason = dead_run_reason(
                     owners[run.run_id],
                     started_s_ago=None if started is None else now - started,
-                    renders=renders_run(record),
+                    renders=renders_run(record, farm),
                 )
                 if reason is None:
                     continue
@@ -157,7 +175,7 @@ def dead_runs_sensor(
                 ]
                 if any(store.mark_owner_gone(o.owner) is None for o in silent):
                     continue
-                if fail_run(context, run.run_id, reason):
+                if fail_run(context, run.run_id, reason, farm):
                     failed.append(f"{run.run_id} ({reason})")
     except (StoreUnavailable, StoreDiskFull) as e:
         context.log.warning(f"the result store did not answer ({e}); trying again next tick")
@@ -167,15 +185,20 @@ def dead_runs_sensor(
     return SkipReason(f"{len(records)} run(s) in progress, none dead")
 
 
-def fail_run(context: SensorEvaluationContext, run_id: str, reason: str) -> bool:
+def fail_run(
+    context: SensorEvaluationContext, run_id: str, reason: str, farm: Farm = DEFAULT_FARM
+) -> bool:
     """Report ``run_id`` failed with ``reason`` if it is still STARTED; True if it was."""
     instance = context.instance
     run = instance.get_run_by_id(run_id)
     if run is None or run.status != DagsterRunStatus.STARTED:
         return False
-    message = failure_message(reason)
+    message = failure_message(reason, farm)
     context.log.warning(f"run {run_id}: {message}")
     # A failure with no reason, as run monitoring reports a dead worker's: run retries
     # re-launch it (only an asset's failure is kept from them by the profile).
     instance.report_run_failed(run, message)
     return True
+
+
+dead_runs_sensor = build_dead_runs_sensor(DEFAULT_FARM)

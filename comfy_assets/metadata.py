@@ -35,7 +35,7 @@ from comfy_assets.jobs.states import DONE
 from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, inputs_cell
-from comfy_assets.store import Store
+from comfy_assets.store import FileRecord, JobRecord, Store
 
 # Errors of one bad file shown by the ``valid`` check; the rest are counted.
 MAX_ERRORS_PER_FILE = 50
@@ -86,10 +86,13 @@ def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
     }
 
 
-def job_files_check_evaluation(problems: Sequence[str]) -> AssetCheckEvaluation:
-    """The ``valid`` check's evaluation as the sensor reports it (see job_files_check_fields)."""
+def job_files_check_evaluation(
+    problems: Sequence[str], asset_key: AssetKey | None = None
+) -> AssetCheckEvaluation:
+    """The ``valid`` check's evaluation of the job files' asset ``asset_key``, as the
+    sensor reports it (see job_files_check_fields)."""
     return AssetCheckEvaluation(
-        asset_key=AssetKey(JOB_FILES_ASSET),
+        asset_key=asset_key or AssetKey(JOB_FILES_ASSET),
         check_name=JOB_FILES_CHECK,
         **job_files_check_fields(problems),
     )
@@ -187,20 +190,25 @@ def png_file_markdown(path: Path, alt: str, max_px: int) -> str:
 
 
 JOB_COLUMNS = {
-    "job": "The job id's first 8 characters (as in log lines).",
+    "job": "The job id's first 8 characters (as in log lines; the full id is in "
+    "results.csv and in the dead_letters table).",
     "line": "Its line in the job file.",
     "shot": "Its shot number in a storyboard.",
     "take": "Its take (a new take renders the job again; earlier takes' files stay).",
-    "inputs": "Its input files: key=path@sha256 (or the upstream job, node and file).",
     "state": "succeeded, degraded, failed_fatal (dead letter), pending, ...",
     "server": "The ComfyUI server that rendered it last.",
+    "failed_on": "The servers its failed attempts ran on, in order (where a dead letter failed).",
     "attempts": "Attempts since its inputs last changed.",
     "seconds": "Wall time of the job, seconds.",
+    "inputs": "Its input files: key=path@sha256 (the first 12 hex digits; or the upstream "
+    "job, node and file); in full in results.csv.",
     "reason": "Why it failed or degraded.",
     "job_id": "The job's id (the job line's id).",
     "models": "The model files its workflow loads.",
     "model_loaded": "Its server had to load one of them for its last try.",
 }
+# Left out of the job table in the UI, so it fits a page: the full id is in results.csv.
+WIDE_JOB_COLUMNS = ("job_id",)
 # Jobs that load no model have no model columns (their batch's tables show none).
 MODEL_JOB_COLUMNS = ("models", "model_loaded")
 
@@ -210,12 +218,15 @@ def jobs_frame(
     job_ids: Sequence[str],
     files: Mapping[str, Iterable[FileRow]] | None = None,
     models: dict[str, tuple[tuple[str, ...], bool]] | None = None,
+    failed_on: Mapping[str, Sequence[str]] | None = None,
 ) -> pd.DataFrame:
     """One row per job id (in line order) from the store's job records; a job without a
     record is ``missing``. ``files``: each job's output files (for the sha256 of an input
     taken from an upstream job). Columns: JOB_COLUMNS, the model ones only with ``models``
-    (``render.results.last_model_tries``) not empty."""
+    (``render.results.last_model_tries``) not empty; ``failed_on``: the servers each job
+    failed on (``Store.failed_on``)."""
     files = files or {}
+    failed_on = failed_on or {}
     by_id = {record.job_id: record for record in records}
     rows = []
     for job_id in job_ids:
@@ -230,9 +241,10 @@ def jobs_frame(
                 "line": record.line,
                 "shot": record.shot,
                 "take": record.take,
-                "inputs": inputs_cell(record.inputs, files),
+                "inputs": inputs_cell(record.inputs, files, short=True),
                 "state": str(record.state),
                 "server": record.server,
+                "failed_on": " ".join(failed_on.get(job_id, ())),
                 "attempts": record.attempts,
                 "seconds": None if record.seconds is None else round(record.seconds, 3),
                 "reason": record.reason,
@@ -406,6 +418,44 @@ def film_metadata(
     return metadata
 
 
+SERVER_COLUMNS = {
+    "server": "The ComfyUI server.",
+    "state": "ok, quarantined (until when, why) or trial (its next job decides).",
+    "jobs_done": "Jobs of this partition it rendered.",
+    "failures_server": "Failures it owns: jobs that failed there and rendered elsewhere, "
+    "and infrastructure errors (every partition of the store).",
+    "failures_job": "Failures there that were the job's own (every partition).",
+    "quarantines": "Times it was quarantined (every partition).",
+}
+
+
+def servers_metadata(
+    servers: Sequence[str], records: Sequence[Any], health: Mapping[str, Any]
+) -> dict[str, object]:
+    """The ``servers`` table of a partition: per server, its state and the failures it
+    and the jobs own (``Store.server_health``), the partition's jobs it rendered."""
+    done: dict[str, int] = {}
+    for record in records:
+        if str(record.state) in ("succeeded", "degraded") and record.server:
+            done[record.server] = done.get(record.server, 0) + 1
+    rows = []
+    for name in dict.fromkeys([*servers, *done]):
+        h = health.get(name)
+        state = h.line().removeprefix(f"{name} ") if h is not None else "ok"
+        rows.append(
+            {
+                "server": name,
+                "state": state,
+                "jobs_done": done.get(name, 0),
+                "failures_server": h.failures_server if h is not None else 0,
+                "failures_job": h.failures_job if h is not None else 0,
+                "quarantines": h.quarantines if h is not None else 0,
+            }
+        )
+    frame = pd.DataFrame(rows, columns=list(SERVER_COLUMNS))
+    return {"servers": table(frame, column_schema(frame, SERVER_COLUMNS))}
+
+
 def model_load_metadata(cost: ModelLoadCost) -> dict[str, object]:
     """A partition's model loads (``render.cost.model_load_cost``): how many, the GPU
     seconds they took, and per server."""
@@ -426,3 +476,15 @@ def model_load_metadata(cost: ModelLoadCost) -> dict[str, object]:
         "model_load_gpu_seconds": MetadataValue.float(float(cost.gpu_seconds)),
         "model_loads_by_server": table(frame, column_schema(frame, described)),
     }
+
+
+def renders_data_version(records: Sequence[JobRecord], outputs: dict[str, list[FileRecord]]) -> str:
+    """The data version of a partition of ``renders``: a sha256 (hex) of every current
+    job's id, prompt_id and state and of each of its output files' path and sha256.
+    Equal when a render changed nothing."""
+    digest = hashlib.sha256()
+    for record in sorted(records, key=lambda r: r.job_id):
+        digest.update(f"{record.job_id} {record.prompt_id} {record.state}\n".encode())
+        for file in outputs.get(record.job_id, []):
+            digest.update(f"  {file.path} {file.sha256}\n".encode())
+    return digest.hexdigest()

@@ -30,6 +30,7 @@ Write job files atomically (to a hidden name, then rename): hidden files are ign
 and a half-written file could be valid and launch with only part of its jobs.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -51,23 +52,21 @@ from dagster import (
     MetadataValue,
     RunRequest,
     RunsFilter,
+    SensorDefinition,
     SensorEvaluationContext,
     SensorResult,
     sensor,
 )
 
+from comfy_assets.farm import DEFAULT_FARM, Farm
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.workflows import WorkflowCache
 from comfy_assets.metadata import job_file_problems, job_files_check_evaluation
 from comfy_assets.partitions import (
-    JOB_FILES_ASSET,
     input_rules_from_env,
     iter_job_files,
-    job_dirs_from_env,
-    job_files_partitions,
     partition_key_for,
-    storyboard_partitions,
 )
 
 SENSOR_INTERVAL_ENV = "COMFY_ASSETS_SENSOR_INTERVAL_S"
@@ -90,6 +89,8 @@ UNFINISHED = [
     DagsterRunStatus.CANCELING,
 ]
 _HASH_CHARS = 16
+# A tick logs the first this many run requests one a line, then how many more.
+LOGGED_REQUESTS = 20
 
 
 def _int_from_env(name: str, default: int) -> int:
@@ -169,15 +170,23 @@ def _digest(problems: list[str]) -> str:
     return hashlib.sha256("\n\n".join(problems).encode()).hexdigest()[:_HASH_CHARS]
 
 
-def _materialization(key: str, path: Path, job_file: JobFile) -> AssetMaterialization:
+@functools.lru_cache(maxsize=64)
+def _resolved_folder(folder: Path) -> Path:
+    # One realpath per watched folder, not one per file: thousands of files share a few.
+    return folder.resolve()
+
+
+def _materialization(
+    key: str, path: Path, job_file: JobFile, asset_key: AssetKey
+) -> AssetMaterialization:
     """The job file version the sensor accepted, as a partition of ``job_files``."""
     shots = sum(1 for job in job_file.jobs if job.shot is not None)
     return AssetMaterialization(
-        asset_key=JOB_FILES_ASSET,
+        asset_key=asset_key,
         partition=key,
         description=f"{path.name}: {len(job_file.jobs)} jobs accepted, run requested",
         metadata={
-            "path": MetadataValue.path(str(path.resolve())),
+            "path": MetadataValue.path(str(_resolved_folder(path.parent) / path.name)),
             "sha256": job_file.sha256,
             "jobs": len(job_file.jobs),
             "shots": shots,
@@ -206,10 +215,10 @@ def _ambiguous(key: str, entries: list[os.DirEntry[str]]) -> str:
     return f"partition {key!r} matches several job files, rename all but one: {paths}"
 
 
-def _shots_accepted(instance: DagsterInstance, key: str) -> int:
+def _shots_accepted(instance: DagsterInstance, key: str, farm: Farm) -> int:
     """Shots of the version of ``key``'s job file the sensor last accepted (0 for none)."""
     records = instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=AssetKey(JOB_FILES_ASSET), asset_partitions=[key]), limit=1
+        AssetRecordsFilter(asset_key=farm.job_files_key, asset_partitions=[key]), limit=1
     ).records
     materialization = records[0].asset_materialization if records else None
     shots = materialization.metadata.get("shots") if materialization else None
@@ -231,6 +240,7 @@ def stray_partitions(
     storyboards: set[str],
     since: dict[str, float],
     now: float,
+    farm: Farm = DEFAULT_FARM,
 ) -> tuple[list[str], list[str], dict[str, float]]:
     """The partitions to delete now, of ``job_files`` and of ``storyboards``, and when each
     one that stays was first seen. A partition is stray when it names no job file of the
@@ -240,17 +250,19 @@ def stray_partitions(
     finds no file and materializes nothing), and STRAY_GRACE_S after it was first seen, so
     the run launched right after adding it finds it; then it goes, Missing for good
     otherwise. ``since`` (from the cursor) says when each was first seen."""
+    job_files_partitions = farm.job_files_partitions
+    storyboard_partitions = farm.storyboard_partitions
     candidates: list[tuple[str, str]] = []
     absent = job_files - present
     if absent:
-        rendered = instance.get_materialized_partitions(AssetKey("renders"))
+        rendered = instance.get_materialized_partitions(farm.key("renders"))
         candidates += [(job_files_partitions.name, key) for key in sorted(absent - rendered)]
     if storyboards:
-        waiting = storyboards - instance.get_materialized_partitions(AssetKey("films"))
+        waiting = storyboards - instance.get_materialized_partitions(farm.key("films"))
         candidates += [
             (storyboard_partitions.name, key)
             for key in sorted(waiting)
-            if key not in present or _shots_accepted(instance, key) == 0
+            if key not in present or _shots_accepted(instance, key, farm) == 0
         ]
     delete: dict[str, list[str]] = {job_files_partitions.name: [], storyboard_partitions.name: []}
     still: dict[str, float] = {}
@@ -269,7 +281,7 @@ def current_problems(dirs: list[Path] | None = None) -> list[str]:
     field: message`` one a line). Reads and validates every file."""
     problems: list[str] = []
     workflows = WorkflowCache()
-    by_key = _by_key(dirs if dirs is not None else job_dirs_from_env())
+    by_key = _by_key(dirs if dirs is not None else DEFAULT_FARM.dirs())
     for key, entries in sorted(by_key.items()):
         if len(entries) > 1:
             problems.append(_ambiguous(key, entries))
@@ -281,19 +293,36 @@ def current_problems(dirs: list[Path] | None = None) -> list[str]:
     return problems
 
 
-@sensor(
-    job_name="render_job",
-    minimum_interval_seconds=_int_from_env(SENSOR_INTERVAL_ENV, DEFAULT_SENSOR_INTERVAL_S),
-    default_status=DefaultSensorStatus.RUNNING,
-    description="Adds each job file (*.jsonl) in the watched folders as a partition and "
-    "requests one render_job run per new or changed file.",
-)
-def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
-    """Add new job files as partitions and request a run per new file version."""
+def build_job_file_sensor(farm: Farm) -> SensorDefinition:
+    """The farm's job-file sensor (``job_file_sensor``, prefixed), launching its render job.
+    Raises ValueError for a bad COMFY_ASSETS_SENSOR_INTERVAL_S when the farm sets none."""
+    interval = farm.sensor_interval_s or _int_from_env(
+        SENSOR_INTERVAL_ENV, DEFAULT_SENSOR_INTERVAL_S
+    )
+
+    @sensor(
+        name=farm.name("job_file_sensor"),
+        job_name=farm.name("render_job"),
+        minimum_interval_seconds=interval,
+        default_status=DefaultSensorStatus.RUNNING,
+        description="Adds each job file (*.jsonl) in the watched folders as a partition and "
+        f"requests one {farm.name('render_job')} run per new or changed file.",
+    )
+    def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
+        """Add new job files as partitions and request a run per new file version."""
+        return job_file_tick(context, farm)
+
+    return job_file_sensor
+
+
+def job_file_tick(context: SensorEvaluationContext, farm: Farm = DEFAULT_FARM) -> SensorResult:
+    """One tick of the farm's job-file sensor (see the module docstring)."""
+    job_files_partitions = farm.job_files_partitions
+    storyboard_partitions = farm.storyboard_partitions
     max_runs = _int_from_env(MAX_RUNS_ENV, DEFAULT_MAX_RUNS_PER_TICK)
     previous = parse_cursor(context.cursor)
 
-    by_key = _by_key(job_dirs_from_env())
+    by_key = _by_key(farm.dirs())
 
     seen: dict[str, SeenFile] = {}
     problems: list[str] = []  # found this tick: logged and given as the skip reason
@@ -347,11 +376,19 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
                 tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
             )
         )
-        materializations.append(_materialization(key, path, job_file))
+        materializations.append(_materialization(key, path, job_file, farm.job_files_key))
         shots = any(job.shot is not None for job in job_file.jobs)
         (with_shots if shots else without_shots).append(key)
-        context.log.info(f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}")
+        if len(run_requests) <= LOGGED_REQUESTS:
+            context.log.info(
+                f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}"
+            )
 
+    if len(run_requests) > LOGGED_REQUESTS:
+        context.log.info(
+            f"and {len(run_requests) - LOGGED_REQUESTS} more job files, a run requested for "
+            f"each ({len(run_requests)} in all)"
+        )
     problems = ambiguous + problems
     for problem in problems:
         context.log.error(problem)
@@ -374,6 +411,7 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
         existing_storyboards - set(with_shots) - set(without_shots),
         stray_since(context.cursor),
         time.time(),
+        farm,
     )
     for key in stray:
         context.log.warning(
@@ -407,7 +445,7 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
     reported = _digest(standing)
     events: list[AssetMaterialization | AssetCheckEvaluation] = list(materializations)
     if reported != reported_digest(context.cursor):
-        events.append(job_files_check_evaluation(standing))
+        events.append(job_files_check_evaluation(standing, farm.job_files_key))
 
     skip_reason: str | None = None
     if not run_requests:
@@ -419,3 +457,6 @@ def job_file_sensor(context: SensorEvaluationContext) -> SensorResult:
         cursor=dump_cursor(seen, reported, stray_seen),
         dynamic_partitions_requests=requests,
     )
+
+
+job_file_sensor = build_job_file_sensor(DEFAULT_FARM)

@@ -4,21 +4,24 @@
 ``render_results`` and ``films`` work on that version, and refuse a file changed since.
 """
 
-from dagster import AssetExecutionContext, AssetKey, AssetRecordsFilter, Failure
+from dagster import AssetExecutionContext, AssetRecordsFilter, Failure
 
+from comfy_assets.farm import DEFAULT_FARM, Farm
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, input_rules_from_env
 
 
-def job_file_missing(context: AssetExecutionContext, partition: str) -> bool:
+def job_file_missing(
+    context: AssetExecutionContext, partition: str, farm: Farm = DEFAULT_FARM
+) -> bool:
     """True, with an error line in the run's log, when no watched folder has the
     partition's job file: a partition added by hand (the UI's "+ Add a partition") or one
     whose file was removed. The step then materializes nothing and succeeds: Dagster shows
     an asset red after a failed run until a later run materializes it, and a partition
     that names no file will never be materialized (job_file_sensor deletes it)."""
     try:
-        find_job_file(partition)
+        find_job_file(partition, farm.dirs())
     except FileNotFoundError as exc:
         context.log.error(f"partition {partition}: {exc}; nothing to do (added by hand?)")
         return True
@@ -27,19 +30,21 @@ def job_file_missing(context: AssetExecutionContext, partition: str) -> bool:
     return False
 
 
-def load_partition_file(partition: str) -> JobFile:
+def load_partition_file(partition: str, farm: Farm = DEFAULT_FARM) -> JobFile:
     """The job file of a partition; a missing or invalid file fails without retries."""
     try:
-        return load_job_file(find_job_file(partition), rules=input_rules_from_env())
+        return load_job_file(find_job_file(partition, farm.dirs()), rules=input_rules_from_env())
     except (FileNotFoundError, AmbiguousJobFileError, JobFileError, ValueError) as exc:
         raise Failure(description=f"partition {partition}: {exc}", allow_retries=False) from exc
 
 
-def rendered_sha256(context: AssetExecutionContext, partition: str) -> str | None:
+def rendered_sha256(
+    context: AssetExecutionContext, partition: str, farm: Farm = DEFAULT_FARM
+) -> str | None:
     """sha256 of the job file version that ``renders`` last materialized for ``partition``
     (its ``job_file_sha256`` metadata); None when ``renders`` has no materialization."""
     records = context.instance.fetch_materializations(
-        AssetRecordsFilter(asset_key=AssetKey("renders"), asset_partitions=[partition]), limit=1
+        AssetRecordsFilter(asset_key=farm.key("renders"), asset_partitions=[partition]), limit=1
     ).records
     if not records or records[0].asset_materialization is None:
         return None
@@ -47,15 +52,17 @@ def rendered_sha256(context: AssetExecutionContext, partition: str) -> str | Non
     return str(value.value) if value is not None else None
 
 
-def load_rendered_file(context: AssetExecutionContext, partition: str) -> JobFile:
+def load_rendered_file(
+    context: AssetExecutionContext, partition: str, farm: Farm = DEFAULT_FARM
+) -> JobFile:
     """The partition's job file, when it is the version ``renders`` rendered.
 
     A file changed since then fails the step without retries (the table or film would
     describe jobs that were not rendered; the sensor requests a run for the new version).
     With no ``renders`` materialization yet, the current file is used and a warning says
     so: the store's records of its jobs are all there is."""
-    job_file = load_partition_file(partition)
-    rendered = rendered_sha256(context, partition)
+    job_file = load_partition_file(partition, farm)
+    rendered = rendered_sha256(context, partition, farm)
     if rendered is None:
         context.log.warning(
             f"partition {partition}: renders has no materialization yet; using the current "

@@ -56,6 +56,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--resident", type=int, default=1, help="model files kept loaded (least recently used goes)"
     )
+    parser.add_argument(
+        "--default-word",
+        default="ok",
+        help="the script word of every prompt once --script is used up (disk: every prompt "
+        "fails with a full output disk; cuda: with a CUDA fault; error: with an IndexError)",
+    )
     parser.add_argument("--log-level", default="WARNING")
     return parser.parse_args(argv)
 
@@ -87,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             models=[m for m in args.models.split(",") if m.strip()],
             model_load_s=args.model_load_s,
             resident=args.resident,
+            default_word=args.default_word,
         )
     except ValueError as ex:
         print(f"fake_comfy: {ex}", file=sys.stderr)

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 LATE_HISTORY_S = 0.3
 SLOW_FACTOR = 10  # the `slow` word: per-node time multiplier
 # Words that act at a prompt's second node: such a prompt runs every node, cache or not.
-FULL_RUN_WORDS = frozenset({"error", "oom", "hang", "drop", "restart"})
+FULL_RUN_WORDS = frozenset({"error", "oom", "hang", "drop", "restart", "cuda", "disk"})
 
 # A small workflow for the prompts of busy=N (another client's backlog).
 BUSY_PROMPT: dict[str, Any] = {
@@ -264,8 +264,10 @@ class Executor:
                 for name, v in item.prompt[node_id]["inputs"].items()
             }
             try:
-                if index == trigger and word in ("error", "oom"):
-                    raise nodes.index_error_failure() if word == "error" else nodes.oom_failure()
+                if index == trigger and word in ("error", "oom", "cuda"):
+                    raise nodes.word_failure(word)
+                if word == "disk" and class_type in output_classes:
+                    raise nodes.full_disk_failure()
                 # The node's time passes whole: an interrupt lands only between nodes.
                 await fake.models.before_node(pid, item.prompt, class_type, inputs)
                 steps = stepping.steps_of(class_type, inputs)

@@ -67,6 +67,8 @@ class FakeComfy:
         name); ``fake.models.set_files([...])`` changes them, as files copied to a server.
     model_load_s: seconds a loader takes for a file not loaded; resident: how many files
         stay loaded (least recently used goes). ValueError for bad values.
+    default_word: the word of every POST once the script is used up (``"disk"``: a
+        server whose output disk is full fails every prompt).
     """
 
     def __init__(
@@ -79,10 +81,11 @@ class FakeComfy:
         models: Iterable[str] = (),
         model_load_s: float = 0.0,
         resident: int = 1,
+        default_word: str = "ok",
     ) -> None:
         if prompt_seconds < 0 or busy < 0:
             raise ValueError(f"prompt_seconds and busy must be >= 0, got {prompt_seconds}, {busy}")
-        self.script = Script(script)
+        self.script = Script(script, default_word)
         self.prompt_seconds = float(prompt_seconds)
         self.busy = int(busy)
         self.records = Records()

@@ -141,6 +141,26 @@ def oom_failure() -> NodeFailure:
     return NodeFailure(recorded.OOM_EXCEPTION_TYPE, message, tb)
 
 
+def cuda_failure() -> NodeFailure:
+    """A CUDA fault as PyTorch (2.8 and newer) raises it on a broken GPU, in ComfyUI's
+    execution_error shape: ``"{ex}\n{tips}"`` with no tips (v0.8.0 execution.py)."""
+    tb = recorded.index_error()["traceback"][:4]
+    return NodeFailure(recorded.CUDA_EXCEPTION_TYPE, recorded.CUDA_MESSAGE + "\n", tb)
+
+
+def full_disk_failure() -> NodeFailure:
+    """The recorded full output disk (full_disk.json: OSError in the saving node)."""
+    rec = recorded.full_disk_error()
+    return NodeFailure(rec["exception_type"], rec["exception_message"], rec["traceback"])
+
+
+def word_failure(word: str) -> NodeFailure:
+    """The failure of script word ``word`` (error, oom or cuda)."""
+    if word == "error":
+        return index_error_failure()
+    return oom_failure() if word == "oom" else cuda_failure()
+
+
 def _failure_from(ex: BaseException) -> NodeFailure:
     klass = type(ex)
     name = (

@@ -9,7 +9,7 @@ loaders and the upscale node, written from the v0.8.0 source's INPUT_TYPES and s
 server.py `node_info` shows them, with empty file lists: not recorded, the recording
 server had no models) and `recorded_fragments.json`
 (system_stats, the IndexError of execution_error.json, the node error of a dropped output
-from validation_errors.json). Short strings live here as constants.
+from validation_errors.json, the OSError of full_disk.json). Short strings live here as constants.
 """
 
 from __future__ import annotations
@@ -47,6 +47,17 @@ OOM_TRACEBACK_TAIL = [
     "    r = torch.empty_like(weight, dtype=dtype, device=device)\n"
     "        ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
 ]
+
+# A CUDA fault as PyTorch 2.8+ raises it (c10/cuda/CUDAException.h; not recordable on a
+# CPU): the `cuda` word. ComfyUI writes full_type_name of the class and "{ex}\n{tips}".
+CUDA_EXCEPTION_TYPE = "torch.AcceleratorError"
+CUDA_MESSAGE = (
+    "CUDA error: an illegal memory access was encountered\n"
+    "CUDA kernel errors might be asynchronously reported at some other API call, so the "
+    "stacktrace below might be incorrect.\n"
+    "For debugging consider passing CUDA_LAUNCH_BLOCKING=1\n"
+    "Compile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.\n"
+)
 
 # Messages of _validate_prompt (validation_errors.json).
 MSG_FAILED_VALIDATION = "Prompt outputs failed validation"
@@ -93,6 +104,12 @@ def index_error() -> dict[str, Any]:
     """`exception_message`, `exception_type`, `traceback` of the recorded IndexError
     (execution_error.json, ImageToMask with channel alpha on an RGB image)."""
     return copy.deepcopy(_fragments()["index_error"])
+
+
+def full_disk_error() -> dict[str, Any]:
+    """`exception_message`, `exception_type`, `traceback` of the recorded full output
+    disk (full_disk.json: OSError "[Errno 28] No space left on device" in SaveImage)."""
+    return copy.deepcopy(_fragments()["full_disk_error"])
 
 
 def tensor_repr() -> str:

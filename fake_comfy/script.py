@@ -18,6 +18,15 @@ used up every prompt is `ok`. Words:
 - restart: at the second node every socket is cut and queue and history are forgotten,
   as after a crash and restart; the run's outcome is `lost`.
 - busy=N: N prompts of another client are queued ahead of this one, which then runs ok.
+- cuda: like error, with a CUDA fault as PyTorch raises one on a broken GPU
+  (``torch.AcceleratorError``, "CUDA error: an illegal memory access was encountered"),
+  in the shape of ComfyUI's execution.py (``"{ex}\n{tips}"``, no tips).
+- disk: fails in its first saving node with the recorded full disk (full_disk.json:
+  ``OSError``, "[Errno 28] No space left on device"), as every prompt that saves a file
+  does on a host whose output disk is full.
+
+A script's ``default`` word is taken once the words are used up ("ok" unless given): a
+server made with ``default="disk"`` (``--default-word disk``) fails every prompt.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ WORDS = frozenset(
         "late",
         "silent",
         "restart",
+        "cuda",
+        "disk",
     }
 )
 
@@ -68,8 +79,9 @@ class Script(list[str]):
     `take()` pops the next word ("ok" when empty); the server calls it once per POST.
     """
 
-    def __init__(self, words: Iterable[str] = ()) -> None:
+    def __init__(self, words: Iterable[str] = (), default: str = "ok") -> None:
         super().__init__(check_word(w) for w in words)
+        self.default = check_word(default)
 
     def append(self, word: str) -> None:
         super().append(check_word(word))
@@ -97,8 +109,8 @@ class Script(list[str]):
             super().__setitem__(index, check_word(word))  # type: ignore[arg-type]
 
     def take(self) -> str:
-        """The next word, removed from the script; "ok" once the script is used up."""
+        """The next word, removed from the script; ``default`` once it is used up."""
         try:
             return self.pop(0)
         except IndexError:
-            return "ok"
+            return self.default

@@ -162,7 +162,9 @@ def test_a_four_job_file_renders_every_job_once_and_writes_its_rows(
     # The job table is a Dagster table: a row per job in line order, typed columns.
     job_table = metadata["job_table"]
     assert isinstance(job_table, TableMetadataValue)
-    assert [r.data["job_id"] for r in job_table.records] == [job.id for job in job_file.jobs]
+    # It fits a page: short ids, as in log lines (the full ones are in results.csv).
+    assert [r.data["job"] for r in job_table.records] == [job.id[:8] for job in job_file.jobs]
+    assert "job_id" not in {c.name for c in job_table.schema.columns}
     assert [r.data["state"] for r in job_table.records] == ["succeeded"] * 4
     assert [r.data["line"] for r in job_table.records] == [1, 2, 3, 4]
     types = {c.name: c.type for c in job_table.schema.columns}
@@ -397,6 +399,50 @@ def test_all_results_is_requested_after_each_render_and_current_after(
 
     frame = pd.read_csv(tmp_path / "store" / "all_results.csv", dtype=str)
     assert frame["partition"].tolist() == ["one", "one", "two"]
+
+
+def test_a_render_launched_without_its_results_brings_them_and_all_results_after(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    write_job_file(jobs_dir, "one", [1, 2])
+    store = ResultStoreResource(folder=str(tmp_path / "store"))
+
+    def requested(cursor=None):
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        wanted = {
+            key.to_user_string(): evaluation.get_requested_partitions(key)
+            for key in (AssetKey("render_results"), AssetKey("all_results"))
+        }
+        return wanted, evaluation.cursor
+
+    with serving(FakeComfy()) as comfy:
+        resources = {"comfy": comfy, "result_store": store}
+        assert render(instance, "one", comfy, tmp_path / "store").success
+        _, cursor = requested()
+        assert materialize(
+            [renders, render_results, all_results],
+            selection=[all_results],
+            instance=instance,
+            resources=resources,
+        ).success
+        wanted, cursor = requested(cursor)
+        assert wanted == {"render_results": set(), "all_results": set()}  # current
+
+        # A backfill of renders alone (the UI's Materialize over every partition).
+        assert materialize(
+            [renders], partition_key="one", instance=instance, resources=resources
+        ).success
+        wanted, cursor = requested(cursor)
+        assert wanted["render_results"] == {"one"}
+        assert materialize(
+            [renders, render_results],
+            selection=[render_results],
+            partition_key="one",
+            instance=instance,
+            resources=resources,
+        ).success
+        wanted, cursor = requested(cursor)
+        assert wanted == {"render_results": set(), "all_results": {None}}
 
 
 def test_a_partition_that_names_no_job_file_renders_nothing_and_leaves_no_failed_run(

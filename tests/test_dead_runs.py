@@ -3,6 +3,7 @@ failed (and so retried); a run whose owner beats is never touched."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,7 +166,8 @@ def test_a_run_whose_host_died_is_failed_with_why_and_will_be_retried(
     assert status(instance, dead) == DagsterRunStatus.FAILURE
     [message] = failure_messages(instance, dead)
     assert "owner host-a:2:deadbeef (host host-a, pid 2)" in message
-    assert "no heartbeat in the result store for 40 s" in message
+    # 40 s of silence, and the moments the tick took on a loaded machine.
+    assert re.search(r"no heartbeat in the result store for 4\d s", message), message
     assert dead in skip and "failed 1 dead run" in skip
     # The run retries daemon re-launches it: the failure is not an asset's.
     run = instance.get_run_by_id(dead)

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from comfy_assets.comfy.client import ComfyClient, view_content_type
+from comfy_assets.comfy.answers import view_content_type
+from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.download import download_outputs, safe_output_path
 from comfy_assets.comfy.errors import (
     ConnectionLost,

@@ -50,6 +50,7 @@ def test_the_ci_seeds_cover_every_mode_and_every_fault():
         line.kind == "chained" and s.plan[line.upstream].kind != "image" for s, line in lines
     )
     assert not any(line.kind == "chained" for s, line in lines if s.mode == "worker")
+    assert {p.sick for p in servers} >= {"error", "cuda", "disk"}
     words = {w.split("=")[0] for p in servers for w in p.script}
     assert words >= {"ok", "500", "invalid", "error", "oom", "drop", "hang", "slow"}
     assert words >= {"partial", "late", "silent", "restart", "busy"}

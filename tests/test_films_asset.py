@@ -401,3 +401,39 @@ def test_the_film_is_cut_behind_a_blocking_gate() -> None:
     assert AssetCheckKey(AssetKey("films"), "gate") in graph.asset_check_keys
     spec = films.get_spec_for_check_key(AssetCheckKey(AssetKey("films"), "gate"))
     assert spec.blocking
+
+
+def test_a_render_that_changed_nothing_cuts_no_film_again(
+    storyboard: Path, tmp_path: Path, instance
+) -> None:
+    def requested(cursor=None):
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        return evaluation.get_requested_partitions(AssetKey("films")), evaluation.cursor
+
+    store_dir = tmp_path / "store"
+    fake = FakeComfy(prompt_seconds=0.005)
+    with serving(fake) as comfy:
+        materialize_partition(instance, comfy, store_dir)  # rendered and cut
+        wanted, cursor = requested()
+        wanted, cursor = requested(cursor)
+        assert wanted == set()
+        runs = len(fake.stats["runs"])
+        # A backfill of renders over the partition: every job already done.
+        resources = {"comfy": comfy, "result_store": ResultStoreResource(folder=str(store_dir))}
+        assert materialize(
+            [renders], partition_key=PARTITION, instance=instance, resources=resources
+        ).success
+        assert len(fake.stats["runs"]) == runs  # nothing rendered
+        wanted, cursor = requested(cursor)
+        assert wanted == set()  # nothing changed: the film stands
+
+        # A new take of a shot changes what the film is made of.
+        lines = storyboard.read_text().splitlines()
+        shot = json.loads(lines[1])  # after the header
+        shot["take"] = 2
+        storyboard.write_text("\n".join([lines[0], json.dumps(shot), *lines[2:]]) + "\n")
+        assert materialize(
+            [renders], partition_key=PARTITION, instance=instance, resources=resources
+        ).success
+        wanted, cursor = requested(cursor)
+        assert wanted == {PARTITION}

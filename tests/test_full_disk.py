@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import subprocess
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -53,17 +54,22 @@ def errors(text: str) -> list[str]:
 LEAVE = {"store": 256 * 1024, "outputs": 64 * 1024, "both": 256 * 1024}
 
 
-@pytest.mark.parametrize("full", ["store", "outputs", "both"])
+@pytest.mark.parametrize(
+    ("full", "servers"), [("store", 1), ("store", 3), ("outputs", 1), ("both", 1), ("both", 3)]
+)
 def test_run_on_a_full_disk_says_what_it_could_not_write_in_one_line_and_the_rerun_finishes(
-    full: str, small_disk: SmallDisk, tmp_path: Path
+    full: str, servers: int, small_disk: SmallDisk, tmp_path: Path
 ) -> None:
     jobs = write_jobs(tmp_path / "jobs", JOBS)
     store = place_store(small_disk, tmp_path, full)
     small_disk.fill(leave=LEAVE[full])
-    fake = FakeComfy(prompt_seconds=0.005)
-    with fake.serve_in_thread(port=0) as url:
-        args = command("run", "--jobs", jobs, "--server", f"gpu0={url}", "--store", store, *FAST)
-        first = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    fakes = [FakeComfy(prompt_seconds=0.005) for _ in range(servers)]
+    with ExitStack() as stack:
+        urls = [stack.enter_context(fake.serve_in_thread(port=0)) for fake in fakes]
+        pool = [a for i, url in enumerate(urls) for a in ("--server", f"gpu{i}={url}")]
+        args = command("run", "--jobs", jobs, *pool, "--store", store, *FAST)
+        # A run that loops on the full disk instead of stopping fails here.
+        first = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=60)
         small_disk.free()
         second = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
@@ -84,7 +90,8 @@ def test_run_on_a_full_disk_says_what_it_could_not_write_in_one_line_and_the_rer
     table = rows(store / "jobs" / "results.csv")
     assert [r["state"] for r in table] == ["succeeded"] * JOBS
     for job in load_job_file(jobs).jobs:
-        assert outcomes(fake, job.prompt_id).count("success") == 1, job.id
+        successes = sum(outcomes(fake, job.prompt_id).count("success") for fake in fakes)
+        assert successes == 1, job.id
 
 
 @pytest.mark.postgres

@@ -16,6 +16,7 @@ from PIL import Image
 from comfy_assets.film.gate import GateBlocked
 from comfy_assets.film.make import make_film
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.metadata import jobs_frame
 from comfy_assets.render.results import write_results
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
@@ -134,6 +135,11 @@ async def test_results_table_names_each_input_with_its_sha256_and_take(tmp_path)
     sha = job.inputs[0].sha256
     assert row["inputs"] == f"1.image=one.png@sha256:{sha}"
     assert row["take"] == 1
+
+    # The UI's job table fits a page: the same input with a short sha256, no full id.
+    shown = jobs_frame(store.jobs("p"), [job.id])
+    assert shown.iloc[0]["inputs"] == f"1.image=one.png@sha256:{sha[:12]}"
+    assert shown.iloc[0]["job"] == job.id[:8]
 
 
 def storyboard(folder: Path, shots: int = STORYBOARD_SHOTS, takes: dict[int, int] | None = None):

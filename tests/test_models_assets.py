@@ -95,11 +95,12 @@ def test_a_render_tells_each_jobs_models_and_the_loads_per_server(
     assert sum(r.data["model_loaded"] for r in job_table.records) == sum(loads.values())
 
     frame = pd.read_csv(tmp_path / "mixed" / "results.csv", dtype=str, keep_default_na=False)
-    assert list(frame.columns[-8:]) == [
+    assert list(frame.columns[-9:]) == [
         "state",
         "server",
         "models",
         "model_loaded",
+        "failed_on",
         "attempts",
         "seconds",
         "files",

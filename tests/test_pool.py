@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 import sqlalchemy as sa
 
 from comfy_assets.comfy.pool import Pool
@@ -23,7 +24,7 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.comfy.slot import new_client_id
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.run import run_batch
-from comfy_assets.store import Store
+from comfy_assets.store import Store, StoreDiskFull
 from comfy_assets.store.schema import pool_waiters_table
 from fake_comfy import FakeComfy
 from tests.support import (
@@ -352,3 +353,28 @@ async def test_a_prompt_of_ours_that_nobody_follows_is_removed_after_a_grace(tmp
         f"server gpu0: removed prompts of ours that nobody followed: {orphan}" in r.message
         for r in caplog.records
     )
+
+
+class _FullDiskStore:
+    """A store whose writes of server leases find the disk full; its reads answer."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __getattr__(self, name: str):
+        return getattr(self.store, name)
+
+    def acquire_server(self, server, owner, lease_s, prompt_id=None):
+        raise StoreDiskFull("acquire_server", "store.db", OSError(28, "No space left"))
+
+
+async def test_a_full_disk_under_the_server_leases_is_raised_at_once_however_many_servers(
+    tmp_path,
+):
+    fakes = [FakeComfy(), FakeComfy(), FakeComfy()]
+    store = _FullDiskStore(Store(tmp_path / "s"))
+    async with fake_servers(*fakes) as servers:
+        # An hour of store failures would be waited out: a full disk is not.
+        async with Pool(servers, store, owner="me", store_timeout_s=3600) as pool:
+            with pytest.raises(StoreDiskFull, match="writing acquire_server"):
+                await asyncio.wait_for(pool.acquire(), 60)

@@ -1,7 +1,9 @@
-"""Every ``sh`` block of the README, run as written (bash -euo pipefail) in a project folder
-like a fresh clone after ``make``, against fake ComfyUI servers: each exits 0 and does what
-the README says. The fakes' ports in the README (82xx, the UI's 3000) are swapped for free
-ones, so the blocks never meet a real ComfyUI or another engineer's UI."""
+"""Every ``sh`` block of the README and of docs/*.md, run as written (bash -euo pipefail) in
+a project folder like a fresh clone after ``make``, against fake ComfyUI servers: each exits
+0 and does what the page says (or is listed in NOT_RUN with why). The fakes' ports in the
+pages (82xx, the UI's 3000) are swapped for free ones, so the blocks never meet a real
+ComfyUI or another engineer's UI. Every ``--help`` in docs/command-line.md is the
+program's own."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import pandas as pd
 import pytest
 from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
 
+from comfy_assets.cli.main import COMMANDS
 from comfy_assets.jobs.parse import load_job_file
 from fake_comfy import FakeComfy
 
@@ -37,30 +40,57 @@ SH_BLOCK = re.compile(r"^( *)```sh\n(.*?)^\1```", re.M | re.S)
 README_PORTS = re.compile(r"\b(8288|8289|8290|8291|3000)\b")
 
 # Blocks no test runs, each with why. Any other block must be claimed by a test below.
+BENCH = "a benchmark: minutes of machine time; tests/test_benches.py runs each bench small"
+HOST = "sets up a production host (/opt, sudo, system services, a real ComfyUI per GPU)"
 NOT_RUN = {
     "make demo    #": "make reinstalls the venv; tests/test_demo.py runs the demo, and "
     "make test is this suite",
+    "dg scaffold defs comfy_assets.RenderFarm draft": "runs in a project made by "
+    "create-dagster: tests/test_component.py makes one and runs these commands there",
+    "bench/overhead.py": BENCH + " (its first run needs a real ComfyUI)",
+    "bench/http_clients.py": BENCH,
+    "times.append(time.perf_counter() - t)": "a timing of 23 health probes: a benchmark",
+    "bench/models.py": BENCH,
+    "bench/farm.py        #": BENCH,
+    "bench/pool.py": BENCH,
+    "bench/gap_parts.py": BENCH,
+    "bench/throughput.py": BENCH,
+    "bench/sensor.py": BENCH,
+    "the measured farm this projection starts from": BENCH,
+    "bench/faults.py --schedules 200": "the fault campaign: tests/test_faults.py is the "
+    "suite's part of it, bench/faults.py the rest (a benchmark)",
+    "cp dagster_home/production/dagster.yaml /opt": HOST,
+    "sudo -u postgres createuser render": HOST,
+    "DAGSTER_POSTGRES_URL=postgresql+psycopg2://render": HOST + " (an environment file)",
+    "dagster code-server start -m comfy_assets.definitions": HOST,
+    "export COMFY_ASSETS_RABBITMQ_URL=amqp://user:pass@rabbit": HOST + " (hosts rabbit, "
+    "postgres); tests/test_worker_rabbitmq.py runs the worker on this machine's RabbitMQ",
+    "rabbitmqctl set_policy render-jobs": HOST + " (RabbitMQ's own command line)",
+    "chromium --headless --screenshot": "needs a browser and a kept demo: how docs/ui.md "
+    "was looked at",
 }
 # A string of each block a test below runs.
 RUN_HERE = [
     "fake_comfy --port 8288",
-    "--policy draft --out draft.mp4",
+    "--policy draft --out tour/draft.mp4",
     ".venv/bin/dg check defs",
     ".venv/bin/dg dev --port 3000",
     "dagster job launch",
 ]
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 def readme_blocks() -> list[str]:
-    """The README's ```sh blocks, without their indentation."""
+    """The ```sh blocks of the README and docs/*.md, without their indentation."""
     return [
         "\n".join(line[len(indent) :] for line in body.splitlines())
-        for indent, body in SH_BLOCK.findall((REPO / "README.md").read_text())
+        for page in PAGES
+        for indent, body in SH_BLOCK.findall(page.read_text())
     ]
 
 
 def readme_block(containing: str) -> str:
-    """The one README ```sh block holding ``containing``."""
+    """The one ```sh block of the README or docs holding ``containing``."""
     (block,) = [block for block in readme_blocks() if containing in block]
     return block
 
@@ -154,31 +184,38 @@ def test_the_by_hand_example_renders_requeues_and_cuts_the_film(project: Path) -
     ports: dict[str, int] = {}
     example = with_free_ports(readme_block("fake_comfy --port 8288"), ports)
 
+    before = [p.name for p in project.iterdir()]
     done = run_block(example, project)
 
     assert done.returncode == 0, done.stdout
     out = done.stdout
     assert "run exited 1 (a dead letter)" in out
-    assert "failed_fatal gpu2 attempt 1 execution_error" in out  # shot 3's events
+    # shot 3's events
+    assert "failed_fatal gpu2 attempt 1 failed on gpu2, the only server that can run it: " in out
     assert "job 24c31bfd-4ab1-5bcb-bf13-588f244c3bf2: requeued (pending)" in out
     assert "summary: 6 done, 0 dead-lettered" in out
     assert "film: 6 shots, 7.750 s, delivery" in out
     assert f"gpu3 unreachable: connection refused (http://127.0.0.1:{ports['8291']})" in out
-    assert (project / "reel.mp4").stat().st_size > 0
+    assert (project / "tour" / "reel.mp4").stat().st_size > 0
+    # Everything it wrote is inside tour/, which git ignores: nothing else in the folder.
+    assert sorted(p.name for p in project.iterdir()) == sorted([*before, "tour"])
+    assert "/tour/" in (REPO / ".gitignore").read_text().splitlines()
+    # The dead letter's only attempt ended on gpu2: nothing could render twice.
+    assert "may render twice" not in out
     job_file = load_job_file(project / "data/jobs/storyboard.jsonl")
-    frame = pd.read_csv(project / "store/storyboard/results.csv")
+    frame = pd.read_csv(project / "tour/store/storyboard/results.csv")
     assert frame["job_id"].tolist() == [job.id for job in job_file.jobs]
     assert set(frame["state"]) == {"succeeded"}
     assert frame["shot"].tolist() == [1, 2, 3, 4, 5, 6]
     for port in (ports["8288"], ports["8289"], ports["8290"]):  # the fakes were stopped
         wait_until(lambda port=port: refused(port), f"the fake on port {port} to stop")
 
-    # The Films section's command, on the store the example left.
-    draft = run_block(readme_block("--policy draft --out draft.mp4"), project)
+    # docs/films.md's command, on the store the tour left.
+    draft = run_block(readme_block("--policy draft --out tour/draft.mp4"), project)
 
     assert draft.returncode == 0, draft.stdout
     assert "film: 6 shots, 7.750 s, draft" in draft.stdout
-    assert (project / "draft.mp4").stat().st_size > 0
+    assert (project / "tour" / "draft.mp4").stat().st_size > 0
 
 
 def test_dg_checks_and_lists_the_definitions(project: Path) -> None:
@@ -272,3 +309,28 @@ def test_the_dagster_launches_queue_a_run_and_render_a_partition(project: Path) 
     executed = sum(len(fake.stats["runs"]) for fake in fakes)
     assert executed == len(job_file.jobs)
     assert (store / "images" / "outputs.contact.png").is_file()
+
+
+HELP_SECTION = re.compile(
+    r"^### `(comfy-assets[^`]*|python -m fake_comfy) --help`\n\n```text\n(.*?)^```", re.M | re.S
+)
+
+
+def test_every_help_in_the_command_line_reference_is_the_programs_own() -> None:
+    sections = dict(HELP_SECTION.findall((REPO / "docs" / "command-line.md").read_text()))
+    commands = ["", *COMMANDS]
+    wanted = [f"comfy-assets {c}".strip() for c in commands] + ["python -m fake_comfy"]
+    assert sorted(sections) == sorted(wanted)  # every command has its section
+    env = {**clean_env(), "COLUMNS": "100"}
+    for title, shown in sections.items():
+        argv = title.split()
+        program = (
+            [str(VENV / "bin" / "comfy-assets")]
+            if argv[0] == "comfy-assets"
+            else [str(VENV / "bin" / "python"), "-m", "fake_comfy"]
+        )
+        rest = argv[1:] if argv[0] == "comfy-assets" else []
+        done = subprocess.run(
+            [*program, *rest, "--help"], capture_output=True, text=True, env=env, check=True
+        )
+        assert done.stdout.rstrip() == shown.rstrip(), title

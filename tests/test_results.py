@@ -69,6 +69,7 @@ def test_a_row_per_job_with_a_column_per_set_key() -> None:
         "inputs",
         "state",
         "server",
+        "failed_on",
         "attempts",
         "seconds",
         "files",

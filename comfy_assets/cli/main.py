@@ -19,45 +19,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
-from comfy_assets.cli.options import bounded
-from comfy_assets.comfy.servers import parse_servers
-
-
-def add_health(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("health", help="probe ComfyUI servers, one line each")
-    p.add_argument(
-        "--server",
-        action="append",
-        required=True,
-        metavar="NAME=URL",
-        help="gpu0=http://127.0.0.1:8188 (repeat, or comma-separate); a user:password@ "
-        "in the URL is sent as basic auth, never printed",
-    )
-    p.add_argument(
-        "--timeout-s", type=bounded(float, 0, strict=True), default=3.0, help="per request (3 s)"
-    )
-    p.set_defaults(func=health)
-
-
-def health(args: argparse.Namespace) -> int:
-    """Probe every server concurrently; print one line per server. Exit 0 when at least
-    one is healthy, 1 otherwise, 2 for bad ``--server`` values."""
-    try:
-        specs = parse_servers(args.server)
-    except ValueError as exc:
-        print(f"comfy-assets health: {exc}", file=sys.stderr)
-        return 2
-    from comfy_assets.comfy.health import probe_all  # after the arguments are checked
-
-    results = probe_all(specs, args.timeout_s)
-    for result in results:
-        print(result.line(), flush=True)
-    return 0 if any(r.healthy for r in results) else 1
-
-
 # command name -> (module, function registering its parser), in the order of --help
 COMMANDS: dict[str, tuple[str, str]] = {
-    "health": (__name__, "add_health"),
+    "health": ("comfy_assets.cli.health", "add_health"),
     "run": ("comfy_assets.cli.run", "add_run_parser"),
     "requeue": ("comfy_assets.cli.run", "add_requeue_parser"),
     "events": ("comfy_assets.cli.events", "add_events_parser"),

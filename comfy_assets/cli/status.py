@@ -240,6 +240,8 @@ def _doing(server: dict[str, Any] | None) -> str:
         return f"renders job {str(server.get('job'))[:8]} ({server.get('progress')})"
     if state == "unreachable":
         return f"unreachable ({server.get('reason')})"
+    if state == "quarantined":
+        return f"quarantined ({server.get('reason')})"
     if state == "busy":
         return f"runs another client's queue ({server.get('foreign_queue')} prompts)"
     return str(state)

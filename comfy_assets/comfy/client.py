@@ -21,17 +21,23 @@ carry the URL without them.
 from __future__ import annotations
 
 import base64
-import errno
 import json
 import logging
 import mimetypes
-import socket
-import unicodedata
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
+from comfy_assets.comfy.answers import (
+    Answer,
+    MappedErrors,
+    excerpt,
+    json_dumps,
+    quoted,
+    unreachable_reason,
+    unsafe_name,
+    view_content_type,
+)
 from comfy_assets.comfy.capabilities import Capabilities
 from comfy_assets.comfy.errors import (
     ComfyError,
@@ -63,7 +69,6 @@ if TYPE_CHECKING:  # imported where used: a health probe loads neither
 
 T = TypeVar("T")
 
-_BODY_EXCERPT = 300  # characters of an unexpected body kept in error messages
 _WS_MAX_MESSAGE = 64 * 1024 * 1024  # bytes; binary previews can exceed websockets' 1 MiB
 _SECRET_HEADERS = frozenset({"authorization", "proxy-authorization"})
 
@@ -83,21 +88,6 @@ class _HideSecretHeaders(logging.Filter):
 # to our sockets.
 _WS_LOG = logging.getLogger("websockets.client.comfy_assets")
 _WS_LOG.addFilter(_HideSecretHeaders())
-
-
-@dataclass(frozen=True)
-class Answer:
-    """An HTTP answer read whole: ``status``, ``headers`` (looked up case-insensitively),
-    ``body`` (bytes)."""
-
-    status: int
-    headers: Mapping[str, str]
-    body: bytes
-
-    @property
-    def text(self) -> str:
-        """The body as text (UTF-8, undecodable bytes replaced): for error messages."""
-        return self.body.decode("utf-8", "replace")
 
 
 class ComfyClient:
@@ -282,9 +272,9 @@ class ComfyClient:
         """
         import aiohttp
 
-        problem = _unsafe_name(filename)
+        problem = unsafe_name(filename)
         if problem is not None:
-            raise ValueError(f"upload file name {_quoted(filename)}: {problem}")
+            raise ValueError(f"upload file name {quoted(filename)}: {problem}")
         where = f"{subfolder}/{filename}" if subfolder else filename
         route = f"POST /upload/image {where}"
         form = aiohttp.FormData()
@@ -301,17 +291,17 @@ class ComfyClient:
         if (uploaded.subfolder, uploaded.type) != (subfolder, type):
             raise self._unexpected(
                 route,
-                f"answered subfolder {_quoted(uploaded.subfolder)} and type "
-                f"{_quoted(uploaded.type)}, not those sent",
+                f"answered subfolder {quoted(uploaded.subfolder)} and type "
+                f"{quoted(uploaded.type)}, not those sent",
             )
-        problem = _unsafe_name(uploaded.name)
+        problem = unsafe_name(uploaded.name)
         if problem is not None:
-            raise self._unexpected(route, f"answered name {_quoted(uploaded.name)}: {problem}")
+            raise self._unexpected(route, f"answered name {quoted(uploaded.name)}: {problem}")
         return uploaded
 
     def _input_rejected(self, route: str, response: Answer) -> InputRejected:
         """400 or 413 of POST /upload/image, in words (ComfyUI's 400 has no body)."""
-        body = _excerpt(response.text)
+        body = excerpt(response.text)
         if body:
             detail = f"refused: {body}"
         elif response.status == 413:
@@ -440,9 +430,9 @@ class ComfyClient:
 
     # -- plumbing ---------------------------------------------------------------------
 
-    def _mapped(self, route: str) -> _MappedErrors:
+    def _mapped(self, route: str) -> MappedErrors:
         """Turn aiohttp's errors into our typed errors, naming server and route."""
-        return _MappedErrors(self, route)
+        return MappedErrors(self, route)
 
     async def _request(
         self, method: str, path: str, route: str, *, json: Any = None, form: Any = None
@@ -453,7 +443,7 @@ class ComfyClient:
         data = form
         headers = None
         if json is not None:
-            data = _json_dumps(json).encode()
+            data = json_dumps(json).encode()
             headers = {"Content-Type": "application/json"}
         with self._mapped(route):
             request = self._session().request(
@@ -491,7 +481,7 @@ class ComfyClient:
         """ServerError for a 5xx answer, UnexpectedAnswer for any other but 200."""
         if status >= 500:
             return ServerError(
-                f"{self.name}: {route}: {status} {_excerpt(body)}".rstrip(),
+                f"{self.name}: {route}: {status} {excerpt(body)}".rstrip(),
                 server=self.base_url,
                 status=status,
                 body=body,
@@ -508,13 +498,13 @@ class ComfyClient:
                 "status 401 (the server or a proxy in front of it wants a user and password: "
                 "give them in the URL, http://user:password@host:port)"
             )
-        return f"status {status} {_excerpt(body)}".rstrip()
+        return f"status {status} {excerpt(body)}".rstrip()
 
     def _json(self, route: str, response: Answer) -> Any:
         try:
             return json.loads(response.body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise self._unexpected(route, f"body is not JSON: {_excerpt(response.text)!r}") from exc
+            raise self._unexpected(route, f"body is not JSON: {excerpt(response.text)!r}") from exc
         except RecursionError as exc:  # json's decoder stops near 1,000 levels of nesting
             raise self._unexpected(route, "body is JSON nested too deeply to read") from exc
 
@@ -541,7 +531,7 @@ class ComfyClient:
                 text += f": {format_node_errors(node_errors)}"
         except (KeyError, TypeError, AttributeError) as exc:
             raise self._unexpected(
-                route, f"400 of unexpected shape: {_excerpt(response.text)}"
+                route, f"400 of unexpected shape: {excerpt(response.text)}"
             ) from exc
         return PromptRejected(
             f"{self.name}: {route} 400, {text}",
@@ -553,119 +543,3 @@ class ComfyClient:
 
     def _unexpected(self, route: str, what: str) -> UnexpectedAnswer:
         return UnexpectedAnswer(f"{self.name}: {route}: {what}", server=self.base_url)
-
-
-# Types ComfyUI's /view sends as application/octet-stream, so a browser won't show them.
-_FORCED_DOWNLOAD = frozenset(
-    {"text/html", "text/html-sandboxed", "application/xhtml+xml", "text/javascript", "text/css"}
-)
-
-
-class _MappedErrors:
-    """``ComfyClient._mapped``: a plain context manager, since one wraps every request."""
-
-    def __init__(self, client: ComfyClient, route: str) -> None:
-        self.client = client
-        self.route = route
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, _: object
-    ) -> bool:
-        if exc is None:
-            return False
-        import aiohttp
-
-        client, where = self.client, f"{self.client.name}: {self.route}"
-        if isinstance(exc, TimeoutError):  # aiohttp's timeouts are TimeoutErrors too
-            raise RequestTimeout(
-                f"{where}: no answer within {client.timeout_s:g} s", server=client.base_url
-            ) from exc
-        if isinstance(exc, aiohttp.ClientConnectorError):
-            reason = unreachable_reason(exc, client.base_url)
-            raise ServerUnreachable(
-                f"{where}: {reason} ({client.base_url})", server=client.base_url, reason=reason
-            ) from exc
-        if isinstance(exc, aiohttp.ClientError):
-            # Reset, closed before the answer ended, a malformed answer: the request may
-            # have reached the server.
-            raise ConnectionLost(
-                f"{where}: connection lost ({_lost_reason(exc)})", server=client.base_url
-            ) from exc
-        return False
-
-
-def _lost_reason(exc: BaseException) -> str:
-    """aiohttp's reason for a lost connection, in words. Two of its errors carry a repr
-    where a reason should be (aiohttp 3.14 client_proto.py ``connection_lost``): a server
-    that closes the connection in the middle of the answer's headers gives
-    ``ServerDisconnectedError`` the half-read head as its message, and one that closes it
-    in the middle of the body gives ``ClientPayloadError`` the repr of its cause, an
-    ``HttpProcessingError`` whose ``message`` is the words."""
-    import aiohttp  # imported already: the request that failed went over it
-    from aiohttp.http_exceptions import HttpProcessingError
-
-    if isinstance(exc, aiohttp.ServerDisconnectedError) and not isinstance(exc.message, str):
-        code = getattr(exc.message, "code", None)
-        status = f", status {code}" if isinstance(code, int) else ""
-        return f"the server closed it in the middle of the answer's headers{status}"
-    cause = exc.__cause__
-    if isinstance(exc, aiohttp.ClientPayloadError) and isinstance(cause, HttpProcessingError):
-        return f"the answer's body could not be read: {cause.message.rstrip('.')}"
-    return str(exc) or type(exc).__name__
-
-
-def _unsafe_name(name: str) -> str | None:
-    """Why ``name`` is not a plain file name to put in a prompt or send for upload (a
-    separator, empty, ``.`` or ``..``, a control character), or None."""
-    if name in ("", ".", ".."):
-        return "empty, '.' or '..'"
-    if ".." in name:
-        return "'..' in it"
-    if "/" in name or "\\" in name:
-        return "a path separator in it"
-    control = next((c for c in name if unicodedata.category(c) == "Cc"), None)
-    if control is not None:
-        return f"control character U+{ord(control):04X} in it"
-    return None
-
-
-def _quoted(text: str) -> str:
-    """``text`` in double quotes, control characters escaped as JSON does (one line)."""
-    return json.dumps(text, ensure_ascii=False)
-
-
-def view_content_type(filename: str) -> str:
-    """The Content-Type ComfyUI v0.8.0 sends for a file of ``/view``: its MIME type by
-    name, or application/octet-stream (server.py ``view_image``)."""
-    guessed = mimetypes.guess_type(filename)[0] or "application/octet-stream"
-    return "application/octet-stream" if guessed in _FORCED_DOWNLOAD else guessed
-
-
-def _excerpt(text: str) -> str:
-    """The start of an answer's body on one line (runs of whitespace, newlines among
-    them, as one space): messages become lines of output, one per error."""
-    text = " ".join(text.split())
-    return text if len(text) <= _BODY_EXCERPT else text[:_BODY_EXCERPT] + "..."
-
-
-def _json_dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-
-
-def unreachable_reason(exc: BaseException, base_url: str) -> str:
-    """A few words for people, from the OS error under ``exc`` (aiohttp keeps it as
-    ``os_error``; with several addresses tried, one OSError carries their common errno):
-    "connection refused", "host not found: NAME", or "cannot connect: <the error>"."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ConnectionRefusedError) or (
-            type(seen) is OSError and seen.errno == errno.ECONNREFUSED
-        ):
-            return "connection refused"
-        if isinstance(seen, socket.gaierror):
-            return f"host not found: {urlsplit(base_url).hostname}"
-        seen = getattr(seen, "os_error", None) or seen.__cause__ or seen.__context__
-    return f"cannot connect: {exc}"

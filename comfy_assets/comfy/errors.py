@@ -150,11 +150,12 @@ class NoServerReachable(Exception):
     """No server of the pool answered for ``waited_s`` seconds (each one's last probe
     failed; ``reasons`` by server name). Not a ComfyError on purpose: it is no attempt's
     failure (retrying would only burn attempts), it ends the batch with its unrun jobs
-    still pending."""
+    still pending. ``what`` is "usable" when the servers answer but every one is
+    quarantined (``comfy/quarantine.py``)."""
 
-    def __init__(self, waited_s: float, reasons: dict[str, str]) -> None:
+    def __init__(self, waited_s: float, reasons: dict[str, str], what: str = "reachable") -> None:
         listed = "; ".join(f"{name} {why}" for name, why in reasons.items())
-        super().__init__(f"no server reachable for {waited_s:.3g} s ({listed})")
+        super().__init__(f"no server {what} for {waited_s:.3g} s ({listed})")
         self.waited_s = waited_s
         self.reasons = reasons
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from comfy_assets.comfy.client import Answer, ComfyClient, unreachable_reason
+from comfy_assets.comfy.answers import Answer, unreachable_reason
+from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import (
     ComfyError,
     ConnectionLost,

@@ -19,20 +19,26 @@ class LeaseKeeping:
     def _ask_leases(self, call: Callable[..., T], failed: T, *args: object) -> T:
         """``call(*args)`` on the lease store; while the store fails, ``failed`` (nothing
         is taken on a store that can't record it) and the consumer looks again later.
-        Raises the store's error once it has failed for ``store_timeout_s`` on end."""
+        Raises the store's error once that call has failed for ``store_timeout_s`` on
+        end (reads that answer meanwhile do not reset its clock: a store that reads but
+        cannot write takes nothing), and at once when the error says waiting cannot help
+        (``lasting``, as the store's StoreDiskFull: a full disk stays full)."""
+        name = getattr(call, "__name__", repr(call))
         try:
             answer = call(*args)
         except Exception as e:  # the store, whatever its driver: see the timeout below
+            if getattr(e, "lasting", False):
+                raise
             now = asyncio.get_running_loop().time()
-            if self._store_failing_since is None:
-                self._store_failing_since = now
+            if not self._store_failing_since:
                 log.warning(
                     "server leases: the store failed (%s: %s); trying again", type(e).__name__, e
                 )
-            if now - self._store_failing_since >= self.store_timeout_s:
+            since = self._store_failing_since.setdefault(name, now)
+            if now - since >= self.store_timeout_s:
                 raise
             return failed
-        self._store_failing_since = None
+        self._store_failing_since.pop(name, None)
         return answer
 
     def _release_lease(self, name: str, model: str | None) -> None:

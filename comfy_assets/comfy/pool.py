@@ -38,11 +38,13 @@ from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import NoServerCanRun
 from comfy_assets.comfy.follow import PromptFollower
+from comfy_assets.comfy.holding import Holding
 from comfy_assets.comfy.holdings import Holdings
 from comfy_assets.comfy.lease_keeping import LeaseKeeping
 from comfy_assets.comfy.orphans import Orphans
 from comfy_assets.comfy.priority import Priorities
 from comfy_assets.comfy.probing import Probing
+from comfy_assets.comfy.quarantine import Quarantine
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.comfy.settings import PoolSettings
 from comfy_assets.comfy.slot import (
@@ -66,7 +68,7 @@ Chooser = Callable[[str, float], int | None]
 WAITING_MARK_S = 1.0
 
 
-class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
+class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine, Priorities):
     """Named ComfyUI servers shared through server leases.
 
     A lease that can't be renewed (the store fails until only a third of it is left) or
@@ -121,7 +123,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
         self.uploads = Uploads()  # input files on each server, uploaded once per server
         self.planned = planned
         self.store_timeout_s = store_timeout_s
-        self._store_failing_since: float | None = None  # loop time
+        self._store_failing_since: dict[str, float] = {}  # loop time, by store call
         self.settings = PoolSettings() if settings is None else settings
         self._none_reachable_since: float | None = None  # loop time
         self.orphan_grace_s = (
@@ -152,6 +154,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
         self._reported: dict[str, str] = {}  # last state reported per server (log once)
         self._reported_at: dict[str, float] = {}  # monotonic time of that report
         self._init_holdings()
+        self._init_quarantine()
         # Prompts of ours that have finished: ComfyUI still lists a prompt in /queue while
         # it writes its history, so a probe right after execution_success sees it; it no
         # longer occupies the GPU and must not keep the server from its next prompt.
@@ -314,6 +317,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
             if slot is not None:
                 return slot
             self._check_reachable()
+            self._check_usable()
             if (waited or self.priority) and not all_unhealthy:
                 # Other processes are told only of a real wait: a consumer that our own
                 # prompt's end hands a server to within moments costs the store nothing
@@ -334,6 +338,12 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
 
     async def _try_acquire(self, want: _Want) -> tuple[Slot | None, bool]:
         only, models = want.only, want.models
+        if only is None:
+            # A catch-up follows our own prompt wherever it is; new prompts go only
+            # where the servers' health lets them (``quarantine.py``).
+            self._read_health()
+            if self._all_blocked(want):
+                return None, True
         for name in list(self._kept):
             if only is not None and name != only:
                 continue
@@ -341,6 +351,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
             spec = self.spec(name)
             if (
                 spec is not None
+                and (only is not None or self.blocked(name) is None)
                 and follower is not None
                 and follower.queue_remaining() == 0
                 and self._wanted(spec.name, want) is not None
@@ -354,6 +365,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
             if (
                 len(rest) == 1
                 and self._just_freed(rest[0].name)
+                and self.blocked(rest[0].name) is None
                 and not self._yielding(rest[0].name)
                 and self._wanted(rest[0].name, want) is not None
             ):
@@ -375,6 +387,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
             if only is not None and spec.name != only:
                 continue
             if spec.name in self._held or self._yielding(spec.name):
+                continue
+            if only is None and self.blocked(spec.name) is not None:
                 continue
             lease = leases.get(spec.name)
             if lease is not None and lease.owner and lease.expires_at > now:
@@ -514,83 +528,6 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Priorities):
             waited = 0.0 if since is None else asyncio.get_running_loop().time() - since
             return want.choose(name, waited)
         return 0 if frozenset(want.models) <= self.plan.holds(name) else 1
-
-    # -- holding ------------------------------------------------------------------------
-
-    def dispatch_done(self) -> None:
-        """``Slot.posted``: a dispatch is over; the oldest hand-over waiting is done."""
-        if self._handovers:
-            self._handovers.popleft().set()
-
-    async def handed_over(self, slot: Slot, max_wait_s: float = 0.25) -> None:
-        """Wait (at most ``max_wait_s`` seconds) until the server ``slot`` freed has its
-        next prompt posted, when a consumer was waiting for it; else return at once."""
-        if slot.handover is None or slot.handover.is_set():
-            return
-        try:
-            async with asyncio.timeout(max_wait_s):
-                await slot.handover.wait()
-        except TimeoutError:
-            pass
-
-    def slot_released(self, slot: Slot) -> None:
-        """``Slot.release``: give the server back, or keep it for our next prompt."""
-        if slot.lost is not None:
-            # The lease is not ours to give (taken, or the store can't be written): it
-            # expires by itself, and the server can be offered again.
-            if self._held.get(slot.name) is slot:
-                del self._held[slot.name]
-            self._changed.set()
-            return
-        self._held.pop(slot.name, None)
-        loop = asyncio.get_running_loop()
-        if self._line.locked() and self._others_waiting(slot.name):
-            # Another process waits for a server too: leave this one to it for a moment
-            # rather than hand it to our own next job (runs that share servers all move).
-            self._yielded[slot.name] = loop.time() + 3 * self.busy_poll_s
-        elif slot.prompt_id is not None and self._line.locked():
-            slot.handover = asyncio.Event()  # a consumer is in line: it takes this server
-            self._handovers.append(slot.handover)
-            kept_at = self._kept[slot.name] = loop.time()
-            # Nobody came for it after all (the batch ended, say): give it back.
-            loop.call_later(3 * self.busy_poll_s, self._let_go, slot.name, kept_at)
-        elif slot.prompt_id is not None and not self._others_waiting(slot.name):
-            # Nobody in line yet, ours or another process's: our next consumer is most
-            # likely finishing its job (downloads, the done record) and comes back within
-            # moments. Keeping the lease saves writing it away and back between two of
-            # our prompts; unused, it goes back as above.
-            kept_at = self._kept[slot.name] = loop.time()
-            loop.call_later(3 * self.busy_poll_s, self._let_go, slot.name, kept_at)
-        if slot.prompt_id is not None:
-            self._freed_at[slot.name] = asyncio.get_running_loop().time()
-            self._finished[slot.prompt_id] = None
-            while len(self._finished) > 4096:
-                self._finished.popitem(last=False)
-        self._prompt_left(slot)
-        if slot.name not in self._kept:
-            self._release_lease(slot.name, self.held_text(slot.name))
-        self._changed.set()
-
-    def _let_go(self, name: str, kept_at: float | None = None) -> None:
-        """Release the lease of a kept server (only if kept since ``kept_at``, if given)."""
-        if name not in self._kept or (kept_at is not None and self._kept[name] != kept_at):
-            return
-        del self._kept[name]
-        self._release_lease(name, self.held_text(name))
-        self._changed.set()
-
-    def slot_abandoned(self, slot: Slot) -> None:
-        """``Slot.abandon``: stop renewing; the lease expires by itself."""
-        if self._held.get(slot.name) is slot:
-            del self._held[slot.name]
-        self._lease_until.pop(slot.name, None)
-        # Not "just freed": the next prompt may go there only once a probe shows ours gone.
-        self._freed_at.pop(slot.name, None)
-        log.warning(
-            "server %s: our prompt may still be there; its lease will expire in %.0f s",
-            slot.name,
-            self.settings.server_lease_s,
-        )
 
 
 @dataclass

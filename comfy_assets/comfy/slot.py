@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.servers import ServerSpec
@@ -53,6 +53,10 @@ class ServerLeaseStore(Protocol):
     def others_waiting(
         self, owner: str, server: str, now: float | None = None, priority: int | None = None
     ) -> bool: ...
+
+    def server_health(self) -> Mapping[str, Any]:
+        """Each server's health by name (``comfy/quarantine.py``'s ``HealthRecord``)."""
+        ...
 
     def now(self) -> float:
         """Epoch seconds by the clock the leases' expiry times are written in."""

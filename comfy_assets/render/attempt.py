@@ -6,8 +6,10 @@ else holds a server, posts, follows and downloads. It returns an ``AttemptResult
 never raises for anything a server does; only cancellation propagates.
 
 Classification: POST 400 → permanent; 5xx, refused, reset, timeout, lost → transient;
-``execution_error`` of out-of-memory type → transient (``POST /free`` first); any other
-``execution_error`` → permanent; our prompt interrupted by someone else → transient; 200
+``execution_error`` of out-of-memory type → transient (``POST /free`` first); an
+infrastructure error (``comfy/infra.py``) → transient, the server's; any other
+``execution_error`` → permanent, unless ``render/ownership.py`` finds it may be the
+server's (a deadline and a lost prompt carry a ``Failure`` for it too); our prompt interrupted by someone else → transient; 200
 with ``node_errors`` → permanent (outputs were dropped,
 data/recorded/validation_errors.json); a deadline → interrupt, delete from the queue, wait
 until it is gone, transient; an output that /history lists and /view answers 404 for →
@@ -34,6 +36,7 @@ from comfy_assets.comfy.errors import (
     ServerError,
 )
 from comfy_assets.comfy.follow import PromptFollower
+from comfy_assets.comfy.infra import infra_cause
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.comfy.types import HistoryEntry
@@ -51,6 +54,7 @@ from comfy_assets.render.inputs import (
 from comfy_assets.render.outcome import (
     AttemptHooks,
     AttemptResult,
+    Failure,
     Kind,
     NotPosted,
     describe_error,
@@ -348,23 +352,38 @@ class Attempt(CatchUp, Removal):
                 what = (
                     f"prompt lost: in neither /queue nor /history of {name} (the server forgot it)"
                 )
+            deadline = f"deadline of {self.deadline_s:g} s exceeded"
             return self.result(
                 "transient",
-                f"deadline of {self.deadline_s:g} s exceeded; {what}",
+                f"{deadline}; {what}",
                 server=name,
                 number=number,
                 posted=posted,
+                failure=Failure("deadline", "deadline", deadline),
             )
         except PromptLost as e:
             slot.release()  # neither in /queue nor in /history: it is not on the server
             return self.result(
-                "transient", f"prompt lost: {e}", server=name, number=number, posted=posted
+                "transient",
+                f"prompt lost: {e}",
+                server=name,
+                number=number,
+                posted=posted,
+                failure=Failure("lost", "lost", "prompt lost"),
             )
         except ComfyError as e:
             # Our prompt may still run there: removed, so that nothing of ours is left on
             # the server that nobody follows (its lease is left to expire if it can't be).
-            reason = describe_error(e, "following") + "; " + await self._remove(slot, number)
-            return self.result("transient", reason, server=name, number=number, posted=posted)
+            lost = describe_error(e, "following")
+            reason = lost + "; " + await self._remove(slot, number)
+            return self.result(
+                "transient",
+                reason,
+                server=name,
+                number=number,
+                posted=posted,
+                failure=Failure("lost", "lost", lost),
+            )
         # Not in a `finally`: on cancellation `on_server` must stay set, so the cancel
         # cleanup knows to interrupt and remove our prompt on that server.
         self.on_server = None
@@ -380,11 +399,10 @@ class Attempt(CatchUp, Removal):
         err = outcome.error
         if err is None:
             return self.result("permanent", f"prompt ended with status {outcome.status}", **common)
-        reason = (
-            f"execution_error in node {err.node_id} ({err.node_type}): "
-            # The first line: ComfyUI appends pages of tips to an OOM message.
-            f"{err.exception_type}: {(err.exception_message.strip().splitlines() or [''])[0]}"
-        )
+        # The first line: ComfyUI appends pages of tips to an OOM message.
+        first = (err.exception_message.strip().splitlines() or [""])[0]
+        reason = f"execution_error in node {err.node_id} ({err.node_type}): "
+        reason += f"{err.exception_type}: {first}"
         fed = inputs_of_nodes(self.job, [err.node_id])
         if fed:
             reason += f" (node {err.node_id} loads {fed})"
@@ -395,7 +413,18 @@ class Attempt(CatchUp, Removal):
             except ComfyError as e:
                 reason += f"; POST /free failed: {e}"
             return self.result("transient", reason, **common)
-        return self.result("permanent", reason, **common)
+        cause = infra_cause(err.exception_type, err.exception_message)
+        if cause is not None:
+            # The server's at first sight: another server takes the job at once.
+            reason = f"{reason} (infrastructure: {cause.name})"
+            failure = Failure.execution_error(
+                "infrastructure", err.node_id, err.exception_type, first, reason
+            )
+            return self.result("transient", reason, failure=failure, **common)
+        failure = Failure.execution_error(
+            "execution_error", err.node_id, err.exception_type, first, reason
+        )
+        return self.result("permanent", reason, failure=failure, **common)
 
     async def _download(
         self,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import time
@@ -30,21 +29,19 @@ from comfy_assets.comfy.errors import NoServerCanRun, NoServerReachable
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
-from comfy_assets.jobs.states import InvalidTransition
 from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.chain import Chain
+from comfy_assets.render.claiming import Claiming
 from comfy_assets.render.claims import Claims
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outcome import AttemptHooks, AttemptResult, NotPosted
-from comfy_assets.render.outputs import outputs_problem, take_folder
+from comfy_assets.render.outputs import take_folder
 from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.progress import Ended, Progress
 from comfy_assets.render.queue import Item, JobQueue
 from comfy_assets.render.rendering import DeferredRendering
 from comfy_assets.render.settle import Settle
 from comfy_assets.store import (
-    OWNER_DEAD_S,
-    AttemptEntry,
     ClaimLost,
     JobRecord,
     RenderingStart,
@@ -65,7 +62,7 @@ STORE_THREADS = 2
 CONSUMERS_PER_SERVER = 3
 
 
-class Batch(Settle, Chain):
+class Batch(Settle, Chain, Claiming):
     """Runs ``jobs`` of ``partition`` to the end over ``pool``, recording in ``store``."""
 
     def __init__(
@@ -101,10 +98,11 @@ class Batch(Settle, Chain):
         self.on_progress = on_progress
         self.started = time.monotonic()
         self.progress = Progress(len(self.jobs))
-        self.queue = JobQueue(pool.plan, pool.planned)
+        self.queue = JobQueue(pool.plan, pool.planned, pool)
         self.unresolved = len(self.jobs)
         self.resolutions = 0  # jobs resolved so far (a parked job's check may miss one)
         self._init_chain()
+        self._blocked_groups = {}
         self.claims = Claims(store, owner, config.lease_s, self._db, self._claim_gone)
         self.renderings = DeferredRendering(self._write_rendering, self._rendering_failed)
         self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
@@ -248,10 +246,11 @@ class Batch(Settle, Chain):
         self.queue.put_back(item, rec)
 
     def _unrunnable_group(self) -> str | None:
-        """Why some job waiting here can run on no server now, else None (``check`` of
-        ``Pool.acquire``, asked at each look)."""
+        """Why some job waiting here can run on no server now (or only on quarantined
+        ones, for too long), else None (``check`` of ``Pool.acquire``, asked at each
+        look)."""
         for group in self.queue.groups():
-            reason = self.pool.cannot_run_now(group)
+            reason = self.pool.cannot_run_now(group) or self._quarantined_group(group)
             if reason is not None:
                 return reason
         return None
@@ -299,6 +298,7 @@ class Batch(Settle, Chain):
                         item = self.queue.pop_for(slot)
                 except NoServerCanRun:  # a server started again without a model
                     await self._dead_letter_unrunnable()
+                    await self._leave_quarantined()
                     continue
                 except NoServerReachable as e:
                     self._stop_unreachable(e)  # the jobs here stay pending, unposted
@@ -343,84 +343,6 @@ class Batch(Settle, Chain):
             if slot is not None:
                 slot.release()
             self.queue.changed.set()  # wake the other consumers to see the end
-
-    async def _claim(self, item: Item) -> JobRecord | None:
-        """Claim ``item``'s job; its record when it is ours to run, else None (done,
-        dead-lettered, or held by another worker: then it is resolved or put back). A
-        chained job dead-lettered only for its upstream job, which is no longer failed,
-        is requeued first."""
-        job, cfg, store = item.job, self.config, self.store
-        if item.rec is not None:
-            rec, item.rec = item.rec, None
-            if job.id in self.claims.held:  # claimed before its consumer waited in line
-                return rec
-        status, rec = await self.claims.claim(job.id)
-        if status == "dead_lettered" and await self._requeue_if_upstream_fixed(job, rec):
-            status, rec = await self.claims.claim(job.id)
-        if status == "done":
-            problem = await self._db(outputs_problem, store, self.partition, job.id)
-            if problem is None:
-                self.report(f"job {job.id}: already done, nothing posted")
-                self._resolve("done", job.id)
-                return None
-            # Done, but its files are gone or changed on disk: render it again, which
-            # catches up from the server's /history first (downloads, no new prompt).
-            try:
-                await self._db(
-                    store.transition, job.id, "pending", detail=f"outputs {problem}; fetching again"
-                )
-                self.report(f"job {job.id}: outputs {problem}; fetching them again")
-            except InvalidTransition:
-                pass  # another worker reopened it a moment ago: claim decides who fetches
-            status, rec = await self.claims.claim(job.id)
-            if status == "done":  # and that worker has already fetched them
-                self.report(f"job {job.id}: already done, nothing posted")
-                self._resolve("done", job.id)
-                return None
-        if status == "dead_lettered":
-            self.report(
-                f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again"
-            )
-            self._resolve("dead_lettered", job.id)
-            return None
-        if status == "claimed" and rec.taken_over:
-            self.report(f"job {job.id}: {rec.taken_over}")
-        if status == "held":
-            if job.id not in self.told_held:
-                self.told_held.add(job.id)
-                self.report(
-                    f"job {job.id}: claimed by {rec.claimed_by}; waiting (taken over if its "
-                    f"heartbeat stops for {OWNER_DEAD_S:.0f} s)"
-                )
-            left = (rec.claim_expires_at or 0) - store.now()
-            self.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
-            return None
-        if rec.state in ("submitted", "rendering"):
-            # The lost holder's attempt never settled: count it, so attempt numbers and
-            # results.csv say how many times the job was tried.
-            lost = AttemptEntry(
-                rec.attempts_before + rec.attempts + 1,
-                outcome="transient",
-                server=rec.server,
-                prompt_id=rec.prompt_id,
-                number=rec.number,
-                started_at=rec.updated_at,
-                reason="its holder was lost mid-attempt",
-            )
-            await self._db(
-                store.transition,
-                job.id,
-                "failed_retryable",
-                detail="previous holder lost; claim taken over",
-                attempt=rec.attempts + 1,
-                server=rec.server,
-                tried=lost,
-            )
-            rec = dataclasses.replace(rec, state="failed_retryable", attempts=rec.attempts + 1)
-            item.prev_unsettled = True
-        if rec.state == "failed_retryable":
-            await self._db(store.transition, job.id, "pending", detail="retry")
-        return rec
 
     async def _run_item(self, item: Item, rec: JobRecord, slot: Slot) -> Slot | None:
         """Run one attempt of ``item`` (claimed: ``rec``) on ``slot`` or the server it
@@ -627,8 +549,10 @@ class Batch(Settle, Chain):
 def _prev_number(item: Item, rec: JobRecord, prev: str | None) -> int | None:
     """The run number the job's prompt last had on ``prev`` (its last server): the
     store's, else the one the previous attempt of this batch saw there (a run found by a
-    catch-up or after an unanswered POST, which the store does not record)."""
-    if prev is None:
+    catch-up or after an unanswered POST, which the store does not record). None for a
+    job requeued since its last attempt: only a dead letter is requeued, and its run has
+    ended (a catch-up still looks for a success there, but no run of it can be lost)."""
+    if prev is None or (rec.attempts == 0 and rec.attempts_before > 0):
         return None
     if rec.number is not None:
         return rec.number

@@ -4,6 +4,7 @@ answered (``describe_error``, ``entry_timings``)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -17,6 +18,35 @@ from comfy_assets.comfy.types import DownloadedFile, HistoryEntry
 
 Kind = Literal["success", "transient", "permanent"]
 
+# What failed, when it may not be the job's fault (``render/ownership.py`` decides whose):
+# an execution_error, an infrastructure error (``comfy/infra.py``: the server's at first
+# sight), the attempt's deadline, or a prompt the server lost or answered garbled.
+FailureKind = Literal["execution_error", "infrastructure", "deadline", "lost"]
+
+# Hex addresses and long numbers differ between two runs of one failing node.
+_VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\d{4,}")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A failure that may belong to the server, for ``render/ownership.py``. ``kind``
+    (``FailureKind``); ``signature``: equal for the same error in the same node
+    (node id, exception type, first message line without addresses), so two servers that
+    failed "the same way" compare equal; ``summary``: the reason for people, without
+    the server (``execution_error in node 2 (ImageToMask): IndexError: ...``)."""
+
+    kind: FailureKind
+    signature: str
+    summary: str
+
+    @classmethod
+    def execution_error(
+        cls, kind: FailureKind, node_id: str, exception_type: str, first_line: str, summary: str
+    ) -> Failure:
+        """The failure of an execution_error in ``node_id``."""
+        line = _VOLATILE.sub("#", first_line.strip())[:200]
+        return cls(kind, f"node {node_id}|{exception_type}|{line}", summary)
+
 
 @dataclass
 class AttemptResult:
@@ -26,6 +56,7 @@ class AttemptResult:
     /history entry (execution_start, execution_success/error; extra_data.create_time),
     ``seconds`` is this attempt's wall time. ``outputs_missing``: the run succeeded but
     the server no longer has its files, so the next attempt must render anew.
+    ``failure``: what failed, when the failure may be the server's (else None).
     """
 
     kind: Kind
@@ -40,6 +71,7 @@ class AttemptResult:
     gpu_seconds: float | None = None
     queue_wait_s: float | None = None
     outputs_missing: bool = False
+    failure: Failure | None = None
 
 
 @dataclass(frozen=True)

@@ -97,8 +97,8 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
                 "since": since,
                 "progress": how_far,
             }
-        elif batch.store.server_quarantined(name):
-            row = {"state": "quarantined"}
+        elif pool.blocked(name) is not None:  # the pool's view of the store's health rows
+            row = {"state": "quarantined", "reason": pool.blocked(name)}
         elif name in unreachable:
             row = {"state": "unreachable", "reason": unreachable[name]}
         else:

@@ -17,13 +17,16 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.plan import Demand, Plan
+from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
+from comfy_assets.render.outcome import Failure
 from comfy_assets.store import JobRecord
 
 
@@ -46,15 +49,32 @@ class Item:
     loaded_on: str | None = None
     model_loaded: bool = False
     seq: int = field(default=0, compare=False)  # arrival rank in the queue (lower first)
+    # Servers where an attempt of this batch failed in a way that may be the server's,
+    # with the failure, in the order they failed (``render/ownership.py``): the job goes
+    # elsewhere while another server can run it.
+    failed_on: dict[str, Failure] = field(default_factory=dict, compare=False)
+
+
+class ServerView(Protocol):
+    """What the queue asks of the pool about its servers (``comfy.pool.Pool`` has it)."""
+
+    servers: Sequence[ServerSpec]
+
+    def lacks(self, name: str, needs: Needs) -> object | None: ...
+
+    def blocked(self, name: str) -> str | None: ...
+
+    def on_probation(self, name: str) -> bool: ...
 
 
 class JobQueue:
     """Jobs ready to run, by group, and jobs waiting for a delay (backoff, someone
     else's claim). ``plan``: the pool's; ``planned`` False: oldest first."""
 
-    def __init__(self, plan: Plan, planned: bool = True) -> None:
+    def __init__(self, plan: Plan, planned: bool = True, view: ServerView | None = None) -> None:
         self.plan = plan
         self.planned = planned
+        self.view = view  # None: every server takes any job (no health to heed)
         self.changed = asyncio.Event()
         self._groups: dict[Needs, deque[Item]] = {}
         self._size = 0
@@ -97,9 +117,49 @@ class JobQueue:
         loop time it is back in line."""
         return [(item, handle.when()) for handle, item in self._timers.items()]
 
-    def demand(self) -> dict[Needs, Demand]:
-        """Per group: how many jobs wait, and the arrival rank of the oldest."""
-        return {g: Demand(len(q), q[0].seq) for g, q in self._groups.items() if q}
+    def demand(self, server: str | None = None) -> dict[Needs, Demand]:
+        """Per group: how many jobs wait (that ``server`` may take, when given), and the
+        arrival rank of the oldest."""
+        if server is None or self.view is None:
+            return {g: Demand(len(q), q[0].seq) for g, q in self._groups.items() if q}
+        found = {}
+        for g, q in self._groups.items():
+            first, count = self._fits(g, q, server)
+            if first is not None:
+                found[g] = Demand(count, q[first].seq)
+        return found
+
+    def _fits(self, group: Needs, items: deque[Item], server: str) -> tuple[int | None, int]:
+        """(index of the first item of ``group`` that ``server`` may take, how many may).
+        Not a job that failed there while another server can run it; on a server with
+        failures not judged yet (``on_probation``), only jobs that failed elsewhere,
+        unless no server without such failures can run the group."""
+        view = self.view
+        assert view is not None
+        capable: list[str] | None = None
+
+        def others() -> list[str]:
+            nonlocal capable
+            if capable is None:
+                capable = [s.name for s in view.servers if view.lacks(s.name, group) is None]
+            return capable
+
+        restricted = view.on_probation(server) and any(
+            s != server and view.blocked(s) is None and not view.on_probation(s) for s in others()
+        )
+        first, count = None, 0
+        for index, item in enumerate(items):
+            failed = item.failed_on
+            if failed:
+                if server in failed and any(s not in failed for s in others()):
+                    continue
+            elif restricted:
+                continue
+            elif first is None:
+                return index, len(items)  # fresh jobs: all of them may go there
+            first = index if first is None else first
+            count += 1
+        return first, count
 
     def groups(self) -> list[Needs]:
         """The groups with jobs waiting."""
@@ -168,21 +228,28 @@ class JobQueue:
                     break
         return None if best is None else self._take(best[1], best[2])
 
-    def pop_group(self, group: Needs) -> Item | None:
-        """The head of ``group`` (claimed ones first), or None if it has none."""
-        return self._take(group) if self._groups.get(group) else None
+    def pop_group(self, group: Needs, server: str | None = None) -> Item | None:
+        """The head of ``group`` (claimed ones first) that ``server`` may take (any, when
+        None), or None if it has none."""
+        items = self._groups.get(group)
+        if not items:
+            return None
+        if server is None or self.view is None:
+            return self._take(group)
+        index, _ = self._fits(group, items, server)
+        return None if index is None else self._take(group, index)
 
     def pop_chosen(self, server: str) -> Item | None:
         """The job for ``server`` just handed to a consumer: the head of the group its
         chooser gave it; None if another consumer took the last of them meanwhile."""
         group = self._chosen.pop(server, None)
-        return None if group is None else self.pop_group(group)
+        return None if group is None else self.pop_group(group, server)
 
     def pop_for(self, slot: Slot) -> Item | None:
         """The job for a server a consumer still holds; None when the plan keeps it for
         later (the consumer then lets it go)."""
         group = self._choose(slot.name, 0.0)
-        return None if group is None else self.pop_group(group)
+        return None if group is None else self.pop_group(group, slot.name)
 
     def pop_all(self, group: Needs) -> list[Item]:
         """Every job of ``group`` (none of them can run)."""
@@ -211,7 +278,7 @@ class JobQueue:
     # -- choosing with the pool -----------------------------------------------------------
 
     def _choose(self, server: str, waited_s: float) -> Needs | None:
-        demand = self.demand()
+        demand = self.demand(server)
         if self.planned:
             return self.plan.choose(server, demand, waited_s)
         return self.plan.oldest(server, demand)

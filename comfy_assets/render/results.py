@@ -7,8 +7,9 @@ number, empty for none), one column per ``set`` key of the job file (named as in
 file, ``"<node id>.<input name>"``, so they never clash with the fixed columns), then
 ``take``, ``inputs`` (each input file as ``key=path@sha256:<hex>``, or for a file of an
 upstream job ``key=job <id> node <n> #<index>@sha256:<hex>``, joined with ``"; "``),
-``state``, ``server``, ``attempts``, ``seconds``, ``files`` (``name:sha256[:12]``
-joined with spaces) and ``reason``. In a partition whose jobs load models, ``models``
+``state``, ``server``, ``failed_on`` (the servers its failed attempts ran on, in order,
+space-separated: where a dead letter failed), ``attempts``, ``seconds``, ``files``
+(``name:sha256[:12]`` joined with spaces) and ``reason``. In a partition whose jobs load models, ``models``
 (the job's model files, space-separated) and ``model_loaded`` (whether the server of its
 last try had to load one: true/false, empty before any try) follow ``server``.
 """
@@ -27,7 +28,17 @@ import pandas as pd
 from comfy_assets.store import Store
 
 FIXED_BEFORE = ["job_id", "line", "shot"]
-FIXED_AFTER = ["take", "inputs", "state", "server", "attempts", "seconds", "files", "reason"]
+FIXED_AFTER = [
+    "take",
+    "inputs",
+    "state",
+    "server",
+    "failed_on",
+    "attempts",
+    "seconds",
+    "files",
+    "reason",
+]
 MODEL_COLUMNS = ["models", "model_loaded"]  # after "server", when jobs load models
 RESULTS_CSV = "results.csv"
 # A job of the job file with no record in the store (it never got registered).
@@ -71,22 +82,36 @@ def files_cell(files: Iterable[FileRow]) -> str:
     return " ".join(f"{f.path}:{f.sha256[:12]}" for f in sorted(files, key=lambda f: f.path))
 
 
-def inputs_cell(inputs: Sequence[Mapping[str, Any]], files: Mapping[str, Iterable[FileRow]]) -> str:
+# Hex digits of a sha256, and characters of a job id, in a short cell (the UI's table).
+SHORT_SHA256 = 12
+SHORT_JOB_ID = 8
+
+
+def inputs_cell(
+    inputs: Sequence[Mapping[str, Any]],
+    files: Mapping[str, Iterable[FileRow]],
+    *,
+    short: bool = False,
+) -> str:
     """Each input of a job, ``key=path@sha256:<hex>`` (a file of an upstream job: its
     ``job <id> node <n> #<index>``, with the sha256 of that file once it is written, from
-    ``files``), joined with ``"; "``."""
+    ``files``), joined with ``"; "``. ``short``: the sha256's first SHORT_SHA256 hex
+    digits and the upstream job id's first SHORT_JOB_ID characters, as in log lines."""
+    sha_chars = SHORT_SHA256 if short else None
+    id_chars = SHORT_JOB_ID if short else None
     cells = []
     for item in inputs:
         if "path" in item:
-            cells.append(f"{item['key']}={item['path']}@sha256:{item['sha256']}")
+            cells.append(f"{item['key']}={item['path']}@sha256:{item['sha256'][:sha_chars]}")
             continue
         node, index = str(item["node"]), int(item["index"])
         written = sorted(
             (f for f in files.get(str(item["job"]), ()) if f.node_id == node),
             key=lambda f: str(f.path),
         )
-        sha = written[index].sha256 if index < len(written) else "not written yet"
-        cells.append(f"{item['key']}=job {item['job']} node {node} #{index}@sha256:{sha}")
+        sha = written[index].sha256[:sha_chars] if index < len(written) else "not written yet"
+        upstream = str(item["job"])[:id_chars]
+        cells.append(f"{item['key']}=job {upstream} node {node} #{index}@sha256:{sha}")
     return "; ".join(cells)
 
 
@@ -105,6 +130,7 @@ def results_table(
     files: Mapping[str, Iterable[FileRow]],
     job_ids: Sequence[str] | None = None,
     models: Mapping[str, tuple[tuple[str, ...], bool]] | None = None,
+    failed_on: Mapping[str, Sequence[str]] | None = None,
 ) -> pd.DataFrame:
     """Build the results table.
 
@@ -112,8 +138,10 @@ def results_table(
     order) selects and orders the rows; a job of the file without a record gets a row
     with state ``missing`` so a gap is visible. Without it every record is a row, in the
     given order. ``models`` (``last_model_tries``): when not empty, the ``models`` and
-    ``model_loaded`` columns.
+    ``model_loaded`` columns. ``failed_on``: the servers each job failed on
+    (``Store.failed_on``).
     """
+    failed_on = failed_on or {}
     by_id = {record.job_id: record for record in records}
     order = list(job_ids) if job_ids is not None else [record.job_id for record in records]
 
@@ -138,6 +166,7 @@ def results_table(
                 "inputs": inputs_cell(record.inputs, files),
                 "state": str(record.state),
                 "server": record.server,
+                "failed_on": " ".join(failed_on.get(job_id, ())),
                 "attempts": record.attempts,
                 "seconds": None if record.seconds is None else round(record.seconds, 3),
                 "files": files_cell(files.get(job_id, ())),
@@ -183,7 +212,8 @@ def write_results(
     by_job = store.partition_files(partition)
     files = {record.job_id: by_job.get(record.job_id, []) for record in records}
     models = last_model_tries(store.model_loads(partition))
-    frame = results_table(records, files, job_ids=job_ids, models=models)
+    failed = store.failed_on(partition)
+    frame = results_table(records, files, job_ids=job_ids, models=models, failed_on=failed)
     return write_csv(frame, results_csv_path(store.root, partition)), frame
 
 

@@ -10,15 +10,21 @@ from comfy_assets.jobs.model import Job
 from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.outcome import AttemptResult
 from comfy_assets.render.outputs import remove_stale_outputs
+from comfy_assets.render.ownership import Ownership
 from comfy_assets.render.queue import Item
 from comfy_assets.store import AttemptEntry, ClaimLost, StoreUnavailable
 
 
-class Settle:
-    """The store's side of each attempt's end (a part of ``Batch``)."""
+class Settle(Ownership):
+    """The store's side of each attempt's end (a part of ``Batch``); whose failure it
+    was is decided first (``Ownership``)."""
 
     async def _settle(self, item: Item, attempt_number: int, r: AttemptResult) -> None:
         job, store, cfg = item.job, self.store, self.config
+        first = r
+        r, at_once = await self._owned(item, r)
+        if at_once and r.kind == "transient" and attempt_number >= cfg.attempts:
+            r = first  # no attempt left to try it elsewhere: the failure as it was
         tried = AttemptEntry(  # written with the transition below, one transaction
             item.attempts_before + attempt_number,  # rows go on numbering after a requeue
             server=r.server,
@@ -51,6 +57,7 @@ class Settle:
                 rendering=rendering,
             )
             self.claims.finished(job.id)
+            await self._rendered(item, r.server)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
             self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
             self._resolve("done", job.id)
@@ -74,12 +81,19 @@ class Settle:
                 )
                 self._resolve("not_run", job.id)
                 return
-            delay = cfg.retry.delay(attempt_number)
+            delay = 0.0 if at_once else cfg.retry.delay(attempt_number)
+            when = "retry at once" if at_once else f"retry in {delay * 1000:.0f} ms"
             self.report(
                 f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; "
-                f"retry in {delay * 1000:.0f} ms, ahead of the jobs not yet tried"
+                f"{when}, ahead of the jobs not yet tried"
             )
-            again = Item(job, prev_server=r.server, fresh=r.outputs_missing, prev_number=r.number)
+            again = Item(
+                job,
+                prev_server=r.server,
+                fresh=r.outputs_missing,
+                prev_number=r.number,
+                failed_on=item.failed_on,
+            )
             self.queue.push_later(again, delay)
             return
         reason = (
@@ -88,6 +102,8 @@ class Settle:
             else f"gave up after {attempt_number} attempts, last: {r.reason}"
         )
         self.claims.finishing_now(job.id)
+        if first.kind == "transient" or r.reason == first.reason:
+            await self._unjudged(item)  # ended with no second server's word on its failures
         degraded = self.draft and (r.kind == "permanent" or job.optional)
         if degraded:
             await self._db(

@@ -29,7 +29,6 @@ Shutdown (SIGTERM/SIGINT, or ``Worker.request_stop``): stop consuming, give runn
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Sequence
@@ -39,22 +38,21 @@ from typing import Any, TypeVar, cast
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.inputs import InputRules
-from comfy_assets.jobs.model import Job, JobFileError
+from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.results import results_csv_path, write_results
-from comfy_assets.render.run import make_pool, run_one
+from comfy_assets.render.run import make_pool
 from comfy_assets.service import broker
+from comfy_assets.service.handling import MessageHandling
 from comfy_assets.service.messages import (
     MAX_MESSAGE_BYTES,
     file_messages,
-    parse_message,
     queue_problems,
 )
 from comfy_assets.service.sources import Delivery, JobSource
-from comfy_assets.store import PartitionConflict, Store, StoreUnavailable, off_loop
+from comfy_assets.store import Store, StoreUnavailable, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
 
@@ -79,29 +77,7 @@ OUTCOMES = (
 JOBS_PER_SERVER = 2
 
 
-class _DeadLetterWatch:
-    """The store as one ``run_one`` call sees it, noting the jobs that call dead-lettered.
-
-    ``Store.dead_letter`` succeeds only for the holder of the job's claim and only from a
-    state that is not yet failed_fatal, in one transaction: so exactly one run ever writes
-    a job's dead letter, and only that run's message is published to ``<queue>.dead``.
-    A duplicate delivery finds failed_fatal already (its claim answers DEAD_LETTERED), so
-    its ``run_one`` writes nothing and the worker acks without publishing again.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self.dead_lettered: set[str] = set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def dead_letter(self, job_id: str, owner: str, reason: str, **kwargs: Any) -> None:
-        self._store.dead_letter(job_id, owner, reason, **kwargs)
-        self.dead_lettered.add(job_id)  # only once the row is written
-
-
-class Worker:
+class Worker(MessageHandling):
     """Consumes ``source`` and runs its jobs over ``servers``: ``jobs_per_server`` in
     hand per server (one renders, the next waits in line for it; the two may be posted
     in either order), a storyboard's shots under the delivery policy one per server at
@@ -317,6 +293,12 @@ class Worker:
             if not await self._store_back():
                 self._slots.release()
                 return
+            # A message taken now would only wait in hand for a quarantine to end.
+            usable = pool.until_usable(self._say_unusable, self._say_usable)
+            got, _ = await self._unless_stopped(usable)
+            if not got:
+                self._slots.release()
+                return
             got, delivery = await self._unless_stopped(self.source.next())
             if delivery is None:
                 self._slots.release()
@@ -338,6 +320,12 @@ class Worker:
             task = asyncio.create_task(self._handle(delivery, pool))
             self._handlers.add(task)
             task.add_done_callback(self._handler_done)
+
+    def _say_unusable(self, why: str) -> None:
+        log.warning("worker %s: %s; taking no message until one is usable", self.owner, why)
+
+    def _say_usable(self) -> None:
+        log.info("worker %s: a server is usable again; taking messages", self.owner)
 
     async def _store_back(self) -> bool:
         """While the store's database is away, take no message: wait for it here, once,
@@ -430,159 +418,6 @@ class Worker:
 
     # -- one message ----------------------------------------------------------------
 
-    async def _handle(self, d: Delivery, pool: Pool) -> None:
-        """Run one delivery's job and answer the delivery (see the module docstring).
-        Whatever stops the handling before an answer (a cancellation, the store failing
-        for good, our disk, a bug) gives the message back, then is raised."""
-        try:
-            await self._handle_one(d, pool)
-        except (Exception, asyncio.CancelledError) as e:
-            if d not in self._answered:
-                why = "cancelled before it finished" if isinstance(e, asyncio.CancelledError) else e
-                label = d.job.id if d.job is not None else d.message_id or "(no message_id)"
-                log.warning("message %s: %s; message requeued", label, why)
-                await self._requeue(d)
-            raise
-        finally:
-            self._answered.discard(d)
-
-    async def _handle_one(self, d: Delivery, pool: Pool) -> None:
-        label = f"message {d.message_id or '(no message_id)'}"
-        job, policy, partition = d.job, d.policy, self.partition
-        priority = 0
-        if job is None:
-            try:
-                queued = parse_message(
-                    d.body,
-                    workflows_dir=self.workflows_dir,
-                    source=f"{self.partition} {label}",
-                    max_bytes=self.max_message_bytes,
-                )
-            except JobFileError as e:
-                await self._invalid(d, label, "; ".join(str(x) for x in e.errors))
-                return
-            job, policy, priority = queued.job, queued.policy, queued.priority
-            partition = queued.partition or self.partition
-        config = self.config
-        if config.policy is None and policy is not None:
-            config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
-        self._touched.add(partition)  # its results.csv is written again soon
-        with pool.prioritized(priority):  # comfy/priority.py
-            if job.shot is not None and (config.policy or "delivery") == "delivery":
-                async with self._shots:  # the shots before it have ended: their fates are known
-                    await self._handle_job(d, pool, job, partition, config)
-            else:
-                await self._handle_job(d, pool, job, partition, config)
-
-    async def _handle_job(
-        self, d: Delivery, pool: Pool, job: Job, partition: str, config: BatchConfig
-    ) -> None:
-        stopped = await self._storyboard_stopped(job, partition, config)
-        if stopped is not None:
-            # Listed, pending, in results.csv.
-            await off_loop(self.store, self.store.register_jobs, partition, [job])
-            await d.dead_letter(stopped)
-            await self._ack(d)
-            self.counts["stopped"] += 1
-            log.warning("job %s: not rendered, %s; message acked", job.id, stopped)
-            return
-        # Off the event loop: while the database is away this waits for it (the store's
-        # budget) instead of failing at once.
-        before = await off_loop(self.store, self.store.get, job.id)
-        watch = _DeadLetterWatch(self.store)
-        # A claim owner per run: two deliveries of one job in this worker must not both
-        # hold its claim (the second one waits for the first, as another worker would).
-        self._run_number += 1
-        claim_owner = f"{self.owner}#{self._run_number}"
-        me = asyncio.current_task()
-        assert me is not None
-        run = asyncio.create_task(
-            run_one(
-                job,
-                partition=partition,
-                pool=pool,
-                store=cast(Store, watch),
-                config=config,
-                owner=claim_owner,
-                heartbeat=self.owner_heartbeat,
-            ),
-            name=f"job {job.id}",
-        )
-        self._runs[me] = run
-        try:
-            state = await run
-        except asyncio.CancelledError:
-            # The run was cancelled (grace over) and has cleaned up; or this handler is.
-            await self._requeue(d)
-            log.warning("job %s: cancelled before it finished; message requeued", job.id)
-            if me.cancelling():
-                raise
-            return
-        except PartitionConflict as e:
-            await self._invalid(d, f"job {job.id}", str(e))
-            return
-        finally:
-            self._runs.pop(me, None)
-            # Written again: a write while the job ran shows it unfinished.
-            self._touched.add(partition)
-
-        if state in DONE:
-            await self._ack(d)
-            if before is not None and before.done:
-                self.counts["done_before"] += 1
-                log.info("job %s: done before (%s), nothing posted; message acked", job.id, state)
-            else:
-                self.counts["done"] += 1
-                log.info("job %s: %s; message acked", job.id, state)
-            return
-        if state == FAILED_FATAL:
-            rec = await off_loop(self.store, self.store.get, job.id)
-            reason = (rec.reason if rec is not None else None) or "(no reason recorded)"
-            if job.id in watch.dead_lettered:
-                await d.dead_letter(reason)
-                await self._ack(d)
-                self.counts["dead_lettered"] += 1
-                log.warning(
-                    "job %s: dead-lettered to %s, %s; message acked",
-                    job.id,
-                    self.source.dead_destination,
-                    reason,
-                )
-            else:
-                await self._ack(d)
-                self.counts["dead_before"] += 1
-                log.info(
-                    "job %s: dead-lettered earlier (%s); message acked, not published again",
-                    job.id,
-                    reason,
-                )
-            return
-        await self._requeue(d)
-        raise RuntimeError(
-            f"job {job.id}: run_one ended in state {state!r}, neither done nor "
-            "dead-lettered; message requeued"
-        )
-
-    async def _storyboard_stopped(
-        self, job: Job, partition: str, config: BatchConfig
-    ) -> str | None:
-        """Under the delivery policy a storyboard's shots stop at its first fatal failure,
-        as in ``comfy-assets run``: why this shot is not rendered (another shot of its
-        partition is a dead letter), or None."""
-        if job.shot is None or (config.policy or "delivery") != "delivery":
-            return None
-        dead_letters = await off_loop(self.store, self.store.dead_letters, partition)
-        dead = [r for r in dead_letters if r.shot is not None]
-        dead = [r for r in dead if r.job_id != job.id]
-        if not dead:
-            return None
-        first = dead[0]
-        return (
-            f"delivery policy: storyboard {partition} stopped after the fatal failure of "
-            f"shot {first.shot} (job {first.job_id}): {first.reason}; requeue that job and "
-            "enqueue the file again"
-        )
-
     async def _write_results(self, every_s: float) -> None:
         """Write the results.csv of every partition a message touched, every ``every_s``
         seconds (and once more when the worker stops): the same table ``run`` writes.
@@ -619,33 +454,6 @@ class Worker:
         # write_csv's OSError may not name the file (a write cut short by a full disk).
         path = results_csv_path(self.store.root, partition)
         log.warning("%s not written: %s", path, error)
-
-    async def _invalid(self, d: Delivery, label: str, error: str) -> None:
-        reason = f"invalid job: {error}"
-        await d.dead_letter(reason)
-        await self._ack(d)
-        self.counts["invalid"] += 1
-        log.warning(
-            "%s: dead-lettered to %s, %s; message acked",
-            label,
-            self.source.dead_destination,
-            reason,
-        )
-
-    async def _ack(self, d: Delivery) -> None:
-        self._answered.add(d)  # an ack that fails is not followed by a requeue
-        await d.ack()
-        self.counts["acked"] += 1
-
-    async def _requeue(self, d: Delivery) -> None:
-        self._answered.add(d)
-        await d.requeue()
-        self.counts["requeued"] += 1
-
-    async def _give_back(self, d: Delivery) -> None:
-        """Requeue a delivery no handler took."""
-        await self._requeue(d)
-        self._answered.discard(d)
 
 
 def job_messages(

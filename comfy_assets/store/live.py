@@ -118,8 +118,7 @@ class Live(StoreBase):
             return {(server or "", outcome): int(n) for server, outcome, n in conn.execute(query)}
 
     def server_quarantined(self, server: str) -> bool:
-        """Whether ``server`` is quarantined (its health checks keep it from new prompts).
-
-        The one place the metrics and ``status`` read it: False until the store keeps
-        a server's quarantine."""
-        return False
+        """Whether ``server`` is quarantined now (``store/health.py``: jobs failed there
+        that rendered elsewhere), as the metrics read it."""
+        record = self.server_health().get(server)  # type: ignore[attr-defined]
+        return record is not None and record.state == "quarantined"

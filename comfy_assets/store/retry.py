@@ -87,6 +87,9 @@ class StoreDiskFull(StoreUnavailable):
     file, or the PostgreSQL URL without its password), ``what`` the store call. A
     ``StoreUnavailable``: whoever stops for an unreachable store stops for this too."""
 
+    # Waiting does not free a disk: callers that wait out a failing store stop at once.
+    lasting = True
+
     def __init__(self, what: str, where: str, cause: BaseException) -> None:
         RuntimeError.__init__(
             self, f"no space left on device for the store's database {where} (writing {what})"

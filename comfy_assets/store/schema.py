@@ -5,6 +5,8 @@ Times are seconds since the epoch (DOUBLE), durations seconds, sizes bytes.
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from typing import Any
 
 import sqlalchemy as sa
@@ -146,6 +148,70 @@ live_table = sa.Table(
     sa.Column("updated_at", sa.Double, nullable=False),
 )
 
+# Each server's health as every process sharing the store judges it (store/health.py):
+# its state (ok, quarantined until ``until``, on trial after a cool-down), its strikes
+# (jobs in a row that failed there and rendered elsewhere), the cool-down level, and its
+# counts. ``failed_jobs``: a JSON list of the last jobs that failed there, each
+# [job id, where it rendered, reason].
+server_health_table = sa.Table(
+    "comfy_server_health",
+    metadata,
+    sa.Column("server", sa.String(255), primary_key=True),
+    sa.Column("state", sa.String(16), nullable=False),
+    sa.Column("until", sa.Double),
+    sa.Column("strikes", sa.Integer, nullable=False),
+    sa.Column("level", sa.Integer, nullable=False),
+    sa.Column("quarantines", sa.Integer, nullable=False),
+    sa.Column("failures_server", sa.Integer, nullable=False),
+    sa.Column("failures_job", sa.Integer, nullable=False),
+    sa.Column("reason", sa.Text),
+    sa.Column("failed_jobs", sa.Text),
+    sa.Column("updated_at", sa.Double, nullable=False),
+)
+
+# Failures that may be the server's, until the job's next attempt elsewhere says whose
+# they are (``verdict`` NULL: open; "server", "job" or "unknown" once judged). A server
+# with open failures takes no job that has not failed elsewhere while a server without
+# any can run it (render/queue.py).
+server_failures_table = sa.Table(
+    "comfy_server_failures",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+    sa.Column("server", sa.String(255), nullable=False),
+    sa.Column("job_id", sa.String(36), nullable=False),
+    sa.Column("workflow_sha256", sa.String(64), nullable=False),
+    sa.Column("signature", sa.Text, nullable=False),
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("at", sa.Double, nullable=False),
+    sa.Column("verdict", sa.String(8)),
+    sa.Index("ix_comfy_server_failures_job", "job_id"),
+    sa.Index("ix_comfy_server_failures_open", "server", "verdict"),
+)
+
+# Workflows (by sha256) known to fail in one node with one error on two servers: their
+# jobs are dead letters at their first such failure.
+workflow_failures_table = sa.Table(
+    "comfy_workflow_failures",
+    metadata,
+    sa.Column("workflow_sha256", sa.String(64), primary_key=True),
+    sa.Column("signature", sa.String(400), primary_key=True),
+    sa.Column("servers", sa.Text, nullable=False),  # " gpu2 gpu0 "
+    sa.Column("reason", sa.Text, nullable=False),
+    sa.Column("at", sa.Double, nullable=False),
+)
+
+# What happened to a server: quarantined, on trial, re-admitted (by whom and why).
+server_events_table = sa.Table(
+    "comfy_server_events",
+    metadata,
+    sa.Column("id", sa.BigInteger().with_variant(sa.Integer, "sqlite"), primary_key=True),
+    sa.Column("time", sa.Double, nullable=False),
+    sa.Column("server", sa.String(255), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("detail", sa.Text, nullable=False),
+    sa.Index("ix_comfy_server_events_server", "server"),
+)
+
 
 # Seconds between an owner's heartbeats, and the silence after which it is gone.
 OWNER_BEAT_S = 2.0
@@ -177,6 +243,28 @@ WAL_PAGES = 256
 WAL_BYTES = 1 << 20
 
 
+# How long a SQLite statement waits for another process's lock before it fails.
+SQLITE_BUSY_S = 60.0
+
+
+def _set_wal(cur: Any) -> None:
+    """Put the database in WAL mode, waiting for the lock like any write: SQLite does not
+    call its busy handler for the switch, so two processes opening a new store at once
+    would otherwise see "database is locked" at once. Raises sqlite3.OperationalError
+    for any other failure, or once SQLITE_BUSY_S have passed."""
+    give_up_at = time.monotonic() + SQLITE_BUSY_S
+    delay = 0.005
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() >= give_up_at:
+                raise
+        time.sleep(delay)  # another process holds the lock: its switch takes milliseconds
+        delay = min(delay * 2, 0.2)
+
+
 def make_engine(db_url: str) -> sa.Engine:
     """An engine for ``db_url``. SQLite gets WAL, a busy timeout and write transactions
     that take the write lock up front (``BEGIN IMMEDIATE``), so processes sharing the file
@@ -197,8 +285,8 @@ def make_engine(db_url: str) -> sa.Engine:
         # write, which turns a read-then-write into a lock upgrade that can fail.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA busy_timeout = 60000")
-        cur.execute("PRAGMA journal_mode = WAL")
+        cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_S * 1000:.0f}")
+        _set_wal(cur)
         # NORMAL in WAL mode survives a process crash; a power cut may lose the last
         # commits, which idempotent prompt_ids make cheap to redo.
         cur.execute("PRAGMA synchronous = NORMAL")

@@ -2,7 +2,8 @@
 
 One class made of its parts: ``claims`` (registration, job claims), ``owners`` (the
 processes holding them, their heartbeats, the database's clock), ``transitions``
-(state changes and their records), ``queries`` (reading), ``leases`` (server leases);
+(state changes and their records), ``queries`` (reading), ``leases`` (server leases),
+``health`` (servers' failures, quarantines and the workflows known to fail);
 ``base`` holds what they share. See ``base`` for how every call stays one transaction.
 """
 
@@ -16,6 +17,7 @@ import sqlalchemy as sa
 from comfy_assets.store.base import folder_name
 from comfy_assets.store.claims import Claims
 from comfy_assets.store.clock import DbClock
+from comfy_assets.store.health import ServerHealth
 from comfy_assets.store.leases import ServerLeases
 from comfy_assets.store.live import Live
 from comfy_assets.store.queries import Queries
@@ -51,7 +53,7 @@ class BadDbUrl(ValueError):
 __all__ = ["DB_URL_ENV", "OUTCOMES", "TRANSITION_FIELDS", "BadDbUrl", "NoStore", "Store"]
 
 
-class Store(Claims, Transitions, Queries, ServerLeases, Live):
+class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
     """Jobs and their history in SQLite (``<root>/store.db``) or PostgreSQL (``db_url``
     such as ``postgresql+psycopg://postgres@127.0.0.1/db``); creates missing tables.
 

@@ -52,7 +52,7 @@ FAULT_REASON = re.compile(
     r"|outputs dropped"
     r"|\b404\b|\b500\b|\b400\b|lost|deadline|interrupted|socket|connect|disconnect"
     r"|unreachable|timed out|timeout|partial|not executed|Internal Server Error"
-    r"|no server has",
+    r"|no server has|CUDA|No space left|infrastructure|failed on",
     re.IGNORECASE,
 )
 # An object's repr where a reason should be: what a person reads is the class's guts.
@@ -134,9 +134,11 @@ def _jobs(played: Played, phase: Phase) -> list[str]:
                     all_done = False
                     if not FAULT_REASON.search(record.reason or ""):
                         found.append(f"{who}: dead letter names no fault: {record.reason!r}")
-                else:
+                elif not _left_for_quarantine(phase, job.id):
                     all_done = False
                     found.append(f"{who}: ended {record.state}, neither done nor a dead letter")
+                else:
+                    all_done = False  # every server able to run it quarantined: left pending
                 details = [e.detail or "" for e in store.events(job.id)]
                 found += [
                     f"{who}: a repr in its reason or events: {line}"
@@ -167,6 +169,18 @@ def _jobs(played: Played, phase: Phase) -> list[str]:
     finally:
         store.close()
     return found
+
+
+def _left_for_quarantine(phase: Phase, job_id: str) -> bool:
+    """Whether a run of ``phase`` that did not end by a signal said it left ``job_id``
+    pending because every server that can run it is quarantined (or stopped with none
+    usable)."""
+    ended = [r for r in phase.runs if not r.killed and not r.stopped]
+    return any(
+        f"job {job_id}: not run, every server that can run it is quarantined" in out
+        or "no server usable" in out
+        for out in (r.stdout + r.stderr for r in ended)
+    )
 
 
 def _files(

@@ -123,6 +123,7 @@ class Host:
             models=plan.models,
             model_load_s=plan.model_load_s,
             resident=plan.resident,
+            default_word=plan.sick or "ok",
         )
         self.fake.busy = plan.busy
         self._serving: contextlib.AbstractContextManager[str] | None = None

@@ -9,6 +9,8 @@ earlier job's output; two of the pictures share a base name with other bytes), a
   ``busy=N``), at most ``2 * jobs`` words;
 - per server, maybe a ``FaultProxy`` in front: socket cuts at seeded times (HTTP and
   /ws), and/or ``GET /view`` answered 404 for a listed output, a few times or for good;
+- maybe one sick server (of two or more): once its script is used up, every prompt
+  fails there (an IndexError, a CUDA fault or a full disk: ``ServerPlan.sick``);
 - maybe one server restart while one of our prompts runs, or while a download is under
   way (the fake stopped and served again on its port: queue and history forgotten);
 - a mode: ``run`` (one ``comfy-assets run``), ``sigkill`` (a run killed with SIGKILL once
@@ -62,7 +64,9 @@ _WORD_WEIGHTS = {
     "restart": 2,
     "busy": 1,
 }
-assert set(_WORD_WEIGHTS) - {"busy"} == WORDS, "every script word is in the campaign"
+# The words of a sick server play as its default word (``ServerPlan.sick``), drawn apart.
+SICK_WORDS = ("error", "cuda", "disk")
+assert set(_WORD_WEIGHTS) - {"busy"} == WORDS - {"cuda", "disk"}, "every script word is played"
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class ServerPlan:
     restart: bool = False
     restart_after_s: float = 0.0
     restart_at: str = "prompt"  # or "download": at the first GET /view it serves
+    sick: str = ""  # its default word once the script is used up: every prompt fails
     models: tuple[str, ...] = ()  # checkpoints it lists (fake_comfy --models)
     model_load_s: float = 0.0
     resident: int = 1
@@ -154,6 +159,7 @@ class Schedule:
                 f"  gpu{i}: script={','.join(s.script) or '-'} busy={s.busy} cuts={s.cuts} "
                 f"within={s.cut_within_s:.2f}s view_404={s.view_404} lose={s.lose_answer} "
                 f"restart={s.restart}@{s.restart_at}+{s.restart_after_s:.3f}s"
+                + (f" sick={s.sick}" if s.sick else "")
                 + (
                     f" models={','.join(s.models)} load={s.model_load_s:.3f}s resident={s.resident}"
                     if s.models
@@ -246,7 +252,20 @@ def make_schedule(seed: int) -> Schedule:
         same_file=rng.random() < 0.5,
         lines=lines,
     )
-    return _with_models(schedule, random.Random(f"models{seed}"))
+    schedule = _with_models(schedule, random.Random(f"models{seed}"))
+    return _with_sick(schedule, random.Random(f"sick:{seed}"))
+
+
+def _with_sick(schedule: Schedule, rng: random.Random) -> Schedule:
+    """A third of the schedules with two or more servers: one of them sick, failing
+    every prompt once its script is used up (an IndexError, a CUDA fault or a full
+    disk), from a generator of its own, so the other draws of a seed stay as they were."""
+    if len(schedule.servers) < 2 or rng.random() >= 1 / 3:
+        return schedule
+    servers = list(schedule.servers)
+    i = rng.randrange(len(servers))
+    servers[i] = replace(servers[i], sick=rng.choice(SICK_WORDS))
+    return replace(schedule, servers=tuple(servers))
 
 
 def _with_models(schedule: Schedule, rng: random.Random) -> Schedule:

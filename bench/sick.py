@@ -1,0 +1,116 @@
+"""A farm with a sick server: what it costs, against the same farm without it.
+
+Run: `python bench/sick.py [--jobs 80] [--servers 8] [--prompt-s 1.0] [--sick-s 0.1]
+[--bad 20]`. Three batches on fake servers, each its own process and a fresh SQLite store:
+
+- `sick`: `--servers` fakes, the last one sick (every prompt fails in `--sick-s` with the
+  recorded IndexError, as a server whose node pack broke), good prompts `--prompt-s`;
+- `healthy`: the same jobs on the `--servers - 1` healthy fakes alone (the makespan a
+  sick server should not make worse than);
+- `mixed`: the sick farm again, `--bad` of the jobs of a workflow that fails on every
+  server (ImageToMask of an alpha channel an RGB image lacks: the recorded IndexError).
+
+Prints `name=value` lines: per batch its dead letters, the prompts posted to the sick
+server, all prompts, and the makespan; `makespan_ratio` (sick / healthy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import WORKFLOW, fake_processes, fake_runs
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.run import run_batch_sync
+from comfy_assets.store import Store
+
+NODES_EXECUTED = 4  # the fake sleeps --prompt-seconds per executed node of image.json
+
+# image.json with a mask of the alpha channel: fails in node 5 on every server.
+BAD = {
+    **json.loads(WORKFLOW.read_text()),
+    "5": {"class_type": "ImageToMask", "inputs": {"image": ["1", 0], "channel": "alpha"}},
+    "6": {"class_type": "MaskToImage", "inputs": {"mask": ["5", 0]}},
+    "7": {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "mask"}},
+}
+
+
+def write_jobs(folder: Path, count: int, bad: int) -> Path:
+    """``count`` image jobs, every ``count // bad``-th of them (``bad`` in all) of the
+    workflow that fails everywhere."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "image.json").write_text(WORKFLOW.read_text())
+    step = count // bad if bad else 0
+    lines = []
+    for i in range(count):
+        job: dict[str, object] = {"id": str(uuid.uuid4()), "set": {"1.color": i}}
+        job["workflow"] = BAD if step and i % step == 0 and i // step < bad else "image.json"
+        lines.append(json.dumps(job))
+    path = folder / "bench.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def batch(root: Path, name: str, servers: int, sick: bool, args: argparse.Namespace, bad: int):
+    """One batch on fresh fakes and a fresh store; its figures."""
+    jobs = load_job_file(write_jobs(root / name, args.jobs, bad))
+    store = Store(root / name / "store")
+    extra = [[] for _ in range(servers)]
+    if sick:
+        extra[-1] = ["--default-word", "error", "--prompt-seconds", str(args.sick_s)]
+    per_node = args.prompt_s / NODES_EXECUTED
+    with fake_processes(servers, per_node, root / name, extra) as specs:
+        config = BatchConfig(poll_s=1.0, base_delay_s=0.5)
+        started = time.monotonic()
+        summary = run_batch_sync(
+            jobs, partition=name, servers=specs, store=store, config=config, on_line=lambda _: None
+        )
+        makespan = time.monotonic() - started
+        runs = fake_runs(specs)
+    store.close()
+    sick_name = specs[-1].name if sick else None
+    return {
+        "dead_letters": summary.counts.get("failed_fatal", 0),
+        "done": summary.counts.get("succeeded", 0),
+        "prompts": sum(len(r) for r in runs.values()),
+        "prompts_on_sick": len(runs[sick_name]) if sick_name else 0,
+        "makespan_s": round(makespan, 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=80)
+    ap.add_argument("--servers", type=int, default=8)
+    ap.add_argument("--prompt-s", type=float, default=1.0)
+    ap.add_argument("--sick-s", type=float, default=0.1)
+    ap.add_argument("--bad", type=int, default=20)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    print(f"jobs={args.jobs} servers={args.servers} prompt_s={args.prompt_s:g}")
+    print(f"sick_s={args.sick_s:g} bad={args.bad}")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        results = {
+            "sick": batch(root, "sick", args.servers, True, args, 0),
+            "healthy": batch(root, "healthy", args.servers - 1, False, args, 0),
+            "mixed": batch(root, "mixed", args.servers, True, args, args.bad),
+        }
+    for name, figures in results.items():
+        for key, value in figures.items():
+            print(f"{name}_{key}={value}")
+    ratio = results["sick"]["makespan_s"] / results["healthy"]["makespan_s"]
+    print(f"makespan_ratio={ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()

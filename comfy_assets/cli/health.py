@@ -1,0 +1,133 @@
+"""``comfy-assets health``: is each ComfyUI server up, and what the store holds against it.
+
+``--server`` probes servers (``/system_stats`` and ``/queue``, one line each); ``--store``
+adds each server's health as every process sharing that store judged it (quarantined
+until when and why, on trial, strikes: ``store/health.py``), and with no ``--server``
+lists the servers the store knows; ``--readmit NAME`` ends a server's quarantine by hand.
+Without ``--store`` nothing but http.client is imported: a readiness probe every few
+seconds starts in a blink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from comfy_assets.cli.options import bounded
+from comfy_assets.comfy.servers import parse_servers
+
+if TYPE_CHECKING:
+    from comfy_assets.store import Store
+    from comfy_assets.store.health import ServerHealthRecord
+
+
+def add_health(sub: argparse._SubParsersAction) -> None:
+    """Register ``health [--server NAME=URL ...] [--store DIR [--db-url URL]]
+    [--readmit NAME] [--timeout-s S]``."""
+    p = sub.add_parser(
+        "health",
+        help="probe ComfyUI servers, one line each; with --store, their quarantines too",
+    )
+    p.add_argument(
+        "--server",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="gpu0=http://127.0.0.1:8188 (repeat, or comma-separate); a user:password@ "
+        "in the URL is sent as basic auth, never printed",
+    )
+    p.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        help="a result store folder: each server's quarantine, trial and strikes as the "
+        "processes sharing it judged them",
+    )
+    p.add_argument(
+        "--db-url",
+        metavar="URL",
+        default=None,
+        # The variable is named, not imported: the store's module loads SQLAlchemy.
+        help="the store's database (default: $COMFY_ASSETS_DB_URL, else SQLite at "
+        "<store>/store.db)",
+    )
+    p.add_argument(
+        "--readmit",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="end the quarantine of server NAME by hand (needs --store; repeat for more)",
+    )
+    p.add_argument(
+        "--timeout-s", type=bounded(float, 0, strict=True), default=3.0, help="per request (3 s)"
+    )
+    p.set_defaults(func=health)
+
+
+def health(args: argparse.Namespace) -> int:
+    """Probe every ``--server`` concurrently and print one line per server (its store
+    state instead, with ``--store``, when it is quarantined or on trial); re-admit the
+    ``--readmit`` servers. Exit 0 when at least one server is healthy and not
+    quarantined (or every re-admission was done), 1 otherwise, 2 for bad arguments."""
+    try:
+        specs = parse_servers(args.server) if args.server else []
+    except ValueError as exc:
+        print(f"comfy-assets health: {exc}", file=sys.stderr)
+        return 2
+    if not specs and args.store is None:
+        print("comfy-assets health: give --server NAME=URL, or --store DIR", file=sys.stderr)
+        return 2
+    if args.readmit and args.store is None:
+        print("comfy-assets health: --readmit needs --store DIR", file=sys.stderr)
+        return 2
+    records: dict[str, ServerHealthRecord] = {}
+    code = 0
+    if args.store is not None:
+        opened = _open(args)
+        if isinstance(opened, int):
+            return opened
+        try:
+            by = f"{getpass.getuser()}@{socket.gethostname()}"
+            for name in args.readmit:
+                change = opened.readmit_server(name, by)
+                if change is None:
+                    print(f"{name}: not quarantined, nothing to re-admit", file=sys.stderr)
+                    code = 1
+                else:
+                    print(f"{name} {change.detail}")
+            records = opened.server_health()
+        finally:
+            opened.close()
+        if args.readmit and not specs:
+            return code
+    if not specs:
+        for record in records.values():
+            print(record.line(), flush=True)
+        return 0 if any(r.blocked() is None for r in records.values()) else 1
+    from comfy_assets.comfy.health import probe_all  # after the arguments are checked
+
+    usable = False
+    for result in probe_all(specs, args.timeout_s):
+        record = records.get(result.spec.name)
+        line = result.line()
+        if record is not None and record.state != "ok":
+            line = f"{record.line()} (probe: {line.removeprefix(result.spec.name + ' ')})"
+        elif record is not None and record.line() != f"{record.server} ok":
+            line += record.line().removeprefix(f"{record.server} ok")
+        usable = usable or (result.healthy and (record is None or record.blocked() is None))
+        print(line, flush=True)
+    return code or (0 if usable else 1)
+
+
+def _open(args: argparse.Namespace) -> Store | int:
+    """The store of ``--store`` (``open_store``: an exit code after saying why not)."""
+    from comfy_assets.cli.run import open_store
+    from comfy_assets.store.store import DB_URL_ENV
+
+    args.db_url = args.db_url or os.environ.get(DB_URL_ENV) or None
+    return open_store(args, existing=True)

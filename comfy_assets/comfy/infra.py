@@ -1,0 +1,101 @@
+"""Execution errors that belong to the server, not to the prompt: the one list.
+
+ComfyUI v0.8.0 reports any exception a node raises as an ordinary ``execution_error``
+(``execution.py``, ``execute``: ``exception_type`` is ``full_type_name`` of the class,
+``module.QualName`` or a bare builtin name; ``exception_message`` is ``"{ex}\\n{tips}"``).
+Nothing in the message says whose fault it was; the causes below say it at first sight,
+because the same prompt on another host does not raise them: the GPU, its driver, the
+output disk or a node pack of that host is broken. Each entry names its source.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class InfraCause:
+    """One cause: ``name`` for people, ``types`` the exception types it comes as (empty:
+    any type), ``pattern`` searched in the message (case-insensitive; None: the type
+    alone decides), ``source`` where the shape comes from."""
+
+    name: str
+    types: frozenset[str]
+    pattern: re.Pattern[str] | None
+    source: str
+
+
+def _cause(name: str, types: tuple[str, ...], pattern: str | None, source: str) -> InfraCause:
+    compiled = re.compile(pattern, re.IGNORECASE) if pattern is not None else None
+    return InfraCause(name, frozenset(types), compiled, source)
+
+
+_OS_ERRORS = ("OSError", "PermissionError", "IOError")
+
+INFRA_CAUSES: tuple[InfraCause, ...] = (
+    _cause(
+        "CUDA error",
+        (),
+        r"\bCUDA error\b|CUDA driver|CUDA-capable device|cudaErrorIllegalAddress"
+        r"|illegal memory access",
+        # torch raises RuntimeError (torch.AcceleratorError from 2.8) with
+        # "CUDA error: an illegal memory access was encountered" (c10/cuda/CUDAException.h);
+        # the context is unusable until the process restarts.
+        "PyTorch c10/cuda/CUDAException.h (C10_CUDA_CHECK message)",
+    ),
+    _cause(
+        "accelerator error",
+        ("torch.AcceleratorError",),
+        None,
+        "PyTorch 2.8 torch.AcceleratorError (raised for CUDA/XPU runtime errors)",
+    ),
+    _cause(
+        "device-side assert",
+        (),
+        r"device-side assert",
+        "PyTorch: 'device-side assert triggered' (TORCH_USE_CUDA_DSA)",
+    ),
+    _cause("cuDNN error", (), r"\bcuDNN error\b|CUDNN_STATUS_", "PyTorch ATen cudnn/Exceptions.h"),
+    _cause("cuBLAS error", (), r"\bCUBLAS_STATUS_", "PyTorch ATen cuda/CUDABlas.cpp"),
+    _cause("NCCL error", (), r"\bNCCL error\b|ncclUnhandledCudaError", "PyTorch ProcessGroupNCCL"),
+    _cause("ECC error", (), r"\bECC error\b", "CUDA: 'uncorrectable ECC error encountered'"),
+    _cause(
+        "output disk full",
+        _OS_ERRORS,
+        r"\[Errno 28\]|No space left on device",
+        "recorded: comfyui-recorded/v0.8.0/full_disk.json (OSError, [Errno 28])",
+    ),
+    _cause(
+        "output disk read-only",
+        _OS_ERRORS,
+        r"\[Errno 30\]|Read-only file system",
+        "POSIX EROFS as Python words it: OSError '[Errno 30] Read-only file system'",
+    ),
+    _cause(
+        "output not writable",
+        _OS_ERRORS,
+        r"\[Errno 13\]|Permission denied",
+        "POSIX EACCES as Python words it: PermissionError '[Errno 13] Permission denied'",
+    ),
+    _cause(
+        "node pack fails to import",
+        ("ImportError", "ModuleNotFoundError"),
+        None,
+        "a node listed in /object_info whose code imports a module the host lacks "
+        "(execution.py reports the ImportError as an execution_error)",
+    ),
+)
+
+
+def infra_cause(exception_type: str, exception_message: str) -> InfraCause | None:
+    """The cause in ``INFRA_CAUSES`` that an execution_error's ``exception_type`` and
+    ``exception_message`` match (ComfyUI's fields, as in execution_error.json), or None
+    when the error may be the prompt's. An out-of-memory error is not here: it is the
+    prompt's size on that GPU (``ExecutionError.is_oom``)."""
+    for cause in INFRA_CAUSES:
+        if cause.types and exception_type not in cause.types:
+            continue
+        if cause.pattern is None or cause.pattern.search(exception_message or ""):
+            return cause
+    return None

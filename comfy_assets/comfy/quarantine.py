@@ -1,0 +1,150 @@
+"""The pool's view of its servers' health, as the store records it for every process:
+which servers take no job now (quarantined, or on trial with its one job failed), and
+which have failures not judged yet (``on_probation``: the batch's queue sends them only
+jobs that failed elsewhere, while a server without any can run the rest).
+
+The store decides (``store/health.py``); the pool reads the decisions at most every
+``HEALTH_TTL_S`` seconds, and at once after its own batch wrote one (``health_changed``).
+A quarantine never touches a prompt that runs: it only keeps new ones away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from comfy_assets.comfy.errors import NoServerReachable
+
+log = logging.getLogger("comfy_assets.pool")
+
+# Seconds a read of the servers' health stands: other processes' quarantines reach this
+# pool within that.
+HEALTH_TTL_S = 1.0
+
+
+class HealthRecord(Protocol):
+    """What the pool reads of a server's health (``store.health.ServerHealthRecord``)."""
+
+    state: str
+    until: float | None
+    reason: str | None
+    open_failures: int
+
+    def blocked(self) -> str | None: ...
+
+    def line(self) -> str: ...
+
+
+class Quarantine:
+    """Servers' health as the pool sees it (a part of ``Pool``)."""
+
+    leases: Any
+    servers: list[Any]
+    settings: Any
+    _ask_leases: Callable[..., Any]
+
+    def _init_quarantine(self) -> None:
+        self.health: Mapping[str, HealthRecord] = {}
+        self._health_at = -1e9  # loop time of the last read
+        self._said_blocked: dict[str, str] = {}  # what the log last said per server
+        self._blocked_since: float | None = None  # loop time every server was first blocked
+
+    def health_changed(self) -> None:
+        """Our batch wrote a server's failure or change of state: read again before the
+        next choice."""
+        self._health_at = -1e9
+
+    def _read_health(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now - self._health_at < HEALTH_TTL_S:
+            return
+        self._health_at = now
+        read = self._ask_leases(self.leases.server_health, None)
+        if read is None:  # the store failed: the last view stands
+            return
+        self.health = read
+        for spec in self.servers:
+            why = self.blocked(spec.name)
+            if why != self._said_blocked.get(spec.name):
+                if why is not None:
+                    log.info("server %s takes no job: %s", spec.name, why)
+                elif spec.name in self._said_blocked:
+                    log.info("server %s takes jobs again", spec.name)
+                self._said_blocked[spec.name] = why  # type: ignore[assignment]
+                if why is None:
+                    del self._said_blocked[spec.name]
+
+    def blocked(self, name: str) -> str | None:
+        """Why server ``name`` takes no new prompt now (``gpu2 quarantined until
+        12:04:10: ...``), else None."""
+        record = self.health.get(name)
+        why = record.blocked() if record is not None else None
+        if why is None or record is None:
+            return None
+        if why == "quarantined":
+            return record.line().removeprefix(f"{name} ")
+        return why
+
+    def on_probation(self, name: str) -> bool:
+        """Whether server ``name`` has failures that no other server has judged yet."""
+        record = self.health.get(name)
+        return record is not None and record.open_failures > 0
+
+    def _all_blocked(self, want: object) -> bool:
+        """True when every server of the pool takes no prompt now (the time it started
+        is kept for ``_check_usable``)."""
+        if not self.all_blocked():
+            self._blocked_since = None
+            return False
+        if self._blocked_since is None:
+            self._blocked_since = asyncio.get_running_loop().time()
+        return True
+
+    def _check_usable(self) -> None:
+        """Raise NoServerReachable once every server has been quarantined for
+        ``unreachable_timeout_s``, or at once when no cool-down ends within it: the
+        batch stops with its jobs pending, as when none answers."""
+        since, limit = self._blocked_since, self.settings.unreachable_timeout_s
+        if since is None or limit is None:
+            return
+        waited = asyncio.get_running_loop().time() - since
+        blocked = self.all_blocked()
+        if not blocked:
+            return
+        ends = [self.health[name].until for name in blocked if name in self.health]
+        if all(end is not None for end in ends) and ends:
+            left = min(e for e in ends if e is not None) - self.leases.now()
+            if left > limit - waited:
+                raise NoServerReachable(waited, blocked, what="usable")
+        if waited >= limit:
+            raise NoServerReachable(waited, blocked, what="usable")
+
+    async def until_usable(
+        self, say: Callable[[str], None], back: Callable[[], None] = lambda: None
+    ) -> None:
+        """Return once some server of the pool may take a prompt. While none may (every
+        one quarantined), ``say`` why, once, and look again every ``HEALTH_TTL_S``;
+        ``back`` is called when one may again after that."""
+        said = False
+        while True:
+            self._read_health()
+            blocked = self.all_blocked()
+            if not blocked:
+                if said:
+                    back()
+                return
+            if not said:
+                listed = "; ".join(f"{name} {why}" for name, why in blocked.items())
+                say(f"every server is quarantined ({listed})")
+                said = True
+            await asyncio.sleep(HEALTH_TTL_S)
+
+    def all_blocked(self) -> dict[str, str]:
+        """Every server of the pool with why it takes no prompt, when none may take
+        one; else empty."""
+        reasons = {s.name: self.blocked(s.name) for s in self.servers}
+        if any(why is None for why in reasons.values()):
+            return {}
+        return {name: why for name, why in reasons.items() if why is not None}

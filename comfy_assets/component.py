@@ -1,0 +1,141 @@
+"""``comfy_assets.RenderFarm``: one render farm as a Dagster component.
+
+In a Dagster project (``create-dagster project``, ``dg``), with comfy-assets installed::
+
+    dg scaffold defs comfy_assets.RenderFarm draft
+
+writes ``defs/draft/defs.yaml``; its ``attributes`` are this class's fields::
+
+    type: comfy_assets.RenderFarm
+    attributes:
+      servers:
+        - {name: gpu0, url: "http://127.0.0.1:8188"}
+      job_dirs: [jobs/draft]
+      store: store/draft
+      db_url: "{{ env.DRAFT_DB_URL }}"
+      key_prefix: [draft]
+
+Each instance is one farm (``comfy_assets.farm.Farm``) built by
+``comfy_assets.farm_defs.build_farm_defs``: its own asset keys (under ``key_prefix``),
+partitions, checks, sensors, render job and resources, so two instances share nothing.
+Relative folders are the project root's. ``dg list components`` shows the class through
+the ``dagster_dg_cli.registry_modules`` entry point of comfy-assets.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+from dagster.components import Scaffolder, ScaffoldRequest, scaffold_component
+from pydantic import Field
+
+from comfy_assets.farm import farm_of
+from comfy_assets.farm_defs import build_farm_defs
+from comfy_assets.jobs.model import POLICIES
+from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
+
+
+class RenderFarmServer(dg.Resolvable, dg.Model):
+    """One ComfyUI server of the farm (one GPU)."""
+
+    name: str = Field(description="Its name in logs, leases and tables, e.g. gpu0.")
+    url: str = Field(
+        description="Its base URL, e.g. http://10.0.0.5:8188 (user:password@ for basic auth: "
+        "give it by {{ env.VAR }})."
+    )
+
+
+class RenderFarmScaffolder(Scaffolder):
+    """Writes a defs.yaml for a farm named after its folder: one server on this host,
+    job files in ``jobs/<name>``, the store in ``store/<name>``, keys under ``<name>``."""
+
+    def scaffold(self, request: ScaffoldRequest[Any]) -> None:
+        """Write ``defs.yaml`` in ``request.target_path``."""
+        name = request.target_path.name.replace("-", "_")
+        scaffold_component(
+            request,
+            {
+                "servers": [{"name": "gpu0", "url": "http://127.0.0.1:8188"}],
+                "job_dirs": [f"jobs/{name}"],
+                "store": f"store/{name}",
+                "key_prefix": [name],
+            },
+        )
+
+
+@dg.scaffold_with(RenderFarmScaffolder)
+class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
+    """A farm of ComfyUI servers rendering the job files of its folders, exactly once, into
+    its store: the assets job_files, renders, render_results, all_results and films under
+    ``key_prefix``, with their checks, sensors and render job (see comfy_assets.farm_defs)."""
+
+    servers: list[RenderFarmServer] = Field(
+        description="The ComfyUI servers, one per GPU; at most one prompt of ours on each."
+    )
+    job_dirs: list[str] = Field(
+        description="The folders watched for job files (*.jsonl); relative to the project root."
+    )
+    store: str = Field(
+        description="The result store's folder (outputs, results.csv, films; the SQLite "
+        "database unless db_url); relative to the project root."
+    )
+    db_url: str | None = Field(
+        default=None,
+        description="The store's database URL (postgresql+psycopg://...); None: SQLite in "
+        "the store folder. Give a password by {{ env.VAR }}.",
+    )
+    media_url: str | None = Field(
+        default=None,
+        description="Where a web server of yours serves the store folder; the UI then shows "
+        "pictures inline and links the film.",
+    )
+    policy: str | None = Field(
+        default=None,
+        description="delivery or draft for every film of the farm; None: each job file's "
+        "header decides (delivery by default).",
+    )
+    key_prefix: list[str] = Field(
+        default_factory=list,
+        description="The prefix of the farm's asset keys, sensor, job and resource names "
+        "(e.g. [draft]: draft/renders, draft_render_job); two farms need two prefixes.",
+    )
+    group: str | None = Field(
+        default=None,
+        description="The group of every asset of the farm; None: job_files, renders and "
+        "films (prefixed).",
+    )
+    sensor_interval_s: int | None = Field(
+        default=None,
+        description="Seconds between two looks at the job folders; None: "
+        "COMFY_ASSETS_SENSOR_INTERVAL_S, else 10.",
+    )
+    automation_interval_s: int = Field(
+        default=10,
+        description="Seconds between two evaluations of the films' and results' automation.",
+    )
+
+    def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
+        """The farm's definitions. Raises ValueError for a bad key prefix, interval,
+        policy or server list."""
+        if self.policy is not None and self.policy not in POLICIES:
+            raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not self.servers:
+            raise ValueError("servers: a farm needs at least one server")
+        root = Path(context.project_root)
+        farm = farm_of(
+            key_prefix=self.key_prefix,
+            group=self.group,
+            job_dirs=[root / folder for folder in self.job_dirs],
+            sensor_interval_s=self.sensor_interval_s,
+            automation_interval_s=self.automation_interval_s,
+        )
+        comfy = ComfyPoolResource(
+            servers_spec=",".join(f"{s.name}={s.url}" for s in self.servers),
+            policy=self.policy,
+        )
+        store = ResultStoreResource(
+            folder=str(root / self.store), db_url=self.db_url, media_url=self.media_url
+        )
+        return build_farm_defs(farm, comfy, store)

@@ -1,0 +1,106 @@
+"""Claiming a job before it runs, and what its record then says: done already (its files
+checked on disk), a dead letter, held by another live process (waited for), or taken
+over from a holder that was lost mid-attempt (that attempt counted). A part of ``Batch``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from comfy_assets.jobs.states import InvalidTransition
+from comfy_assets.render.outputs import outputs_problem
+from comfy_assets.render.queue import Item
+from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord
+
+
+class Claiming:
+    """``_claim``: a job's claim and what its record says (a part of ``Batch``)."""
+
+    config: Any
+    store: Any
+    partition: str
+    claims: Any
+    queue: Any
+    told_held: set[str]
+    _db: Any
+    report: Any
+    _resolve: Any
+    _requeue_if_upstream_fixed: Any
+
+    async def _claim(self, item: Item) -> JobRecord | None:
+        """Claim ``item``'s job; its record when it is ours to run, else None (done,
+        dead-lettered, or held by another worker: then it is resolved or put back). A
+        chained job dead-lettered only for its upstream job, which is no longer failed,
+        is requeued first."""
+        job, cfg, store = item.job, self.config, self.store
+        if item.rec is not None:
+            rec, item.rec = item.rec, None
+            if job.id in self.claims.held:  # claimed before its consumer waited in line
+                return rec
+        status, rec = await self.claims.claim(job.id)
+        if status == "dead_lettered" and await self._requeue_if_upstream_fixed(job, rec):
+            status, rec = await self.claims.claim(job.id)
+        if status == "done":
+            problem = await self._db(outputs_problem, store, self.partition, job.id)
+            if problem is None:
+                self.report(f"job {job.id}: already done, nothing posted")
+                self._resolve("done", job.id)
+                return None
+            # Done, but its files are gone or changed on disk: render it again, which
+            # catches up from the server's /history first (downloads, no new prompt).
+            try:
+                await self._db(
+                    store.transition, job.id, "pending", detail=f"outputs {problem}; fetching again"
+                )
+                self.report(f"job {job.id}: outputs {problem}; fetching them again")
+            except InvalidTransition:
+                pass  # another worker reopened it a moment ago: claim decides who fetches
+            status, rec = await self.claims.claim(job.id)
+            if status == "done":  # and that worker has already fetched them
+                self.report(f"job {job.id}: already done, nothing posted")
+                self._resolve("done", job.id)
+                return None
+        if status == "dead_lettered":
+            self.report(
+                f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again"
+            )
+            self._resolve("dead_lettered", job.id)
+            return None
+        if status == "claimed" and rec.taken_over:
+            self.report(f"job {job.id}: {rec.taken_over}")
+        if status == "held":
+            if job.id not in self.told_held:
+                self.told_held.add(job.id)
+                self.report(
+                    f"job {job.id}: claimed by {rec.claimed_by}; waiting (taken over if its "
+                    f"heartbeat stops for {OWNER_DEAD_S:.0f} s)"
+                )
+            left = (rec.claim_expires_at or 0) - store.now()
+            self.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
+            return None
+        if rec.state in ("submitted", "rendering"):
+            # The lost holder's attempt never settled: count it, so attempt numbers and
+            # results.csv say how many times the job was tried.
+            lost = AttemptEntry(
+                rec.attempts_before + rec.attempts + 1,
+                outcome="transient",
+                server=rec.server,
+                prompt_id=rec.prompt_id,
+                number=rec.number,
+                started_at=rec.updated_at,
+                reason="its holder was lost mid-attempt",
+            )
+            await self._db(
+                store.transition,
+                job.id,
+                "failed_retryable",
+                detail="previous holder lost; claim taken over",
+                attempt=rec.attempts + 1,
+                server=rec.server,
+                tried=lost,
+            )
+            rec = dataclasses.replace(rec, state="failed_retryable", attempts=rec.attempts + 1)
+            item.prev_unsettled = True
+        if rec.state == "failed_retryable":
+            await self._db(store.transition, job.id, "pending", detail="retry")
+        return rec

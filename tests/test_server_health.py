@@ -1,0 +1,237 @@
+"""Error ownership across servers: a sick server is judged by how its jobs fare elsewhere,
+quarantined for every process sharing the store, and never blamed for a bad workflow."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+
+from comfy_assets.comfy.infra import infra_cause
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_batch
+from comfy_assets.service.sources import MemorySource
+from comfy_assets.service.worker import Worker
+from comfy_assets.store import Store
+from fake_comfy import FakeComfy
+from tests.support import fake_servers, fast_config, job_id, wait_until, write_jobs
+
+
+def prompts(fake: FakeComfy) -> int:
+    """How many prompts the fake was posted (every POST /prompt it queued)."""
+    return sum(p["posted"] for p in fake.stats["prompts"].values())
+
+
+def executions(fake: FakeComfy) -> int:
+    return sum(p["executed"] for p in fake.stats["prompts"].values())
+
+
+async def run(tmp_path: Path, store: Store, fakes: list[FakeComfy], jobs: Path, **config: object):
+    async with fake_servers(*fakes) as servers:
+        return await run_batch(
+            load_job_file(jobs),
+            partition=jobs.stem,
+            servers=servers,
+            store=store,
+            config=fast_config(**config),
+        )
+
+
+@pytest.mark.parametrize(
+    ("word", "db"), [("error", "sqlite"), ("cuda", "sqlite"), ("disk", "sqlite"), ("error", "pg")]
+)
+async def test_a_sick_server_of_three_runs_at_most_5_prompts_of_30_and_nothing_is_dead_lettered(
+    tmp_path, word, db, request
+):
+    sick = FakeComfy(default_word=word, prompt_seconds=0.001)
+    healthy = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
+    url = request.getfixturevalue("pg_url") if db == "pg" else None
+    store = Store(tmp_path / "store", url)
+    lines: list[str] = []
+    jobs = write_jobs(tmp_path / "jobs", 30, name="big.jsonl")
+    async with fake_servers(healthy[0], healthy[1], sick) as servers:
+        summary = await run_batch(
+            load_job_file(jobs),
+            partition="big",
+            servers=servers,
+            store=store,
+            config=fast_config(),
+            on_line=lines.append,
+        )
+    assert summary.counts.get("failed_fatal", 0) == 0
+    assert summary.counts["succeeded"] == 30
+    assert prompts(sick) <= 5
+    assert executions(healthy[0]) + executions(healthy[1]) == 30
+    health = store.server_health()["gpu2"]
+    assert health.state == "quarantined"
+    said = [line for line in lines if line.startswith("server gpu2 quarantined for 60 s: ")]
+    assert len(said) == 1
+    named = said[0].rsplit("; jobs that failed here: ", 1)[1].split(", ")
+    assert len(named) >= (3 if word == "error" else 1)
+    assert set(named) <= {j for j, _, _ in health.failed_jobs}
+    assert all(store.get(j).state == "succeeded" for j in named)  # rendered elsewhere
+    kinds = [kind for _, server, kind, _ in store.server_events() if server == "gpu2"]
+    assert kinds[:1] == ["quarantined"]
+
+    # A second file on the same store right after (another process: a Store of its
+    # own): nothing goes to gpu2 during its cool-down.
+    before = prompts(sick)
+    second = write_jobs(tmp_path / "jobs", 6, name="next.jsonl")
+    other = Store(tmp_path / "store", url)
+    async with fake_servers(healthy[0], healthy[1], sick) as servers:
+        summary = await run_batch(
+            load_job_file(second),
+            partition="next",
+            servers=servers,
+            store=other,
+            config=fast_config(),
+        )
+    assert summary.counts["succeeded"] == 6
+    assert prompts(sick) == before
+
+
+async def test_a_bad_workflow_is_learned_and_no_server_is_blamed(tmp_path):
+    fakes = [FakeComfy(default_word="error", prompt_seconds=0.002) for _ in range(3)]
+    store = Store(tmp_path / "store")
+    jobs = write_jobs(tmp_path / "jobs", 30, name="bad.jsonl")
+    summary = await run(tmp_path, store, fakes, jobs)
+    assert summary.counts["failed_fatal"] == 30
+    # About one attempt a job once the workflow is known to fail: never two for most.
+    assert sum(prompts(f) for f in fakes) <= 30 + 6
+    health = store.server_health()
+    assert all(h.state == "ok" and h.failures_server == 0 for h in health.values())
+    assert sum(h.failures_job for h in health.values()) >= 30
+    reasons = [store.get(job_id(i, "bad.jsonl")).reason for i in range(30)]
+    assert any(r.startswith("failed on gpu") and " and gpu" in r for r in reasons)
+    assert any("this workflow failed so on" in r for r in reasons)
+    assert all(": IndexError: index 3 is out of bounds" in r for r in reasons)
+
+
+async def test_a_job_that_fails_on_the_only_server_that_can_run_it_is_a_dead_letter_at_once(
+    tmp_path,
+):
+    fake = FakeComfy(script=["error"], prompt_seconds=0.002)
+    store = Store(tmp_path / "store")
+    jobs = write_jobs(tmp_path / "jobs", 1, name="one.jsonl")
+    await run(tmp_path, store, [fake], jobs)
+    rec = store.get(job_id(0, "one.jsonl"))
+    assert rec.state == "failed_fatal"
+    assert rec.reason.startswith("failed on gpu0, the only server that can run it: ")
+    assert prompts(fake) == 1
+    assert store.server_health()["gpu0"].failures_server == 0
+
+
+async def test_an_error_on_one_server_renders_on_another_and_counts_against_the_first(tmp_path):
+    first = FakeComfy(script=["error"], prompt_seconds=0.002)
+    second = FakeComfy(prompt_seconds=0.002)
+    store = Store(tmp_path / "store")
+    jobs = write_jobs(tmp_path / "jobs", 1, name="one.jsonl")
+    # Both are free: the first in configuration order, gpu0, takes the first attempt.
+    summary = await run(tmp_path, store, [first, second], jobs)
+    assert summary.counts["succeeded"] == 1
+    assert prompts(first) == 1 and executions(first) == 1 and prompts(second) == 1
+    gpu0 = store.server_health()["gpu0"]
+    assert gpu0.failures_server == 1 and gpu0.strikes == 1 and gpu0.state == "ok"
+    assert gpu0.failed_jobs[0][:2] == (job_id(0, "one.jsonl"), "gpu1")
+
+
+async def test_a_quarantined_server_gets_one_job_after_its_cool_down_and_success_readmits_it(
+    tmp_path,
+):
+    store = Store(tmp_path / "store")
+    fake = FakeComfy(prompt_seconds=0.002)
+    store.server_failed("gpu0", job_id(99), "0" * 64, "cuda", "CUDA error", infrastructure=True)
+    health = store.server_health()["gpu0"]
+    assert health.state == "quarantined" and health.until is not None
+    # Its cool-down over (the database's clock moved past it), one job re-admits it.
+    later = health.until + 1
+    assert store.server_health(now=later)["gpu0"].state == "trial"
+    changes = store.job_rendered("gpu0", job_id(0), now=later)
+    assert [c.kind for c in changes] == ["readmitted"]
+    assert store.server_health(now=later)["gpu0"].state == "ok"
+    jobs = write_jobs(tmp_path / "jobs", 2, name="two.jsonl")
+    summary = await run(tmp_path, store, [fake], jobs)
+    assert summary.counts["succeeded"] == 2 and prompts(fake) == 2
+
+
+async def test_every_server_quarantined_stops_the_batch_with_its_jobs_pending(tmp_path):
+    store = Store(tmp_path / "store")
+    fake = FakeComfy(prompt_seconds=0.002)
+    store.server_failed("gpu0", job_id(99), "0" * 64, "disk", "disk full", infrastructure=True)
+    jobs = write_jobs(tmp_path / "jobs", 2, name="two.jsonl")
+    summary = await run(tmp_path, store, [fake], jobs, unreachable_timeout_s=0.2)
+    assert prompts(fake) == 0
+    assert summary.counts.get("pending", 0) == 2
+    assert "no server usable" in (summary.stopped or "")
+    assert "gpu0 quarantined until" in (summary.stopped or "")
+
+
+def test_readmit_by_hand_clears_a_quarantine(tmp_path):
+    store = Store(tmp_path / "store")
+    store.server_failed("gpu2", job_id(1), "0" * 64, "cuda", "CUDA error", infrastructure=True)
+    change = store.readmit_server("gpu2", "root@host")
+    assert change is not None and change.kind == "readmitted"
+    assert store.server_health()["gpu2"].state == "ok"
+    assert store.readmit_server("gpu2", "root@host") is None
+
+
+@pytest.mark.parametrize(
+    ("exception_type", "message", "cause"),
+    [
+        (
+            "torch.AcceleratorError",
+            "CUDA error: an illegal memory access was encountered\n",
+            "CUDA error",
+        ),
+        ("RuntimeError", "CUDA error: an illegal memory access was encountered", "CUDA error"),
+        ("RuntimeError", "cuDNN error: CUDNN_STATUS_EXECUTION_FAILED", "cuDNN error"),
+        ("RuntimeError", "CUDA error: device-side assert triggered", "CUDA error"),
+        ("OSError", "[Errno 28] No space left on device\n", "output disk full"),
+        ("OSError", "[Errno 30] Read-only file system: '/out/x.png'", "output disk read-only"),
+        ("PermissionError", "[Errno 13] Permission denied: '/out/x.png'", "output not writable"),
+        ("ModuleNotFoundError", "No module named 'insightface'", "node pack fails to import"),
+    ],
+)
+def test_infrastructure_errors_are_recognised(exception_type, message, cause):
+    found = infra_cause(exception_type, message)
+    assert found is not None and found.name == cause
+
+
+@pytest.mark.parametrize(
+    ("exception_type", "message"),
+    [
+        ("IndexError", "index 3 is out of bounds for dimension 0 with size 3"),
+        ("RuntimeError", "mat1 and mat2 shapes cannot be multiplied (77x768 and 1024x320)"),
+        ("FileNotFoundError", "[Errno 2] No such file or directory: 'input/x.png'"),
+    ],
+)
+def test_errors_of_the_job_are_not_infrastructure(exception_type, message):
+    assert infra_cause(exception_type, message) is None
+
+
+async def test_a_worker_whose_every_server_is_quarantined_takes_no_message_and_says_why(
+    tmp_path, caplog
+):
+    store = Store(tmp_path / "store")
+    store.server_failed("gpu0", job_id(99), "0" * 64, "disk", "disk full", infrastructure=True)
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    source = MemorySource("images")
+    source.put(jobs.read_text().splitlines()[0])
+    source.end()
+    fake = FakeComfy(prompt_seconds=0.002)
+    caplog.set_level(logging.WARNING, logger="comfy_assets.service.worker")
+    async with fake_servers(fake) as specs:
+        worker = Worker(
+            source, servers=specs, store=store, config=fast_config(), workflows_dir=jobs.parent
+        )
+        task = asyncio.create_task(worker.run())
+        said = "every server is quarantined (gpu0 quarantined until "
+        await wait_until(lambda: said in caplog.text, 30, "the worker's quarantine line")
+        assert source.acked == [] and prompts(fake) == 0
+        assert source._deliveries == {}  # not one message taken
+        # Re-admitted by hand: the worker takes the message and renders it.
+        store.readmit_server("gpu0", "test")
+        await asyncio.wait_for(task, 60)
+    assert len(source.acked) == 1 and prompts(fake) == 1

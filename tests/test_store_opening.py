@@ -1,0 +1,48 @@
+"""Several processes opening one new SQLite store at the same moment (two `comfy-assets
+run` started together): each waits for the others' lock, as any write does, and opens
+it; none fails with "database is locked"."""
+
+from __future__ import annotations
+
+import multiprocessing
+import traceback
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+
+from comfy_assets.store import Store
+
+PROCESSES = 4
+ROUNDS = 40
+
+
+def _open(root: str, barrier: Barrier, answers: multiprocessing.Queue) -> None:
+    barrier.wait()  # every process opens at once
+    try:
+        Store(Path(root)).close()
+    except Exception:
+        answers.put(traceback.format_exc())
+    else:
+        answers.put("opened")
+
+
+def test_processes_opening_one_new_sqlite_store_at_once_all_open_it(tmp_path: Path) -> None:
+    context = multiprocessing.get_context("fork")
+    failures: list[str] = []
+    for round_ in range(ROUNDS):
+        root = tmp_path / f"store{round_}"
+        barrier = context.Barrier(PROCESSES)
+        answers = context.Queue()
+        procs = [
+            context.Process(target=_open, args=(str(root), barrier, answers))
+            for _ in range(PROCESSES)
+        ]
+        for proc in procs:
+            proc.start()
+        said = [answers.get(timeout=90) for _ in procs]
+        for proc in procs:
+            proc.join(timeout=30)
+        failures += [answer for answer in said if answer != "opened"]
+
+    assert failures == [], failures[0]
+    with Store(tmp_path / "store0") as store:  # a usable store
+        store.ping()
