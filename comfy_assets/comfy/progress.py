@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# The socket messages that say how far a prompt is.
-PROGRESS_KINDS = frozenset(
-    {"execution_start", "execution_cached", "executing", "progress", "progress_state"}
-)
+# The socket messages the follower gives ``PromptProgress``: ``progress_state`` says
+# nothing that ``executing`` and ``execution_cached`` have not (a node is done once the
+# next one starts), and is the most frequent of them, so the follower leaves it out.
+PROGRESS_KINDS = frozenset({"execution_start", "execution_cached", "executing", "progress"})
 
 
 @dataclass
@@ -48,7 +48,8 @@ class PromptProgress:
     updated_at: float = 0.0
 
     def apply(self, kind: str, data: Mapping[str, Any]) -> None:
-        """Take one socket message of this prompt (``kind`` in ``PROGRESS_KINDS``).
+        """Take one socket message of this prompt (``kind`` in ``PROGRESS_KINDS``, or
+        ``progress_state``).
         Fields of the wrong type are ignored: a hostile or broken server can make the
         line wrong, never make it raise."""
         self.updated_at = time.monotonic()
