@@ -107,3 +107,46 @@ def test_a_partition_nobody_runs_says_so_and_json_is_one_object(
     assert main(["status", "--store", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "partition p: 2 pending; 0/2 done, 2 left"
+
+
+def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 3))
+    store = Store(tmp_path / "s")
+    store.register_jobs("p", jf.jobs)
+    first, second, third = (j.id for j in jf.jobs)
+    # What a running batch writes (render/publish.py): the second job continues from the
+    # first; the third's only able server is quarantined.
+    store.publish_live(
+        "owner-1",
+        {
+            ("partition", "p"): {
+                "total": 3,
+                "done": 0,
+                "remaining": 3,
+                "estimate_s": 200.0,
+                "waiting": {"waiting for a server": 2, "for their upstream shot": 1},
+                "held": {second: {"reason": "upstream", "upstream": [first]}},
+                "groups": [
+                    {"servers": ["gpu0", "gpu1"], "holding": [], "jobs": [first]},
+                    {"servers": ["gpu1"], "holding": [], "jobs": [third]},
+                ],
+            },
+            ("server", "gpu0"): {"state": "free"},
+            ("server", "gpu1"): {"state": "quarantined", "reason": "quarantined until 12:00"},
+        },
+    )
+    report = gather(store, "p")
+    assert report is not None
+    reasons = {j["job_id"]: (j["reason"], j["detail"]) for j in report["jobs"]}
+    assert reasons[first] == (
+        "waiting for a server",
+        "gpu0, gpu1 can run it; gpu0 free; gpu1 quarantined (quarantined until 12:00)",
+    )
+    assert reasons[second] == ("waiting for its upstream job", f"{first} (pending)")
+    assert reasons[third] == ("every server that can run it is quarantined", "gpu1")
+    text = lines(report)
+    assert text[0] == (
+        "partition p: 3 pending; 0/3 done, 3 left, about 3 min to go "
+        "(2 waiting for a server, 1 for their upstream shot)"
+    )
+    assert "server gpu1: not used: quarantined (quarantined until 12:00)" in text
