@@ -83,6 +83,7 @@ from comfy_assets.render.results import (
     write_results,
 )
 from comfy_assets.render.run import run_batch_sync
+from comfy_assets.render.steering import run_priority
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.sensors import JOB_FILE_SHA_TAG, current_problems
 from comfy_assets.store import StoreUnavailable
@@ -158,6 +159,8 @@ def render_partition(
             run_id=context.run_id,
             on_line=context.log.info,
             on_progress=log_every(context.log.info, PROGRESS_LOG_S),
+            # The run queue's order is the pool's too (docs/steering.md).
+            priority=run_priority(context.run.tags),
         )
         in_file = set(job_ids)
         current = [record for record in summary.jobs if record.job_id in in_file]

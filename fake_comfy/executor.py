@@ -25,7 +25,7 @@ import uuid
 from typing import TYPE_CHECKING, Any
 
 from fake_comfy import inputs as inputs_mod
-from fake_comfy import nodes, recorded, sampling
+from fake_comfy import nodes, recorded, sampling, stepping
 from fake_comfy.cache import CacheEntry
 from fake_comfy.graph import execution_order, is_link
 from fake_comfy.state import QueueItem
@@ -211,6 +211,7 @@ class Executor:
 
         for index, node_id in enumerate(order):
             class_type = item.prompt[node_id]["class_type"]
+            steps: int | None = None  # the node reports this many steps (stepping.py)
             hit = None if full else session.cache.get(keys[node_id])
             if hit is not None:
                 if hit.ui is None:
@@ -269,7 +270,14 @@ class Executor:
                     raise nodes.full_disk_failure()
                 # The node's time passes whole: an interrupt lands only between nodes.
                 await fake.models.before_node(pid, item.prompt, class_type, inputs)
-                await asyncio.sleep(node_s)
+                steps = stepping.steps_of(class_type, inputs)
+                if steps is None:
+                    await asyncio.sleep(node_s)
+                else:
+                    previews = class_type == "SaveImageWebsocket"
+                    await stepping.report_steps(
+                        emit, hub, client, pid, node_id, steps, node_s, progress, previews
+                    )
                 if class_type in output_classes:
                     ui = await nodes.save(class_type, inputs, ctx)
                     session.cache.set(keys[node_id], CacheEntry(ui=ui))
@@ -302,7 +310,7 @@ class Executor:
                 )
                 outcome = "error"
                 break
-            if class_type in output_classes:
+            if class_type in output_classes and ui:  # SaveImageWebsocket's is empty
                 ui_outputs[node_id] = ui
                 meta[node_id] = _meta(node_id)
                 if client is not None:
@@ -311,7 +319,10 @@ class Executor:
                         {"node": node_id, "display_node": node_id, "output": ui, "prompt_id": pid},
                     )
             executed.append(node_id)
-            progress[node_id] = _progress(pid, node_id, 1.0, "finished")
+            if steps is not None:
+                progress[node_id] = stepping.node_state(pid, node_id, steps, steps, "finished")
+            else:
+                progress[node_id] = _progress(pid, node_id, 1.0, "finished")
             emit("progress_state", {"prompt_id": pid, "nodes": dict(progress)})
         else:
             add_message("execution_success", {"prompt_id": pid}, False)

@@ -30,7 +30,9 @@ class Hub:
         self.sockets: dict[str, web.WebSocketResponse] = {}
         # Every open socket, replaced ones too, with its transport (to cut it abruptly).
         self._open: dict[web.WebSocketResponse, asyncio.BaseTransport | None] = {}
-        self._queue: asyncio.Queue[tuple[Any, str | None, str | None, str | None]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[Any, str | bytes | None, str | None, str | None]] = (
+            asyncio.Queue()
+        )
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -64,6 +66,10 @@ class Hub:
     ) -> None:
         """Queues a message for `sid` (None: every socket but `exclude`'s)."""
         self._queue.put_nowait((event, json.dumps({"type": event, "data": data}), sid, exclude))
+
+    def send_bytes(self, data: bytes, sid: str | None) -> None:
+        """Queues a binary frame (a preview image) for `sid` (None: every socket)."""
+        self._queue.put_nowait(("binary", data, sid, None))
 
     def status(self, queue_remaining: int, exclude: str | None = None) -> None:
         """Queues the `status` broadcast ComfyUI sends on every queue change."""
@@ -128,7 +134,10 @@ class Hub:
                     # The real server would wait forever on a client that stopped reading
                     # and stall every client; the fake cuts such a client instead.
                     async with asyncio.timeout(SEND_TIMEOUT_S):
-                        await ws.send_str(text)
+                        if isinstance(text, bytes):
+                            await ws.send_bytes(text)
+                        else:
+                            await ws.send_str(text)
                 except ConnectionError as ex:
                     # The client went away mid-send; ComfyUI logs it and carries on too.
                     log.debug("fake_comfy: %s not sent to a closing socket: %s", event, ex)

@@ -177,6 +177,11 @@ INLINE_WRITE_BYTES = 1 << 20  # images up to this size are written on the loop t
 READS_FILES = frozenset({"LoadImage", "GetVideoComponents"})
 
 
+def image_batch(value: Any) -> int:
+    """How many images an IMAGE input holds."""
+    return _as_images(value).batch
+
+
 def _as_images(value: Any) -> Images:
     if isinstance(value, Images):
         return value
@@ -361,6 +366,11 @@ async def save(class_type: str, inputs: dict[str, Any], ctx: SaveContext) -> dic
             return await _save_webp(inputs, ctx)
         if class_type in ("SaveImage", "PreviewImage"):
             return await _save_images(class_type, inputs, ctx)
+        if class_type == "SaveImageWebsocket":
+            # Its images go out on the socket (stepping.py); nothing is saved, and its
+            # UI output is empty, so /history lists no outputs for it (progress.json).
+            _first_image(_as_images(inputs.get("images")))
+            return {}
     except (media.SaveOutsideOutput, OSError, IndexError, av.FFmpegError) as ex:
         raise _failure_from(ex) from ex
     raise ValueError(f"fake_comfy cannot run output node {class_type}")

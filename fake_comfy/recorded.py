@@ -69,9 +69,12 @@ MSG_NO_PROMPT = "No prompt provided"
 def _object_info() -> dict[str, Any]:
     with (_DATA / "object_info.json").open(encoding="utf-8") as f:
         info = json.load(f)
-    with (_DATA / "model_nodes.json").open(encoding="utf-8") as f:
-        for name, node in json.load(f).items():
-            info.setdefault(name, node)
+    # The model loaders, and SaveImageWebsocket: the model-free node of ComfyUI's
+    # custom_nodes/ that reports a step per image (progress.json).
+    for extra in ("model_nodes.json", "custom_nodes.json"):
+        with (_DATA / extra).open(encoding="utf-8") as f:
+            for name, node in json.load(f).items():
+                info.setdefault(name, node)
     return info
 
 

@@ -78,3 +78,10 @@ def test_farm_renders_every_job_across_namespace_hosts_and_counts_the_database()
     assert float(lines["db_statements_per_job"]) > 0
     assert int(lines["db_connections_peak"]) >= 1
     assert "utilization" in lines
+
+
+def test_eta_prints_the_estimates_error_at_each_fraction_done() -> None:
+    lines = figures("bench/eta.py", "--jobs", "8", "--prompt-s", "0.02", "--load-s", "0.05")
+    for label in ("homogeneous", "mixed"):
+        for fraction in (25, 50, 75):
+            assert f"{label}_error_{fraction}" in lines

@@ -155,10 +155,12 @@ async def test_idle_routes_answer_the_recorded_bodies(fake: FakeComfy) -> None:
         want = recorded_http("basics", path="/object_info")["response"]["body"]
         assert {name: info[name] for name in want} == want
         # Beside the recorded classes: the classes the input files need, from the v0.8.0
-        # source (fake_comfy.recorded), and the model loaders (their file lists empty here).
+        # source (fake_comfy.recorded), the model loaders (their file lists empty here) and
+        # SaveImageWebsocket, which ComfyUI ships in custom_nodes/ (progress.json).
         loaders = json.loads((FAKE_DATA / "model_nodes.json").read_text())
+        custom = json.loads((FAKE_DATA / "custom_nodes.json").read_text())
         inputs = ["GetVideoComponents", "ImageFromBatch", "LoadVideo", "RepeatImageBatch"]
-        assert sorted(set(info) - set(want)) == sorted([*inputs, *loaders])
+        assert sorted(set(info) - set(want)) == sorted([*inputs, *loaders, *custom])
 
 
 async def test_view_refuses_missing_files_and_traversal_like_the_real_server(

@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("comfy_assets.cli.run", "add_run_parser"),
     "requeue": ("comfy_assets.cli.run", "add_requeue_parser"),
     "events": ("comfy_assets.cli.events", "add_events_parser"),
+    "status": ("comfy_assets.cli.status", "add_status_parser"),
     "film": ("comfy_assets.cli.film", "add_film_parser"),
     "enqueue": ("comfy_assets.cli.worker", "add_enqueue_parser"),
     "worker": ("comfy_assets.cli.worker", "add_worker_parser"),

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from comfy_assets.cli.metrics_option import add_metrics_option, add_priority_option, start_metrics
 from comfy_assets.cli.options import add_input_options, bounded, byte_size, byte_size_text
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.inputs import rules_of
@@ -163,12 +164,14 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     add_db_retry_option(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
+    add_priority_option(p)
     p.add_argument(
         "--events", action="store_true", help="also print every state transition as JSON"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log scheduling and protocol steps")
     add_batch_options(p)
     add_knob_option(p, "unreachable_timeout_s", bounded(float, 0, strict=True))
+    add_metrics_option(p)
     p.set_defaults(func=run_command)
 
 
@@ -251,6 +254,10 @@ def run_command(args: argparse.Namespace) -> int:
     if isinstance(store, int):
         return store
     show_logs(args)
+    failed = start_metrics(args, store, partition)
+    if failed is not None:
+        store.close()
+        return failed
     # The batch (aiohttp, websockets), results.csv (pandas) and the bar (tqdm) are imported
     # by the command that runs them: ``requeue``, ``events`` and ``worker`` build their
     # parsers here too.
@@ -271,6 +278,7 @@ def run_command(args: argparse.Namespace) -> int:
                 config=batch_config(args),
                 on_line=ImportOnFirstLine(bar.line if bar else print_line),
                 on_progress=bar.update if bar else None,
+                priority=args.priority,
             )
     except PartitionConflict as e:
         print(

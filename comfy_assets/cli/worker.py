@@ -13,6 +13,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_assets.cli import worker_signals
+from comfy_assets.cli.metrics_option import (
+    add_metrics_option,
+    add_priority_option,
+    start_metrics,
+)
 from comfy_assets.cli.options import add_input_options, bounded, byte_size
 from comfy_assets.cli.run import (
     add_batch_options,
@@ -66,6 +71,7 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
         help="partition the worker renders them under (default: the file's stem, as in run)",
     )
     add_max_message_option(p, "a job whose message is larger is an error; nothing is sent")
+    add_priority_option(p)
     p.set_defaults(func=enqueue_command)
 
 
@@ -109,7 +115,13 @@ def enqueue_command(args: argparse.Namespace) -> int:
     try:
         if args.partition is not None:
             folder_name(args.partition, "--partition")
-        jobs = job_messages(args.jobs, args.max_message_bytes, args.partition, rules=rules_of(args))
+        jobs = job_messages(
+            args.jobs,
+            args.max_message_bytes,
+            args.partition,
+            rules=rules_of(args),
+            priority=args.priority,
+        )
     except JobFileError as e:
         print(f"error: {args.jobs}: {len(e.errors)} problem(s), nothing enqueued", file=sys.stderr)
         for err in e.errors:
@@ -172,6 +184,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     add_batch_options(p)
+    add_metrics_option(p)
     p.set_defaults(func=worker_command)
 
 
@@ -265,6 +278,9 @@ def _worker(args: argparse.Namespace) -> int:
     store = open_store(args, existing=False)
     if isinstance(store, int):
         return store
+    failed = start_metrics(args, store, None)
+    if failed is not None:
+        return failed
     worker = Worker(
         source,
         servers=servers,

@@ -42,6 +42,7 @@ from comfy_assets.comfy.errors import (
     ServerUnreachable,
     UnexpectedAnswer,
 )
+from comfy_assets.comfy.progress import PROGRESS_KINDS, PromptProgress
 from comfy_assets.comfy.types import ExecutionErrorInfo, HistoryEntry, Outcome
 
 _TERMINAL = frozenset({"execution_success", "execution_error", "execution_interrupted"})
@@ -114,6 +115,13 @@ class PromptFollower:
         # every queue change (README fact 3), with queue_remaining = running + pending.
         self._queue_remaining: int | None = None
         self._ended_since_status: set[str] = set()
+        # How far each prompt we wait for (or whose start came first) is: progress.py.
+        self._progress: dict[str, PromptProgress] = {}
+
+    def progress(self, prompt_id: str) -> PromptProgress | None:
+        """How far ``prompt_id`` is, as the socket told it while someone waits for it
+        (``comfy/progress.py``); None when nothing was heard of it."""
+        return self._progress.get(prompt_id)
 
     @property
     def connected(self) -> bool:
@@ -260,6 +268,7 @@ class PromptFollower:
                 if not wakers:
                     del self._wakers[prompt_id]
                     self._events.pop(prompt_id, None)
+                    self._progress.pop(prompt_id, None)
 
     def _on_event(
         self,
@@ -437,6 +446,8 @@ class PromptFollower:
             return True  # executing replayed on reconnect without prompt_id
         if kind in _TERMINAL:
             self._ended_since_status.add(prompt_id)
+        if kind in PROGRESS_KINDS:
+            self._on_progress(prompt_id, kind, data)
         if kind == "executing":
             if data.get("node") is not None:
                 return True  # progress: only node=null (history written) matters
@@ -450,6 +461,16 @@ class PromptFollower:
         for waker in self._wakers.get(prompt_id, ()):
             waker.set()
         return True
+
+    def _on_progress(self, prompt_id: str, kind: str, data: dict[str, Any]) -> None:
+        """Keep how far ``prompt_id`` is, for a prompt someone waits for or that started
+        before its wait began (bounded like the events buffer)."""
+        tracker = self._progress.get(prompt_id)
+        if tracker is None:
+            if kind != "execution_start" and prompt_id not in self._wakers:
+                return
+            tracker = self._progress[prompt_id] = PromptProgress(str(prompt_id))
+        tracker.apply(kind, data)
 
     def _on_status(self, data: dict[str, Any]) -> None:
         """Keep ``status.exec_info.queue_remaining`` (three_in_a_row.json shows it)."""
@@ -468,6 +489,7 @@ class PromptFollower:
         ``wait`` at once."""
         if prompt_id not in self._wakers:
             self._events.pop(prompt_id, None)
+            self._progress.pop(prompt_id, None)
 
     def _evict_unwatched(self) -> None:
         """Bound the buffer: forget the oldest prompt ids nobody waits for (foreign
@@ -477,6 +499,7 @@ class PromptFollower:
         for prompt_id in list(self._events)[: _MAX_BUFFERED_PROMPTS // 4]:
             if prompt_id not in self._wakers:
                 del self._events[prompt_id]
+                self._progress.pop(prompt_id, None)
 
     def _fail(self, exc: ComfyError) -> None:
         self._fatal = exc

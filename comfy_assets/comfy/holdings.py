@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from comfy_assets.comfy.capabilities import Capabilities, Missing, Needs, no_server_reason
 from comfy_assets.comfy.errors import ComfyError
@@ -31,6 +31,9 @@ class Holdings:
     def _init_holdings(self) -> None:
         self.capabilities: dict[str, Capabilities] = {}
         self.plan = Plan([s.name for s in self.servers], self.can_run)
+        # Called with each prompt of ours that left its server and its seconds from the
+        # POST's answer (estimates of time left, metrics).
+        self.prompt_listeners: list[Callable[[Slot, float], None]] = []
         self._can_run: dict[tuple[str, Needs], Missing | None] = {}
         self._stale: set[str] = set()  # read again before the next use
         self._reading: dict[str, asyncio.Future[None]] = {}
@@ -215,6 +218,8 @@ class Holdings:
         if slot.posted_at is not None and slot.lost is None:
             seconds = asyncio.get_running_loop().time() - slot.posted_at
             self.plan.estimates.record(seconds, slot.load_expected)
+            for listener in self.prompt_listeners:
+                listener(slot, seconds)
 
     def held_text(self, name: str) -> str | None:
         """What server ``name`` holds, as its lease row keeps it."""

@@ -42,6 +42,7 @@ from comfy_assets.comfy.holding import Holding
 from comfy_assets.comfy.holdings import Holdings
 from comfy_assets.comfy.lease_keeping import LeaseKeeping
 from comfy_assets.comfy.orphans import Orphans
+from comfy_assets.comfy.priority import Priorities
 from comfy_assets.comfy.probing import Probing
 from comfy_assets.comfy.quarantine import Quarantine
 from comfy_assets.comfy.servers import ServerSpec
@@ -67,7 +68,7 @@ Chooser = Callable[[str, float], int | None]
 WAITING_MARK_S = 1.0
 
 
-class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine):
+class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine, Priorities):
     """Named ComfyUI servers shared through server leases.
 
     A lease that can't be renewed (the store fails until only a third of it is left) or
@@ -317,9 +318,10 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine):
                 return slot
             self._check_reachable()
             self._check_usable()
-            if waited and not all_unhealthy:
+            if (waited or self.priority) and not all_unhealthy:
                 # Other processes are told only of a real wait: a consumer that our own
-                # prompt's end hands a server to within moments costs the store nothing.
+                # prompt's end hands a server to within moments costs the store nothing
+                # (a batch of a priority says so at once: it is to go first).
                 self._mark_waiting()
             timeout = self.settings.unhealthy_wait_s if all_unhealthy else self.busy_poll_s
             since, limit = self._none_reachable_since, self.settings.unreachable_timeout_s
@@ -392,6 +394,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine):
             if lease is not None and lease.owner and lease.expires_at > now:
                 if not lease.holder_gone:  # its owner is gone: free to take
                     continue
+            if self._outranked(spec.name):  # a batch of a higher priority waits for it
+                continue
             free.append(spec)
         if not free:
             return None, False
@@ -487,7 +491,9 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine):
         now = asyncio.get_running_loop().time()
         asked_at, waiting = self._others.get(name, (-1e9, False))
         if now - asked_at >= self.busy_poll_s:
-            waiting = self._ask_leases(self.leases.others_waiting, False, self.owner, name)
+            waiting = self._ask_leases(
+                self.leases.others_waiting, False, self.owner, name, None, self.priority
+            )
             self._others[name] = (now, waiting)
         return waiting
 
@@ -500,7 +506,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine):
         if now - self._marked_at >= WAITING_MARK_S / 2:
             self._marked_at = now
             names = [s.name for s in self.servers]
-            self._ask_leases(self.leases.mark_waiting, None, self.owner, WAITING_MARK_S, names)
+            mark, priority = self.leases.mark_waiting, self.priority
+            self._ask_leases(mark, None, self.owner, WAITING_MARK_S, names, None, priority)
 
     def _yielding(self, name: str) -> bool:
         return self._yielded.get(name, 0.0) > asyncio.get_running_loop().time()

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.errors import ComfyError, NoServerReachable
 from comfy_assets.comfy.servers import ServerSpec
@@ -15,6 +16,9 @@ from comfy_assets.comfy.slot import (
     CLIENT_ID_PREFIX,
     ServerProbe,
 )
+
+if TYPE_CHECKING:
+    from comfy_assets.comfy.follow import PromptFollower
 
 log = logging.getLogger("comfy_assets.pool")
 REPORT_AGAIN_S = 60.0  # seconds between reminders that a server is still unreachable
@@ -97,6 +101,10 @@ class Probing:
             self._none_reachable_since = None
         elif self._none_reachable_since is None:
             self._none_reachable_since = asyncio.get_running_loop().time()
+
+    def open_follower(self, name: str) -> PromptFollower | None:
+        """The socket of server ``name`` if one is open now (for reading progress)."""
+        return self._followers.get(name)
 
     def unreachable(self) -> dict[str, str]:
         """Servers last seen unreachable, with the reason: for summaries and metadata."""

@@ -41,9 +41,18 @@ class ServerLeaseStore(Protocol):
 
     def server_leases(self) -> dict: ...
 
-    def mark_waiting(self, owner: str, wait_s: float, servers: Sequence[str]) -> None: ...
+    def mark_waiting(
+        self,
+        owner: str,
+        wait_s: float,
+        servers: Sequence[str],
+        now: float | None = None,
+        priority: int = 0,
+    ) -> None: ...
 
-    def others_waiting(self, owner: str, server: str) -> bool: ...
+    def others_waiting(
+        self, owner: str, server: str, now: float | None = None, priority: int | None = None
+    ) -> bool: ...
 
     def server_health(self) -> Mapping[str, Any]:
         """Each server's health by name (``comfy/quarantine.py``'s ``HealthRecord``)."""

@@ -63,10 +63,26 @@ class JobFileError(ValueError):
 
 @dataclass(frozen=True)
 class Header:
-    """Film policy of a job file. ``duration_tolerance`` is a fraction (0.1 = 10 %)."""
+    """Film policy of a job file. ``duration_tolerance`` is a fraction (0.1 = 10 %).
+    ``priority``: its batch's priority among those sharing the servers (higher first)."""
 
     policy: Policy = "delivery"
     duration_tolerance: float = 0.1
+    priority: int = 0
+
+
+# The priorities a batch may have: wide enough for any scheme, narrow enough for a
+# 32-bit column.
+MAX_PRIORITY = 1_000_000
+
+
+def is_priority(value: object) -> bool:
+    """True for an integer (not a bool) from -MAX_PRIORITY to MAX_PRIORITY."""
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and -MAX_PRIORITY <= value <= MAX_PRIORITY
+    )
 
 
 class InputChanged(ValueError):

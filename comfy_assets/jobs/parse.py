@@ -9,7 +9,8 @@ A line::
      "take": 2}
 
 An optional first non-blank line ``{"header": {"policy": "delivery" | "draft",
-"duration_tolerance": 0.1}}`` sets the film policy. Unknown fields are errors, so a typo
+"duration_tolerance": 0.1, "priority": 0}}`` sets the film policy and the batch's
+priority (an integer, higher first: docs/steering.md). Unknown fields are errors, so a typo
 never passes silently. Every bad line is reported at once (``JobFileError``), and so are a
 file with no jobs, a repeated ``id`` or ``shot``, and numbers JSON cannot carry (``NaN``,
 ``Infinity``, ``1e400``) anywhere in a line: ComfyUI would refuse them at POST time.
@@ -51,6 +52,7 @@ from comfy_assets.jobs.model import (
     JobFileError,
     LineError,
     canonical_json,
+    is_priority,
 )
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
@@ -71,7 +73,7 @@ JOB_FIELDS = frozenset(
     {"id", "workflow", "set", "shot", "duration_s", "optional", "inputs", "take"}
 )
 
-HEADER_FIELDS = frozenset({"policy", "duration_tolerance"})
+HEADER_FIELDS = frozenset({"policy", "duration_tolerance", "priority"})
 
 
 def load_job_file(
@@ -284,9 +286,12 @@ class _Parser(ChainResolution):
                 "header.duration_tolerance",
                 f"expected a fraction from 0 to 1, got {quoted(tolerance)}",
             )
+        priority = body.get("priority", 0)
+        if not is_priority(priority):
+            self.error(line, "header.priority", f"expected an integer, got {quoted(priority)}")
         if len(self.errors) > errors_before:
             return None
-        return Header(policy=policy, duration_tolerance=float(tolerance))
+        return Header(policy=policy, duration_tolerance=float(tolerance), priority=priority)
 
     def job(self, obj: dict[str, Any], line: int) -> Job | Chained | None:
         """A Job from one parsed line (a ``Chained`` when it takes inputs from other

@@ -79,7 +79,7 @@ class JobQueue:
         self._groups: dict[Needs, deque[Item]] = {}
         self._size = 0
         self._claimed = 0  # items here with their claim taken
-        self._timers: set[asyncio.TimerHandle] = set()
+        self._timers: dict[asyncio.TimerHandle, Item] = {}  # each waiting out a delay
         self._next = itertools.count(1)
         self._first = itertools.count(-1, -1)  # back at the head: older than any
         self._needs: dict[str, Needs] = {}  # by workflow sha256
@@ -111,6 +111,11 @@ class JobQueue:
     @property
     def waiting(self) -> int:
         return len(self._timers)
+
+    def later(self) -> list[tuple[Item, float]]:
+        """The jobs waiting out a delay (backoff, someone else's claim), each with the
+        loop time it is back in line."""
+        return [(item, handle.when()) for handle, item in self._timers.items()]
 
     def demand(self, server: str | None = None) -> dict[Needs, Demand]:
         """Per group: how many jobs wait (that ``server`` may take, when given), and the
@@ -173,12 +178,12 @@ class JobQueue:
         handle: asyncio.TimerHandle
 
         def fire() -> None:
-            self._timers.discard(handle)
+            self._timers.pop(handle, None)
             item.seq = next(self._first)
             self._add(item, front=True)
 
         handle = loop.call_later(delay_s, fire)
-        self._timers.add(handle)
+        self._timers[handle] = item
 
     def put_back(self, item: Item, rec: JobRecord) -> None:
         """A job a consumer claimed before it waited in line: back in its place in its

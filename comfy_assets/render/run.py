@@ -4,6 +4,7 @@ for sync callers (``run_batch_sync``: Dagster, the CLI), and one queued job (``r
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,14 +17,23 @@ from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.progress import Progress
+from comfy_assets.render.steering import Steering
 from comfy_assets.render.summary import BatchSummary, summarize
 from comfy_assets.store import Store, off_loop
+
+log = logging.getLogger("comfy_assets.render.run")
+
+# Called with each pool made here and its store (the metrics: ``metrics.py``).
+pool_watchers: list[Callable[[Pool, Store], None]] = []
 
 
 def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, owner: str) -> Pool:
     """The pool of ``servers`` with the leases, probes and polls of ``config``; its lease
     calls live through a failing store for as long as the store's own calls do."""
-    return Pool(servers, store, owner=owner, settings=config, store_timeout_s=store.retry_s)
+    pool = Pool(servers, store, owner=owner, settings=config, store_timeout_s=store.retry_s)
+    for watch in pool_watchers:
+        watch(pool, store)
+    return pool
 
 
 def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:
@@ -48,6 +58,7 @@ class BatchArguments(TypedDict):
     run_id: NotRequired[str | None]
     on_line: NotRequired[Callable[[str], None] | None]
     on_progress: NotRequired[Callable[[Progress], None] | None]
+    priority: NotRequired[int | None]
 
 
 async def run_batch(
@@ -61,9 +72,11 @@ async def run_batch(
     run_id: str | None = None,
     on_line: Callable[[str], None] | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    priority: int | None = None,
 ) -> BatchSummary:
     """Register the jobs of ``job_file`` as ``partition`` and run them all over a pool of
-    ``servers``; returns the summary. Raises only on cancellation (after cleaning up:
+    ``servers``; returns the summary. ``priority``: the batch's among those sharing the
+    servers (higher first; None: the file header's, default 0: ``comfy/priority.py``). Raises only on cancellation (after cleaning up:
     prompts interrupted and removed, claims and server leases released).
 
     Without an ``owner``, the batch is a new owner with a heartbeat in the store
@@ -78,7 +91,16 @@ async def run_batch(
         await off_loop(store, heartbeat.start)
     try:
         return await _run_batch(
-            job_file, partition, servers, store, config, owner, heartbeat, on_line, on_progress
+            job_file,
+            partition,
+            servers,
+            store,
+            config,
+            owner,
+            heartbeat,
+            on_line,
+            on_progress,
+            job_file.header.priority if priority is None else priority,
         )
     finally:
         if heartbeat is not None:
@@ -95,12 +117,14 @@ async def _run_batch(
     heartbeat: OwnerHeartbeat | None,
     on_line: Callable[[str], None] | None,
     on_progress: Callable[[Progress], None] | None,
+    priority: int,
 ) -> BatchSummary:
     started = time.monotonic()
     # Store calls here wait out a database outage off the event loop (``off_loop``).
     await off_loop(store, store.register_jobs, partition, job_file.jobs)
     stop_on_fatal, draft = resolve_policy(job_file, config)
     async with make_pool(servers, store, config, owner) as pool:
+        pool.priority = priority
         batch = Batch(
             job_file.jobs,
             partition=partition,
@@ -111,10 +135,9 @@ async def _run_batch(
             stop_on_fatal=stop_on_fatal,
             draft=draft,
             on_line=on_line,
-            on_progress=on_progress,
             heartbeat=heartbeat,
         )
-        await batch.run()
+        await _steered(batch, on_progress)
     summary = await off_loop(
         store,
         summarize,
@@ -127,6 +150,27 @@ async def _run_batch(
     )
     summary.no_server = batch.no_server
     return summary
+
+
+async def _steered(batch: Batch, on_progress: Callable[[Progress], None] | None) -> None:
+    """Run ``batch``; ``on_progress`` gets its progress with the estimate, the reasons
+    and the running prompts, at each job's end and every few seconds, and the store what
+    ``comfy-assets status`` shows (``steering.py``)."""
+    steering = Steering(batch, on_progress or _ignore)
+    ticks = asyncio.create_task(steering.run(), name="progress")
+    try:
+        await batch.run()
+    finally:
+        ticks.cancel()
+        (failed,) = await asyncio.gather(ticks, return_exceptions=True)
+        steering.close()
+        if isinstance(failed, Exception):
+            # The progress lines stopped, the batch did not: said loudly, not raised.
+            log.error("progress reporting of %s failed", batch.partition, exc_info=failed)
+
+
+def _ignore(progress: Progress) -> None:
+    """An ``on_progress`` that shows nothing."""
 
 
 def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> BatchSummary:

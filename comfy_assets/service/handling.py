@@ -67,6 +67,7 @@ class MessageHandling:
     async def _handle_one(self, d: Delivery, pool: Pool) -> None:
         label = f"message {d.message_id or '(no message_id)'}"
         job, policy, partition = d.job, d.policy, self.partition
+        priority = 0
         if job is None:
             try:
                 queued = parse_message(
@@ -78,17 +79,18 @@ class MessageHandling:
             except JobFileError as e:
                 await self._invalid(d, label, "; ".join(str(x) for x in e.errors))
                 return
-            job, policy = queued.job, queued.policy
+            job, policy, priority = queued.job, queued.policy, queued.priority
             partition = queued.partition or self.partition
         config = self.config
         if config.policy is None and policy is not None:
             config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
         self._touched.add(partition)  # its results.csv is written again soon
-        if job.shot is not None and (config.policy or "delivery") == "delivery":
-            async with self._shots:  # the shots before it have ended: their fates are known
+        with pool.prioritized(priority):  # comfy/priority.py
+            if job.shot is not None and (config.policy or "delivery") == "delivery":
+                async with self._shots:  # the shots before it have ended: their fates are known
+                    await self._handle_job(d, pool, job, partition, config)
+            else:
                 await self._handle_job(d, pool, job, partition, config)
-        else:
-            await self._handle_job(d, pool, job, partition, config)
 
     async def _handle_job(
         self, d: Delivery, pool: Pool, job: Job, partition: str, config: BatchConfig

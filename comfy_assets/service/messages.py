@@ -4,12 +4,13 @@
 
     {"id": "<job id>", "workflow": {...the resolved API-format workflow...},
      "set": {...}, "shot": 3, "duration_s": 4.0, "optional": true, "policy": "draft",
-     "partition": "storyboard", "line": 4, "take": 2,
+     "partition": "storyboard", "line": 4, "take": 2, "priority": 10,
      "inputs": {"10.image": {"path": "keyframes/sh010.png", "sha256": "<hex>",
                              "size": 52311, "base64": "<the file's bytes>"}}}
 
 (``shot``, ``duration_s`` and ``optional`` only when the job line has them, ``take``
-when it is not 1, ``inputs`` when the job has input files; ``policy``
+when it is not 1, ``priority`` when it is not 0 (``enqueue --priority N``, else the
+header's), ``inputs`` when the job has input files; ``policy``
 is the job file's header policy; ``partition`` the file's partition, its stem unless
 ``enqueue --partition`` says otherwise; ``line`` the job's line in its file, so the
 worker's results.csv lists the jobs in file order, as ``run``'s does.) The workflow is inline with ``set`` already applied,
@@ -67,6 +68,7 @@ from comfy_assets.jobs.model import (
     JobFileError,
     LineError,
     Policy,
+    is_priority,
 )
 from comfy_assets.jobs.parse import job_from_dict
 from comfy_assets.jobs.strict_json import loads_bounded
@@ -85,11 +87,12 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 class QueuedJob:
     """A validated message: its ``job``, the ``policy`` it was enqueued with (the job
     file's header policy) and its file's ``partition``, each None when the message names
-    none."""
+    none; ``priority`` the one it was enqueued with (0 when none)."""
 
     job: Job
     policy: Policy | None = None
     partition: str | None = None
+    priority: int = 0  # its batch's priority (``comfy/priority.py``)
 
 
 def job_message(job: Job, policy: Policy | None = None, partition: str | None = None) -> bytes:
@@ -108,13 +111,17 @@ def message_size(job: Job, policy: Policy | None = None, partition: str | None =
     return len(blank) + sum(_base64_size(i.size) for i in job.inputs)
 
 
-def file_messages(job_file: JobFile, partition: str | None = None) -> list[tuple[str, bytes]]:
+def file_messages(
+    job_file: JobFile, partition: str | None = None, priority: int | None = None
+) -> list[tuple[str, bytes]]:
     """``(job_id, body)`` of every job of a loaded job file, in file order, under
     ``partition`` (default: the file's stem, as ``comfy-assets run`` names it). Each
     input file is read and encoded once, however many jobs share it, but every body holds
     its own copy: the list takes about 4/3 of the bytes of every job's inputs (1,000 jobs
-    sharing a 1 MiB picture: 1.3 GiB). Raises as ``job_message`` does."""
+    sharing a 1 MiB picture: 1.3 GiB). ``priority``: the jobs' (None: the header's).
+    Raises as ``job_message`` does."""
     name = partition or job_file.path.stem
+    rank = job_file.header.priority if priority is None else priority
     encoded: dict[str, str] = {}
 
     def encode(item: InputFile) -> str:
@@ -123,7 +130,7 @@ def file_messages(job_file: JobFile, partition: str | None = None) -> list[tuple
             text = encoded[item.sha256] = _base64(item.read())
         return text
 
-    return [(job.id, _body(job, job_file.policy, name, encode)) for job in job_file.jobs]
+    return [(job.id, _body(job, job_file.policy, name, encode, rank)) for job in job_file.jobs]
 
 
 def chained_problems(job_file: JobFile) -> list[LineError]:
@@ -183,9 +190,15 @@ def queue_problems(
 
 
 def _body(
-    job: Job, policy: Policy | None, partition: str | None, encode: Callable[[InputFile], str]
+    job: Job,
+    policy: Policy | None,
+    partition: str | None,
+    encode: Callable[[InputFile], str],
+    priority: int = 0,
 ) -> bytes:
     obj: dict[str, Any] = {"id": job.id, "workflow": job.workflow, "set": job.set}
+    if priority:
+        obj["priority"] = priority
     obj["line"] = job.line
     if partition is not None:
         obj["partition"] = partition
@@ -284,6 +297,7 @@ def parse_message(
         raise JobFileError([LineError(source, 1, "json", f"not usable JSON: {e}")]) from e
     policy: Policy | None = None
     partition: str | None = None
+    priority = 0
     line = 1
     errors: list[LineError] = []
     if isinstance(obj, dict):
@@ -294,6 +308,13 @@ def parse_message(
                 partition = folder_name(given, "partition")
             except ValueError as e:
                 errors.append(LineError(source, 1, "partition", str(e)))
+        if "priority" in obj:
+            given = obj.pop("priority")
+            if is_priority(given):
+                priority = given
+            else:
+                shown = json.dumps(given, default=repr)[:80]
+                errors.append(LineError(source, 1, "priority", f"expected an integer, got {shown}"))
         if "line" in obj:
             given = obj.pop("line")
             if isinstance(given, int) and not isinstance(given, bool) and given >= 1:
@@ -328,7 +349,7 @@ def parse_message(
         raise JobFileError([*e.errors, *errors]) from None
     if errors:
         raise JobFileError(errors)
-    return QueuedJob(job, policy, partition)
+    return QueuedJob(job, policy, partition, priority)
 
 
 def _inline_inputs(given: dict[str, Any], source: str, errors: list[LineError]) -> dict[str, Any]:

@@ -462,6 +462,7 @@ def job_messages(
     partition: str | None = None,
     *,
     rules: InputRules | None = None,
+    priority: int | None = None,
 ) -> list[tuple[str, bytes]]:
     """Validate the job file at ``path`` (input files under ``rules``, default
     ``InputRules()``) and return ``(job_id, body)`` per job, in file order:
@@ -477,4 +478,4 @@ def job_messages(
     problems = queue_problems(job_file, max_bytes, partition)
     if problems:
         raise JobFileError(problems)
-    return file_messages(job_file, partition)
+    return file_messages(job_file, partition, priority)

@@ -92,19 +92,34 @@ class ServerLeases(StoreBase):
         wait_s: float,
         servers: Sequence[str] | None = None,
         now: float | None = None,
+        priority: int = 0,
     ) -> None:
         """Say that ``owner`` waits for one of ``servers`` (None: any), for the next
-        ``wait_s`` seconds."""
+        ``wait_s`` seconds, for a batch of ``priority`` (higher first)."""
         listed = None if servers is None else " " + " ".join(servers) + " "
-        params = {"owner": owner, "expires_at": self._now(now) + wait_s, "servers": listed}
+        params = {
+            "owner": owner,
+            "expires_at": self._now(now) + wait_s,
+            "servers": listed,
+            "priority": priority,
+        }
         with self._write() as conn:
             conn.execute(q.upsert_waiter(self.dialect), params)
 
     @retried
-    def others_waiting(self, owner: str, server: str, now: float | None = None) -> bool:
-        """True when another owner waits now for ``server`` (see ``mark_waiting``)."""
+    def others_waiting(
+        self, owner: str, server: str, now: float | None = None, priority: int | None = None
+    ) -> bool:
+        """True when another owner waits now for ``server`` (see ``mark_waiting``), for
+        a batch of at least ``priority`` (None: any)."""
         escaped = server.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
         pattern = f"% {escaped} %"
-        params = {"b_owner": owner, "b_server": pattern, "b_now": self._now(now)}
+        floor = -(2**31) if priority is None else priority
+        params = {
+            "b_owner": owner,
+            "b_server": pattern,
+            "b_now": self._now(now),
+            "b_priority": floor,
+        }
         with self._read() as conn:
             return conn.execute(q.OTHERS_WAITING, params).first() is not None

@@ -131,6 +131,21 @@ pool_waiters_table = sa.Table(
     # The servers it waits for, as " gpu0 gpu1 " (server names hold no spaces); NULL:
     # any server. A pool yields a server only to a process that could take it.
     sa.Column("servers", sa.Text),
+    # The priority of the batch waiting (higher first): a freed server goes to the
+    # highest waiting, equal ones take turns.
+    sa.Column("priority", sa.Integer, nullable=False, server_default="0"),
+)
+
+# What each running batch says of itself every few seconds, for `comfy-assets status`
+# and the metrics (store/live.py): one row per (owner, kind, subject), a JSON detail.
+live_table = sa.Table(
+    "comfy_live",
+    metadata,
+    sa.Column("owner", sa.String(255), primary_key=True),
+    sa.Column("kind", sa.String(16), primary_key=True),  # "partition" or "server"
+    sa.Column("subject", sa.String(255), primary_key=True),  # its name
+    sa.Column("detail", sa.Text, nullable=False),
+    sa.Column("updated_at", sa.Double, nullable=False),
 )
 
 # Each server's health as every process sharing the store judges it (store/health.py):
@@ -332,6 +347,7 @@ ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
     (jobs_table, "take"),
     (jobs_table, "inputs_json"),
     (pool_waiters_table, "servers"),
+    (pool_waiters_table, "priority"),
 )
 
 

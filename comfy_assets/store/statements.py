@@ -145,6 +145,7 @@ def server_leases(dialect: str) -> Any:
 OTHERS_WAITING = (
     sa.select(WAITER.owner)
     .where(
+        WAITER.priority >= _b("b_priority", sa.Integer),
         WAITER.owner != _b("b_owner"),
         WAITER.expires_at > _b("b_now"),
         sa.or_(
@@ -301,10 +302,14 @@ def note_server_model(dialect: str) -> Any:
 
 @cache
 def upsert_waiter(dialect: str) -> Any:
-    """INSERT a pool waiter row (binds ``owner``, ``expires_at``, ``servers``), or move
-    its expiry and servers."""
+    """INSERT a pool waiter row (binds ``owner``, ``expires_at``, ``servers``,
+    ``priority``), or move its expiry, servers and priority."""
     insert = insert_for(dialect, pool_waiters_table)
     return insert.on_conflict_do_update(
         index_elements=["owner"],
-        set_={"expires_at": insert.excluded.expires_at, "servers": insert.excluded.servers},
+        set_={
+            "expires_at": insert.excluded.expires_at,
+            "servers": insert.excluded.servers,
+            "priority": insert.excluded.priority,
+        },
     )

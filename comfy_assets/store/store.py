@@ -19,6 +19,7 @@ from comfy_assets.store.claims import Claims
 from comfy_assets.store.clock import DbClock
 from comfy_assets.store.health import ServerHealth
 from comfy_assets.store.leases import ServerLeases
+from comfy_assets.store.live import Live
 from comfy_assets.store.queries import Queries
 from comfy_assets.store.retry import (
     DEFAULT_RETRY_S,
@@ -52,7 +53,7 @@ class BadDbUrl(ValueError):
 __all__ = ["DB_URL_ENV", "OUTCOMES", "TRANSITION_FIELDS", "BadDbUrl", "NoStore", "Store"]
 
 
-class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth):
+class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
     """Jobs and their history in SQLite (``<root>/store.db``) or PostgreSQL (``db_url``
     such as ``postgresql+psycopg://postgres@127.0.0.1/db``); creates missing tables.
 

@@ -1,0 +1,77 @@
+"""Options of the steering features: ``--metrics-port P`` of ``run`` and ``worker``
+(Prometheus metrics on ``http://<host>:P/metrics``: ``comfy_assets/metrics.py``, imported
+only when asked) and ``--priority N`` of ``run`` and ``enqueue``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def port(text: str) -> int:
+    """An argparse ``type``: a TCP port, 1 to 65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 1 to 65535, got {text!r}")
+    return value
+
+
+def priority(text: str) -> int:
+    """An argparse ``type``: a batch's priority, an integer (``jobs/model.py``)."""
+    from comfy_assets.jobs.model import MAX_PRIORITY, is_priority
+
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if not is_priority(value):
+        raise argparse.ArgumentTypeError(
+            f"expected an integer from -{MAX_PRIORITY} to {MAX_PRIORITY}, got {text!r}"
+        )
+    return value  # type: ignore[return-value]
+
+
+def add_priority_option(p: argparse.ArgumentParser) -> None:
+    """Register ``--priority N`` (default: the job file header's, else 0)."""
+    p.add_argument(
+        "--priority",
+        type=priority,
+        default=None,
+        metavar="N",
+        help="the batch's priority among those sharing the servers, higher first: a freed "
+        "server goes to the highest waiting; a prompt rendering is never interrupted "
+        '(default: the job file header\'s "priority", else 0)',
+    )
+
+
+def add_metrics_option(p: argparse.ArgumentParser) -> None:
+    """Register ``--metrics-port P`` (default: no metrics served)."""
+    p.add_argument(
+        "--metrics-port",
+        type=port,
+        default=None,
+        metavar="P",
+        help="serve Prometheus metrics (names comfy_assets_*) on this port, /metrics "
+        "(default: none)",
+    )
+
+
+def start_metrics(args: argparse.Namespace, store: object, partition: str | None) -> int | None:
+    """Serve the metrics when ``--metrics-port`` was given: jobs and attempts of
+    ``partition`` of ``store`` (None: every partition). Returns None, or 2 after saying
+    on stderr that the port could not be bound."""
+    port = getattr(args, "metrics_port", None)
+    if port is None:
+        return None
+    from comfy_assets.metrics import METRICS
+
+    try:
+        METRICS.serve(port)
+    except OSError as e:
+        print(f"error: --metrics-port {port}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    METRICS.track_store(store, partition)  # type: ignore[arg-type]
+    return None

@@ -1,0 +1,202 @@
+"""Prometheus metrics of a ``run`` or a ``worker`` (``--metrics-port P``), with the
+prometheus-client library: every name starts with ``comfy_assets_``.
+
+- ``comfy_assets_jobs{state}``: jobs by state, of the partitions this process renders
+  (every partition of the store for a worker), read from the store at each scrape;
+- ``comfy_assets_attempts{server, outcome}`` (a counter: ``_total``): attempts by
+  outcome (``success``, ``transient``, ``permanent``), from the store;
+- ``comfy_assets_prompt_seconds{server}``: histogram of our prompts' seconds, from the
+  POST's answer to the prompt's end, of prompts that loaded no model;
+- ``comfy_assets_model_load_seconds{server}``: histogram of what a model load added to
+  its prompt (its seconds less the median prompt without a load: ``comfy/plan.py``);
+- ``comfy_assets_server_up{server}``: 1 when the server answered its last probe, else 0;
+- ``comfy_assets_server_quarantined{server}``: 1 while it is quarantined
+  (``Store.server_quarantined``);
+- ``comfy_assets_jobs_waiting{reason}``: the jobs left of the running batches by what
+  they wait for (``render/steering.py``'s vocabulary).
+
+``Metrics.serve(port)`` starts prometheus-client's HTTP server (a thread of its own);
+what the store says is read at each scrape, on that thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from comfy_assets.render import run, steering
+from comfy_assets.store import Store, StoreUnavailable
+
+if TYPE_CHECKING:
+    from comfy_assets.comfy.pool import Pool
+    from comfy_assets.comfy.slot import Slot
+    from comfy_assets.render.progress import Progress
+    from comfy_assets.render.steering import Steering
+
+log = logging.getLogger("comfy_assets.metrics")
+
+PROMPT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+
+
+class Metrics(Collector):
+    """The metrics of one process: ``track_pool`` for each pool (its prompts and its
+    servers' state), ``track_store`` for the store to read jobs and attempts from (with
+    the partitions it renders, None: all), ``waiting`` for each batch's reasons."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.prompt_seconds = Histogram(
+            "comfy_assets_prompt_seconds",
+            "Seconds of a prompt of ours without a model load, POST answered to its end",
+            ["server"],
+            buckets=PROMPT_BUCKETS,
+            registry=self.registry,
+        )
+        self.model_load_seconds = Histogram(
+            "comfy_assets_model_load_seconds",
+            "Seconds a model load added to its prompt",
+            ["server"],
+            buckets=LOAD_BUCKETS,
+            registry=self.registry,
+        )
+        self._lock = threading.Lock()
+        self._pools: list[Pool] = []
+        self._store: Store | None = None
+        self._partitions: set[str] | None = None
+        self._waiting: dict[int, tuple[tuple[str, int], ...]] = {}
+        self.registry.register(self)
+
+    # -- what is measured -------------------------------------------------------------
+
+    def track_pool(self, pool: Pool) -> None:
+        """Measure ``pool``'s prompts and report its servers (until ``forget_pool``)."""
+        with self._lock:
+            self._pools.append(pool)
+        pool.prompt_listeners.append(self._prompt_ended)
+
+    def forget_pool(self, pool: Pool) -> None:
+        with self._lock:
+            if pool in self._pools:
+                self._pools.remove(pool)
+        if self._prompt_ended in pool.prompt_listeners:
+            pool.prompt_listeners.remove(self._prompt_ended)
+
+    def track_store(self, store: Store, partition: str | None = None) -> None:
+        """Read jobs and attempts from ``store``: of ``partition`` (and the others given
+        so far), or of every partition when None."""
+        with self._lock:
+            self._store = store
+            if partition is None:
+                self._partitions = None
+            else:
+                self._partitions = (self._partitions or set()) | {partition}
+
+    def waiting(self, batch_key: int, progress: Progress | None) -> None:
+        """The jobs left of batch ``batch_key`` by reason (None: the batch ended)."""
+        with self._lock:
+            if progress is None:
+                self._waiting.pop(batch_key, None)
+            else:
+                self._waiting[batch_key] = progress.waiting
+
+    def _prompt_ended(self, slot: Slot, seconds: float) -> None:
+        if slot.load_expected:
+            plain = slot.pool.plan.estimates.prompt_s
+            self.model_load_seconds.labels(slot.name).observe(max(seconds - plain, 0.0))
+        else:
+            self.prompt_seconds.labels(slot.name).observe(seconds)
+
+    # -- the scrape ---------------------------------------------------------------------
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """What prometheus-client asks at each scrape (on its HTTP thread)."""
+        with self._lock:
+            pools = list(self._pools)
+            store, partitions = self._store, self._partitions
+            waiting = list(self._waiting.values())
+        up = GaugeMetricFamily("comfy_assets_server_up", "1: the server answers", labels=["server"])
+        quarantined = GaugeMetricFamily(
+            "comfy_assets_server_quarantined", "1: the server is quarantined", labels=["server"]
+        )
+        for pool in pools:
+            down = _unreachable(pool)
+            for spec in pool.servers:
+                up.add_metric([spec.name], 0.0 if spec.name in down else 1.0)
+                q = store.server_quarantined(spec.name) if store is not None else False
+                quarantined.add_metric([spec.name], 1.0 if q else 0.0)
+        yield up
+        yield quarantined
+        by_reason: dict[str, int] = {}
+        for reasons in waiting:
+            for why, n in reasons:
+                by_reason[why] = by_reason.get(why, 0) + n
+        w = GaugeMetricFamily(
+            "comfy_assets_jobs_waiting", "Jobs left by what they wait for", labels=["reason"]
+        )
+        for why, n in sorted(by_reason.items()):
+            w.add_metric([why], float(n))
+        yield w
+        if store is None:
+            return
+        chosen = None if partitions is None else sorted(partitions)
+        try:
+            states = store.job_state_counts(chosen)
+            tries = store.attempt_outcome_counts(chosen)
+        except StoreUnavailable as e:
+            log.warning("metrics: the store did not answer: %s", e)
+            return
+        jobs = GaugeMetricFamily("comfy_assets_jobs", "Jobs by state", labels=["state"])
+        for state, n in sorted(states.items()):
+            jobs.add_metric([state], float(n))
+        yield jobs
+        attempts = CounterMetricFamily(
+            "comfy_assets_attempts", "Attempts by server and outcome", labels=["server", "outcome"]
+        )
+        for (server, outcome), n in sorted(tries.items()):
+            attempts.add_metric([server, outcome], float(n))
+        yield attempts
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        """Serve ``/metrics`` on ``port`` (a daemon thread) and watch every pool and batch
+        made from now on. Raises OSError when the port can't be bound."""
+        start_http_server(port, addr=addr, registry=self.registry)
+        if self._watch_pool not in run.pool_watchers:
+            run.pool_watchers.append(self._watch_pool)
+            steering.watchers.append(self._watch_batch)
+
+    def _watch_pool(self, pool: Pool, store: Store) -> None:
+        self.track_pool(pool)
+        with self._lock:
+            if self._store is None:
+                self._store = store
+
+    def _watch_batch(self, batch: Steering, progress: Progress | None) -> None:
+        if progress is None:
+            self.waiting(id(batch), None)
+            return
+        with self._lock:
+            known = id(batch) in self._waiting
+        if not known:
+            self.track_store(batch.batch.store, batch.batch.partition)
+        self.waiting(id(batch), progress)
+
+
+def _unreachable(pool: Pool) -> dict[str, str]:
+    """The pool's unreachable servers, read from another thread than the pool's loop."""
+    for _ in range(3):
+        try:
+            return dict(pool.unreachable())
+        except RuntimeError:  # the loop changed it while we read: read again
+            continue
+    return {}
+
+
+# The process's metrics: ``run`` and ``worker`` serve it, batches and pools report to it.
+METRICS = Metrics()

@@ -1,0 +1,121 @@
+"""What a running batch writes to the store every few seconds for ``comfy-assets status``
+(``store/live.py``): its partition's counts, estimate and the jobs it holds back with
+their reasons, and each server of its pool: what it renders now (job, partition, since
+when, how far) or why it is not used (unreachable, quarantined, another client's queue).
+
+The detail of a partition row::
+
+    {"total", "done", "dead_lettered", "remaining", "estimate_s", "waiting": {reason: n},
+     "held": {job_id: {"reason", "until", "upstream", "server"}},
+     "groups": [{"servers": [...can run...], "holding": [...], "jobs": [ids] or None}]}
+
+``held`` names the jobs in backoff (``until``: epoch seconds) and those waiting for their
+upstream jobs (``upstream``: ids); ``groups`` the servers that can run each group of
+waiting jobs and those holding its models, with the jobs' ids up to ``MAX_IDS`` in all.
+A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
+"busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from comfy_assets.comfy.capabilities import Needs
+
+if TYPE_CHECKING:
+    from comfy_assets.render.batch import Batch
+    from comfy_assets.render.progress import Progress
+
+MAX_IDS = 2000  # job ids a partition row names at most (rows stay small)
+
+
+def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, Any]]:
+    """The rows ``batch`` publishes now (``Store.publish_live``)."""
+    pool = batch.pool
+    loop_now = asyncio.get_running_loop().time()
+    wall_now = time.time()
+    held: dict[str, dict[str, Any]] = {}
+    for item, when in batch.queue.later():
+        if item.job.id in batch.told_held:
+            continue  # another process's claim: the store says whose
+        held[item.job.id] = {
+            "reason": "in backoff",
+            "until": wall_now + max(when - loop_now, 0.0),
+            "server": item.prev_server,
+        }
+    for job_id, item in list(batch.parked.items()):
+        held[job_id] = {"reason": "upstream", "upstream": list(item.job.depends_on)}
+    groups: dict[Needs, list[str]] = {}
+    named = 0
+    for item in batch.queue.ready:
+        ids = groups.setdefault(batch.queue.needs(item), [])
+        if named < MAX_IDS:
+            ids.append(item.job.id)
+            named += 1
+    group_rows = []
+    for needs, ids in groups.items():
+        group_rows.append(
+            {
+                "servers": [s.name for s in pool.servers if pool.can_run(s.name, needs)],
+                "holding": [s.name for s in pool.servers if pool.plan.fits(s.name, needs)],
+                "jobs": ids,
+            }
+        )
+    out: dict[tuple[str, str], dict[str, Any]] = {
+        ("partition", batch.partition): {
+            "total": progress.total,
+            "done": progress.done,
+            "dead_lettered": progress.dead_lettered,
+            "remaining": progress.remaining,
+            "estimate_s": progress.estimate_s,
+            "waiting": dict(progress.waiting),
+            "held": _bounded(held),
+            "groups": group_rows,
+        }
+    }
+    running: dict[str, tuple[str, float | None, str]] = {}
+    for job_id, attempt in list(batch.attempts.items()):
+        slot = attempt.slot
+        if slot is None:
+            continue
+        follower = pool.open_follower(slot.name)
+        where = follower.progress(attempt.job.prompt_id) if follower is not None else None
+        since = None if slot.posted_at is None else wall_now - (loop_now - slot.posted_at)
+        how_far = where.describe(attempt.job.workflow) if where is not None else "posting"
+        running[slot.name] = (job_id, since, how_far)
+    unreachable = pool.unreachable()
+    for spec in pool.servers:
+        name = spec.name
+        if name in running:
+            job_id, since, how_far = running[name]
+            row: dict[str, Any] = {
+                "state": "rendering",
+                "job": job_id,
+                "partition": batch.partition,
+                "since": since,
+                "progress": how_far,
+            }
+        elif pool.blocked(name) is not None:  # the pool's view of the store's health rows
+            row = {"state": "quarantined", "reason": pool.blocked(name)}
+        elif name in unreachable:
+            row = {"state": "unreachable", "reason": unreachable[name]}
+        else:
+            foreign = _foreign_queue(batch, name)
+            row = {"state": "busy", "foreign_queue": foreign} if foreign else {"state": "free"}
+        out[("server", name)] = row
+    return out
+
+
+def _bounded(held: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    if len(held) <= MAX_IDS:
+        return held
+    return dict(list(held.items())[:MAX_IDS])
+
+
+def _foreign_queue(batch: Batch, name: str) -> int:
+    """Prompts of other clients on ``name`` by its socket (0 when not known)."""
+    follower = batch.pool.open_follower(name)
+    remaining = follower.queue_remaining() if follower is not None else None
+    return remaining or 0

@@ -1,0 +1,210 @@
+"""What a running batch tells the people steering it, every few seconds: how far it is,
+why its jobs left wait, how far each running prompt is and when it will be done.
+
+``Steering`` wraps a batch's ``on_progress``: each ``Progress`` the batch gives (a job
+ended) and one every ``every_s`` seconds (``run``) carry the estimate (``render/eta.py``),
+the jobs left by reason and a line per running prompt (``comfy/progress.py``). The
+reasons, a small fixed vocabulary (``REASONS``), each name what the jobs wait for:
+
+- ``rendering``: on a server (posted, or being posted or downloaded);
+- ``waiting for a server``: in line for one of the servers that can run them;
+- ``for their upstream shot``: a job they continue from is not done yet;
+- ``in backoff``: waiting out the delay after a failed attempt;
+- ``claimed by another process``: another worker holds their claim.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING
+
+from comfy_assets.comfy.capabilities import Needs
+from comfy_assets.comfy.plan import models_of
+from comfy_assets.comfy.slot import Slot
+from comfy_assets.jobs.model import is_priority
+from comfy_assets.render import publish
+from comfy_assets.render.eta import Estimator, Running
+from comfy_assets.render.progress import Progress
+from comfy_assets.render.queue import Item
+from comfy_assets.store import StoreUnavailable
+
+if TYPE_CHECKING:
+    from comfy_assets.render.batch import Batch
+
+RENDERING = "rendering"
+FOR_A_SERVER = "waiting for a server"
+FOR_UPSTREAM = "for their upstream shot"
+IN_BACKOFF = "in backoff"
+FOR_A_CLAIM = "claimed by another process"
+REASONS = (RENDERING, FOR_A_SERVER, FOR_UPSTREAM, IN_BACKOFF, FOR_A_CLAIM)
+
+log = logging.getLogger("comfy_assets.render.steering")
+
+EVERY_S = 2.0  # seconds between the progress a batch gives while no job ends
+REFRESH_S = 0.5  # seconds a look at the batch's state stands for the jobs that end
+
+# Called with each batch's progress as it is given, and (steering, None) once the batch
+# ended (the metrics: ``metrics.py``).
+watchers: list[Callable[[Steering, Progress | None], None]] = []
+
+
+class Steering:
+    """The progress of ``batch`` with its estimate, reasons and running prompts, given to
+    ``on_progress`` (on the batch's event loop). Made before ``batch.run``; ``run`` gives
+    one every ``every_s`` seconds until cancelled."""
+
+    def __init__(
+        self,
+        batch: Batch,
+        on_progress: Callable[[Progress], None],
+        every_s: float | None = None,
+    ) -> None:
+        self.batch = batch
+        self.on_progress = on_progress
+        self.every_s = EVERY_S if every_s is None else every_s
+        self.estimator = Estimator()
+        self._workflow: dict[str, Hashable] = {
+            job.prompt_id: batch.queue.needs(Item(job)) for job in batch.jobs
+        }
+        self._published = False
+        self._last: Progress | None = None  # the last full look (``now``), and when
+        self._last_at = 0.0
+        batch.on_progress = self._batch_progress
+        batch.pool.prompt_listeners.append(self._prompt_ended)
+
+    def close(self) -> None:
+        """Stop measuring the pool's prompts (the pool may outlive the batch) and take
+        the batch's rows out of the store."""
+        listeners = self.batch.pool.prompt_listeners
+        if self._prompt_ended in listeners:
+            listeners.remove(self._prompt_ended)
+        for watch in watchers:
+            watch(self, None)
+        if self._published:
+            try:
+                self.batch.store.clear_live(self.batch.owner)
+            except StoreUnavailable as e:  # they go stale by themselves
+                log.warning("status rows of %s not cleared: %s", self.batch.partition, e)
+
+    async def run(self) -> None:
+        """Give the progress every ``every_s`` seconds, and write what ``status`` shows
+        to the store (``render/publish.py``), until cancelled."""
+        while True:
+            await asyncio.sleep(self.every_s)
+            if not self.batch.progress.remaining:
+                continue
+            progress = self.now(self.batch.progress)
+            self._give(progress)
+            batch = self.batch
+            try:
+                await batch._db(
+                    batch.store.publish_live, batch.owner, publish.rows(batch, progress)
+                )
+                self._published = True
+            except StoreUnavailable as e:
+                # The batch's own store calls meet the outage and decide; status only
+                # misses a few seconds.
+                log.warning("status rows of %s not written: %s", batch.partition, e)
+
+    def _batch_progress(self, progress: Progress) -> None:
+        """A job ended: its progress with the last estimate (less the time since) and
+        running prompts, looked at anew at most every ``REFRESH_S``, so a batch of short
+        prompts does not pay for a look at its whole state per job."""
+        at = time.monotonic()
+        last = self._last
+        if last is None or at - self._last_at >= REFRESH_S or not progress.remaining:
+            self._last, self._last_at = self.now(progress), at
+            self._give(self._last)
+            return
+        estimate = last.estimate_s
+        if estimate is not None:
+            estimate = max(estimate - (at - self._last_at), 0.0)
+        self._give(
+            dataclasses.replace(
+                progress, estimate_s=estimate, waiting=last.waiting, running=last.running
+            )
+        )
+
+    def _give(self, progress: Progress) -> None:
+        for watch in watchers:
+            watch(self, progress)
+        self.on_progress(progress)
+
+    def _prompt_ended(self, slot: Slot, seconds: float) -> None:
+        workflow = self._workflow.get(slot.prompt_id or "")
+        if workflow is not None:
+            load_s = self.batch.pool.plan.estimates.load_s
+            self.estimator.prompt_ended(workflow, seconds, slot.load_expected, load_s)
+
+    def now(self, progress: Progress) -> Progress:
+        """``progress`` with the estimate, the reasons and the running prompts of now."""
+        batch, pool = self.batch, self.batch.pool
+        loop_now = asyncio.get_running_loop().time()
+        running: list[Running] = []
+        lines: list[str] = []
+        for job_id, attempt in list(batch.attempts.items()):
+            job, slot = attempt.job, attempt.slot
+            workflow = self._workflow.get(job.prompt_id, job.workflow_sha256)
+            if slot is None:
+                continue
+            posted = slot.posted_at
+            running.append(Running(workflow, 0.0 if posted is None else loop_now - posted))
+            follower = pool.open_follower(slot.name)
+            where = follower.progress(job.prompt_id) if follower is not None else None
+            how_far = where.describe(job.workflow) if where is not None else "posting"
+            lines.append(f"job {job_id[:8]} on {slot.name}: {how_far}")
+        # The queue's groups are the workflows (``Needs``): counted per group, not per job.
+        waiting: dict[Hashable, int] = {g: d.count for g, d in batch.queue.demand().items()}
+        counts = dict.fromkeys(REASONS, 0)
+        counts[RENDERING] = len(batch.attempts)
+        for item, _ in batch.queue.later():
+            self._count(waiting, item)
+            counts[FOR_A_CLAIM if item.job.id in batch.told_held else IN_BACKOFF] += 1
+        for item in list(batch.parked.values()):
+            self._count(waiting, item)
+            counts[FOR_UPSTREAM] += 1
+        counts[FOR_A_SERVER] = max(
+            progress.remaining - sum(n for why, n in counts.items() if why != FOR_A_SERVER), 0
+        )
+        usable = max(len(pool.servers) - len(pool.unreachable()), 1)
+        plan = pool.plan
+        # A workflow no server holds costs a load before its first job (plan.py).
+        loads = sum(
+            1
+            for workflow in waiting
+            if isinstance(workflow, Needs)
+            and models_of(workflow)
+            and not any(plan.fits(s, workflow) for s in plan.servers)
+        )
+        estimate = self.estimator.left_s(waiting, running, usable, loads, plan.estimates.load_s)
+        return dataclasses.replace(
+            progress,
+            elapsed_s=max(time.monotonic() - batch.started, progress.elapsed_s),
+            estimate_s=estimate,
+            waiting=tuple((why, n) for why, n in counts.items() if n),
+            running=tuple(lines),
+        )
+
+    def _count(self, waiting: dict[Hashable, int], item: Item) -> None:
+        workflow = self._workflow.get(item.job.prompt_id, item.job.workflow_sha256)
+        waiting[workflow] = waiting.get(workflow, 0) + 1
+
+
+# The Dagster run tag the QueuedRunCoordinator orders its queue by (an integer as a
+# string): the batch's priority when set.
+PRIORITY_TAG = "dagster/priority"
+
+
+def run_priority(tags: Mapping[str, str]) -> int | None:
+    """The priority a run's ``dagster/priority`` tag gives (None: not set, or not an
+    integer, which Dagster's queue also reads as unset)."""
+    text = tags.get(PRIORITY_TAG)
+    try:
+        value = int(text) if text is not None else None
+    except ValueError:
+        return None
+    return value if is_priority(value) else None

@@ -1,0 +1,149 @@
+"""Prometheus metrics of ``run --metrics-port`` and ``worker --metrics-port``: scraped over
+HTTP and read with prometheus-client's own parser."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.metrics import Metrics
+from comfy_assets.render import run as run_module
+from comfy_assets.render import steering
+from comfy_assets.render.run import run_batch
+from comfy_assets.store import Store
+from fake_comfy import FakeComfy
+from tests.support import ROOT, fake_servers, fast_config, write_jobs
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of ``/metrics``: (name, sorted labels) -> value."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+async def test_a_batch_shows_its_jobs_attempts_prompt_seconds_and_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics = Metrics()
+    monkeypatch.setattr(run_module, "pool_watchers", [])
+    monkeypatch.setattr(steering, "watchers", [])
+    port = free_port()
+    metrics.serve(port, addr="127.0.0.1")
+    fakes = [FakeComfy(script=["500", "ok"], prompt_seconds=0.01), FakeComfy(prompt_seconds=0.01)]
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 4))
+    store = Store(tmp_path / "s")
+    metrics.track_store(store, "p")
+    async with fake_servers(*fakes) as servers:
+        summary = await run_batch(
+            jf, partition="p", servers=servers, store=store, config=fast_config()
+        )
+    assert summary.done == 4
+    samples = scrape(port)
+    assert all(name.startswith("comfy_assets_") for name, _ in samples if "python" not in name)
+    assert samples[("comfy_assets_jobs", (("state", "succeeded"),))] == 4
+    attempts = {
+        labels: v for (name, labels), v in samples.items() if name == "comfy_assets_attempts_total"
+    }
+    assert sum(attempts.values()) == 5  # one POST answered 500, retried
+    assert attempts[(("outcome", "transient"), ("server", "gpu0"))] == 1
+    counted = sum(
+        v for (name, _), v in samples.items() if name == "comfy_assets_prompt_seconds_count"
+    )
+    assert counted == 4
+    for gpu in ("gpu0", "gpu1"):
+        assert samples[("comfy_assets_server_up", (("server", gpu),))] == 1
+        assert samples[("comfy_assets_server_quarantined", (("server", gpu),))] == 0
+
+
+def test_run_metrics_port_serves_while_the_batch_runs(tmp_path: Path) -> None:
+    fake = FakeComfy(prompt_seconds=0.3)
+    jobs = write_jobs(tmp_path / "jobs", 4)
+    port = free_port()
+    with fake.serve_in_thread(port=0) as url:
+        cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+        cmd += ["--server", f"gpu0={url}", "--store", str(tmp_path / "s")]
+        cmd += ["--metrics-port", str(port), "--poll-s", "0.05"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        samples: dict = {}
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    samples = scrape(port)
+                except OSError:
+                    samples = {}
+                waiting = [k for k in samples if k[0] == "comfy_assets_jobs_waiting"]
+                if waiting and samples.get(("comfy_assets_server_up", (("server", "gpu0"),))):
+                    break
+                time.sleep(0.1)  # polling a server another process runs: no event to wait on
+        finally:
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert samples[("comfy_assets_server_up", (("server", "gpu0"),))] == 1
+    assert any(k[0] == "comfy_assets_jobs_waiting" for k in samples)
+    assert sum(v for k, v in samples.items() if k[0] == "comfy_assets_jobs") == 4
+
+
+def test_a_port_already_taken_is_said_and_nothing_runs(tmp_path: Path) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+        cmd += ["--server", "gpu0=http://127.0.0.1:9", "--store", str(tmp_path / "s")]
+        cmd += ["--metrics-port", str(port)]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert f"error: --metrics-port {port}:" in proc.stderr
+
+
+def test_worker_metrics_port_serves_its_pool_and_the_stores_jobs(tmp_path: Path) -> None:
+    fake = FakeComfy(prompt_seconds=0.3)
+    jobs = write_jobs(tmp_path / "jobs", 4)
+    port = free_port()
+    with fake.serve_in_thread(port=0) as url:
+        cmd = [sys.executable, "-m", "comfy_assets.cli", "worker", "--jobs", str(jobs)]
+        cmd += ["--server", f"gpu0={url}", "--store", str(tmp_path / "s")]
+        cmd += ["--metrics-port", str(port), "--poll-s", "0.05"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        samples: dict = {}
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    samples = scrape(port)
+                except OSError:
+                    samples = {}
+                done = samples.get(("comfy_assets_jobs", (("state", "succeeded"),)), 0)
+                if done >= 1 and samples.get(("comfy_assets_server_up", (("server", "gpu0"),))):
+                    break
+                time.sleep(0.1)  # polling a server another process runs: no event to wait on
+        finally:
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()
+    assert samples[("comfy_assets_server_up", (("server", "gpu0"),))] == 1
+    assert samples[("comfy_assets_server_quarantined", (("server", "gpu0"),))] == 0
+    assert samples[("comfy_assets_jobs", (("state", "succeeded"),))] >= 1
+    assert any(k[0] == "comfy_assets_prompt_seconds_count" for k in samples)

@@ -1,0 +1,133 @@
+"""Priorities across runs sharing servers and a store: a rush file with ``--priority 10``
+started while a big file renders has every prompt posted before the big file posts more
+than 2 more; the header's ``"priority"`` and ``dagster/priority`` give a batch its
+priority; waiter marks carry it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from comfy_assets.jobs.parse import JobFileError, load_job_file
+from comfy_assets.render.steering import run_priority
+from comfy_assets.store import Store
+from fake_comfy import FakeComfy
+from tests.support import ROOT, write_jobs
+
+pytestmark = pytest.mark.timeout(180)
+
+FAST = ["--base-delay-s", "0.01", "--max-delay-s", "0.05", "--no-jitter", "--poll-s", "0.05"]
+
+
+def run_cmd(jobs: Path, urls: list[str], store: Path, *extra: str) -> list[str]:
+    cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+    for i, url in enumerate(urls):
+        cmd += ["--server", f"gpu{i}={url}"]
+    return cmd + ["--store", str(store), *FAST, *extra]
+
+
+def posts(fakes: list[FakeComfy]) -> list[tuple[float, str]]:
+    """Every POST /prompt of every fake, (time, prompt_id), in time order."""
+    return sorted((p["time"], p["prompt_id"]) for f in fakes for p in f.stats["posts"])
+
+
+def rush_against_big(tmp_path: Path, *rush_extra: str) -> int:
+    """Start a 60-job file on two servers, then a 10-job one with ``rush_extra``; the
+    big file's prompts posted after the rush's first and up to its last."""
+    fakes = [FakeComfy(prompt_seconds=0.1) for _ in range(2)]
+    big = write_jobs(tmp_path / "big", 60, name="big.jsonl")
+    rush = write_jobs(tmp_path / "rush", 10, name="rush.jsonl")
+    rush_ids = {j.prompt_id for j in load_job_file(rush).jobs}
+    store = tmp_path / "store"
+    Store(store).close()  # made once, before both processes open it
+    with ExitStack() as stack:
+        urls = [stack.enter_context(f.serve_in_thread(port=0)) for f in fakes]
+        big_proc = subprocess.Popen(
+            run_cmd(big, urls, store), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        try:
+            # Poll the fakes' own records (another process posts): both servers busy.
+            while len(posts(fakes)) < 4:
+                assert big_proc.poll() is None, big_proc.stderr.read().decode()
+                time.sleep(0.05)  # no event crosses the process boundary: look again
+            rush_run = subprocess.run(
+                run_cmd(rush, urls, store, *rush_extra),
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert rush_run.returncode == 0, rush_run.stderr
+        finally:
+            big_proc.wait(120)
+        assert big_proc.returncode == 0
+    seen = posts(fakes)
+    rush_times = [t for t, pid in seen if pid in rush_ids]
+    assert len(rush_times) == 10
+    first, last = rush_times[0], rush_times[-1]
+    return sum(1 for t, pid in seen if pid not in rush_ids and first < t < last)
+
+
+def test_a_rush_file_with_priority_10_is_posted_before_the_big_file_posts_3_more(tmp_path):
+    assert rush_against_big(tmp_path, "--priority", "10") <= 2
+
+
+def test_the_header_priority_is_read_and_checked(tmp_path: Path) -> None:
+    path = write_jobs(tmp_path / "jobs", 1)
+    lines = path.read_text()
+    path.write_text(json.dumps({"header": {"priority": 7}}) + "\n" + lines)
+    assert load_job_file(path).header.priority == 7
+    path.write_text(json.dumps({"header": {"priority": "high"}}) + "\n" + lines)
+    with pytest.raises(JobFileError, match=r":1: header.priority: expected an integer"):
+        load_job_file(path)
+
+
+def test_the_dagster_priority_tag_gives_the_batch_its_priority() -> None:
+    assert run_priority({"dagster/priority": "10"}) == 10
+    assert run_priority({"dagster/priority": "-3"}) == -3
+    assert run_priority({"dagster/priority": "urgent"}) is None
+    assert run_priority({}) is None
+
+
+def test_waiter_marks_carry_the_priority(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    store.mark_waiting("rush", 60.0, ["gpu0"], priority=10)
+    store.mark_waiting("big", 60.0, ["gpu0"], priority=0)
+    assert store.others_waiting("big", "gpu0", priority=1)  # the rush outranks the big file
+    assert not store.others_waiting("rush", "gpu0", priority=11)  # nobody outranks the rush
+    assert store.others_waiting("rush", "gpu0", priority=0)  # the big one waits, lower
+    assert store.others_waiting("rush", "gpu0")
+
+
+def test_enqueue_priority_travels_in_the_message_and_is_checked(tmp_path: Path) -> None:
+    from comfy_assets.service.messages import file_messages, parse_message
+
+    job_file = load_job_file(write_jobs(tmp_path / "jobs", 2))
+    (_, body), _ = file_messages(job_file, "p", priority=10)
+    queued = parse_message(body, workflows_dir=tmp_path, source="m")
+    assert (queued.priority, queued.partition) == (10, "p")
+    (_, plain), _ = file_messages(job_file, "p")
+    assert parse_message(plain, workflows_dir=tmp_path, source="m").priority == 0
+    bad = json.loads(body)
+    bad["priority"] = True
+    with pytest.raises(JobFileError, match="priority: expected an integer, got true"):
+        parse_message(json.dumps(bad).encode(), workflows_dir=tmp_path, source="m")
+
+
+def test_a_long_lived_pool_has_the_highest_priority_of_the_jobs_it_runs() -> None:
+    from comfy_assets.comfy.priority import Priorities
+
+    pool = Priorities()
+    with pool.prioritized(5):
+        with pool.prioritized(0):
+            assert pool.priority == 5
+        with pool.prioritized(9):
+            assert pool.priority == 9
+        assert pool.priority == 5
+    assert pool.priority == 0

@@ -1,0 +1,152 @@
+"""``comfy-assets status``: per partition its jobs by state and time left, per server what
+it renders now, and with ``--partition`` each job not done with one reason naming what
+it waits for, from what running batches write to the store."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from comfy_assets.cli.main import main
+from comfy_assets.cli.status import REASONS, gather, lines
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render import steering
+from comfy_assets.render.run import run_batch
+from comfy_assets.store import Store
+from fake_comfy import FakeComfy
+from tests.support import fake_servers, fast_config, wait_until, write_jobs
+from tests.test_models_pool import model_jobs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+async def test_status_names_what_each_server_renders_and_why_each_job_waits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(steering, "EVERY_S", 0.02)
+    fakes = [FakeComfy(models=["a.safetensors"], prompt_seconds=0.3) for _ in range(2)]
+    jf = model_jobs(tmp_path / "jobs", ["a.safetensors"] * 12)
+    for job in jf.jobs:
+        job.workflow["3"]["inputs"]["steps"] = 50
+    store = Store(tmp_path / "s")
+    async with fake_servers(*fakes) as servers:
+        task = asyncio.create_task(
+            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        )
+        try:
+
+            def sampling() -> bool:
+                rows = [r for r in store.live() if r.kind == "server"]
+                return any("KSampler, step" in str(r.detail.get("progress")) for r in rows)
+
+            await wait_until(sampling, 30.0, "a server row with a sampler's step")
+            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert report is not None
+    (part,) = report["partitions"]
+    assert part["partition"] == "p" and sum(part["states"].values()) == 12
+    rendering = [s for s in report["servers"] if s["state"] == "rendering"]
+    assert rendering and all(s["partition"] == "p" for s in rendering)
+    assert any(re.search(r"node 5/7 KSampler, step \d+/50", s["progress"]) for s in rendering)
+    reasons = {j["reason"] for j in report["jobs"]}
+    assert reasons <= set(REASONS)
+    assert "waiting for a server" in reasons and "rendering" in reasons
+    waiting = next(j for j in report["jobs"] if j["reason"] == "waiting for a server")
+    assert "gpu0, gpu1 can run it" in waiting["detail"]
+    text = lines(report)
+    assert text[0].startswith("partition p: ")
+    assert any(line.startswith("server gpu0: ") for line in text)
+
+
+async def test_a_job_in_backoff_says_until_when_and_after_which_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(steering, "EVERY_S", 0.02)
+    fake = FakeComfy(script=["500"], prompt_seconds=0.01)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    store = Store(tmp_path / "s")
+    config = fast_config(base_delay_s=60.0, max_delay_s=60.0)
+    async with fake_servers(fake) as servers:
+        task = asyncio.create_task(
+            run_batch(jf, partition="p", servers=servers, store=store, config=config)
+        )
+        try:
+
+            def in_backoff() -> bool:
+                parts = [r for r in store.live() if r.kind == "partition"]
+                return any(r.detail.get("held") for r in parts)
+
+            await wait_until(in_backoff, 30.0, "a job in backoff")
+            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert report is not None
+    (job,) = report["jobs"]
+    assert job["reason"] == "in backoff"
+    assert re.match(r"until \d\d:\d\d:\d\d \(\d+ s from now\), after: .*500", job["detail"])
+
+
+def test_a_partition_nobody_runs_says_so_and_json_is_one_object(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 2))
+    Store(tmp_path / "s").register_jobs("p", jf.jobs)
+    assert main(["status", "--store", str(tmp_path / "s"), "--partition", "p", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [j["reason"] for j in report["jobs"]] == ["not in a running batch"] * 2
+    states = report["partitions"][0]["states"]
+    assert {s: n for s, n in states.items() if n} == {"pending": 2}
+    assert main(["status", "--store", str(tmp_path / "s"), "--partition", "q"]) == 1
+    assert main(["status", "--store", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "partition p: 2 pending; 0/2 done, 2 left"
+
+
+def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 3))
+    store = Store(tmp_path / "s")
+    store.register_jobs("p", jf.jobs)
+    first, second, third = (j.id for j in jf.jobs)
+    # What a running batch writes (render/publish.py): the second job continues from the
+    # first; the third's only able server is quarantined.
+    store.publish_live(
+        "owner-1",
+        {
+            ("partition", "p"): {
+                "total": 3,
+                "done": 0,
+                "remaining": 3,
+                "estimate_s": 200.0,
+                "waiting": {"waiting for a server": 2, "for their upstream shot": 1},
+                "held": {second: {"reason": "upstream", "upstream": [first]}},
+                "groups": [
+                    {"servers": ["gpu0", "gpu1"], "holding": [], "jobs": [first]},
+                    {"servers": ["gpu1"], "holding": [], "jobs": [third]},
+                ],
+            },
+            ("server", "gpu0"): {"state": "free"},
+            ("server", "gpu1"): {"state": "quarantined", "reason": "quarantined until 12:00"},
+        },
+    )
+    report = gather(store, "p")
+    assert report is not None
+    reasons = {j["job_id"]: (j["reason"], j["detail"]) for j in report["jobs"]}
+    assert reasons[first] == (
+        "waiting for a server",
+        "gpu0, gpu1 can run it; gpu0 free; gpu1 quarantined (quarantined until 12:00)",
+    )
+    assert reasons[second] == ("waiting for its upstream job", f"{first} (pending)")
+    assert reasons[third] == ("every server that can run it is quarantined", "gpu1")
+    text = lines(report)
+    assert text[0] == (
+        "partition p: 3 pending; 0/3 done, 3 left, about 3 min to go "
+        "(2 waiting for a server, 1 for their upstream shot)"
+    )
+    assert "server gpu1: not used: quarantined (quarantined until 12:00)" in text
