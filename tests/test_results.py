@@ -89,10 +89,10 @@ def test_csv_keeps_integers_when_a_key_is_missing_in_some_rows(tmp_path: Path) -
     text = path.read_text().splitlines()
 
     assert text[0] == (
-        "job_id,line,shot,1.width,1.color,take,inputs,state,server,attempts,seconds,files,reason"
+        "job_id,line,shot,1.width,1.color,take,inputs,state,server,failed_on,attempts,seconds,files,reason"
     )
-    assert text[1] == "a,1,,64,,1,,succeeded,gpu0,1,0.5,,"
-    assert text[2] == "b,1,,,3,1,,succeeded,gpu0,1,0.5,,"
+    assert text[1] == "a,1,,64,,1,,succeeded,gpu0,,1,0.5,,"
+    assert text[2] == "b,1,,,3,1,,succeeded,gpu0,,1,0.5,,"
     assert [p.name for p in path.parent.iterdir()] == ["results.csv"]  # no temp file left
 
 
@@ -117,7 +117,7 @@ def test_a_storyboard_sorts_by_shot_and_every_row_names_its_line(tmp_path: Path)
 
     assert frame["job_id"].tolist() == ["b", "a", "c"]  # the job without a shot last
     assert frame["line"].tolist() == [3, 2, 4]
-    assert path.read_text().splitlines()[3] == "c,4,,3,1,,succeeded,gpu0,1,0.5,,"
+    assert path.read_text().splitlines()[3] == "c,4,,3,1,,succeeded,gpu0,,1,0.5,,"
 
 
 def test_list_values_are_written_as_json() -> None:

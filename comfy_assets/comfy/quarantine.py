@@ -57,13 +57,17 @@ class Quarantine:
         self._health_at = -1e9
 
     def _read_health(self) -> None:
+        """Read the servers' health on the loop (as the leases are), when the last read
+        is older than ``HEALTH_TTL_S``; a store that fails leaves the last view."""
         now = asyncio.get_running_loop().time()
         if now - self._health_at < HEALTH_TTL_S:
             return
         self._health_at = now
         read = self._ask_leases(self.leases.server_health, None)
-        if read is None:  # the store failed: the last view stands
-            return
+        if read is not None:
+            self._took_health(read)
+
+    def _took_health(self, read: Mapping[str, HealthRecord]) -> None:
         self.health = read
         for spec in self.servers:
             why = self.blocked(spec.name)
@@ -121,15 +125,24 @@ class Quarantine:
         if waited >= limit:
             raise NoServerReachable(waited, blocked, what="usable")
 
+    async def read_health(self) -> None:
+        """Read the servers' health now, on a thread: while the database is away this
+        waits (up to the store's budget, then raises its error) instead of failing a
+        call on the loop."""
+        self._health_at = asyncio.get_running_loop().time()
+        self._took_health(await asyncio.to_thread(self.leases.server_health))
+
     async def until_usable(
         self, say: Callable[[str], None], back: Callable[[], None] = lambda: None
     ) -> None:
         """Return once some server of the pool may take a prompt. While none may (every
         one quarantined), ``say`` why, once, and look again every ``HEALTH_TTL_S``;
-        ``back`` is called when one may again after that."""
+        ``back`` is called when one may again after that. Raises the store's error when
+        its database stays away past the store's budget."""
         said = False
         while True:
-            self._read_health()
+            if asyncio.get_running_loop().time() - self._health_at >= HEALTH_TTL_S:
+                await self.read_health()
             blocked = self.all_blocked()
             if not blocked:
                 if said:

@@ -245,16 +245,18 @@ class Worker(MessageHandling):
     async def _serve(self, pool: Pool) -> None:
         """Take messages until the source ends or a stop, then wait for the running jobs
         (``_drain``). A failure to take messages stops the worker (``_fail``)."""
-        self.consuming.set()
-        log.info(
-            "worker %s: taking jobs of %s with %d server%s (%s)",
-            self.owner,
-            self.partition,
-            len(self.servers),
-            "" if len(self.servers) == 1 else "s",
-            ", ".join(s.name for s in self.servers),
-        )
         try:
+            # The servers' quarantines as they stand, before the first message is taken.
+            await self._unless_stopped(pool.read_health())
+            self.consuming.set()
+            log.info(
+                "worker %s: taking jobs of %s with %d server%s (%s)",
+                self.owner,
+                self.partition,
+                len(self.servers),
+                "" if len(self.servers) == 1 else "s",
+                ", ".join(s.name for s in self.servers),
+            )
             await self._consume(pool)
             self.consuming.clear()
             await self.source.stop_taking()
