@@ -14,14 +14,17 @@ import pytest
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import ConnectionLost, UnexpectedAnswer
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.outcome import Failure
+from comfy_assets.render.ownership import graph_sha256
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
-from fake_comfy import FakeComfy
+from fake_comfy import FakeComfy, recorded
 from tests.support import (
     executed,
     fake_servers,
     fast_config,
     gone_owner,
+    job_id,
     outcomes,
     posted,
     running,
@@ -311,15 +314,20 @@ async def test_a_prompt_the_server_forgot_is_posted_again_saying_it_may_render_t
 async def test_delivery_posts_nothing_after_a_fatal_failure_while_another_server_renders(
     tmp_path,
 ):
-    # A storyboard on two servers: shot 1 fails for good on gpu0 while gpu1 is still
-    # rendering shot 2 (it hangs until the dead letter is written); the consumers
-    # already waiting in line with their shots claimed must not post them once the
-    # delivery policy has stopped the batch.
+    # A storyboard on two servers: shot 1 fails for good on gpu0 (its workflow is known
+    # to fail so: a dead letter at its first failure) while gpu1 is still rendering
+    # shot 2 (it hangs until the dead letter is written); the consumers already waiting
+    # in line with their shots claimed must not post them once the delivery policy has
+    # stopped the batch.
     failing = FakeComfy(script=["error"], prompt_seconds=0.005)
     hung = FakeComfy(script=["hang"], prompt_seconds=0.005)
     shots = [{"shot": i + 1} for i in range(8)]
     jf = load_job_file(write_jobs(tmp_path / "jobs", 8, extra=shots))
     store = Store(tmp_path / "store")
+    first_line = recorded.index_error()["exception_message"].splitlines()[0]
+    failure = Failure.execution_error("execution_error", "3", "IndexError", first_line, "")
+    graph = graph_sha256(jf.jobs[0].workflow)
+    store.job_failed_alike(job_id(99), graph, failure.signature, ["gpu8", "gpu9"], "IndexError")
     async with fake_servers(failing, hung) as servers:
         failing.pause()  # shot 1 fails only once shot 2 is rendering on gpu1
         batch = asyncio.create_task(
@@ -341,6 +349,7 @@ async def test_delivery_posts_nothing_after_a_fatal_failure_while_another_server
     (fatal,) = [r for r in runs if r["outcome"] == "error"]
     # The hung shot, interrupted by someone else on its only attempt, is a dead letter too.
     assert summary.dead_lettered == 2
+    assert "this workflow failed so on gpu8 and gpu9 before" in store.get(jf.jobs[0].id).reason
     assert [r for r in runs if r["start"] > fatal["end"]] == []
     assert len(runs) == 2  # the fatal shot and the hung one: nothing posted after the stop
     assert all(j.claimed_by is None for j in store.jobs("p"))

@@ -68,6 +68,8 @@ async def test_a_sick_server_of_three_runs_at_most_5_prompts_of_30_and_nothing_i
     assert health.state == "quarantined"
     said = [line for line in lines if line.startswith("server gpu2 quarantined for 60 s: ")]
     assert len(said) == 1
+    noted = [e.detail for e in store.events(partition="big") if e.detail == said[0]]
+    assert len(noted) == 1  # the job whose attempt decided it has the line too
     named = said[0].rsplit("; jobs that failed here: ", 1)[1].split(", ")
     assert len(named) >= (3 if word == "error" else 1)
     assert set(named) <= {j for j, _, _ in health.failed_jobs}
@@ -254,3 +256,48 @@ def test_health_shows_a_quarantine_and_readmit_ends_it(tmp_path, capsys):
     assert capsys.readouterr().out == "gpu2 ok\n"
     assert main(["health", "--readmit", "gpu2"]) == 2
     assert "--readmit needs --store DIR" in capsys.readouterr().err
+
+
+async def test_two_sick_servers_failing_alike_do_not_make_a_good_workflow_known_to_fail(tmp_path):
+    healthy = [FakeComfy(prompt_seconds=0.002) for _ in range(2)]
+    sick = [FakeComfy(default_word="error", prompt_seconds=0.002) for _ in range(2)]
+    fakes = [*healthy, *sick]
+    store = Store(tmp_path / "store")
+    first = await run(tmp_path, store, fakes, write_jobs(tmp_path / "jobs", 30, name="a.jsonl"))
+    # Only jobs that both sick servers failed before the workflow rendered anywhere may
+    # be dead letters; once it rendered, it is not known to fail any more.
+    assert first.counts["succeeded"] >= 25
+    health = store.server_health()
+    assert {health["gpu2"].state, health["gpu3"].state} == {"quarantined"}
+    before = [prompts(f) for f in sick]
+    second = await run(tmp_path, store, fakes, write_jobs(tmp_path / "jobs", 30, name="b.jsonl"))
+    assert second.counts["succeeded"] == 30
+    assert [prompts(f) for f in sick] == before  # in their cool-down: nothing posted there
+
+
+async def test_a_failure_that_goes_elsewhere_does_not_use_up_the_jobs_attempts(tmp_path):
+    sick = FakeComfy(default_word="error", prompt_seconds=0.001)
+    healthy = [FakeComfy(prompt_seconds=0.01) for _ in range(2)]
+    store = Store(tmp_path / "store")
+    jobs = write_jobs(tmp_path / "jobs", 12, name="one_try.jsonl")
+    summary = await run(tmp_path, store, [sick, *healthy], jobs, attempts=1)
+    assert summary.counts["succeeded"] == 12
+    assert store.server_health()["gpu0"].failures_server >= 1
+    # The job whose attempt quarantined gpu0 (if one did) says so among its events.
+    noted = [
+        e.detail
+        for i in range(12)
+        for e in store.events(job_id(i, "one_try.jsonl"))
+        if (e.detail or "").startswith("server gpu0 quarantined for ")
+    ]
+    assert len(noted) == store.server_health()["gpu0"].quarantines
+
+
+def test_readmit_of_a_server_the_store_does_not_know_writes_nothing(tmp_path, capsys):
+    from comfy_assets.cli.main import main
+
+    store = Store(tmp_path / "store")
+    store.server_failed("gpu0", job_id(1), "0" * 64, "cuda", "CUDA error", infrastructure=True)
+    assert main(["health", "--store", str(tmp_path / "store"), "--readmit", "gpu7"]) == 2
+    assert "unknown server 'gpu7' (the store knows: gpu0)" in capsys.readouterr().err
+    assert sorted(store.server_health()) == ["gpu0"]

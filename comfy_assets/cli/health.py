@@ -91,16 +91,26 @@ def health(args: argparse.Namespace) -> int:
         opened = _open(args)
         if isinstance(opened, int):
             return opened
+        from comfy_assets.store.health import UnknownServer, ok_record
+
         try:
             by = f"{getpass.getuser()}@{socket.gethostname()}"
             for name in args.readmit:
-                change = opened.readmit_server(name, by)
+                try:
+                    change = opened.readmit_server(name, by)
+                except UnknownServer as e:
+                    print(f"comfy-assets health: --readmit: {e}", file=sys.stderr)
+                    code = 2
+                    continue
                 if change is None:
                     print(f"{name}: not quarantined, nothing to re-admit", file=sys.stderr)
                     code = 1
                 else:
                     print(f"{name} {change.detail}")
             records = opened.server_health()
+            # Servers that rendered and never failed have no health row: ok.
+            for name in sorted(opened.server_leases()):
+                records.setdefault(name, ok_record(name))
         finally:
             opened.close()
         if args.readmit and not specs:

@@ -151,11 +151,17 @@ class NoServerReachable(Exception):
     failed; ``reasons`` by server name). Not a ComfyError on purpose: it is no attempt's
     failure (retrying would only burn attempts), it ends the batch with its unrun jobs
     still pending. ``what`` is "usable" when the servers answer but every one is
-    quarantined (``comfy/quarantine.py``)."""
+    quarantined (``comfy/quarantine.py``); ``why``, when given, says why the batch stops
+    before its wait is over."""
 
-    def __init__(self, waited_s: float, reasons: dict[str, str], what: str = "reachable") -> None:
+    def __init__(
+        self, waited_s: float, reasons: dict[str, str], what: str = "reachable", why: str = ""
+    ) -> None:
         listed = "; ".join(f"{name} {why}" for name, why in reasons.items())
-        super().__init__(f"no server {what} for {waited_s:.3g} s ({listed})")
+        if why:  # it stops before the wait is over, and says why
+            super().__init__(f"no server {what} ({listed}); {why}")
+        else:
+            super().__init__(f"no server {what} for {waited_s:.3g} s ({listed})")
         self.waited_s = waited_s
         self.reasons = reasons
 

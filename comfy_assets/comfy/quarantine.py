@@ -50,6 +50,9 @@ class Quarantine:
         self._health_at = -1e9  # loop time of the last read
         self._said_blocked: dict[str, str] = {}  # what the log last said per server
         self._blocked_since: float | None = None  # loop time every server was first blocked
+        # Times every server was blocked at once: a second time, they went back to
+        # quarantine after a trial (the fault stays), and the batch stops.
+        self._blocked_episodes = 0
 
     def health_changed(self) -> None:
         """Our batch wrote a server's failure or change of state: read again before the
@@ -104,6 +107,7 @@ class Quarantine:
             return False
         if self._blocked_since is None:
             self._blocked_since = asyncio.get_running_loop().time()
+            self._blocked_episodes += 1
         return True
 
     def _check_usable(self) -> None:
@@ -117,11 +121,18 @@ class Quarantine:
         blocked = self.all_blocked()
         if not blocked:
             return
+        if self._blocked_episodes > 1:
+            why = "every server went back to quarantine after its trial: nothing is posted"
+            raise NoServerReachable(waited, blocked, what="usable", why=why)
         ends = [self.health[name].until for name in blocked if name in self.health]
         if all(end is not None for end in ends) and ends:
             left = min(e for e in ends if e is not None) - self.leases.now()
             if left > limit - waited:
-                raise NoServerReachable(waited, blocked, what="usable")
+                why = (
+                    f"the first cool-down ends in {left:.0f} s, past the {limit:g} s a batch "
+                    "waits for a usable server"
+                )
+                raise NoServerReachable(waited, blocked, what="usable", why=why)
         if waited >= limit:
             raise NoServerReachable(waited, blocked, what="usable")
 

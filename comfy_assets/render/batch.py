@@ -102,7 +102,7 @@ class Batch(Settle, Chain, Claiming):
         self.unresolved = len(self.jobs)
         self.resolutions = 0  # jobs resolved so far (a parked job's check may miss one)
         self._init_chain()
-        self._blocked_groups = {}
+        self._init_ownership()
         self.claims = Claims(store, owner, config.lease_s, self._db, self._claim_gone)
         self.renderings = DeferredRendering(self._write_rendering, self._rendering_failed)
         self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said

@@ -74,6 +74,23 @@ class Ownership:
     # quarantined.
     _blocked_groups: dict[Any, float]
 
+    def _init_ownership(self) -> None:
+        self._blocked_groups = {}
+        # Workflows (graph sha256) that rendered in this batch: none of them can be a
+        # workflow that fails everywhere, whatever two servers said.
+        self._rendered_graphs: set[str] = set()
+        # Workflows this batch took (or learned) as known to fail: a success of one
+        # unlearns it in the store.
+        self._learned_graphs: set[str] = set()
+        self._graphs: dict[str, str] = {}  # resolved workflow sha256 -> graph sha256
+
+    def _graph(self, item: Item) -> str:
+        job = item.job
+        found = self._graphs.get(job.workflow_sha256)
+        if found is None:
+            found = self._graphs[job.workflow_sha256] = graph_sha256(job.workflow)
+        return found
+
     async def _owned(self, item: Item, r: AttemptResult) -> tuple[AttemptResult, bool]:
         """The attempt's result once ownership is decided, and whether the job is tried
         again at once (elsewhere, no backoff). A result without a ``Failure`` is
@@ -88,10 +105,13 @@ class Ownership:
         if failure.kind != "execution_error":  # a deadline, a lost prompt: backoff stands
             await self._server_failed(item, server, failure)
             return r, False
-        known = await self._db(
-            self.store.known_workflow_failure, graph_sha256(job.workflow), failure.signature
-        )
+        graph = self._graph(item)
+        rendered = graph in self._rendered_graphs
+        known = None
+        if not rendered:
+            known = await self._db(self.store.known_workflow_failure, graph, failure.signature)
         if known is not None:
+            self._learned_graphs.add(graph)
             await self._health(self.store.failure_owned_by_job, server, job.id)
             where = " and ".join(known)
             reason = (
@@ -102,12 +122,13 @@ class Ownership:
         alike = [
             s for s, f in item.failed_on.items() if s != server and f.signature == failure.signature
         ]
-        if alike:
+        if alike and not rendered:  # a workflow that rendered here fails on sick servers
             servers = [*alike, server]
+            self._learned_graphs.add(graph)
             await self._health(
                 self.store.job_failed_alike,
                 job.id,
-                graph_sha256(job.workflow),
+                graph,
                 failure.signature,
                 servers,
                 failure.summary,
@@ -147,10 +168,11 @@ class Ownership:
             self.store.server_failed,
             server,
             job.id,
-            graph_sha256(job.workflow),
+            self._graph(item),
             failure.signature,
             failure.summary,
             infrastructure=infrastructure,
+            about=job.id,
         )
 
     async def _rendered(self, item: Item, server: str | None) -> None:
@@ -159,6 +181,13 @@ class Ownership:
         store is written only when that changes something."""
         if server is None:
             return
+        graph = self._graph(item)
+        self._rendered_graphs.add(graph)
+        if graph in self._learned_graphs:
+            # It was taken for a workflow that fails everywhere (two sick servers failed
+            # it alike): it is not, and its next failures are judged anew.
+            self._learned_graphs.discard(graph)
+            await self._db(self.store.unlearn_workflow, graph)
         health = self.pool.health
         record = health.get(server)
         busy = record is not None and (record.strikes or record.level or record.state != "ok")
@@ -166,7 +195,7 @@ class Ownership:
         judging = any(r.open_failures for r in health.values())
         if not item.failed_on and not busy and not judging:
             return
-        await self._health(self.store.job_rendered, server, item.job.id)
+        await self._health(self.store.job_rendered, server, item.job.id, about=item.job.id)
 
     async def _unjudged(self, item: Item) -> None:
         """The job ended without a verdict on its open failures (a dead letter for
@@ -211,12 +240,16 @@ class Ownership:
                 self.report(f"job {item.job.id}: not run, {reason}; it stays pending")
                 self._resolve("not_run", item.job.id)
 
-    async def _health(self, call: Any, *args: Any, **kwargs: Any) -> None:
-        """A write to the servers' health; its changes of state are said, and the pool
-        reads the health again before its next choice."""
+    async def _health(self, call: Any, *args: Any, about: str = "", **kwargs: Any) -> None:
+        """A write to the servers' health; its changes of state are said (a line, and an
+        event of job ``about``, whose attempt caused them), and the pool reads the health
+        again before its next choice."""
         changes = await self._db(call, *args, **kwargs)
         self.pool.health_changed()
         if isinstance(changes, HealthChange):
             changes = [changes]
         for change in changes or []:
-            self.report(f"server {change.server} {change.detail}")
+            text = f"server {change.server} {change.detail}"
+            self.report(text)
+            if about:
+                await self._db(self.store.note, about, text, server=change.server)

@@ -53,6 +53,9 @@ class Item:
     # with the failure, in the order they failed (``render/ownership.py``): the job goes
     # elsewhere while another server can run it.
     failed_on: dict[str, Failure] = field(default_factory=dict, compare=False)
+    # Attempts that went elsewhere at once because their failure may be the server's:
+    # not counted against the job's attempts (each server is tried once at most).
+    elsewhere: int = 0
 
 
 class ServerView(Protocol):

@@ -21,10 +21,10 @@ class Settle(Ownership):
 
     async def _settle(self, item: Item, attempt_number: int, r: AttemptResult) -> None:
         job, store, cfg = item.job, self.store, self.config
-        first = r
         r, at_once = await self._owned(item, r)
-        if at_once and r.kind == "transient" and attempt_number >= cfg.attempts:
-            r = first  # no attempt left to try it elsewhere: the failure as it was
+        if at_once:
+            item.elsewhere += 1
+        counted = attempt_number - item.elsewhere  # the job's own attempts
         tried = AttemptEntry(  # written with the transition below, one transaction
             item.attempts_before + attempt_number,  # rows go on numbering after a requeue
             server=r.server,
@@ -62,7 +62,7 @@ class Settle(Ownership):
             self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
             self._resolve("done", job.id)
             return
-        if r.kind == "transient" and attempt_number < cfg.attempts:
+        if r.kind == "transient" and counted < cfg.attempts:
             await self._db(
                 store.transition,
                 job.id,
@@ -96,17 +96,18 @@ class Settle(Ownership):
                 fresh=r.outputs_missing,
                 prev_number=r.number,
                 failed_on=item.failed_on,
+                elsewhere=item.elsewhere,
             )
             self.queue.push_later(again, delay)
             return
+        plural = "s" if attempt_number > 1 else ""
         reason = (
             r.reason
             if r.kind == "permanent"
-            else f"gave up after {attempt_number} attempts, last: {r.reason}"
+            else f"gave up after {attempt_number} attempt{plural}, last: {r.reason}"
         )
         self.claims.finishing_now(job.id)
-        if first.kind == "transient" or r.reason == first.reason:
-            await self._unjudged(item)  # ended with no second server's word on its failures
+        await self._unjudged(item)  # its failures no second server judged hold nobody back
         degraded = self.draft and (r.kind == "permanent" or job.optional)
         if degraded:
             await self._db(

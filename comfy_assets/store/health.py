@@ -20,6 +20,7 @@ Every method is one transaction; times are the database's clock (``store/clock.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ class ServerHealthRecord:
         else:
             text = f"{self.server} ok"
         notes = []
-        if self.strikes:
+        if self.strikes and self.state == "ok":
             notes.append(f"{self.strikes} of {QUARANTINE_STRIKES} strikes (last: {self.reason})")
         if self.open_failures:
             n = self.open_failures
@@ -109,6 +110,20 @@ class ServerHealthRecord:
         if self.state == "trial" and self.open_failures:
             return "on trial, its job failed there"
         return None
+
+
+class UnknownServer(KeyError):
+    """``readmit_server`` of a server with no health row: ``known`` lists those the
+    store has."""
+
+    def __init__(self, server: str, known: list[str]) -> None:
+        listed = ", ".join(known) if known else "none"
+        super().__init__(f"unknown server {server!r} (the store knows: {listed})")
+        self.server = server
+        self.known = known
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 @dataclass(frozen=True)
@@ -171,11 +186,11 @@ class ServerHealth(StoreBase):
         infrastructure error; a failure on trial; else ``QUARANTINE_STRIKES``)."""
         row["failures_server"] += 1
         row["strikes"] += 1
-        row["reason"] = reason
         state = _state(row, now)
         change = None
-        if at_once or state == "trial" or row["strikes"] >= QUARANTINE_STRIKES:
-            if state != "quarantined":
+        if state != "quarantined":  # a quarantine's reason stands while it lasts
+            row["reason"] = reason
+            if at_once or state == "trial" or row["strikes"] >= QUARANTINE_STRIKES:
                 change = self._quarantine(conn, row, reason, now)
         self._save(conn, row, now)
         return change
@@ -326,6 +341,14 @@ class ServerHealth(StoreBase):
                 self._save(conn, row, now)
 
     @retried
+    def unlearn_workflow(self, workflow_sha256: str) -> None:
+        """A job of the workflow rendered: it is not known to fail any more (two servers
+        that failed it alike were sick, not it)."""
+        w = workflow_failures_table
+        with self._write() as conn:
+            conn.execute(sa.delete(w).where(w.c.workflow_sha256 == workflow_sha256))
+
+    @retried
     def failure_owned_by_job(self, server: str, job_id: str, now: float | None = None) -> None:
         """A failure on ``server`` judged the job's at first sight (a workflow known to
         fail so, or the only server that can run it): counted as the job's; the job's
@@ -386,18 +409,20 @@ class ServerHealth(StoreBase):
             found[r.server] = ServerHealthRecord(**values)
         for server, n in counts.items():
             if server not in found:
-                found[server] = ServerHealthRecord(
-                    server, "ok", None, 0, 0, 0, 0, 0, None, (), int(n)
-                )
+                found[server] = dataclasses.replace(ok_record(server), open_failures=int(n))
         return found
 
     @retried
     def readmit_server(self, server: str, by: str, now: float | None = None) -> HealthChange | None:
         """Re-admit ``server`` by hand (``by``: who, for the event): ok, no strikes, its
-        open failures closed unjudged. None when it was not quarantined or on trial."""
+        open failures closed unjudged. None when it was not quarantined or on trial.
+        Raises UnknownServer for a server the store has no word of (nothing written)."""
         now = self._now(now)
-        f = server_failures_table
+        f, t = server_failures_table, server_health_table
         with self._write() as conn:
+            if conn.execute(sa.select(t.c.server).where(t.c.server == server)).first() is None:
+                known = sorted(conn.execute(sa.select(t.c.server)).scalars())
+                raise UnknownServer(server, known)
             row = self._health_row(conn, server, now)
             self._judge_open(conn, f.c.server == server, "unknown")
             if _state(row, now) == "ok":
@@ -443,6 +468,11 @@ class ServerHealth(StoreBase):
             stmt = stmt.where(e.c.server == server)
         with self._read() as conn:
             return [tuple(r) for r in conn.execute(stmt)]  # type: ignore[misc]
+
+
+def ok_record(server: str) -> ServerHealthRecord:
+    """The health of a server nothing was held against."""
+    return ServerHealthRecord(server, "ok", None, 0, 0, 0, 0, 0, None)
 
 
 def _state(row: dict[str, Any], now: float) -> HealthState:
