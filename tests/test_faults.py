@@ -51,6 +51,10 @@ def test_the_ci_seeds_cover_every_mode_and_every_fault():
     )
     assert not any(line.kind == "chained" for s, line in lines if s.mode == "worker")
     assert {p.sick for p in servers} >= {"error", "cuda", "disk"}
+    drawn = [s.priorities for s in schedules if s.priorities]
+    assert any(a != b for a, b in drawn) and all(
+        s.mode == "concurrent" for s in schedules if s.priorities
+    )
     words = {w.split("=")[0] for p in servers for w in p.script}
     assert words >= {"ok", "500", "invalid", "error", "oom", "drop", "hang", "slow"}
     assert words >= {"partial", "late", "silent", "restart", "busy"}

@@ -314,7 +314,9 @@ def _play_phase(schedule: Schedule, hosts: list[Host], phase: Phase) -> None:
     if s.mode == "concurrent":
         argv = [run_args(s, jobs, hosts, store) for jobs in phase.job_files]
         if len(argv) == 1:
-            argv.append(argv[0])
+            argv.append(list(argv[0]))
+        for a, priority in zip(argv, s.priorities, strict=False):
+            a += ["--priority", str(priority)]
         Store(store).close()  # the schema exists before the race
         procs = [(_start(a), a) for a in argv]
         jobs = phase.job_files * (2 // len(phase.job_files))

@@ -16,7 +16,8 @@ earlier job's output; two of the pictures share a base name with other bytes), a
 - a mode: ``run`` (one ``comfy-assets run``), ``sigkill`` (a run killed with SIGKILL once
   some prompts ended, then a second run on the same store), ``sigterm`` (a run stopped
   with SIGTERM while one of our prompts runs, then a second run), ``concurrent`` (two runs at
-  once on the shared servers and store, on one job file or two), ``cache_replay`` (a run,
+  once on the shared servers and store, on one job file or two, each with a priority of
+  its own now and then), ``cache_replay`` (a run,
   then the fake's output files deleted and the same file rendered into a new store: the
   cache replays names that are gone) or ``worker`` (the in-process worker fed every job
   twice: duplicate delivery; no chained jobs there, as ``enqueue`` refuses them).
@@ -139,6 +140,8 @@ class Schedule:
     poll_s: float = 0.1
     base_delay_s: float = 0.02
     lines: tuple[JobPlan, ...] = ()  # one per job (empty: every job an image job)
+    # concurrent: each run's --priority (empty: none given)
+    priorities: tuple[int, ...] = ()
 
     @property
     def plan(self) -> tuple[JobPlan, ...]:
@@ -149,7 +152,8 @@ class Schedule:
         """A few lines that say the whole schedule (for failure messages and the bench)."""
         lines = [
             f"seed={self.seed} mode={self.mode} jobs={self.jobs} attempts={self.attempts} "
-            f"kill_after_runs={self.kill_after_runs} same_file={self.same_file}",
+            f"kill_after_runs={self.kill_after_runs} same_file={self.same_file}"
+            + (f" priorities={','.join(map(str, self.priorities))}" if self.priorities else ""),
             f"  lines: {' '.join(j.describe() for j in self.plan)}",
         ]
         if self.checkpoints:
@@ -253,7 +257,16 @@ def make_schedule(seed: int) -> Schedule:
         lines=lines,
     )
     schedule = _with_models(schedule, random.Random(f"models{seed}"))
-    return _with_sick(schedule, random.Random(f"sick:{seed}"))
+    schedule = _with_sick(schedule, random.Random(f"sick:{seed}"))
+    return _with_priorities(schedule, random.Random(f"priorities:{seed}"))
+
+
+def _with_priorities(schedule: Schedule, rng: random.Random) -> Schedule:
+    """Two of three concurrent schedules: each run its own ``--priority`` (equal now and
+    then), from a generator of its own."""
+    if schedule.mode != "concurrent" or rng.random() >= 2 / 3:
+        return schedule
+    return replace(schedule, priorities=(rng.choice((0, 5, 10)), rng.choice((0, -3, 5))))
 
 
 def _with_sick(schedule: Schedule, rng: random.Random) -> Schedule:
