@@ -14,8 +14,11 @@ quarantines, workflows known to fail):
 - a **deadline** or a **lost** prompt keeps its backoff, and the next attempt goes to
   another server while one can run the job; a success there is a strike too.
 
-A failure of a job on a server that has a workflow known to fail is never held against
-the server, and neither is one nobody could judge (the only server that can run it).
+A failure of a workflow known to fail is never held against its server, and neither is
+one nobody could judge (on the only server that can run the job). A workflow that
+rendered in this batch is never taken for one that fails everywhere, however many servers
+failed it alike (they are sick, not it), and its success unlearns it in the store.
+Attempts that go elsewhere at once are not counted against the job's attempts.
 
 A workflow is known by the sha256 of its graph (``graph_sha256``: each node's class and
 links, not the values ``set`` and inputs give it), so the jobs of one job file that
