@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from comfy_assets.cli.options import bounded, byte_size, byte_size_text
-from comfy_assets.cli.run import add_db_retry_option, add_db_url_option, open_store
+from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.cli.worker import add_rabbitmq_option, needs_rabbitmq, queue_name
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES
 
@@ -35,9 +35,7 @@ def listen_address(text: str) -> tuple[str, int]:
 def add_api_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``api``."""
     p = sub.add_parser("api", help="serve the HTTP API: submit jobs, follow them, fetch files")
-    p.add_argument("--store", type=Path, required=True, help="result store folder")
-    add_db_url_option(p)
-    add_db_retry_option(p)
+    add_store_options(p)
     add_rabbitmq_option(p)
     p.add_argument(
         "--queue",

@@ -11,9 +11,8 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 
-from comfy_assets.cli.run import add_db_url_option, open_store
+from comfy_assets.cli.run import EXISTING_STORE_HELP, add_store_options, open_store
 from comfy_assets.jobs.events import Event, event_json
 from comfy_assets.jobs.model import is_job_id
 from comfy_assets.jobs.strict_json import MAX_SHOT, is_shot
@@ -40,10 +39,7 @@ def add_events_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "events", help="what happened to a job or a shot: its state transitions, oldest first"
     )
-    p.add_argument(
-        "--store", type=Path, required=True, help="the result store folder (holds store.db)"
-    )
-    add_db_url_option(p)
+    add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--job", metavar="JOB_ID", help="one job's events")
     which.add_argument("--partition", help="the events of a partition's jobs")

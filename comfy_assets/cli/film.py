@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from comfy_assets.cli.options import add_input_options
-from comfy_assets.cli.run import add_db_url_option, open_store
+from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.film.gate import FilmResult, GateBlocked
 from comfy_assets.film.make import make_film
 from comfy_assets.film.shots import (
@@ -33,8 +33,7 @@ def add_film_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("film", help="cut a rendered storyboard into a film, behind the gate")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL) rendered")
     add_input_options(p)
-    p.add_argument("--store", type=Path, required=True, help="result store folder")
-    add_db_url_option(p)
+    add_store_options(p, retry=False)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=POLICIES, default=None, help="overrides the job file header")
     p.add_argument(

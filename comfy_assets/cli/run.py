@@ -94,6 +94,22 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
     return BatchConfig(**values)
 
 
+STORE_HELP = "result store folder"
+# What the commands that only read or change an existing store say of --store.
+EXISTING_STORE_HELP = "the result store folder (holds store.db)"
+
+
+def add_store_options(
+    p: argparse.ArgumentParser, *, help: str = STORE_HELP, retry: bool = True
+) -> None:
+    """``--store DIR`` (required, shown with ``help``) and ``--db-url URL``, and with
+    ``retry`` ``--db-retry-s SECONDS``: where a command's store is (``open_store``)."""
+    p.add_argument("--store", type=Path, required=True, help=help)
+    add_db_url_option(p)
+    if retry:
+        add_db_retry_option(p)
+
+
 def add_db_url_option(p: argparse.ArgumentParser) -> None:
     """``--db-url URL``, by default ``$COMFY_ASSETS_DB_URL`` (read when the parser is
     built), else None: SQLite at ``<store>/store.db``."""
@@ -142,8 +158,7 @@ def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
-    """``--server NAME=URL`` (repeated) and ``--store DIR``, as ``run`` and ``worker``
-    take them."""
+    """``--server NAME=URL`` (repeated), as ``run`` and ``worker`` take it."""
     p.add_argument(
         "--server",
         action="append",
@@ -152,7 +167,6 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         help="gpu0=http://host:port (repeat); a user:password@ in the URL is sent as basic "
         "auth, never printed",
     )
-    p.add_argument("--store", type=Path, required=True, help="result store folder")
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -160,8 +174,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
     add_input_options(p)
     add_server_options(p)
-    add_db_url_option(p)
-    add_db_retry_option(p)
+    add_store_options(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     add_priority_option(p)
@@ -396,10 +409,7 @@ def add_requeue_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``requeue JOB_ID... --store DIR [--db-url URL]``."""
     p = sub.add_parser("requeue", help="clear dead letters so their jobs run again")
     p.add_argument("job_id", nargs="+", metavar="JOB_ID", help="a dead letter's job id (UUID)")
-    p.add_argument(
-        "--store", type=Path, required=True, help="the result store folder (holds store.db)"
-    )
-    add_db_url_option(p)
+    add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
     p.set_defaults(func=requeue_command)
 
 

@@ -21,9 +21,8 @@ from comfy_assets.cli.metrics_option import (
 from comfy_assets.cli.options import add_input_options, bounded, byte_size
 from comfy_assets.cli.run import (
     add_batch_options,
-    add_db_retry_option,
-    add_db_url_option,
     add_server_options,
+    add_store_options,
     batch_config,
     open_store,
 )
@@ -151,8 +150,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
         "--queue", type=queue_name, help="job queue (with --rabbitmq); dead letters: QUEUE.dead"
     )
     add_server_options(p)
-    add_db_url_option(p)
-    add_db_retry_option(p)
+    add_store_options(p)
     p.add_argument(
         "--partition", default=None, help="store partition (default: the queue name or file stem)"
     )
