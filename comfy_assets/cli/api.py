@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from comfy_assets.cli.options import bounded, byte_size, byte_size_text
+from comfy_assets.cli.options import bad_input, bounded, byte_size, byte_size_text
 from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.cli.worker import add_rabbitmq_option, needs_rabbitmq, queue_name
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES
@@ -123,15 +123,13 @@ def api_command(args: argparse.Namespace) -> int:
 
     missing = needs_rabbitmq(args)
     if missing:
-        print(f"error: {missing}", file=sys.stderr)
-        return 2
+        return bad_input(missing)
     try:
         clients = Clients.load(args.tokens)
         key = load_key(args.webhook_secret_file) if args.webhook_secret_file else None
         servers = parse_servers(args.server) if args.server else []
     except (TokensError, SecretError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     store = open_store(args, existing=False)
     if isinstance(store, int):
         return store

@@ -8,7 +8,18 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from collections.abc import Callable
+
+# The exit code of a command given bad input (an option, a file it names): nothing done.
+EXIT_BAD_INPUT = 2
+
+
+def bad_input(message: object) -> int:
+    """Say ``error: message`` on stderr; return ``EXIT_BAD_INPUT`` for the command to exit
+    with."""
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def bounded(

@@ -15,7 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_assets.cli.metrics_option import add_metrics_option, add_priority_option, start_metrics
-from comfy_assets.cli.options import add_input_options, bounded, byte_size, byte_size_text
+from comfy_assets.cli.options import (
+    add_input_options,
+    bad_input,
+    bounded,
+    byte_size,
+    byte_size_text,
+)
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
@@ -147,8 +153,7 @@ def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
             return Store.existing(args.store, args.db_url, retry_s=retry_s)
         return Store(args.store, args.db_url, retry_s=retry_s)
     except (NoStore, BadDbUrl) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -247,14 +252,12 @@ def run_command(args: argparse.Namespace) -> int:
         servers = parse_servers(args.server)
         job_file = load_job_file(args.jobs, rules=rules_of(args))
     except (JobFileError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     partition = args.jobs.stem if args.partition is None else args.partition
     try:
         folder_name(partition, "partition")  # a partition that can't be a folder: bad input
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     stopped_by = ["Ctrl+C"]
     try:
         with stopped_by_signals() as stopped_by:  # opening may wait for the database
@@ -419,8 +422,7 @@ def requeue_command(args: argparse.Namespace) -> int:
     ``store.db`` (and no ``--db-url``): nothing is created or changed then."""
     bad = [job_id for job_id in args.job_id if not is_job_id(job_id)]
     if bad:
-        print(f"error: not a job id (a lowercase UUID): {', '.join(bad)}", file=sys.stderr)
-        return 2
+        return bad_input(f"not a job id (a lowercase UUID): {', '.join(bad)}")
     store = open_store(args, existing=True)
     if isinstance(store, int):
         return store

@@ -18,7 +18,7 @@ from comfy_assets.cli.metrics_option import (
     add_priority_option,
     start_metrics,
 )
-from comfy_assets.cli.options import add_input_options, bounded, byte_size
+from comfy_assets.cli.options import add_input_options, bad_input, bounded, byte_size
 from comfy_assets.cli.run import (
     add_batch_options,
     add_server_options,
@@ -109,8 +109,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
     nothing published) or no RabbitMQ URL; 1 when RabbitMQ fails."""
     missing = needs_rabbitmq(args)
     if missing:
-        print(f"error: {missing}", file=sys.stderr)
-        return 2
+        return bad_input(missing)
     try:
         if args.partition is not None:
             folder_name(args.partition, "--partition")
@@ -127,8 +126,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
             print(f"  {err}", file=sys.stderr)
         return 2
     except ValueError as e:  # the --partition name
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     try:
         count = asyncio.run(broker.enqueue(args.rabbitmq, args.queue, jobs))
     except broker.BrokerError as e:
@@ -245,8 +243,7 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         servers = parse_servers(args.server)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     source: JobSource
     if args.jobs is not None:
         try:
@@ -256,23 +253,19 @@ def _worker(args: argparse.Namespace) -> int:
                 raise JobFileError(chained)
             source = FileSource(job_file, partition=args.partition)
         except JobFileError as e:
-            print(f"error: {args.jobs}:\n{e}", file=sys.stderr)
-            return 2
+            return bad_input(f"{args.jobs}:\n{e}")
     else:
         missing = needs_rabbitmq(args)
         if missing:
-            print(f"error: {missing}, or --jobs FILE", file=sys.stderr)
-            return 2
+            return bad_input(f"{missing}, or --jobs FILE")
         if not args.queue:
-            print("error: --rabbitmq needs --queue", file=sys.stderr)
-            return 2
+            return bad_input("--rabbitmq needs --queue")
         source = RabbitSource(args.rabbitmq, args.queue)
         if args.partition:
             source.partition = args.partition
     problem = args.health_file and health_file_problem(args.health_file)
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return bad_input(problem)
     store = open_store(args, existing=False)
     if isinstance(store, int):
         return store
