@@ -18,7 +18,7 @@ from comfy_assets.cli.metrics_option import (
     add_priority_option,
     start_metrics,
 )
-from comfy_assets.cli.options import add_input_options, bad_input, bounded, byte_size
+from comfy_assets.cli.options import add_input_options, add_size_option, bad_input, bounded
 from comfy_assets.cli.run import (
     add_batch_options,
     add_server_options,
@@ -87,12 +87,11 @@ def add_rabbitmq_option(p: argparse.ArgumentParser | argparse._MutuallyExclusive
 
 
 def add_max_message_option(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
+    add_size_option(
+        p,
         "--max-message-bytes",
-        type=byte_size,
-        default=MAX_MESSAGE_BYTES,
-        metavar="SIZE",
-        help=f"most bytes one message may have (4MiB); {what}",
+        MAX_MESSAGE_BYTES,
+        f"most bytes one message may have (4MiB); {what}",
     )
 
 
