@@ -52,19 +52,15 @@ class Metrics(Collector):
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.prompt_seconds = Histogram(
+        self.prompt_seconds = self._server_histogram(
             "comfy_assets_prompt_seconds",
             "Seconds of a prompt of ours without a model load, POST answered to its end",
-            ["server"],
-            buckets=PROMPT_BUCKETS,
-            registry=self.registry,
+            PROMPT_BUCKETS,
         )
-        self.model_load_seconds = Histogram(
+        self.model_load_seconds = self._server_histogram(
             "comfy_assets_model_load_seconds",
             "Seconds a model load added to its prompt",
-            ["server"],
-            buckets=LOAD_BUCKETS,
-            registry=self.registry,
+            LOAD_BUCKETS,
         )
         self._lock = threading.Lock()
         self._pools: list[Pool] = []
@@ -72,6 +68,12 @@ class Metrics(Collector):
         self._partitions: set[str] | None = None
         self._waiting: dict[int, tuple[tuple[str, int], ...]] = {}
         self.registry.register(self)
+
+    def _server_histogram(
+        self, name: str, documentation: str, buckets: tuple[float, ...]
+    ) -> Histogram:
+        """A histogram of seconds labelled by ``server``, in this process's registry."""
+        return Histogram(name, documentation, ["server"], buckets=buckets, registry=self.registry)
 
     # -- what is measured -------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -33,7 +34,7 @@ from comfy_assets.api import signing
 from comfy_assets.api.views import iso, job_view
 from comfy_assets.api.webhook_urls import GuardedResolver
 from comfy_assets.render.backoff import backoff_delay
-from comfy_assets.store import JobRecord, StoreUnavailable, off_loop
+from comfy_assets.store import JobRecord, Store, StoreUnavailable, off_loop
 from comfy_assets.store.api_jobs import ApiJob, ApiLedger, Webhook
 
 log = logging.getLogger("comfy_assets.api.outbox")
@@ -62,39 +63,33 @@ def shown_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}{parts.path}"
 
 
+@dataclass(eq=False)
 class Outbox:
     """Makes and delivers webhooks (see the module docstring). ``key``: the HMAC key
     (``signing.load_key``); ``partitions``: the clients' (``tokens.partition_of``);
-    ``allow_private``: call any address."""
+    ``allow_private``: call any address; ``concurrency``: deliveries at once."""
 
-    def __init__(
-        self,
-        ledger: ApiLedger,
-        key: bytes,
-        *,
-        partitions: Sequence[str] = (),
-        allow_private: bool = False,
-        timeout_s: float = 10.0,
-        concurrency: int = 8,
-        give_up_after_s: float = GIVE_UP_AFTER_S,
-        base_delay_s: float = BASE_DELAY_S,
-        max_delay_s: float = MAX_DELAY_S,
-        poll_s: float = 0.5,
-    ) -> None:
-        self.ledger = ledger
-        self.store = ledger.store
-        self.key = key
-        self.allow_private = allow_private
-        self.timeout_s = timeout_s
-        self.give_up_after_s = give_up_after_s
-        self.base_delay_s = base_delay_s
-        self.max_delay_s = max_delay_s
-        self.poll_s = poll_s
-        self.partitions = list(partitions)
-        self._cursor: int | None = None  # the last event looked at for endings
-        self._next_full_scan = 0.0
+    ledger: ApiLedger
+    key: bytes
+    _: KW_ONLY
+    partitions: Sequence[str] = ()
+    allow_private: bool = False
+    timeout_s: float = 10.0
+    concurrency: InitVar[int] = 8
+    give_up_after_s: float = GIVE_UP_AFTER_S
+    base_delay_s: float = BASE_DELAY_S
+    max_delay_s: float = MAX_DELAY_S
+    poll_s: float = 0.5
+    store: Store = field(init=False)
+    _cursor: int | None = field(init=False, default=None)  # the last event looked at for endings
+    _next_full_scan: float = field(init=False, default=0.0)
+    _slots: asyncio.Semaphore = field(init=False)
+    _running: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+
+    def __post_init__(self, concurrency: int) -> None:
+        self.store = self.ledger.store
+        self.partitions = list(self.partitions)
         self._slots = asyncio.Semaphore(concurrency)
-        self._running: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         """Forever: turn endings into outbox rows and deliver the rows that are due.

@@ -9,8 +9,8 @@ import signal
 import sys
 from pathlib import Path
 
-from comfy_assets.cli.options import bounded, byte_size, byte_size_text
-from comfy_assets.cli.run import add_db_retry_option, add_db_url_option, open_store
+from comfy_assets.cli.options import add_size_option, bad_input, bounded, byte_size_text
+from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.cli.worker import add_rabbitmq_option, needs_rabbitmq, queue_name
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES
 
@@ -35,9 +35,7 @@ def listen_address(text: str) -> tuple[str, int]:
 def add_api_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``api``."""
     p = sub.add_parser("api", help="serve the HTTP API: submit jobs, follow them, fetch files")
-    p.add_argument("--store", type=Path, required=True, help="result store folder")
-    add_db_url_option(p)
-    add_db_retry_option(p)
+    add_store_options(p)
     add_rabbitmq_option(p)
     p.add_argument(
         "--queue",
@@ -75,27 +73,24 @@ def add_api_parser(sub: argparse._SubParsersAction) -> None:
         help="a ComfyUI server of the workers: GET /v1/servers shows its health, a cancel "
         "interrupts its prompt there (repeat)",
     )
-    p.add_argument(
+    add_size_option(
+        p,
         "--max-input-bytes",
-        type=byte_size,
-        default=MAX_INPUT_BYTES,
-        metavar="SIZE",
-        help=f"the largest input file of a job, decoded (default {byte_size_text(MAX_INPUT_BYTES)})",
+        MAX_INPUT_BYTES,
+        f"the largest input file of a job, decoded (default {byte_size_text(MAX_INPUT_BYTES)})",
     )
-    p.add_argument(
+    add_size_option(
+        p,
         "--max-message-bytes",
-        type=byte_size,
-        default=MAX_MESSAGE_BYTES,
-        metavar="SIZE",
-        help="the largest queue message, as the workers' --max-message-bytes (default "
+        MAX_MESSAGE_BYTES,
+        "the largest queue message, as the workers' --max-message-bytes (default "
         f"{byte_size_text(MAX_MESSAGE_BYTES)})",
     )
-    p.add_argument(
+    add_size_option(
+        p,
         "--max-body-bytes",
-        type=byte_size,
-        default=None,
-        metavar="SIZE",
-        help="the largest request body: larger gets 413 (default: twice --max-message-bytes)",
+        None,
+        "the largest request body: larger gets 413 (default: twice --max-message-bytes)",
     )
     p.add_argument(
         "--rate-per-s",
@@ -125,15 +120,13 @@ def api_command(args: argparse.Namespace) -> int:
 
     missing = needs_rabbitmq(args)
     if missing:
-        print(f"error: {missing}", file=sys.stderr)
-        return 2
+        return bad_input(missing)
     try:
         clients = Clients.load(args.tokens)
         key = load_key(args.webhook_secret_file) if args.webhook_secret_file else None
         servers = parse_servers(args.server) if args.server else []
     except (TokensError, SecretError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     store = open_store(args, existing=False)
     if isinstance(store, int):
         return store

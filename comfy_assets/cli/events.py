@@ -11,16 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import UTC, datetime
-from pathlib import Path
 
-from comfy_assets.cli.run import add_db_url_option, open_store
+from comfy_assets.cli.options import bad_input
+from comfy_assets.cli.run import EXISTING_STORE_HELP, add_store_options, open_store
 from comfy_assets.jobs.events import Event, event_json
 from comfy_assets.jobs.model import is_job_id
 from comfy_assets.jobs.strict_json import MAX_SHOT, is_shot
 
 EXIT_OK = 0
 EXIT_NOTHING = 1
-EXIT_BAD_INPUT = 2
 
 
 def _shot(text: str) -> int:
@@ -40,10 +39,7 @@ def add_events_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "events", help="what happened to a job or a shot: its state transitions, oldest first"
     )
-    p.add_argument(
-        "--store", type=Path, required=True, help="the result store folder (holds store.db)"
-    )
-    add_db_url_option(p)
+    add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--job", metavar="JOB_ID", help="one job's events")
     which.add_argument("--partition", help="the events of a partition's jobs")
@@ -62,9 +58,9 @@ def events_command(args: argparse.Namespace) -> int:
     not a lowercase UUID, or no ``store.db`` under ``--store`` (and no ``--db-url``).
     """
     if args.shot is not None and args.partition is None:
-        return _bad_input("--shot needs --partition (shot numbers are per job file)")
+        return bad_input("--shot needs --partition (shot numbers are per job file)")
     if args.job is not None and not is_job_id(args.job):
-        return _bad_input(f"--job {args.job!r} is not a job id (a lowercase UUID)")
+        return bad_input(f"--job {args.job!r} is not a job id (a lowercase UUID)")
     store = open_store(args, existing=True)
     if isinstance(store, int):
         return store
@@ -111,8 +107,3 @@ def _query(args: argparse.Namespace) -> str:
     if args.shot is not None:
         return f"shot {args.shot} of partition {args.partition!r}"
     return f"partition {args.partition!r}"
-
-
-def _bad_input(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT

@@ -7,11 +7,10 @@ Register it in ``cli.COMMANDS`` as ``add_film_parser``.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-from comfy_assets.cli.options import add_input_options
-from comfy_assets.cli.run import add_db_url_option, open_store
+from comfy_assets.cli.options import add_input_options, bad_input
+from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.film.gate import FilmResult, GateBlocked
 from comfy_assets.film.make import make_film
 from comfy_assets.film.shots import (
@@ -25,7 +24,6 @@ from comfy_assets.jobs.parse import load_job_file
 
 EXIT_OK = 0
 EXIT_BLOCKED = 1
-EXIT_BAD_INPUT = 2
 
 
 def add_film_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,8 +31,7 @@ def add_film_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("film", help="cut a rendered storyboard into a film, behind the gate")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL) rendered")
     add_input_options(p)
-    p.add_argument("--store", type=Path, required=True, help="result store folder")
-    add_db_url_option(p)
+    add_store_options(p, retry=False)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=POLICIES, default=None, help="overrides the job file header")
     p.add_argument(
@@ -57,11 +54,11 @@ def film_command(args: argparse.Namespace) -> int:
     try:
         job_file = load_job_file(args.jobs, rules=rules_of(args))
     except JobFileError as e:
-        return _bad_input(str(e))
+        return bad_input(str(e))
     if not has_shots(job_file):
-        return _bad_input(f"{args.jobs}: no job has a shot number; there is no film to cut")
+        return bad_input(f"{args.jobs}: no job has a shot number; there is no film to cut")
     if args.out is not None and args.out.is_dir():
-        return _bad_input(
+        return bad_input(
             f"--out {args.out} is a folder: give the film's file name, such as {args.out / 'film.mp4'}"
         )
     partition = args.jobs.stem if args.partition is None else args.partition
@@ -71,7 +68,7 @@ def film_command(args: argparse.Namespace) -> int:
     try:
         registered = {record.job_id for record in store.jobs(partition)}
         if not registered & {job.id for job in job_file.jobs}:
-            return _bad_input(
+            return bad_input(
                 f"partition {partition!r} of {args.store} holds none of the jobs of "
                 f"{args.jobs}: render it first (comfy-assets run), or name the partition it "
                 "was rendered under with --partition"
@@ -100,8 +97,3 @@ def summary_line(film: FilmResult) -> str:
     else:
         kind = film.gate.mode
     return f"film: {film.concat.clips} shots, {film.concat.duration_s:.3f} s, {kind}, concat {film.concat.mode}"
-
-
-def _bad_input(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
-    return EXIT_BAD_INPUT

@@ -8,7 +8,18 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from collections.abc import Callable
+
+# The exit code of a command given bad input (an option, a file it names): nothing done.
+EXIT_BAD_INPUT = 2
+
+
+def bad_input(message: object) -> int:
+    """Say ``error: message`` on stderr; return ``EXIT_BAD_INPUT`` for the command to exit
+    with."""
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
 
 
 def bounded(
@@ -60,6 +71,12 @@ def byte_size_text(size: int) -> str:
     return f"{size // _BYTE_UNITS[unit]}{'B' if unit == 'b' else unit[0].upper() + 'iB'}"
 
 
+def add_size_option(p: argparse.ArgumentParser, flag: str, default: int | None, help: str) -> None:
+    """``flag SIZE``: a size in bytes, as ``byte_size`` reads it (``default``: bytes, or
+    None for a default the command works out)."""
+    p.add_argument(flag, type=byte_size, default=default, metavar="SIZE", help=help)
+
+
 # The default of --max-input-bytes (jobs/inputs.py MAX_INPUT_BYTES, which imports more
 # than ``health`` needs at start-up; tests/test_jobfile_inputs.py keeps the two equal).
 MAX_INPUT_BYTES = 64 * 1024**2
@@ -73,10 +90,9 @@ def add_input_options(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept an input file that is a link leading out of the job file's folder tree",
     )
-    p.add_argument(
+    add_size_option(
+        p,
         "--max-input-bytes",
-        type=byte_size,
-        default=MAX_INPUT_BYTES,
-        metavar="SIZE",
-        help=f"the largest input file a job line may name (default {byte_size_text(MAX_INPUT_BYTES)})",
+        MAX_INPUT_BYTES,
+        f"the largest input file a job line may name (default {byte_size_text(MAX_INPUT_BYTES)})",
     )

@@ -15,7 +15,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from comfy_assets.cli.metrics_option import add_metrics_option, add_priority_option, start_metrics
-from comfy_assets.cli.options import add_input_options, bounded, byte_size, byte_size_text
+from comfy_assets.cli.options import (
+    add_input_options,
+    bad_input,
+    bounded,
+    byte_size,
+    byte_size_text,
+)
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
@@ -94,6 +100,22 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
     return BatchConfig(**values)
 
 
+STORE_HELP = "result store folder"
+# What the commands that only read or change an existing store say of --store.
+EXISTING_STORE_HELP = "the result store folder (holds store.db)"
+
+
+def add_store_options(
+    p: argparse.ArgumentParser, *, help: str = STORE_HELP, retry: bool = True
+) -> None:
+    """``--store DIR`` (required, shown with ``help``) and ``--db-url URL``, and with
+    ``retry`` ``--db-retry-s SECONDS``: where a command's store is (``open_store``)."""
+    p.add_argument("--store", type=Path, required=True, help=help)
+    add_db_url_option(p)
+    if retry:
+        add_db_retry_option(p)
+
+
 def add_db_url_option(p: argparse.ArgumentParser) -> None:
     """``--db-url URL``, by default ``$COMFY_ASSETS_DB_URL`` (read when the parser is
     built), else None: SQLite at ``<store>/store.db``."""
@@ -131,8 +153,7 @@ def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
             return Store.existing(args.store, args.db_url, retry_s=retry_s)
         return Store(args.store, args.db_url, retry_s=retry_s)
     except (NoStore, BadDbUrl) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -142,8 +163,7 @@ def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
-    """``--server NAME=URL`` (repeated) and ``--store DIR``, as ``run`` and ``worker``
-    take them."""
+    """``--server NAME=URL`` (repeated), as ``run`` and ``worker`` take it."""
     p.add_argument(
         "--server",
         action="append",
@@ -152,7 +172,6 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
         help="gpu0=http://host:port (repeat); a user:password@ in the URL is sent as basic "
         "auth, never printed",
     )
-    p.add_argument("--store", type=Path, required=True, help="result store folder")
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
@@ -160,8 +179,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
     add_input_options(p)
     add_server_options(p)
-    add_db_url_option(p)
-    add_db_retry_option(p)
+    add_store_options(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     add_priority_option(p)
@@ -234,14 +252,12 @@ def run_command(args: argparse.Namespace) -> int:
         servers = parse_servers(args.server)
         job_file = load_job_file(args.jobs, rules=rules_of(args))
     except (JobFileError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     partition = args.jobs.stem if args.partition is None else args.partition
     try:
         folder_name(partition, "partition")  # a partition that can't be a folder: bad input
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     stopped_by = ["Ctrl+C"]
     try:
         with stopped_by_signals() as stopped_by:  # opening may wait for the database
@@ -396,10 +412,7 @@ def add_requeue_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``requeue JOB_ID... --store DIR [--db-url URL]``."""
     p = sub.add_parser("requeue", help="clear dead letters so their jobs run again")
     p.add_argument("job_id", nargs="+", metavar="JOB_ID", help="a dead letter's job id (UUID)")
-    p.add_argument(
-        "--store", type=Path, required=True, help="the result store folder (holds store.db)"
-    )
-    add_db_url_option(p)
+    add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
     p.set_defaults(func=requeue_command)
 
 
@@ -409,8 +422,7 @@ def requeue_command(args: argparse.Namespace) -> int:
     ``store.db`` (and no ``--db-url``): nothing is created or changed then."""
     bad = [job_id for job_id in args.job_id if not is_job_id(job_id)]
     if bad:
-        print(f"error: not a job id (a lowercase UUID): {', '.join(bad)}", file=sys.stderr)
-        return 2
+        return bad_input(f"not a job id (a lowercase UUID): {', '.join(bad)}")
     store = open_store(args, existing=True)
     if isinstance(store, int):
         return store

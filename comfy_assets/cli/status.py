@@ -28,10 +28,9 @@ import json
 import sys
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
-from comfy_assets.cli.run import add_db_url_option, open_store
+from comfy_assets.cli.run import EXISTING_STORE_HELP, add_store_options, open_store
 from comfy_assets.render.eta import format_left
 from comfy_assets.store import JobRecord, OwnerRecord, Store
 from comfy_assets.store.live import LiveRow
@@ -59,10 +58,7 @@ def add_status_parser(sub: argparse._SubParsersAction) -> None:
         help="per partition its jobs by state and time left; per server what it renders; "
         "with --partition, why each job not done waits",
     )
-    p.add_argument(
-        "--store", type=Path, required=True, help="the result store folder (holds store.db)"
-    )
-    add_db_url_option(p)
+    add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
     p.add_argument("--partition", help="every job of this partition not done, with its reason")
     p.add_argument("--json", action="store_true", help="one JSON object instead of lines")
     p.set_defaults(func=status_command)

@@ -18,12 +18,11 @@ from comfy_assets.cli.metrics_option import (
     add_priority_option,
     start_metrics,
 )
-from comfy_assets.cli.options import add_input_options, bounded, byte_size
+from comfy_assets.cli.options import add_input_options, add_size_option, bad_input, bounded
 from comfy_assets.cli.run import (
     add_batch_options,
-    add_db_retry_option,
-    add_db_url_option,
     add_server_options,
+    add_store_options,
     batch_config,
     open_store,
 )
@@ -88,12 +87,11 @@ def add_rabbitmq_option(p: argparse.ArgumentParser | argparse._MutuallyExclusive
 
 
 def add_max_message_option(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument(
+    add_size_option(
+        p,
         "--max-message-bytes",
-        type=byte_size,
-        default=MAX_MESSAGE_BYTES,
-        metavar="SIZE",
-        help=f"most bytes one message may have (4MiB); {what}",
+        MAX_MESSAGE_BYTES,
+        f"most bytes one message may have (4MiB); {what}",
     )
 
 
@@ -110,8 +108,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
     nothing published) or no RabbitMQ URL; 1 when RabbitMQ fails."""
     missing = needs_rabbitmq(args)
     if missing:
-        print(f"error: {missing}", file=sys.stderr)
-        return 2
+        return bad_input(missing)
     try:
         if args.partition is not None:
             folder_name(args.partition, "--partition")
@@ -128,8 +125,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
             print(f"  {err}", file=sys.stderr)
         return 2
     except ValueError as e:  # the --partition name
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     try:
         count = asyncio.run(broker.enqueue(args.rabbitmq, args.queue, jobs))
     except broker.BrokerError as e:
@@ -151,8 +147,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
         "--queue", type=queue_name, help="job queue (with --rabbitmq); dead letters: QUEUE.dead"
     )
     add_server_options(p)
-    add_db_url_option(p)
-    add_db_retry_option(p)
+    add_store_options(p)
     p.add_argument(
         "--partition", default=None, help="store partition (default: the queue name or file stem)"
     )
@@ -247,8 +242,7 @@ def _worker(args: argparse.Namespace) -> int:
     try:
         servers = parse_servers(args.server)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return bad_input(e)
     source: JobSource
     if args.jobs is not None:
         try:
@@ -258,23 +252,19 @@ def _worker(args: argparse.Namespace) -> int:
                 raise JobFileError(chained)
             source = FileSource(job_file, partition=args.partition)
         except JobFileError as e:
-            print(f"error: {args.jobs}:\n{e}", file=sys.stderr)
-            return 2
+            return bad_input(f"{args.jobs}:\n{e}")
     else:
         missing = needs_rabbitmq(args)
         if missing:
-            print(f"error: {missing}, or --jobs FILE", file=sys.stderr)
-            return 2
+            return bad_input(f"{missing}, or --jobs FILE")
         if not args.queue:
-            print("error: --rabbitmq needs --queue", file=sys.stderr)
-            return 2
+            return bad_input("--rabbitmq needs --queue")
         source = RabbitSource(args.rabbitmq, args.queue)
         if args.partition:
             source.partition = args.partition
     problem = args.health_file and health_file_problem(args.health_file)
     if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+        return bad_input(problem)
     store = open_store(args, existing=False)
     if isinstance(store, int):
         return store

@@ -26,7 +26,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Any, Self
 
 import websockets
@@ -78,6 +78,7 @@ class _Run:
     trouble_since: float | None = None  # loop time the server stopped answering
 
 
+@dataclass(eq=False)
 class PromptFollower:
     """One socket (``/ws?clientId=``) kept open, reconnected with the same clientId after
     a drop (capped exponential backoff, ``reconnect_max_s`` seconds), and ``wait`` for one
@@ -87,20 +88,14 @@ class PromptFollower:
     raises the client's typed errors when the socket cannot be opened.
     """
 
-    def __init__(
-        self,
-        client: ComfyClient,
-        client_id: str,
-        *,
-        poll_s: float = 1.0,
-        reconnect_max_s: float = 2.0,
-        give_up_s: float = 30.0,
-    ) -> None:
-        self.client = client
-        self.give_up_s = give_up_s
-        self.client_id = client_id
-        self.poll_s = poll_s
-        self.reconnect_max_s = reconnect_max_s
+    client: ComfyClient
+    client_id: str
+    _: KW_ONLY
+    poll_s: float = 1.0
+    reconnect_max_s: float = 2.0
+    give_up_s: float = 30.0
+
+    def __post_init__(self) -> None:
         self._ws: ClientConnection | None = None
         self._reader: asyncio.Task[None] | None = None
         self._events: dict[str, list[tuple[str, dict[str, Any]]]] = {}

@@ -240,36 +240,15 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine, Priori
         models: Sequence[str] = (),
         only: str | None = None,
         allow_prompt: str | None = None,
-        needs: Needs | None = None,
-        choose: Chooser | None = None,
-        check: Callable[[], str | None] | None = None,
-        gone: Callable[[], bool] | None = None,
     ) -> Slot:
-        """Hold a free server for one prompt; wait (without spinning) until one is free.
+        """Hold a free server for one job's prompt; wait (without spinning) until one is free.
 
         ``prefer``: the job's previous server (wins ties on queue length).
         ``models``: the job's model names (affinity: a server holding them wins ties).
         ``only``: restrict to one server (catch-up of a prompt already queued there), and
         ``allow_prompt``: that prompt_id of ours may be on it.
-        ``needs``: only a server that can run the job (its /object_info read first);
-        raises NoServerCanRun once none of the pool can (``cannot_run``).
-        ``choose``: the consumer's say on each free server (``Chooser``), ranked after
-        queue length and ``prefer``. ``check``: asked at each look; a reason it returns
-        is raised as NoServerCanRun (a job waiting for no server that can run it).
-        ``gone``: asked at each look; True ends the wait with None (the consumer has
-        nothing left to run, so it leaves the line to those that have).
         """
-        slot = await self.acquire_until(
-            None,
-            prefer=prefer,
-            models=models,
-            only=only,
-            allow_prompt=allow_prompt,
-            needs=needs,
-            choose=choose,
-            check=check,
-            gone=gone,
-        )
+        slot = await self._acquire(None, _Want(prefer, tuple(models), only, allow_prompt))
         assert slot is not None, "acquire without a stop event or gone returns a slot"
         return slot
 
@@ -277,19 +256,30 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine, Priori
         self,
         stop: asyncio.Event | None,
         *,
-        prefer: str | None = None,
-        models: Sequence[str] = (),
-        only: str | None = None,
-        allow_prompt: str | None = None,
         needs: Needs | None = None,
         choose: Chooser | None = None,
         check: Callable[[], str | None] | None = None,
         gone: Callable[[], bool] | None = None,
     ) -> Slot | None:
-        """``acquire``, or None once ``stop`` is set (and ``wake()`` called): a consumer
-        with nothing left to run must not wait for a server for ever."""
-        want = _Want(prefer, tuple(models), only, allow_prompt, needs, choose, check, gone)
-        if only is not None:  # catch-up of one prompt: not in line with the others
+        """Hold a free server for a consumer of a batch, or None once ``stop`` is set (and
+        ``wake()`` called): a consumer with nothing left to run must not wait for a server
+        for ever.
+
+        ``needs``: only a server that can run the job (its /object_info read first);
+        raises NoServerCanRun once none of the pool can (``cannot_run``).
+        ``choose``: the consumer's say on each free server (``Chooser``), ranked after
+        queue length. ``check``: asked at each look; a reason it returns is raised as
+        NoServerCanRun (a job waiting for no server that can run it). ``gone``: asked at
+        each look; True ends the wait with None (the consumer has nothing left to run, so
+        it leaves the line to those that have).
+        """
+        want = _Want(needs=needs, choose=choose, check=check, gone=gone)
+        return await self._acquire(stop, want)
+
+    async def _acquire(self, stop: asyncio.Event | None, want: _Want) -> Slot | None:
+        """What ``acquire`` and ``acquire_until`` wait for: ``want`` (None once ``stop``
+        is set or ``want.gone()``)."""
+        if want.only is not None:  # catch-up of one prompt: not in line with the others
             return await self._acquire_loop(want, stop)
         # Consumers line up: only the first looks (FIFO), so a release wakes one
         # consumer, not a stampede of probes and lease reads.
@@ -532,15 +522,15 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine, Priori
 
 @dataclass
 class _Want:
-    """What a consumer in line wants of a server (``Pool.acquire``'s arguments), and
+    """What a consumer in line wants of a server (``Pool.acquire``'s or ``Pool.acquire_until``'s arguments), and
     since when free servers have been declined for it."""
 
-    prefer: str | None
-    models: tuple[str, ...]
-    only: str | None
-    allow_prompt: str | None
-    needs: Needs | None
-    choose: Chooser | None
-    check: Callable[[], str | None] | None
-    gone: Callable[[], bool] | None
+    prefer: str | None = None
+    models: tuple[str, ...] = ()
+    only: str | None = None
+    allow_prompt: str | None = None
+    needs: Needs | None = None
+    choose: Chooser | None = None
+    check: Callable[[], str | None] | None = None
+    gone: Callable[[], bool] | None = None
     declined_since: float | None = None  # loop time a free server was first declined

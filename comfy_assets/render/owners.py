@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass, field
 
 from comfy_assets.store import OWNER_BEAT_S, OWNER_DEAD_S, Store, StoreDiskFull, StoreUnavailable
 
@@ -33,6 +34,7 @@ def stop_process(reason: str) -> None:
     os._exit(1)
 
 
+@dataclass(eq=False)
 class OwnerHeartbeat:
     """The heartbeat of ``owner`` in ``store``, from a thread of its own (a busy event
     loop does not silence it): registered by ``start``, beaten every ``OWNER_BEAT_S``
@@ -45,26 +47,17 @@ class OwnerHeartbeat:
     (default ``stop_process``). ``run_id``: the Dagster run this owner renders for.
     """
 
-    def __init__(
-        self,
-        store: Store,
-        owner: str,
-        *,
-        run_id: str | None = None,
-        on_gone: Callable[[str], None] = stop_process,
-        beat_s: float = OWNER_BEAT_S,
-        dead_s: float = OWNER_DEAD_S,
-    ) -> None:
-        self.store = store
-        self.owner = owner
-        self.run_id = run_id
-        self.on_gone = on_gone
-        self.beat_s = beat_s
-        self.dead_s = dead_s
-        self.gone: str | None = None
-        self._last_ok = time.monotonic()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+    store: Store
+    owner: str
+    _: KW_ONLY
+    run_id: str | None = None
+    on_gone: Callable[[str], None] = stop_process
+    beat_s: float = OWNER_BEAT_S
+    dead_s: float = OWNER_DEAD_S
+    gone: str | None = field(init=False, default=None)
+    _last_ok: float = field(init=False, default_factory=time.monotonic)
+    _stop: threading.Event = field(init=False, default_factory=threading.Event)
+    _thread: threading.Thread | None = field(init=False, default=None)
 
     def start(self) -> None:
         """Register the owner and start beating. Raises StoreUnavailable, StoreDiskFull."""

@@ -5,6 +5,7 @@ policy, the storyboard stopped); and an attempt cut short by a cancelled run, re
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from comfy_assets.jobs.model import Job
 from comfy_assets.render.attempt import Attempt
@@ -41,6 +42,13 @@ class Settle(Ownership):
         where = f" on {r.server}" if r.server else ""
         # The move to rendering, unless already written: in the same transaction.
         rendering = await self.renderings.take(job.id)
+        # What each store call below records of this attempt besides its own fields.
+        ended: dict[str, Any] = {
+            "server": r.server,
+            "attempt": attempt_number,
+            "tried": tried,
+            "rendering": rendering,
+        }
         if r.kind == "success":
             remove_stale_outputs(store.job_dir(self.partition, job.id), r.files, job.take)
             self.claims.finishing_now(job.id)
@@ -50,11 +58,8 @@ class Settle(Ownership):
                 self.owner,
                 state="succeeded",
                 files=r.files,
-                server=r.server,
-                attempt=attempt_number,
                 number=r.number,
-                tried=tried,
-                rendering=rendering,
+                **ended,
             )
             self.claims.finished(job.id)
             await self._rendered(item, r.server)
@@ -70,11 +75,8 @@ class Settle(Ownership):
                 # With our claim: one taken meanwhile (a cancel by the API, say) raises
                 # ClaimLost, and the job is left to its new holder.
                 owner=self.owner,
-                server=r.server,
-                attempt=attempt_number,
                 detail=r.reason,
-                tried=tried,
-                rendering=rendering,
+                **ended,
             )
             if self.stopped:  # no consumer takes it any more: the next run does
                 self.claims.release(job.id)
@@ -116,11 +118,8 @@ class Settle(Ownership):
                 self.owner,
                 state="degraded",
                 files=[],
-                server=r.server,
-                attempt=attempt_number,
                 reason=reason,
-                tried=tried,
-                rendering=rendering,
+                **ended,
             )
             self.report(f"job {job.id}: degraded (draft), {reason}")
         else:
@@ -129,10 +128,7 @@ class Settle(Ownership):
                 job.id,
                 self.owner,
                 reason,
-                server=r.server,
-                attempt=attempt_number,
-                tried=tried,
-                rendering=rendering,
+                **ended,
             )
             self.report(f"job {job.id}: dead-lettered, {reason}")
             if self.stop_on_fatal and not self.stopped:

@@ -32,6 +32,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Sequence
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
@@ -77,6 +78,7 @@ OUTCOMES = (
 JOBS_PER_SERVER = 2
 
 
+@dataclass(eq=False)
 class Worker(MessageHandling):
     """Consumes ``source`` and runs its jobs over ``servers``: ``jobs_per_server`` in
     hand per server (one renders, the next waits in line for it; the two may be posted
@@ -95,37 +97,29 @@ class Worker(MessageHandling):
     after a stop request; ``counts`` then says what happened to each message (OUTCOMES).
     """
 
-    def __init__(
-        self,
-        source: JobSource,
-        *,
-        servers: Sequence[ServerSpec],
-        store: Store,
-        config: BatchConfig,
-        grace_s: float = 60.0,
-        workflows_dir: Path = Path("."),
-        max_message_bytes: int = MAX_MESSAGE_BYTES,
-        health_file: Path | None = None,
-        heartbeat_s: float = 5.0,
-        owner: str | None = None,
-        results_every_s: float = 5.0,
-        jobs_per_server: int = JOBS_PER_SERVER,
-    ) -> None:
-        if not servers:
+    source: JobSource
+    _: KW_ONLY
+    servers: Sequence[ServerSpec]
+    store: Store
+    config: BatchConfig
+    grace_s: float = 60.0
+    workflows_dir: Path = Path(".")
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    health_file: Path | None = None
+    heartbeat_s: float = 5.0
+    owner: str | None = None  # None: a new one (``new_owner``)
+    results_every_s: float = 5.0
+    jobs_per_server: int = JOBS_PER_SERVER
+
+    def __post_init__(self) -> None:
+        if not self.servers:
             raise ValueError("a worker needs at least one server")
-        if jobs_per_server < 1:
+        if self.jobs_per_server < 1:
             raise ValueError("jobs_per_server must be at least 1")
-        self.source = source
-        self.servers = list(servers)
-        self.store = store
-        self.config = config
-        self.grace_s = grace_s
-        self.workflows_dir = Path(workflows_dir)
-        self.max_message_bytes = max_message_bytes
-        self.health_file = health_file
-        self.heartbeat_s = heartbeat_s
-        self.owner = owner or new_owner()
-        self.partition = source.partition
+        self.servers = list(self.servers)
+        self.workflows_dir = Path(self.workflows_dir)
+        self.owner = self.owner or new_owner()
+        self.partition = self.source.partition
         self.counts: Counter[str] = Counter({name: 0 for name in OUTCOMES})
         self.consuming = asyncio.Event()  # set while messages are being taken
         self.stop_reason: str | None = None
@@ -134,8 +128,7 @@ class Worker(MessageHandling):
         self._failure: BaseException | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._runs: dict[asyncio.Task[Any], asyncio.Task[str]] = {}  # handler -> its run
-        self.jobs_per_server = jobs_per_server
-        self._slots = asyncio.Semaphore(jobs_per_server * len(self.servers))
+        self._slots = asyncio.Semaphore(self.jobs_per_server * len(self.servers))
         # Shots of storyboards under the delivery policy running at once: a shot in hand
         # checks whether its storyboard stopped only once one has ended (FIFO).
         self._shots = asyncio.Semaphore(len(self.servers))
@@ -143,7 +136,6 @@ class Worker(MessageHandling):
         self.owner_heartbeat: OwnerHeartbeat | None = None  # while ``run`` runs
         self._touched: set[str] = set()  # partitions whose results.csv is out of date
         self._answered: set[Delivery] = set()  # handed to ack/requeue: never answer again
-        self.results_every_s = results_every_s
 
     # -- control --------------------------------------------------------------------
 
