@@ -57,6 +57,12 @@ class Holdings:
             self._can_run[key] = caps.lacks(needs) if caps is not None else None
         return self._can_run[key]
 
+    def may_run(self, name: str, needs: Needs) -> bool:
+        """Whether server ``name`` may run a job of ``needs`` now: reachable at its last
+        probe (or not probed yet), and lacking nothing by its /object_info (or not read
+        yet)."""
+        return name not in self._unreachable_since and self.lacks(name, needs) is None
+
     def can_run(self, name: str, needs: Needs) -> bool:
         """Whether server ``name`` (read, and reachable) can run a job of ``needs``."""
         return (

@@ -144,7 +144,7 @@ class Ownership:
             for s in self.pool.servers
             if s.name not in item.failed_on
             and s.name != server
-            and self.pool.lacks(s.name, needs) is None
+            and self.pool.may_run(s.name, needs)
         ]
         if not others:
             item.failed_on[server] = failure
@@ -155,6 +155,13 @@ class Ownership:
                 if len(tried) == 1
                 else f"failed on {' and '.join(tried)}, every server that can run it"
             )
+            away = [
+                s.name
+                for s in self.pool.servers
+                if s.name not in item.failed_on and self.pool.lacks(s.name, needs) is None
+            ]
+            if away:  # they could, were they reachable: a dead letter is not left waiting
+                where += f" now ({', '.join(away)} unreachable)"
             return dataclasses.replace(r, kind="permanent", reason=f"{where}: {r.reason}"), False
         await self._server_failed(item, server, failure)
         reason = f"{r.reason}; trying another server ({', '.join(others)} can run it)"

@@ -63,7 +63,7 @@ class ServerView(Protocol):
 
     servers: Sequence[ServerSpec]
 
-    def lacks(self, name: str, needs: Needs) -> object | None: ...
+    def may_run(self, name: str, needs: Needs) -> bool: ...
 
     def blocked(self, name: str) -> str | None: ...
 
@@ -144,7 +144,7 @@ class JobQueue:
         def others() -> list[str]:
             nonlocal capable
             if capable is None:
-                capable = [s.name for s in view.servers if view.lacks(s.name, group) is None]
+                capable = [s.name for s in view.servers if view.may_run(s.name, group)]
             return capable
 
         restricted = view.on_probation(server) and any(
