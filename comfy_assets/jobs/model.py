@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
+from comfy_assets.jobs.strict_json import quoted
+
 # Fixed forever: changing it changes every prompt_id and so re-renders everything.
 NAMESPACE = uuid.UUID("d20cb511-11c0-5807-a7e6-7f81477668c7")
 
@@ -74,6 +76,20 @@ class Header:
 # The priorities a batch may have: wide enough for any scheme, narrow enough for a
 # 32-bit column.
 MAX_PRIORITY = 1_000_000
+
+
+def policy_problem(value: object) -> str | None:
+    """Why ``value`` is not a film policy (``POLICIES``), in the words a job file's header
+    and a queue message both use; None when it is one."""
+    if value in POLICIES:
+        return None
+    return f'expected "delivery" or "draft", got {quoted(value)}'
+
+
+def priority_problem(value: object) -> str | None:
+    """Why ``value`` is not a batch priority (``is_priority``), in the words a job file's
+    header and a queue message both use; None when it is one."""
+    return None if is_priority(value) else f"expected an integer, got {quoted(value)}"
 
 
 def is_priority(value: object) -> bool:

@@ -41,7 +41,6 @@ from typing import Any
 from comfy_assets.jobs.chained import Chained, ChainResolution, build_job
 from comfy_assets.jobs.inputs import DEFAULT_RULES, InputReader, InputRules, parse_upstream
 from comfy_assets.jobs.model import (
-    POLICIES,
     UUID_PATTERN,
     Header,
     Input,
@@ -52,7 +51,8 @@ from comfy_assets.jobs.model import (
     JobFileError,
     LineError,
     canonical_json,
-    is_priority,
+    policy_problem,
+    priority_problem,
 )
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
@@ -275,10 +275,8 @@ class _Parser(ChainResolution):
             return None
         self._unknown_fields(body, HEADER_FIELDS, line, prefix="header.")
         policy = body.get("policy", "delivery")
-        if policy not in POLICIES:
-            self.error(
-                line, "header.policy", f'expected "delivery" or "draft", got {quoted(policy)}'
-            )
+        if (problem := policy_problem(policy)) is not None:
+            self.error(line, "header.policy", problem)
         tolerance = body.get("duration_tolerance", 0.1)
         if not is_number(tolerance) or not 0 <= tolerance <= 1:
             self.error(
@@ -287,8 +285,8 @@ class _Parser(ChainResolution):
                 f"expected a fraction from 0 to 1, got {quoted(tolerance)}",
             )
         priority = body.get("priority", 0)
-        if not is_priority(priority):
-            self.error(line, "header.priority", f"expected an integer, got {quoted(priority)}")
+        if (problem := priority_problem(priority)) is not None:
+            self.error(line, "header.priority", problem)
         if len(self.errors) > errors_before:
             return None
         return Header(policy=policy, duration_tolerance=float(tolerance), priority=priority)

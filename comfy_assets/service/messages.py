@@ -60,7 +60,6 @@ from typing import Any
 
 from comfy_assets.jobs.inputs import path_problem
 from comfy_assets.jobs.model import (
-    POLICIES,
     InputFile,
     InputFromJob,
     Job,
@@ -68,7 +67,8 @@ from comfy_assets.jobs.model import (
     JobFileError,
     LineError,
     Policy,
-    is_priority,
+    policy_problem,
+    priority_problem,
 )
 from comfy_assets.jobs.parse import job_from_dict
 from comfy_assets.jobs.strict_json import loads_bounded
@@ -302,29 +302,9 @@ def parse_message(
     errors: list[LineError] = []
     if isinstance(obj, dict):
         obj = dict(obj)
-        if "partition" in obj:
-            given = obj.pop("partition")
-            try:
-                partition = folder_name(given, "partition")
-            except ValueError as e:
-                errors.append(LineError(source, 1, "partition", str(e)))
-        if "priority" in obj:
-            given = obj.pop("priority")
-            if is_priority(given):
-                priority = given
-            else:
-                shown = json.dumps(given, default=repr)[:80]
-                errors.append(LineError(source, 1, "priority", f"expected an integer, got {shown}"))
-        if "line" in obj:
-            given = obj.pop("line")
-            if isinstance(given, int) and not isinstance(given, bool) and given >= 1:
-                line = given
-            else:
-                errors.append(
-                    LineError(
-                        source, 1, "line", f"expected an integer >= 1, got {json.dumps(given)[:80]}"
-                    )
-                )
+        partition = _envelope(obj, "partition", _partition_problem, source, errors, partition)
+        priority = _envelope(obj, "priority", priority_problem, source, errors, priority)
+        line = _envelope(obj, "line", _line_problem, source, errors, line)
         spec = obj.get("workflow")
         if isinstance(spec, str) and spec:
             problem = outside_problem(workflows_dir, spec)
@@ -334,15 +314,7 @@ def parse_message(
                 raise JobFileError([LineError(source, 1, "workflow", message)])
         if isinstance(obj.get("inputs"), dict):
             obj["inputs"] = _inline_inputs(obj["inputs"], source, errors)
-        if "policy" in obj:
-            given = obj.pop("policy")
-            if given in POLICIES:
-                policy = given
-            else:
-                shown = json.dumps(given, default=repr)[:80]
-                errors.append(
-                    LineError(source, 1, "policy", f'expected "delivery" or "draft", got {shown}')
-                )
+        policy = _envelope(obj, "policy", policy_problem, source, errors, policy)
     try:
         job = job_from_dict(obj, base_dir=workflows_dir, source=source, line=line)
     except JobFileError as e:
@@ -350,6 +322,41 @@ def parse_message(
     if errors:
         raise JobFileError(errors)
     return QueuedJob(job, policy, partition, priority)
+
+
+def _envelope(
+    obj: dict[str, Any],
+    name: str,
+    problem_of: Callable[[Any], str | None],
+    source: str,
+    errors: list[LineError],
+    default: Any,
+) -> Any:
+    """Take field ``name`` of a message's envelope out of ``obj``: its value when
+    ``problem_of`` finds nothing wrong with it, else ``default`` with the problem added to
+    ``errors`` (absent: ``default``)."""
+    if name not in obj:
+        return default
+    given = obj.pop(name)
+    problem = problem_of(given)
+    if problem is None:
+        return given
+    errors.append(LineError(source, 1, name, problem))
+    return default
+
+
+def _partition_problem(value: Any) -> str | None:
+    try:
+        folder_name(value, "partition")
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _line_problem(value: Any) -> str | None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
+        return None
+    return f"expected an integer >= 1, got {json.dumps(value)[:80]}"
 
 
 def _inline_inputs(given: dict[str, Any], source: str, errors: list[LineError]) -> dict[str, Any]:
