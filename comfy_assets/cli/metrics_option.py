@@ -34,29 +34,36 @@ def priority(text: str) -> int:
     return value  # type: ignore[return-value]
 
 
-def add_priority_option(p: argparse.ArgumentParser) -> None:
-    """Register ``--priority N`` (default: the job file header's, else 0)."""
-    p.add_argument(
+# The steering options, each its flag and what argparse takes of it (default: None, the
+# header's priority else 0, or no metrics served).
+STEERING_OPTIONS: dict[str, tuple[str, dict[str, object]]] = {
+    "priority": (
         "--priority",
-        type=priority,
-        default=None,
-        metavar="N",
-        help="the batch's priority among those sharing the servers, higher first: a freed "
-        "server goes to the highest waiting; a prompt rendering is never interrupted "
-        '(default: the job file header\'s "priority", else 0)',
-    )
-
-
-def add_metrics_option(p: argparse.ArgumentParser) -> None:
-    """Register ``--metrics-port P`` (default: no metrics served)."""
-    p.add_argument(
+        {
+            "type": priority,
+            "metavar": "N",
+            "help": "the batch's priority among those sharing the servers, higher first: a "
+            "freed server goes to the highest waiting; a prompt rendering is never "
+            'interrupted (default: the job file header\'s "priority", else 0)',
+        },
+    ),
+    "metrics": (
         "--metrics-port",
-        type=port,
-        default=None,
-        metavar="P",
-        help="serve Prometheus metrics (names comfy_assets_*) on this port, /metrics "
-        "(default: none)",
-    )
+        {
+            "type": port,
+            "metavar": "P",
+            "help": "serve Prometheus metrics (names comfy_assets_*) on this port, /metrics "
+            "(default: none)",
+        },
+    ),
+}
+
+
+def add_steering_option(p: argparse.ArgumentParser, name: str) -> None:
+    """Register the steering option ``name`` of ``STEERING_OPTIONS`` (``--priority N`` or
+    ``--metrics-port P``), default None."""
+    flag, spec = STEERING_OPTIONS[name]
+    p.add_argument(flag, default=None, **spec)  # type: ignore[arg-type]
 
 
 def start_metrics(args: argparse.Namespace, store: object, partition: str | None) -> int | None:

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from comfy_assets.cli.metrics_option import add_metrics_option, add_priority_option, start_metrics
+from comfy_assets.cli.metrics_option import add_steering_option, start_metrics
 from comfy_assets.cli.options import (
     add_input_options,
     bad_input,
@@ -182,14 +182,14 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     add_store_options(p)
     p.add_argument("--partition", default=None, help="partition name (default: file stem)")
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
-    add_priority_option(p)
+    add_steering_option(p, "priority")
     p.add_argument(
         "--events", action="store_true", help="also print every state transition as JSON"
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log scheduling and protocol steps")
     add_batch_options(p)
     add_knob_option(p, "unreachable_timeout_s", bounded(float, 0, strict=True))
-    add_metrics_option(p)
+    add_steering_option(p, "metrics")
     p.set_defaults(func=run_command)
 
 

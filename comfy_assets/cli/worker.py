@@ -14,8 +14,7 @@ from pathlib import Path
 
 from comfy_assets.cli import worker_signals
 from comfy_assets.cli.metrics_option import (
-    add_metrics_option,
-    add_priority_option,
+    add_steering_option,
     start_metrics,
 )
 from comfy_assets.cli.options import add_input_options, add_size_option, bad_input, bounded
@@ -70,7 +69,7 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
         help="partition the worker renders them under (default: the file's stem, as in run)",
     )
     add_max_message_option(p, "a job whose message is larger is an error; nothing is sent")
-    add_priority_option(p)
+    add_steering_option(p, "priority")
     p.set_defaults(func=enqueue_command)
 
 
@@ -179,7 +178,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     add_batch_options(p)
-    add_metrics_option(p)
+    add_steering_option(p, "metrics")
     p.set_defaults(func=worker_command)
 
 
