@@ -332,7 +332,7 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine, Priori
             # A catch-up follows our own prompt wherever it is; new prompts go only
             # where the servers' health lets them (``quarantine.py``).
             self._read_health()
-            if self._all_blocked(want):
+            if self._all_blocked():
                 return None, True
         for name in list(self._kept):
             if only is not None and name != only:

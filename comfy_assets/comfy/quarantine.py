@@ -99,7 +99,7 @@ class Quarantine:
         record = self.health.get(name)
         return record is not None and record.open_failures > 0
 
-    def _all_blocked(self, want: object) -> bool:
+    def _all_blocked(self) -> bool:
         """True when every server of the pool takes no prompt now (the time it started
         is kept for ``_check_usable``)."""
         if not self.all_blocked():
@@ -112,8 +112,10 @@ class Quarantine:
 
     def _check_usable(self) -> None:
         """Raise NoServerReachable once every server has been quarantined for
-        ``unreachable_timeout_s``, or at once when no cool-down ends within it: the
-        batch stops with its jobs pending, as when none answers."""
+        ``unreachable_timeout_s``, or at once when no cool-down ends within it or when
+        it is the second time in this pool's life that every server is (one came back,
+        and its fault did too): the batch stops with its jobs pending, as when none
+        answers."""
         since, limit = self._blocked_since, self.settings.unreachable_timeout_s
         if since is None or limit is None:
             return
@@ -122,7 +124,7 @@ class Quarantine:
         if not blocked:
             return
         if self._blocked_episodes > 1:
-            why = "every server went back to quarantine after its trial: nothing is posted"
+            why = "every server was quarantined again after one came back: nothing more is posted"
             raise NoServerReachable(waited, blocked, what="usable", why=why)
         ends = [self.health[name].until for name in blocked if name in self.health]
         if all(end is not None for end in ends) and ends:
