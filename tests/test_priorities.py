@@ -131,3 +131,55 @@ def test_a_long_lived_pool_has_the_highest_priority_of_the_jobs_it_runs() -> Non
             assert pool.priority == 9
         assert pool.priority == 5
     assert pool.priority == 0
+
+
+async def test_a_higher_priority_run_whose_jobs_another_run_holds_does_not_stall_it(
+    tmp_path: Path,
+) -> None:
+    # The same file twice on one server that a third process holds for now: the
+    # priority-0 run claims every job and waits for the server; the priority-10 run
+    # finds every job held. Were it to wait for the server too, its mark would keep the
+    # server from the holder of the jobs (it outranks it), and neither would ever post.
+    import asyncio
+
+    from comfy_assets.render.run import run_batch
+    from tests.support import executed, fake_servers, fast_config, wait_until
+
+    fake = FakeComfy()
+    jobs = load_job_file(write_jobs(tmp_path / "jobs", 3))  # as many as it claims ahead
+    store = Store(tmp_path / "store")
+    assert store.acquire_server("gpu0", "a third process", 600.0)
+    lines: dict[int, list[str]] = {0: [], 10: []}
+    async with fake_servers(fake) as servers:
+
+        def batch(priority: int) -> asyncio.Task:
+            return asyncio.create_task(
+                run_batch(
+                    jobs,
+                    partition="jobs",
+                    servers=servers,
+                    store=Store(tmp_path / "store"),  # a process of its own
+                    config=fast_config(),
+                    priority=priority,
+                    on_line=lines[priority].append,
+                )
+            )
+
+        low = batch(0)
+        await wait_until(
+            lambda: all(store.get(j.id) and store.get(j.id).claimed_by for j in jobs.jobs),
+            30,
+            "the first run's claims",
+        )
+        high = batch(10)
+        await wait_until(
+            lambda: sum("waiting (taken over" in line for line in lines[10]) == 3,
+            30,
+            "the second run to find every job held",
+        )
+        store.release_server("gpu0", "a third process")
+        # A stall never ends: the bound only turns it into a failure.
+        summaries = await asyncio.wait_for(asyncio.gather(low, high), 60)
+    assert summaries[0].counts["succeeded"] == 3
+    assert sum("already done, nothing posted" in line for line in lines[10]) == 3
+    assert all(executed(fake, j.prompt_id) == 1 for j in jobs.jobs)

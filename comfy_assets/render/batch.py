@@ -210,15 +210,16 @@ class Batch(Settle, Chain, Claiming):
 
     async def _acquire(self) -> tuple[Slot | None, Item | None]:
         """A free server and the job the plan gives it (``render/queue.py``), or (None,
-        None) once the batch is finished or no job waits here any more (a consumer must
-        not wait for a server with nothing to run); the job is None when another
+        None) once the batch is finished or no job claimed by us waits here any more (a
+        consumer must not wait for a server with nothing to run, nor for jobs another
+        process holds: that one may wait for the same server); the job is None when another
         consumer took the last of its group meanwhile. Raises NoServerCanRun when some
         job waiting here can run nowhere."""
         slot = await self.pool.acquire_until(
             self.finished,
             choose=self.queue.chooser(),
             check=self._unrunnable_group,
-            gone=lambda: not self.queue.ready,
+            gone=lambda: not self.queue.claimed,
         )
         if slot is not None and self.finished.is_set():
             slot.release()
@@ -289,7 +290,11 @@ class Batch(Settle, Chain, Claiming):
                         # queue, so a server handed to a consumer goes straight to the
                         # submit and the POST: one store write less between two prompts.
                         await self._claim_ahead()
-                        if not self.queue.ready or self.stopped:
+                        if not self.queue.claimed or self.stopped:
+                            # No job of ours waits here (those left are held by other
+                            # processes and come back after a delay): waiting for a
+                            # server would mark this batch, with its priority, as
+                            # waiting, and keep the servers from the jobs' holders.
                             continue
                         slot, item = await self._acquire()
                         if slot is None:

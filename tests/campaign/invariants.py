@@ -88,7 +88,10 @@ def _runs(phase: Phase) -> list[str]:
                 found.append(f"{who}: traceback on {name}: {text[start : start + 2000]}")
             found += [f"{who}: a repr on {name}: {line}" for line in _reprs(text.splitlines())]
         if run.timed_out:
-            found.append(f"{who}: did not end within the harness's timeout")
+            tail = "\n".join(run.stderr.splitlines()[-40:])
+            found.append(
+                f"{who}: did not end within the harness's timeout; its stderr ended:\n{tail}"
+            )
         if run.stopped and run.returncode not in (0, 1, 143):
             found.append(f"{who}: stopped by SIGTERM, exit {run.returncode}, expected 143")
         for server, left in phase.left_after_stop.items():
