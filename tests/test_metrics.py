@@ -3,10 +3,13 @@ HTTP and read with prometheus-client's own parser."""
 
 from __future__ import annotations
 
+import json
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -147,3 +150,71 @@ def test_worker_metrics_port_serves_its_pool_and_the_stores_jobs(tmp_path: Path)
     assert samples[("comfy_assets_server_quarantined", (("server", "gpu0"),))] == 0
     assert samples[("comfy_assets_jobs", (("state", "succeeded"),))] >= 1
     assert any(k[0] == "comfy_assets_prompt_seconds_count" for k in samples)
+
+
+def prometheus_query(web: str, query: str) -> list[dict]:
+    """The result vector of an instant ``query`` at a Prometheus listening on ``web``."""
+    url = f"http://{web}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())["data"]["result"]
+
+
+@pytest.mark.skipif(
+    shutil.which("prometheus") is None,
+    reason="no prometheus binary (Debian's package, which .ci/run installs where apt works)",
+)
+async def test_a_real_prometheus_scrapes_the_metrics(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    metrics = Metrics()
+    monkeypatch.setattr(run_module, "pool_watchers", [])
+    monkeypatch.setattr(steering, "watchers", [])
+    port = free_port()
+    metrics.serve(port, addr="127.0.0.1")
+    fakes = [FakeComfy(prompt_seconds=0.01), FakeComfy(prompt_seconds=0.01)]
+    store = Store(tmp_path / "s")
+    metrics.track_store(store, "p")
+    async with fake_servers(*fakes) as servers:
+        summary = await run_batch(
+            load_job_file(write_jobs(tmp_path / "jobs", 3)),
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(),
+        )
+    assert summary.done == 3
+    config = tmp_path / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s}\n"
+        "scrape_configs:\n"
+        f"  - {{job_name: comfy_assets, static_configs: [{{targets: ['127.0.0.1:{port}']}}]}}\n"
+    )
+    web = f"127.0.0.1:{free_port()}"
+    cmd = ["prometheus", f"--config.file={config}", f"--web.listen-address={web}"]
+    cmd += [f"--storage.tsdb.path={tmp_path / 'tsdb'}"]
+    with open(tmp_path / "prometheus.log", "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            found: list[dict] = []
+            deadline = time.monotonic() + 60
+            while not found and time.monotonic() < deadline:
+                assert proc.poll() is None, (tmp_path / "prometheus.log").read_text()
+                try:
+                    found = prometheus_query(web, 'comfy_assets_jobs{state="succeeded"}')
+                except OSError:
+                    found = []
+                if not found:
+                    time.sleep(0.2)  # polling another process's scrapes: no event to wait on
+            up = prometheus_query(web, 'up{job="comfy_assets"}')
+            servers_up = prometheus_query(web, "comfy_assets_server_up")
+            quarantined = prometheus_query(web, "comfy_assets_server_quarantined")
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    assert [float(r["value"][1]) for r in found] == [3.0]
+    assert [float(r["value"][1]) for r in up] == [1.0]
+    assert {r["metric"]["server"]: float(r["value"][1]) for r in servers_up} == {
+        "gpu0": 1.0,
+        "gpu1": 1.0,
+    }
+    assert {r["metric"]["server"] for r in quarantined} == {"gpu0", "gpu1"}
