@@ -58,10 +58,10 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
 
+from comfy_assets.jobs import model
 from comfy_assets.jobs.inputs import path_problem
 from comfy_assets.jobs.model import (
     InputFile,
-    InputFromJob,
     Job,
     JobFile,
     JobFileError,
@@ -141,7 +141,7 @@ def chained_problems(job_file: JobFile) -> list[LineError]:
         LineError(where, job.line, f"inputs.{item.key}", CHAINED)
         for job in job_file.jobs
         for item in job.inputs
-        if isinstance(item, InputFromJob)
+        if isinstance(item, model.InputFromJob)
     ]
 
 
@@ -215,7 +215,7 @@ def _body(
     if job.inputs:
         inputs: dict[str, Any] = {}
         for item in job.inputs:
-            if isinstance(item, InputFromJob):
+            if isinstance(item, model.InputFromJob):
                 raise ValueError(f"job {job.id} input {item.key}: {CHAINED}")
             inputs[item.key] = {
                 "path": item.path,
