@@ -87,6 +87,28 @@ def test_a_database_url_that_is_not_one_is_bad_input_for_every_store_command(
         assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(
+    ("db_url", "said"),
+    [
+        (
+            "mysql://u:p@db/x",
+            "the store is kept in PostgreSQL (postgresql+psycopg://...) or SQLite, not mysql",
+        ),
+        ("postgresql+pg8000://u:p@db/x", "its database driver is not installed"),
+    ],
+)
+def test_a_database_the_store_cannot_use_is_one_line_of_bad_input(
+    tmp_path: Path, capsys, db_url: str, said: str
+) -> None:
+    store = ["--store", str(tmp_path / "s"), "--db-url", db_url]
+    for argv in (["status", *store], ["events", "--partition", "p", *store]):
+        assert exit_code(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"error: --db-url: {said}"), err
+        assert "p@db" not in err
+
+
 def test_a_database_that_refuses_the_role_ends_run_with_one_line_and_no_password(
     tmp_path: Path, fake: FakeComfy, url: str, capsys
 ) -> None:

@@ -80,10 +80,19 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
             self.root.mkdir(parents=True, exist_ok=True)
             db_url = f"sqlite:///{self.root / 'store.db'}"
         try:
+            backend = sa.make_url(db_url).get_backend_name()
+            if backend not in ("sqlite", "postgresql"):
+                # The store's statements are written for these two (upserts, locks).
+                raise BadDbUrl(
+                    f"--db-url: the store is kept in PostgreSQL (postgresql+psycopg://...) "
+                    f"or SQLite, not {backend}"
+                )
             self.engine = make_engine(db_url)
         except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as e:
             # SQLAlchemy's message names neither the URL nor its password.
             raise BadDbUrl(f"--db-url: not a database URL SQLAlchemy can open ({e})") from e
+        except ImportError as e:  # a dialect we take whose driver is not installed
+            raise BadDbUrl(f"--db-url: its database driver is not installed ({e})") from e
         self.dialect = self.engine.dialect.name
         try:
             self._create_tables()
