@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -144,6 +145,10 @@ def test_bad_input_exits_2_with_a_reason(
         f"{store_dir / 'film.mp4'}": [
             "--jobs", str(storyboard), "--store", str(store_dir), "--out", str(store_dir),
         ],
+        f"--out {storyboard}/reel.mp4: its folder can't be made (File exists)": [
+            "--jobs", str(storyboard), "--store", str(store_dir),
+            "--out", str(storyboard / "reel.mp4"),
+        ],
     }  # fmt: skip
     for expected, argv in cases.items():
         assert film(*argv) == 2, expected
@@ -156,3 +161,28 @@ def test_bad_input_exits_2_with_a_reason(
     with pytest.raises(SystemExit) as exit_info:
         film("--jobs", str(storyboard), "--store", str(store_dir), "--policy", "final")
     assert exit_info.value.code == 2
+
+
+def test_a_film_that_cannot_be_written_is_one_line_and_exit_1(
+    storyboard: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store_dir = tmp_path / "store"
+    render(load_job_file(storyboard), store_dir, [])
+    cuts = tmp_path / "cuts"
+    cuts.mkdir()
+    # A read-only mount: the tests run as root, whom file modes do not stop.
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,ro", "tmpfs", str(cuts)], check=True)
+    try:
+        code = film(
+            "--jobs", str(storyboard), "--store", str(store_dir), "--out", str(cuts / "r.mp4")
+        )
+    finally:
+        subprocess.run(["umount", str(cuts)], check=True)
+    assert code == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [captured.err.splitlines()[0]] and captured.err.startswith(
+        "error: the film was not written: "
+    )
+    assert "Read-only file system" in captured.err
+    assert not list(cuts.iterdir())

@@ -7,12 +7,14 @@ Register it in ``cli.COMMANDS`` as ``add_film_parser``.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from comfy_assets.cli.options import add_input_options, bad_input
 from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.film.gate import FilmResult, GateBlocked
 from comfy_assets.film.make import make_film
+from comfy_assets.film.probe import MediaError
 from comfy_assets.film.shots import (
     bad_shot_lines,
     film_path,
@@ -24,6 +26,7 @@ from comfy_assets.jobs.parse import load_job_file
 
 EXIT_OK = 0
 EXIT_BLOCKED = 1
+EXIT_NOT_WRITTEN = 1
 
 
 def add_film_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,9 +50,9 @@ def film_command(args: argparse.Namespace) -> int:
     film as ``<name>.contact.png``. Exit 0 when the film is written; 1 when the gate
     blocks (nothing written; one line per missing or bad shot, with why); 2 for bad
     input: an unreadable or invalid job file, a file without shots, an ``--out`` that is a
-    folder, no store at ``--store``, or a partition holding none of the file's jobs. A
-    failure to write the
-    film (MediaError) is raised.
+    folder or whose folder can't be made, no store at ``--store``, or a partition holding
+    none of the file's jobs. A film that can't be written (a full disk, a tool failing:
+    MediaError, OSError) is one ``error:`` line and exit 1, nothing left at ``--out``.
     """
     try:
         job_file = load_job_file(args.jobs, rules=rules_of(args))
@@ -61,6 +64,11 @@ def film_command(args: argparse.Namespace) -> int:
         return bad_input(
             f"--out {args.out} is a folder: give the film's file name, such as {args.out / 'film.mp4'}"
         )
+    if args.out is not None:
+        try:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            return bad_input(f"--out {args.out}: its folder can't be made ({e.strerror or e})")
     partition = args.jobs.stem if args.partition is None else args.partition
     store = open_store(args, existing=True)
     if isinstance(store, int):
@@ -80,6 +88,9 @@ def film_command(args: argparse.Namespace) -> int:
         for line in bad_shot_lines(blocked.result):
             print(f"  {line}")
         return EXIT_BLOCKED
+    except (MediaError, OSError) as e:
+        print(f"error: the film was not written: {e}", file=sys.stderr)
+        return EXIT_NOT_WRITTEN
     finally:
         store.close()
     print(film.concat.path)
