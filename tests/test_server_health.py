@@ -254,6 +254,9 @@ def test_health_shows_a_quarantine_and_readmit_ends_it(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("gpu2 re-admitted by hand (")
     assert main(["health", "--store", str(tmp_path / "store")]) == 0
     assert capsys.readouterr().out == "gpu2 ok\n"
+    # Again: it is usable already, which is what --readmit asks for.
+    assert main(["health", "--store", str(tmp_path / "store"), "--readmit", "gpu2"]) == 0
+    assert capsys.readouterr().out == "gpu2 ok: not quarantined, no strikes now\n"
     assert main(["health", "--readmit", "gpu2"]) == 2
     assert "--readmit needs --store DIR" in capsys.readouterr().err
 

@@ -73,7 +73,8 @@ def health(args: argparse.Namespace) -> int:
     """Probe every ``--server`` concurrently and print one line per server (its store
     state instead, with ``--store``, when it is quarantined or on trial); re-admit the
     ``--readmit`` servers. Exit 0 when at least one server is healthy and not
-    quarantined (or every re-admission was done), 1 otherwise, 2 for bad arguments."""
+    quarantined (or, with ``--readmit`` alone, every server named is usable now, re-admitted
+    or never quarantined), 1 otherwise, 2 for bad arguments."""
     try:
         specs = parse_servers(args.server) if args.server else []
     except ValueError as exc:
@@ -102,9 +103,8 @@ def health(args: argparse.Namespace) -> int:
                     print(f"comfy-assets health: --readmit: {e}", file=sys.stderr)
                     code = 2
                     continue
-                if change is None:
-                    print(f"{name}: not quarantined, nothing to re-admit", file=sys.stderr)
-                    code = 1
+                if change is None:  # usable already: what --readmit asks for holds
+                    print(f"{name} ok: not quarantined, no strikes now")
                 else:
                     print(f"{name} {change.detail}")
             records = opened.server_health()
