@@ -349,7 +349,7 @@ def test_the_api_docs_example_submits_follows_and_fetches_a_picture(project: Pat
 
     import aio_pika
 
-    block = readme_block("comfy-assets api --store store")
+    block = readme_block("comfy-assets api --store tour/api/store")
     queue = f"test-docs-api-{uuid.uuid4().hex[:8]}"
     assert block.count("--queue renders") == 2
     example = with_free_ports(block, {}).replace("--queue renders", f"--queue {queue}")
@@ -369,8 +369,8 @@ def test_the_api_docs_example_submits_follows_and_fetches_a_picture(project: Pat
     assert done.returncode == 0, done.stdout
     assert '"state": "pending"' in done.stdout  # the 202
     assert "event: end" in done.stdout and '"state": "succeeded"' in done.stdout
-    job = json.loads((project / "job.json").read_text())
-    picture = (project / "picture.png").read_bytes()
+    job = json.loads((project / "tour/api/job.json").read_text())
+    picture = (project / "tour/api/picture.png").read_bytes()
     assert picture.startswith(b"\x89PNG")
     assert hashlib.sha256(picture).hexdigest() in {f["sha256"] for f in job["files"]}
     assert f"picture.png: {job['files'][0]['url']}" in done.stdout
