@@ -57,6 +57,13 @@ def test_which_addresses_a_webhook_may_reach(address: str, refused: bool) -> Non
     assert (address_problem(address) is not None) == refused
 
 
+def test_a_refused_address_is_named_by_its_narrowest_kind() -> None:
+    assert address_problem("127.0.0.1") == "127.0.0.1, a loopback address"
+    assert address_problem("0.0.0.0") == "0.0.0.0, an unspecified address"
+    assert address_problem("169.254.169.254") == "169.254.169.254, a link-local address"
+    assert address_problem("10.0.0.7") == "10.0.0.7, a private address"
+
+
 async def test_the_delivery_resolver_answers_only_public_addresses() -> None:
     with pytest.raises(OSError, match="loopback"):
         await GuardedResolver(allow_private=False).resolve("localhost", 80, socket.AF_INET)

@@ -34,19 +34,22 @@ class RefusedUrl(ValueError):
 
 
 def address_problem(text: str) -> str | None:
-    """Why the address ``text`` may not be called, or None for a global one."""
+    """Why the address ``text`` may not be called (``127.0.0.1, a loopback address``), or
+    None for a global one."""
     try:
         ip = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
-        return f"{text!r} is not an IP address"
+        return f"{text!r}, not an IP address"
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     if ip.is_global and not ip.is_multicast:
         return None
-    for kind in ("loopback", "link_local", "private", "multicast", "reserved", "unspecified"):
+    # The narrowest kind first: 0.0.0.0 and 127.0.0.1 are in ipaddress's private ranges too.
+    for kind in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved"):
         if getattr(ip, f"is_{kind}"):
-            return f"{ip} is a {kind.replace('_', '-')} address"
-    return f"{ip} is not a public address"
+            article = "an" if kind[0] == "u" else "a"
+            return f"{ip}, {article} {kind.replace('_', '-')} address"
+    return f"{ip}, not a public address"
 
 
 def url_problem(url: str) -> str | None:
