@@ -34,6 +34,7 @@ from dagster.components import Scaffolder, ScaffoldRequest, scaffold_component
 from dagster.components.resolved.errors import ResolutionException
 from pydantic import ConfigDict, Field
 
+from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.farm import farm_of
 from comfy_assets.farm_defs import build_farm_defs
 from comfy_assets.jobs.model import POLICIES
@@ -153,6 +154,14 @@ class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.servers:
             raise ValueError("servers: a farm needs at least one server")
+        # Checked now as `run --server` checks them; a URL read from the environment at run
+        # time ({{ env.VAR }} alone) is checked when the pool is made.
+        given = [f"{s.name}={s.url}" for s in self.servers if not isinstance(s.url, dg.EnvVar)]
+        if given:
+            try:
+                parse_servers(given)
+            except ValueError as e:
+                raise ValueError(f"servers: {e}") from None
         root = Path(context.project_root)
         farm = farm_of(
             key_prefix=self.key_prefix,

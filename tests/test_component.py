@@ -106,6 +106,31 @@ def test_two_farms_in_one_project_render_each_its_own_files_on_its_own_servers(
     assert (tmp_path / "store" / "final" / "store.db").is_file()
 
 
+def test_a_farm_with_a_server_url_that_is_not_one_fails_to_load_naming_it(
+    tmp_path: Path,
+) -> None:
+    attributes = farm_attributes("draft", tmp_path)
+    attributes["servers"] = [{"name": "gpu0", "url": "not a url"}]
+    with create_defs_folder_sandbox() as sandbox:
+        sandbox.scaffold_component(
+            component_cls=RenderFarm,
+            defs_path="draft",
+            defs_yaml_contents={"type": "comfy_assets.RenderFarm", "attributes": attributes},
+        )
+        with pytest.raises(Exception) as raised:
+            with sandbox.build_all_defs():
+                pass
+    chain = []
+    error: BaseException | None = raised.value
+    while error is not None:
+        chain.append(str(error))
+        error = error.__cause__ or error.__context__
+    assert any(
+        "servers: server 'gpu0=not a url': not an http(s)://host[:port] URL" in text
+        for text in chain
+    ), chain
+
+
 def dg(project: Path, *args: str, home: Path, env: dict[str, str]) -> str:
     done = subprocess.run(
         [str(project / ".venv" / "bin" / "dg"), *args],
