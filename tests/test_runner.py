@@ -671,3 +671,26 @@ async def test_a_post_of_a_killed_run_forgotten_by_a_restart_says_it_may_render_
     assert executed(fake, job.prompt_id) == 2
     details = [e.detail or "" for e in store.events(job.id)]
     assert any("may render twice" in d for d in details), details
+
+
+async def test_a_400_that_echoes_a_huge_value_gives_a_reason_of_a_few_lines(tmp_path):
+    # ComfyUI v0.8.0 puts the value it could not convert in its 400 (twice): a reason
+    # keeps its start, so a megabyte in `set` does not make a megabyte of dead letter.
+    huge = "x" * 100_000
+    jobs = write_jobs(tmp_path / "jobs", 1, extra=[{"set": {"1.width": huge}}])
+    store = Store(tmp_path / "store")
+    lines: list[str] = []
+    async with fake_servers(FakeComfy()) as servers:
+        summary = await run_batch(
+            load_job_file(jobs),
+            partition="jobs",
+            servers=servers,
+            store=store,
+            config=fast_config(),
+            on_line=lines.append,
+        )
+    assert summary.counts["failed_fatal"] == 1
+    reason = store.get(job_id(0, "jobs.jsonl")).reason
+    assert "Failed to convert an input value to a INT value [width, xxx" in reason
+    assert len(reason) < 2000
+    assert all(len(line) < 3000 for line in lines)

@@ -19,8 +19,6 @@ from comfy_assets.comfy.errors import ConnectionLost, RequestTimeout, ServerUnre
 if TYPE_CHECKING:
     from comfy_assets.comfy.client import ComfyClient
 
-BODY_EXCERPT = 300  # characters of an unexpected body kept in error messages
-
 
 @dataclass(frozen=True)
 class Answer:
@@ -124,13 +122,6 @@ def view_content_type(filename: str) -> str:
     name, or application/octet-stream (server.py ``view_image``)."""
     guessed = mimetypes.guess_type(filename)[0] or "application/octet-stream"
     return "application/octet-stream" if guessed in _FORCED_DOWNLOAD else guessed
-
-
-def excerpt(text: str) -> str:
-    """The start of an answer's body on one line (runs of whitespace, newlines among
-    them, as one space): messages become lines of output, one per error."""
-    text = " ".join(text.split())
-    return text if len(text) <= BODY_EXCERPT else text[:BODY_EXCERPT] + "..."
 
 
 def json_dumps(value: Any) -> str:

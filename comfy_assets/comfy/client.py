@@ -31,7 +31,6 @@ from urllib.parse import quote, urlencode, urlsplit
 from comfy_assets.comfy.answers import (
     Answer,
     MappedErrors,
-    excerpt,
     json_dumps,
     quoted,
     unreachable_reason,
@@ -59,6 +58,7 @@ from comfy_assets.comfy.types import (
     QueueState,
     SystemStats,
     UploadedFile,
+    excerpt,
     format_node_errors,
 )
 
@@ -523,10 +523,10 @@ class ComfyClient:
             error = body["error"]
             error_type = str(error["type"])
             node_errors = body.get("node_errors") or {}
-            text = f"{error_type}: {error.get('message', '')}"
+            text = f"{excerpt(error_type)}: {excerpt(str(error.get('message', '')))}"
             details = error.get("details")
             if details and details != error.get("message"):
-                text += f" ({details})"
+                text += f" ({excerpt(str(details))})"
             if node_errors:
                 text += f": {format_node_errors(node_errors)}"
         except (KeyError, TypeError, AttributeError) as exc:

@@ -130,6 +130,17 @@ class QueueState:
         return any(e.prompt_id == prompt_id for e in self.running)
 
 
+BODY_EXCERPT = 300  # characters of a server's text kept in an error message
+
+
+def excerpt(text: str) -> str:
+    """The start of a server's text on one line (runs of whitespace, newlines among
+    them, as one space): messages become lines of output, one per error, and a 400 that
+    echoes a megabyte of input does not make a megabyte of reason."""
+    text = " ".join(text.split())
+    return text if len(text) <= BODY_EXCERPT else text[:BODY_EXCERPT] + "..."
+
+
 def format_node_errors(node_errors: Mapping[str, Any]) -> str:
     """``node_errors`` of POST /prompt as one readable line, e.g.
     ``node 1 (EmptyImage): Value -5 smaller than min of 1 [width]`` (validation_errors.json).
@@ -140,10 +151,10 @@ def format_node_errors(node_errors: Mapping[str, Any]) -> str:
         class_type = node.get("class_type", "?")
         errors = node.get("errors") or [{}]
         for err in errors:
-            text = str(err.get("message", "error"))
+            text = excerpt(str(err.get("message", "error")))
             details = err.get("details")
             if details:
-                text += f" [{details}]"
+                text += f" [{excerpt(str(details))}]"
             parts.append(f"node {node_id} ({class_type}): {text}")
     return "; ".join(parts)
 
