@@ -150,3 +150,34 @@ def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
         "(2 waiting for a server, 1 for their upstream shot)"
     )
     assert "server gpu1: not used: quarantined (quarantined until 12:00)" in text
+
+
+async def test_a_workflow_without_models_waits_for_a_server_not_for_one_holding_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # image.json: EmptyImage, ImageInvert, SaveImage: no model file at all.
+    monkeypatch.setattr(steering, "EVERY_S", 0.02)
+    fakes = [FakeComfy(prompt_seconds=0.3) for _ in range(2)]
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 12))
+    store = Store(tmp_path / "s")
+    async with fake_servers(*fakes) as servers:
+        task = asyncio.create_task(
+            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        )
+        try:
+
+            def both_rendering() -> bool:
+                rows = [r for r in store.live() if r.kind == "server"]
+                return len([r for r in rows if r.detail.get("state") == "rendering"]) == 2
+
+            await wait_until(both_rendering, 30.0, "both servers rendering")
+            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert report is not None
+    waiting = [j for j in report["jobs"] if j["reason"].startswith("waiting for a server")]
+    assert waiting
+    assert {j["reason"] for j in waiting} == {"waiting for a server"}
+    assert all(j["detail"].startswith("gpu0, gpu1 can run it; ") for j in waiting)
+    assert "holding its model" not in lines(report)[0]

@@ -9,8 +9,8 @@ for:
 
 - ``rendering``: on a server now (which, since when, how far);
 - ``waiting for a server``: which servers can run it and what they do now;
-- ``waiting for a server holding its model``: the servers that hold it are busy, and a
-  load elsewhere would not be sooner (``comfy/plan.py``);
+- ``waiting for a server holding its model``: the servers that hold the model files its
+  workflow names are busy, and a load elsewhere would not be sooner (``comfy/plan.py``);
 - ``waiting for its upstream job``: the job it continues from (its id and state);
 - ``in backoff``: until when, after which failure;
 - ``claimed by another process``: its owner, host and heartbeat age;

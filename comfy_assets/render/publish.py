@@ -11,7 +11,8 @@ The detail of a partition row::
 
 ``held`` names the jobs in backoff (``until``: epoch seconds) and those waiting for their
 upstream jobs (``upstream``: ids); ``groups`` the servers that can run each group of
-waiting jobs and those holding its models, with the jobs' ids up to ``MAX_IDS`` in all.
+waiting jobs and those holding its models (none for a group that loads no model), with
+the jobs' ids up to ``MAX_IDS`` in all.
 A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
 "busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``.
 """
@@ -23,6 +24,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from comfy_assets.comfy.capabilities import Needs
+from comfy_assets.comfy.plan import models_of
 
 if TYPE_CHECKING:
     from comfy_assets.render.batch import Batch
@@ -56,10 +58,13 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             named += 1
     group_rows = []
     for needs, ids in groups.items():
+        # Every server "holds" the empty set of models: a group that loads none waits for
+        # a server, not for one holding its model.
+        holding = [s.name for s in pool.servers if pool.plan.fits(s.name, needs)]
         group_rows.append(
             {
                 "servers": [s.name for s in pool.servers if pool.can_run(s.name, needs)],
-                "holding": [s.name for s in pool.servers if pool.plan.fits(s.name, needs)],
+                "holding": holding if models_of(needs) else [],
                 "jobs": ids,
             }
         )
