@@ -23,6 +23,9 @@ from tests.test_models_pool import model_jobs
 
 pytestmark = pytest.mark.timeout(60)
 
+# What docs/steering.md says each of --json's partitions has, a batch running it or not.
+PARTITION_KEYS = {"partition", "states", "estimate_s", "waiting", "owner"}
+
 
 async def test_status_names_what_each_server_renders_and_why_each_job_waits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -101,8 +104,11 @@ def test_a_partition_nobody_runs_says_so_and_json_is_one_object(
     assert main(["status", "--store", str(tmp_path / "s"), "--partition", "p", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [j["reason"] for j in report["jobs"]] == ["not in a running batch"] * 2
-    states = report["partitions"][0]["states"]
-    assert {s: n for s, n in states.items() if n} == {"pending": 2}
+    # The keys docs/steering.md lists, as when a batch runs it: unknown ones null.
+    (part,) = report["partitions"]
+    assert set(part) == PARTITION_KEYS
+    assert {s: n for s, n in part["states"].items() if n} == {"pending": 2}
+    assert (part["estimate_s"], part["waiting"], part["owner"]) == (None, {}, None)
     assert main(["status", "--store", str(tmp_path / "s"), "--partition", "q"]) == 1
     assert main(["status", "--store", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -137,6 +143,7 @@ def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
     )
     report = gather(store, "p")
     assert report is not None
+    assert set(report["partitions"][0]) == PARTITION_KEYS
     reasons = {j["job_id"]: (j["reason"], j["detail"]) for j in report["jobs"]}
     assert reasons[first] == (
         "waiting for a server",

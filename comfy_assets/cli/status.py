@@ -86,8 +86,10 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def gather(store: Store, partition: str | None = None) -> dict[str, Any] | None:
-    """The status as one JSON-ready object (``--json`` prints it): ``partitions``,
-    ``servers`` and, with ``partition``, ``jobs``; None for an unknown ``partition``."""
+    """The status as one JSON-ready object (``--json`` prints it): ``partitions`` (each
+    ``partition``, ``states``, ``estimate_s``, ``waiting`` and ``owner``, the same keys
+    whether a batch runs it or not: None and empty when none does), ``servers`` and,
+    with ``partition``, ``jobs``; None for an unknown ``partition``."""
     live = store.live()
     owners = {o.owner: o for o in store.owners()}
     parts = {r.subject: r for r in live if r.kind == "partition"}
@@ -98,7 +100,13 @@ def gather(store: Store, partition: str | None = None) -> dict[str, Any] | None:
     for name in [partition] if partition else names:
         counts = store.counts(name)
         row = parts.get(name)
-        entry: dict[str, Any] = {"partition": name, "states": counts}
+        entry: dict[str, Any] = {
+            "partition": name,
+            "states": counts,
+            "estimate_s": None,
+            "waiting": {},
+            "owner": None,
+        }
         if row is not None:
             d = row.detail
             entry.update(
