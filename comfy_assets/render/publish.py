@@ -2,6 +2,7 @@
 (``store/live.py``): its partition's counts, estimate and the jobs it holds back with
 their reasons, and each server of its pool: what it renders now (job, partition, since
 when, how far) or why it is not used (unreachable, quarantined, another client's queue).
+Everything is looked at in one moment (no await), the moment of the ``Progress`` given.
 
 The detail of a partition row::
 
@@ -11,10 +12,12 @@ The detail of a partition row::
 
 ``held`` names the jobs in backoff (``until``: epoch seconds) and those waiting for their
 upstream jobs (``upstream``: ids); ``groups`` the servers that can run each group of
-waiting jobs and those holding its models (none for a group that loads no model), with
-the jobs' ids up to ``MAX_IDS`` in all.
-A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
-"busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``.
+waiting jobs (lacking none of its nodes and models, as far as known) and those holding its
+models (none for a group that loads no model), with the jobs' ids up to ``MAX_IDS`` in
+all. A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
+"busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``:
+"rendering" while a prompt of ours is on it (posted, or being posted), so a job whose
+prompt ended and whose outputs are downloading is not named.
 """
 
 from __future__ import annotations
@@ -63,7 +66,10 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
         holding = [s.name for s in pool.servers if pool.plan.fits(s.name, needs)]
         group_rows.append(
             {
-                "servers": [s.name for s in pool.servers if pool.can_run(s.name, needs)],
+                # Those lacking nothing by their /object_info, or not read yet (a batch's
+                # first rows come before its servers are read); unreachable ones too: their
+                # own rows say so.
+                "servers": [s.name for s in pool.servers if pool.lacks(s.name, needs) is None],
                 "holding": holding if models_of(needs) else [],
                 "jobs": ids,
             }
@@ -81,15 +87,14 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
         }
     }
     running: dict[str, tuple[str, float | None, str]] = {}
-    for job_id, attempt in list(batch.attempts.items()):
+    for name, attempt in batch.prompts().items():
         slot = attempt.slot
-        if slot is None:
-            continue
-        follower = pool.open_follower(slot.name)
+        assert slot is not None  # held: ``Batch.prompts``
+        follower = pool.open_follower(name)
         where = follower.progress(attempt.job.prompt_id) if follower is not None else None
         since = None if slot.posted_at is None else wall_now - (loop_now - slot.posted_at)
         how_far = where.describe(attempt.job.workflow) if where is not None else "posting"
-        running[slot.name] = (job_id, since, how_far)
+        running[name] = (attempt.job.id, since, how_far)
     unreachable = pool.unreachable()
     for spec in pool.servers:
         name = spec.name
