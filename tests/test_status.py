@@ -108,11 +108,12 @@ def test_a_partition_nobody_runs_says_so_and_json_is_one_object(
     (part,) = report["partitions"]
     assert set(part) == PARTITION_KEYS
     assert {s: n for s, n in part["states"].items() if n} == {"pending": 2}
-    assert (part["estimate_s"], part["waiting"], part["owner"]) == (None, {}, None)
+    assert (part["estimate_s"], part["owner"]) == (None, None)
+    assert part["waiting"] == {"not in a running batch": 2}
     assert main(["status", "--store", str(tmp_path / "s"), "--partition", "q"]) == 1
     assert main(["status", "--store", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "partition p: 2 pending; 0/2 done, 2 left"
+    assert out[0] == "partition p: 2 pending; 0/2 done, 2 left (2 not in a running batch)"
 
 
 def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
@@ -153,8 +154,8 @@ def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
     assert reasons[third] == ("every server that can run it is quarantined", "gpu1")
     text = lines(report)
     assert text[0] == (
-        "partition p: 3 pending; 0/3 done, 3 left, about 3 min to go "
-        "(2 waiting for a server, 1 for their upstream shot)"
+        "partition p: 3 pending; 0/3 done, 3 left, about 3 min to go (1 waiting for a "
+        "server, 1 waiting for its upstream job, 1 every server that can run it is quarantined)"
     )
     assert "server gpu1: not used: quarantined (quarantined until 12:00)" in text
 
@@ -188,3 +189,100 @@ async def test_a_workflow_without_models_waits_for_a_server_not_for_one_holding_
     assert {j["reason"] for j in waiting} == {"waiting for a server"}
     assert all(j["detail"].startswith("gpu0, gpu1 can run it; ") for j in waiting)
     assert "holding its model" not in lines(report)[0]
+
+
+def _claimed(store: Store, job_id: str, *moves: tuple[str, float]) -> None:
+    """Claim ``job_id`` for owner-1 and move it through ``moves`` ((state, epoch s))
+    on the server each names after a colon (``"submitted:gpu0"``)."""
+    store.claim(job_id, "owner-1")
+    prev = "pending"
+    for move, at in moves:
+        state, _, server = move.partition(":")
+        fields = {"number": 1} if state == "rendering" else {}
+        store.transition(
+            job_id,
+            state,
+            owner="owner-1",
+            server=server,
+            attempt=1,
+            from_state=prev,
+            now=at,
+            **fields,
+        )
+        prev = state
+
+
+def test_one_status_output_agrees_with_itself_while_jobs_move(tmp_path: Path) -> None:
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 6))
+    store = Store(tmp_path / "s")
+    store.register_jobs("p", jf.jobs)
+    store.register_owner("owner-1")
+    a, b, c, d, e, f = (j.id for j in jf.jobs)
+    t = store.now()
+    # What the batch wrote 2 s ago: gpu0 free (a's prompt had ended), gpu1 rendering c,
+    # gpu2 rendering d; and its counts then (6 left).
+    store.publish_live(
+        "owner-1",
+        {
+            ("partition", "p"): {
+                "total": 6,
+                "done": 0,
+                "remaining": 6,
+                "estimate_s": 600.0,
+                "waiting": {"rendering": 2, "waiting for a server": 4},
+                "held": {},
+                "groups": [{"servers": ["gpu0", "gpu1", "gpu2"], "holding": [], "jobs": [e, f]}],
+            },
+            ("server", "gpu0"): {"state": "free"},
+            ("server", "gpu1"): {
+                "state": "rendering",
+                "job": c,
+                "partition": "p",
+                "since": t - 4,
+                "progress": "node 2/4 ImageInvert",
+            },
+            ("server", "gpu2"): {
+                "state": "rendering",
+                "job": d,
+                "partition": "p",
+                "since": t - 4,
+                "progress": "node 4/4 SaveImage",
+            },
+        },
+        now=t - 2,
+    )
+    # Since: a still downloads its outputs; b was posted on gpu0 a second ago; d ended.
+    _claimed(store, a, ("submitted:gpu0", t - 6), ("rendering:gpu0", t - 6))
+    _claimed(store, b, ("submitted:gpu0", t - 1))
+    _claimed(store, c, ("submitted:gpu1", t - 4), ("rendering:gpu1", t - 4))
+    _claimed(store, d, ("submitted:gpu2", t - 4), ("rendering:gpu2", t - 4))
+    store.mark_done(d, "owner-1", files=[], now=t - 1)
+    report = gather(store, "p")
+    assert report is not None
+    (part,) = report["partitions"]
+    assert set(part) == PARTITION_KEYS and part["owner"] == "owner-1"
+    states = part["states"]
+    left = sum(n for s, n in states.items() if s not in ("succeeded", "degraded", "failed_fatal"))
+    assert left == 5 and sum(part["waiting"].values()) == left
+    assert part["waiting"] == {"rendering": 2, "finishing": 1, "waiting for a server": 2}
+    reasons = {j["job_id"]: (j["reason"], j["detail"]) for j in report["jobs"]}
+    assert reasons[a] == (
+        "finishing",
+        "its prompt left gpu0; its outputs are being downloaded and its result recorded",
+    )
+    assert reasons[b][0] == "rendering" and reasons[b][1].startswith("on gpu0 since ")
+    assert reasons[c][0] == "rendering"
+    assert reasons[c][1].startswith("on gpu1 since ")
+    assert reasons[c][1].endswith(", node 2/4 ImageInvert")
+    assert d not in reasons
+    servers = {s["server"]: s for s in report["servers"]}
+    assert (servers["gpu0"]["state"], servers["gpu0"]["job"]) == ("rendering", b)
+    assert (servers["gpu1"]["state"], servers["gpu1"]["job"]) == ("rendering", c)
+    assert servers["gpu2"]["state"] == "free"  # d, which it rendered, has ended
+    text = lines(report)
+    assert text[0].endswith(
+        ", 5 left, about 10 min to go (2 rendering, 1 finishing, 2 waiting for a server)"
+    )
+    assert f"server gpu0: renders job {b} of p since " in text[1]
+    assert text[3] == "server gpu2: free"
+    assert text[4] == "5 jobs not done: 2 rendering, 1 finishing, 2 waiting for a server"

@@ -6,7 +6,7 @@ Everything is looked at in one moment (no await), the moment of the ``Progress``
 
 The detail of a partition row::
 
-    {"total", "done", "dead_lettered", "remaining", "estimate_s", "waiting": {reason: n},
+    {"total", "done", "dead_lettered", "remaining", "estimate_s",
      "held": {job_id: {"reason", "until", "upstream", "server"}},
      "groups": [{"servers": [...can run...], "holding": [...], "jobs": [ids] or None}]}
 
@@ -81,7 +81,6 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             "dead_lettered": progress.dead_lettered,
             "remaining": progress.remaining,
             "estimate_s": progress.estimate_s,
-            "waiting": dict(progress.waiting),
             "held": _bounded(held),
             "groups": group_rows,
         }
