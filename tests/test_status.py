@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from comfy_assets.render import steering
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, wait_until, write_jobs
+from tests.support import fake_servers, fast_config, job_id, wait_until, write_jobs
 from tests.test_models_pool import model_jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -148,7 +149,7 @@ def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
     reasons = {j["job_id"]: (j["reason"], j["detail"]) for j in report["jobs"]}
     assert reasons[first] == (
         "waiting for a server",
-        "gpu0, gpu1 can run it; gpu0 free; gpu1 quarantined (quarantined until 12:00)",
+        "gpu0, gpu1 can run it; gpu0 free; gpu1 quarantined until 12:00",
     )
     assert reasons[second] == ("waiting for its upstream job", f"{first} (pending)")
     assert reasons[third] == ("every server that can run it is quarantined", "gpu1")
@@ -157,7 +158,7 @@ def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
         "partition p: 3 pending; 0/3 done, 3 left, about 3 min to go (1 waiting for a "
         "server, 1 waiting for its upstream job, 1 every server that can run it is quarantined)"
     )
-    assert "server gpu1: not used: quarantined (quarantined until 12:00)" in text
+    assert "server gpu1: not used: quarantined until 12:00" in text
 
 
 async def test_a_workflow_without_models_waits_for_a_server_not_for_one_holding_it(
@@ -286,3 +287,27 @@ def test_one_status_output_agrees_with_itself_while_jobs_move(tmp_path: Path) ->
     assert f"server gpu0: renders job {b} of p since " in text[1]
     assert text[3] == "server gpu2: free"
     assert text[4] == "5 jobs not done: 2 rendering, 1 finishing, 2 waiting for a server"
+
+
+def test_a_quarantined_or_on_trial_server_reads_so_with_no_run_going(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    store.register_jobs("p", load_job_file(write_jobs(tmp_path / "jobs", 1)).jobs)
+    for name in ("s1", "s2", "s3"):  # servers a run used, and let go at its end
+        assert store.acquire_server(name, "owner-1", 30.0)
+        store.release_server(name, "owner-1")
+    store.server_failed("s1", job_id(1), "0" * 64, "cuda", "CUDA error", infrastructure=True)
+    # s2's quarantine began long ago: its cool-down is over, its next job decides.
+    store.server_failed(
+        "s2", job_id(2), "0" * 64, "cuda", "CUDA error", infrastructure=True, now=time.time() - 1e6
+    )
+    report = gather(store)
+    assert report is not None
+    servers = {s["server"]: s for s in report["servers"]}
+    assert servers["s1"]["state"] == "quarantined"
+    assert servers["s2"]["state"] == "trial"
+    assert servers["s3"]["state"] == "idle"
+    text = lines(report)
+    s1 = next(line for line in text if line.startswith("server s1: "))
+    assert re.fullmatch(r"server s1: not used: quarantined until \d\d:\d\d:\d\d: .+", s1)
+    assert "server s2: on trial (its cool-down is over: its next job decides)" in text
+    assert "server s3: not used: no running batch uses it" in text

@@ -5,7 +5,7 @@ reason it waits.
 
 Read from the store only, in one snapshot (``Store.status_snapshot``): the jobs' rows,
 the owners' heartbeats, and what each running batch writes there every few seconds
-(``store/live.py``, ``render/publish.py``); the servers' leases besides. What
+(``store/live.py``, ``render/publish.py``); the servers' leases and health besides. What
 each server does is settled first (``cli/status_servers.py``), and a job renders only on
 the server that says so, so the lines of one output agree. A job's reason is one of
 ``REASONS``, each naming what it waits for:
@@ -105,7 +105,7 @@ def gather(store: Store, partition: str | None = None) -> dict[str, Any] | None:
         return None
     owners = {o.owner: o for o in snap.owners}
     parts = {r.subject: r for r in snap.live if r.kind == "partition"}
-    entries, where = servers(snap, store.server_leases())
+    entries, where = servers(snap, store.server_health(), store.server_leases())
     by_name = {e["server"]: e for e in entries}
     report: dict[str, Any] = {"partitions": [], "servers": entries}
     by_partition: dict[str, dict[str, JobRecord]] = {}
@@ -250,8 +250,10 @@ def _doing(server: dict[str, Any] | None) -> str:
         return f"renders job {str(server.get('job'))[:8]} ({how_far})"
     if state == "unreachable":
         return f"unreachable ({server.get('reason')})"
-    if state == "quarantined":
-        return f"quarantined ({server.get('reason')})"
+    if state in ("quarantined", "trial"):
+        reason = str(server.get("reason"))
+        # The store's words already start with the state ("quarantined until 12:04:10").
+        return reason if reason.startswith(("quarantined", "on trial")) else f"{state} ({reason})"
     if state == "busy":
         return f"runs another client's queue ({server.get('foreign_queue')} prompts)"
     if state == "idle":
@@ -297,6 +299,8 @@ def lines(report: dict[str, Any]) -> list[str]:
             out.append(f"server {s['server']}: not used: no running batch uses it")
         elif state == "free":
             out.append(f"server {s['server']}: free")
+        elif state == "trial" and not s.get("blocked"):
+            out.append(f"server {s['server']}: {_doing(s)}")  # it takes its one trial job
         else:
             out.append(f"server {s['server']}: not used: {_doing(s)}")
     counted = Counter(j["reason"] for j in report.get("jobs", []))

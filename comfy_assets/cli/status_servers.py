@@ -10,8 +10,8 @@ with how far it is). A server renders the newest job on it by the store whose ho
 alive, unless that holder's batch looked at the server after the job's last move and saw
 no prompt of that job there; every other job on it by the store has had its prompt end.
 So one job at most renders on a server, and a server line and the job lines of one
-output agree. A server rendering nothing reads as its batch saw it, else as its lease
-says.
+output agree. A server rendering nothing reads as its store health says (quarantined, on
+trial), else as its batch saw it, else as its lease says.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from comfy_assets.jobs.states import IN_FLIGHT
 from comfy_assets.store import JobRecord, OwnerRecord, ServerLease
+from comfy_assets.store.health import ServerHealthRecord
 from comfy_assets.store.live import LiveRow, StatusSnapshot
 from comfy_assets.store.owners import owner_of
 
@@ -38,13 +39,15 @@ def alive(owners: Mapping[str, OwnerRecord], claimed_by: str | None) -> bool:
 
 def servers(
     snap: StatusSnapshot,
+    health: Mapping[str, ServerHealthRecord],
     leases: Mapping[str, ServerLease],
 ) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str]]]:
     """(one entry per server, by name; where the jobs on a server by the store are:
     ``{job_id: ("rendering" | "finishing", server)}``). An entry is ``{"server",
     "state"}`` with, for ``rendering``: ``job``, ``partition``, ``since`` (epoch
     seconds), ``progress`` (None when not known here) and ``owner``; for ``quarantined``
-    and ``unreachable``: ``reason``; for ``busy``: ``foreign_queue``; for ``held``:
+    and ``trial``: ``reason``, ``until`` and ``blocked`` (why it takes no job, or None);
+    for ``unreachable``: ``reason``; for ``busy``: ``foreign_queue``; for ``held``:
     ``owner`` and ``host``; ``free`` and ``idle`` (no running batch uses it) alone."""
     owners = {o.owner: o for o in snap.owners}
     rows: dict[str, dict[str, LiveRow]] = {}  # server -> owner -> its batch's row
@@ -57,7 +60,7 @@ def servers(
             on.setdefault(rec.server, []).append(rec)
     where: dict[str, tuple[str, str]] = {}
     entries = []
-    for name in sorted(set(rows) | set(on) | set(leases)):
+    for name in sorted(set(rows) | set(on) | set(leases) | set(health)):
         seen = rows.get(name, {})
         current = None
         for rec in sorted(on.get(name, []), key=lambda r: r.updated_at, reverse=True):
@@ -69,7 +72,7 @@ def servers(
         if current is not None:
             entry = _rendering(current, seen.get(owner_of(current.claimed_by or "")))
         else:
-            entry = _not_rendering(snap, seen, leases.get(name), owners)
+            entry = _not_rendering(snap, name, seen, health.get(name), leases.get(name), owners)
         entries.append({"server": name, **entry})
     return entries, where
 
@@ -101,10 +104,19 @@ def _rendering(rec: JobRecord, row: LiveRow | None) -> dict[str, Any]:
 
 def _not_rendering(
     snap: StatusSnapshot,
+    name: str,
     seen: Mapping[str, LiveRow],
+    record: ServerHealthRecord | None,
     lease: ServerLease | None,
     owners: Mapping[str, OwnerRecord],
 ) -> dict[str, Any]:
+    if record is not None and record.state in ("quarantined", "trial"):
+        return {
+            "state": record.state,
+            "reason": record.line().removeprefix(f"{name} "),
+            "until": record.until,
+            "blocked": record.blocked(),
+        }
     if seen:
         newest = min(seen.values(), key=lambda r: r.age_s)
         if newest.detail.get("state") == RENDERING:

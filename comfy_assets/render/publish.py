@@ -15,9 +15,10 @@ upstream jobs (``upstream``: ids); ``groups`` the servers that can run each grou
 waiting jobs (lacking none of its nodes and models, as far as known) and those holding its
 models (none for a group that loads no model), with the jobs' ids up to ``MAX_IDS`` in
 all. A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
-"busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``:
+"trial" | "busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``:
 "rendering" while a prompt of ours is on it (posted, or being posted), so a job whose
-prompt ended and whose outputs are downloading is not named.
+prompt ended and whose outputs are downloading is not named; "trial" for a server on
+trial whose one job failed there.
 """
 
 from __future__ import annotations
@@ -106,8 +107,10 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
                 "since": since,
                 "progress": how_far,
             }
-        elif pool.blocked(name) is not None:  # the pool's view of the store's health rows
-            row = {"state": "quarantined", "reason": pool.blocked(name)}
+        elif (blocked := pool.blocked(name)) is not None:  # the pool's view of the health rows
+            # "quarantined until ...", or a server on trial whose one job failed there.
+            state = "quarantined" if blocked.startswith("quarantined") else "trial"
+            row = {"state": state, "reason": blocked}
         elif name in unreachable:
             row = {"state": "unreachable", "reason": unreachable[name]}
         else:
