@@ -8,16 +8,18 @@ import asyncio
 import json
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from comfy_assets.cli.main import main
 from comfy_assets.cli.status import REASONS, gather, lines
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import steering
 from comfy_assets.render.run import run_batch
-from comfy_assets.store import Store
+from comfy_assets.store import Store, metadata
 from fake_comfy import FakeComfy
 from tests.support import fake_servers, fast_config, job_id, wait_until, write_jobs
 from tests.test_models_pool import model_jobs
@@ -213,9 +215,24 @@ def _claimed(store: Store, job_id: str, *moves: tuple[str, float]) -> None:
         prev = state
 
 
-def test_one_status_output_agrees_with_itself_while_jobs_move(tmp_path: Path) -> None:
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """An empty store on each backend (status reads it in one snapshot: on PostgreSQL a
+    REPEATABLE READ transaction)."""
+    url = request.getfixturevalue("pg_url") if request.param == "postgresql" else None
+    store = Store(tmp_path / "s", url)
+    if url is not None:
+        with store.engine.begin() as conn:
+            conn.execute(sa.text(f"TRUNCATE {', '.join(t.name for t in metadata.sorted_tables)}"))
+    yield store
+    store.close()
+
+
+def test_one_status_output_agrees_with_itself_while_jobs_move(
+    tmp_path: Path, any_store: Store
+) -> None:
     jf = load_job_file(write_jobs(tmp_path / "jobs", 6))
-    store = Store(tmp_path / "s")
+    store = any_store
     store.register_jobs("p", jf.jobs)
     store.register_owner("owner-1")
     a, b, c, d, e, f = (j.id for j in jf.jobs)
