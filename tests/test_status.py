@@ -143,6 +143,7 @@ def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
             },
             ("server", "gpu0"): {"state": "free"},
             ("server", "gpu1"): {"state": "quarantined", "reason": "quarantined until 12:00"},
+            ("server", "gpu2"): {"state": "trial", "reason": "on trial, its job failed there"},
         },
     )
     report = gather(store, "p")
@@ -161,6 +162,7 @@ def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
         "server, 1 waiting for its upstream job, 1 every server that can run it is quarantined)"
     )
     assert "server gpu1: not used: quarantined until 12:00" in text
+    assert "server gpu2: not used: on trial, its job failed there" in text
 
 
 async def test_a_workflow_without_models_waits_for_a_server_not_for_one_holding_it(

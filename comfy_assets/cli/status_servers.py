@@ -123,7 +123,10 @@ def _not_rendering(
             # The job it named is on no server by the store any more: its prompt ended.
             return {"state": "free"}
         keep = ("state", "reason", "foreign_queue")
-        return {k: v for k, v in newest.detail.items() if k in keep}
+        entry = {k: v for k, v in newest.detail.items() if k in keep}
+        if entry.get("state") == "trial":  # its pool takes no job there: its trial job failed
+            entry["blocked"] = entry.get("reason")
+        return entry
     if lease is not None and lease.owner and lease.expires_at and lease.expires_at > snap.now:
         o = owners.get(lease.owner)
         return {"state": "held", "owner": lease.owner, "host": o.host if o else None}
