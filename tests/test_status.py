@@ -7,21 +7,27 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import sqlalchemy as sa
 
 from comfy_assets.cli.main import main
 from comfy_assets.cli.status import REASONS, gather, lines
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import steering
 from comfy_assets.render.run import run_batch
-from comfy_assets.store import Store
+from comfy_assets.store import Store, metadata
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, wait_until, write_jobs
+from tests.support import fake_servers, fast_config, job_id, wait_until, write_jobs
 from tests.test_models_pool import model_jobs
 
 pytestmark = pytest.mark.timeout(60)
+
+# What docs/steering.md says each of --json's partitions has, a batch running it or not.
+PARTITION_KEYS = {"partition", "states", "estimate_s", "waiting", "owner"}
 
 
 async def test_status_names_what_each_server_renders_and_why_each_job_waits(
@@ -101,12 +107,16 @@ def test_a_partition_nobody_runs_says_so_and_json_is_one_object(
     assert main(["status", "--store", str(tmp_path / "s"), "--partition", "p", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [j["reason"] for j in report["jobs"]] == ["not in a running batch"] * 2
-    states = report["partitions"][0]["states"]
-    assert {s: n for s, n in states.items() if n} == {"pending": 2}
+    # The keys docs/steering.md lists, as when a batch runs it: unknown ones null.
+    (part,) = report["partitions"]
+    assert set(part) == PARTITION_KEYS
+    assert {s: n for s, n in part["states"].items() if n} == {"pending": 2}
+    assert (part["estimate_s"], part["owner"]) == (None, None)
+    assert part["waiting"] == {"not in a running batch": 2}
     assert main(["status", "--store", str(tmp_path / "s"), "--partition", "q"]) == 1
     assert main(["status", "--store", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "partition p: 2 pending; 0/2 done, 2 left"
+    assert out[0] == "partition p: 2 pending; 0/2 done, 2 left (2 not in a running batch)"
 
 
 def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
@@ -133,20 +143,190 @@ def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
             },
             ("server", "gpu0"): {"state": "free"},
             ("server", "gpu1"): {"state": "quarantined", "reason": "quarantined until 12:00"},
+            ("server", "gpu2"): {"state": "trial", "reason": "on trial, its job failed there"},
         },
     )
     report = gather(store, "p")
     assert report is not None
+    assert set(report["partitions"][0]) == PARTITION_KEYS
     reasons = {j["job_id"]: (j["reason"], j["detail"]) for j in report["jobs"]}
     assert reasons[first] == (
         "waiting for a server",
-        "gpu0, gpu1 can run it; gpu0 free; gpu1 quarantined (quarantined until 12:00)",
+        "gpu0, gpu1 can run it; gpu0 free; gpu1 quarantined until 12:00",
     )
     assert reasons[second] == ("waiting for its upstream job", f"{first} (pending)")
     assert reasons[third] == ("every server that can run it is quarantined", "gpu1")
     text = lines(report)
     assert text[0] == (
-        "partition p: 3 pending; 0/3 done, 3 left, about 3 min to go "
-        "(2 waiting for a server, 1 for their upstream shot)"
+        "partition p: 3 pending; 0/3 done, 3 left, about 3 min to go (1 waiting for a "
+        "server, 1 waiting for its upstream job, 1 every server that can run it is quarantined)"
     )
-    assert "server gpu1: not used: quarantined (quarantined until 12:00)" in text
+    assert "server gpu1: not used: quarantined until 12:00" in text
+    assert "server gpu2: not used: on trial, its job failed there" in text
+
+
+async def test_a_workflow_without_models_waits_for_a_server_not_for_one_holding_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # image.json: EmptyImage, ImageInvert, SaveImage: no model file at all.
+    monkeypatch.setattr(steering, "EVERY_S", 0.02)
+    fakes = [FakeComfy(prompt_seconds=0.3) for _ in range(2)]
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 12))
+    store = Store(tmp_path / "s")
+    async with fake_servers(*fakes) as servers:
+        task = asyncio.create_task(
+            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        )
+        try:
+
+            def both_rendering() -> bool:
+                rows = [r for r in store.live() if r.kind == "server"]
+                return len([r for r in rows if r.detail.get("state") == "rendering"]) == 2
+
+            await wait_until(both_rendering, 30.0, "both servers rendering")
+            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert report is not None
+    waiting = [j for j in report["jobs"] if j["reason"].startswith("waiting for a server")]
+    assert waiting
+    assert {j["reason"] for j in waiting} == {"waiting for a server"}
+    assert all(j["detail"].startswith("gpu0, gpu1 can run it; ") for j in waiting)
+    assert "holding its model" not in lines(report)[0]
+
+
+def _claimed(store: Store, job_id: str, *moves: tuple[str, float]) -> None:
+    """Claim ``job_id`` for owner-1 and move it through ``moves`` ((state, epoch s))
+    on the server each names after a colon (``"submitted:gpu0"``)."""
+    store.claim(job_id, "owner-1")
+    prev = "pending"
+    for move, at in moves:
+        state, _, server = move.partition(":")
+        fields = {"number": 1} if state == "rendering" else {}
+        store.transition(
+            job_id,
+            state,
+            owner="owner-1",
+            server=server,
+            attempt=1,
+            from_state=prev,
+            now=at,
+            **fields,
+        )
+        prev = state
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def any_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """An empty store on each backend (status reads it in one snapshot: on PostgreSQL a
+    REPEATABLE READ transaction)."""
+    url = request.getfixturevalue("pg_url") if request.param == "postgresql" else None
+    store = Store(tmp_path / "s", url)
+    if url is not None:
+        with store.engine.begin() as conn:
+            conn.execute(sa.text(f"TRUNCATE {', '.join(t.name for t in metadata.sorted_tables)}"))
+    yield store
+    store.close()
+
+
+def test_one_status_output_agrees_with_itself_while_jobs_move(
+    tmp_path: Path, any_store: Store
+) -> None:
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 6))
+    store = any_store
+    store.register_jobs("p", jf.jobs)
+    store.register_owner("owner-1")
+    a, b, c, d, e, f = (j.id for j in jf.jobs)
+    t = store.now()
+    # What the batch wrote 2 s ago: gpu0 free (a's prompt had ended), gpu1 rendering c,
+    # gpu2 rendering d; and its counts then (6 left).
+    store.publish_live(
+        "owner-1",
+        {
+            ("partition", "p"): {
+                "total": 6,
+                "done": 0,
+                "remaining": 6,
+                "estimate_s": 600.0,
+                "waiting": {"rendering": 2, "waiting for a server": 4},
+                "held": {},
+                "groups": [{"servers": ["gpu0", "gpu1", "gpu2"], "holding": [], "jobs": [e, f]}],
+            },
+            ("server", "gpu0"): {"state": "free"},
+            ("server", "gpu1"): {
+                "state": "rendering",
+                "job": c,
+                "partition": "p",
+                "since": t - 4,
+                "progress": "node 2/4 ImageInvert",
+            },
+            ("server", "gpu2"): {
+                "state": "rendering",
+                "job": d,
+                "partition": "p",
+                "since": t - 4,
+                "progress": "node 4/4 SaveImage",
+            },
+        },
+        now=t - 2,
+    )
+    # Since: a still downloads its outputs; b was posted on gpu0 a second ago; d ended.
+    _claimed(store, a, ("submitted:gpu0", t - 6), ("rendering:gpu0", t - 6))
+    _claimed(store, b, ("submitted:gpu0", t - 1))
+    _claimed(store, c, ("submitted:gpu1", t - 4), ("rendering:gpu1", t - 4))
+    _claimed(store, d, ("submitted:gpu2", t - 4), ("rendering:gpu2", t - 4))
+    store.mark_done(d, "owner-1", files=[], now=t - 1)
+    report = gather(store, "p")
+    assert report is not None
+    (part,) = report["partitions"]
+    assert set(part) == PARTITION_KEYS and part["owner"] == "owner-1"
+    states = part["states"]
+    left = sum(n for s, n in states.items() if s not in ("succeeded", "degraded", "failed_fatal"))
+    assert left == 5 and sum(part["waiting"].values()) == left
+    assert part["waiting"] == {"rendering": 2, "finishing": 1, "waiting for a server": 2}
+    reasons = {j["job_id"]: (j["reason"], j["detail"]) for j in report["jobs"]}
+    assert reasons[a] == (
+        "finishing",
+        "its prompt left gpu0; its outputs are being downloaded and its result recorded",
+    )
+    assert reasons[b][0] == "rendering" and reasons[b][1].startswith("on gpu0 since ")
+    assert reasons[c][0] == "rendering"
+    assert reasons[c][1].startswith("on gpu1 since ")
+    assert reasons[c][1].endswith(", node 2/4 ImageInvert")
+    assert d not in reasons
+    servers = {s["server"]: s for s in report["servers"]}
+    assert (servers["gpu0"]["state"], servers["gpu0"]["job"]) == ("rendering", b)
+    assert (servers["gpu1"]["state"], servers["gpu1"]["job"]) == ("rendering", c)
+    assert servers["gpu2"]["state"] == "free"  # d, which it rendered, has ended
+    text = lines(report)
+    assert text[0].endswith(
+        ", 5 left, about 10 min to go (2 rendering, 1 finishing, 2 waiting for a server)"
+    )
+    assert f"server gpu0: renders job {b} of p since " in text[1]
+    assert text[3] == "server gpu2: free"
+    assert text[4] == "5 jobs not done: 2 rendering, 1 finishing, 2 waiting for a server"
+
+
+def test_a_quarantined_or_on_trial_server_reads_so_with_no_run_going(tmp_path: Path) -> None:
+    store = Store(tmp_path / "s")
+    store.register_jobs("p", load_job_file(write_jobs(tmp_path / "jobs", 1)).jobs)
+    for name in ("s1", "s2", "s3"):  # servers a run used, and let go at its end
+        assert store.acquire_server(name, "owner-1", 30.0)
+        store.release_server(name, "owner-1")
+    store.server_failed("s1", job_id(1), "0" * 64, "cuda", "CUDA error", infrastructure=True)
+    # s2's quarantine began long ago: its cool-down is over, its next job decides.
+    store.server_failed(
+        "s2", job_id(2), "0" * 64, "cuda", "CUDA error", infrastructure=True, now=time.time() - 1e6
+    )
+    report = gather(store)
+    assert report is not None
+    servers = {s["server"]: s for s in report["servers"]}
+    assert servers["s1"]["state"] == "quarantined"
+    assert servers["s2"]["state"] == "trial"
+    assert servers["s3"]["state"] == "idle"
+    text = lines(report)
+    s1 = next(line for line in text if line.startswith("server s1: "))
+    assert re.fullmatch(r"server s1: not used: quarantined until \d\d:\d\d:\d\d: .+", s1)
+    assert "server s2: on trial (its cool-down is over: its next job decides)" in text
+    assert "server s3: not used: no running batch uses it" in text

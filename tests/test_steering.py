@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from comfy_assets.cli.progress_bar import ProgressBar
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import steering
 from comfy_assets.render.eta import Estimator, Running, format_left
 from comfy_assets.render.progress import Progress
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config
+from tests.support import fake_servers, fast_config, write_jobs
 from tests.test_models_pool import model_jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -122,3 +123,39 @@ async def test_a_batch_reports_the_step_of_its_running_prompts_and_its_time_left
     reasons = [p.waiting_line() for p in seen if p.waiting_line()]
     assert any("waiting for a server" in r for r in reasons)
     assert seen[-1].line() == "8/8 done, 0 left"
+
+
+async def test_each_progress_adds_up_to_the_jobs_left_and_names_no_ended_job(
+    tmp_path: Path,
+) -> None:
+    # Jobs end every few tens of ms, well within the estimate's refresh (REFRESH_S): the
+    # progress given at each end is still a look at the batch as it is then.
+    fakes = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 24))
+    ended: set[str] = set()
+    seen: list[tuple[Progress, frozenset[str]]] = []
+
+    def on_line(text: str) -> None:
+        if " succeeded " in text:
+            ended.add(text.split()[1][:8])
+
+    async with fake_servers(*fakes) as servers:
+        summary = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=Store(tmp_path / "s"),
+            config=fast_config(),
+            on_line=on_line,
+            on_progress=lambda p: seen.append((p, frozenset(ended))),
+        )
+    assert summary.done == 24
+    looked = [(p, done) for p, done in seen if p.remaining and p.waiting]
+    assert len(looked) >= 20
+    for p, done in looked:
+        parts = dict(p.waiting)
+        assert sum(parts.values()) == p.remaining, p.waiting_line()
+        # One prompt per server: a job downloading its outputs is not rendering.
+        assert parts.get("rendering", 0) == len(p.running) <= 2, p.lines()
+        named = {line.split()[1] for line in p.running}
+        assert not named & done, (p.running, sorted(done))

@@ -1,16 +1,21 @@
 """``comfy-assets status --store DIR [--db-url URL] [--partition P] [--json]``: per
-partition its jobs by state and its estimate; per server what it renders now or why it
-is not used; with ``--partition``, every job not done with the one reason it waits.
+partition its jobs by state, the jobs left by reason and its estimate; per server what it
+renders now or why it is not used; with ``--partition``, every job not done with the one
+reason it waits.
 
-Read from the store only: the jobs' rows, the owners' heartbeats, the server leases and
-what each running batch writes there every few seconds (``store/live.py``,
-``render/publish.py``). A job's reason is one of ``REASONS``, each naming what it waits
-for:
+Read from the store only, in one snapshot (``Store.status_snapshot``): the jobs' rows,
+the owners' heartbeats, and what each running batch writes there every few seconds
+(``store/live.py``, ``render/publish.py``); the servers' leases and health besides. What
+each server does is settled first (``cli/status_servers.py``), and a job renders only on
+the server that says so, so the lines of one output agree. A job's reason is one of
+``REASONS``, each naming what it waits for:
 
-- ``rendering``: on a server now (which, since when, how far);
+- ``rendering``: its prompt on a server now (which, since when, how far);
+- ``finishing``: its prompt has left its server; its outputs are being downloaded and its
+  result recorded;
 - ``waiting for a server``: which servers can run it and what they do now;
-- ``waiting for a server holding its model``: the servers that hold it are busy, and a
-  load elsewhere would not be sooner (``comfy/plan.py``);
+- ``waiting for a server holding its model``: the servers that hold the model files its
+  workflow names are busy, and a load elsewhere would not be sooner (``comfy/plan.py``);
 - ``waiting for its upstream job``: the job it continues from (its id and state);
 - ``in backoff``: until when, after which failure;
 - ``claimed by another process``: its owner, host and heartbeat age;
@@ -19,6 +24,9 @@ for:
 - ``dead-lettered``: failed for good (requeue it to run again), with the reason;
 - ``not in a running batch``: no run holds its partition now (a run, or a worker's
   queue, brings it; workers write no status rows).
+
+A partition's ``waiting`` counts its jobs left (neither done nor dead-lettered) by these
+reasons, so its numbers add up to the jobs left.
 """
 
 from __future__ import annotations
@@ -31,13 +39,15 @@ from collections import Counter
 from typing import Any
 
 from comfy_assets.cli.run import EXISTING_STORE_HELP, add_store_options, open_store
+from comfy_assets.cli.status_servers import FINISHING, RENDERING, alive, servers
 from comfy_assets.render.eta import format_left
 from comfy_assets.store import JobRecord, OwnerRecord, Store
 from comfy_assets.store.live import LiveRow
 from comfy_assets.store.owners import owner_of
 
 REASONS = (
-    "rendering",
+    RENDERING,
+    FINISHING,
     "waiting for a server",
     "waiting for a server holding its model",
     "waiting for its upstream job",
@@ -86,113 +96,116 @@ def status_command(args: argparse.Namespace) -> int:
 
 
 def gather(store: Store, partition: str | None = None) -> dict[str, Any] | None:
-    """The status as one JSON-ready object (``--json`` prints it): ``partitions``,
-    ``servers`` and, with ``partition``, ``jobs``; None for an unknown ``partition``."""
-    live = store.live()
-    owners = {o.owner: o for o in store.owners()}
-    parts = {r.subject: r for r in live if r.kind == "partition"}
-    names = store.partitions()
-    if partition is not None and partition not in names:
+    """The status as one JSON-ready object (``--json`` prints it): ``partitions`` (each
+    ``partition``, ``states``, ``estimate_s``, ``waiting`` and ``owner``, the same keys
+    whether a batch runs it or not), ``servers`` (``cli/status_servers.py``) and, with
+    ``partition``, ``jobs``; None for an unknown ``partition``."""
+    snap = store.status_snapshot(partition)
+    if partition is not None and partition not in snap.counts:
         return None
-    report: dict[str, Any] = {"partitions": [], "servers": []}
-    for name in [partition] if partition else names:
-        counts = store.counts(name)
+    owners = {o.owner: o for o in snap.owners}
+    parts = {r.subject: r for r in snap.live if r.kind == "partition"}
+    entries, where = servers(snap, store.server_health(), store.server_leases())
+    by_name = {e["server"]: e for e in entries}
+    report: dict[str, Any] = {"partitions": [], "servers": entries}
+    by_partition: dict[str, dict[str, JobRecord]] = {}
+    for rec in snap.jobs:
+        by_partition.setdefault(rec.partition, {})[rec.job_id] = rec
+    for name in sorted(snap.counts):
         row = parts.get(name)
-        entry: dict[str, Any] = {"partition": name, "states": counts}
-        if row is not None:
-            d = row.detail
-            entry.update(
-                estimate_s=d.get("estimate_s"), waiting=d.get("waiting") or {}, owner=row.owner
-            )
-        report["partitions"].append(entry)
-    report["servers"] = _servers(store, live, owners)
-    if partition is not None:
-        report["jobs"] = _jobs(store, partition, parts.get(partition), live, owners)
+        look = _Look(row, by_name, where, by_partition.get(name, {}), owners)
+        jobs = _jobs(store, look, details=name == partition)
+        left = Counter(j["reason"] for j in jobs if j["state"] != "failed_fatal")
+        estimate = row.detail.get("estimate_s") if row is not None else None
+        if isinstance(estimate, int | float) and row is not None:
+            estimate = max(estimate - row.age_s, 0.0)  # the batch wrote it age_s ago
+        report["partitions"].append(
+            {
+                "partition": name,
+                "states": snap.counts[name],
+                "estimate_s": estimate,
+                "waiting": {why: left[why] for why in REASONS if left[why]},
+                "owner": row.owner if row is not None else None,
+            }
+        )
+        if name == partition:
+            report["jobs"] = jobs
     return report
 
 
-def _servers(
-    store: Store, live: list[LiveRow], owners: dict[str, OwnerRecord]
-) -> list[dict[str, Any]]:
-    seen: dict[str, dict[str, Any]] = {}
-    for r in live:
-        if r.kind != "server":
-            continue
-        row = {"server": r.subject, **r.detail, "seen_by": r.owner}
-        # A server rendering for one batch is "free" or "busy" for the others.
-        if r.subject not in seen or row.get("state") == "rendering":
-            seen[r.subject] = row
-    for name, lease in store.server_leases().items():
-        if name in seen:
-            continue
-        if lease.owner and lease.expires_at and lease.expires_at > store.now():
-            o = owners.get(lease.owner)
-            seen[name] = {"state": "held", "owner": lease.owner, "host": o.host if o else None}
-        else:
-            seen[name] = {"state": "idle"}
-        seen[name]["server"] = name
-    return [seen[n] for n in sorted(seen)]
+class _Look:
+    """What one partition's reasons are read from: its running batch's row (None: no
+    batch runs it), the servers by name, where the jobs on a server are
+    (``cli/status_servers.py``), its jobs not done by id, and the owners by name."""
+
+    def __init__(
+        self,
+        row: LiveRow | None,
+        by_server: dict[str, dict[str, Any]],
+        where: dict[str, tuple[str, str]],
+        records: dict[str, JobRecord],
+        owners: dict[str, OwnerRecord],
+    ) -> None:
+        self.row = row
+        self.servers = by_server
+        self.where = where
+        self.records = records
+        self.owners = owners
+        detail = row.detail if row is not None else {}
+        self.held: dict[str, dict[str, Any]] = detail.get("held") or {}
+        self.upstream: dict[str, str] = {}  # the state of an upstream job done since
+        self.group_of: dict[str, dict[str, Any]] = {}
+        for g in detail.get("groups") or []:
+            for job_id in g.get("jobs") or []:
+                self.group_of[job_id] = g
 
 
-def _jobs(
-    store: Store,
-    partition: str,
-    row: LiveRow | None,
-    live: list[LiveRow],
-    owners: dict[str, OwnerRecord],
-) -> list[dict[str, Any]]:
-    detail = row.detail if row is not None else {}
-    held = detail.get("held") or {}
-    group_of: dict[str, dict[str, Any]] = {}
-    for g in detail.get("groups") or []:
-        for job_id in g.get("jobs") or []:
-            group_of[job_id] = g
-    servers = {r.subject: r.detail for r in live if r.kind == "server"}
-    rendering_on = {
-        d.get("job"): (name, d) for name, d in servers.items() if d.get("state") == "rendering"
-    }
-    records = {r.job_id: r for r in store.jobs(partition)}
-    for job_id, h in held.items():
-        if h.get("reason") == "in backoff" and job_id in records:
-            tries = store.attempts(job_id)
-            where = f" on {tries[-1].server}" if tries and tries[-1].server else ""
-            h["after"] = (
-                f"attempt {tries[-1].attempt}{where}: {tries[-1].reason}" if tries else None
-            )
+def _jobs(store: Store, look: _Look, *, details: bool) -> list[dict[str, Any]]:
+    """Every job of ``look`` not done with its reason; ``details``: name the failure a
+    job in backoff waits after (one store read per such job)."""
+    if details:
+        for job_id, h in look.held.items():
+            if h.get("reason") == "in backoff" and job_id in look.records:
+                tries = store.attempts(job_id)
+                where = f" on {tries[-1].server}" if tries and tries[-1].server else ""
+                h["after"] = (
+                    f"attempt {tries[-1].attempt}{where}: {tries[-1].reason}" if tries else None
+                )
+            elif h.get("reason") == "upstream":
+                for up in h.get("upstream") or []:
+                    if up not in look.records and up not in look.upstream:
+                        found = store.get(up)  # done since: the snapshot has jobs not done
+                        look.upstream[up] = found.state if found else "not in the store"
     out = []
-    for rec in records.values():
+    for rec in look.records.values():
         if rec.state in _DONE:
             continue
-        reason, what = _reason(rec, row, held, group_of, servers, rendering_on, records, owners)
+        reason, what = _reason(rec, look)
         out.append({"job_id": rec.job_id, "state": rec.state, "reason": reason, "detail": what})
     return out
 
 
-def _reason(
-    rec: JobRecord,
-    row: LiveRow | None,
-    held: dict[str, Any],
-    group_of: dict[str, dict[str, Any]],
-    servers: dict[str, dict[str, Any]],
-    rendering_on: dict[str, tuple[str, dict[str, Any]]],
-    records: dict[str, JobRecord],
-    owners: dict[str, OwnerRecord],
-) -> tuple[str, str]:
+def _reason(rec: JobRecord, look: _Look) -> tuple[str, str]:
     """(one of REASONS, what it waits for) for a job not done."""
+    row, servers = look.row, look.servers
     if rec.state == "failed_fatal":
         text = rec.reason or "no reason recorded"
         if text.startswith("no server"):
             return "no server can run it", text
         return "dead-lettered", f"{text}; requeue it to run again"
-    if rec.job_id in rendering_on:
-        name, d = rendering_on[rec.job_id]
-        return "rendering", f"on {name} since {_clock(d.get('since'))}, {d.get('progress')}"
-    if rec.state in ("submitted", "rendering") and rec.server:
-        who = f", for {owner_of(rec.claimed_by)}" if rec.claimed_by else ""
-        return "rendering", f"on {rec.server} (no progress known here{who})"
+    if rec.job_id in look.where:
+        what, name = look.where[rec.job_id]
+        if what == FINISHING:
+            return FINISHING, (
+                f"its prompt left {name}; its outputs are being downloaded and its result recorded"
+            )
+        s = servers[name]
+        who = "" if row is not None and s.get("owner") == row.owner else f", for {s.get('owner')}"
+        how_far = s.get("progress") or "no progress known here"
+        return RENDERING, f"on {name} since {_clock(s.get('since'))}, {how_far}{who}"
     if rec.claimed_by and (row is None or owner_of(rec.claimed_by) != row.owner):
-        o = owners.get(owner_of(rec.claimed_by))
-        if o is not None and not o.gone:
+        if alive(look.owners, rec.claimed_by):
+            o = look.owners[owner_of(rec.claimed_by)]
             return "claimed by another process", (
                 f"owner {o.owner} on {o.host} (pid {o.pid}), heartbeat {o.beat_age_s:.0f} s ago"
             )
@@ -201,17 +214,17 @@ def _reason(
             f"no running batch holds partition {rec.partition} (a run, or a worker's "
             "queue, brings it)"
         )
-    h = held.get(rec.job_id)
+    h = look.held.get(rec.job_id)
     if h is not None and h.get("reason") == "upstream":
         ups = [
-            f"{u} ({records[u].state if u in records else 'not in this partition'})"
+            f"{u} ({look.records[u].state if u in look.records else look.upstream.get(u, '?')})"
             for u in h.get("upstream") or []
         ]
         return "waiting for its upstream job", ", ".join(ups)
     if h is not None and h.get("reason") == "in backoff":
         after = h.get("after") or rec.reason or "a failed attempt"
         return "in backoff", f"until {_clock(h.get('until'))}, after: {after}"
-    g = group_of.get(rec.job_id)
+    g = look.group_of.get(rec.job_id)
     if g is not None:
         able = g.get("servers") or []
         if not able:
@@ -232,14 +245,19 @@ def _doing(server: dict[str, Any] | None) -> str:
     if server is None:
         return "not seen"
     state = server.get("state")
-    if state == "rendering":
-        return f"renders job {str(server.get('job'))[:8]} ({server.get('progress')})"
+    if state == RENDERING:
+        how_far = server.get("progress") or "no progress known here"
+        return f"renders job {str(server.get('job'))[:8]} ({how_far})"
     if state == "unreachable":
         return f"unreachable ({server.get('reason')})"
-    if state == "quarantined":
-        return f"quarantined ({server.get('reason')})"
+    if state in ("quarantined", "trial"):
+        reason = str(server.get("reason"))
+        # The store's words already start with the state ("quarantined until 12:04:10").
+        return reason if reason.startswith(("quarantined", "on trial")) else f"{state} ({reason})"
     if state == "busy":
         return f"runs another client's queue ({server.get('foreign_queue')} prompts)"
+    if state == "idle":
+        return "not used by a running batch"
     return str(state)
 
 
@@ -270,10 +288,10 @@ def lines(report: dict[str, Any]) -> list[str]:
         out.append(text)
     for s in report["servers"]:
         state = s.get("state")
-        if state == "rendering":
+        if state == RENDERING:
             out.append(
                 f"server {s['server']}: renders job {s.get('job')} of {s.get('partition')} "
-                f"since {_clock(s.get('since'))}, {s.get('progress')}"
+                f"since {_clock(s.get('since'))}, {s.get('progress') or 'no progress known here'}"
             )
         elif state == "held":
             out.append(f"server {s['server']}: held by {s.get('owner')} on {s.get('host')}")
@@ -281,11 +299,13 @@ def lines(report: dict[str, Any]) -> list[str]:
             out.append(f"server {s['server']}: not used: no running batch uses it")
         elif state == "free":
             out.append(f"server {s['server']}: free")
+        elif state == "trial" and not s.get("blocked"):
+            out.append(f"server {s['server']}: {_doing(s)}")  # it takes its one trial job
         else:
             out.append(f"server {s['server']}: not used: {_doing(s)}")
     counted = Counter(j["reason"] for j in report.get("jobs", []))
     if "jobs" in report:
-        summary = ", ".join(f"{n} {why}" for why, n in counted.items())
+        summary = ", ".join(f"{counted[why]} {why}" for why in REASONS if counted[why])
         out.append(f"{len(report['jobs'])} jobs not done" + (f": {summary}" if summary else ""))
     for j in report.get("jobs", []):
         out.append(f"job {j['job_id']}: {j['reason']}: {j['detail']}")

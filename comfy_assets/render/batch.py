@@ -109,6 +109,7 @@ class Batch(Settle, Chain, Claiming):
         self.stopped: str | None = None
         self.no_server = False
         self.attempts: dict[str, Attempt] = {}
+        self.settling: set[str] = set()  # jobs whose attempt ended, its result being recorded
         self._tasks: dict[str, asyncio.Task[None]] = {}  # the consumer running each attempt
         self.finished = asyncio.Event()  # every job resolved, or stopped with none in flight
         # SQLite is a local file: a call costs less than a hop to a thread and back.
@@ -187,6 +188,7 @@ class Batch(Settle, Chain, Claiming):
         self.unresolved -= 1
         self.resolutions += 1
         if job_id is not None:
+            self.settling.discard(job_id)  # no longer left, so not finishing either
             self._unpark(job_id)  # the jobs that continue from it look again
         counts = {"done": 0, "dead_lettered": 0, "not_run": 0}
         counts[ended] = 1
@@ -201,6 +203,16 @@ class Batch(Settle, Chain, Claiming):
         if self.on_progress is not None:
             self.on_progress(self.progress)
         self._check_finished()
+
+    def prompts(self) -> dict[str, Attempt]:
+        """The attempts whose prompt is on a server now (posted, or being posted: the
+        server held for it), by server: one per server at most. An attempt whose server
+        was let go (its prompt ended: downloads and the result follow) is not here."""
+        return {
+            a.slot.name: a
+            for a in list(self.attempts.values())
+            if a.slot is not None and not a.slot.released
+        }
 
     def _check_finished(self) -> None:
         if self.unresolved <= 0 or (self.stopped and not self.attempts):
@@ -446,11 +458,14 @@ class Batch(Settle, Chain, Claiming):
             raise
         finally:
             self.attempts.pop(job.id, None)
+        self.settling.add(job.id)
         try:
             await self._settle(item, attempt_number, result)
         except ClaimLost as e:
             outcome = f"its result ({result.kind}) not recorded"
             await self._left_to_holder(job, attempt, attempt_number, f"claim lost ({e})", outcome)
+        finally:
+            self.settling.discard(job.id)  # resolved, or back in line for a retry
         self._check_finished()
         kept = attempt.slot if attempt.slot is not None and not attempt.slot.released else None
         return kept

@@ -2,18 +2,23 @@
 (``store/live.py``): its partition's counts, estimate and the jobs it holds back with
 their reasons, and each server of its pool: what it renders now (job, partition, since
 when, how far) or why it is not used (unreachable, quarantined, another client's queue).
+Everything is looked at in one moment (no await), the moment of the ``Progress`` given.
 
 The detail of a partition row::
 
-    {"total", "done", "dead_lettered", "remaining", "estimate_s", "waiting": {reason: n},
+    {"total", "done", "dead_lettered", "remaining", "estimate_s",
      "held": {job_id: {"reason", "until", "upstream", "server"}},
      "groups": [{"servers": [...can run...], "holding": [...], "jobs": [ids] or None}]}
 
 ``held`` names the jobs in backoff (``until``: epoch seconds) and those waiting for their
 upstream jobs (``upstream``: ids); ``groups`` the servers that can run each group of
-waiting jobs and those holding its models, with the jobs' ids up to ``MAX_IDS`` in all.
-A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
-"busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``.
+waiting jobs (lacking none of its nodes and models, as far as known) and those holding its
+models (none for a group that loads no model), with the jobs' ids up to ``MAX_IDS`` in
+all. A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
+"trial" | "busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``:
+"rendering" while a prompt of ours is on it (posted, or being posted), so a job whose
+prompt ended and whose outputs are downloading is not named; "trial" for a server on
+trial whose one job failed there.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from comfy_assets.comfy.capabilities import Needs
+from comfy_assets.comfy.plan import models_of
 
 if TYPE_CHECKING:
     from comfy_assets.render.batch import Batch
@@ -56,10 +62,16 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             named += 1
     group_rows = []
     for needs, ids in groups.items():
+        # Every server "holds" the empty set of models: a group that loads none waits for
+        # a server, not for one holding its model.
+        holding = [s.name for s in pool.servers if pool.plan.fits(s.name, needs)]
         group_rows.append(
             {
-                "servers": [s.name for s in pool.servers if pool.can_run(s.name, needs)],
-                "holding": [s.name for s in pool.servers if pool.plan.fits(s.name, needs)],
+                # Those lacking nothing by their /object_info, or not read yet (a batch's
+                # first rows come before its servers are read); unreachable ones too: their
+                # own rows say so.
+                "servers": [s.name for s in pool.servers if pool.lacks(s.name, needs) is None],
+                "holding": holding if models_of(needs) else [],
                 "jobs": ids,
             }
         )
@@ -70,21 +82,19 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             "dead_lettered": progress.dead_lettered,
             "remaining": progress.remaining,
             "estimate_s": progress.estimate_s,
-            "waiting": dict(progress.waiting),
             "held": _bounded(held),
             "groups": group_rows,
         }
     }
     running: dict[str, tuple[str, float | None, str]] = {}
-    for job_id, attempt in list(batch.attempts.items()):
+    for name, attempt in batch.prompts().items():
         slot = attempt.slot
-        if slot is None:
-            continue
-        follower = pool.open_follower(slot.name)
+        assert slot is not None  # held: ``Batch.prompts``
+        follower = pool.open_follower(name)
         where = follower.progress(attempt.job.prompt_id) if follower is not None else None
         since = None if slot.posted_at is None else wall_now - (loop_now - slot.posted_at)
         how_far = where.describe(attempt.job.workflow) if where is not None else "posting"
-        running[slot.name] = (job_id, since, how_far)
+        running[name] = (attempt.job.id, since, how_far)
     unreachable = pool.unreachable()
     for spec in pool.servers:
         name = spec.name
@@ -97,8 +107,10 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
                 "since": since,
                 "progress": how_far,
             }
-        elif pool.blocked(name) is not None:  # the pool's view of the store's health rows
-            row = {"state": "quarantined", "reason": pool.blocked(name)}
+        elif (blocked := pool.blocked(name)) is not None:  # the pool's view of the health rows
+            # "quarantined until ...", or a server on trial whose one job failed there.
+            state = "quarantined" if blocked.startswith("quarantined") else "trial"
+            row = {"state": state, "reason": blocked}
         elif name in unreachable:
             row = {"state": "unreachable", "reason": unreachable[name]}
         else:

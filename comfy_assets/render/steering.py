@@ -3,11 +3,16 @@ why its jobs left wait, how far each running prompt is and when it will be done.
 
 ``Steering`` wraps a batch's ``on_progress``: each ``Progress`` the batch gives (a job
 ended) and one every ``every_s`` seconds (``run``) carry the estimate (``render/eta.py``),
-the jobs left by reason and a line per running prompt (``comfy/progress.py``). The
+the jobs left by reason and a line per running prompt (``comfy/progress.py``), the reasons
+and the lines looked at in one moment, so the reasons add up to the jobs left. The
 reasons, a small fixed vocabulary (``REASONS``), each name what the jobs wait for:
 
-- ``rendering``: on a server (posted, or being posted or downloaded);
-- ``waiting for a server``: in line for one of the servers that can run them;
+- ``rendering``: their prompt on a server (posted, or being posted: the server held for
+  it), so never more than the servers;
+- ``finishing``: their prompt has left its server: the outputs are downloaded and the
+  result recorded;
+- ``waiting for a server``: in line for one of the servers that can run them (claimed or
+  not);
 - ``for their upstream shot``: a job they continue from is not done yet;
 - ``in backoff``: waiting out the delay after a failed attempt;
 - ``claimed by another process``: another worker holds their claim.
@@ -36,16 +41,17 @@ if TYPE_CHECKING:
     from comfy_assets.render.batch import Batch
 
 RENDERING = "rendering"
+FINISHING = "finishing"
 FOR_A_SERVER = "waiting for a server"
 FOR_UPSTREAM = "for their upstream shot"
 IN_BACKOFF = "in backoff"
 FOR_A_CLAIM = "claimed by another process"
-REASONS = (RENDERING, FOR_A_SERVER, FOR_UPSTREAM, IN_BACKOFF, FOR_A_CLAIM)
+REASONS = (RENDERING, FINISHING, FOR_A_SERVER, FOR_UPSTREAM, IN_BACKOFF, FOR_A_CLAIM)
 
 log = logging.getLogger("comfy_assets.render.steering")
 
 EVERY_S = 2.0  # seconds between the progress a batch gives while no job ends
-REFRESH_S = 0.5  # seconds a look at the batch's state stands for the jobs that end
+REFRESH_S = 0.5  # seconds an estimate stands for the jobs that end (less the time since)
 
 # Called with each batch's progress as it is given, and (steering, None) once the batch
 # ended (the metrics: ``metrics.py``).
@@ -91,29 +97,35 @@ class Steering:
                 log.warning("status rows of %s not cleared: %s", self.batch.partition, e)
 
     async def run(self) -> None:
-        """Give the progress every ``every_s`` seconds, and write what ``status`` shows
-        to the store (``render/publish.py``), until cancelled."""
+        """Write what ``status`` shows to the store (``render/publish.py``) at once, so
+        the batch's jobs read as its own from its start; then give the progress and
+        write it every ``every_s`` seconds, until cancelled. (The first progress given
+        is a job's end: a log of the first and then one every few seconds starts there.)"""
+        give = False
         while True:
+            if self.batch.progress.remaining:
+                await self._tick(give)
+            give = True
             await asyncio.sleep(self.every_s)
-            if not self.batch.progress.remaining:
-                continue
-            progress = self.now(self.batch.progress)
+
+    async def _tick(self, give: bool) -> None:
+        progress = self.now(self.batch.progress)
+        if give:
             self._give(progress)
-            batch = self.batch
-            try:
-                await batch._db(
-                    batch.store.publish_live, batch.owner, publish.rows(batch, progress)
-                )
-                self._published = True
-            except StoreUnavailable as e:
-                # The batch's own store calls meet the outage and decide; status only
-                # misses a few seconds.
-                log.warning("status rows of %s not written: %s", batch.partition, e)
+        batch = self.batch
+        try:
+            # The rows are made before the first await: the same moment as ``progress``.
+            await batch._db(batch.store.publish_live, batch.owner, publish.rows(batch, progress))
+            self._published = True
+        except StoreUnavailable as e:
+            # The batch's own store calls meet the outage and decide; status only
+            # misses a few seconds.
+            log.warning("status rows of %s not written: %s", batch.partition, e)
 
     def _batch_progress(self, progress: Progress) -> None:
-        """A job ended: its progress with the last estimate (less the time since) and
-        running prompts, looked at anew at most every ``REFRESH_S``, so a batch of short
-        prompts does not pay for a look at its whole state per job."""
+        """A job ended: its progress with the reasons and running prompts of now, and
+        the last estimate (less the time since), made anew at most every ``REFRESH_S``
+        so a batch of short prompts does not pay for an estimate per job."""
         at = time.monotonic()
         last = self._last
         if last is None or at - self._last_at >= REFRESH_S or not progress.remaining:
@@ -123,11 +135,7 @@ class Steering:
         estimate = last.estimate_s
         if estimate is not None:
             estimate = max(estimate - (at - self._last_at), 0.0)
-        self._give(
-            dataclasses.replace(
-                progress, estimate_s=estimate, waiting=last.waiting, running=last.running
-            )
-        )
+        self._give(dataclasses.replace(self.look(progress)[0], estimate_s=estimate))
 
     def _give(self, progress: Progress) -> None:
         for watch in watchers:
@@ -140,36 +148,58 @@ class Steering:
             load_s = self.batch.pool.plan.estimates.load_s
             self.estimator.prompt_ended(workflow, seconds, slot.load_expected, load_s)
 
-    def now(self, progress: Progress) -> Progress:
-        """``progress`` with the estimate, the reasons and the running prompts of now."""
-        batch, pool = self.batch, self.batch.pool
+    def look(self, progress: Progress) -> tuple[Progress, list[Running]]:
+        """``progress`` with the reasons and the running prompts of now (one moment: no
+        await), and those prompts for the estimate. Cheap: a look at the servers, the
+        jobs waiting out a delay and counts."""
+        batch = self.batch
         loop_now = asyncio.get_running_loop().time()
         running: list[Running] = []
         lines: list[str] = []
-        for job_id, attempt in list(batch.attempts.items()):
+        prompts = batch.prompts()
+        for name, attempt in sorted(prompts.items()):
             job, slot = attempt.job, attempt.slot
+            assert slot is not None  # held: ``Batch.prompts``
             workflow = self._workflow.get(job.prompt_id, job.workflow_sha256)
-            if slot is None:
-                continue
             posted = slot.posted_at
             running.append(Running(workflow, 0.0 if posted is None else loop_now - posted))
-            follower = pool.open_follower(slot.name)
+            follower = batch.pool.open_follower(name)
             where = follower.progress(job.prompt_id) if follower is not None else None
             how_far = where.describe(job.workflow) if where is not None else "posting"
-            lines.append(f"job {job_id[:8]} on {slot.name}: {how_far}")
-        # The queue's groups are the workflows (``Needs``): counted per group, not per job.
-        waiting: dict[Hashable, int] = {g: d.count for g, d in batch.queue.demand().items()}
+            lines.append(f"job {job.id[:8]} on {name}: {how_far}")
         counts = dict.fromkeys(REASONS, 0)
-        counts[RENDERING] = len(batch.attempts)
+        counts[RENDERING] = len(prompts)
+        # An attempt whose server was let go downloads and records; one without a server
+        # yet (a catch-up waiting for its previous server) waits for a server.
+        counts[FINISHING] = len(batch.settling) + sum(
+            1 for a in list(batch.attempts.values()) if a.slot is not None and a.slot.released
+        )
         for item, _ in batch.queue.later():
-            self._count(waiting, item)
             counts[FOR_A_CLAIM if item.job.id in batch.told_held else IN_BACKOFF] += 1
-        for item in list(batch.parked.values()):
-            self._count(waiting, item)
-            counts[FOR_UPSTREAM] += 1
+        counts[FOR_UPSTREAM] = len(batch.parked)
+        # The rest: in line, or on their way to a server (being claimed, their server
+        # just handed over).
         counts[FOR_A_SERVER] = max(
             progress.remaining - sum(n for why, n in counts.items() if why != FOR_A_SERVER), 0
         )
+        looked = dataclasses.replace(
+            progress,
+            elapsed_s=max(time.monotonic() - batch.started, progress.elapsed_s),
+            waiting=tuple((why, n) for why, n in counts.items() if n),
+            running=tuple(lines),
+        )
+        return looked, running
+
+    def now(self, progress: Progress) -> Progress:
+        """``progress`` with the estimate, the reasons and the running prompts of now."""
+        batch, pool = self.batch, self.batch.pool
+        looked, running = self.look(progress)
+        # The queue's groups are the workflows (``Needs``): counted per group, not per job.
+        waiting: dict[Hashable, int] = {g: d.count for g, d in batch.queue.demand().items()}
+        for item, _ in batch.queue.later():
+            self._count(waiting, item)
+        for item in list(batch.parked.values()):
+            self._count(waiting, item)
         usable = max(len(pool.servers) - len(pool.unreachable()), 1)
         plan = pool.plan
         # A workflow no server holds costs a load before its first job (plan.py).
@@ -181,13 +211,7 @@ class Steering:
             and not any(plan.fits(s, workflow) for s in plan.servers)
         )
         estimate = self.estimator.left_s(waiting, running, usable, loads, plan.estimates.load_s)
-        return dataclasses.replace(
-            progress,
-            elapsed_s=max(time.monotonic() - batch.started, progress.elapsed_s),
-            estimate_s=estimate,
-            waiting=tuple((why, n) for why, n in counts.items() if n),
-            running=tuple(lines),
-        )
+        return dataclasses.replace(looked, estimate_s=estimate)
 
     def _count(self, waiting: dict[Hashable, int], item: Item) -> None:
         workflow = self._workflow.get(item.job.prompt_id, item.job.workflow_sha256)

@@ -1,21 +1,32 @@
 """What running batches say of themselves (``comfy_live``): per partition its estimate
 and the jobs it holds back with their reasons, per server what it renders now or why it
 is not used. Written by each batch every few seconds (``render/steering.py``), read by
-``comfy-assets status`` (``cli/status.py``); rows of an owner that stopped beating are
-not read (``store/owners.py``), and an owner's rows are replaced whole at each write."""
+``comfy-assets status`` (``cli/status.py``) in one snapshot with the jobs not done
+(``status_snapshot``); rows of an owner that stopped beating are not read
+(``store/owners.py``), and an owner's rows are replaced whole at each write."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
 
-from comfy_assets.store.base import StoreBase
+from comfy_assets.jobs.states import DONE, IN_FLIGHT, State
+from comfy_assets.store.base import StoreBase, _job_record
+from comfy_assets.store.owners import OwnerRecord, read_owners
+from comfy_assets.store.records import JobRecord
 from comfy_assets.store.retry import retried
-from comfy_assets.store.schema import attempts_table, jobs_table, live_table, owners_table
+from comfy_assets.store.schema import (
+    READ_ONLY,
+    attempts_table,
+    jobs_table,
+    live_table,
+    owners_table,
+)
 
 # Seconds after which a row nobody rewrote is stale (its batch ended or hangs).
 LIVE_STALE_S = 15.0
@@ -32,6 +43,22 @@ class LiveRow:
     subject: str
     detail: dict[str, Any]
     age_s: float
+
+
+@dataclass(frozen=True)
+class StatusSnapshot:
+    """What ``comfy-assets status`` reads, as the store was at one moment: ``now`` (epoch
+    seconds by the database's clock), ``live`` (the rows, as ``Live.live`` gives them),
+    ``owners`` (as ``Owners.owners``), ``counts`` (per partition, its jobs by state,
+    every state present) and ``jobs``: every job not done (not succeeded nor degraded)
+    of those partitions, and of any partition the jobs on a server (submitted or
+    rendering)."""
+
+    now: float
+    live: list[LiveRow]
+    owners: list[OwnerRecord]
+    counts: dict[str, dict[str, int]]
+    jobs: list[JobRecord]
 
 
 class Live(StoreBase):
@@ -72,24 +99,53 @@ class Live(StoreBase):
         """The rows written within ``stale_s`` seconds by owners not released, oldest
         owner first."""
         now = self.now()
-        query = (
-            sa.select(live_table)
-            .join(owners_table, owners_table.c.owner == live_table.c.owner, isouter=True)
-            .where(live_table.c.updated_at >= now - stale_s)
-            .where(owners_table.c.released_at.is_(None), owners_table.c.gone_at.is_(None))
-            .order_by(live_table.c.updated_at, live_table.c.owner)
-        )
         with self._read() as conn:
-            rows = conn.execute(query).all()
-        out = []
-        for r in rows:
-            try:
-                detail = json.loads(r.detail)
-            except ValueError:
-                continue  # a row written by another version: nothing we can show
-            if isinstance(detail, dict):
-                out.append(LiveRow(r.owner, r.kind, r.subject, detail, now - r.updated_at))
-        return out
+            return _live_rows(conn, now, stale_s)
+
+    @retried
+    def status_snapshot(
+        self, partition: str | None = None, stale_s: float = LIVE_STALE_S
+    ) -> StatusSnapshot:
+        """The live rows, the owners, the counts and the jobs not done of ``partition``
+        (None: of every partition) in one snapshot (``StatusSnapshot``), so the jobs'
+        states, their count and the rows' times agree; an unknown ``partition`` has no
+        counts."""
+        now = self.now()
+        jobs = jobs_table.c
+        counted = sa.select(jobs.partition, jobs.state, sa.func.count()).group_by(
+            jobs.partition, jobs.state
+        )
+        not_done = jobs.state.not_in([s.value for s in DONE])
+        on_server = jobs.state.in_([s.value for s in IN_FLIGHT])
+        wanted = sa.select(jobs_table).order_by(
+            jobs.partition, sa.nulls_last(jobs.shot.asc()), jobs.line, jobs.job_id
+        )
+        if partition is None:
+            wanted = wanted.where(not_done)
+        else:
+            counted = counted.where(jobs.partition == partition)
+            wanted = wanted.where(not_done, sa.or_(jobs.partition == partition, on_server))
+        with self._snapshot() as conn:
+            rows = _live_rows(conn, now, stale_s)
+            owners = read_owners(conn, self.dialect)
+            counts: dict[str, dict[str, int]] = {}
+            for name, state, n in conn.execute(counted):
+                per = counts.setdefault(name, {s.value: 0 for s in State})
+                per[state] = int(n)
+            records = [_job_record(r) for r in conn.execute(wanted)]
+        return StatusSnapshot(now, rows, owners, counts, records)
+
+    @contextmanager
+    def _snapshot(self) -> Iterator[sa.Connection]:
+        """A read transaction whose statements all see the database at one moment:
+        SQLite's reads within a transaction do; PostgreSQL's need REPEATABLE READ (its
+        READ COMMITTED gives each statement its own moment)."""
+        with self._connect() as conn:
+            conn.execution_options(**{READ_ONLY: True})
+            if self.dialect == "postgresql":
+                conn.execution_options(isolation_level="REPEATABLE READ")
+            with conn.begin():
+                yield conn
 
     @retried
     def job_state_counts(self, partitions: Sequence[str] | None = None) -> dict[str, int]:
@@ -122,3 +178,23 @@ class Live(StoreBase):
         that rendered elsewhere), as the metrics read it."""
         record = self.server_health().get(server)  # type: ignore[attr-defined]
         return record is not None and record.state == "quarantined"
+
+
+def _live_rows(conn: sa.Connection, now: float, stale_s: float) -> list[LiveRow]:
+    """``Live.live`` read on ``conn``, ages counted from ``now``."""
+    query = (
+        sa.select(live_table)
+        .join(owners_table, owners_table.c.owner == live_table.c.owner, isouter=True)
+        .where(live_table.c.updated_at >= now - stale_s)
+        .where(owners_table.c.released_at.is_(None), owners_table.c.gone_at.is_(None))
+        .order_by(live_table.c.updated_at, live_table.c.owner)
+    )
+    out = []
+    for r in conn.execute(query).all():
+        try:
+            detail = json.loads(r.detail)
+        except ValueError:
+            continue  # a row written by another version: nothing we can show
+        if isinstance(detail, dict):
+            out.append(LiveRow(r.owner, r.kind, r.subject, detail, now - r.updated_at))
+    return out

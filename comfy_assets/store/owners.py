@@ -178,16 +178,23 @@ class Owners(StoreBase):
     @retried
     def owners(self, run_ids: Sequence[str] | None = None) -> list[OwnerRecord]:
         """Every owner known (or those of ``run_ids``), oldest first."""
-        query = sa.select(
-            owners_table,
-            (db_now(self.dialect) - OWNER.beat_at).label("beat_age_s"),
-            gone_condition(self.dialect).label("gone"),
-        ).order_by(OWNER.started_at, OWNER.owner)
-        if run_ids is not None:
-            query = query.where(OWNER.run_id.in_(list(run_ids)))
         with self._read() as conn:
-            rows = conn.execute(query).all()
-        return [
-            OwnerRecord(**{**r._mapping, "gone": bool(r.gone), "beat_age_s": float(r.beat_age_s)})
-            for r in rows
-        ]
+            return read_owners(conn, self.dialect, run_ids)
+
+
+def read_owners(
+    conn: sa.Connection, dialect: str, run_ids: Sequence[str] | None = None
+) -> list[OwnerRecord]:
+    """``Owners.owners`` read on ``conn`` (within a transaction of the caller's)."""
+    query = sa.select(
+        owners_table,
+        (db_now(dialect) - OWNER.beat_at).label("beat_age_s"),
+        gone_condition(dialect).label("gone"),
+    ).order_by(OWNER.started_at, OWNER.owner)
+    if run_ids is not None:
+        query = query.where(OWNER.run_id.in_(list(run_ids)))
+    rows = conn.execute(query).all()
+    return [
+        OwnerRecord(**{**r._mapping, "gone": bool(r.gone), "beat_age_s": float(r.beat_age_s)})
+        for r in rows
+    ]
