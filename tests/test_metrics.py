@@ -45,23 +45,34 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     }
 
 
-async def test_a_batch_shows_its_jobs_attempts_prompt_seconds_and_servers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def served_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fakes: list[FakeComfy], jobs: int
+) -> int:
+    """Serve metrics on a free port, run ``jobs`` jobs on ``fakes`` (all done); the port."""
     metrics = Metrics()
     monkeypatch.setattr(run_module, "pool_watchers", [])
     monkeypatch.setattr(steering, "watchers", [])
     port = free_port()
     metrics.serve(port, addr="127.0.0.1")
-    fakes = [FakeComfy(script=["500", "ok"], prompt_seconds=0.01), FakeComfy(prompt_seconds=0.01)]
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 4))
     store = Store(tmp_path / "s")
     metrics.track_store(store, "p")
     async with fake_servers(*fakes) as servers:
         summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
+            load_job_file(write_jobs(tmp_path / "jobs", jobs)),
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(),
         )
-    assert summary.done == 4
+    assert summary.done == jobs
+    return port
+
+
+async def test_a_batch_shows_its_jobs_attempts_prompt_seconds_and_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fakes = [FakeComfy(script=["500", "ok"], prompt_seconds=0.01), FakeComfy(prompt_seconds=0.01)]
+    port = await served_batch(tmp_path, monkeypatch, fakes, 4)
     samples = scrape(port)
     assert all(name.startswith("comfy_assets_") for name, _ in samples if "python" not in name)
     assert samples[("comfy_assets_jobs", (("state", "succeeded"),))] == 4
@@ -166,23 +177,8 @@ def prometheus_query(web: str, query: str) -> list[dict]:
 async def test_a_real_prometheus_scrapes_the_metrics(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    metrics = Metrics()
-    monkeypatch.setattr(run_module, "pool_watchers", [])
-    monkeypatch.setattr(steering, "watchers", [])
-    port = free_port()
-    metrics.serve(port, addr="127.0.0.1")
     fakes = [FakeComfy(prompt_seconds=0.01), FakeComfy(prompt_seconds=0.01)]
-    store = Store(tmp_path / "s")
-    metrics.track_store(store, "p")
-    async with fake_servers(*fakes) as servers:
-        summary = await run_batch(
-            load_job_file(write_jobs(tmp_path / "jobs", 3)),
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-        )
-    assert summary.done == 3
+    port = await served_batch(tmp_path, monkeypatch, fakes, 3)
     config = tmp_path / "prometheus.yml"
     config.write_text(
         "global: {scrape_interval: 1s}\n"

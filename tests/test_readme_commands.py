@@ -76,7 +76,7 @@ RUN_HERE = [
     ".venv/bin/dg check defs",
     ".venv/bin/dg dev --port 3000",
     "dagster job launch",
-    "comfy-assets api --store store",
+    "comfy-assets api --store tour/api/store",
 ]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
