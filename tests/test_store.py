@@ -476,6 +476,25 @@ def test_a_rendering_move_not_yet_written_lands_with_the_record_that_ends_the_at
     assert store.get(jobs[0].id).state == "succeeded"
 
 
+def test_a_rendering_move_timed_by_a_clock_that_stepped_keeps_the_jobs_events_in_order(
+    store, workflow_dir
+):
+    jobs = make_jobs(workflow_dir, 2)
+    store.register_jobs("film", jobs)
+    for job in jobs:
+        store.claim(job.id, "w1", now=100.0)
+        store.transition(job.id, "submitted", owner="w1", server="gpu0", attempt=1, now=101.0)
+    tried = AttemptEntry(1, "success", server="gpu0", seconds=2.0)
+    # The host's clock stepped back before the POST's answer, then forward past the end.
+    for job, at in zip(jobs, (99.0, 110.0), strict=True):
+        store.mark_done(
+            job.id, "w1", now=103.0, tried=tried, rendering=RenderingStart("gpu0", 1, 7, at)
+        )
+        # submitted, rendering, succeeded (registered came first, by this host's clock)
+        times = [e.time for e in store.events(job.id)][-3:]
+        assert times == [101.0, 101.0 if at < 101.0 else 103.0, 103.0]
+
+
 def test_a_refused_done_record_leaves_no_files_behind(store, workflow_dir):
     (job,) = make_jobs(workflow_dir, 1)
     store.register_jobs("film", [job])

@@ -387,7 +387,9 @@ class Batch(Settle, Chain, Claiming):
             )
 
         async def rendering(server: str, n: int) -> None:
-            self.renderings.defer(job.id, RenderingStart(server, attempt_number, n, time.time()))
+            # The store's clock, as every other event of the job is.
+            at = store.now()
+            self.renderings.defer(job.id, RenderingStart(server, attempt_number, n, at))
 
         hooks = AttemptHooks(
             submitted=submitted,

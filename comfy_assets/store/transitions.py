@@ -424,8 +424,8 @@ def _via(
     rendering: RenderingStart | None, row: sa.Row, values: dict[str, Any], final: Event
 ) -> list[Event]:
     """The events of a move to ``final.to_state``: that one alone, or with ``rendering``
-    (the job's move to rendering, not yet written) first, its event at its own time and
-    the final one from rendering; ``values`` get its run number unless they have one.
+    (the job's move to rendering, not yet written) first, its event at its own time (kept
+    between the job's last move and ``final``'s) and the final one from rendering; ``values`` get its run number unless they have one.
     Raises InvalidTransition when the job is not submitted."""
     if rendering is None:
         return [final]
@@ -433,7 +433,10 @@ def _via(
     check_transition(RENDERING, final.to_state, job_id=row.job_id)
     values.setdefault("number", rendering.number)
     values.setdefault("server", rendering.server)
-    started = _event(rendering.at, row, RENDERING, None, rendering.server, rendering.attempt)
+    # Between the move to submitted and the final one, whatever the clock did meanwhile
+    # (a step back of the host's clock): a job's events read in the order they happened.
+    at = min(max(rendering.at, row.updated_at or rendering.at), final.time)
+    started = _event(at, row, RENDERING, None, rendering.server, rendering.attempt)
     return [started, dataclasses.replace(final, from_state=RENDERING.value)]
 
 
