@@ -252,3 +252,14 @@ async def test_a_run_takes_the_server_and_the_job_of_an_owner_killed_with_its_ho
         )
     assert summary.done == 1
     assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
+
+
+def test_a_sqlite_store_keeps_this_hosts_clock_through_heartbeats(tmp_path: Path) -> None:
+    # SQLite reads the time to the millisecond: a measured offset would be that error, and
+    # an event timed by the store could then come before one timed a moment earlier.
+    store = Store(tmp_path / "store")
+    store.register_owner("o")
+    for _ in range(5):
+        assert store.beat_owner("o")
+    assert store.clock.offset_s == 0.0
+    store.close()

@@ -41,11 +41,15 @@ def db_started(dialect: str) -> sa.ColumnElement[float]:
 
 class DbClock:
     """This host's clock corrected to the database's: ``now()`` (epoch seconds). Safe
-    from any thread. Until first measured, and for SQLite, the offset is 0."""
+    from any thread. Until first measured, and for a database on this host
+    (``same_host``: SQLite), the offset is 0."""
 
     def __init__(self) -> None:
         self._offset = 0.0
         self._lock = threading.Lock()
+        # SQLite's time is this host's, read to the millisecond only (julianday): a
+        # measure would only add up to half a millisecond of error to every time.
+        self.same_host = False
 
     @property
     def offset_s(self) -> float:
@@ -58,13 +62,16 @@ class DbClock:
 
     def measured(self, db_time: float, asked_at: float, answered_at: float) -> None:
         """Take ``db_time``, read by a statement sent at ``asked_at`` and answered at
-        ``answered_at`` (this host's ``time.time()``), as the database's time midway."""
+        ``answered_at`` (this host's ``time.time()``), as the database's time midway
+        (ignored for a database on this host)."""
+        if self.same_host:
+            return
         with self._lock:
             self._offset = db_time - (asked_at + answered_at) / 2
 
     def measure(self, conn: sa.Connection, dialect: str) -> None:
         """Read the database's time on ``conn`` and take the offset from it."""
-        if dialect == "sqlite":
+        if dialect == "sqlite" or self.same_host:
             return  # the same host's clock
         asked_at = time.time()
         db_time = conn.execute(sa.select(db_now(dialect))).scalar_one()

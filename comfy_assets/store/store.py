@@ -94,6 +94,7 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
         except ImportError as e:  # a dialect we take whose driver is not installed
             raise BadDbUrl(f"--db-url: its database driver is not installed ({e})") from e
         self.dialect = self.engine.dialect.name
+        self.clock.same_host = self.dialect == "sqlite"
         try:
             self._create_tables()
         except BaseException:
