@@ -78,9 +78,14 @@ class StoreBase:
                 raise
 
     @contextmanager
-    def _read(self) -> Iterator[sa.Connection]:
+    def _read(self, *, snapshot: bool = False) -> Iterator[sa.Connection]:
+        """A read transaction. ``snapshot``: its statements all see the database at one
+        moment (SQLite's reads within a transaction do; PostgreSQL's need REPEATABLE READ,
+        its READ COMMITTED giving each statement its own moment)."""
         with self._connect() as conn:
             conn.execution_options(**{READ_ONLY: True})
+            if snapshot and self.dialect == "postgresql":
+                conn.execution_options(isolation_level="REPEATABLE READ")
             with conn.begin():
                 yield conn
 

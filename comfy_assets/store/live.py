@@ -8,8 +8,7 @@ is not used. Written by each batch every few seconds (``render/steering.py``), r
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,13 +19,7 @@ from comfy_assets.store.base import StoreBase, _job_record
 from comfy_assets.store.owners import OwnerRecord, read_owners
 from comfy_assets.store.records import JobRecord
 from comfy_assets.store.retry import retried
-from comfy_assets.store.schema import (
-    READ_ONLY,
-    attempts_table,
-    jobs_table,
-    live_table,
-    owners_table,
-)
+from comfy_assets.store.schema import attempts_table, jobs_table, live_table, owners_table
 
 # Seconds after which a row nobody rewrote is stale (its batch ended or hangs).
 LIVE_STALE_S = 15.0
@@ -125,7 +118,7 @@ class Live(StoreBase):
         else:
             counted = counted.where(jobs.partition == partition)
             wanted = wanted.where(not_done, sa.or_(jobs.partition == partition, on_server))
-        with self._snapshot() as conn:
+        with self._read(snapshot=True) as conn:
             rows = _live_rows(conn, now, stale_s)
             owners = read_owners(conn, self.dialect)
             counts: dict[str, dict[str, int]] = {}
@@ -134,18 +127,6 @@ class Live(StoreBase):
                 per[state] = int(n)
             records = [_job_record(r) for r in conn.execute(wanted)]
         return StatusSnapshot(now, rows, owners, counts, records)
-
-    @contextmanager
-    def _snapshot(self) -> Iterator[sa.Connection]:
-        """A read transaction whose statements all see the database at one moment:
-        SQLite's reads within a transaction do; PostgreSQL's need REPEATABLE READ (its
-        READ COMMITTED gives each statement its own moment)."""
-        with self._connect() as conn:
-            conn.execution_options(**{READ_ONLY: True})
-            if self.dialect == "postgresql":
-                conn.execution_options(isolation_level="REPEATABLE READ")
-            with conn.begin():
-                yield conn
 
     @retried
     def job_state_counts(self, partitions: Sequence[str] | None = None) -> dict[str, int]:
