@@ -20,13 +20,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from comfy_assets.jobs.states import IN_FLIGHT
+from comfy_assets.render.steering import FINISHING, RENDERING
 from comfy_assets.store import JobRecord, OwnerRecord, ServerLease
 from comfy_assets.store.health import ServerHealthRecord
 from comfy_assets.store.live import LiveRow, StatusSnapshot
 from comfy_assets.store.owners import owner_of
-
-RENDERING = "rendering"
-FINISHING = "finishing"
 
 
 def alive(owners: Mapping[str, OwnerRecord], claimed_by: str | None) -> bool:
