@@ -4,12 +4,13 @@ pattern (bench/bare_client.py), each on a fake of its own, in one run.
 Run:
     python bench/overhead.py                       # 200 and 1,200 jobs each
     python bench/overhead.py --small 200 --large 1200
+    python bench/overhead.py --prompt-seconds 0.01  # fakes that take time (per node)
     COMFYUI_URL=http://127.0.0.1:8188 python bench/overhead.py   # also a real server
 
 Each side runs as its own process, ``--small`` then ``--large`` jobs, ``--repeat`` times
-(3), the two sides taking turns, each on its own fake (a separate process,
-``--prompt-seconds 0``: no GPU time). The CPU a process used comes from ``wait4`` (user +
-system), start-up included; the **marginal** CPU per job is (cpu(large) - cpu(small)) /
+(3), the two sides taking turns, each on its own fake (a separate process, no GPU time
+unless ``--prompt-seconds`` says how long each node takes). The CPU a process used comes
+from ``wait4`` (user + system), start-up included; the **marginal** CPU per job is (cpu(large) - cpu(small)) /
 (large - small) of the medians of the repeats, which leaves start-up out (a single run
 moves by a quarter on this shared machine). Lines: ``cpu_ms_per_job_ours``,
 ``cpu_ms_per_job_bare``, ``ratio`` (ours / bare), and the medians ``cpu_s_*`` and
@@ -129,6 +130,9 @@ def main() -> None:
     parser.add_argument("--large", type=int, default=1200, help="jobs of the second run (1200)")
     parser.add_argument("--real-jobs", type=int, default=100, help="jobs on COMFYUI_URL (100)")
     parser.add_argument("--repeat", type=int, default=3, help="runs of each side and size (3)")
+    parser.add_argument(
+        "--prompt-seconds", type=float, default=0.0, help="seconds per node on the fakes (0)"
+    )
     args = parser.parse_args()
     if args.large <= args.small:
         parser.error("--large must be more than --small")
@@ -139,7 +143,7 @@ def main() -> None:
     figures: dict[str, float] = {}
     try:
         runs: dict[str, list[float]] = {}
-        with fake_processes(2, 0.0, out) as (ours_fake, bare_fake):
+        with fake_processes(2, args.prompt_seconds, out) as (ours_fake, bare_fake):
             offset = 0
             for _ in range(args.repeat):
                 for size in (args.small, args.large):

@@ -114,6 +114,7 @@ def api_command(args: argparse.Namespace) -> int:
     from comfy_assets.api.publisher import Publisher
     from comfy_assets.api.signing import SecretError, load_key
     from comfy_assets.api.tokens import Clients, TokensError
+    from comfy_assets.comfy import event_loop
     from comfy_assets.comfy.servers import parse_servers
     from comfy_assets.service.broker import safe_url
     from comfy_assets.store.api_jobs import ApiLedger
@@ -174,7 +175,7 @@ def api_command(args: argparse.Namespace) -> int:
             await runner.cleanup()
 
     try:
-        asyncio.run(serve())
+        event_loop.run(serve())
     except OSError as e:
         print(f"error: cannot serve on {host}:{port}: {e.strerror or e}", file=sys.stderr)
         return 1

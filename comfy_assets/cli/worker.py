@@ -25,6 +25,7 @@ from comfy_assets.cli.run import (
     batch_config,
     open_store,
 )
+from comfy_assets.comfy import event_loop
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import JobFileError
@@ -126,7 +127,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
     except ValueError as e:  # the --partition name
         return bad_input(e)
     try:
-        count = asyncio.run(broker.enqueue(args.rabbitmq, args.queue, jobs))
+        count = event_loop.run(broker.enqueue(args.rabbitmq, args.queue, jobs))
     except broker.BrokerError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -282,7 +283,7 @@ def _worker(args: argparse.Namespace) -> int:
         heartbeat_s=args.heartbeat_s,
     )
     try:
-        asyncio.run(serve(worker))
+        event_loop.run(serve(worker))
     except (broker.BrokerError, StoreUnavailable, OSError) as e:
         # RabbitMQ; the store away past its budget, or full; our disk (an output that
         # cannot be written). The messages held went back to the queue.

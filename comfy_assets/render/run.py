@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NotRequired, TypedDict, Unpack
 
+from comfy_assets.comfy.event_loop import new_event_loop
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import Job, JobFile
@@ -184,7 +185,7 @@ def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> Ba
     asyncio would store it in whichever task was running and the cleanup would not run.
     ``on_line`` and ``on_progress`` are called on that thread, not the caller's.
     """
-    loop = asyncio.new_event_loop()
+    loop = new_event_loop()
     task = loop.create_task(run_batch(job_file, **arguments))
     outcome: dict[str, object] = {}
     finished = threading.Event()

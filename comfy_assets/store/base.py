@@ -38,10 +38,7 @@ from comfy_assets.store.retry import (
     mark_commit_unknown,
     mark_connecting,
 )
-from comfy_assets.store.schema import (
-    READ_ONLY,
-    events_table,
-)
+from comfy_assets.store.schema import begin
 
 _TERMINAL = DONE | {FAILED_FATAL}
 
@@ -70,6 +67,7 @@ class StoreBase:
             body_done = False
             try:
                 with conn.begin():
+                    begin(conn, write=True)
                     yield conn
                     body_done = True
             except sa.exc.DBAPIError as error:
@@ -83,10 +81,10 @@ class StoreBase:
         moment (SQLite's reads within a transaction do; PostgreSQL's need REPEATABLE READ,
         its READ COMMITTED giving each statement its own moment)."""
         with self._connect() as conn:
-            conn.execution_options(**{READ_ONLY: True})
             if snapshot and self.dialect == "postgresql":
                 conn.execution_options(isolation_level="REPEATABLE READ")
             with conn.begin():
+                begin(conn, write=False)
                 yield conn
 
     def _connect(self) -> sa.Connection:
@@ -122,9 +120,7 @@ class StoreBase:
             # Ids first, then a plain executemany: far faster than INSERT ... RETURNING
             # for the 10,000 events of a big registration.
             ids = self._event_ids(conn, len(rows))
-            conn.execute(
-                events_table.insert(), [{**r, "id": i} for r, i in zip(rows, ids, strict=True)]
-            )
+            conn.execute(q.INSERT_EVENTS, [{**r, "id": i} for r, i in zip(rows, ids, strict=True)])
         return [dataclasses.replace(e, id=i) for e, i in zip(events, ids, strict=True)]
 
     def _event_ids(self, conn: sa.Connection, n: int) -> list[int]:

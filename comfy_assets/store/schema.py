@@ -11,9 +11,6 @@ from typing import Any
 
 import sqlalchemy as sa
 
-# Execution option that makes a SQLite transaction start with a plain (deferred) BEGIN.
-READ_ONLY = "comfy_assets_read_only"
-
 metadata = sa.MetaData()
 
 jobs_table = sa.Table(
@@ -301,9 +298,8 @@ def _set_wal(cur: Any) -> None:
 
 
 def make_engine(db_url: str) -> sa.Engine:
-    """An engine for ``db_url``. SQLite gets WAL, a busy timeout and write transactions
-    that take the write lock up front (``BEGIN IMMEDIATE``), so processes sharing the file
-    queue for it instead of failing."""
+    """An engine for ``db_url``. SQLite gets WAL, a busy timeout, and no transaction of
+    the driver's: each transaction starts with ``begin`` (below)."""
     url = sa.make_url(db_url)
     if url.get_backend_name() != "sqlite":
         connect_args: dict[str, Any] = {}
@@ -316,8 +312,8 @@ def make_engine(db_url: str) -> sa.Engine:
 
     @sa.event.listens_for(engine, "connect")
     def _configure(dbapi_conn: Any, _record: Any) -> None:
-        # We emit BEGIN ourselves (below): the driver's own comes too late, at the first
-        # write, which turns a read-then-write into a lock upgrade that can fail.
+        # We emit BEGIN ourselves (``begin``): the driver's own comes too late, at the
+        # first write, which turns a read-then-write into a lock upgrade that can fail.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
         cur.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_S * 1000:.0f}")
@@ -333,12 +329,18 @@ def make_engine(db_url: str) -> sa.Engine:
         cur.execute(f"PRAGMA journal_size_limit = {WAL_BYTES}")
         cur.close()
 
-    @sa.event.listens_for(engine, "begin")
-    def _begin(conn: sa.Connection) -> None:
-        read_only = conn.get_execution_options().get(READ_ONLY)
-        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
-
     return engine
+
+
+def begin(conn: sa.Connection, *, write: bool) -> None:
+    """Start SQLite's transaction on ``conn``, just after ``conn.begin()``: a write one
+    takes the write lock up front (``BEGIN IMMEDIATE``), so processes sharing the file
+    queue for it instead of failing at a lock upgrade; a read one is a plain BEGIN (its
+    statements see one moment). PostgreSQL's needs nothing more. Emitted here, not from
+    an engine event: a listener on the engine makes every statement of every connection
+    dispatch events, which costs more than the statements themselves."""
+    if conn.dialect.name == "sqlite":
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
 
 
 # Columns added to a table after stores were made without them: (table, column), each
@@ -355,6 +357,7 @@ def create_tables(engine: sa.Engine) -> None:
     """Create missing tables and indexes, and add the columns of ``ADDED_COLUMNS`` that
     a store made earlier lacks; safe when several processes start at once."""
     with engine.begin() as conn:
+        begin(conn, write=True)
         if engine.dialect.name == "postgresql":
             # create_all checks, then creates: serialise first starts (SQLite's
             # BEGIN IMMEDIATE already does).

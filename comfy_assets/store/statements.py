@@ -128,6 +128,7 @@ TOTALS = sa.select(
 DELETE_FILES = files_table.delete().where(FILE.job_id == _b("b_id"))
 INSERT_FILES = files_table.insert()
 INSERT_EVENT = events_table.insert().returning(EVENT.id)
+INSERT_EVENTS = events_table.insert()  # rows with their ids (``StoreBase._event_ids``)
 LAST_EVENT_ID = sa.select(sa.func.coalesce(sa.func.max(EVENT.id), 0))
 NEXT_EVENT_IDS = sa.text(
     "SELECT nextval(pg_get_serial_sequence('comfy_events', 'id')) FROM generate_series(1, :n)"

@@ -182,7 +182,10 @@ class Transitions(StoreBase):
         now = self._now(now)
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
         with self._write() as conn:
-            row = self._locked_for_move(conn, job_id, owner, state, tried_row, now)
+            # Its ``attempts`` is set below when ``attempt`` is given: no bump of it first.
+            row = self._locked_for_move(
+                conn, job_id, owner, state, tried_row, now, bump=attempt is None
+            )
             if seconds is None or queue_wait_s is None or gpu_seconds is None:
                 n, total, waited, ran = self._totals(conn, row, tried_row)
                 if seconds is None:
@@ -372,9 +375,12 @@ class Transitions(StoreBase):
         to: str,
         tried_row: dict[str, Any] | None,
         now: float,
+        *,
+        bump: bool = True,
     ) -> sa.Row:
         """The job's row, locked, once the claim (when ``owner``) and the move to ``to``
-        are checked; ``tried_row`` written. Raises UnknownJob, ClaimLost,
+        are checked; ``tried_row`` written (``bump``: and the job's ``attempts`` raised to
+        it, unless the caller sets them itself). Raises UnknownJob, ClaimLost,
         InvalidTransition."""
         row = self._lock(conn, job_id)
         if RETRYING.get() and str(row.state) == str(to):
@@ -383,7 +389,7 @@ class Transitions(StoreBase):
             raise ClaimLost(job_id, owner, row.claimed_by)
         check_transition(row.state, to, job_id=job_id)
         if tried_row is not None:
-            self._write_attempt(conn, tried_row, now)
+            self._write_attempt(conn, tried_row, now, bump=bump)
         return row
 
     def _totals(
@@ -401,12 +407,15 @@ class Transitions(StoreBase):
         )
         return 1, seconds, waited, seconds - (waited or 0.0) if gpu is None else gpu
 
-    def _write_attempt(self, conn: sa.Connection, row: dict[str, Any], now: float) -> None:
-        """The attempt row (replacing the same number) and the job's ``attempts``; its
-        model row for a job that loads models."""
-        bump = {"b_id": row["job_id"], "b_attempt": row["attempt"], "v_now": now}
-        if conn.execute(q.BUMP_ATTEMPTS, bump).rowcount != 1:
-            raise UnknownJob(row["job_id"])
+    def _write_attempt(
+        self, conn: sa.Connection, row: dict[str, Any], now: float, *, bump: bool = True
+    ) -> None:
+        """The attempt row (replacing the same number), the job's ``attempts`` when
+        ``bump``, and its model row for a job that loads models."""
+        if bump:
+            params = {"b_id": row["job_id"], "b_attempt": row["attempt"], "v_now": now}
+            if conn.execute(q.BUMP_ATTEMPTS, params).rowcount != 1:
+                raise UnknownJob(row["job_id"])
         columns = {k: v for k, v in row.items() if k in q.ATTEMPT_COLUMNS}
         conn.execute(q.upsert_attempt(self.dialect), columns)
         if row.get("models"):
