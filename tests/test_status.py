@@ -8,16 +8,19 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
 
 from comfy_assets.cli.main import main
 from comfy_assets.cli.status import REASONS, gather, lines
+from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import steering
+from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, metadata
 from fake_comfy import FakeComfy
@@ -30,6 +33,34 @@ pytestmark = pytest.mark.timeout(60)
 PARTITION_KEYS = {"partition", "states", "estimate_s", "waiting", "owner"}
 
 
+async def status_during(
+    tmp_path: Path,
+    fakes: list[FakeComfy],
+    jf: JobFile,
+    until: Callable[[Store], bool],
+    what: str,
+    config: BatchConfig | None = None,
+) -> dict[str, Any]:
+    """``status``'s report (``gather``) of partition "p", taken once ``until(store)`` holds
+    while a batch of ``jf`` runs on ``fakes`` (store ``tmp_path/s``); the batch is then
+    cancelled."""
+    store = Store(tmp_path / "s")
+    async with fake_servers(*fakes) as servers:
+        task = asyncio.create_task(
+            run_batch(
+                jf, partition="p", servers=servers, store=store, config=config or fast_config()
+            )
+        )
+        try:
+            await wait_until(lambda: until(store), 30.0, what)
+            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert report is not None
+    return report
+
+
 async def test_status_names_what_each_server_renders_and_why_each_job_waits(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -38,23 +69,12 @@ async def test_status_names_what_each_server_renders_and_why_each_job_waits(
     jf = model_jobs(tmp_path / "jobs", ["a.safetensors"] * 12)
     for job in jf.jobs:
         job.workflow["3"]["inputs"]["steps"] = 50
-    store = Store(tmp_path / "s")
-    async with fake_servers(*fakes) as servers:
-        task = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
-        )
-        try:
 
-            def sampling() -> bool:
-                rows = [r for r in store.live() if r.kind == "server"]
-                return any("KSampler, step" in str(r.detail.get("progress")) for r in rows)
+    def sampling(store: Store) -> bool:
+        rows = [r for r in store.live() if r.kind == "server"]
+        return any("KSampler, step" in str(r.detail.get("progress")) for r in rows)
 
-            await wait_until(sampling, 30.0, "a server row with a sampler's step")
-            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    assert report is not None
+    report = await status_during(tmp_path, fakes, jf, sampling, "a sampler's step on a server")
     (part,) = report["partitions"]
     assert part["partition"] == "p" and sum(part["states"].values()) == 12
     rendering = [s for s in report["servers"] if s["state"] == "rendering"]
@@ -76,24 +96,13 @@ async def test_a_job_in_backoff_says_until_when_and_after_which_failure(
     monkeypatch.setattr(steering, "EVERY_S", 0.02)
     fake = FakeComfy(script=["500"], prompt_seconds=0.01)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    store = Store(tmp_path / "s")
     config = fast_config(base_delay_s=60.0, max_delay_s=60.0)
-    async with fake_servers(fake) as servers:
-        task = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=store, config=config)
-        )
-        try:
 
-            def in_backoff() -> bool:
-                parts = [r for r in store.live() if r.kind == "partition"]
-                return any(r.detail.get("held") for r in parts)
+    def in_backoff(store: Store) -> bool:
+        parts = [r for r in store.live() if r.kind == "partition"]
+        return any(r.detail.get("held") for r in parts)
 
-            await wait_until(in_backoff, 30.0, "a job in backoff")
-            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    assert report is not None
+    report = await status_during(tmp_path, [fake], jf, in_backoff, "a job in backoff", config)
     (job,) = report["jobs"]
     assert job["reason"] == "in backoff"
     assert re.match(r"until \d\d:\d\d:\d\d \(\d+ s from now\), after: .*500", job["detail"])
@@ -172,23 +181,12 @@ async def test_a_workflow_without_models_waits_for_a_server_not_for_one_holding_
     monkeypatch.setattr(steering, "EVERY_S", 0.02)
     fakes = [FakeComfy(prompt_seconds=0.3) for _ in range(2)]
     jf = load_job_file(write_jobs(tmp_path / "jobs", 12))
-    store = Store(tmp_path / "s")
-    async with fake_servers(*fakes) as servers:
-        task = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
-        )
-        try:
 
-            def both_rendering() -> bool:
-                rows = [r for r in store.live() if r.kind == "server"]
-                return len([r for r in rows if r.detail.get("state") == "rendering"]) == 2
+    def both_rendering(store: Store) -> bool:
+        rows = [r for r in store.live() if r.kind == "server"]
+        return len([r for r in rows if r.detail.get("state") == "rendering"]) == 2
 
-            await wait_until(both_rendering, 30.0, "both servers rendering")
-            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-    assert report is not None
+    report = await status_during(tmp_path, fakes, jf, both_rendering, "both servers rendering")
     waiting = [j for j in report["jobs"] if j["reason"].startswith("waiting for a server")]
     assert waiting
     assert {j["reason"] for j in waiting} == {"waiting for a server"}

@@ -31,6 +31,7 @@ from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.plan import models_of
 
 if TYPE_CHECKING:
+    from comfy_assets.render.attempt import Attempt
     from comfy_assets.render.batch import Batch
     from comfy_assets.render.progress import Progress
 
@@ -90,11 +91,8 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
     for name, attempt in batch.prompts().items():
         slot = attempt.slot
         assert slot is not None  # held: ``Batch.prompts``
-        follower = pool.open_follower(name)
-        where = follower.progress(attempt.job.prompt_id) if follower is not None else None
         since = None if slot.posted_at is None else wall_now - (loop_now - slot.posted_at)
-        how_far = where.describe(attempt.job.workflow) if where is not None else "posting"
-        running[name] = (attempt.job.id, since, how_far)
+        running[name] = (attempt.job.id, since, prompt_progress(batch, name, attempt))
     unreachable = pool.unreachable()
     for spec in pool.servers:
         name = spec.name
@@ -118,6 +116,15 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             row = {"state": "busy", "foreign_queue": foreign} if foreign else {"state": "free"}
         out[("server", name)] = row
     return out
+
+
+def prompt_progress(batch: Batch, name: str, attempt: Attempt) -> str:
+    """How far ``attempt``'s prompt on server ``name`` is, by that server's socket
+    (``node 3/7 KSampler, step 14/20``: ``comfy/progress.py``), or "posting" until the
+    server has said anything of it."""
+    follower = batch.pool.open_follower(name)
+    where = follower.progress(attempt.job.prompt_id) if follower is not None else None
+    return where.describe(attempt.job.workflow) if where is not None else "posting"
 
 
 def _bounded(held: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:

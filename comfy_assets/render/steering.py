@@ -163,10 +163,9 @@ class Steering:
             workflow = self._workflow.get(job.prompt_id, job.workflow_sha256)
             posted = slot.posted_at
             running.append(Running(workflow, 0.0 if posted is None else loop_now - posted))
-            follower = batch.pool.open_follower(name)
-            where = follower.progress(job.prompt_id) if follower is not None else None
-            how_far = where.describe(job.workflow) if where is not None else "posting"
-            lines.append(f"job {job.id[:8]} on {name}: {how_far}")
+            lines.append(
+                f"job {job.id[:8]} on {name}: {publish.prompt_progress(batch, name, attempt)}"
+            )
         counts = dict.fromkeys(REASONS, 0)
         counts[RENDERING] = len(prompts)
         # An attempt whose server was let go downloads and records; one without a server
