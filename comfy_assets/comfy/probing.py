@@ -62,7 +62,16 @@ class Probing:
                 if fresh:
                     queue = await client.queue()
                 else:
-                    _, queue = await asyncio.gather(client.system_stats(), client.queue())
+                    stats, queued = await asyncio.gather(
+                        client.system_stats(), client.queue(), return_exceptions=True
+                    )
+                    # Both asked at once; when both fail (a server down refuses both),
+                    # the reason names /system_stats's failure, whichever came first.
+                    if isinstance(stats, BaseException):
+                        raise stats
+                    if isinstance(queued, BaseException):
+                        raise queued
+                    queue = queued
                     self._stats_at[spec.name] = loop.time()
                 # A prompt needs the server's socket; once open, its `status` messages
                 # answer the next probes without a request.
