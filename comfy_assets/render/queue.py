@@ -82,7 +82,9 @@ class JobQueue:
         self._groups: dict[Needs, deque[Item]] = {}
         self._size = 0
         self._claimed = 0  # items here with their claim taken
-        self._timers: dict[asyncio.TimerHandle, Item] = {}  # each waiting out a delay
+        # Each job waiting out a delay, with the loop time it is back. The time is kept
+        # here: uvloop answers a delay under a millisecond with a plain Handle, no when().
+        self._timers: dict[asyncio.Handle, tuple[Item, float]] = {}
         self._next = itertools.count(1)
         self._first = itertools.count(-1, -1)  # back at the head: older than any
         self._needs: dict[str, Needs] = {}  # by workflow sha256
@@ -118,7 +120,7 @@ class JobQueue:
     def later(self) -> list[tuple[Item, float]]:
         """The jobs waiting out a delay (backoff, someone else's claim), each with the
         loop time it is back in line."""
-        return [(item, handle.when()) for handle, item in self._timers.items()]
+        return list(self._timers.values())
 
     def demand(self, server: str | None = None) -> dict[Needs, Demand]:
         """Per group: how many jobs wait (that ``server`` may take, when given), and the
@@ -178,15 +180,16 @@ class JobQueue:
         """Put ``item`` back after ``delay_s`` seconds, at the head of the line: it has
         waited longest."""
         loop = asyncio.get_running_loop()
-        handle: asyncio.TimerHandle
+        handle: asyncio.Handle
 
         def fire() -> None:
             self._timers.pop(handle, None)
             item.seq = next(self._first)
             self._add(item, front=True)
 
+        when = loop.time() + max(delay_s, 0.0)
         handle = loop.call_later(delay_s, fire)
-        self._timers[handle] = item
+        self._timers[handle] = (item, when)
 
     def put_back(self, item: Item, rec: JobRecord) -> None:
         """A job a consumer claimed before it waited in line: back in its place in its

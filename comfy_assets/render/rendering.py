@@ -38,7 +38,7 @@ class DeferredRendering:
         self._write = write
         self._failed = failed
         self.delay_s = delay_s
-        self._waiting: dict[str, tuple[RenderingStart, asyncio.TimerHandle]] = {}
+        self._waiting: dict[str, tuple[RenderingStart, asyncio.Handle]] = {}
         self._writing: dict[str, asyncio.Task[None]] = {}
 
     def defer(self, job_id: str, move: RenderingStart) -> None:

@@ -84,8 +84,10 @@ def _runs(phase: Phase) -> list[str]:
         who = f"{phase.store.name} run {i + 1}"
         for name, text in (("stdout", run.stdout), ("stderr", run.stderr)):
             if TRACEBACK in text:
-                start = text.index(TRACEBACK)
-                found.append(f"{who}: traceback on {name}: {text[start : start + 2000]}")
+                # Its end names the exception: keep that when the traceback is long.
+                trace = text[text.index(TRACEBACK) :]
+                shown = trace if len(trace) <= 4000 else f"{trace[:1000]}\n...\n{trace[-3000:]}"
+                found.append(f"{who}: traceback on {name}: {shown}")
             found += [f"{who}: a repr on {name}: {line}" for line in _reprs(text.splitlines())]
         if run.timed_out:
             tail = "\n".join(run.stderr.splitlines()[-40:])
