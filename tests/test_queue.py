@@ -17,8 +17,8 @@ JOB_IDS = ("6f1c2a52-8d0e-4a53-9a51-0c0f6b1d2e01", "6f1c2a52-8d0e-4a53-9a51-0c0f
 
 def test_jobs_back_in_under_a_millisecond_or_later_are_listed_with_when(workflow_dir: Path):
     # uvloop turns a delay that rounds to 0 ms into a call "soon", whose handle has no
-    # when(): a job retried after a tiny jittered backoff once crashed a batch's
-    # progress line (Steering.look lists the jobs waiting out a delay).
+    # when(); a job retried after a tiny jittered backoff waits so, and a batch's
+    # progress line lists the jobs waiting out a delay (Steering.look).
     path = workflow_dir / "jobs.jsonl"
     path.write_text(
         "".join(json.dumps({"id": i, "workflow": "image.json"}) + "\n" for i in JOB_IDS)
