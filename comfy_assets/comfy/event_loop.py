@@ -4,7 +4,9 @@ macOS; a dependency there), else asyncio's own (Windows).
 Each job is a handful of HTTP requests, a stream of websocket messages and a few file
 writes, so the loop's own cost per callback and per socket read is a large part of what
 a job costs to orchestrate; uvloop's (libuv, in C) is the smaller. Both run the same
-code: nothing here depends on which one it is.
+code, which keeps to what both promise: uvloop's ``call_later`` answers a delay that
+rounds to 0 ms with a plain ``Handle`` (no ``when()``), so a timer's due time is kept
+by whoever needs it (``render/queue.py``).
 """
 
 from __future__ import annotations
