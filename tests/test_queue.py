@@ -4,10 +4,11 @@ the loop time they are back, whatever the delay."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
-from comfy_assets.comfy.event_loop import new_event_loop
+from comfy_assets.comfy import event_loop
 from comfy_assets.comfy.plan import Plan
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.queue import Item, JobQueue
@@ -24,22 +25,18 @@ def test_jobs_back_in_under_a_millisecond_or_later_are_listed_with_when(workflow
         "".join(json.dumps({"id": i, "workflow": "image.json"}) + "\n" for i in JOB_IDS)
     )
     soon_job, later_job = load_job_file(path).jobs
-    loop = new_event_loop()
-    try:
 
-        async def look() -> tuple[float, list[tuple[str, float]], int]:
-            queue = JobQueue(Plan(["gpu0"], lambda _server, _needs: True))
-            start = loop.time()
-            queue.push_later(Item(soon_job), 0.0004)
-            queue.push_later(Item(later_job), 30.0)
-            listed = [(item.job.id, when) for item, when in queue.later()]
-            waiting = queue.waiting
-            queue.cancel_all()
-            return start, listed, waiting
+    async def look() -> tuple[float, list[tuple[str, float]], int]:
+        queue = JobQueue(Plan(["gpu0"], lambda _server, _needs: True))
+        start = asyncio.get_running_loop().time()
+        queue.push_later(Item(soon_job), 0.0004)
+        queue.push_later(Item(later_job), 30.0)
+        listed = [(item.job.id, when) for item, when in queue.later()]
+        waiting = queue.waiting
+        queue.cancel_all()
+        return start, listed, waiting
 
-        start, listed, waiting = loop.run_until_complete(look())
-    finally:
-        loop.close()
+    start, listed, waiting = event_loop.run(look())
     assert waiting == 2
     assert [job_id for job_id, _ in listed] == list(JOB_IDS)
     soon_when, later_when = (when for _, when in listed)
