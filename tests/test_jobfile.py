@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from comfy_assets.jobs.model import NAMESPACE, JobFileError, LineError, canonical_json
 from comfy_assets.jobs.parse import job_from_dict, load_job_file
-from comfy_assets.jobs.workflows import WorkflowCache
+from comfy_assets.jobs.workflows import MAX_WORKFLOW_BYTES, WorkflowCache
 from tests.conftest import IMAGE_WORKFLOW, VIDEO_WORKFLOW
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -206,6 +208,23 @@ def test_each_bad_line_names_file_line_and_field(workflow_dir, line, field, mess
     assert (e.path, e.line, e.field) == (str(path), 2, field)
     assert message in e.message
     assert str(e) == f"{path}:2: {field}: {e.message}"
+
+
+def test_a_workflow_path_to_a_device_a_fifo_a_folder_or_a_huge_file_is_refused_unread(
+    workflow_dir,
+):
+    os.mkfifo(workflow_dir / "fifo.json")  # nobody writes to it: an open that waits hangs
+    (workflow_dir / "folder.json").mkdir()
+    with (workflow_dir / "huge.json").open("wb") as f:
+        f.truncate(MAX_WORKFLOW_BYTES + 1)  # sparse: no disk spent
+    lines = [
+        job(id_=str(uuid.UUID(int=n)), workflow=name)
+        for n, name in enumerate(["/dev/zero", "fifo.json", "folder.json", "huge.json"], 1)
+    ]
+    errors = errors_of(write(workflow_dir, *lines))
+    assert [(e.line, e.field) for e in errors] == [(n, "workflow") for n in (1, 2, 3, 4)]
+    assert all(e.message.endswith("is not a regular file") for e in errors[:3]), errors
+    assert errors[3].message.endswith(f"is over the limit of {MAX_WORKFLOW_BYTES} bytes")
 
 
 def test_a_ui_export_gets_the_export_api_hint(workflow_dir):
@@ -432,13 +451,13 @@ def test_ten_thousand_jobs_share_one_workflow_file_read_once(workflow_dir, monke
     ]
     path = write(workflow_dir, *lines)
     reads: list[str] = []
-    original = Path.read_text
+    original = os.open
 
-    def counting_read_text(self: Path, *args: object, **kwargs: object) -> str:
-        reads.append(self.name)
-        return original(self, *args, **kwargs)
+    def counting_open(file: str | Path, *args: Any, **kwargs: Any) -> int:
+        reads.append(Path(file).name)
+        return original(file, *args, **kwargs)
 
-    monkeypatch.setattr(Path, "read_text", counting_read_text)
+    monkeypatch.setattr(os, "open", counting_open)
     jf = load_job_file(path)
     assert len(jf.jobs) == 10_000
     assert reads == ["image.json"]
