@@ -30,6 +30,8 @@ and from the last ``execution_success`` to the process's exit (``end_s_real_*``)
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -44,6 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import fake_processes, scratch_dir
+from comfy_assets.cli.main import main as cli
 from comfy_assets.jobs.parse import load_job_file
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,6 +80,18 @@ def job_file(folder: Path, count: int, offset: int, workflow: dict | None = None
             f.write(json.dumps({"id": job_id, "workflow": "w.json", "set": {"1.color": n}}))
             f.write("\n")
     return path
+
+
+def run_in_process(url: str, work: Path, name: str, jobs: int, offset: int) -> None:
+    """``comfy-assets run`` of ``jobs`` jobs (``job_file``) in this process, on the one
+    server at ``url``, its store in ``work / name``, its printed lines dropped; raises
+    SystemExit when it exits other than 0."""
+    path = job_file(work / name, jobs, offset)
+    argv = ["run", "--jobs", str(path), "--server", f"gpu0={url}", "--store", str(work / name)]
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = cli(argv)
+    if code != 0:
+        raise SystemExit(f"run of {jobs} jobs exited {code}")
 
 
 def timed(argv: list[str]) -> tuple[float, float]:

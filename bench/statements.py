@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import io
 import sys
 import tempfile
 from pathlib import Path
@@ -25,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
-from bench.overhead import job_file
-from comfy_assets.cli.main import main as cli
+from bench.overhead import run_in_process
 from fake_comfy import FakeComfy
 
 counts: collections.Counter[str] = collections.Counter()
@@ -42,15 +39,6 @@ def _commit(conn) -> None:
     counts["COMMIT"] += 1
 
 
-def run(url: str, work: Path, name: str, jobs: int, offset: int) -> None:
-    path = job_file(work / name, jobs, offset)
-    argv = ["run", "--jobs", str(path), "--server", f"gpu0={url}", "--store", str(work / name)]
-    with contextlib.redirect_stdout(io.StringIO()):  # the run's own lines
-        code = cli(argv)
-    if code != 0:
-        raise SystemExit(f"run of {jobs} jobs exited {code}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=100, help="jobs of the counted run (100)")
@@ -58,9 +46,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-statements-") as tmp:
         work = Path(tmp)
         with FakeComfy(prompt_seconds=0).serve_in_thread(port=0) as url:
-            run(url, work, "warm", 20, 0)
+            run_in_process(url, work, "warm", 20, 0)
             counts.clear()
-            run(url, work, "counted", args.jobs, 1000)
+            run_in_process(url, work, "counted", args.jobs, 1000)
     for statement, n in counts.most_common():
         if n / args.jobs >= 0.05:  # schema creation and other once-per-run statements
             print(f"per_job={n / args.jobs:.2f} {statement}")

@@ -85,3 +85,11 @@ def test_eta_prints_the_estimates_error_at_each_fraction_done() -> None:
     for label in ("homogeneous", "mixed"):
         for fraction in (25, 50, 75):
             assert f"{label}_error_{fraction}" in lines
+
+
+def test_store_calls_times_the_three_store_calls_of_each_job() -> None:
+    lines = figures("bench/store_calls.py", "--jobs", "5", "--rounds", "1")
+    # A method a run no longer calls would read 0 (one renamed fails the bench itself).
+    for method in ("claim_job", "transition", "mark_done"):
+        assert float(lines[f"cpu_us_per_call_{method}"]) > 0
+    assert float(lines["cpu_us_per_job_store"]) > 0

@@ -14,7 +14,6 @@ import hashlib
 import os
 import stat
 import unicodedata
-import uuid
 from contextlib import aclosing
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
@@ -149,7 +148,7 @@ async def download_outputs(
 async def _download_one(
     client: ComfyClient, out: OutputFile, path: Path, dest_dir: Path, max_bytes: int | None
 ) -> DownloadedFile:
-    temp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.part")
+    temp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.part")
     digest = hashlib.sha256()
     size = 0
     try:

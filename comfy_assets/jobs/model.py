@@ -17,6 +17,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
@@ -211,7 +212,7 @@ class Job:
     inputs: tuple[Input, ...] = ()
     take: int = 1
 
-    @property
+    @cached_property
     def depends_on(self) -> tuple[str, ...]:
         """The ids of the jobs this job takes inputs from: unique, sorted."""
         return tuple(sorted({i.job for i in self.inputs if isinstance(i, InputFromJob)}))

@@ -86,13 +86,27 @@ class Ownership:
         # unlearns it in the store.
         self._learned_graphs: set[str] = set()
         self._graphs: dict[str, str] = {}  # resolved workflow sha256 -> graph sha256
+        # Workflows that rendered, by resolved sha256, not yet among ``_rendered_graphs``:
+        # hashed only when a failure is judged, which most batches never need (the
+        # batch's jobs hold these workflows anyway).
+        self._unhashed: dict[str, dict[str, Any]] = {}
 
     def _graph(self, item: Item) -> str:
         job = item.job
-        found = self._graphs.get(job.workflow_sha256)
+        return self._graph_of(job.workflow_sha256, job.workflow)
+
+    def _graph_of(self, workflow_sha256: str, workflow: dict[str, Any]) -> str:
+        found = self._graphs.get(workflow_sha256)
         if found is None:
-            found = self._graphs[job.workflow_sha256] = graph_sha256(job.workflow)
+            found = self._graphs[workflow_sha256] = graph_sha256(workflow)
         return found
+
+    def _has_rendered(self, graph: str) -> bool:
+        """Whether a workflow of ``graph`` rendered in this batch."""
+        for sha, workflow in self._unhashed.items():
+            self._rendered_graphs.add(self._graph_of(sha, workflow))
+        self._unhashed.clear()
+        return graph in self._rendered_graphs
 
     async def _owned(self, item: Item, r: AttemptResult) -> tuple[AttemptResult, bool]:
         """The attempt's result once ownership is decided, and whether the job is tried
@@ -109,7 +123,7 @@ class Ownership:
             await self._server_failed(item, server, failure)
             return r, False
         graph = self._graph(item)
-        rendered = graph in self._rendered_graphs
+        rendered = self._has_rendered(graph)
         known = None
         if not rendered:
             known = await self._db(self.store.known_workflow_failure, graph, failure.signature)
@@ -191,8 +205,8 @@ class Ownership:
         store is written only when that changes something."""
         if server is None:
             return
-        graph = self._graph(item)
-        self._rendered_graphs.add(graph)
+        self._unhashed[item.job.workflow_sha256] = item.job.workflow
+        graph = self._graph(item) if self._learned_graphs else ""
         if graph in self._learned_graphs:
             # It was taken for a workflow that fails everywhere (two sick servers failed
             # it alike): it is not, and its next failures are judged anew.

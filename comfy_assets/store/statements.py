@@ -92,7 +92,8 @@ CLAIM_FREE = (
     jobs_table.update()
     .where(
         JOB.job_id == _b("b_id"),
-        JOB.state.not_in(sorted(s.value for s in (*DONE, FAILED_FATAL))),
+        # Not NOT IN: its list is bound anew at every execution (an expanding parameter).
+        *(JOB.state != s for s in sorted(s.value for s in (*DONE, FAILED_FATAL))),
         sa.or_(JOB.claimed_by.is_(None), JOB.claimed_by == _b("v_owner")),
     )
     .values(claimed_by=_b("v_owner"), claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
