@@ -9,7 +9,8 @@ prometheus-client library: every name starts with ``comfy_assets_``.
   POST's answer to the prompt's end, of prompts that loaded no model;
 - ``comfy_assets_model_load_seconds{server}``: histogram of what a model load added to
   its prompt (its seconds less the median prompt without a load: ``comfy/plan.py``);
-- ``comfy_assets_server_up{server}``: 1 when the server answered its last probe, else 0;
+- ``comfy_assets_server_up{server}``: 1 when the server answered its last probe and its
+  socket is not lost (``Pool.unreachable``), else 0;
 - ``comfy_assets_server_quarantined{server}``: 1 while it is quarantined
   (``Store.server_quarantined``);
 - ``comfy_assets_jobs_waiting{reason}``: the jobs left of the running batches by what

@@ -7,6 +7,8 @@ import base64
 import json
 import os
 import shutil
+import socket
+import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
@@ -83,6 +85,22 @@ async def fake_servers(*fakes: FakeComfy) -> AsyncIterator[list[ServerSpec]]:
             url = await stack.enter_async_context(fake.serve(port=0))
             specs.append(ServerSpec(f"gpu{i}", url))
         yield specs
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_fake_process(port: int, *args: str) -> subprocess.Popen[str]:
+    """``python -m fake_comfy --port PORT ARGS`` as a process of its own (a server that
+    can be killed as a host's is), returned once it says it listens."""
+    argv = [sys.executable, "-m", "fake_comfy", "--port", str(port), *args]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and "listening" in proc.stdout.readline()
+    return proc
 
 
 def posted(fake: FakeComfy, prompt_id: str) -> int:

@@ -8,7 +8,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,8 +30,10 @@ from tests.support import (
     ROOT,
     fake_servers,
     fast_config,
+    free_port,
     outcomes,
     running,
+    start_fake_process,
     wait_until,
     write_jobs,
 )
@@ -40,12 +41,6 @@ from tests.support import (
 
 def ran_on(fake: FakeComfy, prompt_ids: set[str]) -> int:
     return sum(1 for r in fake.stats["runs"] if r["prompt_id"] in prompt_ids)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_the_busiest_server_is_avoided(tmp_path):
@@ -74,6 +69,28 @@ async def test_an_unreachable_server_is_reported_and_skipped(tmp_path):
     assert summary.done == 4
     assert ran_on(fake, {j.prompt_id for j in jf.jobs}) == 4
     assert "gpu0" in summary.unreachable and "ServerUnreachable" in summary.unreachable["gpu0"]
+
+
+async def test_a_server_whose_socket_drops_and_refuses_is_unreachable_until_it_answers_again(
+    tmp_path,
+):
+    # Nothing probes a server while our prompt there is followed: its socket tells.
+    port = free_port()
+    servers = [ServerSpec("gpu0", f"http://127.0.0.1:{port}")]
+    fake = start_fake_process(port)
+    try:
+        async with Pool(servers, Store(tmp_path / "s"), owner="me") as pool:
+            await pool.follower("gpu0")
+            assert pool.unreachable() == {}
+            fake.kill()  # as a GPU host's process dies: the port refuses at once
+            fake.wait()
+            await wait_until(lambda: "gpu0" in pool.unreachable(), 10, "the socket to be lost")
+            assert "connection refused" in pool.unreachable()["gpu0"]
+            fake = start_fake_process(port)
+            await wait_until(lambda: not pool.unreachable(), 10, "the socket to be open again")
+    finally:
+        fake.kill()
+        fake.wait()
 
 
 async def test_with_every_server_down_the_pool_waits_and_resumes(tmp_path):

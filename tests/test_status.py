@@ -17,6 +17,7 @@ import sqlalchemy as sa
 
 from comfy_assets.cli.main import main
 from comfy_assets.cli.status import REASONS, gather, lines
+from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import steering
@@ -24,7 +25,15 @@ from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, metadata
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, job_id, wait_until, write_jobs
+from tests.support import (
+    fake_servers,
+    fast_config,
+    free_port,
+    job_id,
+    start_fake_process,
+    wait_until,
+    write_jobs,
+)
 from tests.test_models_pool import model_jobs
 
 pytestmark = pytest.mark.timeout(60)
@@ -106,6 +115,46 @@ async def test_a_job_in_backoff_says_until_when_and_after_which_failure(
     (job,) = report["jobs"]
     assert job["reason"] == "in backoff"
     assert re.match(r"until \d\d:\d\d:\d\d \(\d+ s from now\), after: .*500", job["detail"])
+
+
+async def test_a_server_that_dies_under_our_prompt_reads_unreachable_not_rendering(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(steering, "EVERY_S", 0.02)
+    port = free_port()
+    fake = start_fake_process(port, "--prompt-seconds", "5")
+    store = Store(tmp_path / "s")
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    server = ServerSpec("gpu0", f"http://127.0.0.1:{port}")
+
+    def row_state(want: str) -> Callable[[], bool]:
+        def seen() -> bool:
+            rows = [r for r in store.live() if r.kind == "server" and r.subject == "gpu0"]
+            return any(r.detail.get("state") == want for r in rows)
+
+        return seen
+
+    task = asyncio.create_task(
+        run_batch(jf, partition="p", servers=[server], store=store, config=fast_config())
+    )
+    try:
+        await wait_until(row_state("rendering"), 30.0, "the prompt to render")
+        fake.kill()  # its host dies: the port refuses at once
+        fake.wait()
+        await wait_until(row_state("unreachable"), 30.0, "the server to read unreachable")
+        report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        fake.kill()
+        fake.wait()
+    assert report is not None
+    (entry,) = report["servers"]
+    assert entry["state"] == "unreachable" and "connection refused" in entry["reason"]
+    assert "server gpu0: not used: unreachable (" in "\n".join(lines(report))
+    (job,) = report["jobs"]
+    assert job["reason"] == "waiting for a server"
+    assert job["detail"].startswith("its prompt went to gpu0, unreachable now (")
 
 
 def test_a_partition_nobody_runs_says_so_and_json_is_one_object(

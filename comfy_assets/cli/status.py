@@ -195,11 +195,16 @@ def _reason(rec: JobRecord, look: _Look) -> tuple[str, str]:
         return "dead-lettered", f"{text}; requeue it to run again"
     if rec.job_id in look.where:
         what, name = look.where[rec.job_id]
+        s = servers[name]
+        if s.get("state") == "unreachable":  # its prompt's server died under it, say
+            return "waiting for a server", (
+                f"its prompt went to {name}, unreachable now ({s.get('reason')}): it is "
+                "asked there again before the job is posted elsewhere"
+            )
         if what == FINISHING:
             return FINISHING, (
                 f"its prompt left {name}; its outputs are being downloaded and its result recorded"
             )
-        s = servers[name]
         who = "" if row is not None and s.get("owner") == row.owner else f", for {s.get('owner')}"
         how_far = s.get("progress") or "no progress known here"
         return RENDERING, f"on {name} since {_clock(s.get('since'))}, {how_far}{who}"

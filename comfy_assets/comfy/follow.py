@@ -104,6 +104,9 @@ class PromptFollower:
         self._reconnects = 0
         self._last_message_at = 0.0
         self._last_drop = ""
+        # Why opening the socket again failed, since its drop (None while open, or
+        # before a reopen failed): the server is unreachable for us meanwhile.
+        self._reopen_failed: str | None = None
         self._fatal: ComfyError | None = None
         self._fatal_raised = False
         # The server's queue as the socket tells it: `status` goes to every socket on
@@ -121,6 +124,12 @@ class PromptFollower:
     @property
     def connected(self) -> bool:
         return self._ws is not None
+
+    def lost(self) -> str | None:
+        """Why the server can't be reached now, by this socket: it dropped and opening it
+        again failed (the last failure's text); None while it is open, and between a
+        drop and the first try to reopen it."""
+        return None if self._ws is not None else self._reopen_failed
 
     @property
     def failed(self) -> bool:
@@ -387,10 +396,12 @@ class PromptFollower:
                     if not exc.transient:
                         self._fail(exc)
                         return
+                    self._reopen_failed = str(exc)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, self.reconnect_max_s)
                     continue
                 self._ws = ws
+                self._reopen_failed = None
                 self._reconnects += 1
                 self._last_message_at = asyncio.get_running_loop().time()
                 self._wake_all()

@@ -106,7 +106,7 @@ class Probing:
                 log.log(level, "server %s %s", p.name, state)
                 self._reported_at[p.name] = now
             self._reported[p.name] = state
-        if len(self.unreachable()) < len(self.servers):
+        if len(self._probed_unreachable()) < len(self.servers):
             self._none_reachable_since = None
         elif self._none_reachable_since is None:
             self._none_reachable_since = asyncio.get_running_loop().time()
@@ -116,7 +116,18 @@ class Probing:
         return self._followers.get(name)
 
     def unreachable(self) -> dict[str, str]:
-        """Servers last seen unreachable, with the reason: for summaries and metadata."""
+        """Servers last seen unreachable, with the reason ("unreachable: ..."): by their
+        last probe, or by their socket, which dropped and could not be opened again (a
+        server that died under our prompt, which no probe looks at while the prompt is
+        followed). For summaries, status rows and metrics."""
+        found = self._probed_unreachable()
+        for name, follower in list(self._followers.items()):
+            lost = follower.lost()
+            if lost is not None and name not in found:
+                found[name] = f"unreachable: {lost}"
+        return found
+
+    def _probed_unreachable(self) -> dict[str, str]:
         return {n: s for n, s in self._reported.items() if s != "healthy"}
 
     def _check_reachable(self) -> None:
@@ -126,4 +137,4 @@ class Probing:
             return
         waited = asyncio.get_running_loop().time() - since
         if waited >= limit:
-            raise NoServerReachable(waited, self.unreachable())
+            raise NoServerReachable(waited, self._probed_unreachable())

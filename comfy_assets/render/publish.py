@@ -96,7 +96,12 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
     unreachable = pool.unreachable()
     for spec in pool.servers:
         name = spec.name
-        if name in running:
+        if name in unreachable:  # our prompt there, if any, can't be followed
+            row = {
+                "state": "unreachable",
+                "reason": unreachable[name].removeprefix("unreachable: "),
+            }
+        elif name in running:
             job_id, since, how_far = running[name]
             row: dict[str, Any] = {
                 "state": "rendering",
@@ -109,8 +114,6 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             # "quarantined until ...", or a server on trial whose one job failed there.
             state = "quarantined" if blocked.startswith("quarantined") else "trial"
             row = {"state": state, "reason": blocked}
-        elif name in unreachable:
-            row = {"state": "unreachable", "reason": unreachable[name]}
         else:
             foreign = _foreign_queue(batch, name)
             row = {"state": "busy", "foreign_queue": foreign} if foreign else {"state": "free"}
