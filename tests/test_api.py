@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -104,6 +105,22 @@ async def test_a_bad_job_gets_every_error_of_the_job_file_parser(
     assert sorted((e["field"], e["message"]) for e in errors) == expected
     assert {"/id", "/take", "/set/9.color", "/worklfow"} <= {e["field"] for e in errors}
     assert store.get("job-1") is None
+    assert await queued(queue) == []
+
+
+async def test_a_key_repeated_in_the_body_is_refused_as_in_a_job_file(
+    store: Store, queue: str
+) -> None:
+    body = job_body()
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    text = json.dumps(body).replace(f'"id": "{body["id"]}"', f'"id": "{first}", "id": "{second}"')
+    client = await api_client(make_api(store, queue))
+    async with client:
+        answer = await client.post("/v1/jobs", data=text.encode(), headers=auth())
+        assert answer.status == 422
+        (problem,) = (await answer.json())["errors"]
+    assert problem == {"field": "", "message": 'key "id" repeated in an object'}
+    assert store.get(first) is None and store.get(second) is None
     assert await queued(queue) == []
 
 

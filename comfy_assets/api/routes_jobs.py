@@ -36,7 +36,7 @@ from comfy_assets.api.views import job_path, job_view
 from comfy_assets.api.webhook_urls import RefusedUrl, check_url
 from comfy_assets.jobs.model import is_job_id
 from comfy_assets.jobs.states import FAILED_FATAL
-from comfy_assets.jobs.strict_json import loads_bounded
+from comfy_assets.jobs.strict_json import DuplicateKey, loads_bounded, no_duplicates
 from comfy_assets.service import broker
 from comfy_assets.store import PartitionConflict, StoreUnavailable, UnknownJob, off_loop
 from comfy_assets.store.api_jobs import ApiJob
@@ -93,7 +93,10 @@ async def submit(request: web.Request) -> web.Response:
     client: str = request[CLIENT]
     raw = await request.read()
     try:
-        obj = loads_bounded(json.loads, raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        obj = loads_bounded(functools.partial(json.loads, object_pairs_hook=no_duplicates), text)
+    except DuplicateKey as e:  # as a job file's line: json.loads would keep the last
+        return _invalid([Problem("", f"key {json.dumps(str(e))} repeated in an object")])
     except UnicodeDecodeError as e:
         return error(400, f"the body is not UTF-8: {e.reason}")
     except json.JSONDecodeError as e:

@@ -100,8 +100,9 @@ class DuplicateKey(ValueError):
     pass
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    # json.loads keeps the last of two equal keys; a repeated "set" key is a typo to report.
+def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook`` that raises DuplicateKey (the key) for a key repeated in
+    one object: json.loads keeps the last of two, and a repeated key is a typo to report."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         seen: set[str] = set()
@@ -152,7 +153,7 @@ def first_non_finite(value: Any) -> str | None:
 
 
 decoder = json.JSONDecoder(
-    object_pairs_hook=_no_duplicates, parse_float=parse_float, parse_constant=NonFinite
+    object_pairs_hook=no_duplicates, parse_float=parse_float, parse_constant=NonFinite
 )
 
 
