@@ -116,7 +116,12 @@ def test_enqueue_priority_travels_in_the_message_and_is_checked(tmp_path: Path) 
     assert parse_message(plain, workflows_dir=tmp_path, source="m").priority == 0
     bad = json.loads(body)
     bad["priority"] = True
-    with pytest.raises(JobFileError, match="priority: expected an integer, got true"):
+    with pytest.raises(JobFileError, match="priority: expected an integer from .*, got true"):
+        parse_message(json.dumps(bad).encode(), workflows_dir=tmp_path, source="m")
+    bad["priority"] = 5_000_000  # an integer, out of range: the message says the range
+    with pytest.raises(
+        JobFileError, match="priority: expected an integer from -1000000 to 1000000, got 5000000"
+    ):
         parse_message(json.dumps(bad).encode(), workflows_dir=tmp_path, source="m")
 
 

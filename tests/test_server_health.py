@@ -304,3 +304,11 @@ def test_readmit_of_a_server_the_store_does_not_know_writes_nothing(tmp_path, ca
     assert main(["health", "--store", str(tmp_path / "store"), "--readmit", "gpu7"]) == 2
     assert "unknown server 'gpu7' (the store knows: gpu0)" in capsys.readouterr().err
     assert sorted(store.server_health()) == ["gpu0"]
+    # A server that rendered and never failed has no health record: health lists it ok,
+    # and so does a readmit of it; an unknown one's error names it among those known.
+    assert store.acquire_server("gpu1", "worker-1", 600)
+    assert main(["health", "--store", str(tmp_path / "store"), "--readmit", "gpu1"]) == 0
+    assert "gpu1 ok: not quarantined, no strikes now" in capsys.readouterr().out
+    assert main(["health", "--store", str(tmp_path / "store"), "--readmit", "gpu7"]) == 2
+    assert "unknown server 'gpu7' (the store knows: gpu0, gpu1)" in capsys.readouterr().err
+    assert sorted(store.server_health()) == ["gpu0"]

@@ -90,7 +90,9 @@ def policy_problem(value: object) -> str | None:
 def priority_problem(value: object) -> str | None:
     """Why ``value`` is not a batch priority (``is_priority``), in the words a job file's
     header and a queue message both use; None when it is one."""
-    return None if is_priority(value) else f"expected an integer, got {quoted(value)}"
+    if is_priority(value):
+        return None
+    return f"expected an integer from -{MAX_PRIORITY} to {MAX_PRIORITY}, got {quoted(value)}"
 
 
 def is_priority(value: object) -> bool:
