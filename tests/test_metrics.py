@@ -97,7 +97,7 @@ def test_run_metrics_port_serves_while_the_batch_runs(tmp_path: Path) -> None:
     with fake.serve_in_thread(port=0) as url:
         cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
         cmd += ["--server", f"gpu0={url}", "--store", str(tmp_path / "s")]
-        cmd += ["--metrics-port", str(port), "--poll-s", "0.05"]
+        cmd += ["--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--poll-s", "0.05"]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         samples: dict = {}
         try:
@@ -111,6 +111,9 @@ def test_run_metrics_port_serves_while_the_batch_runs(tmp_path: Path) -> None:
                 if waiting and samples.get(("comfy_assets_server_up", (("server", "gpu0"),))):
                     break
                 time.sleep(0.1)  # polling a server another process runs: no event to wait on
+            # Listening on 127.0.0.1 alone: another loopback address of this host refuses.
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.2", port), timeout=5).close()
         finally:
             out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err.decode()
@@ -131,6 +134,11 @@ def test_a_port_already_taken_is_said_and_nothing_runs(tmp_path: Path) -> None:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert f"error: --metrics-port {port}:" in proc.stderr
+    cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+    cmd += ["--server", "gpu0=http://127.0.0.1:9", "--store", str(tmp_path / "s")]
+    alone = subprocess.run([*cmd, "--metrics-host", "127.0.0.1"], cwd=ROOT, capture_output=True)
+    assert alone.returncode == 2
+    assert b"error: --metrics-host needs --metrics-port" in alone.stderr
 
 
 def test_worker_metrics_port_serves_its_pool_and_the_stores_jobs(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Options of the steering features: ``--metrics-port P`` of ``run`` and ``worker``
-(Prometheus metrics on ``http://<host>:P/metrics``: ``comfy_assets/metrics.py``, imported
+"""Options of the steering features: ``--metrics-port P`` and ``--metrics-host HOST`` of
+``run`` and ``worker`` (Prometheus metrics on ``http://<host>:P/metrics``: ``comfy_assets/metrics.py``, imported
 only when asked) and ``--priority N`` of ``run`` and ``enqueue``."""
 
 from __future__ import annotations
@@ -56,29 +56,44 @@ STEERING_OPTIONS: dict[str, tuple[str, dict[str, object]]] = {
             "(default: none)",
         },
     ),
+    "metrics_host": (
+        "--metrics-host",
+        {
+            "metavar": "HOST",
+            "help": "the address --metrics-port listens on: 127.0.0.1 keeps the metrics "
+            "on this machine (default: 0.0.0.0, every address, for a Prometheus elsewhere; "
+            "they carry server names, partitions and counts, and no authentication)",
+        },
+    ),
 }
 
 
 def add_steering_option(p: argparse.ArgumentParser, name: str) -> None:
-    """Register the steering option ``name`` of ``STEERING_OPTIONS`` (``--priority N`` or
-    ``--metrics-port P``), default None."""
+    """Register the steering option ``name`` of ``STEERING_OPTIONS`` (``--priority N``,
+    ``--metrics-port P``, ``--metrics-host HOST``), default None."""
     flag, spec = STEERING_OPTIONS[name]
     p.add_argument(flag, default=None, **spec)  # type: ignore[arg-type]
 
 
 def start_metrics(args: argparse.Namespace, store: object, partition: str | None) -> int | None:
-    """Serve the metrics when ``--metrics-port`` was given: jobs and attempts of
-    ``partition`` of ``store`` (None: every partition). Returns None, or 2 after saying
-    on stderr that the port could not be bound."""
+    """Serve the metrics when ``--metrics-port`` was given, on ``--metrics-host``
+    (0.0.0.0 when not given): jobs and attempts of ``partition`` of ``store`` (None:
+    every partition). Returns None, or 2 after saying on stderr that the port could not
+    be bound (the address included, when one was given)."""
     port = getattr(args, "metrics_port", None)
+    host = getattr(args, "metrics_host", None)
     if port is None:
+        if host is not None:
+            print("error: --metrics-host needs --metrics-port", file=sys.stderr)
+            return 2
         return None
     from comfy_assets.metrics import METRICS
 
     try:
-        METRICS.serve(port)
-    except OSError as e:
-        print(f"error: --metrics-port {port}: {e.strerror or e}", file=sys.stderr)
+        METRICS.serve(port, addr=host or "0.0.0.0")
+    except (OSError, UnicodeError) as e:  # a host that does not resolve, or no such address
+        where = f"--metrics-host {host} --metrics-port {port}" if host else f"--metrics-port {port}"
+        print(f"error: {where}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
     METRICS.track_store(store, partition)  # type: ignore[arg-type]
     return None

@@ -190,6 +190,7 @@ def add_run_parser(sub: argparse._SubParsersAction) -> None:
     add_batch_options(p)
     add_knob_option(p, "unreachable_timeout_s", bounded(float, 0, strict=True))
     add_steering_option(p, "metrics")
+    add_steering_option(p, "metrics_host")
     p.set_defaults(func=run_command)
 
 

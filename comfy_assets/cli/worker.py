@@ -180,6 +180,7 @@ def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=["delivery", "draft"], default=None, help=knob_doc("policy"))
     add_batch_options(p)
     add_steering_option(p, "metrics")
+    add_steering_option(p, "metrics_host")
     p.set_defaults(func=worker_command)
 
 
