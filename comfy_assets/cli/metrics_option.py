@@ -1,6 +1,7 @@
 """Options of the steering features: ``--metrics-port P`` and ``--metrics-host HOST`` of
-``run`` and ``worker`` (Prometheus metrics on ``http://<host>:P/metrics``: ``comfy_assets/metrics.py``, imported
-only when asked) and ``--priority N`` of ``run`` and ``enqueue``."""
+``run`` and ``worker`` (Prometheus metrics on ``http://<host>:P/metrics``:
+``comfy_assets/metrics.py``, imported only when asked) and ``--priority N`` of ``run``
+and ``enqueue``."""
 
 from __future__ import annotations
 

@@ -195,7 +195,7 @@ def _reason(rec: JobRecord, look: _Look) -> tuple[str, str]:
         return "dead-lettered", f"{text}; requeue it to run again"
     if rec.job_id in look.where:
         what, name = look.where[rec.job_id]
-        s = servers[name]
+        s = servers.get(name, {})
         if s.get("state") == "unreachable":  # its prompt's server died under it, say
             return "waiting for a server", (
                 f"its prompt went to {name}, unreachable now ({s.get('reason')}): it is "

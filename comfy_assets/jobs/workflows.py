@@ -110,8 +110,9 @@ def _read_bounded(path: Path) -> bytes:
     """The bytes of the regular file at ``path``, at most MAX_WORKFLOW_BYTES. Raises
     _NotAWorkflowFile for anything else (a device, a FIFO, a folder, a bigger file),
     OSError for a file that can't be opened or read, ValueError for a NUL in the path."""
-    # Opened without blocking: a FIFO nobody writes to would otherwise hang the open.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    # Opened without blocking: a FIFO nobody writes to would otherwise hang the open
+    # (Windows has neither the flag nor FIFOs).
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise _NotAWorkflowFile("is not a regular file")

@@ -96,14 +96,13 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
     unreachable = pool.unreachable()
     for spec in pool.servers:
         name = spec.name
-        if name in unreachable:  # our prompt there, if any, can't be followed
-            row = {
-                "state": "unreachable",
-                "reason": unreachable[name].removeprefix("unreachable: "),
-            }
-        elif name in running:
+        follower = pool.open_follower(name)
+        row: dict[str, Any]
+        # Our prompt there is rendering while its socket is open (a probe that timed out
+        # meanwhile does not stop it); once the socket is lost, nobody can follow it.
+        if name in running and (follower is None or follower.lost() is None):
             job_id, since, how_far = running[name]
-            row: dict[str, Any] = {
+            row = {
                 "state": "rendering",
                 "job": job_id,
                 "partition": batch.partition,
@@ -114,6 +113,11 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             # "quarantined until ...", or a server on trial whose one job failed there.
             state = "quarantined" if blocked.startswith("quarantined") else "trial"
             row = {"state": state, "reason": blocked}
+        elif name in unreachable:
+            row = {
+                "state": "unreachable",
+                "reason": unreachable[name].removeprefix("unreachable: "),
+            }
         else:
             foreign = _foreign_queue(batch, name)
             row = {"state": "busy", "foreign_queue": foreign} if foreign else {"state": "free"}
