@@ -7,10 +7,10 @@ import json
 import os
 import uuid
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from comfy_assets.jobs import workflows
 from comfy_assets.jobs.model import NAMESPACE, JobFileError, LineError, canonical_json
 from comfy_assets.jobs.parse import job_from_dict, load_job_file
 from comfy_assets.jobs.workflows import MAX_WORKFLOW_BYTES, WorkflowCache
@@ -451,13 +451,13 @@ def test_ten_thousand_jobs_share_one_workflow_file_read_once(workflow_dir, monke
     ]
     path = write(workflow_dir, *lines)
     reads: list[str] = []
-    original = os.open
+    original = workflows._read_bounded
 
-    def counting_open(file: str | Path, *args: Any, **kwargs: Any) -> int:
-        reads.append(Path(file).name)
-        return original(file, *args, **kwargs)
+    def counting_read(file: Path) -> bytes:
+        reads.append(file.name)
+        return original(file)
 
-    monkeypatch.setattr(os, "open", counting_open)
+    monkeypatch.setattr(workflows, "_read_bounded", counting_read)
     jf = load_job_file(path)
     assert len(jf.jobs) == 10_000
     assert reads == ["image.json"]
