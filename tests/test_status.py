@@ -157,6 +157,47 @@ async def test_a_server_that_dies_under_our_prompt_reads_unreachable_not_renderi
     assert job["detail"].startswith("its prompt went to gpu0, unreachable now (")
 
 
+async def test_a_job_whose_last_post_went_to_a_dead_server_waits_for_that_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Posted to gpu0 by a run that died; gpu0 is down. The job is asked for there
+    # (catch-up) before it is posted to gpu1, which is free: status names gpu0.
+    monkeypatch.setattr(steering, "EVERY_S", 0.02)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    (job,) = jf.jobs
+    store = Store(tmp_path / "s")
+    store.register_jobs("p", jf.jobs)
+    store.claim_job(job.id, "host:1:gone", 60.0)
+    store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
+    store.release_claim(job.id, "host:1:gone")
+
+    def catching_up() -> bool:
+        parts = [r for r in store.live() if r.kind == "partition" and r.subject == "p"]
+        return any(h.get("reason") == "catch-up" for r in parts for h in r.detail["held"].values())
+
+    async with fake_servers(FakeComfy()) as (live,):
+        gpu1 = ServerSpec("gpu1", live.url)
+        dead = ServerSpec("gpu0", f"http://127.0.0.1:{free_port()}")
+        config = fast_config(catch_up_s=60.0, probe_timeout_s=0.2)
+        task = asyncio.create_task(
+            run_batch(jf, partition="p", servers=[dead, gpu1], store=store, config=config)
+        )
+        try:
+            await wait_until(catching_up, 30.0, "the catch-up on gpu0")
+            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert report is not None
+    (entry,) = report["jobs"]
+    assert entry["reason"] == "waiting for a server"
+    assert re.fullmatch(
+        r"its prompt went to gpu0, which does not answer: asked there again until "
+        r"\d\d:\d\d:\d\d \(\d+ s from now\), then posted anew \(it may render twice\)",
+        entry["detail"],
+    ), entry["detail"]
+
+
 def test_a_partition_nobody_runs_says_so_and_json_is_one_object(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

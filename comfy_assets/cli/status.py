@@ -226,6 +226,11 @@ def _reason(rec: JobRecord, look: _Look) -> tuple[str, str]:
             for u in h.get("upstream") or []
         ]
         return "waiting for its upstream job", ", ".join(ups)
+    if h is not None and h.get("reason") == "catch-up":
+        return "waiting for a server", (
+            f"its prompt went to {h.get('server')}, which does not answer: asked there again "
+            f"until {_clock(h.get('until'))}, then posted anew (it may render twice)"
+        )
     if h is not None and h.get("reason") == "in backoff":
         after = h.get("after") or rec.reason or "a failed attempt"
         return "in backoff", f"until {_clock(h.get('until'))}, after: {after}"

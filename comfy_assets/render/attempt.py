@@ -118,6 +118,9 @@ class Attempt(CatchUp, Removal):
         # rendering move), for the batch to handle as if the attempt had raised it.
         self.store_failed: BaseException | None = None
         self.posted = False  # a POST /prompt of this attempt may have reached the server
+        # While a catch-up waits for the server of its last POST to answer: (that server,
+        # the time.monotonic() it gives up at), for ``comfy-assets status``.
+        self.catching_up: tuple[str, float] | None = None
         self.staged: Staged | None = None  # the job's inputs on the server posted to
 
     def aborted_result(self, cleanup: str) -> AttemptResult:

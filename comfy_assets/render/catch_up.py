@@ -45,43 +45,47 @@ class CatchUp:
         pid = self.job.prompt_id
         give_up_at = time.monotonic() + self.catch_up_s
         delay = 0.1
-        while True:
-            try:
-                # Bounded like a probe: a frozen server must not eat the attempt's deadline.
-                async with asyncio.timeout(self.pool.settings.probe_timeout_s):
-                    entry = await client.history(pid)
-                    succeeded = entry is not None and entry.status_str == "success"
-                    queue = None if succeeded else await client.queue()
-                    if queue is not None and queue.find(pid) is None:
-                        # It may have finished between the two: a prompt leaves /queue
-                        # only once its history is written, so /history now tells.
+        try:
+            while True:
+                try:
+                    # Bounded like a probe: a frozen server must not eat the attempt's deadline.
+                    async with asyncio.timeout(self.pool.settings.probe_timeout_s):
                         entry = await client.history(pid)
-                        if entry is not None and entry.status_str == "success":
-                            queue = None
-                break
-            except (ComfyError, TimeoutError) as e:
-                why = str(e) or f"no answer in {self.pool.settings.probe_timeout_s:g} s"
-                if self.slot is not None and self.slot.name != name:
-                    self.slot.release()  # nothing posted: another job may use it meanwhile
-                    self.slot = None
-                left = give_up_at - time.monotonic()
-                if left <= 0:
-                    self.twice = (
-                        f"catch-up on {name} not possible for {self.catch_up_s:g} s ({why}); "
-                        "posting anew: the job may render twice"
+                        succeeded = entry is not None and entry.status_str == "success"
+                        queue = None if succeeded else await client.queue()
+                        if queue is not None and queue.find(pid) is None:
+                            # It may have finished between the two: a prompt leaves /queue
+                            # only once its history is written, so /history now tells.
+                            entry = await client.history(pid)
+                            if entry is not None and entry.status_str == "success":
+                                queue = None
+                    break
+                except (ComfyError, TimeoutError) as e:
+                    why = str(e) or f"no answer in {self.pool.settings.probe_timeout_s:g} s"
+                    if self.slot is not None and self.slot.name != name:
+                        self.slot.release()  # nothing posted: another job may use it meanwhile
+                        self.slot = None
+                    left = give_up_at - time.monotonic()
+                    if left <= 0:
+                        self.twice = (
+                            f"catch-up on {name} not possible for {self.catch_up_s:g} s ({why}); "
+                            "posting anew: the job may render twice"
+                        )
+                        log.warning("%s: %s", self.label, self.twice)
+                        self.deadline_from = time.monotonic()
+                        return None
+                    log.info(
+                        "%s: catch-up on %s not possible (%s); asking again in %.1f s",
+                        self.label,
+                        name,
+                        why,
+                        min(delay, left),
                     )
-                    log.warning("%s: %s", self.label, self.twice)
-                    self.deadline_from = time.monotonic()
-                    return None
-                log.info(
-                    "%s: catch-up on %s not possible (%s); asking again in %.1f s",
-                    self.label,
-                    name,
-                    why,
-                    min(delay, left),
-                )
-                await asyncio.sleep(min(delay, left))
-                delay = min(delay * 2, 5.0)
+                    self.catching_up = (name, give_up_at)  # for status: whom it waits for
+                    await asyncio.sleep(min(delay, left))
+                    delay = min(delay * 2, 5.0)
+        finally:
+            self.catching_up = None
         if queue is None:
             assert entry is not None
             log.info("%s: caught up on %s: prompt %s already succeeded", self.label, name, pid)

@@ -10,11 +10,12 @@ The detail of a partition row::
      "held": {job_id: {"reason", "until", "upstream", "server"}},
      "groups": [{"servers": [...can run...], "holding": [...], "jobs": [ids] or None}]}
 
-``held`` names the jobs in backoff (``until``: epoch seconds) and those waiting for their
-upstream jobs (``upstream``: ids); ``groups`` the servers that can run each group of
-waiting jobs (lacking none of its nodes and models, as far as known) and those holding its
-models (none for a group that loads no model), with the jobs' ids up to ``MAX_IDS`` in
-all. A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
+``held`` names the jobs in backoff (``until``: epoch seconds), those waiting for their
+upstream jobs (``upstream``: ids) and those whose catch-up waits for the server of their
+last POST to answer (``catch-up``: ``server``, and ``until`` when they are posted anew);
+``groups`` the servers that can run each group of waiting jobs (lacking none of its
+nodes and models, as far as known) and those holding its models (none for a group that
+loads no model), with the jobs' ids up to ``MAX_IDS`` in all. A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
 "trial" | "busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``:
 "rendering" while a prompt of ours is on it (posted, or being posted), so a job whose
 prompt ended and whose outputs are downloading is not named; "trial" for a server on
@@ -54,6 +55,11 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
         }
     for job_id, item in list(batch.parked.items()):
         held[job_id] = {"reason": "upstream", "upstream": list(item.job.depends_on)}
+    for attempt in list(batch.attempts.values()):
+        if attempt.catching_up is not None:
+            name, give_up_at = attempt.catching_up
+            left = max(give_up_at - time.monotonic(), 0.0)
+            held[attempt.job.id] = {"reason": "catch-up", "server": name, "until": wall_now + left}
     groups: dict[Needs, list[str]] = {}
     named = 0
     for item in batch.queue.ready:
