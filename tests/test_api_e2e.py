@@ -128,6 +128,7 @@ async def test_submit_follow_fetch_webhook_and_cancel(
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as http:
                 await _scenario(http, fakes, receiver, hook_port, kill_and_restart)
+            assert worker.returncode is None, "the worker exited"
         finally:
             for proc in (*apis, worker):
                 await stop(proc)
@@ -139,7 +140,8 @@ async def test_submit_follow_fetch_webhook_and_cancel(
         logged = (tmp_path / name).read_text()
         assert not any(token in logged for token in TOKENS.values())  # never a token
     with Store(store_dir, pg_url) as store:
-        assert store.counts("api-alice")["succeeded"] == 2
+        assert store.counts("api-alice")["succeeded"] == 3
+    assert "its claim taken by" in (tmp_path / "worker.log").read_text()
 
 
 async def _ready(http: httpx.AsyncClient) -> bool:
@@ -281,6 +283,24 @@ async def _scenario(
     assert servers[0]["health"].startswith("gpu0 healthy")
     judged = [s["store_health"] for s in servers if s["store_health"] is not None]
     assert all(h["state"] == "ok" for h in judged)
+
+    # The worker whose claim the cancel took left the job to the API and goes on: a job
+    # sent after it renders.
+    for fake in fakes:
+        fake.prompt_seconds = 0.02
+    workflow = json.loads(json.dumps(INVERT).replace("img2img", "after"))
+    after = {
+        "id": str(uuid.uuid4()),
+        "workflow": workflow,
+        "inputs": {"1.image": data_uri(PICTURE)},
+    }
+    assert (await http.post("/v1/jobs", json=after, headers=auth())).status_code == 202
+
+    async def after_done() -> bool:
+        state = (await http.get(f"/v1/jobs/{after['id']}", headers=auth())).json()["state"]
+        return state == "succeeded"
+
+    await wait_for(after_done, 60, "a job sent after the cancel to render")
 
 
 async def _true(value: bool) -> bool:

@@ -175,6 +175,20 @@ class MessageHandling:
                     reason,
                 )
             return
+        rec = await off_loop(self.store, self.store.get, job.id)
+        holder = rec.claimed_by if rec is not None else None
+        if holder is not None and holder != claim_owner:
+            # Its claim was taken while it ran (a cancel through the API, or a worker that
+            # found our claim stale): the holder finishes the job, so this message is done.
+            await self._ack(d)
+            self.counts["left_to_holder"] += 1
+            log.warning(
+                "job %s: %s, its claim taken by %s, which finishes it; message acked",
+                job.id,
+                state,
+                holder,
+            )
+            return
         await self._requeue(d)
         raise RuntimeError(
             f"job {job.id}: run_one ended in state {state!r}, neither done nor "

@@ -68,6 +68,7 @@ OUTCOMES = (
     "dead_before",
     "invalid",
     "stopped",
+    "left_to_holder",
     "requeued",
 )
 
@@ -265,7 +266,8 @@ class Worker(MessageHandling):
         c = self.counts
         log.info(
             "worker %s: %d acked (%d done, %d done before, %d dead-lettered, %d dead before, "
-            "%d invalid, %d stopped by the delivery policy), %d requeued",
+            "%d invalid, %d stopped by the delivery policy, %d left to another holder), "
+            "%d requeued",
             self.owner,
             c["acked"],
             c["done"],
@@ -274,6 +276,7 @@ class Worker(MessageHandling):
             c["dead_before"],
             c["invalid"],
             c["stopped"],
+            c["left_to_holder"],
             c["requeued"],
         )
 
