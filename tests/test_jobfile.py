@@ -227,6 +227,16 @@ def test_a_workflow_path_to_a_device_a_fifo_a_folder_or_a_huge_file_is_refused_u
     assert errors[3].message.endswith(f"is over the limit of {MAX_WORKFLOW_BYTES} bytes")
 
 
+def test_a_job_file_that_is_a_device_or_a_fifo_is_refused_unread(tmp_path):
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    for path in (Path("/dev/zero"), tmp_path / "fifo.jsonl"):
+        with pytest.raises(JobFileError) as raised:
+            load_job_file(path)
+        (e,) = raised.value.errors
+        assert (e.path, e.line, e.field) == (str(path), 0, "file")
+        assert e.message == "cannot read: it is not a regular file"
+
+
 def test_a_ui_export_gets_the_export_api_hint(workflow_dir):
     ui = {"last_node_id": 4, "nodes": [{"id": 1, "type": "EmptyImage"}], "links": []}
     (workflow_dir / "ui.json").write_text(json.dumps(ui))
@@ -451,13 +461,13 @@ def test_ten_thousand_jobs_share_one_workflow_file_read_once(workflow_dir, monke
     ]
     path = write(workflow_dir, *lines)
     reads: list[str] = []
-    original = workflows._read_bounded
+    original = workflows.read_regular_file
 
-    def counting_read(file: Path) -> bytes:
+    def counting_read(file: Path, max_bytes: int | None = None) -> bytes:
         reads.append(file.name)
-        return original(file)
+        return original(file, max_bytes)
 
-    monkeypatch.setattr(workflows, "_read_bounded", counting_read)
+    monkeypatch.setattr(workflows, "read_regular_file", counting_read)
     jf = load_job_file(path)
     assert len(jf.jobs) == 10_000
     assert reads == ["image.json"]

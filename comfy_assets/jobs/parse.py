@@ -54,6 +54,7 @@ from comfy_assets.jobs.model import (
     policy_problem,
     priority_problem,
 )
+from comfy_assets.jobs.regular_file import NotARegularFile, read_regular_file
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
     MAX_SHOT,
@@ -95,9 +96,11 @@ def load_job_file(
     path = Path(path)
     where = str(path)
     try:
-        data = path.read_bytes()
+        data = read_regular_file(path)
     except OSError as e:
         raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
+    except NotARegularFile as e:
+        raise JobFileError([LineError(where, 0, "file", f"cannot read: it {e}")]) from e
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:

@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from comfy_assets.jobs.model import canonical_json
+from comfy_assets.jobs.regular_file import NotARegularFile, read_regular_file
 from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
     NonFinite,
@@ -70,14 +69,14 @@ class WorkflowCache:
     @staticmethod
     def _load(path: Path) -> _Workflow | str:
         try:
-            raw = _read_bounded(path).decode("utf-8-sig")
+            raw = read_regular_file(path, MAX_WORKFLOW_BYTES).decode("utf-8-sig")
         except FileNotFoundError:
             return f"workflow file not found: {path}"
         except (OSError, UnicodeDecodeError) as e:
             return f"cannot read workflow file {path}: {e}"
         except ValueError as e:  # a NUL in the path: no file can have that name
             return f"cannot read workflow file {str(path)!r}: {e}"
-        except _NotAWorkflowFile as e:
+        except NotARegularFile as e:
             return f"workflow file {path} {e}"
         try:
             obj = loads_bounded(_DECODER.decode, raw)
@@ -100,36 +99,6 @@ class WorkflowCache:
 # anything read is held whole in memory, so a path to a huge file or a device (/dev/zero)
 # must not be read to its end.
 MAX_WORKFLOW_BYTES = 16 * 1024**2
-
-
-class _NotAWorkflowFile(Exception):
-    """What makes a path unreadable as a workflow file, said after its name."""
-
-
-def _read_bounded(path: Path) -> bytes:
-    """The bytes of the regular file at ``path``, at most MAX_WORKFLOW_BYTES. Raises
-    _NotAWorkflowFile for anything else (a device, a FIFO, a folder, a bigger file),
-    OSError for a file that can't be opened or read, ValueError for a NUL in the path."""
-    # Opened without blocking: a FIFO nobody writes to would otherwise hang the open
-    # (Windows has neither the flag nor FIFOs).
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise _NotAWorkflowFile("is not a regular file")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= MAX_WORKFLOW_BYTES:
-            chunk = os.read(fd, MAX_WORKFLOW_BYTES + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > MAX_WORKFLOW_BYTES:
-        raise _NotAWorkflowFile(f"is over the limit of {MAX_WORKFLOW_BYTES} bytes")
-    return data
 
 
 def api_format_problem(obj: Any) -> str | None:

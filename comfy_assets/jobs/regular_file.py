@@ -1,0 +1,44 @@
+"""Reading a file a job file names, or the job file itself, when its path may point
+anywhere: only a regular file is read (a device such as ``/dev/zero`` never ends, and a
+FIFO nobody writes to would hang the open), and at most so many bytes of it."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+
+class NotARegularFile(Exception):
+    """Why a path is not read, in words that follow its name ("is not a regular file",
+    "is over the limit of N bytes")."""
+
+
+def read_regular_file(path: Path, max_bytes: int | None = None) -> bytes:
+    """The bytes of the regular file at ``path`` (at most ``max_bytes``; None: no
+    limit). Raises NotARegularFile for anything else (a device, a FIFO, a folder) or a
+    bigger file, OSError for a file that can't be opened or read, ValueError for a NUL
+    in the path."""
+    # Opened without blocking: a FIFO nobody writes to would otherwise hang the open
+    # (Windows has neither the flag nor FIFOs).
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotARegularFile("is not a regular file")
+        if max_bytes is None:
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read()
+        chunks: list[bytes] = []
+        size = 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > max_bytes:
+        raise NotARegularFile(f"is over the limit of {max_bytes} bytes")
+    return data
