@@ -139,6 +139,26 @@ def test_run_piped_into_a_reader_that_stops_early_still_renders_every_job(
     assert sorted(posts(fake).values()) == [1] * 6
 
 
+def test_run_with_both_outputs_piped_into_a_reader_that_stops_early_still_renders_every_job(
+    tmp_path: Path, fake: FakeComfy, url: str
+) -> None:
+    # `comfy-assets run ... 2>&1 | head -1`: the note about the closed output can't be
+    # written either; the run goes on all the same.
+    jobs = write_jobs(tmp_path / "jobs", 6)
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+    cmd += ["--server", f"gpu0={url}", "--store", str(store), *FAST]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT)
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()
+    assert proc.wait(60) == 0
+    assert first.startswith(b"job ")
+    assert {r["state"] for r in rows(store / "jobs" / "results.csv")} == {"succeeded"}
+    assert len(rows(store / "jobs" / "results.csv")) == 6
+    assert sorted(posts(fake).values()) == [1] * 6
+
+
 @pytest.mark.parametrize("option", ["--events", "-v"])
 def test_run_with_log_lines_piped_into_a_reader_that_stops_early_prints_no_traceback(
     tmp_path: Path, fake: FakeComfy, url: str, option: str

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TextIO
 
 from comfy_assets.cli.metrics_option import add_steering_option, start_metrics
 from comfy_assets.cli.options import (
@@ -217,13 +218,21 @@ def print_line(line: str) -> None:
     try:
         print(line, flush=True)
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # later lines, and the exit flush, go nowhere
-        os.close(devnull)
-        print(
-            "comfy-assets: standard output was closed; the run goes on without progress lines",
-            file=sys.stderr,
-        )
+        _to_devnull(sys.stdout)  # later lines, and the exit flush, go nowhere
+        try:
+            print(
+                "comfy-assets: standard output was closed; the run goes on without progress lines",
+                file=sys.stderr,
+                flush=True,
+            )
+        except BrokenPipeError:  # `run ... 2>&1 | head`: the same reader had both
+            _to_devnull(sys.stderr)
+
+
+def _to_devnull(stream: TextIO) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, stream.fileno())
+    os.close(devnull)
 
 
 class LineHandler(logging.Handler):
