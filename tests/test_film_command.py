@@ -82,6 +82,23 @@ def test_out_puts_the_film_elsewhere(
     assert not (tmp_path / "store" / "storyboard" / "film.mp4").exists()
 
 
+def test_out_over_a_rendered_shot_is_refused_and_the_shot_kept(
+    storyboard: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job_file = load_job_file(storyboard)
+    render(job_file, tmp_path / "store", [])
+    with Store(tmp_path / "store") as store:
+        first = job_file.jobs[0].id
+        (shot,) = [store.job_dir("storyboard", first) / f.path for f in store.files(first)]
+    before = shot.read_bytes()
+
+    code = film("--jobs", str(storyboard), "--store", str(tmp_path / "store"), "--out", str(shot))
+
+    assert code == 2
+    assert f"is inside the folder of job {first}" in capsys.readouterr().err
+    assert shot.read_bytes() == before
+
+
 def test_a_blocked_gate_exits_1_listing_each_bad_shot_and_writes_nothing(
     storyboard: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

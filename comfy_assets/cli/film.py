@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from comfy_assets.cli.options import add_input_options, bad_input
 from comfy_assets.cli.run import add_store_options, open_store
@@ -23,6 +24,9 @@ from comfy_assets.film.shots import (
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import POLICIES, JobFileError
 from comfy_assets.jobs.parse import load_job_file
+
+if TYPE_CHECKING:
+    from comfy_assets.store import Store
 
 EXIT_OK = 0
 EXIT_BLOCKED = 1
@@ -82,6 +86,12 @@ def film_command(args: argparse.Namespace) -> int:
                 "was rendered under with --partition"
             )
         out: Path = args.out if args.out is not None else film_path(args.store, partition)
+        inside = _job_folder_of(store, partition, registered, out)
+        if inside is not None:
+            return bad_input(
+                f"--out {args.out} is inside the folder of job {inside}, where its rendered "
+                "files are: give a path outside the jobs' folders"
+            )
         film = make_film(store, partition, job_file, out, args.policy)
     except GateBlocked as blocked:
         print(blocked.result.describe().splitlines()[0])
@@ -108,3 +118,13 @@ def summary_line(film: FilmResult) -> str:
     else:
         kind = film.gate.mode
     return f"film: {film.concat.clips} shots, {film.concat.duration_s:.3f} s, {kind}, concat {film.concat.mode}"
+
+
+def _job_folder_of(store: Store, partition: str, job_ids: set[str], out: Path) -> str | None:
+    """The job of ``job_ids`` whose folder in ``store`` holds ``out`` (links followed),
+    or None: a film written there could replace a shot it is cut from."""
+    target = out.resolve()
+    for job_id in sorted(job_ids):
+        if target.is_relative_to(store.job_dir(partition, job_id).resolve()):
+            return job_id
+    return None
