@@ -23,8 +23,10 @@ from comfy_assets.comfy.errors import (
 from comfy_assets.comfy.types import HistoryEntry
 from comfy_assets.render.outputs import remove_stale_outputs
 from comfy_assets.store import OutputFile
+from fake_comfy.media import solid_png
 from tests.test_client import Replay, answering, raw_server
 
+PNG_END = bytes.fromhex("0000000049454e44ae426082")  # every PNG's last 12 bytes (IEND)
 SOLID_SHA = "c738a34e8eba88674d7f6ba4b6298c461ca97c3c43ab356adc4d61a9e509d3ed"
 INVERTED_SHA = "464c43efa7ad491c5c1c044eb0ee4514168353431144f09b0da746163e5da0d5"
 VIDEO_SHA = "9b91298d9e25fd367a4dda8af612b70e683a0cfa084348e22862432a0d543e14"
@@ -131,7 +133,7 @@ async def test_previews_are_skipped_and_duplicates_fetched_once(tmp_path):
 
     async def handle(request: web.Request) -> web.Response:
         fetched.append(request.query["filename"])
-        return web.Response(body=b"png:" + request.query["filename"].encode())
+        return web.Response(body=b"png:" + request.query["filename"].encode() + PNG_END)
 
     entry = entry_with(
         {"filename": "preview.png", "subfolder": "", "type": "temp"},
@@ -142,7 +144,7 @@ async def test_previews_are_skipped_and_duplicates_fetched_once(tmp_path):
         files = await download_outputs(client, entry, tmp_path)
     assert fetched == ["keep.png"]
     assert [f.path for f in files] == ["keep.png"]
-    assert (tmp_path / "keep.png").read_bytes() == b"png:keep.png"
+    assert (tmp_path / "keep.png").read_bytes() == b"png:keep.png" + PNG_END
 
 
 async def test_an_unsafe_name_fails_before_any_request_or_file(tmp_path):
@@ -186,7 +188,7 @@ async def test_a_file_over_the_limit_by_its_content_length_is_refused_before_a_b
     tmp_path,
 ):
     async def handle(request: web.Request) -> web.Response:
-        return web.Response(body=b"x" * 101)  # Content-Length: 101
+        return web.Response(body=b"x" * 89 + PNG_END)  # Content-Length: 101
 
     entry = entry_with({"filename": "big.png", "subfolder": "", "type": "output"})
     async with answering(handle) as url, ComfyClient(url) as client:
@@ -242,6 +244,23 @@ async def test_a_view_answer_that_is_not_the_file_is_refused_and_nothing_is_kept
         with pytest.raises(NotTheFile) as info:
             await download_outputs(client, entry, tmp_path)
     assert "answered text/html, not the file (image/png expected)" in str(info.value)
+    assert info.value.transient
+    assert all_files(tmp_path) == []
+
+
+async def test_a_png_cut_short_with_a_matching_content_length_is_refused_and_not_kept(tmp_path):
+    # A proxy that sends half the file, and says so in its Content-Length: only the
+    # PNG's own end (IEND) tells.
+    whole = solid_png(64, 64, (255, 0, 0), [], 6)
+
+    async def handle(request: web.Request) -> web.Response:
+        return web.Response(body=whole[: len(whole) // 2], content_type="image/png")
+
+    entry = entry_with({"filename": "solid_00001_.png", "subfolder": "", "type": "output"})
+    async with answering(handle) as url, ComfyClient(url) as client:
+        with pytest.raises(NotTheFile) as info:
+            await download_outputs(client, entry, tmp_path)
+    assert "of a PNG without its end (IEND chunk)" in str(info.value)
     assert info.value.transient
     assert all_files(tmp_path) == []
 

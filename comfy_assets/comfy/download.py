@@ -18,13 +18,17 @@ from contextlib import aclosing
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from comfy_assets.comfy.errors import UnsafeOutputName
+from comfy_assets.comfy.errors import NotTheFile, UnsafeOutputName
 from comfy_assets.comfy.types import DownloadedFile, HistoryEntry, OutputFile
 
 if TYPE_CHECKING:  # MAX_OUTPUT_BYTES is read by argparse defaults, which need no aiohttp
     from comfy_assets.comfy.client import ComfyClient
 
 _SEPARATORS = ("/", "\\")
+# The last 12 bytes of every PNG (an empty IEND chunk and its CRC, PNG spec 11.2.5): an
+# answer that ends otherwise was cut short, whatever its Content-Length said.
+_PNG_END = bytes.fromhex("0000000049454e44ae426082")
+
 # Per output file: generous for video (a minute of 4K ProRes 4444 is about 1.3 GB), and
 # still a bound on what a broken or hostile server can write to our disk.
 MAX_OUTPUT_BYTES = 4 * 1024**3
@@ -151,6 +155,7 @@ async def _download_one(
     temp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.part")
     digest = hashlib.sha256()
     size = 0
+    tail = b""
     try:
         with temp.open("wb") as f:
             view = client.iter_view(out.filename, out.subfolder, out.type, max_bytes=max_bytes)
@@ -159,6 +164,13 @@ async def _download_one(
                     f.write(chunk)
                     digest.update(chunk)
                     size += len(chunk)
+                    tail = (tail + chunk[-len(_PNG_END) :])[-len(_PNG_END) :]
+        if path.suffix.lower() == ".png" and tail != _PNG_END:
+            raise NotTheFile(
+                f"{client.name}: GET /view {out.filename}: {size} bytes of a PNG without its "
+                "end (IEND chunk): the answer was cut short on its way",
+                server=client.base_url,
+            )
         os.replace(temp, path)
     except OSError as e:  # our disk: the client's own errors are ComfyErrors
         temp.unlink(missing_ok=True)  # no half file left behind
