@@ -5,7 +5,8 @@ and file name is checked (no ``..``, separators, drive letters or control charac
 and the final path must resolve inside the destination. Each file streams to a hidden
 temp name in its final folder and is renamed when complete, so a reader never sees half
 a file; sha256 and size are computed while streaming, and a file over the size limit
-stops the download (its temp file removed).
+stops the download (its temp file removed). A PNG must end with its IEND chunk: an answer
+cut short on its way (a proxy's Content-Length cut alike) is not taken for the file.
 """
 
 from __future__ import annotations
