@@ -100,9 +100,7 @@ class MessageHandling:
             # Listed, pending, in results.csv.
             await off_loop(self.store, self.store.register_jobs, partition, [job])
             await d.dead_letter(stopped)
-            await self._ack(d)
-            self.counts["stopped"] += 1
-            log.warning("job %s: not rendered, %s; message acked", job.id, stopped)
+            await self._acked(d, "stopped", "job %s: not rendered, %s", job.id, stopped)
             return
         # Off the event loop: while the database is away this waits for it (the store's
         # budget) instead of failing at once.
@@ -145,45 +143,39 @@ class MessageHandling:
             self._touched.add(partition)
 
         if state in DONE:
-            await self._ack(d)
             if before is not None and before.done:
-                self.counts["done_before"] += 1
-                log.info("job %s: done before (%s), nothing posted; message acked", job.id, state)
+                await self._acked(
+                    d, "done_before", "job %s: done before (%s), nothing posted", job.id, state
+                )
             else:
-                self.counts["done"] += 1
-                log.info("job %s: %s; message acked", job.id, state)
+                await self._acked(d, "done", "job %s: %s", job.id, state)
             return
+        rec = await off_loop(self.store, self.store.get, job.id)
         if state == FAILED_FATAL:
-            rec = await off_loop(self.store, self.store.get, job.id)
             reason = (rec.reason if rec is not None else None) or "(no reason recorded)"
             if job.id in watch.dead_lettered:
                 await d.dead_letter(reason)
-                await self._ack(d)
-                self.counts["dead_lettered"] += 1
-                log.warning(
-                    "job %s: dead-lettered to %s, %s; message acked",
-                    job.id,
-                    self.source.dead_destination,
-                    reason,
+                where = self.source.dead_destination
+                await self._acked(
+                    d, "dead_lettered", "job %s: dead-lettered to %s, %s", job.id, where, reason
                 )
             else:
-                await self._ack(d)
-                self.counts["dead_before"] += 1
-                log.info(
-                    "job %s: dead-lettered earlier (%s); message acked, not published again",
+                await self._acked(
+                    d,
+                    "dead_before",
+                    "job %s: dead-lettered earlier (%s); not published again",
                     job.id,
                     reason,
                 )
             return
-        rec = await off_loop(self.store, self.store.get, job.id)
         holder = rec.claimed_by if rec is not None else None
         if holder is not None and holder != claim_owner:
             # Its claim was taken while it ran (a cancel through the API, or a worker that
             # found our claim stale): the holder finishes the job, so this message is done.
-            await self._ack(d)
-            self.counts["left_to_holder"] += 1
-            log.warning(
-                "job %s: %s, its claim taken by %s, which finishes it; message acked",
+            await self._acked(
+                d,
+                "left_to_holder",
+                "job %s: %s, its claim taken by %s, which finishes it",
                 job.id,
                 state,
                 holder,
@@ -218,14 +210,20 @@ class MessageHandling:
     async def _invalid(self, d: Delivery, label: str, error: str) -> None:
         reason = f"invalid job: {error}"
         await d.dead_letter(reason)
+        where = self.source.dead_destination
+        await self._acked(d, "invalid", "%s: dead-lettered to %s, %s", label, where, reason)
+
+    async def _acked(self, d: Delivery, outcome: str, message: str, *args: object) -> None:
+        """Ack ``d``, count it under ``outcome`` (``worker.OUTCOMES``) and log ``message %
+        args`` with "; message acked": a warning for a message that was not rendered here
+        (dead-lettered now, invalid, stopped by the delivery policy, left to another holder),
+        else info."""
         await self._ack(d)
-        self.counts["invalid"] += 1
-        log.warning(
-            "%s: dead-lettered to %s, %s; message acked",
-            label,
-            self.source.dead_destination,
-            reason,
+        self.counts[outcome] += 1
+        level = (
+            logging.INFO if outcome in ("done", "done_before", "dead_before") else logging.WARNING
         )
+        log.log(level, message + "; message acked", *args)
 
     async def _ack(self, d: Delivery) -> None:
         self._answered.add(d)  # an ack that fails is not followed by a requeue
