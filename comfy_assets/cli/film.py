@@ -121,10 +121,12 @@ def summary_line(film: FilmResult) -> str:
 
 
 def _job_folder_of(store: Store, partition: str, job_ids: set[str], out: Path) -> str | None:
-    """The job of ``job_ids`` whose folder in ``store`` holds ``out`` (links followed),
-    or None: a film written there could replace a shot it is cut from."""
+    """The job of ``job_ids`` whose folder in ``store`` (``<root>/<partition>/<job id>/``)
+    holds ``out`` (links followed), or None: a film written there could replace a shot it
+    is cut from."""
+    folders = (store.root / partition).resolve()
     target = out.resolve()
-    for job_id in sorted(job_ids):
-        if target.is_relative_to(store.job_dir(partition, job_id).resolve()):
-            return job_id
-    return None
+    if not target.is_relative_to(folders):
+        return None
+    parts = target.relative_to(folders).parts
+    return parts[0] if parts and parts[0] in job_ids else None

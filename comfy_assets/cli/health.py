@@ -96,22 +96,13 @@ def health(args: argparse.Namespace) -> int:
 
         try:
             by = f"{getpass.getuser()}@{socket.gethostname()}"
-            leased = opened.server_leases() if args.readmit else {}
             for name in args.readmit:
                 try:
                     change = opened.readmit_server(name, by)
                 except UnknownServer as e:
-                    if name in leased:  # it rendered and never failed: the list says ok
-                        change = None
-                    else:
-                        known = ", ".join(sorted({*e.known, *leased})) or "none"
-                        print(
-                            f"comfy-assets health: --readmit: unknown server {name!r} (the "
-                            f"store knows: {known})",
-                            file=sys.stderr,
-                        )
-                        code = 2
-                        continue
+                    print(f"comfy-assets health: --readmit: {e}", file=sys.stderr)
+                    code = 2
+                    continue
                 if change is None:  # usable already: what --readmit asks for holds
                     print(f"{name} ok: not quarantined, no strikes now")
                 else:

@@ -23,22 +23,15 @@ def read_regular_file(path: Path, max_bytes: int | None = None) -> bytes:
     # (Windows has neither the flag nor FIFOs).
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise NotARegularFile("is not a regular file")
-        if max_bytes is None:
-            with os.fdopen(os.dup(fd), "rb") as f:
-                return f.read()
-        chunks: list[bytes] = []
-        size = 0
-        while size <= max_bytes:
-            chunk = os.read(fd, max_bytes + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
         os.close(fd)
-    data = b"".join(chunks)
-    if len(data) > max_bytes:
+        raise
+    if not regular:
+        os.close(fd)
+        raise NotARegularFile("is not a regular file")
+    with os.fdopen(fd, "rb") as f:  # closes fd
+        data = f.read() if max_bytes is None else f.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
         raise NotARegularFile(f"is over the limit of {max_bytes} bytes")
     return data

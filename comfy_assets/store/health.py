@@ -37,6 +37,7 @@ from comfy_assets.store.schema import (
     server_events_table,
     server_failures_table,
     server_health_table,
+    server_leases_table,
     workflow_failures_table,
 )
 
@@ -113,8 +114,8 @@ class ServerHealthRecord:
 
 
 class UnknownServer(KeyError):
-    """``readmit_server`` of a server with no health row: ``known`` lists those the
-    store has."""
+    """``readmit_server`` of a server the store has no word of (no health row, no
+    lease): ``known`` lists those it has."""
 
     def __init__(self, server: str, known: list[str]) -> None:
         listed = ", ".join(known) if known else "none"
@@ -415,14 +416,17 @@ class ServerHealth(StoreBase):
     @retried
     def readmit_server(self, server: str, by: str, now: float | None = None) -> HealthChange | None:
         """Re-admit ``server`` by hand (``by``: who, for the event): ok, no strikes, its
-        open failures closed unjudged. None when it was not quarantined or on trial.
-        Raises UnknownServer for a server the store has no word of (nothing written)."""
+        open failures closed unjudged. None when it was not quarantined or on trial, or
+        rendered and never failed (a server lease and no health row). Raises UnknownServer
+        for a server the store has no word of (nothing written)."""
         now = self._now(now)
-        f, t = server_failures_table, server_health_table
+        f, t, lease = server_failures_table, server_health_table, server_leases_table.c
         with self._write() as conn:
             if conn.execute(sa.select(t.c.server).where(t.c.server == server)).first() is None:
-                known = sorted(conn.execute(sa.select(t.c.server)).scalars())
-                raise UnknownServer(server, known)
+                if conn.execute(sa.select(lease.server).where(lease.server == server)).first():
+                    return None  # it rendered and never failed: ok, as ``health`` lists it
+                known = conn.execute(sa.select(t.c.server).union(sa.select(lease.server)))
+                raise UnknownServer(server, sorted(known.scalars()))
             row = self._health_row(conn, server, now)
             self._judge_open(conn, f.c.server == server, "unknown")
             if _state(row, now) == "ok":
