@@ -122,23 +122,29 @@ def test_run_metrics_port_serves_while_the_batch_runs(tmp_path: Path) -> None:
     assert sum(v for k, v in samples.items() if k[0] == "comfy_assets_jobs") == 4
 
 
-def test_a_port_already_taken_is_said_and_nothing_runs(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["run", "worker"])
+def test_a_refused_metrics_option_is_said_and_leaves_no_store(tmp_path: Path, command: str) -> None:
     jobs = write_jobs(tmp_path / "jobs", 1)
+    cmd = [sys.executable, "-m", "comfy_assets.cli", command, "--jobs", str(jobs)]
+    cmd += ["--server", "gpu0=http://127.0.0.1:9", "--store", str(tmp_path / "s")]
     with socket.socket() as taken:
         taken.bind(("0.0.0.0", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
-        cmd += ["--server", "gpu0=http://127.0.0.1:9", "--store", str(tmp_path / "s")]
-        cmd += ["--metrics-port", str(port)]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [*cmd, "--metrics-port", str(port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert proc.returncode == 2
     assert f"error: --metrics-port {port}:" in proc.stderr
-    cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
-    cmd += ["--server", "gpu0=http://127.0.0.1:9", "--store", str(tmp_path / "s")]
     alone = subprocess.run([*cmd, "--metrics-host", "127.0.0.1"], cwd=ROOT, capture_output=True)
     assert alone.returncode == 2
     assert b"error: --metrics-host needs --metrics-port" in alone.stderr
+    # Refused before the store opens: no store folder, no empty store.db.
+    assert not (tmp_path / "s").exists()
 
 
 def test_worker_metrics_port_serves_its_pool_and_the_stores_jobs(tmp_path: Path) -> None:

@@ -76,11 +76,12 @@ def add_steering_option(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument(flag, default=None, **spec)  # type: ignore[arg-type]
 
 
-def start_metrics(args: argparse.Namespace, store: object, partition: str | None) -> int | None:
+def serve_metrics(args: argparse.Namespace) -> int | None:
     """Serve the metrics when ``--metrics-port`` was given, on ``--metrics-host``
-    (0.0.0.0 when not given): jobs and attempts of ``partition`` of ``store`` (None:
-    every partition). Returns None, or 2 after saying on stderr that the port could not
-    be bound (the address included, when one was given)."""
+    (0.0.0.0 when not given), before the command opens its store, so a refused option
+    leaves nothing behind. Returns None, or 2 after saying on stderr why not:
+    ``--metrics-host`` without ``--metrics-port``, or a port that could not be bound (the
+    address included, when one was given). ``track_metrics`` then says what to count."""
     port = getattr(args, "metrics_port", None)
     host = getattr(args, "metrics_host", None)
     if port is None:
@@ -96,5 +97,14 @@ def start_metrics(args: argparse.Namespace, store: object, partition: str | None
         where = f"--metrics-host {host} --metrics-port {port}" if host else f"--metrics-port {port}"
         print(f"error: {where}: {getattr(e, 'strerror', None) or e}", file=sys.stderr)
         return 2
-    METRICS.track_store(store, partition)  # type: ignore[arg-type]
     return None
+
+
+def track_metrics(args: argparse.Namespace, store: object, partition: str | None) -> None:
+    """Count the jobs and attempts of ``partition`` of ``store`` (None: every partition)
+    in the metrics ``serve_metrics`` serves; nothing when ``--metrics-port`` was not given."""
+    if getattr(args, "metrics_port", None) is None:
+        return
+    from comfy_assets.metrics import METRICS
+
+    METRICS.track_store(store, partition)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
 
-from comfy_assets.cli.metrics_option import add_steering_option, start_metrics
+from comfy_assets.cli.metrics_option import add_steering_option, serve_metrics, track_metrics
 from comfy_assets.cli.options import (
     add_input_options,
     bad_input,
@@ -268,6 +268,9 @@ def run_command(args: argparse.Namespace) -> int:
         folder_name(partition, "partition")  # a partition that can't be a folder: bad input
     except ValueError as e:
         return bad_input(e)
+    failed = serve_metrics(args)
+    if failed is not None:
+        return failed
     stopped_by = ["Ctrl+C"]
     try:
         with stopped_by_signals() as stopped_by:  # opening may wait for the database
@@ -280,10 +283,7 @@ def run_command(args: argparse.Namespace) -> int:
     if isinstance(store, int):
         return store
     show_logs(args)
-    failed = start_metrics(args, store, partition)
-    if failed is not None:
-        store.close()
-        return failed
+    track_metrics(args, store, partition)
     # The batch (aiohttp, websockets), results.csv (pandas) and the bar (tqdm) are imported
     # by the command that runs them: ``requeue``, ``events`` and ``worker`` build their
     # parsers here too.

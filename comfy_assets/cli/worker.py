@@ -15,7 +15,8 @@ from pathlib import Path
 from comfy_assets.cli import worker_signals
 from comfy_assets.cli.metrics_option import (
     add_steering_option,
-    start_metrics,
+    serve_metrics,
+    track_metrics,
 )
 from comfy_assets.cli.options import add_input_options, add_size_option, bad_input, bounded
 from comfy_assets.cli.run import (
@@ -266,12 +267,13 @@ def _worker(args: argparse.Namespace) -> int:
     problem = args.health_file and health_file_problem(args.health_file)
     if problem:
         return bad_input(problem)
+    failed = serve_metrics(args)
+    if failed is not None:
+        return failed
     store = open_store(args, existing=False)
     if isinstance(store, int):
         return store
-    failed = start_metrics(args, store, None)
-    if failed is not None:
-        return failed
+    track_metrics(args, store, None)
     worker = Worker(
         source,
         servers=servers,
