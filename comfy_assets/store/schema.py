@@ -308,7 +308,10 @@ def make_engine(db_url: str) -> sa.Engine:
             # up yet) would otherwise hold a connect for minutes, past any retry budget.
             connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
         return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
-    engine = sa.create_engine(url, connect_args={"timeout": 60.0})
+    # Last in, first out: a transaction takes the connection used last, whose page cache
+    # is still valid (SQLite drops a connection's cache when another one has written), so
+    # a job's pages are not read again from the WAL at every transaction.
+    engine = sa.create_engine(url, connect_args={"timeout": 60.0}, pool_use_lifo=True)
 
     @sa.event.listens_for(engine, "connect")
     def _configure(dbapi_conn: Any, _record: Any) -> None:
