@@ -248,6 +248,35 @@ def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
     assert sorted(counts.values()) == [1, 1]
 
 
+def test_a_job_degraded_under_draft_is_requeued_and_renders_in_the_next_run(
+    tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    store = tmp_path / "store"
+    fake.script.append("invalid")  # the first prompt posted fails validation: permanent
+
+    assert run(jobs, store, url, "--policy", "draft") == 0
+    out = capsys.readouterr().out
+    (degraded,) = re.findall(r"job ([0-9a-f-]{36}): degraded \(draft\)", out)
+    table = {r["job_id"]: r for r in rows(store / "jobs" / "results.csv")}
+    assert table[degraded]["state"] == "degraded"
+    assert table[degraded]["files"] == ""  # a draft's failure: nothing rendered
+    # Run again, it stays as it is and says how to render it.
+    assert run(jobs, store, url) == 0
+    assert f"job {degraded}: degraded earlier (" in capsys.readouterr().out
+
+    assert main(["requeue", degraded, "--store", str(store)]) == 0
+    assert capsys.readouterr().out == f"job {degraded}: requeued (pending)\n"
+    assert run(jobs, store, url) == 0
+    table = {r["job_id"]: r for r in rows(store / "jobs" / "results.csv")}
+    assert {r["state"] for r in table.values()} == {"succeeded"}
+    assert table[degraded]["files"]
+    prompt = {j.id: j.prompt_id for j in load_job_file(jobs).jobs}[degraded]
+    counts = posts(fake)
+    assert counts.pop(prompt) == 2  # the degraded job again, nothing else
+    assert sorted(counts.values()) == [1, 1]
+
+
 def test_an_output_over_max_output_bytes_dead_letters_its_job_and_the_others_finish(
     tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -424,7 +453,7 @@ def test_requeue_of_a_job_that_is_not_a_dead_letter_is_exit_1(
     assert main(["requeue", done, unknown, "--store", str(tmp_path / "store")]) == 1
 
     assert capsys.readouterr().err.splitlines() == [
-        f"job {done}: not a dead letter (succeeded)",
+        f"job {done}: neither a dead letter nor degraded (succeeded)",
         f"job {unknown}: no such job in the store",
     ]
 

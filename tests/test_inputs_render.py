@@ -318,13 +318,18 @@ async def test_an_upload_the_server_refuses_is_a_dead_letter_with_nothing_posted
     assert "input 1.image (one.png)" in (store.get(job.id).reason or "")
 
 
-async def test_requeuing_the_failed_shot_brings_back_the_shots_that_waited_for_it(tmp_path):
+@pytest.mark.parametrize(
+    ("policy", "failed"), [("delivery", "failed_fatal"), ("draft", "degraded")]
+)
+async def test_requeuing_the_failed_shot_brings_back_the_shots_that_waited_for_it(
+    tmp_path, policy, failed
+):
     path = storyboard(tmp_path / "jobs")
     store = Store(tmp_path / "store")
     fake = FakeComfy(script=["ok", "invalid"], prompt_seconds=0.005)
-    await render(path, store, fake, partition="board")
+    await render(path, store, fake, partition="board", policy=policy)
     jobs = load_job_file(path).jobs
-    assert [store.get(j.id).state for j in jobs] == ["succeeded"] + ["failed_fatal"] * 3
+    assert [store.get(j.id).state for j in jobs] == ["succeeded"] + [failed] * 3
 
     assert store.requeue(jobs[1].id)  # only the shot that failed; the script is used up
     summary = await render(path, store, fake, partition="board")

@@ -271,10 +271,10 @@ def document() -> dict[str, Any]:
             "parameters": [JOB_ID],
             "post": {
                 "operationId": "requeueJob",
-                "summary": "Send a dead letter back to the queue",
+                "summary": "Send a dead letter or a degraded job back to the queue",
                 "responses": {
                     **_job("202", "pending again, and in the queue"),
-                    "409": _error("the job is not a dead letter"),
+                    "409": _error("the job is neither a dead letter nor degraded"),
                     **NOT_FOUND,
                     **COMMON,
                 },

@@ -35,7 +35,7 @@ from comfy_assets.api.tokens import partition_of
 from comfy_assets.api.views import job_path, job_view
 from comfy_assets.api.webhook_urls import RefusedUrl, check_url
 from comfy_assets.jobs.model import is_job_id
-from comfy_assets.jobs.states import FAILED_FATAL
+from comfy_assets.jobs.states import FAILED_FATAL, REQUEUEABLE
 from comfy_assets.jobs.strict_json import DuplicateKey, loads_bounded, no_duplicates
 from comfy_assets.service import broker
 from comfy_assets.store import PartitionConflict, StoreUnavailable, UnknownJob, off_loop
@@ -285,19 +285,26 @@ async def cancel_loop(api: Api, every_s: float = 1.0) -> None:
 
 
 async def requeue(request: web.Request) -> web.Response:
-    """``POST /v1/jobs/{id}/requeue``: a dead letter goes back to pending and its
-    message to the queue (202); 409 for a job that is not a dead letter."""
+    """``POST /v1/jobs/{id}/requeue``: a dead letter, or a job degraded under the draft
+    policy, goes back to pending and its message to the queue (202); 409 for a job in
+    another state."""
     api = request.app[API]
     job = await owned(request)
     record = await off_loop(api.store, api.store.get, job.job_id)
-    if record is None or record.state != FAILED_FATAL:
+    if record is None or record.state not in REQUEUEABLE:
         state = record.state if record is not None else "pending"
-        return error(409, f"job {job.job_id} is not a dead letter ({state}); nothing requeued")
+        return error(
+            409,
+            f"job {job.job_id} is neither a dead letter nor degraded ({state}); nothing requeued",
+        )
     # Unmarked first: an API killed before the publish below publishes it on restart.
     await off_loop(api.ledger, api.ledger.mark_published, job.job_id, False)
     if not await off_loop(api.store, api.store.requeue, job.job_id):
         await off_loop(api.ledger, api.ledger.mark_published, job.job_id)
-        return error(409, f"job {job.job_id} is not a dead letter any more; nothing requeued")
+        return error(
+            409,
+            f"job {job.job_id} is neither a dead letter nor degraded any more; nothing requeued",
+        )
     try:
         await publish_recorded(api.ledger, api.publisher, job.job_id, job.message)
     except broker.BrokerError as e:

@@ -420,14 +420,20 @@ def stopped_by_signals() -> Iterator[list[str]]:
 
 def add_requeue_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``requeue JOB_ID... --store DIR [--db-url URL]``."""
-    p = sub.add_parser("requeue", help="clear dead letters so their jobs run again")
-    p.add_argument("job_id", nargs="+", metavar="JOB_ID", help="a dead letter's job id (UUID)")
+    p = sub.add_parser("requeue", help="clear dead letters and degraded jobs so they render again")
+    p.add_argument(
+        "job_id",
+        nargs="+",
+        metavar="JOB_ID",
+        help="the job id (UUID) of a dead letter, or of a job degraded under the draft policy",
+    )
     add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
     p.set_defaults(func=requeue_command)
 
 
 def requeue_command(args: argparse.Namespace) -> int:
-    """Exit 0 when every named job was a dead letter and is pending again, 1 otherwise;
+    """Exit 0 when every named job was a dead letter or degraded and is pending again (the
+    next run of its file renders it), 1 otherwise;
     2 for a job id that is not a lowercase UUID, or a ``--store`` folder without
     ``store.db`` (and no ``--db-url``): nothing is created or changed then."""
     bad = [job_id for job_id in args.job_id if not is_job_id(job_id)]
@@ -443,7 +449,11 @@ def requeue_command(args: argparse.Namespace) -> int:
                 print(f"job {job_id}: requeued (pending)")
             else:
                 rec = store.get(job_id)
-                why = f"not a dead letter ({rec.state})" if rec else "no such job in the store"
+                why = (
+                    f"neither a dead letter nor degraded ({rec.state})"
+                    if rec
+                    else "no such job in the store"
+                )
                 print(f"job {job_id}: {why}", file=sys.stderr)
                 code = 1
     finally:

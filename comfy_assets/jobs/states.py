@@ -34,6 +34,9 @@ FAILED_FATAL = State.FAILED_FATAL
 DONE: frozenset[State] = frozenset({SUCCEEDED, DEGRADED})
 # Someone may be working on it right now.
 IN_FLIGHT: frozenset[State] = frozenset({SUBMITTED, RENDERING})
+# Ended without a render: ``requeue`` sends these back to pending (a degraded job is a
+# failure the draft policy accepted as done).
+REQUEUEABLE: frozenset[State] = frozenset({FAILED_FATAL, DEGRADED})
 # Not finished: it may still end either way (neither done nor a dead letter).
 UNFINISHED: frozenset[State] = frozenset({PENDING, SUBMITTED, RENDERING, FAILED_RETRYABLE})
 

@@ -8,7 +8,7 @@ the job runs and its attempt uploads the upstream's file (``render/inputs.py``).
 an upstream job is dead-lettered (or degraded, with no file to continue from), the job is
 not rendered: the failure belongs to the upstream shot, and the job's reason names it
 (a dead letter, or degraded under the draft policy). When that upstream job is requeued
-and renders, a job dead-lettered only for it is requeued by the next run.
+and renders, a job dead-lettered (or degraded) only for it is requeued by the next run.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Literal
 
 from comfy_assets.jobs.model import InputFromJob, Job
-from comfy_assets.jobs.states import InvalidTransition
+from comfy_assets.jobs.states import REQUEUEABLE, InvalidTransition
 from comfy_assets.render.inputs import UpstreamFile
 from comfy_assets.render.queue import Item
 from comfy_assets.store import JobRecord
@@ -111,8 +111,11 @@ class Chain:
         self._resolve(ended, job.id)
 
     async def _requeue_if_upstream_fixed(self, job: Job, rec: JobRecord) -> bool:
-        """A job dead-lettered only because its upstream job was, whose upstream is no
-        longer blocked: back to pending (True), so it renders in this run."""
+        """A job dead-lettered (or degraded, under draft) only because its upstream job
+        was, whose upstream is no longer blocked: back to pending (True), so it renders
+        in this run."""
+        if rec.state not in REQUEUEABLE:
+            return False
         if not job.depends_on or not (rec.reason or "").startswith(NOT_RENDERED):
             return False
         verdict, _ = await self._upstreams(job)
@@ -123,7 +126,7 @@ class Chain:
                 self.store.transition,
                 job.id,
                 "pending",
-                detail="requeued: the job it continues from is no longer dead-lettered",
+                detail="requeued: the job it continues from is no longer failed",
             )
         except InvalidTransition:
             pass  # another worker requeued it a moment ago

@@ -30,20 +30,26 @@ class Claiming:
     async def _claim(self, item: Item) -> JobRecord | None:
         """Claim ``item``'s job; its record when it is ours to run, else None (done,
         dead-lettered, or held by another worker: then it is resolved or put back). A
-        chained job dead-lettered only for its upstream job, which is no longer failed,
-        is requeued first."""
+        chained job dead-lettered (or degraded) only for its upstream job, which is no
+        longer failed, is requeued first."""
         job, cfg, store = item.job, self.config, self.store
         if item.rec is not None:
             rec, item.rec = item.rec, None
             if job.id in self.claims.held:  # claimed before its consumer waited in line
                 return rec
         status, rec = await self.claims.claim(job.id)
-        if status == "dead_lettered" and await self._requeue_if_upstream_fixed(job, rec):
+        if status in ("dead_lettered", "done") and await self._requeue_if_upstream_fixed(job, rec):
             status, rec = await self.claims.claim(job.id)
         if status == "done":
             problem = await self._db(outputs_problem, store, self.partition, job.id)
             if problem is None:
-                self.report(f"job {job.id}: already done, nothing posted")
+                if rec.state == "degraded":
+                    self.report(
+                        f"job {job.id}: degraded earlier ({rec.reason}), nothing posted; "
+                        "requeue it to render again"
+                    )
+                else:
+                    self.report(f"job {job.id}: already done, nothing posted")
                 self._resolve("done", job.id)
                 return None
             # Done, but its files are gone or changed on disk: render it again, which

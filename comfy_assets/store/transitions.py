@@ -17,6 +17,7 @@ from comfy_assets.jobs.states import (
     FAILED_FATAL,
     PENDING,
     RENDERING,
+    REQUEUEABLE,
     SUBMITTED,
     check_transition,
     is_allowed,
@@ -278,12 +279,14 @@ class Transitions(StoreBase):
 
     @retried
     def requeue(self, job_id: str, now: float | None = None) -> bool:
-        """Send a dead-lettered job back to pending (reason cleared, attempts 0).
-        False, and nothing changes, if it is not failed_fatal or not in the store."""
+        """Send a dead-lettered or degraded job (``REQUEUEABLE``: a failure, accepted as
+        done with no render under the draft policy) back to pending (reason cleared,
+        attempts 0). False, and nothing changes, if it is in another state or not in the
+        store."""
         now = self._now(now)
         with self._write() as conn:
             row = conn.execute(q.LOCK_JOB, {"b_id": job_id}).first()
-            if row is None or row.state != FAILED_FATAL:
+            if row is None or row.state not in REQUEUEABLE:
                 return False
             values = {
                 "state": PENDING.value,
