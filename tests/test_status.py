@@ -418,3 +418,57 @@ def test_a_quarantined_or_on_trial_server_reads_so_with_no_run_going(tmp_path: P
     assert re.fullmatch(r"server s1: not used: quarantined until \d\d:\d\d:\d\d: .+", s1)
     assert "server s2: on trial (its cool-down is over: its next job decides)" in text
     assert "server s3: not used: no running batch uses it" in text
+
+
+async def test_a_worker_says_what_its_servers_render_and_when_one_dies(tmp_path: Path) -> None:
+    from comfy_assets.service.sources import MemorySource
+    from comfy_assets.service.worker import Worker
+
+    port = free_port()
+    fake = start_fake_process(port, "--prompt-seconds", "5")
+    store = Store(tmp_path / "s")
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    (job,) = load_job_file(jobs).jobs
+    source = MemorySource("images")
+    source.put(jobs.read_text().splitlines()[0])
+    server = ServerSpec("gpu0", f"http://127.0.0.1:{port}")
+    worker = Worker(
+        source,
+        servers=[server],
+        store=store,
+        config=fast_config(attempts=1),
+        workflows_dir=jobs.parent,
+        status_every_s=0.02,
+        grace_s=0.0,  # its job's server is dead: cancelled at the stop, not waited for
+    )
+
+    def row_state(want: str) -> Callable[[], bool]:
+        def seen() -> bool:
+            rows = [r for r in store.live() if r.kind == "server" and r.subject == "gpu0"]
+            return any(r.detail.get("state") == want for r in rows)
+
+        return seen
+
+    task = asyncio.create_task(worker.run())
+    try:
+        await wait_until(row_state("rendering"), 30.0, "the worker's prompt to render")
+        rendering = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), None)
+        fake.kill()  # its host dies: the port refuses at once
+        fake.wait()
+        await wait_until(row_state("unreachable"), 30.0, "the server to read unreachable")
+        dead = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), None)
+    finally:
+        worker.request_stop()
+        source.end()
+        await asyncio.gather(task, return_exceptions=True)
+        fake.kill()
+        fake.wait()
+    assert rendering is not None and dead is not None
+    (entry,) = rendering["servers"]
+    assert entry["state"] == "rendering" and entry["job"] == job.id
+    assert entry["owner"] == worker.owner
+    (entry,) = dead["servers"]
+    assert entry["state"] == "unreachable" and "connection refused" in entry["reason"]
+    assert "server gpu0: not used: unreachable (" in "\n".join(lines(dead))
+    # Its rows leave with it.
+    assert [r for r in store.live() if r.owner == worker.owner] == []

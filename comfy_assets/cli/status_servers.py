@@ -78,7 +78,7 @@ def servers(
 def _renders(snap: StatusSnapshot, row: LiveRow | None, rec: JobRecord) -> bool:
     """Whether ``rec``'s prompt may be on its server still: its batch's row for that
     server (``row``) names it, or was written before the job's last move (or there is
-    none: a worker writes no rows)."""
+    none: its holder has written no row yet)."""
     if row is None:
         return True
     if row.detail.get("state") == RENDERING and row.detail.get("job") == rec.job_id:

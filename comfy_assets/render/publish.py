@@ -25,18 +25,26 @@ trial whose one job failed there.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
 from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.plan import models_of
+from comfy_assets.store import StoreUnavailable
+from comfy_assets.store.retry import off_loop
 
 if TYPE_CHECKING:
+    from comfy_assets.comfy.pool import Pool
     from comfy_assets.render.attempt import Attempt
     from comfy_assets.render.batch import Batch
     from comfy_assets.render.progress import Progress
+    from comfy_assets.store import Store
 
 MAX_IDS = 2000  # job ids a partition row names at most (rows stay small)
+
+log = logging.getLogger(__name__)
 
 
 def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, Any]]:
@@ -93,12 +101,57 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             "groups": group_rows,
         }
     }
-    running: dict[str, tuple[str, float | None, str]] = {}
+    out.update(server_rows(batch.pool, rendering_rows(batch)))
+    return out
+
+
+async def publish_servers(
+    store: Store, owner: str, pool: Pool, batches: Collection[Batch], every_s: float
+) -> None:
+    """A worker's rows for ``comfy-assets status``: every ``every_s`` seconds until
+    cancelled, the row of each server of ``pool`` (``server_rows``), with the prompts of
+    ``batches`` (its messages' batches, one job each: they write no rows of their own),
+    as ``owner``'s rows. A database away only skips a write (logged): the jobs' own
+    store calls meet the outage and decide. The caller clears the rows at its end."""
+    while True:
+        rendering: dict[str, dict[str, Any]] = {}
+        for batch in list(batches):
+            rendering.update(rendering_rows(batch))
+        rows = server_rows(pool, rendering)  # one moment: no await before this
+        try:
+            await off_loop(store, store.publish_live, owner, rows)
+        except StoreUnavailable as e:
+            log.warning("status rows of worker %s not written: %s", owner, e)
+        await asyncio.sleep(every_s)
+
+
+def rendering_rows(batch: Batch) -> dict[str, dict[str, Any]]:
+    """The row of each server of ``batch``'s pool where a prompt of ``batch`` is now
+    (posted, or being posted): ``{server: {"state": "rendering", "job", "partition",
+    "since" (epoch seconds, None before the POST), "progress"}}``."""
+    loop_now = asyncio.get_running_loop().time()
+    wall_now = time.time()
+    running: dict[str, dict[str, Any]] = {}
     for name, attempt in batch.prompts().items():
         slot = attempt.slot
         assert slot is not None  # held: ``Batch.prompts``
-        since = None if slot.posted_at is None else wall_now - (loop_now - slot.posted_at)
-        running[name] = (attempt.job.id, since, prompt_progress(batch, name, attempt))
+        running[name] = {
+            "state": "rendering",
+            "job": attempt.job.id,
+            "partition": batch.partition,
+            "since": None if slot.posted_at is None else wall_now - (loop_now - slot.posted_at),
+            "progress": prompt_progress(batch, name, attempt),
+        }
+    return running
+
+
+def server_rows(
+    pool: Pool, rendering: Mapping[str, dict[str, Any]]
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """A row for each server of ``pool``: its ``rendering`` row (``rendering_rows``)
+    while the server's socket is open, else why it is not used, else free or busy with
+    another client's queue (the module's docstring gives the shapes)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
     unreachable = pool.unreachable()
     for spec in pool.servers:
         name = spec.name
@@ -106,15 +159,8 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
         row: dict[str, Any]
         # Our prompt there is rendering while its socket is open (a probe that timed out
         # meanwhile does not stop it); once the socket is lost, nobody can follow it.
-        if name in running and (follower is None or follower.lost() is None):
-            job_id, since, how_far = running[name]
-            row = {
-                "state": "rendering",
-                "job": job_id,
-                "partition": batch.partition,
-                "since": since,
-                "progress": how_far,
-            }
+        if name in rendering and (follower is None or follower.lost() is None):
+            row = dict(rendering[name])
         elif (blocked := pool.blocked(name)) is not None:  # the pool's view of the health rows
             # "quarantined until ...", or a server on trial whose one job failed there.
             state = "quarantined" if blocked.startswith("quarantined") else "trial"
@@ -125,7 +171,7 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
                 "reason": unreachable[name].removeprefix("unreachable: "),
             }
         else:
-            foreign = _foreign_queue(batch, name)
+            foreign = _foreign_queue(pool, name)
             row = {"state": "busy", "foreign_queue": foreign} if foreign else {"state": "free"}
         out[("server", name)] = row
     return out
@@ -146,8 +192,8 @@ def _bounded(held: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return dict(list(held.items())[:MAX_IDS])
 
 
-def _foreign_queue(batch: Batch, name: str) -> int:
+def _foreign_queue(pool: Pool, name: str) -> int:
     """Prompts of other clients on ``name`` by its socket (0 when not known)."""
-    follower = batch.pool.open_follower(name)
+    follower = pool.open_follower(name)
     remaining = follower.queue_remaining() if follower is not None else None
     return remaining or 0

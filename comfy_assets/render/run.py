@@ -239,6 +239,7 @@ async def run_one(
     owner: str,
     on_line: Callable[[str], None] | None = None,
     heartbeat: OwnerHeartbeat | None = None,
+    running: set[Batch] | None = None,
 ) -> str:
     """Run one job (a message from a queue) to its end over a long-lived ``pool``.
 
@@ -246,7 +247,9 @@ async def run_one(
     done before: nothing is posted), ``failed_fatal`` (dead letter, with its reason in
     the store); while another live worker holds its claim it waits. Retries with
     backoff happen inside; nothing is posted while ``heartbeat`` (``owner``'s, kept by
-    the caller) is stale. Raises only on cancellation, after cleaning up.
+    the caller) is stale. ``running``: where its batch is while it runs (the caller's
+    status rows name its prompt: ``publish.publish_servers``). Raises only on
+    cancellation, after cleaning up.
     """
     await off_loop(store, store.register_jobs, partition, [job])
     batch = Batch(
@@ -261,6 +264,12 @@ async def run_one(
         consumers=1,
         heartbeat=heartbeat,
     )
-    await batch.run()
+    if running is not None:
+        running.add(batch)
+    try:
+        await batch.run()
+    finally:
+        if running is not None:
+            running.discard(batch)
     rec = await off_loop(store, store.get, job.id)
     return rec.state if rec is not None else "pending"

@@ -121,6 +121,7 @@ class MessageHandling:
                 config=config,
                 owner=claim_owner,
                 heartbeat=self.owner_heartbeat,
+                running=self.batches,
             ),
             name=f"job {job.id}",
         )

@@ -41,10 +41,13 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
+from comfy_assets.render.publish import publish_servers
 from comfy_assets.render.results import results_csv_path, write_results
 from comfy_assets.render.run import make_pool
+from comfy_assets.render.steering import EVERY_S
 from comfy_assets.service import broker
 from comfy_assets.service.handling import MessageHandling
 from comfy_assets.service.messages import (
@@ -92,7 +95,9 @@ class Worker(MessageHandling):
     where relative ``workflow`` paths of messages are resolved (never outside it).
     ``max_message_bytes``: a body larger than this is dead-lettered unparsed.
     ``health_file``: touched every ``heartbeat_s`` seconds while the worker runs
-    (liveness), removed at exit.
+    (liveness), removed at exit. ``status_every_s``: seconds between the rows it writes
+    for ``comfy-assets status`` (what each server of its pool renders, or why it is not
+    used: ``render/publish.py``), taken out at its end.
 
     ``run()`` returns when the source has no more jobs and every job has finished, or
     after a stop request; ``counts`` then says what happened to each message (OUTCOMES).
@@ -110,6 +115,7 @@ class Worker(MessageHandling):
     heartbeat_s: float = 5.0
     owner: str | None = None  # None: a new one (``new_owner``)
     results_every_s: float = 5.0
+    status_every_s: float = EVERY_S
     jobs_per_server: int = JOBS_PER_SERVER
 
     def __post_init__(self) -> None:
@@ -129,6 +135,7 @@ class Worker(MessageHandling):
         self._failure: BaseException | None = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._runs: dict[asyncio.Task[Any], asyncio.Task[str]] = {}  # handler -> its run
+        self.batches: set[Batch] = set()  # the running messages' batches (status rows)
         self._slots = asyncio.Semaphore(self.jobs_per_server * len(self.servers))
         # Shots of storyboards under the delivery policy running at once: a shot in hand
         # checks whether its storyboard stopped only once one has ended (FIFO).
@@ -199,6 +206,7 @@ class Worker(MessageHandling):
         pool = make_pool(self.servers, self.store, self.config, self.owner)
         heartbeat: asyncio.Task[None] | None = None
         results: asyncio.Task[None] | None = None
+        status: asyncio.Task[None] | None = None
         health_file = self.health_file
         outage = self.store.outage
         said = outage.consequence
@@ -217,6 +225,11 @@ class Worker(MessageHandling):
                     results = asyncio.create_task(
                         self._write_results(self.results_every_s), name="results"
                     )
+                    rows = publish_servers(
+                        self.store, self.owner, pool, self.batches, self.status_every_s
+                    )
+                    status = asyncio.create_task(rows, name="status rows")
+                    status.add_done_callback(_status_rows_done)
                     await self._serve(pool)
             finally:
                 outage.consequence = said
@@ -225,6 +238,10 @@ class Worker(MessageHandling):
                 if results is not None:
                     results.cancel()
                     await asyncio.wait({results})
+                if status is not None:
+                    status.cancel()
+                    await asyncio.wait({status})
+                    await self._clear_status_rows()
                 self._flush_results()
                 if heartbeat is not None and health_file is not None:
                     heartbeat.cancel()
@@ -407,6 +424,12 @@ class Worker(MessageHandling):
             log.error("worker: %s failed: %r", task.get_name(), exc, exc_info=exc)
             self._fail(exc)
 
+    async def _clear_status_rows(self) -> None:
+        try:
+            await off_loop(self.store, self.store.clear_live, self.owner)
+        except StoreUnavailable as e:  # they go stale by themselves
+            log.warning("status rows of worker %s not cleared: %s", self.owner, e)
+
     async def _heartbeat(self, path: Path) -> None:
         """Touch ``path`` every ``heartbeat_s`` seconds: proof the event loop turns."""
         while True:
@@ -451,6 +474,13 @@ class Worker(MessageHandling):
         # write_csv's OSError may not name the file (a write cut short by a full disk).
         path = results_csv_path(self.store.root, partition)
         log.warning("%s not written: %s", path, error)
+
+
+def _status_rows_done(task: asyncio.Task[None]) -> None:
+    """The status rows stopped, the jobs did not: said loudly, not raised."""
+    if not task.cancelled() and task.exception() is not None:
+        exc = cast(BaseException, task.exception())
+        log.error("worker: status rows failed: %r", exc, exc_info=exc)
 
 
 def job_messages(
