@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from comfy_assets.comfy.infra import infra_cause
+from comfy_assets.comfy.infra import infra_cause, prompt_strings
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.run import run_batch
 from comfy_assets.service.sources import MemorySource
@@ -211,6 +211,56 @@ def test_infrastructure_errors_are_recognised(exception_type, message, cause):
 )
 def test_errors_of_the_job_are_not_infrastructure(exception_type, message):
     assert infra_cause(exception_type, message) is None
+
+
+def test_a_fault_named_by_the_prompts_own_inputs_is_no_evidence() -> None:
+    message = (
+        "**** ERROR: Saving image outside the output folder is not allowed.\n full_output_folder:"
+        " /out/CUDA error: an illegal memory access was encountered"
+    )
+    strings = prompt_strings(
+        {
+            "9": {
+                "class_type": "SaveImage",
+                "inputs": {
+                    "filename_prefix": "../CUDA ERROR: an illegal memory access was encountered/x"
+                },
+            }
+        }
+    )
+    assert strings == ["../cuda error: an illegal memory access was encountered/x"]
+    assert infra_cause("SaveOutsideOutput", message, strings) is None
+    # The same words the prompt does not carry still say the GPU is sick.
+    assert (
+        infra_cause(
+            "RuntimeError", "CUDA error: an illegal memory access was encountered", ["a red fox"]
+        ).name
+        == "CUDA error"
+    )
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "../../../CUDA error: an illegal memory access was encountered/x",
+        "No space left on device " + "a" * 260,  # [Errno 36] File name too long: '...'
+    ],
+)
+async def test_a_job_naming_a_gpu_fault_in_its_inputs_quarantines_no_server(tmp_path, prefix):
+    store = Store(tmp_path / "store")
+    poison = {"set": {"1.color": 999, "3.filename_prefix": prefix}}
+    jobs = write_jobs(tmp_path / "jobs", 4, extra=[poison, {}, {}, {}])
+    fakes = [FakeComfy(prompt_seconds=0.005), FakeComfy(prompt_seconds=0.005)]
+    await run(tmp_path, store, fakes, jobs)
+    loaded = load_job_file(jobs).jobs
+    states = [store.get(j.id).state for j in loaded]
+    assert states == ["failed_fatal", "succeeded", "succeeded", "succeeded"]
+    reason = store.get(loaded[0].id).reason or ""
+    assert "infrastructure" not in reason and "failed on gpu" in reason
+    health = store.server_health()
+    assert not [h for h in health.values() if h.state in ("quarantined", "trial")]
+    # Tried once on each server, then a dead letter: its own failure.
+    assert sum(f.stats["prompts"].get(loaded[0].prompt_id, {}).get("posted", 0) for f in fakes) == 2
 
 
 async def test_a_worker_whose_every_server_is_quarantined_takes_no_message_and_says_why(

@@ -11,7 +11,9 @@ output disk or a node pack of that host is broken. Each entry names its source.
 from __future__ import annotations
 
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -88,14 +90,43 @@ INFRA_CAUSES: tuple[InfraCause, ...] = (
 )
 
 
-def infra_cause(exception_type: str, exception_message: str) -> InfraCause | None:
+def infra_cause(
+    exception_type: str, exception_message: str, prompt_text: Collection[str] = ()
+) -> InfraCause | None:
     """The cause in ``INFRA_CAUSES`` that an execution_error's ``exception_type`` and
     ``exception_message`` match (ComfyUI's fields, as in execution_error.json), or None
     when the error may be the prompt's. An out-of-memory error is not here: it is the
-    prompt's size on that GPU (``ExecutionError.is_oom``)."""
+    prompt's size on that GPU (``ExecutionError.is_oom``).
+
+    ``prompt_text``: the strings the prompt itself carries (``prompt_strings``). ComfyUI
+    copies inputs into its messages (SaveImage's refusal of a ``filename_prefix`` outside
+    the output folder names the folder; an OSError names the file), so a match that one
+    of them holds too is no evidence against the server: a job could otherwise
+    quarantine every server it meets by naming a file "CUDA error"."""
+    message = exception_message or ""
     for cause in INFRA_CAUSES:
         if cause.types and exception_type not in cause.types:
             continue
-        if cause.pattern is None or cause.pattern.search(exception_message or ""):
+        if cause.pattern is None:
             return cause
+        for match in cause.pattern.finditer(message):
+            found = match.group(0).lower()
+            if not any(found in text for text in prompt_text):
+                return cause
     return None
+
+
+def prompt_strings(workflow: Mapping[str, Any]) -> list[str]:
+    """Every string value among an API-format workflow's node inputs, lowercased (the
+    values a job's ``set`` and inputs give it included), for ``infra_cause``."""
+    found: list[str] = []
+    stack: list[Any] = [node.get("inputs") for node in workflow.values() if isinstance(node, dict)]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            found.append(value.lower())
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return found

@@ -36,7 +36,7 @@ from comfy_assets.comfy.errors import (
     ServerError,
 )
 from comfy_assets.comfy.follow import PromptFollower
-from comfy_assets.comfy.infra import infra_cause
+from comfy_assets.comfy.infra import infra_cause, prompt_strings
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.comfy.types import HistoryEntry
@@ -416,7 +416,8 @@ class Attempt(CatchUp, Removal):
             except ComfyError as e:
                 reason += f"; POST /free failed: {e}"
             return self.result("transient", reason, **common)
-        cause = infra_cause(err.exception_type, err.exception_message)
+        sent = self.staged.workflow if self.staged is not None else self.job.workflow
+        cause = infra_cause(err.exception_type, err.exception_message, prompt_strings(sent))
         if cause is not None:
             # The server's at first sight: another server takes the job at once.
             reason = f"{reason} (infrastructure: {cause.name})"
