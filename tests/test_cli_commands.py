@@ -14,6 +14,7 @@ import struct
 import subprocess
 import sys
 import termios
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,8 +22,9 @@ import pytest
 
 from comfy_assets.cli.main import main
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import ROOT, job_id, write_jobs
+from tests.support import ROOT, free_port, job_id, start_fake_process, write_jobs
 
 # Tiny delays and polls, so a retry or a poll never makes a test slow.
 FAST = ["--base-delay-s", "0.01", "--max-delay-s", "0.05", "--no-jitter", "--poll-s", "0.05"]
@@ -218,6 +220,46 @@ def test_run_stopped_by_sigterm_exits_143_and_still_writes_the_results_csv(tmp_p
     assert len(table) == 8
     assert sum(r["state"] == "succeeded" for r in table) == 1
     assert [r["outcome"] for r in fake.stats["runs"]] == ["success", "interrupted"]
+
+
+def test_signals_while_a_stopped_run_cleans_up_do_not_cut_the_cleanup_short(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    fake = start_fake_process(port, "--script", "ok,hang", "--prompt-seconds", "0.005")
+    url = f"http://127.0.0.1:{port}"
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    hung = load_job_file(jobs).jobs[1]
+    store = tmp_path / "store"
+    cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+    cmd += ["--server", f"gpu0={url}", "--store", str(store), *FAST]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        assert b"succeeded" in proc.stdout.readline()  # job 2 hangs on the server now
+        fake.send_signal(signal.SIGSTOP)  # the server freezes: the cleanup waits for it
+        proc.send_signal(signal.SIGINT)
+        assert proc.stderr.readline().startswith(b"Ctrl+C: stopping: removing our prompts")
+        proc.send_signal(signal.SIGINT)
+        assert proc.stderr.readline().startswith(b"Ctrl+C: already stopping: ")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stderr.readline().startswith(b"SIGTERM: already stopping: ")
+        fake.send_signal(signal.SIGCONT)
+        out, err = proc.communicate(timeout=60)
+        stats = json.loads(urllib.request.urlopen(f"{url}/fake/stats", timeout=10).read())
+    finally:
+        fake.send_signal(signal.SIGCONT)
+        fake.kill()
+        fake.wait()
+        proc.kill()
+    assert proc.returncode == 130, err.decode()
+    assert "stopped by Ctrl+C" in err.decode()
+    said = [line for line in out.decode().splitlines() if line.startswith(f"job {hung.id}")]
+    assert said and "interrupted" in said[-1] and "claim released" in said[-1], out.decode()
+    assert [r["outcome"] for r in stats["runs"]] == ["success", "interrupted"]
+    with Store.existing(store) as opened:
+        record = opened.get(hung.id)
+    assert record is not None and record.claimed_by is None
 
 
 def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(

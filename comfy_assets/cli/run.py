@@ -294,8 +294,9 @@ def run_command(args: argparse.Namespace) -> int:
         from comfy_assets.cli.progress_bar import ProgressBar
 
         bar = ProgressBar(len(job_file.jobs), sys.stdout)
-    try:
-        with stopped_by_signals() as stopped_by:
+    with stopped_by_signals() as stopped_by:
+        ended: BaseException | None = None
+        try:
             summary = run_batch_sync(
                 job_file,
                 partition=partition,
@@ -306,42 +307,13 @@ def run_command(args: argparse.Namespace) -> int:
                 on_progress=bar.update if bar else None,
                 priority=args.priority,
             )
-    except PartitionConflict as e:
-        print(
-            f"error: {e}; to render these jobs under their first partition, pass "
-            f"--partition {next(iter(e.conflicts.values()))}",
-            file=sys.stderr,
-        )
-        return 2
-    except KeyboardInterrupt:
-        # The table of what is done so far: every run writes it, a stopped one too.
-        not_written = results_line(store, partition, job_file)
-        if not_written:
-            print(not_written, file=sys.stderr)
-        store.close()
-        print(
-            f"stopped by {stopped_by[0]}: each job's line above says whether its prompt "
-            "was removed and its claim released; run again to finish (done jobs are not "
-            "rendered again)",
-            file=sys.stderr,
-        )
-        return 143 if stopped_by[0] == "SIGTERM" else 130
-    except (StoreUnavailable, OSError) as e:
-        # The store, or our disk under it (an output folder we may not write, a full
-        # disk), failed: no fault of a job, so the batch stops rather than fail them.
-        # One line says it all, results.csv's fate included.
-        not_written = results_line(store, partition, job_file)
-        store.close()
-        also = f"; also {not_written}" if not_written else ""
-        print(
-            f"error: {e}{also}; the run stopped: each job's line above says what became of "
-            "its prompt; run again to finish (done jobs are not rendered again)",
-            file=sys.stderr,
-        )
-        return 1
-    finally:
-        if bar:
-            bar.close()
+        except (PartitionConflict, KeyboardInterrupt, StoreUnavailable, OSError) as e:
+            ended = e
+        finally:
+            if bar:
+                bar.close()  # before any line below: they go under the bar, not into it
+        if ended is not None:
+            return _stopped(ended, store, partition, job_file, stopped_by[0])
     for name, why in summary.unreachable.items():
         print_line(f"server {name}: {why}")
     print_line(summary.line())
@@ -361,6 +333,44 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {not_written}", file=sys.stderr)
         return 1
     return 0 if summary.dead_lettered == 0 and not_done == 0 else 1
+
+
+def _stopped(
+    ended: BaseException, store: Store, partition: str, job_file: JobFile, signal_name: str
+) -> int:
+    """What ``run`` says and returns when its batch did not end by itself: 2 for a job
+    file registered under another partition, 130/143 when stopped by Ctrl+C/SIGTERM
+    (results.csv written first), 1 when the store or our disk failed."""
+    if isinstance(ended, PartitionConflict):
+        print(
+            f"error: {ended}; to render these jobs under their first partition, pass "
+            f"--partition {next(iter(ended.conflicts.values()))}",
+            file=sys.stderr,
+        )
+        return 2
+    # The table of what is done so far: every run writes it, a stopped one too.
+    not_written = results_line(store, partition, job_file)
+    store.close()
+    if isinstance(ended, KeyboardInterrupt):
+        if not_written:
+            print(not_written, file=sys.stderr)
+        print(
+            f"stopped by {signal_name}: each job's line above says whether its prompt "
+            "was removed and its claim released; run again to finish (done jobs are not "
+            "rendered again)",
+            file=sys.stderr,
+        )
+        return 143 if signal_name == "SIGTERM" else 130
+    # The store, or our disk under it (an output folder we may not write, a full disk),
+    # failed: no fault of a job, so the batch stops rather than fail them. One line says
+    # it all, results.csv's fate included.
+    also = f"; also {not_written}" if not_written else ""
+    print(
+        f"error: {ended}{also}; the run stopped: each job's line above says what became of "
+        "its prompt; run again to finish (done jobs are not rendered again)",
+        file=sys.stderr,
+    )
+    return 1
 
 
 class ImportOnFirstLine:
@@ -402,20 +412,42 @@ def results_line(store: Store, partition: str, job_file: JobFile) -> str | None:
 
 @contextmanager
 def stopped_by_signals() -> Iterator[list[str]]:
-    """SIGTERM (a container stop, ``timeout``) cleans up like Ctrl+C: both raise
-    KeyboardInterrupt in the main thread, which ``run_batch_sync`` turns into a clean
-    cancellation. Yields a one-item list naming the signal that stopped the run."""
+    """Ctrl+C and SIGTERM (a container stop, ``timeout``) raise KeyboardInterrupt in the
+    main thread, which ``run_batch_sync`` turns into a clean cancellation. Only the first
+    one: a signal while the run cleans up is said on stderr, not raised, so the cleanup
+    the first one asked for (prompts interrupted and removed, claims released,
+    results.csv) is not cut short (``kill -9`` stops at once, leaving them). Yields a
+    one-item list naming the signal that stopped the run."""
     stopped_by = ["Ctrl+C"]
+    raised: list[bool] = []
 
-    def on_term(signum: int, frame: object) -> None:
-        stopped_by[0] = "SIGTERM"
-        raise KeyboardInterrupt
+    def on_signal(signum: int, frame: object) -> None:
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl+C"
+        # Marked before anything else: a second signal can run this again inside the
+        # print below, and must find the run stopping.
+        first = not raised
+        raised.append(True)
+        if first:
+            stopped_by[0] = name
+        try:
+            print(
+                f"{name}: {'stopping' if first else 'already stopping'}: removing our "
+                "prompts from their servers and releasing the claims (kill -9 stops at "
+                "once, leaving them)",
+                file=sys.stderr,
+                flush=True,
+            )
+        except BrokenPipeError:  # nobody reads stderr any more: nothing to tell
+            _to_devnull(sys.stderr)
+        if first:
+            raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, on_term)
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield stopped_by
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def add_requeue_parser(sub: argparse._SubParsersAction) -> None:

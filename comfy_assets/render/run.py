@@ -211,7 +211,8 @@ def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> Ba
             pass
     except BaseException:
         loop.call_soon_threadsafe(task.cancel)
-        finished.wait()
+        while not finished.wait(0.2):  # in steps too: a signal meanwhile is handled now
+            pass
         raise
     if "error" in outcome:
         raise outcome["error"]  # type: ignore[misc]
