@@ -47,6 +47,13 @@ def test_the_signature_of_the_specifications_example(tmp_path: Path) -> None:
         ("::1", True),
         ("fd00:ec2::254", True),
         ("::ffff:127.0.0.1", True),
+        ("64:ff9b::7f00:1", True),  # NAT64 of 127.0.0.1
+        ("64:ff9b::a9fe:a9fe", True),  # NAT64 of 169.254.169.254
+        ("64:ff9b:1::7f00:1", True),  # a local-use NAT64 prefix
+        ("2002:7f00:1::", True),  # 6to4 of 127.0.0.1
+        ("2002:a00:7::1", True),  # 6to4 of 10.0.0.7
+        ("64:ff9b::5db8:d70e", False),  # NAT64 of 93.184.215.14
+        ("2002:5db8:d70e::1", False),  # 6to4 of 93.184.215.14
         ("0.0.0.0", True),
         ("224.0.0.1", True),
         ("93.184.215.14", False),
@@ -60,6 +67,7 @@ def test_which_addresses_a_webhook_may_reach(address: str, refused: bool) -> Non
 def test_a_refused_address_is_named_by_its_narrowest_kind() -> None:
     assert address_problem("127.0.0.1") == "127.0.0.1, a loopback address"
     assert address_problem("0.0.0.0") == "0.0.0.0, an unspecified address"
+    assert address_problem("64:ff9b::7f00:1") == "127.0.0.1, a loopback address"
     assert address_problem("169.254.169.254") == "169.254.169.254, a link-local address"
     assert address_problem("10.0.0.7") == "10.0.0.7, a private address"
 

@@ -7,7 +7,9 @@ service (169.254.169.254, fd00:ec2::254), loopback (our own ComfyUI servers, Rab
 management UI), a private network. A URL is refused when it is not http(s), has user
 info, or any address its host resolves to is not a global unicast address
 (``ipaddress``'s ``is_global``: loopback, link-local, private, shared, reserved,
-multicast and unspecified ranges are all outside it). The check is made at submission
+multicast and unspecified ranges are all outside it); an IPv6 address that reaches an
+IPv4 one through a translator (IPv4-mapped, 6to4, NAT64) is judged by that IPv4 address,
+and a local-use NAT64 prefix is refused. The check is made at submission
 (422) and again at each delivery, by the resolver the delivery connects through
 (``GuardedResolver``), so a name that resolves elsewhere later (DNS rebinding) is
 refused too.
@@ -40,8 +42,12 @@ def address_problem(text: str) -> str | None:
         ip = ipaddress.ip_address(text.split("%", 1)[0])
     except ValueError:
         return f"{text!r}, not an IP address"
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in _NAT64_LOCAL:
+            return f"{ip}, a local-use NAT64 address"
+        embedded = _embedded_ipv4(ip)
+        if embedded is not None:
+            ip = embedded
     if ip.is_global and not ip.is_multicast:
         return None
     # The narrowest kind first: 0.0.0.0 and 127.0.0.1 are in ipaddress's private ranges too.
@@ -50,6 +56,25 @@ def address_problem(text: str) -> str | None:
             article = "an" if kind[0] == "u" else "a"
             return f"{ip}, {article} {kind.replace('_', '-')} address"
     return f"{ip}, not a public address"
+
+
+# RFC 6052's well-known NAT64 prefix (the IPv4 address in the last 32 bits) and RFC
+# 8215's local-use one (a network's own translator: never a public address).
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+_NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
+
+
+def _embedded_ipv4(ip: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one reaches through a translator, judged in its place:
+    IPv4-mapped (``::ffff:127.0.0.1``), 6to4 (``2002:7f00:1::``) or NAT64
+    (``64:ff9b::7f00:1``); None for any other."""
+    if ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    if ip.sixtofour is not None:
+        return ip.sixtofour
+    if ip in _NAT64:
+        return ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    return None
 
 
 def url_problem(url: str) -> str | None:
