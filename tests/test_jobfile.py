@@ -512,3 +512,15 @@ def test_job_files_loaded_with_one_workflow_cache_read_a_shared_workflow_once(wo
     a, b = load_job_file(first, cache), load_job_file(second, cache)
     assert Counting.reads == 1
     assert a.jobs[0].workflow == b.jobs[0].workflow
+
+
+def test_control_characters_of_a_field_name_are_shown_not_sent_to_the_terminal(workflow_dir):
+    path = write(workflow_dir, job(**{"x\x1b]0;pwned\x07": 1, "set": {"1.\x1b[31mRED": 1}}))
+    with pytest.raises(JobFileError) as err:
+        load_job_file(path)
+    said = str(err.value)
+    assert "x\\x1b]0;pwned\\x07: unknown field" in said
+    assert "\\x1b[31mRED" in said
+    assert not any(c in said for c in "\x1b\x07")
+    # The errors themselves keep the field as the file spells it (the API's JSON escapes it).
+    assert "x\x1b]0;pwned\x07" in [e.field for e in err.value.errors]

@@ -50,7 +50,18 @@ class LineError:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.path}:{self.line}: {self.field}: {self.message}"
+        # A field's name is the file's own text: its control characters (an escape
+        # sequence that recolours or retitles a terminal) are shown, not sent.
+        return _visible(f"{self.path}:{self.line}: {self.field}: {self.message}")
+
+
+# C0 and C1 control characters and DEL.
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _visible(text: str) -> str:
+    """``text`` with each control character written as Python escapes it (``\\x1b``)."""
+    return _CONTROL.sub(lambda m: repr(m.group(0))[1:-1], text)
 
 
 class JobFileError(ValueError):
