@@ -23,7 +23,9 @@ log = logging.getLogger("comfy_assets.service.worker")
 
 
 class DeadLetterWatch:
-    """The store as one ``run_one`` call sees it, noting the jobs that call dead-lettered.
+    """The store as one ``run_one`` call sees it, noting the jobs that call dead-lettered
+    and those it recorded done (``finished``: a twin delivery that finished the job while
+    this one waited for its claim leaves it out, so this one is "done before").
 
     ``Store.dead_letter`` succeeds only for the holder of the job's claim and only from a
     state that is not yet failed_fatal, in one transaction: so exactly one run ever writes
@@ -35,6 +37,7 @@ class DeadLetterWatch:
     def __init__(self, store: Store) -> None:
         self._store = store
         self.dead_lettered: set[str] = set()
+        self.finished: set[str] = set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -42,6 +45,10 @@ class DeadLetterWatch:
     def dead_letter(self, job_id: str, owner: str, reason: str, **kwargs: Any) -> None:
         self._store.dead_letter(job_id, owner, reason, **kwargs)
         self.dead_lettered.add(job_id)  # only once the row is written
+
+    def mark_done(self, job_id: str, owner: str, *args: Any, **kwargs: Any) -> None:
+        self._store.mark_done(job_id, owner, *args, **kwargs)
+        self.finished.add(job_id)  # only once the row is written
 
 
 class MessageHandling:
@@ -102,9 +109,6 @@ class MessageHandling:
             await d.dead_letter(stopped)
             await self._acked(d, "stopped", "job %s: not rendered, %s", job.id, stopped)
             return
-        # Off the event loop: while the database is away this waits for it (the store's
-        # budget) instead of failing at once.
-        before = await off_loop(self.store, self.store.get, job.id)
         watch = DeadLetterWatch(self.store)
         # A claim owner per run: two deliveries of one job in this worker must not both
         # hold its claim (the second one waits for the first, as another worker would).
@@ -144,7 +148,7 @@ class MessageHandling:
             self._touched.add(partition)
 
         if state in DONE:
-            if before is not None and before.done:
+            if job.id not in watch.finished:
                 await self._acked(
                     d, "done_before", "job %s: done before (%s), nothing posted", job.id, state
                 )
