@@ -8,7 +8,8 @@ file, ``"<node id>.<input name>"``, so they never clash with the fixed columns),
 ``take``, ``inputs`` (each input file as ``key=path@sha256:<hex>``, or for a file of an
 upstream job ``key=job <id> node <n> #<index>@sha256:<hex>``, joined with ``"; "``),
 ``state``, ``server``, ``failed_on`` (the servers its failed attempts ran on, in order,
-space-separated: where a dead letter failed), ``attempts``, ``seconds``, ``files``
+space-separated: where a dead letter failed; since it was last requeued or its inputs
+changed, as ``attempts`` counts them), ``attempts``, ``seconds``, ``files``
 (``name:sha256[:12]`` joined with spaces) and ``reason``. In a partition whose jobs load models, ``models``
 (the job's model files, space-separated) and ``model_loaded`` (whether the server of its
 last try had to load one: true/false, empty before any try) follow ``server``.
