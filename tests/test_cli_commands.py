@@ -642,7 +642,8 @@ def test_run_with_no_server_reachable_gives_up_after_the_timeout_and_writes_the_
     assert code == 1
     assert "stopped: no server reachable for " in out
     assert "the jobs not done stay pending (run again)" in out
-    assert "  2 not run" in out
+    named = ", ".join(f"{job_id(i, 'jobs.jsonl')} (pending)" for i in range(2))
+    assert f"  2 not run: {named}\n" in out
     table = rows(store / "jobs" / "results.csv")
     assert [r["state"] for r in table] == ["pending", "pending"]
 

@@ -39,6 +39,8 @@ from comfy_assets.store import (
 from comfy_assets.store.base import folder_name
 from comfy_assets.store.retry import DEFAULT_RETRY_S
 
+NOT_RUN_NAMED = 5  # jobs the summary names of those not run (results.csv has them all)
+
 
 def add_batch_options(p: argparse.ArgumentParser) -> None:
     """Retry, deadline and lease knobs shared by ``run`` and ``worker`` (seconds).
@@ -323,7 +325,10 @@ def run_command(args: argparse.Namespace) -> int:
         print_line(f"  {summary.stopped}")
     not_done = len(summary.jobs) - summary.done - summary.dead_lettered
     if not_done:
-        print_line(f"  {not_done} not run")
+        left = [j for j in summary.jobs if not j.done and j.state != "failed_fatal"]
+        named = ", ".join(f"{j.job_id} ({j.state})" for j in left[:NOT_RUN_NAMED])
+        more = f" and {len(left) - NOT_RUN_NAMED} more" if len(left) > NOT_RUN_NAMED else ""
+        print_line(f"  {not_done} not run: {named}{more}")
     try:
         # Dead letters too: the table is where their reasons are read afterwards.
         not_written = results_line(store, partition, job_file)
