@@ -379,6 +379,8 @@ async def test_an_in_flight_job_is_cancelled_once_its_attempt_settles(
         assert store.claim(job_id, "worker-1") == "claimed"
         assert store.acquire_server("gpu0", "worker-1", 600, prompt_id=prompt_id)
         store.transition(job_id, "submitted", owner="worker-1", server="gpu0", attempt=1)
+        view = await (await client.get(f"/v1/jobs/{job_id}", headers=auth())).json()
+        assert view["state"] == "submitted" and view["attempts"] == 1  # the one under way
         answer = await client.post(f"/v1/jobs/{job_id}/cancel", headers=auth())
         assert answer.status == 202 and (await answer.json())["state"] == "submitted"
         record = store.get(job_id)

@@ -122,7 +122,7 @@ SCHEMAS: dict[str, Any] = {
             "id": {"type": "string"},
             "state": {"type": "string", "enum": [s.value for s in State]},
             "take": {"type": "integer"},
-            "attempts": {"type": "integer"},
+            "attempts": {"type": "integer", "description": "tries, the one under way included"},
             "servers": {"type": "array", "items": {"type": "string"}},
             "reason": _nullable("string", description="why it is a dead letter"),
             "created_at": {"type": "string"},

@@ -160,7 +160,8 @@ def api_command(args: argparse.Namespace) -> int:
             await site.start()
             shown = f"[{host}]" if ":" in host else host
             print(
-                f"api: serving http://{shown}:{port} ({len(clients.names)} clients, queue "
+                f"api: serving http://{shown}:{port} ({len(clients.names)} "
+                f"client{'' if len(clients.names) == 1 else 's'}, queue "
                 f"{args.queue} on {safe_url(args.rabbitmq)}, webhooks "
                 f"{'on' if key is not None else 'off'})",
                 flush=True,

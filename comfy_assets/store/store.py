@@ -114,7 +114,7 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
                     self.clock.measure(conn, self.dialect)
             except sa.exc.DBAPIError as e:
                 if disk_full(e):
-                    raise StoreDiskFull(what, database_place(self.engine), e) from e
+                    raise StoreDiskFull("its tables", database_place(self.engine), e) from e
                 # A failure at the first try was not waited for, however long it took.
                 waited = time.monotonic() - started if self.outage.away else 0.0
                 networked = self.dialect != "sqlite"
