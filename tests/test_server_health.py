@@ -229,6 +229,11 @@ def test_a_fault_named_by_the_prompts_own_inputs_is_no_evidence() -> None:
         }
     )
     assert strings == ["../cuda error: an illegal memory access was encountered/x"]
+    # A save node's variable becomes a number: "[Errno 2%height%]" reads "[Errno 28]".
+    expanded = "[Errno 36] File name too long: '/out/[Errno 28] yyy_00001_.png'"
+    saved = prompt_strings({"9": {"inputs": {"filename_prefix": "[Errno 2%height%] yyy"}}})
+    assert infra_cause("OSError", expanded, saved) is None
+    assert infra_cause("OSError", "[Errno 28] No space left on device", []) is not None
     assert infra_cause("SaveOutsideOutput", message, strings) is None
     # The same words the prompt does not carry still say the GPU is sick.
     assert (
@@ -244,11 +249,12 @@ def test_a_fault_named_by_the_prompts_own_inputs_is_no_evidence() -> None:
     [
         "../../../CUDA error: an illegal memory access was encountered/x",
         "No space left on device " + "a" * 260,  # [Errno 36] File name too long: '...'
+        "[Errno 2%height%] " + "y" * 300,  # its height is 8: the name says [Errno 28]
     ],
 )
 async def test_a_job_naming_a_gpu_fault_in_its_inputs_quarantines_no_server(tmp_path, prefix):
     store = Store(tmp_path / "store")
-    poison = {"set": {"1.color": 999, "3.filename_prefix": prefix}}
+    poison = {"set": {"1.color": 999, "1.height": 8, "3.filename_prefix": prefix}}
     jobs = write_jobs(tmp_path / "jobs", 4, extra=[poison, {}, {}, {}])
     fakes = [FakeComfy(prompt_seconds=0.005), FakeComfy(prompt_seconds=0.005)]
     await run(tmp_path, store, fakes, jobs)

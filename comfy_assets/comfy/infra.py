@@ -101,8 +101,9 @@ def infra_cause(
     ``prompt_text``: the strings the prompt itself carries (``prompt_strings``). ComfyUI
     copies inputs into its messages (SaveImage's refusal of a ``filename_prefix`` outside
     the output folder names the folder; an OSError names the file), so a match that one
-    of them holds too is no evidence against the server: a job could otherwise
-    quarantine every server it meets by naming a file "CUDA error"."""
+    of them holds too (digits aside: a prefix's ``%height%`` becomes a number) is no
+    evidence against the server: a job could otherwise quarantine every server it meets
+    by naming a file "CUDA error" or "[Errno 2%height%]"."""
     message = exception_message or ""
     for cause in INFRA_CAUSES:
         if cause.types and exception_type not in cause.types:
@@ -110,21 +111,35 @@ def infra_cause(
         if cause.pattern is None:
             return cause
         for match in cause.pattern.finditer(message):
-            found = match.group(0).lower()
+            found = _canonical(match.group(0))
             if not any(found in text for text in prompt_text):
                 return cause
     return None
 
 
+# The variables a save node's filename_prefix may hold, each replaced by a number before
+# the file is named (v0.8.0 folder_paths.py, get_save_image_path's compute_vars).
+_SAVE_VARS = re.compile(r"%(?:width|height|year|month|day|hour|minute|second)%", re.IGNORECASE)
+_DIGITS = re.compile(r"[0-9]+")
+
+
+def _canonical(text: str) -> str:
+    """``text`` lowercased, each run of digits one "0": a prompt's ``[Errno 2%height%]``
+    and the ``[Errno 28]`` it becomes compare equal."""
+    return _DIGITS.sub("0", text.lower())
+
+
 def prompt_strings(workflow: Mapping[str, Any]) -> list[str]:
-    """Every string value among an API-format workflow's node inputs, lowercased (the
-    values a job's ``set`` and inputs give it included), for ``infra_cause``."""
+    """Every string value among an API-format workflow's node inputs (the values a job's
+    ``set`` and inputs give it included), for ``infra_cause``: lowercased, a save node's
+    variables (``%height%``, ...) taken for the numbers they become, each run of digits
+    one "0"."""
     found: list[str] = []
     stack: list[Any] = [node.get("inputs") for node in workflow.values() if isinstance(node, dict)]
     while stack:
         value = stack.pop()
         if isinstance(value, str):
-            found.append(value.lower())
+            found.append(_canonical(_SAVE_VARS.sub("0", value)))
         elif isinstance(value, dict):
             stack.extend(value.values())
         elif isinstance(value, list):
