@@ -692,3 +692,17 @@ def test_a_worker_without_a_queue_url_or_a_job_file_is_exit_2(
     assert main([*args, "--store", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err
     assert "no RabbitMQ URL: give --rabbitmq URL or set $COMFY_ASSETS_RABBITMQ_URL" in err
+
+
+def test_ctrl_c_before_a_command_handles_it_is_one_line_and_exit_130() -> None:
+    # What a Ctrl+C while the libraries load does: main() interrupted, no traceback.
+    code = (
+        "import comfy_assets.cli.main as m\n"
+        "def interrupted():\n"
+        "    raise KeyboardInterrupt\n"
+        "m.main = interrupted\n"
+        "m.entry()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 130
+    assert done.stderr == "stopped by Ctrl+C\n"

@@ -78,8 +78,13 @@ def entry() -> NoReturn:
     then (the store, sockets, files, threads of its own), so what is skipped is only the
     interpreter's teardown of the libraries a command loaded (SQLAlchemy, pandas,
     aiohttp), which would otherwise add to the end of every batch's wall time. Logging
-    and output are flushed first."""
-    code = main()
+    and output are flushed first. Ctrl+C before a command set up its own stop (while
+    its libraries load, say) ends it with exit 130 and one line, not a traceback."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("stopped by Ctrl+C", file=sys.stderr)
+        code = 130
     logging.shutdown()
     try:
         sys.stdout.flush()
