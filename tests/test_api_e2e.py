@@ -64,6 +64,16 @@ class Receiver:
         return web.Response(status=500 if first else 200)
 
 
+def in_state(http: Any, job_id: str, state: str) -> Any:
+    """A ``wait_for`` condition: job ``job_id`` is in ``state`` by ``GET /v1/jobs/{id}``."""
+
+    async def check() -> bool:
+        answer = await http.get(f"/v1/jobs/{job_id}", headers=auth())
+        return answer.json()["state"] == state
+
+    return check
+
+
 async def wait_for(condition: Any, timeout_s: float, what: str) -> Any:
     """Poll the async ``condition`` every 50 ms until it returns something true."""
     deadline = asyncio.get_running_loop().time() + timeout_s
@@ -248,11 +258,7 @@ async def _scenario(
     }
     assert (await http.post("/v1/jobs", json=slow, headers=auth())).status_code == 202
 
-    async def rendering() -> bool:
-        state = (await http.get(f"/v1/jobs/{slow['id']}", headers=auth())).json()["state"]
-        return state == "rendering"
-
-    await wait_for(rendering, 60, "the slow job to render")
+    await wait_for(in_state(http, slow["id"], "rendering"), 60, "the slow job to render")
     cancelled = await http.post(f"/v1/jobs/{slow['id']}/cancel", headers=auth())
     assert cancelled.status_code in (200, 202)  # 202: the API finishes it by itself
 
@@ -298,11 +304,8 @@ async def _scenario(
     }
     assert (await http.post("/v1/jobs", json=after, headers=auth())).status_code == 202
 
-    async def after_done() -> bool:
-        state = (await http.get(f"/v1/jobs/{after['id']}", headers=auth())).json()["state"]
-        return state == "succeeded"
-
-    await wait_for(after_done, 60, "a job sent after the cancel to render")
+    done = in_state(http, after["id"], "succeeded")
+    await wait_for(done, 60, "a job sent after the cancel to render")
 
 
 async def _true(value: bool) -> bool:

@@ -262,6 +262,28 @@ def test_signals_while_a_stopped_run_cleans_up_do_not_cut_the_cleanup_short(
     assert record is not None and record.claimed_by is None
 
 
+def requeue_and_render(
+    jobs: Path,
+    store: Path,
+    url: str,
+    failed: str,
+    fake: FakeComfy,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``requeue`` job ``failed`` of a 3-job file, run the file again: every job succeeds
+    with its files, and only that job's prompt was posted a second time."""
+    assert main(["requeue", failed, "--store", str(store)]) == 0
+    assert capsys.readouterr().out == f"job {failed}: requeued (pending)\n"
+    assert run(jobs, store, url) == 0
+    table = {r["job_id"]: r for r in rows(store / "jobs" / "results.csv")}
+    assert {r["state"] for r in table.values()} == {"succeeded"}
+    assert table[failed]["files"]
+    prompt = {j.id: j.prompt_id for j in load_job_file(jobs).jobs}[failed]
+    counts = posts(fake)
+    assert counts.pop(prompt) == 2  # the failed job again, nothing else
+    assert sorted(counts.values()) == [1, 1]
+
+
 def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
     tmp_path: Path, fake: FakeComfy, url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -280,14 +302,7 @@ def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
     assert "prompt_outputs_failed_validation" in table[dead]["reason"]
     assert [r["state"] for i, r in table.items() if i != dead] == ["succeeded"] * 2
 
-    assert main(["requeue", dead, "--store", str(store)]) == 0
-    assert capsys.readouterr().out == f"job {dead}: requeued (pending)\n"
-    assert run(jobs, store, url) == 0
-    assert {r["state"] for r in rows(store / "jobs" / "results.csv")} == {"succeeded"}
-    prompt = {j.id: j.prompt_id for j in load_job_file(jobs).jobs}[dead]
-    counts = posts(fake)
-    assert counts.pop(prompt) == 2  # the dead letter again, nothing else
-    assert sorted(counts.values()) == [1, 1]
+    requeue_and_render(jobs, store, url, dead, fake, capsys)
 
 
 def test_a_job_degraded_under_draft_is_requeued_and_renders_in_the_next_run(
@@ -307,16 +322,7 @@ def test_a_job_degraded_under_draft_is_requeued_and_renders_in_the_next_run(
     assert run(jobs, store, url) == 0
     assert f"job {degraded}: degraded earlier (" in capsys.readouterr().out
 
-    assert main(["requeue", degraded, "--store", str(store)]) == 0
-    assert capsys.readouterr().out == f"job {degraded}: requeued (pending)\n"
-    assert run(jobs, store, url) == 0
-    table = {r["job_id"]: r for r in rows(store / "jobs" / "results.csv")}
-    assert {r["state"] for r in table.values()} == {"succeeded"}
-    assert table[degraded]["files"]
-    prompt = {j.id: j.prompt_id for j in load_job_file(jobs).jobs}[degraded]
-    counts = posts(fake)
-    assert counts.pop(prompt) == 2  # the degraded job again, nothing else
-    assert sorted(counts.values()) == [1, 1]
+    requeue_and_render(jobs, store, url, degraded, fake, capsys)
 
 
 def test_an_output_over_max_output_bytes_dead_letters_its_job_and_the_others_finish(

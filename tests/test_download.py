@@ -234,33 +234,38 @@ async def test_a_stream_past_the_limit_fails_and_leaves_no_partial_file(tmp_path
     assert all_files(tmp_path) == []
 
 
-async def test_a_view_answer_that_is_not_the_file_is_refused_and_nothing_is_kept(tmp_path):
-    # A login page of a proxy in between answers 200 text/html: not the PNG /history lists.
+RED_PNG = solid_png(64, 64, (255, 0, 0), [], 6)
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "said"),
+    [
+        # A login page of a proxy in between answers 200 text/html: not the PNG /history lists.
+        (
+            b"<html>please log in</html>",
+            "text/html",
+            "answered text/html, not the file (image/png expected)",
+        ),
+        # A proxy that sends half the file, and says so in its Content-Length: only the
+        # PNG's own end (IEND) tells.
+        (
+            RED_PNG[: len(RED_PNG) // 2],
+            "image/png",
+            "of a PNG without its end (IEND chunk)",
+        ),
+    ],
+)
+async def test_a_view_answer_that_is_not_the_file_is_refused_and_nothing_is_kept(
+    tmp_path, body, content_type, said
+):
     async def handle(request: web.Request) -> web.Response:
-        return web.Response(body=b"<html>please log in</html>", content_type="text/html")
+        return web.Response(body=body, content_type=content_type)
 
     entry = entry_with({"filename": "solid_00001_.png", "subfolder": "", "type": "output"})
     async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(NotTheFile) as info:
             await download_outputs(client, entry, tmp_path)
-    assert "answered text/html, not the file (image/png expected)" in str(info.value)
-    assert info.value.transient
-    assert all_files(tmp_path) == []
-
-
-async def test_a_png_cut_short_with_a_matching_content_length_is_refused_and_not_kept(tmp_path):
-    # A proxy that sends half the file, and says so in its Content-Length: only the
-    # PNG's own end (IEND) tells.
-    whole = solid_png(64, 64, (255, 0, 0), [], 6)
-
-    async def handle(request: web.Request) -> web.Response:
-        return web.Response(body=whole[: len(whole) // 2], content_type="image/png")
-
-    entry = entry_with({"filename": "solid_00001_.png", "subfolder": "", "type": "output"})
-    async with answering(handle) as url, ComfyClient(url) as client:
-        with pytest.raises(NotTheFile) as info:
-            await download_outputs(client, entry, tmp_path)
-    assert "of a PNG without its end (IEND chunk)" in str(info.value)
+    assert said in str(info.value)
     assert info.value.transient
     assert all_files(tmp_path) == []
 
