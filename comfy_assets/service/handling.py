@@ -22,7 +22,7 @@ from comfy_assets.store import PartitionConflict, Store, off_loop
 log = logging.getLogger("comfy_assets.service.worker")
 
 
-class DeadLetterWatch:
+class EndingsWatch:
     """The store as one ``run_one`` call sees it, noting the jobs that call dead-lettered
     and those it recorded done (``finished``: a twin delivery that finished the job while
     this one waited for its claim leaves it out, so this one is "done before").
@@ -109,7 +109,7 @@ class MessageHandling:
             await d.dead_letter(stopped)
             await self._acked(d, "stopped", "job %s: not rendered, %s", job.id, stopped)
             return
-        watch = DeadLetterWatch(self.store)
+        watch = EndingsWatch(self.store)
         # A claim owner per run: two deliveries of one job in this worker must not both
         # hold its claim (the second one waits for the first, as another worker would).
         self._run_number += 1
