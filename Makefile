@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	# Our modules' bytecode, written once: an editable install writes none, and where
+	# PYTHONDONTWRITEBYTECODE is set every command would compile them again at its start.
+	$(BIN)/python -m compileall -q comfy_assets fake_comfy > /dev/null
 	touch $(STAMP)
 
 test: $(STAMP)

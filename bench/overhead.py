@@ -13,8 +13,9 @@ unless ``--prompt-seconds`` says how long each node takes). The CPU a process us
 from ``wait4`` (user + system), start-up included; the **marginal** CPU per job is (cpu(large) - cpu(small)) /
 (large - small) of the medians of the repeats, which leaves start-up out (a single run
 moves by a quarter on this shared machine). Lines: ``cpu_ms_per_job_ours``,
-``cpu_ms_per_job_bare``, ``ratio`` (ours / bare), and the medians ``cpu_s_*`` and
-``wall_s_*`` of each side and size. Both sides download every output and write it to disk; ours
+``cpu_ms_per_job_bare``, ``ratio`` (ours / bare), the medians ``cpu_s_*`` and
+``wall_s_*`` of each side and size, and ``ratio_whole_<size>``: ours / bare of the whole
+process's CPU at each size, start-up included (what a run of that many jobs costs). Both sides download every output and write it to disk; ours
 also claims, records, checks and hashes (the product).
 
 With ``COMFYUI_URL``: ``--real-jobs`` (100) tiny prompts of distinct colours through each
@@ -174,6 +175,9 @@ def main() -> None:
             marginal = figures[f"cpu_s_{name}_{args.large}"] - figures[f"cpu_s_{name}_{args.small}"]
             figures[f"cpu_ms_per_job_{name}"] = marginal / extra * 1000
         figures["ratio"] = figures["cpu_ms_per_job_ours"] / figures["cpu_ms_per_job_bare"]
+        for size in (args.small, args.large):
+            whole = figures[f"cpu_s_ours_{size}"] / figures[f"cpu_s_bare_{size}"]
+            figures[f"ratio_whole_{size}"] = whole
         real = os.environ.get("COMFYUI_URL")
         if real:
             for name, side in (("ours", ours), ("bare", bare)):

@@ -268,12 +268,12 @@ def write_partition_results(
     job_ids = [job.id for job in job_file.jobs]
     store = result_store.open()
     try:
-        path, frame = write_results(store, partition, job_ids)
+        path, results = write_results(store, partition, job_ids)
     finally:
         store.close()
-    context.log.info(f"wrote {len(frame)} rows to {path}")
+    context.log.info(f"wrote {len(results)} rows to {path}")
     return MaterializeResult(
-        metadata={**results_metadata(frame, path), "job_file_sha256": job_file.sha256}
+        metadata={**results_metadata(results, path), "job_file_sha256": job_file.sha256}
     )
 
 
@@ -289,9 +289,11 @@ def gather_results(
             tables[partition] = path
         else:
             context.log.warning(f"partition {partition} has no {RESULTS_CSV} yet")
-    frame = combine_results(tables)
-    path = write_csv(frame, root / "all_results.csv")
-    return MaterializeResult(metadata={**results_metadata(frame, path), "partitions": len(tables)})
+    results = combine_results(tables)
+    path = write_csv(results, root / "all_results.csv")
+    return MaterializeResult(
+        metadata={**results_metadata(results, path), "partitions": len(tables)}
+    )
 
 
 def _gate_check(gate: GateResult, partition: str) -> AssetCheckResult:

@@ -34,7 +34,7 @@ from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.states import DONE
 from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.render.cost import ModelLoadCost
-from comfy_assets.render.results import FileRow, inputs_cell
+from comfy_assets.render.results import FileRow, ResultsTable, inputs_cell
 from comfy_assets.store import FileRecord, JobRecord, Store
 
 # Errors of one bad file shown by the ``valid`` check; the rest are counted.
@@ -365,8 +365,11 @@ RESULTS_COLUMNS = {
 }
 
 
-def results_metadata(frame: pd.DataFrame, path: Path) -> dict[str, object]:
+def results_metadata(results: ResultsTable, path: Path) -> dict[str, object]:
     """Row count, path, the column schema and a preview table of a results CSV."""
+    # object dtype keeps each value as it is (64 stays 64 where some rows lack a key);
+    # the schema's types come from the values (``_table_type``).
+    frame = pd.DataFrame(results.rows, columns=results.columns, dtype=object)
     schema = column_schema(frame, RESULTS_COLUMNS)
     return {
         "dagster/row_count": len(frame),

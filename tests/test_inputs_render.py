@@ -130,8 +130,8 @@ async def test_results_table_names_each_input_with_its_sha256_and_take(tmp_path)
     store = Store(tmp_path / "store")
     await render(path, store, FakeComfy(prompt_seconds=0.005))
     job = load_job_file(path).jobs[0]
-    _, frame = write_results(store, "p", [job.id])
-    row = frame.iloc[0]
+    _, table = write_results(store, "p", [job.id])
+    row = table.rows[0]
     sha = job.inputs[0].sha256
     assert row["inputs"] == f"1.image=one.png@sha256:{sha}"
     assert row["take"] == 1
@@ -246,8 +246,8 @@ async def test_a_new_take_renders_that_shot_and_its_dependants_again_and_keeps_b
     take2 = output_of(store, "board", second[1].id, ".mp4")
     assert take2.relative_to(store.job_dir("board", second[1].id)).parts[0] == "take-2"
     assert take2.name != take1_files[second[1].id].name  # a new render, not a copy
-    _, frame = write_results(store, "board", [j.id for j in second])
-    assert list(frame["take"]) == [1, 2, 1]
+    _, table = write_results(store, "board", [j.id for j in second])
+    assert table.column("take") == [1, 2, 1]
 
 
 async def test_a_picture_no_node_can_load_is_a_dead_letter_naming_the_input(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -9,7 +10,6 @@ import pandas as pd
 
 from comfy_assets.render.results import (
     combine_results,
-    markdown_table,
     results_table,
     write_csv,
 )
@@ -56,9 +56,9 @@ def test_a_row_per_job_with_a_column_per_set_key() -> None:
     ]
     files = {"a": [F("solid_00001_.png", "ab" * 32), F("inverted_00001_.png", "cd" * 32)]}
 
-    frame = results_table(records, files)
+    table = results_table(records, files)
 
-    assert list(frame.columns) == [
+    assert table.columns == [
         "job_id",
         "line",
         "shot",
@@ -75,16 +75,18 @@ def test_a_row_per_job_with_a_column_per_set_key() -> None:
         "files",
         "reason",
     ]
-    assert frame["job_id"].tolist() == ["a", "b"]
-    assert frame.loc[0, "files"] == "inverted_00001_.png:cdcdcdcdcdcd solid_00001_.png:abababababab"
-    assert frame.loc[1, "state"] == "failed_fatal"
-    assert frame.loc[1, "reason"] == "IndexError"
-    assert frame.loc[1, "files"] == ""
+    assert table.column("job_id") == ["a", "b"]
+    assert (
+        table.rows[0]["files"] == "inverted_00001_.png:cdcdcdcdcdcd solid_00001_.png:abababababab"
+    )
+    assert table.rows[1]["state"] == "failed_fatal"
+    assert table.rows[1]["reason"] == "IndexError"
+    assert table.rows[1]["files"] == ""
 
 
 def test_csv_keeps_integers_when_a_key_is_missing_in_some_rows(tmp_path: Path) -> None:
-    frame = results_table([rec("a", {"1.width": 64}), rec("b", {"1.color": 3})], {})
-    path = write_csv(frame, tmp_path / "p" / "results.csv")
+    table = results_table([rec("a", {"1.width": 64}), rec("b", {"1.color": 3})], {})
+    path = write_csv(table, tmp_path / "p" / "results.csv")
 
     text = path.read_text().splitlines()
 
@@ -99,10 +101,10 @@ def test_csv_keeps_integers_when_a_key_is_missing_in_some_rows(tmp_path: Path) -
 def test_job_ids_order_the_rows_and_show_missing_jobs() -> None:
     records = [rec("a", {"1.color": 1}), rec("old", {"1.color": 2}), rec("b", {"1.color": 3})]
 
-    frame = results_table(records, {}, job_ids=["b", "a", "c"])
+    table = results_table(records, {}, job_ids=["b", "a", "c"])
 
-    assert frame["job_id"].tolist() == ["b", "a", "c"]
-    assert frame["state"].tolist() == ["succeeded", "succeeded", "missing"]
+    assert table.column("job_id") == ["b", "a", "c"]
+    assert table.column("state") == ["succeeded", "succeeded", "missing"]
 
 
 def test_a_storyboard_sorts_by_shot_and_every_row_names_its_line(tmp_path: Path) -> None:
@@ -121,8 +123,8 @@ def test_a_storyboard_sorts_by_shot_and_every_row_names_its_line(tmp_path: Path)
 
 
 def test_list_values_are_written_as_json() -> None:
-    frame = results_table([rec("a", {"5.size": [1, 2]})], {})
-    assert frame.loc[0, "5.size"] == "[1, 2]"
+    table = results_table([rec("a", {"5.size": [1, 2]})], {})
+    assert table.rows[0]["5.size"] == "[1, 2]"
 
 
 def test_combine_adds_a_partition_column(tmp_path: Path) -> None:
@@ -131,18 +133,22 @@ def test_combine_adds_a_partition_column(tmp_path: Path) -> None:
 
     combined = combine_results({"images": a, "story": b})
 
-    assert combined["partition"].tolist() == ["images", "story"]
-    assert combined["job_id"].tolist() == ["x", "y"]
-    assert combined.loc[0, "2.fps"] == ""
-    assert combined.loc[1, "2.fps"] == "24.0"
+    assert combined.column("partition") == ["images", "story"]
+    assert combined.column("job_id") == ["x", "y"]
+    assert combined.rows[0]["2.fps"] == ""
+    assert combined.rows[1]["2.fps"] == "24.0"
 
 
-def test_markdown_preview_escapes_pipes_and_cuts_long_tables() -> None:
-    frame = pd.DataFrame({"job_id": [f"j{i}" for i in range(25)], "reason": ["a|b"] * 25})
+def test_a_carriage_return_in_a_cell_keeps_its_row_whole(tmp_path: Path) -> None:
+    # A reason from a server's Windows traceback: "\r\n" between its lines.
+    records = [rec("a", {"1.color": 1}, reason="Traceback\r\n  line 1\rend"), rec("b", {})]
+    path = write_csv(results_table(records, {}), tmp_path / "p" / "results.csv")
 
-    text = markdown_table(frame, max_rows=3)
+    with path.open(newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    combined = combine_results({"p": path})
 
-    lines = text.splitlines()
-    assert lines[0] == "| job_id | reason |"
-    assert lines[2] == "| j0 | a\\|b |"
-    assert "22 more rows" in text
+    assert [row["job_id"] for row in rows] == ["a", "b"]
+    assert rows[0]["reason"] == "Traceback\n  line 1\nend"
+    assert combined.column("job_id") == ["a", "b"]
+    assert pd.read_csv(path)["job_id"].tolist() == ["a", "b"]

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import logging
 import os
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -286,9 +284,8 @@ def run_command(args: argparse.Namespace) -> int:
         return store
     show_logs(args)
     track_metrics(args, store, partition)
-    # The batch (aiohttp, websockets), results.csv (pandas) and the bar (tqdm) are imported
-    # by the command that runs them: ``requeue``, ``events`` and ``worker`` build their
-    # parsers here too.
+    # The batch (aiohttp, websockets) and the bar (tqdm) are imported by the command that
+    # runs them: ``requeue``, ``events`` and ``worker`` build their parsers here too.
     from comfy_assets.render.run import run_batch_sync
 
     bar = None
@@ -305,7 +302,7 @@ def run_command(args: argparse.Namespace) -> int:
                 servers=servers,
                 store=store,
                 config=batch_config(args),
-                on_line=ImportOnFirstLine(bar.line if bar else print_line),
+                on_line=bar.line if bar else print_line,
                 on_progress=bar.update if bar else None,
                 priority=args.priority,
             )
@@ -376,29 +373,6 @@ def _stopped(
         file=sys.stderr,
     )
     return 1
-
-
-class ImportOnFirstLine:
-    """``on_line`` of the batch that, at its first line, imports what results.csv needs
-    (pandas: a large part of ``run``'s start-up) on a thread of its own, while the next
-    prompts render, instead of after the last one. The first line comes when a job has
-    settled (its requests made: the batch's own imports are behind it) or was found done;
-    starting then, not at once, keeps the two threads from importing side by side."""
-
-    def __init__(self, on_line: Callable[[str], None]) -> None:
-        self.on_line = on_line
-        self.started = False
-
-    def __call__(self, line: str) -> None:
-        if not self.started:
-            self.started = True
-            threading.Thread(
-                target=importlib.import_module,
-                args=("comfy_assets.render.results",),
-                name="import-results",
-                daemon=True,
-            ).start()
-        self.on_line(line)
 
 
 def results_line(store: Store, partition: str, job_file: JobFile) -> str | None:

@@ -17,14 +17,14 @@ last try had to load one: true/false, empty before any try) follow ``server``.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
-
-import pandas as pd
 
 from comfy_assets.store import Store
 
@@ -44,6 +44,25 @@ MODEL_COLUMNS = ["models", "model_loaded"]  # after "server", when jobs load mod
 RESULTS_CSV = "results.csv"
 # A job of the job file with no record in the store (it never got registered).
 MISSING_STATE = "missing"
+
+
+@dataclass(frozen=True)
+class ResultsTable:
+    """A results table: ``columns`` in order, and ``rows``, each a dict of column name to
+    value (an int, float, bool or str; None or a column the row lacks is an empty cell).
+    Plain rows, not a DataFrame: ``run`` and the worker write the CSV without loading
+    pandas (a large part of a process's start-up); the Dagster assets make a DataFrame of
+    it for their metadata (``metadata.results_metadata``)."""
+
+    columns: list[str]
+    rows: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def column(self, name: str) -> list[Any]:
+        """The values of column ``name``, a row each (None where a row lacks it)."""
+        return [row.get(name) for row in self.rows]
 
 
 class JobRow(Protocol):
@@ -132,7 +151,7 @@ def results_table(
     job_ids: Sequence[str] | None = None,
     models: Mapping[str, tuple[tuple[str, ...], bool]] | None = None,
     failed_on: Mapping[str, Sequence[str]] | None = None,
-) -> pd.DataFrame:
+) -> ResultsTable:
     """Build the results table.
 
     ``files`` maps job id to its output files. ``job_ids`` (the job file's ids in line
@@ -182,12 +201,7 @@ def results_table(
             found = models.get(row["job_id"])
             if found is not None:
                 row["models"], row["model_loaded"] = " ".join(found[0]), found[1]
-    # object dtype keeps 64 as 64 (not 64.0) when some jobs don't set a key.
-    frame = pd.DataFrame(rows, columns=columns, dtype=object)
-    for name in ("line", "shot", "take", "attempts"):
-        frame[name] = frame[name].astype("Int64")
-    frame["seconds"] = frame["seconds"].astype("Float64")
-    return frame
+    return ResultsTable(columns, rows)
 
 
 def results_csv_path(root: Path, partition: str) -> Path:
@@ -197,7 +211,7 @@ def results_csv_path(root: Path, partition: str) -> Path:
 
 def write_results(
     store: Store, partition: str, job_ids: Sequence[str] | None = None
-) -> tuple[Path, pd.DataFrame]:
+) -> tuple[Path, ResultsTable]:
     """Write ``partition``'s results CSV as the store has it now; returns its path and the
     table. ``job_ids`` (a job file's, in line order) selects and orders the rows, and a
     record of a job no longer in the file (a deleted line) is left out; without it every
@@ -214,17 +228,26 @@ def write_results(
     files = {record.job_id: by_job.get(record.job_id, []) for record in records}
     models = last_model_tries(store.model_loads(partition))
     failed = store.failed_on(partition)
-    frame = results_table(records, files, job_ids=job_ids, models=models, failed_on=failed)
-    return write_csv(frame, results_csv_path(store.root, partition)), frame
+    table = results_table(records, files, job_ids=job_ids, models=models, failed_on=failed)
+    return write_csv(table, results_csv_path(store.root, partition)), table
 
 
-def write_csv(frame: pd.DataFrame, path: Path) -> Path:
-    """Write ``frame`` to ``path`` atomically (temp file + rename): readers never see half."""
+def write_csv(table: ResultsTable, path: Path) -> Path:
+    """Write ``table`` to ``path`` atomically (temp file + rename): readers never see half.
+    UTF-8, a header line, ``\n`` after each line, cells quoted only where they must be
+    (the csv module's minimal quoting), an empty cell for None. A carriage return in a
+    cell (a reason from a server's Windows traceback) is written as a line feed: the
+    csv module would leave such a cell unquoted, and readers would end the row there.
+    Raises OSError."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as handle:
-            frame.to_csv(handle, index=False)
+            writer = csv.writer(handle, lineterminator="\n")
+            writer.writerow(table.columns)
+            writer.writerows(
+                [_csv_cell(row.get(name)) for name in table.columns] for row in table.rows
+            )
         os.chmod(tmp, 0o644)  # mkstemp makes it private; a results table is for everyone
         os.replace(tmp, path)
     except BaseException:
@@ -233,38 +256,36 @@ def write_csv(frame: pd.DataFrame, path: Path) -> Path:
     return path
 
 
-def combine_results(tables: Mapping[str, Path]) -> pd.DataFrame:
-    """Concatenate each partition's results CSV, with a leading ``partition`` column.
+def _csv_cell(value: Any) -> Any:
+    if isinstance(value, str) and "\r" in value:
+        return value.replace("\r\n", "\n").replace("\r", "\n")
+    return value
+
+
+def combine_results(tables: Mapping[str, Path]) -> ResultsTable:
+    """Concatenate each partition's results CSV (``{partition: path}``, in partition
+    order), with a leading ``partition`` column; every cell is the CSV's text.
 
     Columns are the union, in order of first appearance; a partition without a ``set``
-    key has an empty cell there.
+    key has an empty cell there. Raises OSError, and ValueError naming the file and line
+    of a row whose cells are not as many as its header's.
     """
-    frames = []
+    columns = ["partition"]
+    rows: list[dict[str, Any]] = []
     for partition, path in sorted(tables.items()):
-        frame = pd.read_csv(path, dtype=str, keep_default_na=False)
-        frame.insert(0, "partition", partition)
-        frames.append(frame)
-    if not frames:
-        return pd.DataFrame(columns=["partition", *FIXED_BEFORE, *FIXED_AFTER])
-    return pd.concat(frames, ignore_index=True, sort=False).fillna("")
-
-
-def markdown_table(frame: pd.DataFrame, max_rows: int = 20) -> str:
-    """A markdown table of the first ``max_rows`` rows (for Dagster metadata)."""
-    shown = frame.head(max_rows)
-
-    def fmt(value: Any) -> str:
-        if value is None or (not isinstance(value, str) and pd.isna(value)):
-            return ""
-        return str(value).replace("|", "\\|").replace("\n", " ")
-
-    lines = [
-        "| " + " | ".join(fmt(c) for c in shown.columns) + " |",
-        "|" + " --- |" * len(shown.columns),
-    ]
-    lines += [
-        "| " + " | ".join(fmt(v) for v in row) + " |" for row in shown.itertuples(index=False)
-    ]
-    if len(frame) > max_rows:
-        lines.append(f"\n… {len(frame) - max_rows} more rows")
-    return "\n".join(lines)
+        with path.open(encoding="utf-8", newline="") as handle:
+            reader = csv.reader(handle)
+            header = next(reader, [])
+            columns += [name for name in header if name not in columns]
+            for cells in reader:
+                if not cells:  # a blank line
+                    continue
+                if len(cells) != len(header):
+                    raise ValueError(
+                        f"{path}:{reader.line_num}: {len(cells)} cells, its header has "
+                        f"{len(header)}"
+                    )
+                rows.append({"partition": partition, **dict(zip(header, cells, strict=True))})
+    if not tables:
+        columns = ["partition", *FIXED_BEFORE, *FIXED_AFTER]
+    return ResultsTable(columns, [{name: row.get(name, "") for name in columns} for row in rows])

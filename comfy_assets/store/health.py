@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 
 from comfy_assets.store.base import StoreBase
 from comfy_assets.store.retry import retried
@@ -40,6 +39,7 @@ from comfy_assets.store.schema import (
     server_leases_table,
     workflow_failures_table,
 )
+from comfy_assets.store.statements import insert_for
 
 # Jobs in a row that failed on a server and then rendered elsewhere before it is
 # quarantined: three, as Flamenco's blocklist threshold and Afanasy's errors_avoid_host;
@@ -165,8 +165,7 @@ class ServerHealth(StoreBase):
             "failed_jobs": "[]",
             "updated_at": now,
         }
-        insert = postgresql.insert(t) if self.dialect == "postgresql" else sqlite.insert(t)
-        conn.execute(insert.values(**values).on_conflict_do_nothing())
+        conn.execute(insert_for(self.dialect, t).values(**values).on_conflict_do_nothing())
         row = conn.execute(sa.select(t).where(t.c.server == server).with_for_update()).one()
         return dict(row._mapping)
 
