@@ -117,6 +117,53 @@ async def test_a_job_in_backoff_says_until_when_and_after_which_failure(
     assert re.match(r"until \d\d:\d\d:\d\d \(\d+ s from now\), after: .*500", job["detail"])
 
 
+async def test_a_job_requeued_after_the_running_batch_dead_lettered_it_waits_for_the_next_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(steering, "EVERY_S", 0.02)
+    # Job 0's colour is over EmptyImage's max: POST /prompt answers 400, a dead letter at
+    # once; the other six render slowly, so the batch is still running when it is requeued.
+    jf = load_job_file(
+        write_jobs(tmp_path / "jobs", 7, extra=[{"set": {"1.color": 1 << 30}}] + [{}] * 6)
+    )
+    bad = jf.jobs[0].id
+    store = Store(tmp_path / "s")
+    async with fake_servers(FakeComfy(prompt_seconds=0.2)) as servers:
+        task = asyncio.create_task(
+            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        )
+        try:
+
+            def dead(s: Store) -> bool:
+                rec = s.get(bad)  # None until the batch registers its jobs
+                return rec is not None and rec.state == "failed_fatal"
+
+            await wait_until(lambda: dead(store), 30.0, "a dead letter")
+            assert store.requeue(bad)
+
+            def let_go(s: Store) -> bool:
+                parts = [r for r in s.live() if r.kind == "partition"]
+                return any(bad in (r.detail.get("let_go") or {}) for r in parts)
+
+            await wait_until(lambda: let_go(store), 30.0, "the batch's row naming it")
+            report = await asyncio.to_thread(gather, Store.existing(tmp_path / "s"), "p")
+            summary = await task
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    assert report is not None
+    (job,) = [j for j in report["jobs"] if j["job_id"] == bad]
+    assert job["state"] == "pending"
+    assert job["reason"] == "not in a running batch"
+    assert job["detail"] == (
+        "the running batch of partition p dead-lettered it, and it was requeued since: that "
+        "batch does not take it up again; the next run of the partition renders it"
+    )
+    # True to the end: that run rendered the other six and left it pending.
+    assert summary.done == 6
+    assert store.get(bad).state == "pending"
+
+
 async def test_a_server_that_dies_under_our_prompt_reads_unreachable_not_rendering(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -23,7 +23,8 @@ the server that says so, so the lines of one output agree. A job's reason is one
 - ``every server that can run it is quarantined``: which;
 - ``dead-lettered``: failed for good (requeue it to run again), with the reason;
 - ``not in a running batch``: no run holds its partition now (a run, or a worker's
-  queue, brings it; workers write no status rows).
+  queue, brings it; workers write no status rows), or the run of its partition let it go
+  and does not take it up again (requeued after that run dead-lettered it, say).
 
 A partition's ``waiting`` counts its jobs left (neither done nor dead-lettered) by these
 reasons, so its numbers add up to the jobs left.
@@ -218,6 +219,19 @@ def _reason(rec: JobRecord, look: _Look) -> tuple[str, str]:
         return "not in a running batch", (
             f"no running batch holds partition {rec.partition} (a run, or a worker's "
             "queue, brings it)"
+        )
+    how = (row.detail.get("let_go") or {}).get(rec.job_id)
+    if how in ("dead_lettered", "degraded"):
+        done = "dead-lettered" if how == "dead_lettered" else "degraded"
+        return "not in a running batch", (
+            f"the running batch of partition {rec.partition} {done} it, and it was requeued "
+            "since: that batch does not take it up again; the next run of the partition "
+            "renders it"
+        )
+    if how is not None:
+        return "not in a running batch", (
+            f"the running batch of partition {rec.partition} let it go without running it "
+            "(its lines say why); the next run of the partition runs it"
         )
     h = look.held.get(rec.job_id)
     if h is not None and h.get("reason") == "upstream":

@@ -110,6 +110,9 @@ class Batch(Settle, Chain, Claiming):
         self.no_server = False
         self.attempts: dict[str, Attempt] = {}
         self.settling: set[str] = set()  # jobs whose attempt ended, its result being recorded
+        # Jobs resolved other than done, and how: this batch does not take them up again
+        # (a requeue while it runs is for the next run); ``status`` says so.
+        self.let_go: dict[str, Ended] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}  # the consumer running each attempt
         self.finished = asyncio.Event()  # every job resolved, or stopped with none in flight
         # SQLite is a local file: a call costs less than a hop to a thread and back.
@@ -189,9 +192,11 @@ class Batch(Settle, Chain, Claiming):
         self.resolutions += 1
         if job_id is not None:
             self.settling.discard(job_id)  # no longer left, so not finishing either
+            if ended != "done":
+                self.let_go[job_id] = ended
             self._unpark(job_id)  # the jobs that continue from it look again
         counts = {"done": 0, "dead_lettered": 0, "not_run": 0}
-        counts[ended] = 1
+        counts["done" if ended == "degraded" else ended] = 1
         p = self.progress
         self.progress = Progress(
             p.total,

@@ -102,7 +102,7 @@ class Chain:
                 self.store.mark_done, job.id, self.owner, state="degraded", reason=reason
             )
             self.report(f"job {job.id}: degraded (draft), {reason}")
-            ended: Literal["done", "dead_lettered"] = "done"
+            ended: Literal["degraded", "dead_lettered"] = "degraded"
         else:
             await self._db(self.store.dead_letter, job.id, self.owner, reason)
             self.report(f"job {job.id}: dead-lettered, {reason}")

@@ -48,9 +48,10 @@ class Claiming:
                         f"job {job.id}: degraded earlier ({rec.reason}), nothing posted; "
                         "requeue it to render again"
                     )
+                    self._resolve("degraded", job.id)
                 else:
                     self.report(f"job {job.id}: already done, nothing posted")
-                self._resolve("done", job.id)
+                    self._resolve("done", job.id)
                 return None
             # Done, but its files are gone or changed on disk: render it again, which
             # catches up from the server's /history first (downloads, no new prompt).

@@ -13,7 +13,8 @@ from typing import Literal
 
 from comfy_assets.render.eta import format_left
 
-Ended = Literal["done", "dead_lettered", "not_run"]
+# How the batch resolved a job: "degraded" counts as done (the draft policy accepted it).
+Ended = Literal["done", "degraded", "dead_lettered", "not_run"]
 
 
 @dataclass(frozen=True)

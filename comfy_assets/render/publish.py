@@ -8,12 +8,15 @@ The detail of a partition row::
 
     {"total", "done", "dead_lettered", "remaining", "estimate_s",
      "held": {job_id: {"reason", "until", "upstream", "server"}},
-     "groups": [{"servers": [...can run...], "holding": [...], "jobs": [ids] or None}]}
+     "groups": [{"servers": [...can run...], "holding": [...], "jobs": [ids] or None}],
+     "let_go": {job_id: "degraded" | "dead_lettered" | "not_run"}}
 
 ``held`` names the jobs in backoff (``until``: epoch seconds), those waiting for their
 upstream jobs (``upstream``: ids) and those whose catch-up waits for the server of their
 last POST to answer (``catch-up``: ``server``, and ``until`` when they are posted anew);
-``groups`` the servers that can run each group of waiting jobs (lacking none of its
+``let_go`` the jobs it resolved other than done (up to ``MAX_IDS``), which it does not
+take up again: one requeued while the batch runs waits for the next run; ``groups`` the
+servers that can run each group of waiting jobs (lacking none of its
 nodes and models, as far as known) and those holding its models (none for a group that
 loads no model), with the jobs' ids up to ``MAX_IDS`` in all. A server row: ``{"state": "rendering" | "free" | "unreachable" | "quarantined" |
 "trial" | "busy", "job", "partition", "since", "progress", "reason", "foreign_queue"}``:
@@ -28,7 +31,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Collection, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.plan import models_of
@@ -43,6 +46,7 @@ if TYPE_CHECKING:
     from comfy_assets.store import Store
 
 MAX_IDS = 2000  # job ids a partition row names at most (rows stay small)
+V = TypeVar("V")
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +103,7 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
             "estimate_s": progress.estimate_s,
             "held": _bounded(held),
             "groups": group_rows,
+            "let_go": _bounded(batch.let_go),
         }
     }
     out.update(server_rows(batch.pool, rendering_rows(batch)))
@@ -186,10 +191,10 @@ def prompt_progress(batch: Batch, name: str, attempt: Attempt) -> str:
     return where.describe(attempt.job.workflow) if where is not None else "posting"
 
 
-def _bounded(held: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    if len(held) <= MAX_IDS:
-        return held
-    return dict(list(held.items())[:MAX_IDS])
+def _bounded(by_id: Mapping[str, V]) -> dict[str, V]:
+    if len(by_id) <= MAX_IDS:
+        return dict(by_id)
+    return dict(list(by_id.items())[:MAX_IDS])
 
 
 def _foreign_queue(pool: Pool, name: str) -> int:

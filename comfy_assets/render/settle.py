@@ -135,7 +135,7 @@ class Settle(Ownership):
                 self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
                 self.report(f"delivery policy: {self.stopped}; no new shots are submitted")
         self.claims.finished(job.id)
-        self._resolve("done" if degraded else "dead_lettered", job.id)
+        self._resolve("degraded" if degraded else "dead_lettered", job.id)
 
     async def _cancelled(
         self, job: Job, attempt: Attempt, attempt_number: int, before: int
