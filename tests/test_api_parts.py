@@ -17,7 +17,7 @@ from comfy_assets.api.outbox import Outbox, webhook_id
 from comfy_assets.api.signing import load_key, signature, verify
 from comfy_assets.api.submission import parse_submission, pointer
 from comfy_assets.api.tokens import Clients, TokensError
-from comfy_assets.api.webhook_urls import GuardedResolver, address_problem
+from comfy_assets.api.webhook_urls import GuardedResolver, address_problem, delivery_problem
 from comfy_assets.store import OutputFile, Store
 from comfy_assets.store.api_jobs import ApiJob, ApiLedger
 from tests.api_support import job_body
@@ -52,6 +52,8 @@ def test_the_signature_of_the_specifications_example(tmp_path: Path) -> None:
         ("64:ff9b:1::7f00:1", True),  # a local-use NAT64 prefix
         ("2002:7f00:1::", True),  # 6to4 of 127.0.0.1
         ("2002:a00:7::1", True),  # 6to4 of 10.0.0.7
+        ("::127.0.0.1", True),  # IPv4-compatible (deprecated), in reserved ::/8
+        ("::ffff:0:127.0.0.1", True),  # IPv4-translated, in reserved ::/8
         ("64:ff9b::5db8:d70e", False),  # NAT64 of 93.184.215.14
         ("2002:5db8:d70e::1", False),  # 6to4 of 93.184.215.14
         ("0.0.0.0", True),
@@ -181,6 +183,57 @@ async def test_the_outbox_retries_then_delivers_then_gives_up(store: Store) -> N
     assert gone.given_up_at is not None and gone.delivered_at is None
     last = [e.detail for e in store.events(dropped) if (e.detail or "").startswith("webhook")][-1]
     assert "given up after 6 s" in (last or "")
+
+
+async def test_a_delivery_to_a_private_address_is_not_made_whoever_accepted_it(
+    store: Store,
+) -> None:
+    """A URL accepted by an API process allowed private addresses, delivered by one that
+    is not: aiohttp connects to an address without asking the resolver, so the address
+    is checked before connecting; the receiver gets nothing, the webhook is given up at
+    once, and its job's event says why."""
+    got: list[str] = []
+
+    async def receive(request: web.Request) -> web.Response:
+        got.append(request.path)
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_post("/hook", receive)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    ledger = ApiLedger(store)
+    job = _ended_job(store, ledger, f"http://127.0.0.1:{port}/hook")
+    outbox = Outbox(ledger, b"k" * 32, allow_private=False, poll_s=0.01)
+    task = asyncio.create_task(outbox.run())
+    try:
+        await wait_until(
+            lambda: any(h.next_at is None for h in ledger.webhooks(job)), 30, "an outcome"
+        )
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await runner.cleanup()
+    [hook] = ledger.webhooks(job)
+    assert got == []
+    assert hook.given_up_at is not None and hook.attempts == 1
+    [note] = [e.detail for e in store.events(job) if (e.detail or "").startswith("webhook")]
+    assert note.endswith(
+        "not called: its host is 127.0.0.1, a loopback address (refused unless "
+        "--allow-private-webhooks); given up"
+    )
+
+
+def test_which_urls_are_refused_before_a_delivery_connects() -> None:
+    assert "loopback" in (delivery_problem("http://[::1]:8/h", allow_private=False) or "")
+    assert "reserved" in (delivery_problem("http://[::127.0.0.1]/", allow_private=False) or "")
+    assert delivery_problem("http://127.0.0.1/h", allow_private=True) is None
+    assert delivery_problem("http://93.184.215.14/h", allow_private=False) is None
+    assert delivery_problem("http://localhost/h", allow_private=False) is None  # the resolver's
+    assert delivery_problem("ftp://93.184.215.14/", allow_private=True) is not None
 
 
 def _ended_job(store: Store, ledger: ApiLedger, url: str) -> str:

@@ -32,7 +32,7 @@ import aiohttp
 
 from comfy_assets.api import signing
 from comfy_assets.api.views import iso, job_view
-from comfy_assets.api.webhook_urls import GuardedResolver
+from comfy_assets.api.webhook_urls import GuardedResolver, delivery_problem
 from comfy_assets.render.backoff import backoff_delay
 from comfy_assets.store import JobRecord, Store, StoreUnavailable, off_loop
 from comfy_assets.store.api_jobs import ApiJob, ApiLedger, Webhook
@@ -184,20 +184,25 @@ class Outbox:
         """POST ``hook`` once; record the outcome in its row and as an event."""
         body = hook.payload.encode()
         headers = signing.headers(self.key, hook.webhook_id, int(time.time()), body)
-        error: str | None = None
-        try:
-            async with session.post(
-                hook.url, data=body, headers=headers, allow_redirects=False
-            ) as r:
-                if not 200 <= r.status < 300:
-                    error = f"HTTP {r.status}"
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
-            error = f"{type(e).__name__}: {e}"[:500] if str(e) else type(e).__name__
+        # Refused here for good: the URL is what it was at submission, so it stays refused.
+        refused = delivery_problem(hook.url, allow_private=self.allow_private)
+        error: str | None = None if refused is None else f"not called: {refused}"
+        if refused is None:
+            try:
+                async with session.post(
+                    hook.url, data=body, headers=headers, allow_redirects=False
+                ) as r:
+                    if not 200 <= r.status < 300:
+                        error = f"HTTP {r.status}"
+            except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
+                error = f"{type(e).__name__}: {e}"[:500] if str(e) else type(e).__name__
         number = hook.attempts + 1
         what = f"webhook {hook.webhook_id} attempt {number} to {shown_url(hook.url)}"
         next_at: float | None = None
         if error is None:
             detail = f"{what}: delivered"
+        elif refused is not None:
+            detail = f"{what}: {error}; given up"
         elif self.ledger.now() - hook.created_at >= self.give_up_after_s:
             detail = f"{what}: {error}; given up after {self.give_up_after_s:g} s"
         else:

@@ -10,9 +10,12 @@ info, or any address its host resolves to is not a global unicast address
 multicast and unspecified ranges are all outside it); an IPv6 address that reaches an
 IPv4 one through a translator (IPv4-mapped, 6to4, NAT64) is judged by that IPv4 address,
 and a local-use NAT64 prefix is refused. The check is made at submission
-(422) and again at each delivery, by the resolver the delivery connects through
+(422) and again at each delivery: a host that is an address is checked before the
+delivery connects (``delivery_problem``: aiohttp connects to an address without asking
+its resolver), and a name by the resolver the delivery connects through
 (``GuardedResolver``), so a name that resolves elsewhere later (DNS rebinding) is
-refused too.
+refused too, and so is a URL accepted by an API process allowed private addresses when
+one that is not delivers it.
 """
 
 from __future__ import annotations
@@ -48,7 +51,9 @@ def address_problem(text: str) -> str | None:
         embedded = _embedded_ipv4(ip)
         if embedded is not None:
             ip = embedded
-    if ip.is_global and not ip.is_multicast:
+    # Some reserved IPv6 ranges count as global to ipaddress (::/8 holds the deprecated
+    # IPv4-compatible ``::127.0.0.1`` and the translated ``::ffff:0:127.0.0.1``).
+    if ip.is_global and not ip.is_multicast and not ip.is_reserved:
         return None
     # The narrowest kind first: 0.0.0.0 and 127.0.0.1 are in ipaddress's private ranges too.
     for kind in ("unspecified", "loopback", "link_local", "multicast", "private", "reserved"):
@@ -97,6 +102,25 @@ def url_problem(url: str) -> str | None:
     if any(ord(c) < 33 or ord(c) == 127 for c in url):
         return "white space or control characters"
     return None
+
+
+def delivery_problem(url: str, *, allow_private: bool) -> str | None:
+    """Why a delivery to ``url`` is not made, found before it connects: ``url_problem``,
+    or, unless ``allow_private``, a host that is an address (``http://127.0.0.1/``,
+    ``http://[::1]/``) outside the public ones, which aiohttp would connect to without
+    asking ``GuardedResolver``. None: go ahead (a name is the resolver's to judge)."""
+    problem = url_problem(url)
+    if problem is not None or allow_private:
+        return problem
+    host = urlsplit(url).hostname or ""
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return None
+    problem = address_problem(host)
+    if problem is None:
+        return None
+    return f"its host is {problem} (refused unless --allow-private-webhooks)"
 
 
 async def check_url(url: str, *, allow_private: bool, timeout_s: float = 5.0) -> None:
