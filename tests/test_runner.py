@@ -14,6 +14,7 @@ import pytest
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import ConnectionLost, UnexpectedAnswer
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render import removal
 from comfy_assets.render.outcome import Failure
 from comfy_assets.render.ownership import graph_sha256
 from comfy_assets.render.run import run_batch
@@ -530,6 +531,37 @@ async def test_a_prompt_that_cannot_be_followed_is_removed_not_left_running(tmp_
     ]
     (failed,) = [e for e in store.events(jf.jobs[1].id) if e.to_state == "failed_retryable"]
     assert failed.detail.endswith("; prompt interrupted and removed from gpu0")
+
+
+async def test_a_removal_waiting_on_a_long_node_says_so_before_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An interrupt lands between nodes: a run cancelled (Ctrl+C) in a long node waits for
+    # it to end before its prompt leaves /queue, and says so instead of going silent.
+    monkeypatch.setattr(removal, "SAY_WAITING_S", 0.05)
+    fake = FakeComfy(script=["slow"], prompt_seconds=0.2)  # its nodes take 2 s each
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    store = Store(tmp_path / "store")
+    async with fake_servers(fake) as servers:
+        task = asyncio.create_task(
+            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        )
+
+        def rendering() -> bool:
+            rec = store.get(jf.jobs[0].id)  # None until the batch registers its jobs
+            return rec is not None and rec.state == "rendering"
+
+        await wait_until(rendering, 20.0, "its prompt executing")
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    [line] = [
+        r.getMessage() for r in caplog.records if "after it was interrupted" in r.getMessage()
+    ]
+    assert f"prompt {jf.jobs[0].prompt_id} still on gpu0 " in line
+    assert line.endswith("waiting up to 120 s in all for it to leave")
+    assert [r["outcome"] for r in fake.stats["runs"]] == ["interrupted"]
+    last = store.events(jf.jobs[0].id)[-1]
+    assert last.detail == "run cancelled; prompt interrupted and removed from gpu0"
 
 
 def lose_post_and_queue_answers(

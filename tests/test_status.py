@@ -20,7 +20,7 @@ from comfy_assets.cli.status import REASONS, gather, lines
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render import steering
+from comfy_assets.render import publish, steering
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, metadata
@@ -162,6 +162,23 @@ async def test_a_job_requeued_after_the_running_batch_dead_lettered_it_waits_for
     # True to the end: that run rendered the other six and left it pending.
     assert summary.done == 6
     assert store.get(bad).state == "pending"
+
+
+async def test_a_prompt_posted_behind_another_clients_reads_posted_not_posting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(steering, "EVERY_S", 0.02)
+    fake = FakeComfy(busy=3, prompt_seconds=0.5)  # another client's 3 prompts run first
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+
+    def posted(store: Store) -> bool:
+        rows = [r for r in store.live() if r.kind == "server"]
+        return any(r.detail.get("progress") == publish.POSTED_SILENT for r in rows)
+
+    report = await status_during(tmp_path, [fake], jf, posted, "our prompt posted, queued")
+    (job,) = report["jobs"]
+    assert job["reason"] == "rendering"
+    assert job["detail"].endswith(", posted, nothing heard of it since")
 
 
 async def test_a_server_that_dies_under_our_prompt_reads_unreachable_not_rendering(

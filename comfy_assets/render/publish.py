@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from comfy_assets.store import Store
 
 MAX_IDS = 2000  # job ids a partition row names at most (rows stay small)
+POSTED_SILENT = "posted, nothing heard of it since"
 V = TypeVar("V")
 
 log = logging.getLogger(__name__)
@@ -184,11 +185,16 @@ def server_rows(
 
 def prompt_progress(batch: Batch, name: str, attempt: Attempt) -> str:
     """How far ``attempt``'s prompt on server ``name`` is, by that server's socket
-    (``node 3/7 KSampler, step 14/20``: ``comfy/progress.py``), or "posting" until the
-    server has said anything of it."""
+    (``node 3/7 KSampler, step 14/20``: ``comfy/progress.py``); until the server has
+    said anything of it, "posting" before its POST is answered and "posted, nothing
+    heard of it since" after (queued behind another client's prompt, say, or a server
+    that stopped executing)."""
     follower = batch.pool.open_follower(name)
     where = follower.progress(attempt.job.prompt_id) if follower is not None else None
-    return where.describe(attempt.job.workflow) if where is not None else "posting"
+    if where is not None:
+        return where.describe(attempt.job.workflow)
+    slot = attempt.slot
+    return "posting" if slot is None or slot.posted_at is None else POSTED_SILENT
 
 
 def _bounded(by_id: Mapping[str, V]) -> dict[str, V]:

@@ -18,6 +18,9 @@ from comfy_assets.render.outcome import (
 
 log = logging.getLogger("comfy_assets.render.attempt")
 
+# Seconds a removal waits in silence for our prompt to leave its server's /queue.
+SAY_WAITING_S = 5.0
+
 
 class Removal:
     """How an attempt removes its prompt (a part of ``Attempt``)."""
@@ -36,9 +39,24 @@ class Removal:
             if was_there:
                 await client.delete_from_queue([pid])
                 await client.interrupt(pid)
+            started, told = time.monotonic(), False
             while queue.find(pid) is not None:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise TimeoutError(f"still there after {self.evict_timeout_s:g} s")
+                if not told and now - started >= SAY_WAITING_S:
+                    # A node runs to its end before an interrupt lands: a long one (or a
+                    # server that stopped executing) would keep the wait silent.
+                    told = True
+                    log.warning(
+                        "%s: prompt %s still on %s %.0f s after it was interrupted; waiting "
+                        "up to %g s in all for it to leave",
+                        self.label,
+                        pid,
+                        slot.name,
+                        now - started,
+                        self.evict_timeout_s,
+                    )
                 await asyncio.sleep(self.poll_s)
                 queue = await client.queue()
             entry = await client.history(pid)
