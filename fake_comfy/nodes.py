@@ -357,7 +357,7 @@ async def save(class_type: str, inputs: dict[str, Any], ctx: SaveContext) -> dic
     """Runs an output node: writes its files (in a thread) and returns its UI output, e.g.
     {"images": [{"filename", "subfolder", "type"}]} or, for videos and animated WEBP, with
     "animated": [True] (video.json). Raises NodeFailure for a prefix escaping the folder,
-    a failed write (OSError), an empty batch, a video of an odd width or height (libx264
+    a failed write (OSError), a prefix with a NUL byte (ValueError), an empty batch, a video of an odd width or height (libx264
     refuses it: av.error.ExternalError), or a LoadVideo file that is not a video."""
     try:
         if class_type == "SaveVideo":
@@ -371,7 +371,9 @@ async def save(class_type: str, inputs: dict[str, Any], ctx: SaveContext) -> dic
             # UI output is empty, so /history lists no outputs for it (progress.json).
             _first_image(_as_images(inputs.get("images")))
             return {}
-    except (media.SaveOutsideOutput, OSError, IndexError, av.FFmpegError) as ex:
+    except (media.SaveOutsideOutput, OSError, IndexError, ValueError, av.FFmpegError) as ex:
+        # ValueError: a prefix with a NUL byte, refused by os calls as in ComfyUI's
+        # folder_paths.get_save_image_path.
         raise _failure_from(ex) from ex
     raise ValueError(f"fake_comfy cannot run output node {class_type}")
 

@@ -593,6 +593,30 @@ async def test_error_fails_at_the_second_node_with_the_recorded_index_error(tmp_
     assert list(tmp_path.iterdir()) == []
 
 
+async def test_a_nul_byte_in_a_prefix_is_the_nodes_value_error_and_the_next_prompt_runs(
+    tmp_path: Path,
+) -> None:
+    # As a real v0.8.0 answers it (checked on one): os calls refuse the path, the node
+    # fails with ValueError "embedded null byte", and the server goes on.
+    fake = FakeComfy(prompt_seconds=NODE_S, output_dir=tmp_path)
+    bad = workflows.solid_and_inverted()
+    bad["3"]["inputs"]["filename_prefix"] = "\x00nul"
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        sock = await Socket.open(url, "me")
+        await post(c, bad, "me", "nul")
+        messages = await sock.until_done("nul")
+        await post(c, workflows.solid_and_inverted(), "me", "next")
+        await sock.until_done("next")
+        await sock.close()
+    error = next(m["data"] for m in messages if m["type"] == "execution_error")
+    assert (error["exception_type"], error["exception_message"]) == (
+        "ValueError",
+        "embedded null byte\n",
+    )
+    assert error["node_type"] == "SaveImage"
+    assert [r["outcome"] for r in fake.stats["runs"]] == ["error", "success"]
+
+
 async def test_oom_is_an_execution_error_with_comfyuis_tip(tmp_path: Path) -> None:
     fake = FakeComfy(script=["oom"], prompt_seconds=NODE_S, output_dir=tmp_path)
     async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
