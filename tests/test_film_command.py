@@ -162,6 +162,11 @@ def test_bad_input_exits_2_with_a_reason(
         f"{store_dir / 'film.mp4'}": [
             "--jobs", str(storyboard), "--store", str(store_dir), "--out", str(store_dir),
         ],
+        f"--out {tmp_path}/out/reel.txt: the film is an MP4 file: give a name ending in "
+        f".mp4, such as {tmp_path}/out/reel.mp4": [
+            "--jobs", str(storyboard), "--store", str(store_dir),
+            "--out", str(tmp_path / "out" / "reel.txt"),
+        ],
         f"--out {storyboard}/reel.mp4: its folder can't be made (File exists)": [
             "--jobs", str(storyboard), "--store", str(store_dir),
             "--out", str(storyboard / "reel.mp4"),
@@ -173,6 +178,7 @@ def test_bad_input_exits_2_with_a_reason(
         assert expected in captured.err
         assert captured.out == ""
     assert not (tmp_path / "nowhere").exists()  # a mistyped store is not created
+    assert not (tmp_path / "out").exists()  # nor the folder of a refused --out
     assert not list(store_dir.rglob("film.mp4"))
 
     with pytest.raises(SystemExit) as exit_info:

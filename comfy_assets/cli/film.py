@@ -54,7 +54,7 @@ def film_command(args: argparse.Namespace) -> int:
     film as ``<name>.contact.png``. Exit 0 when the film is written; 1 when the gate
     blocks (nothing written; one line per missing or bad shot, with why); 2 for bad
     input: an unreadable or invalid job file, a file without shots, an ``--out`` that is a
-    folder or whose folder can't be made, no store at ``--store``, or a partition holding
+    folder, not named ``.mp4`` or whose folder can't be made, no store at ``--store``, or a partition holding
     none of the file's jobs. A film that can't be written (a full disk, a tool failing:
     MediaError, OSError) is one ``error:`` line and exit 1, nothing left at ``--out``.
     """
@@ -67,6 +67,11 @@ def film_command(args: argparse.Namespace) -> int:
     if args.out is not None and args.out.is_dir():
         return bad_input(
             f"--out {args.out} is a folder: give the film's file name, such as {args.out / 'film.mp4'}"
+        )
+    if args.out is not None and args.out.suffix.lower() != ".mp4":
+        return bad_input(
+            f"--out {args.out}: the film is an MP4 file: give a name ending in .mp4, such as "
+            f"{args.out.with_suffix('.mp4')}"
         )
     if args.out is not None:
         try:
