@@ -234,7 +234,7 @@ def write_results(
 
 def write_csv(table: ResultsTable, path: Path) -> Path:
     """Write ``table`` to ``path`` atomically (temp file + rename): readers never see half.
-    UTF-8, a header line, ``\n`` after each line, cells quoted only where they must be
+    UTF-8, a header line, a line feed after each line, cells quoted only where they must be
     (the csv module's minimal quoting), an empty cell for None. A carriage return in a
     cell (a reason from a server's Windows traceback) is written as a line feed: the
     csv module would leave such a cell unquoted, and readers would end the row there.
