@@ -54,8 +54,8 @@ def film_command(args: argparse.Namespace) -> int:
     film as ``<name>.contact.png``. Exit 0 when the film is written; 1 when the gate
     blocks (nothing written; one line per missing or bad shot, with why); 2 for bad
     input: an unreadable or invalid job file, a file without shots, an ``--out`` that is a
-    folder, not named ``.mp4`` or whose folder can't be made, no store at ``--store``, or a partition holding
-    none of the file's jobs. A film that can't be written (a full disk, a tool failing:
+    folder, not named ``.mp4`` or whose folder can't be made, no store at ``--store``, or
+    a partition holding none of the file's jobs. A film that can't be written (a full disk, a tool failing:
     MediaError, OSError) is one ``error:`` line and exit 1, nothing left at ``--out``.
     """
     try:
