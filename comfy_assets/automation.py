@@ -16,11 +16,17 @@ RENDER_RESULTS_CONDITION = (
 
 # Built again after any partition's results change, once nothing of its own is running.
 # Unlike AutomationCondition.eager() it does not wait for every partition to exist: a job
-# file that was never rendered (or failed) would hold it back for ever.
+# file that was never rendered (or failed) would hold it back for ever. A change is
+# answered only by a request made after it, not by an update of its own (as
+# since_last_handled would have it): a run of it may read the tables before a partition's
+# results change and end after them, and that change would be taken as handled, leaving
+# all_results stale. The trigger is the deps' newly_updated itself, so the since compares
+# its timestamps with the request's (and/or operators drop them).
 ALL_RESULTS_CONDITION = (
-    AutomationCondition.newly_missing() | AutomationCondition.any_deps_updated()
-).since_last_handled().with_label(
-    "missing or any results updated"
+    AutomationCondition.any_deps_match(AutomationCondition.newly_updated())
+    .since(AutomationCondition.newly_requested())
+    .with_label("results updated since requested")
+    | AutomationCondition.newly_missing().since_last_handled().with_label("missing")
 ) & ~AutomationCondition.in_progress()
 
 # Built once renders of the same key is, by films_automation_sensor: after the run that

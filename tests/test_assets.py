@@ -401,6 +401,39 @@ def test_all_results_is_requested_after_each_render_and_current_after(
     assert frame["partition"].tolist() == ["one", "one", "two"]
 
 
+def test_results_changed_while_all_results_runs_bring_it_again(
+    jobs_dir: Path, tmp_path: Path, instance
+) -> None:
+    # all_results is requested; before its run ends, another partition's results change
+    # (its run read the tables first, say). Its own update is no answer to that change:
+    # it is requested again, once, so all_results.csv ends with every partition's rows.
+    write_job_file(jobs_dir, "one", [1, 2])
+    write_job_file(jobs_dir, "two", [3])
+    store = ResultStoreResource(folder=str(tmp_path / "store"))
+
+    def requested(cursor=None):
+        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        return evaluation.get_num_requested(AssetKey("all_results")), evaluation.cursor
+
+    with serving(FakeComfy()) as comfy:
+        resources = {"comfy": comfy, "result_store": store}
+        _, cursor = requested()  # the sensor's first tick
+        assert render(instance, "one", comfy, tmp_path / "store").success
+        count, cursor = requested(cursor)
+        assert count == 1
+        assert render(instance, "two", comfy, tmp_path / "store").success  # meanwhile
+        assert materialize(
+            [renders, render_results, all_results],
+            selection=[all_results],
+            instance=instance,
+            resources=resources,
+        ).success  # the requested run ends after two's results
+        count, cursor = requested(cursor)
+        assert count == 1
+        count, cursor = requested(cursor)
+        assert count == 0  # once
+
+
 def test_a_render_launched_without_its_results_brings_them_and_all_results_after(
     jobs_dir: Path, tmp_path: Path, instance
 ) -> None:
