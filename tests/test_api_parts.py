@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -133,13 +134,7 @@ async def test_the_outbox_retries_then_delivers_then_gives_up(store: Store) -> N
         got.append((h["webhook-id"], ok))
         return web.Response(status=answers.pop(0))
 
-    app = web.Application()
-    app.router.add_post("/hook", receive)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await _receiver(receive)
     ledger = ApiLedger(store)
     delivered, dropped = (
         _ended_job(store, ledger, f"http://127.0.0.1:{port}/hook"),
@@ -198,13 +193,7 @@ async def test_a_delivery_to_a_private_address_is_not_made_whoever_accepted_it(
         got.append(request.path)
         return web.Response(status=204)
 
-    app = web.Application()
-    app.router.add_post("/hook", receive)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    runner, port = await _receiver(receive)
     ledger = ApiLedger(store)
     job = _ended_job(store, ledger, f"http://127.0.0.1:{port}/hook")
     outbox = Outbox(ledger, b"k" * 32, allow_private=False, poll_s=0.01)
@@ -234,6 +223,20 @@ def test_which_urls_are_refused_before_a_delivery_connects() -> None:
     assert delivery_problem("http://93.184.215.14/h", allow_private=False) is None
     assert delivery_problem("http://localhost/h", allow_private=False) is None  # the resolver's
     assert delivery_problem("ftp://93.184.215.14/", allow_private=True) is not None
+
+
+async def _receiver(
+    receive: Callable[[web.Request], Awaitable[web.Response]],
+) -> tuple[web.AppRunner, int]:
+    """A webhook receiver on loopback answering POST /hook with ``receive``: its runner
+    (the caller cleans it up) and its port."""
+    app = web.Application()
+    app.router.add_post("/hook", receive)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
 def _ended_job(store: Store, ledger: ApiLedger, url: str) -> str:

@@ -362,16 +362,18 @@ def test_a_render_lists_its_progress_in_the_log(jobs_dir: Path, tmp_path: Path, 
     assert "3/3 done, 0 left" in messages
 
 
+def all_results_requested(instance, cursor=None):
+    """(runs of all_results the automation sensors request now, their cursor)."""
+    evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+    return evaluation.get_num_requested(AssetKey("all_results")), evaluation.cursor
+
+
 def test_all_results_is_requested_after_each_render_and_current_after(
     jobs_dir: Path, tmp_path: Path, instance
 ) -> None:
     write_job_file(jobs_dir, "one", [1, 2])
     write_job_file(jobs_dir, "two", [3])
     store = ResultStoreResource(folder=str(tmp_path / "store"))
-
-    def requested(cursor=None):
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
-        return evaluation.get_num_requested(AssetKey("all_results")), evaluation.cursor
 
     def build_all_results(comfy: ComfyPoolResource) -> None:
         assert materialize(
@@ -382,18 +384,18 @@ def test_all_results_is_requested_after_each_render_and_current_after(
         ).success
 
     with serving(FakeComfy()) as comfy:
-        count, cursor = requested()
+        count, cursor = all_results_requested(instance)
         assert count == 0  # nothing rendered yet: nothing to gather
 
         assert render(instance, "one", comfy, tmp_path / "store").success
-        count, cursor = requested(cursor)
+        count, cursor = all_results_requested(instance, cursor)
         assert count == 1
         build_all_results(comfy)
-        count, cursor = requested(cursor)
+        count, cursor = all_results_requested(instance, cursor)
         assert count == 0  # current: nothing changed since
 
         assert render(instance, "two", comfy, tmp_path / "store").success
-        count, cursor = requested(cursor)
+        count, cursor = all_results_requested(instance, cursor)
         assert count == 1
         build_all_results(comfy)
 
@@ -411,15 +413,11 @@ def test_results_changed_while_all_results_runs_bring_it_again(
     write_job_file(jobs_dir, "two", [3])
     store = ResultStoreResource(folder=str(tmp_path / "store"))
 
-    def requested(cursor=None):
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
-        return evaluation.get_num_requested(AssetKey("all_results")), evaluation.cursor
-
     with serving(FakeComfy()) as comfy:
         resources = {"comfy": comfy, "result_store": store}
-        _, cursor = requested()  # the sensor's first tick
+        _, cursor = all_results_requested(instance)  # the sensor's first tick
         assert render(instance, "one", comfy, tmp_path / "store").success
-        count, cursor = requested(cursor)
+        count, cursor = all_results_requested(instance, cursor)
         assert count == 1
         assert render(instance, "two", comfy, tmp_path / "store").success  # meanwhile
         assert materialize(
@@ -428,9 +426,9 @@ def test_results_changed_while_all_results_runs_bring_it_again(
             instance=instance,
             resources=resources,
         ).success  # the requested run ends after two's results
-        count, cursor = requested(cursor)
+        count, cursor = all_results_requested(instance, cursor)
         assert count == 1
-        count, cursor = requested(cursor)
+        count, cursor = all_results_requested(instance, cursor)
         assert count == 0  # once
 
 
