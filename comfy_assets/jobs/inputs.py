@@ -15,13 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from comfy_assets.jobs.strict_json import kind_of, quoted
+from comfy_assets.jobs.strict_json import CONTROL_CHARACTERS, kind_of, quoted
 
 # Large enough for a 4K keyframe or a short clip, small enough that a typo naming a
 # film file is caught before it is read and uploaded to every server.
@@ -29,9 +28,6 @@ MAX_INPUT_BYTES = 64 * 1024**2
 # An index of the files one node wrote; the store keeps such numbers in 32 bits.
 MAX_INDEX = 2**31 - 1
 UPSTREAM_FIELDS = ("job", "node", "index")
-# C0, DEL and C1: no file name a person means holds one, and a newline in a name
-# would split a log line or a CSV row.
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 _READ_CHUNK = 1024**2
 # Dagster's names for the two rules (``partitions.input_rules_from_env``); the commands'
 # are ``--follow-input-links`` and ``--max-input-bytes`` (``cli.options``). A refusal
@@ -75,7 +71,7 @@ def path_problem(spec: str) -> str | None:
     only (never the disk): empty, a control character, a backslash, absolute, ``..``."""
     if not spec:
         return "expected a file path relative to the job file, got an empty string"
-    control = _CONTROL.search(spec)
+    control = CONTROL_CHARACTERS.search(spec)
     if control is not None:
         # ASCII-only JSON: the character is shown escaped, never printed as is.
         shown = json.dumps(spec)[:80]

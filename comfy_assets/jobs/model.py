@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
-from comfy_assets.jobs.strict_json import quoted
+from comfy_assets.jobs.strict_json import CONTROL_CHARACTERS, quoted
 
 # Fixed forever: changing it changes every prompt_id and so re-renders everything.
 NAMESPACE = uuid.UUID("d20cb511-11c0-5807-a7e6-7f81477668c7")
@@ -55,13 +55,9 @@ class LineError:
         return _visible(f"{self.path}:{self.line}: {self.field}: {self.message}")
 
 
-# C0 and C1 control characters and DEL.
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
-
-
 def _visible(text: str) -> str:
     """``text`` with each control character written as Python escapes it (``\\x1b``)."""
-    return _CONTROL.sub(lambda m: repr(m.group(0))[1:-1], text)
+    return CONTROL_CHARACTERS.sub(lambda m: repr(m.group(0))[1:-1], text)
 
 
 class JobFileError(ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -76,6 +77,11 @@ MAX_SHOT = 2**31 - 1
 def is_shot(value: Any) -> bool:
     """An integer from 0 to MAX_SHOT (not a bool): a shot number."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SHOT
+
+
+# C0 and C1 control characters and DEL: no name a person means holds one, and a newline
+# or an escape sequence in one would split a log line or a CSV row, or drive a terminal.
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 def quoted(value: Any) -> str:

@@ -60,10 +60,6 @@ class ResultsTable:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def column(self, name: str) -> list[Any]:
-        """The values of column ``name``, a row each (None where a row lacks it)."""
-        return [row.get(name) for row in self.rows]
-
 
 class JobRow(Protocol):
     """The fields of a store job record that the table shows."""
