@@ -75,6 +75,8 @@ class ComfyPoolResource(ConfigurableResource):
     max_delay_s: float = _knob("max_delay_s")
     jitter: bool = _knob("jitter")
     timeout_s: float = _knob("timeout_s")
+    stall_factor: float | None = _knob("stall_factor")
+    wedge_s: float = _knob("wedge_s")
     poll_s: float = _knob("poll_s")
     lease_s: float = _knob("lease_s")
     server_lease_s: float = _knob("server_lease_s")

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 LATE_HISTORY_S = 0.3
 SLOW_FACTOR = 10  # the `slow` word: per-node time multiplier
 # Words that act at a prompt's second node: such a prompt runs every node, cache or not.
-FULL_RUN_WORDS = frozenset({"error", "oom", "hang", "drop", "restart", "cuda", "disk"})
+FULL_RUN_WORDS = frozenset({"error", "oom", "hang", "wedge", "drop", "restart", "cuda", "disk"})
 
 # A small workflow for the prompts of busy=N (another client's backlog).
 BUSY_PROMPT: dict[str, Any] = {
@@ -246,6 +246,8 @@ class Executor:
                     hub.cut(client)
                 if word == "hang":
                     await session.interrupt.wait()
+                if word == "wedge":
+                    await asyncio.Event().wait()  # never set: only the server's stop ends it
             if session.interrupt.is_set():
                 add_message(
                     "execution_interrupted",

@@ -10,6 +10,9 @@ used up every prompt is `ok`. Words:
 - oom: like error, with exception_type torch.OutOfMemoryError and ComfyUI's OOM tips.
 - drop: its client's socket is closed abruptly at the second node; the prompt finishes.
 - hang: stops at the second node until interrupted, then execution_interrupted.
+- wedge: stops at the second node for good, deaf to interrupts and queue deletes (running in
+  /queue, nothing more said of it), as a server whose execution thread is stuck inside a
+  node after a CUDA hang.
 - slow: ten times the per-node time.
 - partial: 200 with non-empty node_errors; its first output node is dropped.
 - late: history written 300 ms after execution_success; the prompt stays running in /queue
@@ -43,6 +46,7 @@ WORDS = frozenset(
         "oom",
         "drop",
         "hang",
+        "wedge",
         "slow",
         "partial",
         "late",

@@ -275,7 +275,11 @@ async def test_a_run_that_validation_cut_short_is_a_dead_letter_when_caught_up(t
             jf, partition="p", servers=servers, store=store, config=fast_config()
         )
     assert summary.dead_letters == [
-        (job.id, "outputs dropped: node 3 not among the outputs the server runs (run 0 on gpu0)")
+        (
+            job.id,
+            "failed on gpu0, the only server that can run it: outputs dropped: node 3 not "
+            "among the outputs the server runs (run 0 on gpu0)",
+        )
     ]
     assert posted(fake, job.prompt_id) == 1
     assert store.files(job.id) == []

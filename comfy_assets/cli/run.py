@@ -54,6 +54,8 @@ def add_batch_options(p: argparse.ArgumentParser) -> None:
         ("base_delay_s", not_negative),
         ("max_delay_s", not_negative),
         ("timeout_s", positive),
+        ("stall_factor", not_negative),
+        ("wedge_s", positive),
         ("poll_s", positive),
         ("lease_s", positive),
         ("server_lease_s", positive),
@@ -79,7 +81,7 @@ def add_knob_option(
     if default is None:
         shown = "none"
     elif isinstance(default, float):
-        shown = f"{default:g} s"
+        shown = f"{default:g}" + (" s" if name.endswith("_s") else "")
     else:
         shown = byte_size_text(default) if kind is byte_size else str(default)
     p.add_argument(

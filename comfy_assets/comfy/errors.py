@@ -146,6 +146,13 @@ class DeadlineExceeded(ComfyError):
     caller should interrupt the prompt so the server is free again."""
 
 
+class PromptStalled(DeadlineExceeded):
+    """The prompt runs, and nothing was heard of it (no ``executing``, ``progress`` or
+    other message about it) for the caller's ``stall_s`` seconds: the server may be
+    wedged inside a node. Transient; the caller interrupts the prompt as after a
+    deadline, and a prompt that then stays running means a server that runs nothing."""
+
+
 class NoServerReachable(Exception):
     """No server of the pool answered for ``waited_s`` seconds (each one's last probe
     failed; ``reasons`` by server name). Not a ComfyError on purpose: it is no attempt's

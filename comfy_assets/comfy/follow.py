@@ -38,6 +38,7 @@ from comfy_assets.comfy.errors import (
     ConnectionLost,
     DeadlineExceeded,
     PromptLost,
+    PromptStalled,
     RequestTimeout,
     ServerUnreachable,
     UnexpectedAnswer,
@@ -185,6 +186,7 @@ class PromptFollower:
         number: int,
         *,
         deadline_s: float = 600.0,
+        stall_s: Callable[[], float | None] | None = None,
         on_finished: Callable[[], object] | None = None,
         then: Callable[[], Awaitable[object]] | None = None,
     ) -> PromptOutcome:
@@ -198,6 +200,8 @@ class PromptFollower:
         neither our request nor the server's answer stands in its way. Raises PromptLost
         when the run is in neither /queue nor /history,
         DeadlineExceeded after ``deadline_s`` seconds (interrupt it yourself),
+        PromptStalled when the run has started and nothing was heard of it for the
+        seconds ``stall_s()`` answers, asked at each look (None: never),
         UnexpectedAnswer (or another permanent ComfyError) for answers not understood.
         Transient server trouble (refused, reset, 5xx) is retried until the deadline.
         """
@@ -213,6 +217,7 @@ class PromptFollower:
         seen_drops, seen_reconnects = self._drops, self._reconnects
         suspect = False  # the server may have forgotten the prompt: ask /queue
         then_done = then is None
+        heard_at = loop.time()  # the last message about our prompt (or the start)
 
         def finish(
             status: Outcome, history: HistoryEntry | None, error: ExecutionErrorInfo | None
@@ -227,6 +232,8 @@ class PromptFollower:
                     self._fatal_raised = True
                     raise self._fatal
                 events = self._events.get(prompt_id, ())
+                if cursor < len(events):
+                    heard_at = loop.time()
                 while cursor < len(events):
                     kind, data = events[cursor]
                     cursor += 1
@@ -250,6 +257,14 @@ class PromptFollower:
                 now = loop.time()
                 if now >= deadline:
                     raise self._deadline(run, deadline_s)
+                running = run.started or run.last_seen == "running"
+                stall = stall_s() if stall_s is not None and running else None
+                if stall is not None and now - heard_at >= stall:
+                    raise PromptStalled(
+                        f"{self.client.name}: prompt {prompt_id} run {number} running, and "
+                        f"nothing heard of it for {now - heard_at:.0f} s",
+                        server=self.client.base_url,
+                    )
                 if check_now or now >= next_poll:
                     if now >= next_poll:
                         next_poll = now + self.poll_s

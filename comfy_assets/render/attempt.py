@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from comfy_assets.comfy.errors import (
     OutputMissing,
     PromptLost,
     PromptRejected,
+    PromptStalled,
     ServerError,
 )
 from comfy_assets.comfy.follow import PromptFollower
@@ -75,7 +77,11 @@ class Attempt(CatchUp, Removal):
     posted there never ended (its process died), so its POST may have been accepted
     without a number on record. ``deadline_s``: the
     attempt's deadline (seconds, from the catch-up or, after a catch-up that waited for
-    an unreachable server, from the post); ``poll_s``: how often to look at /queue while
+    an unreachable server, from the post); ``stall_s``: how long a running prompt may go
+    unheard of before it is stopped as at its deadline, asked as it runs (None: never);
+    ``wedge_s``: a prompt
+    still running this long after its interrupt and delete means a wedged server;
+    ``poll_s``: how often to look at /queue while
     removing a prompt; ``evict_timeout_s``: how long that may take. ``catch_up_s``: how
     long to keep asking an unreachable ``prev_server`` before posting elsewhere (which
     may render the job twice). ``fresh``: the last run's outputs are gone from the
@@ -94,6 +100,8 @@ class Attempt(CatchUp, Removal):
     prev_number: int | None = None
     prev_unsettled: bool = False
     deadline_s: float = 600.0
+    stall_s: Callable[[], float | None] | None = None
+    wedge_s: float | None = None
     poll_s: float = 1.0
     evict_timeout_s: float = 120.0
     catch_up_s: float = 60.0
@@ -163,8 +171,8 @@ class Attempt(CatchUp, Removal):
             follower = await self.pool.follower(name)
         except ComfyError as e:  # nothing was posted
             slot.release()
-            return self.result(
-                "transient", describe_error(e, "GET /ws"), server=name, outputs_missing=self.fresh
+            return self.server_failed(
+                describe_error(e, "GET /ws"), server=name, outputs_missing=self.fresh
             )
         if self.fresh:
             try:
@@ -175,8 +183,8 @@ class Attempt(CatchUp, Removal):
                 await client.free(unload_models=False, free_memory=True)
             except ComfyError as e:
                 slot.release()  # nothing posted
-                return self.result(
-                    "transient", describe_error(e, "POST /free"), server=name, outputs_missing=True
+                return self.server_failed(
+                    describe_error(e, "POST /free"), server=name, outputs_missing=True
                 )
         stop = self.hooks.stopped()
         if stop is not None:
@@ -192,9 +200,10 @@ class Attempt(CatchUp, Removal):
             return self.result("permanent", str(e), server=name)
         except UploadFailed as e:
             slot.release()  # nothing posted
-            kind: Kind = "transient" if e.error.transient else "permanent"
-            what = f"POST /upload/image of {e.label}"
-            return self.result(kind, describe_error(e.error, what), server=name)
+            what = describe_error(e.error, f"POST /upload/image of {e.label}")
+            if e.error.transient:
+                return self.server_failed(what, server=name)
+            return self.result("permanent", what, server=name)
         await self.hooks.submitted(name, self.twice)
         # The last moment to find out, nothing posted yet (the job is submitted now).
         stop = slot.lost or self.hooks.stopped() or await self.hooks.unsure()
@@ -214,8 +223,7 @@ class Attempt(CatchUp, Removal):
             slot.release()  # answered 5xx/400: nothing of ours is queued there
             if isinstance(e, PromptRejected):
                 return self._rejected(e, name)
-            kind = "transient" if e.transient else "permanent"
-            return self.result(kind, describe_error(e, "POST /prompt"), server=name, posted=True)
+            return self.server_failed(describe_error(e, "POST /prompt"), server=name, posted=True)
         except ComfyError as e:
             # Reset or timeout: the server may have queued it all the same. Look before
             # deciding: a prompt that runs or ran is followed or taken, not posted again.
@@ -234,7 +242,14 @@ class Attempt(CatchUp, Removal):
             self.on_server = None
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
-            return self.result("permanent", reason, server=name, number=post.number, posted=True)
+            return self.result(
+                "permanent",
+                reason,
+                server=name,
+                number=post.number,
+                posted=True,
+                failure=Failure.of("rejected", reason),
+            )
         return await self._wait(follower, slot, post.number, posted=True)
 
     def _rejected(self, e: PromptRejected, name: str) -> AttemptResult:
@@ -246,7 +261,7 @@ class Attempt(CatchUp, Removal):
         nodes = list(e.node_errors)
         fed = inputs_of_nodes(self.job, nodes)
         if not fed:
-            return self.result("permanent", reason, server=name, posted=True)
+            return self._refused(reason, name)
         staged = self.staged
         stale = {
             staged.names[i.key]
@@ -260,7 +275,19 @@ class Attempt(CatchUp, Removal):
             self.pool.uploads.forget(name, stale)
             reason += f" (fed by {fed}, uploaded earlier: uploading again)"
             return self.result("transient", reason, server=name, posted=True)
-        return self.result("permanent", f"{reason} (fed by {fed})", server=name, posted=True)
+        return self._refused(f"{reason} (fed by {fed})", name)
+
+    def _refused(self, reason: str, name: str) -> AttemptResult:
+        """The result of a prompt ``name`` refused (POST 400): the job's if another
+        server refuses it so too (``render/ownership.py``)."""
+        failure = Failure.of("rejected", reason)
+        return self.result("permanent", reason, server=name, posted=True, failure=failure)
+
+    def server_failed(self, reason: str, *, server: str, **kw: object) -> AttemptResult:
+        """The transient result of a failure the server may own (5xx, refused, reset, timed
+        out): the next attempt goes to another server while one can run the job."""
+        failure = Failure.of("server", reason)
+        return self.result("transient", reason, server=server, failure=failure, **kw)
 
     async def _after_unanswered_post(
         self, follower: PromptFollower, slot: Slot, error: ComfyError
@@ -287,7 +314,7 @@ class Attempt(CatchUp, Removal):
                 return await self._download(client, name, entry, posted=True, verify=True)
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
-            return self.result("transient", reason, server=name, posted=True)
+            return self.server_failed(reason, server=name, posted=True)
         found = queue.find(pid)
         if found is not None:
             slot.dispatched()
@@ -307,15 +334,17 @@ class Attempt(CatchUp, Removal):
                 "%s on %s: %s, but the prompt ran: taking its outputs", self.label, name, reason
             )
             return await self._download(client, name, entry, posted=True, verify=True)
-        kind: Kind = "transient" if error.transient else "permanent"
-        return self.result(kind, reason, server=name, posted=True)
+        if error.transient:
+            return self.server_failed(reason, server=name, posted=True)
+        failure = Failure.of("garbled", reason)
+        return self.result("permanent", reason, server=name, posted=True, failure=failure)
 
     async def _follow(self, slot: Slot, number: int, *, posted: bool) -> AttemptResult:
         try:
             follower = await self.pool.follower(slot.name)
         except ComfyError as e:
             reason = describe_error(e, "GET /ws") + "; " + await self._remove(slot, number)
-            return self.result("transient", reason, server=slot.name, number=number)
+            return self.server_failed(reason, server=slot.name, number=number)
         self.on_server = (slot.client, slot.name)
         return await self._wait(follower, slot, number, posted=posted, verify=True)
 
@@ -337,17 +366,27 @@ class Attempt(CatchUp, Removal):
                 pid,
                 number,
                 deadline_s=remaining,
+                stall_s=self.stall_s,
                 on_finished=slot.release,
                 # The freed GPU gets its next prompt before we ask /history or download.
                 then=lambda: self.pool.handed_over(slot),
             )
-        except DeadlineExceeded:
-            gone = await self._evict(slot, number)
+        except DeadlineExceeded as e:
+            gone = await self._evict(slot, number, wedge_s=self.wedge_s)
             if gone.won is not None:  # it finished while we interrupted it: take the result
                 return await self._download(
                     client, name, gone.won, number=number, posted=posted, verify=verify
                 )
-            if not gone.confirmed:
+            if isinstance(e, PromptStalled):
+                why = f"stalled: {e.message.removeprefix(f'{name}: ')}"
+                failure = Failure("stalled", "stalled", why)
+            else:
+                why = f"deadline of {self.deadline_s:g} s exceeded"
+                failure = Failure("deadline", "deadline", why)
+            if gone.wedged:
+                failure = Failure("wedged", "wedged", f"{why}; prompt {gone.problem}")
+                what = f"prompt {gone.problem}; it may still render there"
+            elif not gone.confirmed:
                 what = f"could not remove it from {name} ({gone.problem})"
             elif gone.was_there:
                 what = "prompt interrupted and removed from the queue"
@@ -355,14 +394,13 @@ class Attempt(CatchUp, Removal):
                 what = (
                     f"prompt lost: in neither /queue nor /history of {name} (the server forgot it)"
                 )
-            deadline = f"deadline of {self.deadline_s:g} s exceeded"
             return self.result(
                 "transient",
-                f"{deadline}; {what}",
+                f"{why}; {what}",
                 server=name,
                 number=number,
                 posted=posted,
-                failure=Failure("deadline", "deadline", deadline),
+                failure=failure,
             )
         except PromptLost as e:
             slot.release()  # neither in /queue nor in /history: it is not on the server
@@ -410,12 +448,13 @@ class Attempt(CatchUp, Removal):
         if fed:
             reason += f" (node {err.node_id} loads {fed})"
         if err.is_oom:
+            failure = Failure.execution_error("oom", err.node_id, err.exception_type, first, reason)
             try:
                 await client.free()
                 reason += "; POST /free sent"
             except ComfyError as e:
                 reason += f"; POST /free failed: {e}"
-            return self.result("transient", reason, **common)
+            return self.result("transient", reason, failure=failure, **common)
         sent = self.staged.workflow if self.staged is not None else self.job.workflow
         cause = infra_cause(err.exception_type, err.exception_message, prompt_strings(sent))
         if cause is not None:
@@ -454,9 +493,10 @@ class Attempt(CatchUp, Removal):
         )
         try:
             dropped = await self._dropped(client, entry.outputs_to_execute) if verify else ""
-            if dropped:
+            if dropped:  # the server's, may be: judged on another server
                 where = f" (run {entry.number} on {name})"
-                return self.result("permanent", dropped + where, **common)
+                failure = Failure.of("rejected", dropped)
+                return self.result("permanent", dropped + where, failure=failure, **common)  # type: ignore[arg-type]
             files = await download_outputs(
                 client, entry, self.dest_dir, max_bytes=self.max_output_bytes, under=self.subdir
             )
@@ -469,8 +509,9 @@ class Attempt(CatchUp, Removal):
                 **common,
             )
         except ComfyError as e:
-            kind: Kind = "transient" if e.transient else "permanent"
-            return self.result(kind, describe_error(e, "download"), **common)
+            if e.transient:  # the server's, may be: a proxy's page, a reset
+                return self.server_failed(describe_error(e, "download"), **common)  # type: ignore[arg-type]
+            return self.result("permanent", describe_error(e, "download"), **common)
         if not files:
             return self.result(
                 "permanent", "the prompt succeeded but listed no output files", **common

@@ -34,7 +34,7 @@ from comfy_assets.render.chain import Chain
 from comfy_assets.render.claiming import Claiming
 from comfy_assets.render.claims import Claims
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.outcome import AttemptHooks, AttemptResult, NotPosted
+from comfy_assets.render.outcome import CATCH_UP_AFTER, AttemptHooks, AttemptResult, NotPosted
 from comfy_assets.render.outputs import take_folder
 from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.progress import Ended, Progress
@@ -373,6 +373,11 @@ class Batch(Settle, Chain, Claiming):
         attempt_number = rec.attempts + 1  # ours; ComfyUI's run `number` is another thing
         item.attempts_before = rec.attempts_before
         prev = rec.server if rec.prompt_id == job.prompt_id else None
+        left = item.failed_on.get(prev or "")
+        if left is not None and left.kind not in CATCH_UP_AFTER:
+            # Its run there ended (failed, refused) or is stuck (wedged: the events say it
+            # may render there too): nothing to catch up; the next attempt posts anew.
+            prev = None
 
         async def submitted(server: str, detail: str | None) -> None:
             if job.take != 1:  # the events say which take they are about
@@ -411,6 +416,8 @@ class Batch(Settle, Chain, Claiming):
             prev_number=_prev_number(item, rec, prev),
             prev_unsettled=item.prev_unsettled and prev is not None,
             deadline_s=cfg.timeout_s,
+            stall_s=self._stall_s(item),
+            wedge_s=cfg.wedge_s,
             poll_s=cfg.poll_s,
             catch_up_s=cfg.catch_up_s,
             fresh=item.fresh,

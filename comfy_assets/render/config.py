@@ -23,6 +23,17 @@ class BatchConfig(PoolSettings):
     max_delay_s: float = knob(60.0, "The longest wait between retries, seconds.")
     jitter: bool = knob(True, "Randomize retry waits so failed jobs do not come back together.")
     timeout_s: float = knob(600.0, "Seconds one attempt may take at most.")
+    stall_factor: float | None = knob(
+        10.0,
+        "A running prompt nothing is heard of for this many times the longest run of its "
+        "kind in the batch (at least 10 s, once 3 have run) is interrupted and tried on "
+        "another server; 0 or none: only timeout_s ends it.",
+    )
+    wedge_s: float = knob(
+        10.0,
+        "Seconds a prompt may stay running after its interrupt and delete before its "
+        "server is taken as wedged: quarantined, the job tried elsewhere at once.",
+    )
     lease_s: float = knob(
         3600.0,
         "Seconds a job's claim stands without renewal. It decides only for a holder with no "

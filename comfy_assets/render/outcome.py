@@ -18,10 +18,35 @@ from comfy_assets.comfy.types import DownloadedFile, HistoryEntry
 
 Kind = Literal["success", "transient", "permanent"]
 
-# What failed, when it may not be the job's fault (``render/ownership.py`` decides whose):
-# an execution_error, an infrastructure error (``comfy/infra.py``: the server's at first
-# sight), the attempt's deadline, or a prompt the server lost or answered garbled.
-FailureKind = Literal["execution_error", "infrastructure", "deadline", "lost"]
+# What failed, when it may not be the job's fault (``render/ownership.py`` decides whose),
+# by where the decision comes from:
+# - judged by a second server (the same failure there makes it the job's): an
+#   ``execution_error``, a prompt ``rejected`` (POST 400, or 200 with node_errors), an
+#   answer the client does not understand (``garbled``);
+# - the server's at first sight: an ``infrastructure`` error (``comfy/infra.py``), a
+#   ``wedged`` server (our prompt still running after its interrupt and delete);
+# - retryable, the server's once the job renders elsewhere, never the job's alone: the
+#   attempt's ``deadline``, a prompt ``stalled`` (no word of it for many times its
+#   workflow's longest run), a prompt the server ``lost``, a ``server`` error (5xx,
+#   refused, reset, timed out), out of memory (``oom``).
+FailureKind = Literal[
+    "execution_error",
+    "rejected",
+    "garbled",
+    "infrastructure",
+    "wedged",
+    "deadline",
+    "stalled",
+    "lost",
+    "server",
+    "oom",
+]
+JUDGED: frozenset[str] = frozenset({"execution_error", "rejected", "garbled"})
+SERVERS_AT_ONCE: frozenset[str] = frozenset({"infrastructure", "wedged"})
+RETRYABLE: frozenset[str] = frozenset({"deadline", "stalled", "lost", "server", "oom"})
+# After these the prompt may still be on its server, or have succeeded there after all:
+# the next attempt catches up there first. After the others its run there is over.
+CATCH_UP_AFTER: frozenset[str] = frozenset({"deadline", "stalled", "lost", "server"})
 
 # Hex addresses and long numbers differ between two runs of one failing node.
 _VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\d{4,}")
@@ -38,6 +63,12 @@ class Failure:
     kind: FailureKind
     signature: str
     summary: str
+
+    @classmethod
+    def of(cls, kind: FailureKind, what: str) -> Failure:
+        """A failure whose signature is its kind and ``what`` without addresses and long
+        numbers (``POST /prompt 500``); ``what`` is its summary too."""
+        return cls(kind, f"{kind}|{_VOLATILE.sub('#', what.strip())[:200]}", what)
 
     @classmethod
     def execution_error(
@@ -80,13 +111,15 @@ class Eviction:
     running when we looked; ``confirmed``: it has left the server (False when the
     server could not be asked: ``problem`` says why); ``won``: its history entry when
     that run succeeded after all; ``history``: the prompt's /history entry once it left
-    (its last run, whichever it was)."""
+    (its last run, whichever it was); ``wedged``: it stayed running past the wedge wait
+    after its interrupt and delete (the server runs nothing: ``problem`` says so)."""
 
     was_there: bool
     confirmed: bool
     won: HistoryEntry | None = None
     problem: str = ""
     history: HistoryEntry | None = None
+    wedged: bool = False
 
 
 async def _none() -> str | None:

@@ -6,13 +6,22 @@ quarantines, workflows known to fail):
 
 - an **infrastructure** error (``comfy/infra.py``) is the server's at first sight: a
   strike against it (a quarantine), and the job tries another server at once;
-- an ordinary **execution_error** may be either's, so a second server judges it: the job
-  is tried next on a server it has not failed on, at once, and is a dead letter only once
-  it failed the same way on two servers (the workflow is then known to fail so: its other
+- a **wedged** server (our prompt still running after its interrupt and delete) is the
+  server's at first sight too: quarantined, the job tried elsewhere at once, and its
+  events say it may render there as well should the server come back;
+- an ordinary **execution_error**, a prompt **rejected** (POST 400, 200 with node_errors)
+  or an answer not understood may be either's, so a second server judges it: the job is
+  tried next on a server it has not failed on, at once, and is a dead letter only once it
+  failed the same way on two servers (the workflow is then known to fail so: its other
   jobs failing that way are dead letters at their first failure), or on every server that
   can run it; its success elsewhere makes the failure the first server's;
-- a **deadline** or a **lost** prompt keeps its backoff, and the next attempt goes to
-  another server while one can run the job; a success there is a strike too.
+- a failure that is never the job's alone (a deadline, a stalled or lost prompt, a 5xx,
+  refused, reset or timed-out request, out of memory) goes elsewhere at once while another
+  server can run the job, with backoff once each has been tried; a success elsewhere is a
+  strike, and ``QUARANTINE_STRIKES`` such failures of different jobs in a row on one server
+  with no success between quarantine it whatever the others do (when every server fails
+  everything, nobody renders to judge). A job that ran out of attempts so while every
+  server that can run it is quarantined stays pending: nothing says it is the job's.
 
 A failure of a workflow known to fail is never held against its server, and neither is
 one nobody could judge (on the only server that can run the job). A workflow that
@@ -31,12 +40,18 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from comfy_assets.render.outcome import AttemptResult, Failure
+from comfy_assets.render.outcome import RETRYABLE, SERVERS_AT_ONCE, AttemptResult, Failure
 from comfy_assets.render.queue import Item
-from comfy_assets.store.health import HealthChange
+from comfy_assets.store.health import QUARANTINE_STRIKES, HealthChange
+
+# A running prompt is taken as stalled after ``stall_factor`` times the longest run of its
+# kind in the batch, never sooner than this (seconds), once this many of them ran.
+STALL_MIN_S = 10.0
+STALL_SAMPLES = 3
 
 
 def graph_sha256(workflow: dict[str, Any]) -> str:
@@ -90,6 +105,39 @@ class Ownership:
         # hashed only when a failure is judged, which most batches never need (the
         # batch's jobs hold these workflows anyway).
         self._unhashed: dict[str, dict[str, Any]] = {}
+        # Per server: the jobs whose failure there was never the job's alone (a 5xx, a
+        # deadline, out of memory...) since its last success, in order.
+        self._failing: dict[str, list[str]] = {}
+        # Per group of jobs (their needs): how many rendered, and the longest took (s).
+        self._longest: dict[Any, tuple[int, float]] = {}
+
+    def _stall_s(self, item: Item) -> Callable[[], float | None]:
+        """``Attempt.stall_s`` of ``item``: how long its prompt may run unheard of before
+        it is taken as stalled, asked as it runs: None before ``STALL_SAMPLES`` jobs of its
+        kind rendered in this batch, on a server that loads a model for it (a load says
+        nothing for as long as it takes), after it stalled once (a long job is not cut
+        twice), or with no ``stall_factor``."""
+        key = self.queue.needs(item)
+
+        def stall_s() -> float | None:
+            factor = self.config.stall_factor
+            seen = self._longest.get(key)
+            if not factor or seen is None or seen[0] < STALL_SAMPLES:
+                return None
+            if item.model_loaded or "stalled" in item.kinds:
+                return None
+            return max(STALL_MIN_S, factor * seen[1])
+
+        return stall_s
+
+    def _measured(self, item: Item, r: AttemptResult) -> None:
+        """A prompt of ``item`` rendered in ``r.gpu_seconds`` (else the attempt's time)."""
+        if r.caught_up:
+            return
+        key = self.queue.needs(item)
+        count, longest = self._longest.get(key, (0, 0.0))
+        took = r.gpu_seconds if r.gpu_seconds is not None else r.seconds
+        self._longest[key] = (count + 1, max(longest, took))
 
     def _graph(self, item: Item) -> str:
         job = item.job
@@ -116,12 +164,20 @@ class Ownership:
         if failure is None or server is None or r.kind == "success":
             return r, False
         job = item.job
-        if failure.kind == "infrastructure":
+        item.kinds.add(failure.kind)
+        if failure.kind in SERVERS_AT_ONCE:
             await self._server_failed(item, server, failure, infrastructure=True)
-            return r, True
-        if failure.kind != "execution_error":  # a deadline, a lost prompt: backoff stands
-            await self._server_failed(item, server, failure)
-            return r, False
+            if failure.kind == "wedged":
+                await self._db(
+                    self.store.note,
+                    job.id,
+                    f"its prompt stays running on {server} (wedged): should {server} come "
+                    "back and finish it, the job may have rendered there too",
+                    server=server,
+                )
+            return dataclasses.replace(r, kind="transient"), True
+        if failure.kind in RETRYABLE:
+            return await self._never_the_jobs_alone(item, r, server, failure)
         graph = self._graph(item)
         rendered = self._has_rendered(graph)
         known = None
@@ -153,13 +209,7 @@ class Ownership:
             reason = f"failed on {' and '.join(servers)}: {failure.summary}"
             return dataclasses.replace(r, kind="permanent", reason=reason), False
         needs = self.queue.needs(item)
-        others = [
-            s.name
-            for s in self.pool.servers
-            if s.name not in item.failed_on
-            and s.name != server
-            and self.pool.may_run(s.name, needs)
-        ]
+        others = self._others(item, server)
         if not others:
             item.failed_on[server] = failure
             await self._health(self.store.failure_owned_by_job, server, job.id)
@@ -180,6 +230,68 @@ class Ownership:
         await self._server_failed(item, server, failure)
         reason = f"{r.reason}; trying another server ({', '.join(others)} can run it)"
         return dataclasses.replace(r, kind="transient", reason=reason), True
+
+    def _others(self, item: Item, server: str) -> list[str]:
+        """The servers besides ``server`` that may run ``item`` and it has not failed on."""
+        needs = self.queue.needs(item)
+        return [
+            s.name
+            for s in self.pool.servers
+            if s.name not in item.failed_on
+            and s.name != server
+            and self.pool.may_run(s.name, needs)
+        ]
+
+    async def _never_the_jobs_alone(
+        self, item: Item, r: AttemptResult, server: str, failure: Failure
+    ) -> tuple[AttemptResult, bool]:
+        """A failure that is never the job's alone (``RETRYABLE``): an open failure of the
+        server (a quarantine at once when it makes ``QUARANTINE_STRIKES`` jobs in a row
+        there with no success), and the job tried at once on another server that may run
+        it, or after its backoff once it failed on each."""
+        failing = self._failing.setdefault(server, [])
+        if item.job.id not in failing:
+            failing.append(item.job.id)
+        record = self.pool.health.get(server)
+        if record is not None and record.state == "trial":
+            # Its one job after a cool-down: a failure there is its own, whatever it is
+            # (nobody may render to judge it when every server is sick).
+            failing.clear()
+            summary = f"its job after a cool-down failed ({failure.summary})"
+            failure = dataclasses.replace(failure, summary=summary)
+            await self._server_failed(item, server, failure, infrastructure=True)
+        elif len(failing) >= QUARANTINE_STRIKES:
+            summary = (
+                f"{len(failing)} jobs in a row failed here, none rendered between "
+                f"(last: {failure.summary})"
+            )
+            failing.clear()
+            failure = dataclasses.replace(failure, summary=summary)
+            await self._server_failed(item, server, failure, infrastructure=True)
+        else:
+            await self._server_failed(item, server, failure)
+        others = self._others(item, server)
+        if not others:
+            return r, False
+        reason = f"{r.reason}; trying another server ({', '.join(others)} can run it)"
+        return dataclasses.replace(r, reason=reason), True
+
+    async def _sick_farm(self, item: Item) -> str | None:
+        """Why ``item``, out of attempts with failures never the job's alone, stays
+        pending: every server that can run it is quarantined now (nothing says the
+        failures are the job's); else None."""
+        failure = next(reversed(item.failed_on.values()), None)
+        if failure is None or failure.kind not in RETRYABLE | SERVERS_AT_ONCE:
+            return None
+        await self.pool.read_health()
+        pool, needs = self.pool, self.queue.needs(item)
+        blocked = {
+            s.name: pool.blocked(s.name) for s in pool.servers if pool.lacks(s.name, needs) is None
+        }
+        if not blocked or any(why is None for why in blocked.values()):
+            return None
+        listed = "; ".join(f"{name} {why}" for name, why in blocked.items())
+        return f"every server that can run it is quarantined ({listed})"
 
     async def _server_failed(
         self, item: Item, server: str, failure: Failure, *, infrastructure: bool = False
@@ -205,6 +317,7 @@ class Ownership:
         store is written only when that changes something."""
         if server is None:
             return
+        self._failing.pop(server, None)
         self._unhashed[item.job.workflow_sha256] = item.job.workflow
         graph = self._graph(item) if self._learned_graphs else ""
         if graph in self._learned_graphs:

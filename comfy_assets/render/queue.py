@@ -56,6 +56,8 @@ class Item:
     # Attempts that went elsewhere at once because their failure may be the server's:
     # not counted against the job's attempts (each server is tried once at most).
     elsewhere: int = 0
+    # The kinds of failure its attempts in this batch had (``render/outcome.py``).
+    kinds: set[str] = field(default_factory=set, compare=False)
 
 
 class ServerView(Protocol):

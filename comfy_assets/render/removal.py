@@ -25,12 +25,15 @@ SAY_WAITING_S = 5.0
 class Removal:
     """How an attempt removes its prompt (a part of ``Attempt``)."""
 
-    async def _evict(self, slot: Slot, number: int) -> Eviction:
+    async def _evict(self, slot: Slot, number: int, wedge_s: float | None = None) -> Eviction:
         """Interrupt our prompt, delete it from the queue, and wait until it has left
         /queue (an interrupt lands only between nodes and a delete can lose the race:
         data/recorded/README.md fact 7); then read its history, in case run ``number``
         succeeded after all. The slot is released once the prompt has left; abandoned
-        (its lease left to expire) if that can't be confirmed."""
+        (its lease left to expire) if that can't be confirmed. ``wedge_s``: a prompt still
+        running that long after its interrupt and delete means a wedged server (its
+        execution stuck inside a node): given up then, ``wedged`` (None: only
+        ``evict_timeout_s`` bounds the wait)."""
         client, pid = slot.client, self.job.prompt_id
         deadline = time.monotonic() + self.evict_timeout_s
         try:
@@ -44,6 +47,14 @@ class Removal:
                 now = time.monotonic()
                 if now > deadline:
                     raise TimeoutError(f"still there after {self.evict_timeout_s:g} s")
+                if wedge_s is not None and now - started >= wedge_s and queue.is_running(pid):
+                    problem = (
+                        f"still running {now - started:.0f} s after its interrupt and delete: "
+                        f"{slot.name} is wedged (its execution stuck inside a node)"
+                    )
+                    log.warning("%s: prompt %s %s", self.label, pid, problem)
+                    slot.abandon()
+                    return Eviction(was_there=True, confirmed=False, problem=problem, wedged=True)
                 if not told and now - started >= SAY_WAITING_S:
                     # A node runs to its end before an interrupt lands: a long one (or a
                     # server that stopped executing) would keep the wait silent.

@@ -62,6 +62,7 @@ class Settle(Ownership):
                 **ended,
             )
             self.claims.finished(job.id)
+            self._measured(item, r)
             await self._rendered(item, r.server)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
             self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
@@ -99,8 +100,27 @@ class Settle(Ownership):
                 prev_number=r.number,
                 failed_on=item.failed_on,
                 elsewhere=item.elsewhere,
+                kinds=item.kinds,
             )
             self.queue.push_later(again, delay)
+            return
+        sick = await self._sick_farm(item) if r.kind == "transient" else None
+        if sick is not None:  # no evidence that it is the job's: it waits for a server
+            await self._db(
+                store.transition,
+                job.id,
+                "failed_retryable",
+                owner=self.owner,
+                detail=r.reason,
+                **ended,
+            )
+            self.claims.release(job.id)
+            await self._unjudged(item)
+            self.report(
+                f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; not run "
+                f"again, {sick}; it stays pending"
+            )
+            self._resolve("not_run", job.id)
             return
         plural = "s" if attempt_number > 1 else ""
         reason = (

@@ -200,6 +200,9 @@ class ServerHealth(StoreBase):
     ) -> HealthChange:
         cooldown = _cooldown(row["level"])
         row.update(state="quarantined", until=now + cooldown, level=row["level"] + 1)
+        # Its failures not judged yet are decided with it: left open, they would keep it
+        # blocked on its trial (``blocked``) when their jobs can render nowhere else.
+        self._judge_open(conn, server_failures_table.c.server == row["server"], "server")
         row["quarantines"] += 1
         jobs = json.loads(row["failed_jobs"] or "[]")
         rendered = sorted({where for _, where, _ in jobs if where})

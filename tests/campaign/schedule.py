@@ -10,7 +10,8 @@ earlier job's output; two of the pictures share a base name with other bytes), a
 - per server, maybe a ``FaultProxy`` in front: socket cuts at seeded times (HTTP and
   /ws), and/or ``GET /view`` answered 404 for a listed output, a few times or for good;
 - maybe one sick server (of two or more): once its script is used up, every prompt
-  fails there (an IndexError, a CUDA fault or a full disk: ``ServerPlan.sick``);
+  fails there (an IndexError, a CUDA fault, a full disk, a 500, out of memory or
+  node_errors: ``ServerPlan.sick``);
 - maybe one server restart while one of our prompts runs, or while a download is under
   way (the fake stopped and served again on its port: queue and history forgotten);
 - a mode: ``run`` (one ``comfy-assets run``), ``sigkill`` (a run killed with SIGKILL once
@@ -66,8 +67,12 @@ _WORD_WEIGHTS = {
     "busy": 1,
 }
 # The words of a sick server play as its default word (``ServerPlan.sick``), drawn apart.
-SICK_WORDS = ("error", "cuda", "disk")
-assert set(_WORD_WEIGHTS) - {"busy"} == WORDS - {"cuda", "disk"}, "every script word is played"
+SICK_WORDS = ("error", "cuda", "disk", "500", "oom", "partial")
+# A wedged server (``wedge``) is played by tests/test_sick_shapes.py: a campaign's server
+# stays stuck for good once one prompt wedges it.
+assert set(_WORD_WEIGHTS) - {"busy"} == WORDS - {"cuda", "disk", "wedge"}, (
+    "every script word is played"
+)
 
 
 @dataclass(frozen=True)
