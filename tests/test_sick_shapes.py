@@ -59,9 +59,7 @@ async def test_one_sick_server_of_three_in_any_shape_costs_no_job(tmp_path, word
     assert any(line.startswith("server gpu2 quarantined for ") for line in lines)
 
 
-async def test_a_wedged_server_is_quarantined_and_its_job_renders_elsewhere(
-    tmp_path, monkeypatch
-):
+async def test_a_wedged_server_is_quarantined_and_its_job_renders_elsewhere(tmp_path, monkeypatch):
     monkeypatch.setattr(ownership, "STALL_MIN_S", 0.5)
     wedged = FakeComfy(default_word="wedge", prompt_seconds=0.001)
     healthy = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
