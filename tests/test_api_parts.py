@@ -117,6 +117,9 @@ def test_pointers_and_ranges() -> None:
     assert byte_range("bytes=10-", 10) == "unsatisfiable"
     assert byte_range("bytes=1-2,4-5", 10) is None  # several ranges: the whole file
     assert byte_range("items=1-2", 10) is None
+    assert byte_range("bytes=" + "9" * 5000 + "-", 10) == "unsatisfiable"
+    assert byte_range("bytes=2-" + "9" * 5000, 10) == (2, 9)
+    assert byte_range("bytes=\u0663-", 10) is None  # not ASCII digits: the whole file
 
 
 async def test_the_outbox_retries_then_delivers_then_gives_up(store: Store) -> None:
