@@ -62,7 +62,7 @@ async def test_ranges_and_event_ids_of_any_length_are_answered_in_bounds(
             answer = await client.get(events, headers={**stream, "Last-Event-ID": bad})
             assert answer.status == 400
             message = (await answer.json())["message"]
-            assert message.startswith("Last-Event-ID: expected an event id (an integer), got ")
+            assert message == "Last-Event-ID: expected an event id (an integer)"
         # The job has ended: a stream resumed after its last event holds only the end.
         resumed = await client.get(events, headers={**stream, "Last-Event-ID": str(2**63 - 1)})
         assert resumed.status == 200

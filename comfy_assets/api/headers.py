@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 from comfy_assets.api.app import Answer, error
-from comfy_assets.jobs.strict_json import quoted
 
 # Event ids are the store's integer keys: 64-bit, so at most 19 digits.
 _EVENT_ID = re.compile(r"[0-9]{1,19}")
@@ -26,7 +25,6 @@ def last_event_id(text: str | None) -> int:
     if not text:
         return 0
     if _EVENT_ID.fullmatch(text) is None or int(text) > MAX_EVENT_ID:
-        raise Answer(
-            error(400, f"Last-Event-ID: expected an event id (an integer), got {quoted(text)}")
-        )
+        # Not quoted back: a header's bytes need not be text an answer can carry.
+        raise Answer(error(400, "Last-Event-ID: expected an event id (an integer)"))
     return int(text)

@@ -63,10 +63,10 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     event id: ``headers.last_event_id``)."""
     api = request.app[API]
     job = await owned(request)
+    last_id = last_event_id(request.headers.get("Last-Event-ID"))  # 400 on any request
     if EVENT_STREAM not in request.headers.get("Accept", ""):
         events = await off_loop(api.store, api.store.events, job.job_id)
         return json_response({"events": [event_view(e) for e in events]})
-    last_id = last_event_id(request.headers.get("Last-Event-ID"))
     response = web.StreamResponse(
         headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"}
     )
