@@ -52,12 +52,12 @@ JOB_ID = {
 }
 
 
-def _job(status: str, description: str) -> dict[str, Any]:
-    return {status: {"description": description, "content": {JSON: {"schema": _ref("Job")}}}}
-
-
 def _json(description: str, schema: str) -> dict[str, Any]:
     return {"description": description, "content": {JSON: {"schema": _ref(schema)}}}
+
+
+def _job(status: str, description: str) -> dict[str, Any]:
+    return {status: _json(description, "Job")}
 
 
 RANGE = {
@@ -204,6 +204,32 @@ def document(*, webhooks: bool = False) -> dict[str, Any]:
                 "responses": {
                     "200": _json("ready", "Status"),
                     "503": _json("not ready", "Status"),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "operationId": "openapi",
+                "summary": "This document (no token)",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "the OpenAPI document",
+                        "content": {JSON: {"schema": {"type": "object"}}},
+                    }
+                },
+            }
+        },
+        "/docs": {
+            "get": {
+                "operationId": "docs",
+                "summary": "This document as a page (no token)",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "the page",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
                 },
             }
         },
