@@ -233,9 +233,11 @@ def _loc_pointer(loc: tuple[int | str, ...]) -> str:
 def _words(err: ErrorDetails) -> str:
     """One pydantic error in the parser's manner: what was expected, what came."""
     kind, value, ctx = err["type"], err["input"], err.get("ctx", {})
+    if kind == "missing":
+        return "missing"
+    if kind == "extra_forbidden":
+        return "unknown field"
     expected = {
-        "missing": None,
-        "extra_forbidden": None,
         "string_type": "a string",
         "int_type": "an integer",
         "dict_type": "an object",
@@ -247,10 +249,6 @@ def _words(err: ErrorDetails) -> str:
         "less_than_equal": f"at most {ctx.get('le')}",
         "too_short": "at least one entry",
     }
-    if kind == "missing":
-        return "missing"
-    if kind == "extra_forbidden":
-        return "unknown field"
     if kind in expected:
         got = kind_of(value) if kind.endswith("_type") else quoted(value)
         return f"expected {expected[kind]}, got {got}"
