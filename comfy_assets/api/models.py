@@ -3,8 +3,8 @@ the request's validation (``submission.parse_submission`` checks every body agai
 ``request_model``) and the OpenAPI document (``openapi.document``: its
 ``components/schemas`` are these models' JSON Schemas) are made from.
 
-A body the model refuses is refused by the API, so the document never admits less than
-the API refuses; every rule of one field is the model's (a lowercase UUID, a workflow of
+A body the model refuses is refused by the API, so the API never takes a body the
+document does not admit; every rule of one field is the model's (a lowercase UUID, a workflow of
 at least one node with a ``class_type`` and ``inputs``, ``set`` keys of the form
 ``<node id>.<input name>`` whose values are not links, inputs as base64 data URIs, a take
 from 1 to 2**31 - 1, no unknown field), so a body the model admits is one the API takes,
@@ -45,9 +45,9 @@ UUID = f"^{UUID_PATTERN.pattern}$"
 NODE_INPUT = r"^[^.]+\.[\s\S]+$"
 # A data URI whose payload ``base64.b64decode(..., validate=True)`` decodes: groups of
 # four, the last one padded.
-_TOKEN = "[A-Za-z0-9_.+-]+"
+TOKEN = "[A-Za-z0-9_.+-]+"  # a media type's part, a parameter's name or value
 DATA_URI = (
-    rf"^data:(?:{_TOKEN}/{_TOKEN})?(?:;{_TOKEN}={_TOKEN})*;base64,"
+    rf"^data:(?:{TOKEN}/{TOKEN})?(?:;{TOKEN}={TOKEN})*;base64,"
     r"(?:[A-Za-z0-9+/]{4})*(?:[A-Za-z0-9+/]{2}==|[A-Za-z0-9+/]{3}=)?$"
 )
 WEBHOOK_URL = r"^[Hh][Tt][Tt][Pp][Ss]?://[^\x00-\x20\x7f/?#@]+(?:[/?#][^\x00-\x20\x7f]*)?$"

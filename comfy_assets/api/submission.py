@@ -39,7 +39,7 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
-from comfy_assets.api.models import PATTERN_WORDS, integral, request_model
+from comfy_assets.api.models import PATTERN_WORDS, TOKEN, integral, request_model
 from comfy_assets.jobs.model import Header, Job, JobFile, JobFileError, LineError
 from comfy_assets.jobs.strict_json import kind_of, quoted
 from comfy_assets.service.messages import job_message, parse_message, queue_problems
@@ -51,7 +51,8 @@ NO_FILES = Path("/nonexistent/the-api-reads-no-files")
 NOT_IN_API = ("shot", "duration_s", "optional")
 # Fields of the parser that are about the request as a whole, not one of its fields.
 WHOLE = {"json", "job", "body", "message", "file"}
-_DATA_URI = re.compile(r"data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[\w.+-]+)*);base64,(.*)", re.S)
+# The parts of a data URI; models.DATA_URI, its whole form, is checked too.
+_DATA_URI = re.compile(rf"data:({TOKEN}/{TOKEN})?((?:;{TOKEN}={TOKEN})*);base64,(.*)", re.S)
 
 
 @dataclass(frozen=True)
