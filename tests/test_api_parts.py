@@ -1,5 +1,5 @@
 """The API's parts that need no service: Standard Webhooks signatures (the
-specification's own example), the resolver webhooks connect through, the tokens file,
+specification's own example, and its library verifying ours), the resolver webhooks connect through, the tokens file,
 the webhook outbox's retries and give-up (over a SQLite store, a receiver on loopback),
 JSON pointers and Range headers."""
 
@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
+import standardwebhooks
 from aiohttp import web
 
 from comfy_assets.api.files import byte_range
 from comfy_assets.api.outbox import Outbox, webhook_id
-from comfy_assets.api.signing import load_key, signature, verify
+from comfy_assets.api.signing import headers, load_key, signature, verify
 from comfy_assets.api.submission import parse_submission, pointer
 from comfy_assets.api.tokens import Clients, TokensError
 from comfy_assets.api.webhook_urls import GuardedResolver, address_problem, delivery_problem
@@ -35,6 +37,23 @@ def test_the_signature_of_the_specifications_example(tmp_path: Path) -> None:
     assert signature(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, body) == expected
     assert verify(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", "1614265330", body, f"v1,x {expected}")
     assert not verify(key, "msg_p5jXN8AQM9LWM0D4loKWxJek", "1614265331", body, expected)
+
+
+def test_a_standard_webhooks_receiver_verifies_our_deliveries(tmp_path: Path) -> None:
+    # The specification's own library (standardwebhooks), as a receiver would use it.
+    secret = tmp_path / "secret"
+    secret.write_text("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw\n")
+    body = b'{"type": "job.succeeded"}'
+    now = int(time.time())
+    sent = headers(load_key(secret), "msg_1", now, body)
+    receiver = standardwebhooks.Webhook("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw")
+    assert receiver.verify(body, sent) == {"type": "job.succeeded"}
+    with pytest.raises(standardwebhooks.WebhookVerificationError):
+        receiver.verify(body + b" ", sent)
+    # A secret that is not whsec_<base64> is its text's bytes: given to the library as bytes.
+    secret.write_text("a plain secret of 32 characters!\n")
+    plain = headers(load_key(secret), "msg_2", now, body)
+    standardwebhooks.Webhook(b"a plain secret of 32 characters!").verify(body, plain)
 
 
 @pytest.mark.parametrize(
@@ -117,6 +136,9 @@ def test_pointers_and_ranges() -> None:
     assert byte_range("bytes=10-", 10) == "unsatisfiable"
     assert byte_range("bytes=1-2,4-5", 10) is None  # several ranges: the whole file
     assert byte_range("items=1-2", 10) is None
+    assert byte_range("bytes=" + "9" * 5000 + "-", 10) == "unsatisfiable"
+    assert byte_range("bytes=2-" + "9" * 5000, 10) == (2, 9)
+    assert byte_range("bytes=\u0663-", 10) is None  # not ASCII digits: the whole file
 
 
 async def test_the_outbox_retries_then_delivers_then_gives_up(store: Store) -> None:

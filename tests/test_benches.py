@@ -93,3 +93,8 @@ def test_store_calls_times_the_three_store_calls_of_each_job() -> None:
     for method in ("claim_job", "transition", "mark_done"):
         assert float(lines[f"cpu_us_per_call_{method}"]) > 0
     assert float(lines["cpu_us_per_job_store"]) > 0
+
+
+def test_api_validation_prints_the_models_share() -> None:
+    lines = figures("bench/api_validation.py", "--repeat", "2")
+    assert {"small_model_us", "small_validation_us", "large_model_us"} <= set(lines)

@@ -30,7 +30,8 @@ from comfy_assets.store.api_jobs import ApiLedger
 log = logging.getLogger("comfy_assets.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+# Liveness, readiness and the API's own description: nothing of any client's.
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json"})
 
 
 @dataclass
@@ -127,8 +128,8 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every path but /healthz and /readyz needs a known bearer token (401); its client
-    goes to ``request["client"]``; a client over its rate gets 429."""
+    """Every path but ``OPEN_PATHS`` needs a known bearer token (401); its client goes to
+    ``request["client"]``; a client over its rate gets 429."""
     if request.path in OPEN_PATHS:
         return await handler(request)
     api = request.app[API]

@@ -15,13 +15,24 @@ from pathlib import Path
 from aiohttp import web
 
 CHUNK = 256 * 1024
-_RANGE = re.compile(r"bytes=(\d*)-(\d*)")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
+# Byte positions past this are beyond any file; a position of more digits is read as it,
+# since int() refuses text of over 4300 digits and costs time on shorter ones.
+BEYOND_ANY_FILE = 10**18
+
+
+def position(digits: str) -> int:
+    """The byte position ``digits`` (ASCII digits, leading zeros allowed) says, capped at
+    ``BEYOND_ANY_FILE`` whatever its length."""
+    digits = digits.lstrip("0")
+    return BEYOND_ANY_FILE if len(digits) > 18 else int(digits or "0")
 
 
 def byte_range(header: str | None, size: int) -> tuple[int, int] | None | str:
     """The ``(first, last)`` byte (inclusive) of a ``Range`` header for a file of
     ``size`` bytes; None to send the whole file (no header, several ranges, another
-    unit); "unsatisfiable" for a range beyond the end."""
+    unit); "unsatisfiable" for a range beyond the end. Positions of any length are read
+    (``position``): a 5000-digit one is beyond the end, never an error."""
     if not header:
         return None
     match = _RANGE.fullmatch(header.strip())
@@ -31,13 +42,13 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None | str:
     if not first and not last:
         return None
     if not first:  # the last N bytes
-        n = int(last)
+        n = position(last)
         if n == 0 or size == 0:
             return "unsatisfiable"
         return max(0, size - n), size - 1
-    start = int(first)
-    end = min(int(last), size - 1) if last else size - 1
-    if start >= size or (last and int(last) < start):
+    start = position(first)
+    end = min(position(last), size - 1) if last else size - 1
+    if start >= size or (last and position(last) < start):
         return "unsatisfiable"
     return start, end
 

@@ -1,9 +1,12 @@
-"""The API's OpenAPI 3.0 document (``GET /openapi.json``) and its human page
-(``GET /docs``, made from the document: no script, nothing fetched from elsewhere).
+"""The API's OpenAPI 3.1 document (``GET /openapi.json``) and its human page
+(``GET /docs``, made from the document: no script, nothing fetched from elsewhere); both
+open without a token.
 
-Written by hand beside the handlers, and fuzzed against them in the tests
+The routes and their answers are listed here; every body's schema is generated from the
+typed models the API validates requests with (``models``), so the request the document
+describes is the one the API checks. Fuzzed against the handlers in the tests
 (tests/test_api_fuzz.py, schemathesis): every answer's status and body must be one this
-document lists.
+document lists, and a request it admits is never refused as invalid.
 """
 
 from __future__ import annotations
@@ -13,19 +16,15 @@ from typing import Any
 
 from aiohttp import web
 
-from comfy_assets.api.app import json_response
-from comfy_assets.jobs.states import State
+from comfy_assets.api.app import API, json_response
+from comfy_assets.api.headers import EVENT_ID_PATTERN
+from comfy_assets.api.models import UUID, schemas
 
 JSON = "application/json"
-UUID = "^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 
 
 def _ref(name: str) -> dict[str, str]:
     return {"$ref": f"#/components/schemas/{name}"}
-
-
-def _nullable(kind: str, **more: Any) -> dict[str, Any]:
-    return {"type": kind, "nullable": True, **more}
 
 
 def _error(description: str, **headers: Any) -> dict[str, Any]:
@@ -53,129 +52,34 @@ JOB_ID = {
 }
 
 
+def _json(description: str, schema: str) -> dict[str, Any]:
+    return {"description": description, "content": {JSON: {"schema": _ref(schema)}}}
+
+
 def _job(status: str, description: str) -> dict[str, Any]:
-    return {status: {"description": description, "content": {JSON: {"schema": _ref("Job")}}}}
+    return {status: _json(description, "Job")}
 
 
-SCHEMAS: dict[str, Any] = {
-    "Error": {
-        "type": "object",
-        "required": ["message"],
-        "properties": {
-            "message": {"type": "string"},
-            "errors": {"type": "array", "items": _ref("Problem")},
-            "differs": {"type": "array", "items": {"type": "string"}},
-        },
-    },
-    "Problem": {
-        "type": "object",
-        "required": ["field", "message"],
-        "properties": {
-            "field": {"type": "string", "description": "a JSON pointer into the request"},
-            "message": {"type": "string"},
-        },
-    },
-    "JobRequest": {
-        "type": "object",
-        "description": "One job line (docs/api.md): the workflow inline in API format, "
-        "`set` overrides, `inputs` as base64 data URIs, `take`, and an optional webhook.",
-        "required": ["id", "workflow"],
-        "properties": {
-            "id": {"type": "string", "pattern": UUID},
-            "workflow": {"type": "object", "additionalProperties": True},
-            "set": {"type": "object", "additionalProperties": True},
-            "inputs": {
-                "type": "object",
-                "additionalProperties": {"type": "string", "pattern": "^data:"},
-            },
-            "take": {"type": "integer", "minimum": 1},
-            "webhook": {"type": "string"},
-        },
-    },
-    "File": {
-        "type": "object",
-        "required": ["name", "bytes", "sha256", "url"],
-        "properties": {
-            "name": {"type": "string"},
-            "bytes": {"type": "integer", "minimum": 0},
-            "sha256": {"type": "string"},
-            "url": {"type": "string"},
-        },
-    },
-    "Job": {
-        "type": "object",
-        "required": [
-            "id",
-            "state",
-            "take",
-            "attempts",
-            "servers",
-            "reason",
-            "created_at",
-            "updated_at",
-            "finished_at",
-            "webhook",
-            "files",
-            "links",
-        ],
-        "properties": {
-            "id": {"type": "string"},
-            "state": {"type": "string", "enum": [s.value for s in State]},
-            "take": {"type": "integer"},
-            "attempts": {"type": "integer", "description": "tries, the one under way included"},
-            "servers": {"type": "array", "items": {"type": "string"}},
-            "reason": _nullable("string", description="why it is a dead letter"),
-            "created_at": {"type": "string"},
-            "updated_at": {"type": "string"},
-            "finished_at": _nullable("string"),
-            "webhook": _nullable("string"),
-            "files": {"type": "array", "items": _ref("File")},
-            "links": {"type": "object", "additionalProperties": {"type": "string"}},
-        },
-    },
-    "Event": {
-        "type": "object",
-        "required": ["id", "time", "from", "to", "server", "attempt", "detail"],
-        "properties": {
-            "id": {"type": "integer"},
-            "time": {"type": "string"},
-            "from": _nullable("string"),
-            "to": {"type": "string"},
-            "server": _nullable("string"),
-            "attempt": _nullable("integer"),
-            "detail": _nullable("string"),
-        },
-    },
-    "Server": {
-        "type": "object",
-        "required": ["name", "healthy", "health", "queue", "lease", "store_health"],
-        "properties": {
-            "name": {"type": "string"},
-            "healthy": {"type": "boolean", "nullable": True},
-            "health": _nullable("string"),
-            "queue": _nullable("integer"),
-            "lease": {"type": "object", "nullable": True, "additionalProperties": True},
-            "store_health": {
-                "type": "object",
-                "nullable": True,
-                "description": "quarantined, on trial or ok, as the workers judged it",
-                "additionalProperties": True,
-            },
-        },
-    },
-    "Status": {
-        "type": "object",
-        "required": ["status"],
-        "properties": {
-            "status": {"type": "string"},
-            "problems": {"type": "object", "additionalProperties": {"type": "string"}},
-        },
-    },
+RANGE = {
+    "name": "Range",
+    "in": "header",
+    "required": False,
+    "description": "one range of bytes (`bytes=0-99`, `bytes=100-`, `bytes=-100`); "
+    "anything else sends the whole file",
+    "schema": {"type": "string"},
+}
+LAST_EVENT_ID = {
+    "name": "Last-Event-ID",
+    "in": "header",
+    "required": False,
+    "description": "resume a stream after this event id",
+    "schema": {"type": "string", "pattern": EVENT_ID_PATTERN},
 }
 
 
-def document() -> dict[str, Any]:
-    """The OpenAPI 3.0.3 document of the API."""
+def document(*, webhooks: bool = False) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the API; ``webhooks``: the API has a webhook secret
+    (else a job's ``webhook`` must be null or absent)."""
     paths: dict[str, Any] = {
         "/v1/jobs": {
             "post": {
@@ -208,6 +112,7 @@ def document() -> dict[str, Any]:
             "parameters": [
                 JOB_ID,
                 {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}},
+                RANGE,
             ],
             "get": {
                 "operationId": "getFile",
@@ -229,7 +134,7 @@ def document() -> dict[str, Any]:
             },
         },
         "/v1/jobs/{job_id}/events": {
-            "parameters": [JOB_ID],
+            "parameters": [JOB_ID, LAST_EVENT_ID],
             "get": {
                 "operationId": "getEvents",
                 "summary": "A job's transitions; live with Accept: text/event-stream",
@@ -237,18 +142,11 @@ def document() -> dict[str, Any]:
                     "200": {
                         "description": "the events, oldest first",
                         "content": {
-                            JSON: {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["events"],
-                                    "properties": {
-                                        "events": {"type": "array", "items": _ref("Event")}
-                                    },
-                                }
-                            },
+                            JSON: {"schema": _ref("Events")},
                             "text/event-stream": {"schema": {"type": "string"}},
                         },
                     },
+                    "400": _error("Last-Event-ID is not an event id"),
                     **NOT_FOUND,
                     **COMMON,
                 },
@@ -283,22 +181,9 @@ def document() -> dict[str, Any]:
         "/v1/servers": {
             "get": {
                 "operationId": "getServers",
-                "summary": "Each server's health and lease",
+                "summary": "Each server's health and lease; failure reasons of your own jobs only",
                 "responses": {
-                    "200": {
-                        "description": "the servers",
-                        "content": {
-                            JSON: {
-                                "schema": {
-                                    "type": "object",
-                                    "required": ["servers"],
-                                    "properties": {
-                                        "servers": {"type": "array", "items": _ref("Server")}
-                                    },
-                                }
-                            }
-                        },
-                    },
+                    "200": _json("the servers", "Servers"),
                     **COMMON,
                 },
             }
@@ -308,12 +193,7 @@ def document() -> dict[str, Any]:
                 "operationId": "healthz",
                 "summary": "Liveness (no token)",
                 "security": [],
-                "responses": {
-                    "200": {
-                        "description": "serving",
-                        "content": {JSON: {"schema": _ref("Status")}},
-                    }
-                },
+                "responses": {"200": _json("serving", "Status")},
             }
         },
         "/readyz": {
@@ -322,17 +202,40 @@ def document() -> dict[str, Any]:
                 "summary": "Readiness: the store answers and the broker is connected (no token)",
                 "security": [],
                 "responses": {
-                    "200": {"description": "ready", "content": {JSON: {"schema": _ref("Status")}}},
-                    "503": {
-                        "description": "not ready",
-                        "content": {JSON: {"schema": _ref("Status")}},
-                    },
+                    "200": _json("ready", "Status"),
+                    "503": _json("not ready", "Status"),
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "operationId": "openapi",
+                "summary": "This document (no token)",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "the OpenAPI document",
+                        "content": {JSON: {"schema": {"type": "object"}}},
+                    }
+                },
+            }
+        },
+        "/docs": {
+            "get": {
+                "operationId": "docs",
+                "summary": "This document as a page (no token)",
+                "security": [],
+                "responses": {
+                    "200": {
+                        "description": "the page",
+                        "content": {"text/html": {"schema": {"type": "string"}}},
+                    }
                 },
             }
         },
     }
     return {
-        "openapi": "3.0.3",
+        "openapi": "3.1.0",
         "info": {
             "title": "comfy-assets API",
             "version": "1",
@@ -340,7 +243,7 @@ def document() -> dict[str, Any]:
         },
         "paths": paths,
         "components": {
-            "schemas": SCHEMAS,
+            "schemas": schemas(webhooks),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearer": []}],
@@ -363,18 +266,24 @@ def docs_page(doc: dict[str, Any]) -> str:
             )
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>comfy-assets API</title>"
-        "</head><body><h1>comfy-assets API</h1><p>Every route but /healthz and /readyz "
-        "needs <code>Authorization: Bearer TOKEN</code>. The machine-readable document: "
+        "</head><body><h1>comfy-assets API</h1><p>Every route but /healthz, /readyz, "
+        "/docs and /openapi.json needs <code>Authorization: Bearer TOKEN</code>. The machine-readable document: "
         "<a href='/openapi.json'>/openapi.json</a>.</p>" + "".join(rows) + "</body></html>"
     )
 
 
+def _document_of(request: web.Request) -> dict[str, Any]:
+    return document(webhooks=request.app[API].webhook_key is not None)
+
+
 async def openapi_json(request: web.Request) -> web.Response:
-    return json_response(document())
+    """``GET /openapi.json``: the document, as this API is configured."""
+    return json_response(_document_of(request))
 
 
 async def docs(request: web.Request) -> web.Response:
-    return web.Response(text=docs_page(document()), content_type="text/html")
+    """``GET /docs``: the document's page."""
+    return web.Response(text=docs_page(_document_of(request)), content_type="text/html")
 
 
 def add_routes(app: web.Application) -> None:

@@ -10,13 +10,15 @@ from typing import Any
 
 from aiohttp import web
 
-from comfy_assets.api.app import API, error, json_response
+from comfy_assets.api.app import API, CLIENT, error, json_response
 from comfy_assets.api.files import file_response
+from comfy_assets.api.headers import last_event_id
 from comfy_assets.api.routes_jobs import owned
 from comfy_assets.api.views import current_files, event_view, iso
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.service import broker
 from comfy_assets.store import StoreUnavailable, off_loop
+from comfy_assets.store.api_jobs import ApiLedger
 
 EVENT_STREAM = "text/event-stream"
 STREAM_POLL_S = 0.5
@@ -57,16 +59,14 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     """``GET /v1/jobs/{id}/events``: ``{"events": [...]}`` oldest first; with ``Accept:
     text/event-stream``, a Server-Sent Events stream of them (``event: transition``,
     ``id`` the event's), live until the job ends (then ``event: end``). A stream
-    resumed with ``Last-Event-ID`` starts after that event."""
+    resumed with ``Last-Event-ID`` starts after that event (400 for one that is not an
+    event id: ``headers.last_event_id``)."""
     api = request.app[API]
     job = await owned(request)
+    last_id = last_event_id(request.headers.get("Last-Event-ID"))  # 400 on any request
     if EVENT_STREAM not in request.headers.get("Accept", ""):
         events = await off_loop(api.store, api.store.events, job.job_id)
         return json_response({"events": [event_view(e) for e in events]})
-    try:
-        last_id = int(request.headers.get("Last-Event-ID", "0"))
-    except ValueError:
-        last_id = 0
     response = web.StreamResponse(
         headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"}
     )
@@ -107,8 +107,14 @@ def _sse(kind: str, data: Any, event_id: int | None) -> bytes:
 async def get_servers(request: web.Request) -> web.Response:
     """``GET /v1/servers``: each server's health as ``comfy-assets health --store`` sees
     it: the probe of the API's ``--server``s, and from the store each server's lease and
-    its health as the workers judged it (quarantined, on trial, strikes)."""
+    its health as the workers judged it (state, quarantined until when, strikes).
+
+    A failure's reason quotes the job that failed (its workflow's inputs, a node's
+    error), and a server is shared by every client: the asking client gets only the
+    reasons of its own jobs' failures there (``failures``), never the reason a
+    quarantine or a strike names (``reason``, ``line`` of ``health --store``)."""
     api = request.app[API]
+    client: str = request[CLIENT]
     leases = await off_loop(api.store, api.store.server_leases)
     servers: dict[str, dict[str, Any]] = {}
     if api.servers:
@@ -133,16 +139,30 @@ async def get_servers(request: web.Request) -> web.Response:
             "last_model": lease.last_model,
         }
     judged = await off_loop(api.store, api.store.server_health)
+    failed = {job_id for record in judged.values() for job_id, _, _ in record.failed_jobs}
+    own = await off_loop(api.ledger, _owned_ids, api.ledger, failed, client)
     for name, record in sorted(judged.items()):
         entry = servers.setdefault(name, {"name": name, **blank})
         entry["store_health"] = {
             "state": record.state,
             "until": iso(record.until),
             "strikes": record.strikes,
-            "reason": record.reason,
-            "line": record.line(),
+            "failures": [
+                {"job_id": job_id, "reason": reason}
+                for job_id, _, reason in record.failed_jobs
+                if job_id in own
+            ],
         }
     return json_response({"servers": [servers[n] for n in sorted(servers)]})
+
+
+def _owned_ids(ledger: ApiLedger, job_ids: set[str], client: str) -> set[str]:
+    """Those of ``job_ids`` that ``client`` submitted."""
+    return {
+        job_id
+        for job_id in job_ids
+        if (job := ledger.get(job_id)) is not None and job.client == client
+    }
 
 
 async def healthz(request: web.Request) -> web.Response:

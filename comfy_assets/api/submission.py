@@ -14,8 +14,14 @@ validated job, as for ``enqueue``: one way to make a job, whatever brought it.
 What the API refuses beyond a job line: a ``workflow`` given as a path (the API reads no
 files), ``shot``, ``duration_s`` and ``optional`` (films are cut from job files: a
 storyboard's shots under the delivery policy stop at its first dead letter, which a
-client submitting single jobs would not expect), and a job whose message would be over
-``--max-message-bytes`` (a worker would refuse it).
+client submitting single jobs would not expect), the message's own fields
+(``partition``, ``line``, ``policy``, ``priority``: the API sets them), and a job whose
+message would be over ``--max-message-bytes`` (a worker would refuse it).
+
+Every body is also checked against the request's model (``models.request_model``, the
+definition the OpenAPI document is made from), so the API never takes a body its document
+does not admit: a problem the model finds is answered in the parser's words when the
+parser (or the API) names that field too, else in the model's (``model_problems``).
 """
 
 from __future__ import annotations
@@ -30,8 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from comfy_assets.api.models import PATTERN_WORDS, TOKEN, integral, request_model
 from comfy_assets.jobs.model import Header, Job, JobFile, JobFileError, LineError
-from comfy_assets.jobs.strict_json import kind_of
+from comfy_assets.jobs.strict_json import kind_of, quoted
 from comfy_assets.service.messages import job_message, parse_message, queue_problems
 
 SOURCE = "request"
@@ -41,7 +51,8 @@ NO_FILES = Path("/nonexistent/the-api-reads-no-files")
 NOT_IN_API = ("shot", "duration_s", "optional")
 # Fields of the parser that are about the request as a whole, not one of its fields.
 WHOLE = {"json", "job", "body", "message", "file"}
-_DATA_URI = re.compile(r"data:([\w.+-]+/[\w.+-]+)?((?:;[\w.+-]+=[\w.+-]+)*);base64,(.*)", re.S)
+# The parts of a data URI; models.DATA_URI, its whole form, is checked too.
+_DATA_URI = re.compile(rf"data:({TOKEN}/{TOKEN})?((?:;{TOKEN}={TOKEN})*);base64,(.*)", re.S)
 
 
 @dataclass(frozen=True)
@@ -94,7 +105,7 @@ def parse_submission(
     ``partition``. Raises ``Invalid`` listing every problem."""
     if not isinstance(obj, dict):
         raise Invalid([Problem("", f"expected a JSON object, got {kind_of(obj)}")])
-    obj = dict(obj)
+    given, obj = obj, dict(obj)
     problems: list[Problem] = []
     webhook = obj.pop("webhook", None)
     if webhook is not None and not isinstance(webhook, str):
@@ -109,7 +120,7 @@ def parse_submission(
                     "(`comfy-assets run` or Dagster)",
                 )
             )
-    for name in ("partition", "line", "policy"):  # message fields the API sets itself
+    for name in ("partition", "line", "policy", "priority"):  # the message's, set by the API
         if name in obj:
             del obj[name]
             problems.append(Problem(f"/{name}", "unknown field"))
@@ -121,9 +132,12 @@ def parse_submission(
             )
         )
         obj["workflow"] = {}
+    if "take" in obj:
+        obj["take"] = integral(obj["take"])
     inputs = obj.get("inputs")
     if isinstance(inputs, dict):
         obj["inputs"] = _inline_inputs(inputs, max_input_bytes, problems)
+    shape = model_problems(given)
     body = json.dumps({**obj, "partition": partition}).encode()
     try:
         queued = parse_message(body, workflows_dir=NO_FILES, source=SOURCE, max_bytes=len(body))
@@ -131,9 +145,11 @@ def parse_submission(
         found = [_problem(err) for err in e.errors]
         if any(p.field == "/workflow" for p in problems):  # said once, not as "{}"
             found = [p for p in found if p.field != "/workflow"]
-        raise Invalid(problems + found) from None
+        problems += found
+        raise Invalid(problems + _unsaid(shape, problems)) from None
     except RecursionError:
         raise Invalid([Problem("", "nested too deeply")]) from None
+    problems += _unsaid(shape, problems)
     if problems:
         raise Invalid(problems)
     job = queued.job
@@ -179,6 +195,65 @@ def differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 def _problem(err: LineError) -> Problem:
     return Problem(pointer(err.field), err.message)
+
+
+def model_problems(obj: Any) -> list[Problem]:
+    """Where the decoded body ``obj`` breaks the request's model (``models``; its
+    ``webhook`` checked as a URL: whether webhooks are on is the route's to say), each as
+    a JSON pointer and our words for it."""
+    try:
+        request_model(True).model_validate(obj)
+    except ValidationError as e:
+        return [
+            Problem(_loc_pointer(err["loc"]), _words(err))
+            for err in e.errors()
+            # A webhook string is the route's to judge (``webhook_urls.check_url``: a
+            # stricter rule than the model's pattern, and its host resolved).
+            if not (err["loc"][:1] == ("webhook",) and isinstance(err["input"], str))
+        ]
+    return []
+
+
+def _unsaid(shape: list[Problem], said: list[Problem]) -> list[Problem]:
+    """The problems of ``shape`` at no field of ``said`` nor inside one (the parser's
+    words for a field stand; the model's fill in what the parser did not refuse)."""
+    fields = [p.field for p in said]
+    return [
+        p
+        for p in shape
+        if not any(p.field == f or p.field.startswith(f + "/") or not f for f in fields)
+    ]
+
+
+def _loc_pointer(loc: tuple[int | str, ...]) -> str:
+    # pydantic marks a dict key's own error with a trailing "[key]".
+    parts = [str(part) for part in loc if part != "[key]"]
+    return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+def _words(err: ErrorDetails) -> str:
+    """One pydantic error in the parser's manner: what was expected, what came."""
+    kind, value, ctx = err["type"], err["input"], err.get("ctx", {})
+    if kind == "missing":
+        return "missing"
+    if kind == "extra_forbidden":
+        return "unknown field"
+    expected = {
+        "string_type": "a string",
+        "int_type": "an integer",
+        "dict_type": "an object",
+        "model_type": "an object",
+        "none_required": "null",
+        "string_pattern_mismatch": PATTERN_WORDS.get(str(ctx.get("pattern")), "a string"),
+        "string_too_long": f"at most {ctx.get('max_length')} characters",
+        "greater_than_equal": f"at least {ctx.get('ge')}",
+        "less_than_equal": f"at most {ctx.get('le')}",
+        "too_short": "at least one entry",
+    }
+    if kind in expected:
+        got = kind_of(value) if kind.endswith("_type") else quoted(value)
+        return f"expected {expected[kind]}, got {got}"
+    return err["msg"]
 
 
 def _inline_inputs(

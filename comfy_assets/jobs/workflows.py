@@ -34,7 +34,7 @@ MODEL_INPUTS = frozenset(
 )
 
 
-_UI_MESSAGE = "is a UI workflow, not API format (export it with 'Export (API)')"
+UI_MESSAGE = "is a UI workflow, not API format (export it with 'Export (API)')"
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def api_format_problem(obj: Any) -> str | None:
     if not isinstance(obj, dict):
         return f"is not API format: expected a JSON object of nodes, got {kind_of(obj)}"
     if "nodes" in obj and "links" in obj:
-        return _UI_MESSAGE
+        return UI_MESSAGE
     if not obj:
         return "is not API format: it has no nodes"
     for node_id, node in obj.items():
