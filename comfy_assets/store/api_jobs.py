@@ -69,6 +69,11 @@ class ApiJob:
     published_at: float | None = None
     notified_at: float | None = None
 
+    @property
+    def take(self) -> int:
+        """The take of its content (1 when the request named none)."""
+        return int(self.content.get("take", 1))
+
 
 @dataclass(frozen=True)
 class Webhook:
@@ -149,7 +154,10 @@ class ApiLedger(StoreBase):
             "message": job.message.decode(),
             "webhook": job.webhook,
             "created_at": job.created_at,
+            "take": job.take,
         }
+        # One insert wins whatever number of identical requests race: the others find
+        # its row (their rowcount 0) and answer as a repeat does.
         stmt = insert_for(self.dialect, api_jobs_table).on_conflict_do_nothing()
         with self._write() as conn:
             inserted = bool(conn.execute(stmt, values).rowcount)
@@ -163,31 +171,47 @@ class ApiLedger(StoreBase):
         return _api_job(row), inserted
 
     @retried
-    def retake(self, job: ApiJob, partition: str, rendered: Job) -> None:
+    def retake(self, job: ApiJob, partition: str, rendered: Job) -> bool:
         """Replace ``job``'s content and message by a new take's (``rendered``, its Job,
         registered again: pending under its new prompt_id), its message to be published
-        (``published_at`` cleared), in one transaction."""
+        (``published_at`` cleared), in one transaction, only if the recorded take is
+        older than ``rendered.take``: compared in the UPDATE itself, so of requests racing
+        with one take exactly one records it, and an older take never replaces a newer.
+        True when this call recorded it."""
         values = {
             "content_json": json.dumps(job.content, sort_keys=True),
             "message": job.message.decode(),
             "published_at": None,
+            "take": rendered.take,
         }
+        stmt = (
+            api_jobs_table.update()
+            .where(API.job_id == job.job_id, API.take < rendered.take)
+            .values(**values)
+        )
         with self._write() as conn:
-            conn.execute(api_jobs_table.update().where(API.job_id == job.job_id).values(**values))
-            _, found = register(conn, self.dialect, partition, [rendered], self.now())
+            if not conn.execute(stmt).rowcount:
+                return False
+            _, found = register(
+                conn, self.dialect, partition, [rendered], self.now(), forward_only=True
+            )
             events = self._insert_events(conn, found)
         for event in events:
             log_event(event)
+        return True
 
     @retried
-    def mark_published(self, job_id: str, published: bool = True) -> None:
+    def mark_published(self, job_id: str, published: bool = True, take: int | None = None) -> None:
         """Note that the broker confirmed ``job_id``'s message (or, ``published=False``,
-        that it must be published again: a requeue)."""
+        that it must be published again: a requeue). With ``take``, only while the row
+        is still of that take: the confirm of an older take's message does not mark a
+        newer take's, which must be published too."""
         value = self.now() if published else None
+        stmt = api_jobs_table.update().where(API.job_id == job_id)
+        if take is not None:
+            stmt = stmt.where(API.take == take)
         with self._write() as conn:
-            conn.execute(
-                api_jobs_table.update().where(API.job_id == job_id).values(published_at=value)
-            )
+            conn.execute(stmt.values(published_at=value))
 
     @retried
     def unpublished(self, created_before: float, limit: int = 100) -> list[ApiJob]:
