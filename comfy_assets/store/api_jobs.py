@@ -157,10 +157,12 @@ class ApiLedger(StoreBase):
             "take": job.take,
         }
         # One insert wins whatever number of identical requests race: the others find
-        # its row (their rowcount 0) and answer as a repeat does.
+        # its row (their rowcount 0) and answer as a repeat does. SQLAlchemy keeps an
+        # INSERT's rowcount only when asked (else -1, which would count as inserted).
         stmt = insert_for(self.dialect, api_jobs_table).on_conflict_do_nothing()
+        stmt = stmt.execution_options(preserve_rowcount=True)
         with self._write() as conn:
-            inserted = bool(conn.execute(stmt, values).rowcount)
+            inserted = conn.execute(stmt, values).rowcount == 1
             row = conn.execute(sa.select(api_jobs_table).where(API.job_id == job.job_id)).one()
             events = []
             if inserted:
