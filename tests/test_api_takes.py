@@ -101,8 +101,7 @@ async def test_each_take_is_accepted_once_and_rendered_at_most_once(
         assert "take 2 is older" in (await older.json())["message"]
 
         workers = [
-            make_worker(queue, specs, stores[i], tmp_path, config=fast_config())
-            for i in (1, 2)
+            make_worker(queue, specs, stores[i], tmp_path, config=fast_config()) for i in (1, 2)
         ]
         for worker in workers:
             await stack.enter_async_context(running_worker(worker))
