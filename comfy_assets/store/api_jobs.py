@@ -324,6 +324,15 @@ class ApiLedger(StoreBase):
             return int(conn.execute(sa.select(sa.func.max(events_table.c.id))).scalar() or 0)
 
     @retried
+    def events_after(self, event_id: int, limit: int = 5000) -> list[tuple[int, str]]:
+        """``(id, job_id)`` of the events after ``event_id``, by id, at most ``limit``:
+        a range of the events' primary key (the streams' wake-ups)."""
+        t = events_table.c
+        stmt = sa.select(t.id, t.job_id).where(t.id > event_id).order_by(t.id).limit(limit)
+        with self._read() as conn:
+            return [(r.id, r.job_id) for r in conn.execute(stmt)]
+
+    @retried
     def ended_since(
         self, event_id: int, partitions: list[str], limit: int = 1000
     ) -> tuple[list[str], int]:
