@@ -16,6 +16,7 @@ database is away, like the ``Store``'s own.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +92,8 @@ class Webhook:
     delivered_at: float | None
     given_up_at: float | None
     last_error: str | None
+    receiver: str | None = None  # the URL's scheme://host:port (``outbox.receiver_of``)
+    client: str | None = None  # the job's client
 
 
 def _api_job(row: sa.Row) -> ApiJob:
@@ -403,14 +406,29 @@ class ApiLedger(StoreBase):
             )
 
     @retried
-    def due_webhooks(self, limit: int = 20) -> list[Webhook]:
-        """Deliveries whose next attempt is due, the most overdue first."""
+    def due_webhooks(
+        self,
+        limit: int = 20,
+        *,
+        skip_receivers: Sequence[str] = (),
+        skip_clients: Sequence[str] = (),
+    ) -> list[Webhook]:
+        """Deliveries whose next attempt is due, the most overdue first, but none to a
+        receiver of ``skip_receivers`` or of a client of ``skip_clients`` (those with all
+        their share of deliveries under way): however many of theirs are due, they never
+        hide another's behind ``limit``."""
         stmt = (
             sa.select(api_webhooks_table)
             .where(HOOK.next_at.is_not(None), HOOK.next_at <= self.now())
             .order_by(HOOK.next_at)
             .limit(limit)
         )
+        if skip_receivers:
+            stmt = stmt.where(
+                sa.or_(HOOK.receiver.is_(None), HOOK.receiver.not_in(list(skip_receivers)))
+            )
+        if skip_clients:
+            stmt = stmt.where(sa.or_(HOOK.client.is_(None), HOOK.client.not_in(list(skip_clients))))
         with self._read() as conn:
             return [Webhook(**r._mapping) for r in conn.execute(stmt)]
 

@@ -265,6 +265,10 @@ api_webhooks_table = sa.Table(
     sa.Column("delivered_at", sa.Double),
     sa.Column("given_up_at", sa.Double),
     sa.Column("last_error", sa.Text),
+    # Whose deliveries these are, for the outbox's shares: the URL's scheme://host:port
+    # and the job's client (NULL in rows made before: judged from the URL and the job).
+    sa.Column("receiver", sa.Text),
+    sa.Column("client", sa.String(255)),
     sa.Index("ix_comfy_api_webhooks_next_at", "next_at"),
 )
 
@@ -356,6 +360,8 @@ ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
     (pool_waiters_table, "servers"),
     (pool_waiters_table, "priority"),
     (api_jobs_table, "take"),
+    (api_webhooks_table, "receiver"),
+    (api_webhooks_table, "client"),
 )
 
 
