@@ -202,9 +202,9 @@ class MessageHandling:
         rec = await off_loop(self.store, self.store.get, job.id)
         now = rec.take if rec is not None else None
         newer = f"take {now}" if now is not None and now != job.take else "a newer registration"
-        detail = f"message of take {job.take} superseded by {newer}; acked, not rendered"
-        await off_loop(self.store, self.store.note, job.id, detail)
-        await self._acked(d, "superseded", "job %s: %s", job.id, detail)
+        what = f"message of take {job.take} superseded by {newer}"
+        await off_loop(self.store, self.store.note, job.id, f"{what}; acked, not rendered")
+        await self._acked(d, "superseded", "job %s: %s, not rendered", job.id, what)
 
     async def _storyboard_stopped(
         self, job: Job, partition: str, config: BatchConfig
