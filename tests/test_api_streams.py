@@ -72,9 +72,10 @@ async def test_streams_are_capped_per_client_and_read_the_store_only_when_woken(
         # Nothing changes: looking costs the streams nothing (a stream woken for
         # nothing would read once more than the two reads counted below).
         await wait_until(lambda: api.changes.looks > 0, 30, "the poller's first look")
-        before = reads["events"]
+        before, woken = reads["events"], api.changes.wakes
         for _ in range(3):
             await api.changes.look()
+        assert api.changes.wakes == woken
 
         # A change wakes each stream once, which reads and sends it.
         store.note(body["id"], "a note for the streams")
@@ -82,7 +83,7 @@ async def test_streams_are_capped_per_client_and_read_the_store_only_when_woken(
         for s in streams:
             kind, data = await next_event(s)
             assert (kind, data["detail"]) == ("transition", "a note for the streams")
-        assert reads["events"] == before + 2
+        assert reads["events"] == before + 2 and api.changes.wakes == woken + 2
 
         # The job ends (cancelled): each stream says so and ends, freeing its place.
         assert (await client.post(f"/v1/jobs/{body['id']}/cancel", headers=auth())).status == 200

@@ -64,7 +64,8 @@ class Changes:
         self.ledger = ledger
         self.poll_s = poll_s
         self.lookback = lookback
-        self.looks = 0  # store reads made, for tests and benches
+        self.looks = 0  # looks at the store made, for tests and benches
+        self.wakes = 0  # streams woken
         self._waiters: dict[str, set[asyncio.Event]] = {}
         self._task: asyncio.Task[None] | None = None
         self._cursor: int | None = None
@@ -106,9 +107,13 @@ class Changes:
     async def look(self) -> None:
         """Read the events since the last look and wake their jobs' streams."""
         self.looks += 1
-        if self._cursor is None:
-            self._cursor = await off_loop(self.ledger, self.ledger.last_event_id)
-            self._seen.clear()
+        if self._cursor is None:  # the first look: where the events end, nothing woken
+            last = await off_loop(self.ledger, self.ledger.last_event_id)
+            rows = await off_loop(
+                self.ledger, self.ledger.events_after, max(0, last - self.lookback)
+            )
+            self._seen = {i for i, _ in rows}
+            self._cursor = max([last, *self._seen])
             return
         since = max(0, self._cursor - self.lookback)
         rows = await off_loop(self.ledger, self.ledger.events_after, since)
@@ -117,6 +122,7 @@ class Changes:
             self._seen.add(event_id)
             for changed in self._waiters.get(job_id, ()):
                 changed.set()
+                self.wakes += 1
         if rows:
             self._cursor = max(self._cursor, rows[-1][0])
         low = self._cursor - self.lookback
