@@ -102,6 +102,8 @@ class Changes:
                 await self.look()
             except StoreUnavailable as e:
                 log.warning("event streams: %s; looking again", e)
+            except Exception as e:  # the streams must keep a poller: logged, looked again
+                log.error("event streams: looking for changes failed: %r", e, exc_info=e)
             await asyncio.sleep(self.poll_s)
 
     async def look(self) -> None:
