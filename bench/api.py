@@ -15,6 +15,7 @@ times each job's prompt executed: ``rendered_once`` must equal ``accepted``, and
 
     .venv/bin/python bench/api.py                        # 50 clients x 10 jobs, twice
     .venv/bin/python bench/api.py --clients 50 --jobs-per-client 20 --servers 4
+    .venv/bin/python bench/api.py --measure streams,webhooks   # bench/api_isolation.py
 """
 
 from __future__ import annotations
@@ -59,6 +60,19 @@ def cli(*args: object) -> list[str]:
     return [sys.executable, "-m", "comfy_assets.cli", *(str(a) for a in args)]
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (from /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], share: float) -> float:
+    """The value below which ``share`` of ``values`` lie (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * share))]
+
+
 class Run:
     """One measured run: the processes and what the clients saw."""
 
@@ -88,11 +102,9 @@ class Run:
         )  # fmt: skip
 
     def api_cpu(self) -> float:
-        """CPU seconds (user + system) the running API has used (from /proc)."""
+        """CPU seconds (user + system) the running API has used."""
         assert self.api is not None
-        with open(f"/proc/{self.api.pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return cpu_s(self.api.pid)
 
     def kill_api(self) -> None:
         assert self.api is not None
@@ -233,7 +245,7 @@ async def one_run(args: argparse.Namespace, name: str, kill: bool) -> dict[str, 
             worker.terminate()
             worker.wait(60)
             subprocess.run(
-                [sys.executable, "-c", _DELETE_QUEUES, AMQP, queue], cwd=ROOT, check=False
+                [sys.executable, "-c", DELETE_QUEUES, AMQP, queue], cwd=ROOT, check=False
             )
     counts = [executed.get(by_job.get(j, ""), 0) for j in ids]
     lat = sorted(run.latencies)
@@ -241,7 +253,7 @@ async def one_run(args: argparse.Namespace, name: str, kill: bool) -> dict[str, 
         f"{name}_accepted": len(ids),
         f"{name}_submissions_per_s": round(len(ids) / elapsed, 1),
         f"{name}_p50_ms": round(statistics.median(lat) * 1000, 1),
-        f"{name}_p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1000, 1),
+        f"{name}_p99_ms": round(percentile(lat, 0.99) * 1000, 1),
         f"{name}_api_cpu_ms_per_submission": round(api_cpu_s * 1000 / max(1, len(ids)), 2),
         f"{name}_retries": run.retries,
         f"{name}_api_kills": run.kills,
@@ -251,7 +263,7 @@ async def one_run(args: argparse.Namespace, name: str, kill: bool) -> dict[str, 
     }
 
 
-_DELETE_QUEUES = """
+DELETE_QUEUES = """
 import asyncio, sys, aio_pika
 async def main():
     async with await aio_pika.connect(sys.argv[1]) as c:
@@ -269,12 +281,39 @@ def main() -> None:
     p.add_argument("--servers", type=int, default=4)
     p.add_argument("--prompt-s", type=float, default=0.01)
     p.add_argument("--render-timeout-s", type=float, default=600.0)
+    p.add_argument(
+        "--measure",
+        default="submissions",
+        help="what to measure, comma-separated: submissions (steady, then the API killed), "
+        "streams (another client's GETs while one holds --streams), webhooks (a healthy "
+        "receiver's delay while --hanging-receivers hang); default submissions",
+    )
+    p.add_argument("--streams", type=int, default=1000)
+    p.add_argument("--gets", type=int, default=500)
+    p.add_argument("--hanging-receivers", type=int, default=100)
+    p.add_argument("--healthy-jobs", type=int, default=5)
     args = p.parse_args()
-    print(f"clients={args.clients} jobs_per_client={args.jobs_per_client} servers={args.servers}")
-    for name, kill in (("steady", False), ("killed", True)):
-        figures = asyncio.run(one_run(args, name, kill))
-        for key, value in figures.items():
-            print(f"{key}={value}", flush=True)
+    measures = set(args.measure.split(","))
+    unknown = measures - {"submissions", "streams", "webhooks"}
+    if unknown:
+        p.error(f"--measure: unknown {', '.join(sorted(unknown))}")
+    if "submissions" in measures:
+        print(
+            f"clients={args.clients} jobs_per_client={args.jobs_per_client} servers={args.servers}"
+        )
+        for name, kill in (("steady", False), ("killed", True)):
+            show(asyncio.run(one_run(args, name, kill)))
+    from bench.api_isolation import streams_run, webhooks_run
+
+    if "streams" in measures:
+        show(asyncio.run(streams_run(args.streams, args.gets)))
+    if "webhooks" in measures:
+        show(asyncio.run(webhooks_run(args.hanging_receivers, args.healthy_jobs, args.prompt_s)))
+
+
+def show(figures: dict[str, float]) -> None:
+    for key, value in figures.items():
+        print(f"{key}={value}", flush=True)
 
 
 if __name__ == "__main__":

@@ -261,11 +261,12 @@ async def _receiver(
     return runner, site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
 
 
-def _ended_job(store: Store, ledger: ApiLedger, url: str) -> str:
+def _ended_job(store: Store, ledger: ApiLedger, url: str, client: str = "alice") -> str:
     body = job_body()
-    sub = parse_submission(body, partition="api-alice", max_input_bytes=10, max_message_bytes=10**6)
-    row = ApiJob(sub.job.id, "alice", sub.content, sub.message, url, store.now())
-    ledger.take(row, "api-alice", sub.job)
+    partition = f"api-{client}"
+    sub = parse_submission(body, partition=partition, max_input_bytes=10, max_message_bytes=10**6)
+    row = ApiJob(sub.job.id, client, sub.content, sub.message, url, store.now())
+    ledger.take(row, partition, sub.job)
     assert store.claim(sub.job.id, "test-owner") == "claimed"
     store.mark_done(sub.job.id, "test-owner", files=[OutputFile("a.png", "0" * 64, 1)])
     return sub.job.id

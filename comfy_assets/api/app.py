@@ -22,6 +22,7 @@ from aiohttp import web
 from comfy_assets.api.outbox import Outbox
 from comfy_assets.api.publisher import Publisher, republish_loop
 from comfy_assets.api.ratelimit import RateLimit
+from comfy_assets.api.streams import Changes, StreamCap
 from comfy_assets.api.tokens import Clients, partition_of
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.store import Store, StoreUnavailable
@@ -39,13 +40,14 @@ class Limits:
     """What one request may be: ``max_input_bytes`` per input file (decoded),
     ``max_message_bytes`` per queue message (what a worker accepts),
     ``max_body_bytes`` per request body; ``rate_per_s`` requests a second per client and
-    ``burst`` at once."""
+    ``burst`` at once; ``max_streams`` event streams open at once per client."""
 
     max_input_bytes: int
     max_message_bytes: int
     max_body_bytes: int
     rate_per_s: float = 50.0
     burst: int = 100
+    max_streams: int = 20
 
 
 @dataclass
@@ -62,10 +64,14 @@ class Api:
     servers: list[ServerSpec] = field(default_factory=list)
     probe_timeout_s: float = 3.0
     rate: RateLimit = field(init=False)
+    streams: StreamCap = field(init=False)
+    changes: Changes = field(init=False)
     background: list[asyncio.Task[None]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.rate = RateLimit(self.limits.rate_per_s, self.limits.burst)
+        self.streams = StreamCap(self.limits.max_streams)
+        self.changes = Changes(self.ledger)
 
 
 API = web.AppKey("api", Api)
@@ -199,4 +205,5 @@ async def _stop(app: web.Application) -> None:
     for task in api.background:
         task.cancel()
     await asyncio.gather(*api.background, return_exceptions=True)
+    await api.changes.close()
     await api.publisher.close()

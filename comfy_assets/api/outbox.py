@@ -5,8 +5,13 @@ The outbox is a table of the store (``comfy_api_webhooks``): each ending of a jo
 ``finished_at``: a done record or a dead letter, and again after a requeue) becomes one
 row, its ``webhook-id`` derived from the job and the ending, so an API restarted, or two
 API processes, make it once. Deliveries run in the API process, apart from the requests
-and from the workers: a slow, failing or hostile receiver costs at most
-``concurrency`` sockets of ``timeout_s`` seconds each, and never a render. No redirect is
+and from the workers, each receiver and each client within its own share: at most
+``per_receiver`` at once to one receiver (the URL's scheme, host and port) and
+``per_client`` at once for one client's jobs. A receiver that hangs or fails holds only
+its share of sockets, ``timeout_s`` seconds each, and never a render; the due rows of a
+receiver or client whose share is in use are left out of the outbox's look
+(``ApiLedger.due_webhooks``), so however many of them wait, every other receiver's
+deliveries start as soon as they are due. No redirect is
 followed, the answer's body is not read, and the connection goes only to public
 addresses unless ``--allow-private-webhooks`` (``webhook_urls.GuardedResolver``). Every
 attempt is an event of the job (``webhook msg_... attempt 2 to https://host/path:
@@ -20,12 +25,14 @@ The body is the Standard Webhooks shape ``{"type": "job.succeeded", "timestamp":
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import KW_ONLY, InitVar, dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -47,6 +54,9 @@ MAX_DELAY_S = 3600.0
 # never deliver it at once, and short enough that a process killed mid-attempt loses
 # little time.
 HOLD_S = 120.0
+# Deliveries at once to one receiver, and for one client's jobs.
+PER_RECEIVER = 2
+PER_CLIENT = 4
 # Seconds between looks at every job with a webhook for an ending without one.
 FULL_SCAN_S = 60.0
 
@@ -54,6 +64,18 @@ FULL_SCAN_S = 60.0
 def webhook_id(job_id: str, finished_at: float) -> str:
     """The ``webhook-id`` of one ending of a job: the same in every API process."""
     return "msg_" + uuid.uuid5(WEBHOOK_NAMESPACE, f"{job_id} {finished_at!r}").hex
+
+
+def receiver_of(url: str) -> str:
+    """The receiver a delivery's share is counted by: ``scheme://host:port`` of ``url``
+    (lowercase, the scheme's port when none is given)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # refused at delivery (``delivery_problem``); counted as written
+        port = None
+    port = port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    return f"{parts.scheme.lower()}://{(parts.hostname or '').lower()}:{port}"
 
 
 def shown_url(url: str) -> str:
@@ -67,7 +89,8 @@ def shown_url(url: str) -> str:
 class Outbox:
     """Makes and delivers webhooks (see the module docstring). ``key``: the HMAC key
     (``signing.load_key``); ``partitions``: the clients' (``tokens.partition_of``);
-    ``allow_private``: call any address; ``concurrency``: deliveries at once."""
+    ``allow_private``: call any address; ``per_receiver``, ``per_client``: deliveries
+    at once to one receiver, for one client."""
 
     ledger: ApiLedger
     key: bytes
@@ -75,7 +98,8 @@ class Outbox:
     partitions: Sequence[str] = ()
     allow_private: bool = False
     timeout_s: float = 10.0
-    concurrency: InitVar[int] = 8
+    per_receiver: int = PER_RECEIVER
+    per_client: int = PER_CLIENT
     give_up_after_s: float = GIVE_UP_AFTER_S
     base_delay_s: float = BASE_DELAY_S
     max_delay_s: float = MAX_DELAY_S
@@ -83,13 +107,14 @@ class Outbox:
     store: Store = field(init=False)
     _cursor: int | None = field(init=False, default=None)  # the last event looked at for endings
     _next_full_scan: float = field(init=False, default=0.0)
-    _slots: asyncio.Semaphore = field(init=False)
     _running: set[asyncio.Task[None]] = field(init=False, default_factory=set)
+    # Deliveries under way, by receiver and by client.
+    _receivers: Counter[str] = field(init=False, default_factory=Counter)
+    _clients: Counter[str] = field(init=False, default_factory=Counter)
 
-    def __post_init__(self, concurrency: int) -> None:
+    def __post_init__(self) -> None:
         self.store = self.ledger.store
         self.partitions = list(self.partitions)
-        self._slots = asyncio.Semaphore(concurrency)
 
     async def run(self) -> None:
         """Forever: turn endings into outbox rows and deliver the rows that are due.
@@ -156,27 +181,43 @@ class Outbox:
             delivered_at=None,
             given_up_at=None,
             last_error=None,
+            receiver=receiver_of(api.webhook),
+            client=api.client,
         )
         await off_loop(self.ledger, self.ledger.add_webhook, hook, record.finished_at)
 
     async def deliver_due(self, session: aiohttp.ClientSession) -> None:
-        """Start an attempt for each due row this process can take (at most
-        ``concurrency`` at once); returns without waiting for them."""
-        if self._slots.locked():
-            return
-        for hook in await off_loop(self.ledger, self.ledger.due_webhooks):
-            if self._slots.locked():
-                return
+        """Start an attempt for each due row this process can take within its
+        receiver's and its client's share; returns without waiting for them."""
+        full_receivers = [r for r, n in self._receivers.items() if n >= self.per_receiver]
+        full_clients = [c for c, n in self._clients.items() if n >= self.per_client]
+        due = await off_loop(
+            self.ledger,
+            self.ledger.due_webhooks,
+            skip_receivers=full_receivers,
+            skip_clients=full_clients,
+        )
+        for hook in due:
+            receiver = hook.receiver or receiver_of(hook.url)
+            client = hook.client or ""
+            if self._receivers[receiver] >= self.per_receiver:
+                continue
+            if self._clients[client] >= self.per_client:
+                continue
             if not await off_loop(self.ledger, self.ledger.take_webhook, hook, HOLD_S):
                 continue  # another API process took it
-            await self._slots.acquire()
+            self._receivers[receiver] += 1
+            self._clients[client] += 1
             task = asyncio.create_task(self._attempt(session, hook))
             self._running.add(task)
-            task.add_done_callback(self._done)
+            task.add_done_callback(functools.partial(self._done, receiver, client))
 
-    def _done(self, task: asyncio.Task[None]) -> None:
+    def _done(self, receiver: str, client: str, task: asyncio.Task[None]) -> None:
         self._running.discard(task)
-        self._slots.release()
+        for counts, key in ((self._receivers, receiver), (self._clients, client)):
+            counts[key] -= 1
+            if counts[key] <= 0:
+                del counts[key]
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook attempt failed: %r", task.exception(), exc_info=task.exception())
 

@@ -96,13 +96,13 @@ class Publisher:
 
 
 async def publish_recorded(
-    ledger: ApiLedger, publisher: Publisher, job_id: str, body: bytes
+    ledger: ApiLedger, publisher: Publisher, job_id: str, body: bytes, take: int
 ) -> None:
-    """Publish a job whose rows are in the store, then mark it published. Raises
-    ``broker.BrokerError`` (it stays unmarked: published again later) and
-    ``StoreUnavailable``."""
+    """Publish a job whose rows are in the store (its message of take ``take``), then
+    mark it published if its row is still of that take. Raises ``broker.BrokerError``
+    (it stays unmarked: published again later) and ``StoreUnavailable``."""
     await publisher.publish(job_id, body)
-    await off_loop(ledger, ledger.mark_published, job_id)
+    await off_loop(ledger, ledger.mark_published, job_id, True, take)
 
 
 async def republish_loop(ledger: ApiLedger, publisher: Publisher, every_s: float = 2.0) -> None:
@@ -113,7 +113,7 @@ async def republish_loop(ledger: ApiLedger, publisher: Publisher, every_s: float
         try:
             due = await off_loop(ledger, ledger.unpublished, ledger.now() - REPUBLISH_AFTER_S)
             for job in due:
-                await publish_recorded(ledger, publisher, job.job_id, job.message)
+                await publish_recorded(ledger, publisher, job.job_id, job.message, job.take)
                 log.info("job %s: published again (no confirm was recorded)", job.job_id)
         except (broker.BrokerError, StoreUnavailable) as e:
             log.warning("publishing unconfirmed jobs again: %s; trying again", e)

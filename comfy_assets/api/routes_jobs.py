@@ -5,8 +5,9 @@
 (``comfy_api_jobs``, then the job itself, pending) and its message confirmed by the
 broker. The same id with the same content answers 200 with the job as it is now (a
 client retrying after a timeout: nothing is rendered twice); with a higher ``take`` and
-nothing else changed, 202: a new take, rendered again; with other content, 409 naming
-the fields that differ. A job recorded whose message the broker did not confirm
+nothing else changed, 202: a new take, rendered again (each take accepted once, in
+order: an older take than the job's answers 409); with other content, 409 naming the
+fields that differ. A job recorded whose message the broker did not confirm
 (503) is published by the same request sent again, or by the API itself a few seconds
 later (``publisher.republish_loop``).
 """
@@ -163,7 +164,7 @@ async def _take(api: Api, client: str, sub: Submission) -> web.Response:
         if not inserted:
             return await _again(api, client, sub, existing)  # another request was first
         try:
-            await publish_recorded(api.ledger, api.publisher, job.id, sub.message)
+            await publish_recorded(api.ledger, api.publisher, job.id, sub.message, job.take)
         except broker.BrokerError as e:
             return _not_confirmed(e)
         # Just registered: pending, no attempt, no file (a worker may have started it
@@ -179,8 +180,15 @@ async def _again(api: Api, client: str, sub: Submission, existing: ApiJob) -> we
     if existing.client != client:
         return error(409, f"job id {sub.job.id} is in use")
     differ = differences(existing.content, sub.content)
-    if differ == ["/take"] and sub.content["take"] > existing.content.get("take", 1):
+    if differ == ["/take"] and sub.job.take > existing.take:
         return await _retake(api, client, sub, existing)
+    if differ == ["/take"]:
+        return error(
+            409,
+            f"job {sub.job.id} is at take {existing.take}: take {sub.job.take} is older "
+            "(takes are accepted in order, each once)",
+            differs=differ,
+        )
     if differ:
         return error(
             409,
@@ -190,8 +198,16 @@ async def _again(api: Api, client: str, sub: Submission, existing: ApiJob) -> we
         )
     if existing.published_at is None:
         try:
-            await off_loop(api.store, api.store.register_jobs, partition_of(client), [sub.job])
-            await publish_recorded(api.ledger, api.publisher, sub.job.id, existing.message)
+            await off_loop(
+                api.store,
+                api.store.register_jobs,
+                partition_of(client),
+                [sub.job],
+                forward_only=True,  # a newer take may have been taken since
+            )
+            await publish_recorded(
+                api.ledger, api.publisher, sub.job.id, existing.message, existing.take
+            )
         except broker.BrokerError as e:
             return _not_confirmed(e)
         except PartitionConflict:
@@ -201,11 +217,17 @@ async def _again(api: Api, client: str, sub: Submission, existing: ApiJob) -> we
 
 async def _retake(api: Api, client: str, sub: Submission, existing: ApiJob) -> web.Response:
     """The same job with a higher ``take``: rendered again (202), the earlier take's
-    files kept (README, "Takes"). Its ending gets a webhook of its own."""
+    files kept (README, "Takes"). Its ending gets a webhook of its own. The take is
+    compared again where it is recorded (``ApiLedger.retake``): a request that finds it
+    taken meanwhile (the same take by a racing request, or a newer one) is answered as
+    the row now says (200 or 409)."""
     again = dataclasses.replace(existing, content=sub.content, message=sub.message)
-    await off_loop(api.ledger, api.ledger.retake, again, partition_of(client), sub.job)
+    if not await off_loop(api.ledger, api.ledger.retake, again, partition_of(client), sub.job):
+        now = await off_loop(api.ledger, api.ledger.get, sub.job.id)
+        assert now is not None  # rows of the API are never deleted
+        return await _again(api, client, sub, now)
     try:
-        await publish_recorded(api.ledger, api.publisher, sub.job.id, sub.message)
+        await publish_recorded(api.ledger, api.publisher, sub.job.id, sub.message, sub.job.take)
     except broker.BrokerError as e:
         return _not_confirmed(e)
     view = await current_view(api, again)
@@ -300,13 +322,13 @@ async def requeue(request: web.Request) -> web.Response:
     # Unmarked first: an API killed before the publish below publishes it on restart.
     await off_loop(api.ledger, api.ledger.mark_published, job.job_id, False)
     if not await off_loop(api.store, api.store.requeue, job.job_id):
-        await off_loop(api.ledger, api.ledger.mark_published, job.job_id)
+        await off_loop(api.ledger, api.ledger.mark_published, job.job_id, True, job.take)
         return error(
             409,
             f"job {job.job_id} is neither a dead letter nor degraded any more; nothing requeued",
         )
     try:
-        await publish_recorded(api.ledger, api.publisher, job.job_id, job.message)
+        await publish_recorded(api.ledger, api.publisher, job.job_id, job.message, job.take)
     except broker.BrokerError as e:
         return _not_confirmed(e)
     return json_response(await current_view(api, job), status=202)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from aiohttp import web
 
-from comfy_assets.api.app import API, CLIENT, error, json_response
+from comfy_assets.api.app import API, CLIENT, Api, error, json_response
 from comfy_assets.api.files import file_response
 from comfy_assets.api.headers import last_event_id
 from comfy_assets.api.routes_jobs import owned
+from comfy_assets.api.streams import STREAM_RETRY_AFTER_S
 from comfy_assets.api.views import current_files, event_view, iso
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.service import broker
@@ -21,7 +21,6 @@ from comfy_assets.store import StoreUnavailable, off_loop
 from comfy_assets.store.api_jobs import ApiLedger
 
 EVENT_STREAM = "text/event-stream"
-STREAM_POLL_S = 0.5
 KEEP_ALIVE_S = 15.0
 READY_TIMEOUT_S = 3.0
 
@@ -60,40 +59,64 @@ async def get_events(request: web.Request) -> web.StreamResponse:
     text/event-stream``, a Server-Sent Events stream of them (``event: transition``,
     ``id`` the event's), live until the job ends (then ``event: end``). A stream
     resumed with ``Last-Event-ID`` starts after that event (400 for one that is not an
-    event id: ``headers.last_event_id``)."""
+    event id: ``headers.last_event_id``). A client holding ``--max-streams`` streams
+    already gets 429 with ``Retry-After``. A stream reads the store only when its job has
+    new events (``streams.Changes`` wakes it)."""
     api = request.app[API]
     job = await owned(request)
     last_id = last_event_id(request.headers.get("Last-Event-ID"))  # 400 on any request
     if EVENT_STREAM not in request.headers.get("Accept", ""):
         events = await off_loop(api.store, api.store.events, job.job_id)
         return json_response({"events": [event_view(e) for e in events]})
+    client = request[CLIENT]
+    if not api.streams.enter(client):
+        return json_response(
+            {
+                "message": f"too many event streams: at most {api.streams.per_client} open "
+                "at once per client (--max-streams)"
+            },
+            status=429,
+            headers={"Retry-After": str(STREAM_RETRY_AFTER_S)},
+        )
+    try:
+        return await _stream(request, api, job.job_id, last_id)
+    finally:
+        api.streams.leave(client)
+
+
+async def _stream(request: web.Request, api: Api, job_id: str, last_id: int) -> web.StreamResponse:
     response = web.StreamResponse(
         headers={"Content-Type": EVENT_STREAM, "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    quiet_since = time.monotonic()
     try:
-        while True:
-            events = await off_loop(api.store, api.store.events, job.job_id)
-            fresh = [e for e in events if (e.id or 0) > last_id]
-            for event in fresh:
-                last_id = event.id or last_id
-                await response.write(_sse("transition", event_view(event), last_id))
-            if fresh:
-                quiet_since = time.monotonic()
-            record = await off_loop(api.store, api.store.get, job.job_id)
-            if record is not None and _ended(record.state):
-                end = {"state": str(record.state), "reason": record.reason}
-                await response.write(_sse("end", end, None))
-                break
-            if time.monotonic() - quiet_since >= KEEP_ALIVE_S:
-                await response.write(b": keep-alive\n\n")
-                quiet_since = time.monotonic()
-            await asyncio.sleep(STREAM_POLL_S)
+        with api.changes.watch(job_id) as changed:
+            while True:
+                changed.clear()  # a change from now on wakes the wait below
+                events = await off_loop(api.store, api.store.events, job_id)
+                for event in [e for e in events if (e.id or 0) > last_id]:
+                    last_id = event.id or last_id
+                    await response.write(_sse("transition", event_view(event), last_id))
+                record = await off_loop(api.store, api.store.get, job_id)
+                if record is not None and _ended(record.state):
+                    end = {"state": str(record.state), "reason": record.reason}
+                    await response.write(_sse("end", end, None))
+                    break
+                while not await _woken(changed, KEEP_ALIVE_S):
+                    await response.write(b": keep-alive\n\n")
     except (ConnectionResetError, StoreUnavailable):
         return response  # the client left, or the store did: the stream just ends
     await response.write_eof()
     return response
+
+
+async def _woken(changed: asyncio.Event, timeout_s: float) -> bool:
+    """True once ``changed`` is set, False after ``timeout_s`` seconds without."""
+    try:
+        await asyncio.wait_for(changed.wait(), timeout_s)
+    except TimeoutError:
+        return False
+    return True
 
 
 def _sse(kind: str, data: Any, event_id: int | None) -> bytes:

@@ -19,6 +19,8 @@ DEFAULT_QUEUE = "comfy-assets"
 # One input file decoded, so that a job with one fits a message of the worker's default
 # limit once in base64 (4 bytes per 3).
 MAX_INPUT_BYTES = 3 * 1024**2
+# Live event streams a client may hold open at once (``api.streams.StreamCap``).
+MAX_STREAMS = 20
 
 log = logging.getLogger("comfy_assets.api")
 
@@ -101,6 +103,13 @@ def add_api_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--burst", type=bounded(int, 1), default=100, help="requests at once per client (100)"
     )
+    p.add_argument(
+        "--max-streams",
+        type=bounded(int, 1),
+        default=MAX_STREAMS,
+        help="live event streams (text/event-stream) open at once per client, beyond "
+        f"which 429 ({MAX_STREAMS})",
+    )
     p.set_defaults(func=api_command)
 
 
@@ -137,6 +146,7 @@ def api_command(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes or 2 * args.max_message_bytes,
         rate_per_s=args.rate_per_s,
         burst=args.burst,
+        max_streams=args.max_streams,
     )
     api = Api(
         store=store,

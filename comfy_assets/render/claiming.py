@@ -37,9 +37,9 @@ class Claiming:
             rec, item.rec = item.rec, None
             if job.id in self.claims.held:  # claimed before its consumer waited in line
                 return rec
-        status, rec = await self.claims.claim(job.id)
+        status, rec = await self.claims.claim(job.id, job.prompt_id)
         if status in ("dead_lettered", "done") and await self._requeue_if_upstream_fixed(job, rec):
-            status, rec = await self.claims.claim(job.id)
+            status, rec = await self.claims.claim(job.id, job.prompt_id)
         if status == "done":
             problem = await self._db(outputs_problem, store, self.partition, job.id)
             if problem is None:
@@ -62,11 +62,21 @@ class Claiming:
                 self.report(f"job {job.id}: outputs {problem}; fetching them again")
             except InvalidTransition:
                 pass  # another worker reopened it a moment ago: claim decides who fetches
-            status, rec = await self.claims.claim(job.id)
+            status, rec = await self.claims.claim(job.id, job.prompt_id)
             if status == "done":  # and that worker has already fetched them
                 self.report(f"job {job.id}: already done, nothing posted")
                 self._resolve("done", job.id)
                 return None
+        if status == "changed":
+            # Registered again since this batch began (a newer take, other inputs): the
+            # run that registered it renders it; rendering this prompt would give the
+            # newer registration an older picture.
+            self.report(
+                f"job {job.id}: registered again since (take {rec.take or 1} now); "
+                "not rendered by this run"
+            )
+            self._resolve("not_run", job.id)
+            return None
         if status == "dead_lettered":
             self.report(
                 f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again"

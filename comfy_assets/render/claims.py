@@ -41,12 +41,15 @@ class Claims:
     # Jobs whose final record is being written: no longer renewed, released at the end.
     finishing: set[str] = field(default_factory=set, init=False)
 
-    async def claim(self, job_id: str) -> tuple[str, JobRecord]:
-        """``Store.claim_job`` for us: (status, record). A claim taken is held (renewed,
-        released at the end); one asked for stays in ``asking`` if we are cancelled
-        meanwhile, since it may still land on its worker thread."""
+    async def claim(self, job_id: str, prompt_id: str) -> tuple[str, JobRecord]:
+        """``Store.claim_job`` for us, of the job whose prompt is ``prompt_id``: (status,
+        record); "changed" when the store's prompt of the job is another now. A claim
+        taken is held (renewed, released at the end); one asked for stays in ``asking``
+        if we are cancelled meanwhile, since it may still land on its worker thread."""
         self.asking.add(job_id)
-        status, rec = await self.db(self.store.claim_job, job_id, self.owner, self.lease_s)
+        status, rec = await self.db(
+            self.store.claim_job, job_id, self.owner, self.lease_s, prompt_id=prompt_id
+        )
         self.asking.discard(job_id)
         if status == "claimed":
             self.held.add(job_id)

@@ -24,6 +24,9 @@ from comfy_assets.store import Store, off_loop
 
 log = logging.getLogger("comfy_assets.render.run")
 
+# What ``run_one`` answers for a job the store holds under another prompt (a newer take).
+SUPERSEDED = "superseded"
+
 # Called with each pool made here and its store (the metrics: ``metrics.py``).
 pool_watchers: list[Callable[[Pool, Store], None]] = []
 
@@ -251,8 +254,15 @@ async def run_one(
     the caller) is stale. ``running``: where its batch is while it runs (the caller's
     status rows name its prompt: ``publish.publish_servers``). Raises only on
     cancellation, after cleaning up.
+
+    ``SUPERSEDED`` when the store holds the job under another prompt: a newer take was
+    registered before this one (nothing is registered or posted), or the job was
+    registered again while this call waited or ran (a newer take, other inputs: the run
+    that registered it renders it; this one's attempt, if any, could record nothing).
     """
-    await off_loop(store, store.register_jobs, partition, [job])
+    found = await off_loop(store, store.register_jobs, partition, [job], forward_only=True)
+    if found.superseded:
+        return SUPERSEDED
     batch = Batch(
         [job],
         partition=partition,
@@ -273,4 +283,6 @@ async def run_one(
         if running is not None:
             running.discard(batch)
     rec = await off_loop(store, store.get, job.id)
+    if rec is not None and rec.prompt_id != job.prompt_id:
+        return SUPERSEDED
     return rec.state if rec is not None else "pending"

@@ -14,7 +14,7 @@ from comfy_assets.comfy.pool import Pool
 from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.run import run_one
+from comfy_assets.render.run import SUPERSEDED, run_one
 from comfy_assets.service.messages import parse_message
 from comfy_assets.service.sources import Delivery
 from comfy_assets.store import PartitionConflict, Store, off_loop
@@ -147,6 +147,9 @@ class MessageHandling:
             # Written again: a write while the job ran shows it unfinished.
             self._touched.add(partition)
 
+        if state == SUPERSEDED:
+            await self._superseded(d, job)
+            return
         if state in DONE:
             if job.id not in watch.finished:
                 await self._acked(
@@ -191,6 +194,17 @@ class MessageHandling:
             f"job {job.id}: run_one ended in state {state!r}, neither done nor "
             "dead-lettered; message requeued"
         )
+
+    async def _superseded(self, d: Delivery, job: Job) -> None:
+        """Ack a message whose job the store holds under another prompt (a newer take,
+        or other inputs registered since), saying so in the job's events: the message
+        that registered it renders it."""
+        rec = await off_loop(self.store, self.store.get, job.id)
+        now = rec.take if rec is not None else None
+        newer = f"take {now}" if now is not None and now != job.take else "a newer registration"
+        what = f"message of take {job.take} superseded by {newer}"
+        await off_loop(self.store, self.store.note, job.id, f"{what}; acked, not rendered")
+        await self._acked(d, "superseded", "job %s: %s, not rendered", job.id, what)
 
     async def _storyboard_stopped(
         self, job: Job, partition: str, config: BatchConfig

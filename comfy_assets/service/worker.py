@@ -6,6 +6,8 @@ Per message, one outcome and one log line:
 - done (now, or before: nothing posted) -> ack;
 - dead-lettered by this run -> publish to ``<queue>.dead`` with ``x-worker-reason``, ack;
 - dead-lettered by an earlier delivery -> ack only (published then, not again);
+- of an older take than the store's (or registered again meanwhile) -> ack, nothing
+  registered or posted, an event of the job says it was superseded;
 - not a valid job (bad JSON, bad id, a workflow path outside ``--workflows-dir``, a body
   over ``--max-message-bytes``, ...) -> ``<queue>.dead`` with the validation error, ack;
 - still running when the shutdown grace ran out -> run cancelled (prompt interrupted and
@@ -72,6 +74,7 @@ OUTCOMES = (
     "invalid",
     "stopped",
     "left_to_holder",
+    "superseded",
     "requeued",
 )
 
@@ -283,8 +286,8 @@ class Worker(MessageHandling):
         c = self.counts
         log.info(
             "worker %s: %d acked (%d done, %d done before, %d dead-lettered, %d dead before, "
-            "%d invalid, %d stopped by the delivery policy, %d left to another holder), "
-            "%d requeued",
+            "%d invalid, %d stopped by the delivery policy, %d left to another holder, "
+            "%d superseded by a newer take), %d requeued",
             self.owner,
             c["acked"],
             c["done"],
@@ -294,6 +297,7 @@ class Worker(MessageHandling):
             c["invalid"],
             c["stopped"],
             c["left_to_holder"],
+            c["superseded"],
             c["requeued"],
         )
 

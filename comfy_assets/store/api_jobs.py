@@ -16,6 +16,7 @@ database is away, like the ``Store``'s own.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,6 +70,11 @@ class ApiJob:
     published_at: float | None = None
     notified_at: float | None = None
 
+    @property
+    def take(self) -> int:
+        """The take of its content (1 when the request named none)."""
+        return int(self.content.get("take", 1))
+
 
 @dataclass(frozen=True)
 class Webhook:
@@ -86,6 +92,8 @@ class Webhook:
     delivered_at: float | None
     given_up_at: float | None
     last_error: str | None
+    receiver: str | None = None  # the URL's scheme://host:port (``outbox.receiver_of``)
+    client: str | None = None  # the job's client
 
 
 def _api_job(row: sa.Row) -> ApiJob:
@@ -149,10 +157,15 @@ class ApiLedger(StoreBase):
             "message": job.message.decode(),
             "webhook": job.webhook,
             "created_at": job.created_at,
+            "take": job.take,
         }
+        # One insert wins whatever number of identical requests race: the others find
+        # its row (their rowcount 0) and answer as a repeat does. SQLAlchemy keeps an
+        # INSERT's rowcount only when asked (else -1, which would count as inserted).
         stmt = insert_for(self.dialect, api_jobs_table).on_conflict_do_nothing()
+        stmt = stmt.execution_options(preserve_rowcount=True)
         with self._write() as conn:
-            inserted = bool(conn.execute(stmt, values).rowcount)
+            inserted = conn.execute(stmt, values).rowcount == 1
             row = conn.execute(sa.select(api_jobs_table).where(API.job_id == job.job_id)).one()
             events = []
             if inserted:
@@ -163,31 +176,47 @@ class ApiLedger(StoreBase):
         return _api_job(row), inserted
 
     @retried
-    def retake(self, job: ApiJob, partition: str, rendered: Job) -> None:
+    def retake(self, job: ApiJob, partition: str, rendered: Job) -> bool:
         """Replace ``job``'s content and message by a new take's (``rendered``, its Job,
         registered again: pending under its new prompt_id), its message to be published
-        (``published_at`` cleared), in one transaction."""
+        (``published_at`` cleared), in one transaction, only if the recorded take is
+        older than ``rendered.take``: compared in the UPDATE itself, so of requests racing
+        with one take exactly one records it, and an older take never replaces a newer.
+        True when this call recorded it."""
         values = {
             "content_json": json.dumps(job.content, sort_keys=True),
             "message": job.message.decode(),
             "published_at": None,
+            "take": rendered.take,
         }
+        stmt = (
+            api_jobs_table.update()
+            .where(API.job_id == job.job_id, API.take < rendered.take)
+            .values(**values)
+        )
         with self._write() as conn:
-            conn.execute(api_jobs_table.update().where(API.job_id == job.job_id).values(**values))
-            _, found = register(conn, self.dialect, partition, [rendered], self.now())
+            if not conn.execute(stmt).rowcount:
+                return False
+            _, found = register(
+                conn, self.dialect, partition, [rendered], self.now(), forward_only=True
+            )
             events = self._insert_events(conn, found)
         for event in events:
             log_event(event)
+        return True
 
     @retried
-    def mark_published(self, job_id: str, published: bool = True) -> None:
+    def mark_published(self, job_id: str, published: bool = True, take: int | None = None) -> None:
         """Note that the broker confirmed ``job_id``'s message (or, ``published=False``,
-        that it must be published again: a requeue)."""
+        that it must be published again: a requeue). With ``take``, only while the row
+        is still of that take: the confirm of an older take's message does not mark a
+        newer take's, which must be published too."""
         value = self.now() if published else None
+        stmt = api_jobs_table.update().where(API.job_id == job_id)
+        if take is not None:
+            stmt = stmt.where(API.take == take)
         with self._write() as conn:
-            conn.execute(
-                api_jobs_table.update().where(API.job_id == job_id).values(published_at=value)
-            )
+            conn.execute(stmt.values(published_at=value))
 
     @retried
     def unpublished(self, created_before: float, limit: int = 100) -> list[ApiJob]:
@@ -298,6 +327,15 @@ class ApiLedger(StoreBase):
             return int(conn.execute(sa.select(sa.func.max(events_table.c.id))).scalar() or 0)
 
     @retried
+    def events_after(self, event_id: int, limit: int = 5000) -> list[tuple[int, str]]:
+        """``(id, job_id)`` of the events after ``event_id``, by id, at most ``limit``:
+        a range of the events' primary key (the streams' wake-ups)."""
+        t = events_table.c
+        stmt = sa.select(t.id, t.job_id).where(t.id > event_id).order_by(t.id).limit(limit)
+        with self._read() as conn:
+            return [(r.id, r.job_id) for r in conn.execute(stmt)]
+
+    @retried
     def ended_since(
         self, event_id: int, partitions: list[str], limit: int = 1000
     ) -> tuple[list[str], int]:
@@ -368,14 +406,29 @@ class ApiLedger(StoreBase):
             )
 
     @retried
-    def due_webhooks(self, limit: int = 20) -> list[Webhook]:
-        """Deliveries whose next attempt is due, the most overdue first."""
+    def due_webhooks(
+        self,
+        limit: int = 20,
+        *,
+        skip_receivers: Sequence[str] = (),
+        skip_clients: Sequence[str] = (),
+    ) -> list[Webhook]:
+        """Deliveries whose next attempt is due, the most overdue first, but none to a
+        receiver of ``skip_receivers`` or of a client of ``skip_clients`` (those with all
+        their share of deliveries under way): however many of theirs are due, they never
+        hide another's behind ``limit``."""
         stmt = (
             sa.select(api_webhooks_table)
             .where(HOOK.next_at.is_not(None), HOOK.next_at <= self.now())
             .order_by(HOOK.next_at)
             .limit(limit)
         )
+        if skip_receivers:
+            stmt = stmt.where(
+                sa.or_(HOOK.receiver.is_(None), HOOK.receiver.not_in(list(skip_receivers)))
+            )
+        if skip_clients:
+            stmt = stmt.where(sa.or_(HOOK.client.is_(None), HOOK.client.not_in(list(skip_clients))))
         with self._read() as conn:
             return [Webhook(**r._mapping) for r in conn.execute(stmt)]
 

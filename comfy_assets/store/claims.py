@@ -32,7 +32,12 @@ class Claims(Owners):
 
     @retried
     def register_jobs(
-        self, partition: str, jobs: Sequence[Job], *, now: float | None = None
+        self,
+        partition: str,
+        jobs: Sequence[Job],
+        *,
+        now: float | None = None,
+        forward_only: bool = False,
     ) -> RegisterResult:
         """Record ``jobs`` (a job file's, say) under ``partition``, in one transaction.
 
@@ -41,13 +46,18 @@ class Claims(Owners):
         refreshed). A known job whose prompt_id changed (its inputs changed) goes back to
         pending with attempts 0 and no claim (event "inputs changed"); one in flight
         passes through failed_retryable first, so its old attempt cannot finish it.
+        ``forward_only``: a known job of a higher take than the given one is left as it
+        is (``superseded``), compared under the rows' lock: a worker's message or an
+        API request of an older take never moves a job back.
         Raises PartitionConflict if an id is registered in another partition, ValueError
         for an id given twice or a bad partition name.
         """
         folder_name(partition, "partition")
         now = self._now(now)
         with self._write() as conn:
-            result, events = register(conn, self.dialect, partition, jobs, now)
+            result, events = register(
+                conn, self.dialect, partition, jobs, now, forward_only=forward_only
+            )
             events = self._insert_events(conn, events)
         for event in events:
             log_event(event)
@@ -57,7 +67,8 @@ class Claims(Owners):
         """``claim_job`` (the same arguments) without the record: CLAIMED if ``job_id``
         was free, expired (taken over: an event names the old owner) or already ours;
         HELD if another owner's claim is live; DONE for succeeded/degraded; DEAD_LETTERED
-        for failed_fatal. Raises UnknownJob."""
+        for failed_fatal; CHANGED when ``prompt_id`` is given and is not the stored one.
+        Raises UnknownJob."""
         return self.claim_job(job_id, owner, *args, **kwargs)[0]
 
     @retried
@@ -67,22 +78,33 @@ class Claims(Owners):
         owner: str,
         lease_s: float = 3600.0,
         now: float | None = None,
+        prompt_id: str | None = None,
     ) -> tuple[ClaimStatus, JobRecord]:
         """Try to take ``job_id`` for ``owner`` until ``now + lease_s`` (seconds): the
         claim's status (see ``claim``) and the job's record as the claim left it, in one
-        transaction. A claim whose lease runs on is taken over all the same when its
+        transaction. With ``prompt_id``, a job whose stored prompt_id is another (a newer
+        take or other inputs registered since the caller's) is not claimed: CHANGED, so
+        a run never renders an older prompt under a newer registration. A claim whose lease runs on is taken over all the same when its
         holder is gone (``store/owners.py``: released, or no heartbeat): the holder is
         then marked found gone, so it can never act on the job again. Raises UnknownJob."""
         now = self._now(now)
         event = None
         with self._write() as conn:
             # The usual case, a job nobody holds: one statement.
-            params = {"b_id": job_id, "v_owner": owner, "v_expires": now + lease_s, "v_now": now}
+            params = {
+                "b_id": job_id,
+                "b_prompt": prompt_id,
+                "v_owner": owner,
+                "v_expires": now + lease_s,
+                "v_now": now,
+            }
             claimed = conn.execute(q.CLAIM_FREE, params).first()
             if claimed is not None:
                 return ClaimStatus.CLAIMED, _job_record(claimed)
             row = self._lock(conn, job_id)
             record = _job_record(row)
+            if prompt_id is not None and row.prompt_id != prompt_id:
+                return ClaimStatus.CHANGED, record
             if row.state in DONE:
                 return ClaimStatus.DONE, record
             if row.state == FAILED_FATAL:

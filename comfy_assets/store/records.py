@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import PurePosixPath
 from typing import Any, Protocol
@@ -18,6 +18,8 @@ class ClaimStatus(StrEnum):
     HELD = "held"  # another owner holds a live claim
     DONE = "done"  # succeeded or degraded: nothing to do
     DEAD_LETTERED = "dead_lettered"  # failed_fatal: needs a requeue
+    # The store's prompt_id of the job is another (a newer take, other inputs): not claimed.
+    CHANGED = "changed"
 
 
 @dataclass(frozen=True)
@@ -206,6 +208,8 @@ class RegisterResult:
     inserted: list[str]
     unchanged: list[str]
     changed: list[str]  # inputs changed: back to pending, attempts 0
+    # Left as they are: the store has a newer take (``register_jobs(forward_only=True)``).
+    superseded: list[str] = field(default_factory=list)
 
 
 class UnknownJob(LookupError):

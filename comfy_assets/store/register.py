@@ -43,12 +43,21 @@ def inputs_json(job: Job) -> str | None:
 
 
 def register(
-    conn: sa.Connection, dialect: str, partition: str, jobs: Sequence[Job], now: float
+    conn: sa.Connection,
+    dialect: str,
+    partition: str,
+    jobs: Sequence[Job],
+    now: float,
+    *,
+    forward_only: bool = False,
 ) -> tuple[RegisterResult, list[Event]]:
     """Insert new jobs, keep unchanged ones, reset those whose prompt_id changed.
 
-    Returns what happened and the events to write. Raises PartitionConflict, ValueError
-    for an id given twice. Rows are locked (PostgreSQL) before they are compared.
+    ``forward_only``: a known job whose stored take is higher than the given one's is
+    left as it is (``superseded``): a queue message or a request of an older take never
+    moves a job back. Returns what happened and the events to write. Raises
+    PartitionConflict, ValueError for an id given twice. Rows are locked (PostgreSQL)
+    before they are compared, so the takes are compared under the lock.
     """
     by_id: dict[str, Job] = {}
     for job in jobs:
@@ -72,8 +81,10 @@ def register(
             f"register {partition!r}: {len(new) - added} jobs inserted by another process"
         )
     inserted = [j for j in by_id if j not in known]
-    changed = [j for j, row in known.items() if row.prompt_id != by_id[j].prompt_id]
-    unchanged = [j for j, row in known.items() if row.prompt_id == by_id[j].prompt_id]
+    superseded = [j for j, row in known.items() if forward_only and (row.take or 1) > by_id[j].take]
+    current = {j: row for j, row in known.items() if j not in superseded}
+    changed = [j for j, row in current.items() if row.prompt_id != by_id[j].prompt_id]
+    unchanged = [j for j, row in current.items() if row.prompt_id == by_id[j].prompt_id]
     events = [_event(now, j, partition, None, PENDING, _registered(by_id[j])) for j in inserted]
     events += _reset_changed(conn, partition, [by_id[j] for j in sorted(changed)], known, now)
     _refresh_metadata(conn, [by_id[j] for j in unchanged], known, now)
@@ -82,6 +93,7 @@ def register(
         inserted=inserted,
         unchanged=sorted(unchanged, key=order.__getitem__),
         changed=sorted(changed, key=order.__getitem__),
+        superseded=sorted(superseded, key=order.__getitem__),
     )
     return result, events
 

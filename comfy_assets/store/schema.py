@@ -246,6 +246,8 @@ api_jobs_table = sa.Table(
     sa.Column("created_at", sa.Double, nullable=False),
     sa.Column("published_at", sa.Double),
     sa.Column("notified_at", sa.Double),  # the finished_at its last webhook was made for
+    # The take of ``content_json``, compared in SQL: a request's take is accepted once.
+    sa.Column("take", sa.Integer, nullable=False, server_default="1"),
     sa.Index("ix_comfy_api_jobs_client", "client"),
     sa.Index("ix_comfy_api_jobs_published_at", "published_at"),  # NULL: to publish
 )
@@ -263,6 +265,10 @@ api_webhooks_table = sa.Table(
     sa.Column("delivered_at", sa.Double),
     sa.Column("given_up_at", sa.Double),
     sa.Column("last_error", sa.Text),
+    # Whose deliveries these are, for the outbox's shares: the URL's scheme://host:port
+    # and the job's client (NULL in rows made before: judged from the URL and the job).
+    sa.Column("receiver", sa.Text),
+    sa.Column("client", sa.String(255)),
     sa.Index("ix_comfy_api_webhooks_next_at", "next_at"),
 )
 
@@ -353,6 +359,9 @@ ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
     (jobs_table, "inputs_json"),
     (pool_waiters_table, "servers"),
     (pool_waiters_table, "priority"),
+    (api_jobs_table, "take"),
+    (api_webhooks_table, "receiver"),
+    (api_webhooks_table, "client"),
 )
 
 

@@ -95,6 +95,8 @@ CLAIM_FREE = (
         # Not NOT IN: its list is bound anew at every execution (an expanding parameter).
         *(JOB.state != s for s in sorted(s.value for s in (*DONE, FAILED_FATAL))),
         sa.or_(JOB.claimed_by.is_(None), JOB.claimed_by == _b("v_owner")),
+        # The caller's prompt, when it names one (``Claims.claim_job``).
+        sa.or_(_b("b_prompt", sa.String).is_(None), JOB.prompt_id == _b("b_prompt", sa.String)),
     )
     .values(claimed_by=_b("v_owner"), claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
     .returning(*jobs_table.c)
