@@ -93,7 +93,10 @@ def document(*, webhooks: bool = False) -> dict[str, Any]:
                     **_job("202", "accepted: durable in the store and confirmed by the broker"),
                     **_job("200", "this id with this content was accepted before"),
                     "400": _error("the body is not JSON"),
-                    "409": _error("this id is another job (the fields that differ)"),
+                    "409": _error(
+                        "this id is another job (the fields that differ), or the take is "
+                        "older than the job's"
+                    ),
                     "413": _error("the body is over the limit"),
                     "422": _error("not a valid job: every error with its JSON pointer"),
                     **COMMON,
