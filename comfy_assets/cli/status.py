@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from comfy_assets.cli.options import add_command
 from comfy_assets.cli.run import EXISTING_STORE_HELP, add_store_options, open_store
 from comfy_assets.cli.status_servers import FINISHING, RENDERING, alive, servers
 from comfy_assets.render.eta import format_left
@@ -64,9 +65,10 @@ _DONE = ("succeeded", "degraded")
 
 def add_status_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``status`` on the ``comfy-assets`` subparsers."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "status",
-        help="per partition its jobs by state and time left; per server what it renders; "
+        "per partition its jobs by state and time left; per server what it renders; "
         "with --partition, why each job not done waits",
     )
     add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
