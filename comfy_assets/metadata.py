@@ -47,6 +47,16 @@ TABLE_ROWS = 200
 CELL_CHARS = 300
 
 
+# How the problem of a watched folder that does not exist starts (``missing_folder``).
+NO_FOLDER = "job folder "
+
+
+def missing_folder(folder: Path) -> str:
+    """The problem of a watched folder that does not exist (a typo in ``job_dirs``, or a
+    folder not made yet): the farm could never see a job file there."""
+    return f"{NO_FOLDER}{folder} does not exist: create it, or correct the farm's job_dirs"
+
+
 def job_file_problems(exc: JobFileError) -> str:
     """Every error of a rejected job file, ``path:line: field: message`` one a line, cut
     after MAX_ERRORS_PER_FILE with a count of the rest."""
@@ -68,11 +78,19 @@ def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
         description = "every job file in the watched folders is valid"
     else:
         # The UI renders the description as markdown without a click: the errors go there too.
-        files = "1 job file is" if len(problems) == 1 else f"{len(problems)} job files are"
+        folders = sum(problem.startswith(NO_FOLDER) for problem in problems)
+        bad = len(problems) - folders
+        said = []
+        if folders:
+            said.append(f"{folders} watched folder{'s do' if folders > 1 else ' does'} not exist")
+        if bad:
+            said.append(
+                f"{bad} job file{'s are' if bad > 1 else ' is'} not valid, not launched until fixed"
+            )
         shown = lines[:DESCRIBED_LINES]
         more = len(lines) - len(shown)
         description = "\n".join(
-            [f"{files} not valid, not launched until fixed:", "", "```", *shown, "```"]
+            [f"{' and '.join(said)}:", "", "```", *shown, "```"]
             + ([f"… {more} more lines in the metadata's errors"] if more else [])
         )
     return {
