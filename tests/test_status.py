@@ -487,7 +487,7 @@ def test_a_quarantined_or_on_trial_server_reads_so_with_no_run_going(tmp_path: P
     assert servers["s3"]["state"] == "idle"
     text = lines(report)
     s1 = next(line for line in text if line.startswith("server s1: "))
-    assert re.fullmatch(r"server s1: not used: quarantined until \d\d:\d\d:\d\d: .+", s1)
+    assert re.fullmatch(r"server s1: not used: quarantined until [-\d]{10} [:\d]{8} \S+: .+", s1)
     assert "server s2: on trial (its cool-down is over: its next job decides)" in text
     assert "server s3: not used: no running batch uses it" in text
 
