@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: venv test lint demo demo-stop bench clean
+.PHONY: venv test lint demo demo-stop bench clean wheel
 
 venv: $(STAMP)
 
@@ -31,5 +31,11 @@ demo: $(STAMP)
 demo-stop: $(STAMP)
 	$(BIN)/python -m comfy_assets.cli.demo --stop
 
+# The package as a wheel, for a Dagster project of your own (docs/dagster.md):
+# dist/comfy_assets-<version>-py3-none-any.whl. Needs only Python and pip; pip fetches the
+# build backend (setuptools) for its isolated build.
+wheel:
+	$(PYTHON) -m pip wheel --quiet --no-deps --wheel-dir dist .
+
 clean:
-	rm -rf $(VENV) .demo .pytest_cache .ruff_cache
+	rm -rf $(VENV) .demo .pytest_cache .ruff_cache dist build

@@ -56,11 +56,11 @@ from comfy_assets.film.shots import (
 from comfy_assets.jobs.states import DONE
 from comfy_assets.metadata import (
     JOB_COLUMNS,
-    WIDE_JOB_COLUMNS,
     OutputsSheet,
     column_schema,
     film_metadata,
     job_files_check_fields,
+    job_table,
     jobs_frame,
     media_url,
     model_load_metadata,
@@ -197,7 +197,6 @@ def render_partition(
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
     jobs = jobs_frame(current, job_ids, outputs, last_model_tries(tries), failed_on)
-    shown = jobs.drop(columns=list(WIDE_JOB_COLUMNS))  # the full ids are in results.csv
     metadata: dict[str, object] = {}
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
@@ -210,7 +209,9 @@ def render_partition(
                 media_url(url, result_store.root, sheet.path) if url else None,
             )
         )
-        metadata["pictures"] = f"{sheet.caption()}, each labelled with its job and file name"
+        metadata["pictures"] = (
+            f"{sheet.caption()}, each labelled with its shot and job, or job and file name"
+        )
     metadata |= {
         "job_file": MetadataValue.path(str(job_file.path.resolve())),
         "job_file_sha256": job_file.sha256,
@@ -221,7 +222,7 @@ def render_partition(
         "gpu_seconds": MetadataValue.float(float(summary.gpu_seconds)),
         "seconds": MetadataValue.float(float(summary.seconds)),
         "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
-        "job_table": table(shown, column_schema(shown, JOB_COLUMNS)),
+        "job_table": job_table(jobs),  # the full ids and cells are in results.csv
         **servers_metadata([s.name for s in comfy.server_specs()], current, health),
     }
     if tries:  # what loading models cost, per server (jobs that load none: nothing)
@@ -241,8 +242,9 @@ def render_partition(
                 check_name="no_dead_letters",
                 passed=not dead,
                 severity=AssetCheckSeverity.ERROR,
+                # No numbers: the check's plot would draw every partition's as one series.
                 metadata={
-                    "dead_lettered": len(dead),
+                    "partition": partition,
                     "dead_letters": table(dead_frame, column_schema(dead_frame, JOB_COLUMNS)),
                 },
                 description=f"{len(dead)} dead-lettered jobs" if dead else "no dead letters",
@@ -251,7 +253,11 @@ def render_partition(
                 check_name="all_jobs_done",
                 passed=done == len(job_ids),
                 severity=AssetCheckSeverity.ERROR,
-                metadata={"done": done, "jobs": len(job_ids), "counts": MetadataValue.json(counts)},
+                metadata={
+                    "partition": partition,
+                    "done": f"{done} of {len(job_ids)} jobs",
+                    "counts": MetadataValue.json(counts),
+                },
                 description=f"{done} of {len(job_ids)} jobs done",
             ),
         ],

@@ -86,11 +86,15 @@ class RenderFarmServer(dg.Resolvable, dg.Model):
 
 class RenderFarmScaffolder(Scaffolder):
     """Writes a defs.yaml for a farm named after its folder: one server on this host,
-    job files in ``jobs/<name>``, the store in ``store/<name>``, keys under ``<name>``."""
+    job files in ``jobs/<name>`` (the folder made, empty), the store in ``store/<name>``,
+    keys under ``<name>``."""
 
     def scaffold(self, request: ScaffoldRequest[Any]) -> None:
-        """Write ``defs.yaml`` in ``request.target_path``."""
+        """Write ``defs.yaml`` in ``request.target_path``, and make the job folder it names
+        under the project root (a folder that does not exist fails the farm's check)."""
         name = request.target_path.name.replace("-", "_")
+        if request.project_root is not None:
+            (request.project_root / "jobs" / name).mkdir(parents=True, exist_ok=True)
         scaffold_component(
             request,
             {

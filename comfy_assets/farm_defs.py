@@ -25,6 +25,7 @@ from dagster import (
 from comfy_assets.assets import FarmAssets, build_assets
 from comfy_assets.dead_runs import build_dead_runs_sensor
 from comfy_assets.farm import Farm
+from comfy_assets.launched_partition import add_launched_partition
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.sensors import build_job_file_sensor
 
@@ -41,8 +42,11 @@ def build_farm_defs(
 ) -> Definitions:
     """The definitions of one farm: its assets and checks (``build_assets``, or
     ``assets`` already built for it), its render job, its four sensors and its two
-    resources under ``farm.comfy_key`` and ``farm.store_key``."""
+    resources under ``farm.comfy_key`` and ``farm.store_key``. A ``--partition`` on the
+    command line that names a job file of the farm is added first (``launched_partition``)."""
     built = assets if assets is not None else build_assets(farm)
+    # `dg launch --partition KEY` of a job file the sensor has not seen yet.
+    add_launched_partition(farm)
     render_job = define_asset_job(
         farm.name("render_job"),
         # Both partitioned by the farm's job files.

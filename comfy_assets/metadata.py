@@ -47,6 +47,16 @@ TABLE_ROWS = 200
 CELL_CHARS = 300
 
 
+# How the problem of a watched folder that does not exist starts (``missing_folder``).
+NO_FOLDER = "job folder "
+
+
+def missing_folder(folder: Path) -> str:
+    """The problem of a watched folder that does not exist (a typo in ``job_dirs``, or a
+    folder not made yet): the farm could never see a job file there."""
+    return f"{NO_FOLDER}{folder} does not exist: create it, or correct the farm's job_dirs"
+
+
 def job_file_problems(exc: JobFileError) -> str:
     """Every error of a rejected job file, ``path:line: field: message`` one a line, cut
     after MAX_ERRORS_PER_FILE with a count of the rest."""
@@ -68,11 +78,19 @@ def job_files_check_fields(problems: Sequence[str]) -> dict[str, Any]:
         description = "every job file in the watched folders is valid"
     else:
         # The UI renders the description as markdown without a click: the errors go there too.
-        files = "1 job file is" if len(problems) == 1 else f"{len(problems)} job files are"
+        folders = sum(problem.startswith(NO_FOLDER) for problem in problems)
+        bad = len(problems) - folders
+        said = []
+        if folders:
+            said.append(f"{folders} watched folder{'s do' if folders > 1 else ' does'} not exist")
+        if bad:
+            said.append(
+                f"{bad} job file{'s are' if bad > 1 else ' is'} not valid, not launched until fixed"
+            )
         shown = lines[:DESCRIBED_LINES]
         more = len(lines) - len(shown)
         description = "\n".join(
-            [f"{files} not valid, not launched until fixed:", "", "```", *shown, "```"]
+            [f"{' and '.join(said)}:", "", "```", *shown, "```"]
             + ([f"… {more} more lines in the metadata's errors"] if more else [])
         )
     return {
@@ -147,8 +165,9 @@ def column_schema(frame: pd.DataFrame, descriptions: dict[str, str] | None = Non
     )
 
 
-def _table_cell(value: Any, kind: str) -> str | int | float | bool | None:
-    """A cell as the column's ``kind`` shows it: numbers as numbers (a CSV cell is text)."""
+def _table_cell(value: Any, kind: str, chars: int = CELL_CHARS) -> str | int | float | bool | None:
+    """A cell as the column's ``kind`` shows it: numbers as numbers (a CSV cell is text),
+    text cut at ``chars`` characters."""
     if _missing(value):
         return None
     if hasattr(value, "item"):  # numpy scalars
@@ -160,14 +179,26 @@ def _table_cell(value: Any, kind: str) -> str | int | float | bool | None:
     if isinstance(value, bool | int | float):
         return value
     text = str(value)
-    return text if len(text) <= CELL_CHARS else text[: CELL_CHARS - 1] + "…"
+    return text if len(text) <= chars else text[: chars - 1] + "…"
 
 
-def table(frame: pd.DataFrame, schema: TableSchema, max_rows: int = TABLE_ROWS) -> MetadataValue:
-    """The first ``max_rows`` rows of ``frame`` as a Dagster table (sortable in the UI)."""
+def table(
+    frame: pd.DataFrame,
+    schema: TableSchema,
+    max_rows: int = TABLE_ROWS,
+    widths: Mapping[str, int] | None = None,
+) -> MetadataValue:
+    """The first ``max_rows`` rows of ``frame`` as a Dagster table (sortable in the UI);
+    ``widths``: the most characters of a column's text cells (else CELL_CHARS)."""
     kinds = {column.name: column.type for column in schema.columns}
+    widths = widths or {}
     records = [
-        TableRecord({str(k): _table_cell(v, kinds.get(str(k), "string")) for k, v in row.items()})
+        TableRecord(
+            {
+                str(k): _table_cell(v, kinds.get(str(k), "string"), widths.get(str(k), CELL_CHARS))
+                for k, v in row.items()
+            }
+        )
         for row in frame.head(max_rows).to_dict(orient="records")
     ]
     return MetadataValue.table(records=records, schema=schema)
@@ -200,15 +231,36 @@ JOB_COLUMNS = {
     "failed_on": "The servers its failed attempts ran on, in order (where a dead letter failed).",
     "attempts": "Attempts since its inputs last changed.",
     "seconds": "Wall time of the job, seconds.",
-    "inputs": "Its input files: key=path@sha256 (the first 12 hex digits; or the upstream "
-    "job, node and file); in full in results.csv.",
-    "reason": "Why it failed or degraded.",
+    "inputs": "Its input files: key=path@sha256 (the first 8 hex digits; or the upstream "
+    "job, node and file); cut at 60 characters, in full in results.csv.",
+    "reason": "Why it failed or degraded; cut at 60 characters, in full in results.csv.",
     "job_id": "The job's id (the job line's id).",
     "models": "The model files its workflow loads.",
     "model_loaded": "Its server had to load one of them for its last try.",
 }
 # Left out of the job table in the UI, so it fits a page: the full id is in results.csv.
 WIDE_JOB_COLUMNS = ("job_id",)
+# The longest cell of these columns of the job table in the UI, cut with "…" beyond (the
+# full text is in results.csv): with the other columns, under 1600 pixels.
+JOB_CELL_CHARS = {"inputs": 60, "reason": 60}
+# An input's sha256 in the UI's job table: its first 8 hex digits, as a job id's.
+_INPUT_SHA = re.compile(r"@sha256:([0-9a-f]{8})[0-9a-f]*")
+
+
+def job_table(jobs: pd.DataFrame) -> MetadataValue:
+    """The job table the UI shows of ``jobs`` (``jobs_frame``): without WIDE_JOB_COLUMNS
+    and the columns empty in every row (no shots, no failure), an input's sha256 as its
+    first 8 hex digits, cells of JOB_CELL_CHARS cut, so that it fits a 1600-pixel page."""
+    shown = jobs.drop(columns=list(WIDE_JOB_COLUMNS))
+    empty = [name for name in shown.columns if all(_missing(v) for v in shown[name])]
+    shown = shown.drop(columns=[name for name in empty if name not in ("job", "state")])
+    if "inputs" in shown.columns:
+        shown["inputs"] = [
+            v if _missing(v) else _INPUT_SHA.sub(r"@\1", str(v)) for v in shown["inputs"]
+        ]
+    return table(shown, column_schema(shown, JOB_COLUMNS), widths=JOB_CELL_CHARS)
+
+
 # Jobs that load no model have no model columns (their batch's tables show none).
 MODEL_JOB_COLUMNS = ("models", "model_loaded")
 
@@ -288,11 +340,15 @@ class OutputsSheet:
         return f"{self.outputs} output" + ("" if self.outputs == 1 else "s") + f" of {jobs}"
 
 
-def tile_label(job_id: str, shot: int | None, name: str) -> str:
-    """Two lines: ``shot 3 · job 1a2b3c4d`` (``job 1a2b3c4d`` without a shot) and the
-    output's file name."""
+def tile_label(job_id: str, shot: int | None, name: str, output: int = 1, outputs: int = 1) -> str:
+    """A tile's label. A shot's: ``shot 3 · job 1a2b3c4d``, with ``output 2 of 3`` under
+    it for a job of several outputs (its file's name is ComfyUI's counter, which says
+    nothing of the shot); a job's without a shot: ``job 1a2b3c4d`` over the file's
+    ``name``."""
     job = f"job {job_id[:8]}"
-    return (job if shot is None else f"shot {shot} · {job}") + "\n" + name
+    if shot is None:
+        return f"{job}\n{name}"
+    return f"shot {shot} · {job}" + (f"\noutput {output} of {outputs}" if outputs > 1 else "")
 
 
 def _node_order(node_id: str | None) -> tuple[int, int, str]:
@@ -306,7 +362,7 @@ def outputs_contact_sheet(
     store: Store, partition: str, records: Sequence[Any], out: Path
 ) -> OutputsSheet | None:
     """Write ``out``: a contact sheet of every picture and video the done jobs wrote (a
-    video's middle frame), each tile labelled with its shot, job and file name; the first
+    video's middle frame), each tile labelled (``tile_label``); the first
     SHEET_TILES of them. Returns None when no job has one. Raises MediaError for a broken
     file."""
     done = [r for r in records if r.state in DONE]
@@ -321,9 +377,10 @@ def outputs_contact_sheet(
         files.sort(key=lambda f: (_node_order(f.node_id), f.path))
         outputs += len(files)
         jobs += 1 if files else 0
-        for f in files[: max(0, SHEET_TILES - len(clips))]:
+        for n, f in enumerate(files[: max(0, SHEET_TILES - len(clips))], start=1):
             clips.append(store.job_dir(partition, record.job_id) / f.path)
-            labels.append(tile_label(record.job_id, record.shot, PurePosixPath(f.path).name))
+            name = PurePosixPath(f.path).name
+            labels.append(tile_label(record.job_id, record.shot, name, n, len(files)))
     if not clips:
         return None
     sheet = contact_sheet(

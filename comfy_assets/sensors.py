@@ -62,7 +62,7 @@ from comfy_assets.farm import DEFAULT_FARM, Farm
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.workflows import WorkflowCache
-from comfy_assets.metadata import job_file_problems, job_files_check_evaluation
+from comfy_assets.metadata import job_file_problems, job_files_check_evaluation, missing_folder
 from comfy_assets.partitions import (
     input_rules_from_env,
     iter_job_files,
@@ -275,13 +275,19 @@ def stray_partitions(
     return delete[job_files_partitions.name], delete[storyboard_partitions.name], still
 
 
+def missing_folders(dirs: list[Path]) -> list[str]:
+    """The problem of each watched folder that is not a folder (``missing_folder``)."""
+    return [missing_folder(folder) for folder in dirs if not folder.is_dir()]
+
+
 def current_problems(dirs: list[Path] | None = None) -> list[str]:
-    """Every problem of the watched folders now, each a text of one or more lines: a name
-    several files share, or a file that does not validate (its errors, ``path:line:
+    """Every problem of the watched folders now, each a text of one or more lines: a
+    folder that does not exist, a name several files share, or a file that does not validate (its errors, ``path:line:
     field: message`` one a line). Reads and validates every file."""
-    problems: list[str] = []
+    dirs = dirs if dirs is not None else DEFAULT_FARM.dirs()
+    problems = missing_folders(dirs)
     workflows = WorkflowCache()
-    by_key = _by_key(dirs if dirs is not None else DEFAULT_FARM.dirs())
+    by_key = _by_key(dirs)
     for key, entries in sorted(by_key.items()):
         if len(entries) > 1:
             problems.append(_ambiguous(key, entries))
@@ -437,11 +443,15 @@ def job_file_tick(context: SensorEvaluationContext, farm: Farm = DEFAULT_FARM) -
 
     # Every problem standing now (not only this tick's), for the ``valid`` check; it is
     # evaluated again only when they change, so the asset stays red until they are fixed.
-    standing = ambiguous + [
-        seen[key].errors or f"partition {key}: not valid; touch the file to see why"
-        for key in sorted(seen)
-        if not seen[key].ok
-    ]
+    standing = (
+        missing_folders(farm.dirs())
+        + ambiguous
+        + [
+            seen[key].errors or f"partition {key}: not valid; touch the file to see why"
+            for key in sorted(seen)
+            if not seen[key].ok
+        ]
+    )
     reported = _digest(standing)
     events: list[AssetMaterialization | AssetCheckEvaluation] = list(materializations)
     if reported != reported_digest(context.cursor):

@@ -22,6 +22,8 @@ from dagster import (
     DagsterInstance,
     DagsterRunStatus,
     ExecuteInProcessResult,
+    FloatMetadataValue,
+    IntMetadataValue,
     RunsFilter,
     TableMetadataValue,
     evaluate_automation_conditions,
@@ -143,6 +145,17 @@ def test_a_four_job_file_renders_every_job_once_and_writes_its_rows(
     assert counts(fakes, "posted") == dict.fromkeys(prompt_ids, 1)
     assert counts(fakes, "executed") == dict.fromkeys(prompt_ids, 1)
     assert checks(result) == {"no_dead_letters": True, "all_jobs_done": True}
+    # A check's numbers would plot every partition's as one series: it carries text.
+    for evaluation in result.get_asset_check_evaluations():
+        assert evaluation.metadata["partition"].value == "four"
+        numbers = [
+            name
+            for name, value in evaluation.metadata.items()
+            if isinstance(value, IntMetadataValue | FloatMetadataValue)
+        ]
+        assert numbers == [], (evaluation.check_name, numbers)
+    (done,) = [e for e in result.get_asset_check_evaluations() if e.check_name == "all_jobs_done"]
+    assert done.metadata["done"].value == "4 of 4 jobs"
 
     frame = read_csv(tmp_path / "store", "four")
     assert frame["job_id"].tolist() == [job.id for job in job_file.jobs]

@@ -131,7 +131,7 @@ def test_a_farm_with_a_server_url_that_is_not_one_fails_to_load_naming_it(
     ), chain
 
 
-def dg(project: Path, *args: str, home: Path, env: dict[str, str]) -> str:
+def dg(project: Path, *args: str, home: Path, env: dict[str, str], stderr: bool = False) -> str:
     done = subprocess.run(
         [str(project / ".venv" / "bin" / "dg"), *args],
         cwd=project,
@@ -141,7 +141,7 @@ def dg(project: Path, *args: str, home: Path, env: dict[str, str]) -> str:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    return done.stdout + (done.stderr if stderr else "")
 
 
 @pytest.mark.timeout(600)
@@ -177,6 +177,7 @@ def test_a_fresh_dg_project_scaffolds_two_farms_and_materializes_a_partition_of_
             defs_yaml = project / "src" / "studio" / "defs" / name / "defs.yaml"
             scaffolded = yaml.safe_load(defs_yaml.read_text())
             assert scaffolded["attributes"]["key_prefix"] == [name]
+            assert (project / "jobs" / name).is_dir()  # the job folder it names, made
             # The scaffolded folders are the project's; the server comes from the environment.
             scaffolded["attributes"]["servers"][0]["url"] = f"{{{{ env.{name.upper()}_GPU0_URL }}}}"
             defs_yaml.write_text(yaml.safe_dump(scaffolded))
@@ -187,11 +188,12 @@ def test_a_fresh_dg_project_scaffolds_two_farms_and_materializes_a_partition_of_
         defs = dg(project, "list", "defs", "--json", home=home, env=env)
         for name in FARMS:
             assert f"{name}/renders" in defs and f"{name}_job_file_sensor" in defs
-        with DagsterInstance.from_config(str(home)) as instance:
-            for name in FARMS:
-                instance.add_dynamic_partitions(f"{name}_job_files", ["shots"])
+        # No sensor has ticked (no daemon): docs/dagster.md's launch adds the partition
+        # from the watched folder (every farm of the project loads, each adds its own) and
+        # brings results.csv along.
+        said = ""
         for name in FARMS:
-            dg(
+            said += dg(
                 project,
                 "launch",
                 "--assets",
@@ -200,7 +202,14 @@ def test_a_fresh_dg_project_scaffolds_two_farms_and_materializes_a_partition_of_
                 "shots",
                 home=home,
                 env=env,
+                stderr=True,
             )
+        for name in FARMS:
+            job_file = project / "jobs" / name / "shots.jsonl"
+            assert said.count(f"added partition shots of {name}_job_files from {job_file}") == 1
+        with DagsterInstance.from_config(str(home)) as instance:
+            for name in FARMS:
+                assert instance.get_dynamic_partitions(f"{name}_job_files") == ["shots"]
 
     for name in FARMS:
         job_file = load_job_file(project / "jobs" / name / "shots.jsonl")

@@ -182,6 +182,20 @@ def test_mixed_sizes_and_rates_are_reencoded_to_the_first_clip(tmp_path):
     assert close(colours[30][1], GREEN) and close(colours[50][1], BLUE)
 
 
+def test_the_reason_for_a_reencode_names_clips_by_the_names_given(tmp_path):
+    # The film names its clips by shot: ComfyUI's counter files say nothing of the shot.
+    clips = [
+        solid(tmp_path / "shot_00005_.mp4", RED, 24),
+        solid(tmp_path / "shot_00002_.mp4", GREEN, 24, size=(160, 90)),
+    ]
+
+    result = concat(clips, tmp_path / "film.mp4", names=["shot 1", "shot 2"])
+
+    assert result.mode == "reencode"
+    assert "shot 2" in result.reason and "shot 1" in result.reason
+    assert "_.mp4" not in result.reason
+
+
 def test_copy_is_refused_when_a_target_size_is_asked_for(tmp_path):
     clips = [solid(tmp_path / "a.mp4", RED, 12), solid(tmp_path / "b.mp4", GREEN, 12)]
 

@@ -77,6 +77,7 @@ RUN_HERE = [
     ".venv/bin/dg dev --port 3000",
     "dagster job launch",
     "comfy-assets api --store tour/api/store",
+    "make wheel",
 ]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
@@ -310,6 +311,8 @@ def test_the_dagster_launches_queue_a_run_and_render_a_partition(project: Path) 
     executed = sum(len(fake.stats["runs"]) for fake in fakes)
     assert executed == len(job_file.jobs)
     assert (store / "images" / "outputs.contact.png").is_file()
+    # render_results came along: every job a row.
+    assert len(pd.read_csv(store / "images" / "results.csv")) == len(job_file.jobs)
 
 
 HELP_SECTION = re.compile(
@@ -374,3 +377,44 @@ def test_the_api_docs_example_submits_follows_and_fetches_a_picture(project: Pat
     assert picture.startswith(b"\x89PNG")
     assert hashlib.sha256(picture).hexdigest() in {f["sha256"] for f in job["files"]}
     assert f"picture.png: {job['files'][0]['url']}" in done.stdout
+
+
+def test_the_wheel_make_builds_installs_into_another_projects_environment(tmp_path: Path) -> None:
+    """docs/dagster.md's install block in a copy of the clone: ``make wheel`` as written;
+    the project ``../studio`` is a fresh venv that sees this environment's packages (a
+    ``.pth`` file) and gets the wheel with ``--no-deps --ignore-installed``, so nothing is
+    downloaded and this environment's editable install is left alone."""
+    clone = tmp_path / "comfy-assets"
+    clone.mkdir()
+    for name in ("pyproject.toml", "README.md", "Makefile"):
+        shutil.copy(REPO / name, clone / name)
+    for name in ("comfy_assets", "fake_comfy"):
+        shutil.copytree(REPO / name, clone / name, ignore=shutil.ignore_patterns("__pycache__"))
+    studio = tmp_path / "studio" / ".venv"
+    subprocess.run([sys.executable, "-m", "venv", str(studio)], check=True, timeout=120)
+    (site,) = (studio / "lib").glob("python3*/site-packages")
+    (ours,) = (VENV / "lib").glob("python3*/site-packages")
+    (site / "this_environment.pth").write_text(f"{ours}\n")
+    block = readme_block("make wheel").replace(
+        "-m pip install ", "-m pip install --quiet --no-deps --ignore-installed "
+    )
+
+    done = run_block(block, clone, timeout_s=300)
+
+    assert done.returncode == 0, done.stdout
+    assert (clone / "dist" / "comfy_assets-0.1.0-py3-none-any.whl").is_file()
+    assert "usage: comfy-assets [-h] COMMAND ..." in done.stdout
+    found = subprocess.run(
+        [
+            str(studio / "bin" / "python"),
+            "-c",
+            "import comfy_assets.component as c, importlib.metadata as m; print(c.__file__); "
+            "print([e.value for e in m.entry_points(group='dagster_dg_cli.registry_modules')])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+    ).stdout.splitlines()
+    assert found[0] == str(site / "comfy_assets" / "component.py")  # the wheel's copy
+    assert "comfy_assets" in found[1]  # how dg finds comfy_assets.RenderFarm

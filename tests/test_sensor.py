@@ -437,3 +437,26 @@ def test_find_job_file_and_job_dirs(jobs_dir: Path) -> None:
     assert find_job_file("my_shots") == path
     with pytest.raises(FileNotFoundError):
         find_job_file("nothing")
+
+
+def test_a_watched_folder_that_does_not_exist_fails_the_check_naming_it(
+    jobs_dir: Path, instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    typo = jobs_dir.parent / "jbos"
+    monkeypatch.setenv("COMFY_ASSETS_JOB_DIRS", os.pathsep.join([str(jobs_dir), str(typo)]))
+    write_jobs(jobs_dir / "a.jsonl")
+
+    first = tick(instance, None)
+
+    (failed,) = valid_check(first)
+    assert (failed.passed, failed.severity) == (False, AssetCheckSeverity.ERROR)
+    description = (failed.description or "").splitlines()
+    assert description[0] == "1 watched folder does not exist:"
+    assert description[3] == (
+        f"job folder {typo} does not exist: create it, or correct the farm's job_dirs"
+    )
+    assert run_keys(first) == [f"a:{sha16(jobs_dir / 'a.jsonl')}"]  # the other folder runs
+
+    typo.mkdir()
+    (passed,) = valid_check(tick(instance, first.cursor))
+    assert passed.passed

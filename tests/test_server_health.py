@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from pathlib import Path
 
 import pytest
@@ -177,6 +179,31 @@ def test_readmit_by_hand_clears_a_quarantine(tmp_path):
     assert change is not None and change.kind == "readmitted"
     assert store.server_health()["gpu2"].state == "ok"
     assert store.readmit_server("gpu2", "root@host") is None
+
+
+def test_a_quarantine_after_one_lifted_by_hand_lists_only_its_own_jobs(tmp_path):
+    store = Store(tmp_path / "store")
+    store.server_failed("gpu2", job_id(1), "0" * 64, "cuda", "CUDA error", infrastructure=True)
+    store.readmit_server("gpu2", "root@host")
+
+    change = store.server_failed(
+        "gpu2", job_id(2), "0" * 64, "cuda", "CUDA error", infrastructure=True
+    )
+
+    assert change is not None and change.kind == "quarantined"
+    assert change.detail.endswith(f"; jobs that failed here: {job_id(2)}")
+    assert [job for job, _, _ in store.server_health()["gpu2"].failed_jobs] == [job_id(2)]
+
+
+def test_a_quarantine_says_until_when_with_its_date_and_zone(tmp_path):
+    store = Store(tmp_path / "store")
+    store.server_failed(
+        "gpu2", job_id(1), "0" * 64, "cuda", "CUDA error", infrastructure=True, now=1_796_000_000
+    )
+    record = store.server_health(now=1_796_000_001)["gpu2"]
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(record.until))
+    assert record.line() == f"gpu2 quarantined until {when}: CUDA error"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \S+", when)
 
 
 @pytest.mark.parametrize(

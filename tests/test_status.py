@@ -458,6 +458,14 @@ def test_one_status_output_agrees_with_itself_while_jobs_move(
     assert f"server gpu0: renders job {b} of p since " in text[1]
     assert text[3] == "server gpu2: free"
     assert text[4] == "5 jobs not done: 2 rendering, 1 finishing, 2 waiting for a server"
+    # e and f wait for the same servers: their cause is said once, their ids under it.
+    shared = reasons[e][1]
+    assert reasons[f][1] == shared and shared.startswith("gpu0, gpu1, gpu2 can run it; ")
+    assert text.count(f"waiting for a server (2 jobs): {shared}") == 1
+    assert sum(shared in line for line in text) == 1
+    at = text.index(f"waiting for a server (2 jobs): {shared}")
+    assert text[at + 1 : at + 3] == [f"  job {e}", f"  job {f}"]
+    assert f"job {a}: finishing: {reasons[a][1]}" in text  # a cause of its own: one line
 
 
 def test_a_quarantined_or_on_trial_server_reads_so_with_no_run_going(tmp_path: Path) -> None:
@@ -479,7 +487,7 @@ def test_a_quarantined_or_on_trial_server_reads_so_with_no_run_going(tmp_path: P
     assert servers["s3"]["state"] == "idle"
     text = lines(report)
     s1 = next(line for line in text if line.startswith("server s1: "))
-    assert re.fullmatch(r"server s1: not used: quarantined until \d\d:\d\d:\d\d: .+", s1)
+    assert re.fullmatch(r"server s1: not used: quarantined until [-\d]{10} [:\d]{8} \S+: .+", s1)
     assert "server s2: on trial (its cool-down is over: its next job decides)" in text
     assert "server s3: not used: no running batch uses it" in text
 

@@ -159,3 +159,52 @@ async def test_each_progress_adds_up_to_the_jobs_left_and_names_no_ended_job(
         assert parts.get("rendering", 0) == len(p.running) <= 2, p.lines()
         named = {line.split()[1] for line in p.running}
         assert not named & done, (p.running, sorted(done))
+
+
+async def test_a_run_again_of_a_done_partition_says_it_checks_its_jobs(tmp_path: Path) -> None:
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 12))
+    store = Store(tmp_path / "s")
+    async with fake_servers(fake) as servers:
+        first = await run_batch(
+            jf, partition="p", servers=servers, store=store, config=fast_config()
+        )
+        seen: list[Progress] = []
+        again = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=store,
+            config=fast_config(),
+            on_progress=seen.append,
+        )
+    assert first.done == again.done == 12
+    lines = [p.waiting_line() for p in seen if p.waiting_line()]
+    assert lines and all(
+        re.fullmatch(r"(\d+) left: \1 done before, being checked", line) for line in lines
+    ), lines
+
+
+async def test_jobs_left_after_the_delivery_policy_stopped_are_said_not_submitted(
+    tmp_path: Path,
+) -> None:
+    # Shot 1 fails for good under delivery: the batch stops submitting the other shots.
+    fake = FakeComfy(script=["error"], prompt_seconds=0.005)
+    shots = [{"shot": i + 1} for i in range(4)]
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 4, extra=shots))
+    seen: list[Progress] = []
+    async with fake_servers(fake) as servers:
+        summary = await run_batch(
+            jf,
+            partition="p",
+            servers=servers,
+            store=Store(tmp_path / "s"),
+            config=fast_config(attempts=1, policy="delivery"),
+            on_progress=seen.append,
+        )
+    assert summary.stopped and summary.stopped.startswith("stopped after the fatal failure")
+    after = [p.waiting_line() for p in seen if p.waiting_line() and p.dead_lettered]
+    assert after, [p.lines() for p in seen]
+    for line in after:
+        assert "waiting for a server" not in line
+        assert re.fullmatch(r"(\d+) left: \1 not submitted: the batch stopped submitting", line)

@@ -9,7 +9,13 @@ import signal
 import sys
 from pathlib import Path
 
-from comfy_assets.cli.options import add_size_option, bad_input, bounded, byte_size_text
+from comfy_assets.cli.options import (
+    add_command,
+    add_size_option,
+    bad_input,
+    bounded,
+    byte_size_text,
+)
 from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.cli.worker import add_rabbitmq_option, needs_rabbitmq, queue_name
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES
@@ -36,7 +42,7 @@ def listen_address(text: str) -> tuple[str, int]:
 
 def add_api_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``api``."""
-    p = sub.add_parser("api", help="serve the HTTP API: submit jobs, follow them, fetch files")
+    p = add_command(sub, "api", "serve the HTTP API: submit jobs, follow them, fetch files")
     add_store_options(p)
     add_rabbitmq_option(p)
     p.add_argument(

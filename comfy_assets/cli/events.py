@@ -12,7 +12,7 @@ import argparse
 import sys
 from datetime import UTC, datetime
 
-from comfy_assets.cli.options import bad_input
+from comfy_assets.cli.options import add_command, bad_input
 from comfy_assets.cli.run import EXISTING_STORE_HELP, add_store_options, open_store
 from comfy_assets.jobs.events import Event, event_json
 from comfy_assets.jobs.model import is_job_id
@@ -36,8 +36,8 @@ def _shot(text: str) -> int:
 def add_events_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``events --store DIR [--db-url URL] (--job ID | --partition P [--shot N])
     [--json]`` on the ``comfy-assets`` subparsers."""
-    p = sub.add_parser(
-        "events", help="what happened to a job or a shot: its state transitions, oldest first"
+    p = add_command(
+        sub, "events", "what happened to a job or a shot: its state transitions, oldest first"
     )
     add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
     which = p.add_mutually_exclusive_group(required=True)

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from comfy_assets.cli.options import add_input_options, bad_input
+from comfy_assets.cli.options import add_command, add_input_options, bad_input
 from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.film.gate import FilmResult, GateBlocked
 from comfy_assets.film.make import make_film
@@ -35,7 +35,7 @@ EXIT_NOT_WRITTEN = 1
 
 def add_film_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``film`` on the ``comfy-assets`` subparsers."""
-    p = sub.add_parser("film", help="cut a rendered storyboard into a film, behind the gate")
+    p = add_command(sub, "film", "cut a rendered storyboard into a film, behind the gate")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL) rendered")
     add_input_options(p)
     add_store_options(p, retry=False)

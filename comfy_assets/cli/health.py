@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from comfy_assets.cli.options import bounded
+from comfy_assets.cli.options import add_command, bounded
 from comfy_assets.comfy.servers import parse_servers
 
 if TYPE_CHECKING:
@@ -29,9 +29,10 @@ if TYPE_CHECKING:
 def add_health(sub: argparse._SubParsersAction) -> None:
     """Register ``health [--server NAME=URL ...] [--store DIR [--db-url URL]]
     [--readmit NAME] [--timeout-s S]``."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "health",
-        help="probe ComfyUI servers, one line each; with --store, their quarantines too",
+        "probe ComfyUI servers, one line each; with --store, their quarantines too",
     )
     p.add_argument(
         "--server",

@@ -15,6 +15,13 @@ from collections.abc import Callable
 EXIT_BAD_INPUT = 2
 
 
+def add_command(sub: argparse._SubParsersAction, name: str, what: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``: ``what`` (what it does, lower case, no full
+    stop) is its line in the program's ``--help`` and, as a sentence, the first thing its
+    own ``--help`` says after the usage."""
+    return sub.add_parser(name, help=what, description=f"{what[0].upper()}{what[1:]}.")
+
+
 def bad_input(message: object) -> int:
     """Say ``error: message`` on stderr; return ``EXIT_BAD_INPUT`` for the command to exit
     with."""

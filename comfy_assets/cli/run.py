@@ -15,6 +15,7 @@ from typing import TextIO
 
 from comfy_assets.cli.metrics_option import add_steering_option, serve_metrics, track_metrics
 from comfy_assets.cli.options import (
+    add_command,
     add_input_options,
     bad_input,
     bounded,
@@ -178,7 +179,7 @@ def add_server_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_run_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="run a job file over the servers, without Dagster")
+    p = add_command(sub, "run", "run a job file over the servers, without Dagster")
     p.add_argument("--jobs", type=Path, required=True, help="the job file (JSONL)")
     add_input_options(p)
     add_server_options(p)
@@ -433,7 +434,7 @@ def stopped_by_signals() -> Iterator[list[str]]:
 
 def add_requeue_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``requeue JOB_ID... --store DIR [--db-url URL]``."""
-    p = sub.add_parser("requeue", help="clear dead letters and degraded jobs so they render again")
+    p = add_command(sub, "requeue", "clear dead letters and degraded jobs so they render again")
     p.add_argument(
         "job_id",
         nargs="+",

@@ -27,7 +27,9 @@ the server that says so, so the lines of one output agree. A job's reason is one
   and does not take it up again (requeued after that run dead-lettered it, say).
 
 A partition's ``waiting`` counts its jobs left (neither done nor dead-lettered) by these
-reasons, so its numbers add up to the jobs left.
+reasons, so its numbers add up to the jobs left. With ``--partition``, a job's line says
+its reason and what it waits for (``job ID: reason: detail``); jobs that wait for the same
+thing are listed under one line saying it (``reason (N jobs): detail``), their ids indented.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from comfy_assets.cli.options import add_command
 from comfy_assets.cli.run import EXISTING_STORE_HELP, add_store_options, open_store
 from comfy_assets.cli.status_servers import FINISHING, RENDERING, alive, servers
 from comfy_assets.render.eta import format_left
@@ -64,9 +67,10 @@ _DONE = ("succeeded", "degraded")
 
 def add_status_parser(sub: argparse._SubParsersAction) -> None:
     """Register ``status`` on the ``comfy-assets`` subparsers."""
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "status",
-        help="per partition its jobs by state and time left; per server what it renders; "
+        "per partition its jobs by state and time left; per server what it renders; "
         "with --partition, why each job not done waits",
     )
     add_store_options(p, help=EXISTING_STORE_HELP, retry=False)
@@ -331,6 +335,14 @@ def lines(report: dict[str, Any]) -> list[str]:
     if "jobs" in report:
         summary = ", ".join(f"{counted[why]} {why}" for why in REASONS if counted[why])
         out.append(f"{len(report['jobs'])} jobs not done" + (f": {summary}" if summary else ""))
+    # A cause several jobs share (the servers' state, say) is said once, their ids under it.
+    causes: dict[tuple[str, str], list[str]] = {}
     for j in report.get("jobs", []):
-        out.append(f"job {j['job_id']}: {j['reason']}: {j['detail']}")
+        causes.setdefault((j["reason"], j["detail"]), []).append(j["job_id"])
+    for (reason, detail), ids in causes.items():
+        if len(ids) == 1:
+            out.append(f"job {ids[0]}: {reason}: {detail}")
+        else:
+            out.append(f"{reason} ({len(ids)} jobs): {detail}")
+            out.extend(f"  job {job_id}" for job_id in ids)
     return out

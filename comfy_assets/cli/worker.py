@@ -18,7 +18,13 @@ from comfy_assets.cli.metrics_option import (
     serve_metrics,
     track_metrics,
 )
-from comfy_assets.cli.options import add_input_options, add_size_option, bad_input, bounded
+from comfy_assets.cli.options import (
+    add_command,
+    add_input_options,
+    add_size_option,
+    bad_input,
+    bounded,
+)
 from comfy_assets.cli.run import (
     add_batch_options,
     add_server_options,
@@ -53,8 +59,8 @@ def queue_name(text: str) -> str:
 
 def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``enqueue``: ``--rabbitmq URL --queue NAME --jobs FILE``."""
-    p = subparsers.add_parser(
-        "enqueue", help="validate a job file and publish its jobs to a RabbitMQ queue"
+    p = add_command(
+        subparsers, "enqueue", "validate a job file and publish its jobs to a RabbitMQ queue"
     )
     add_rabbitmq_option(p)
     p.add_argument(
@@ -139,7 +145,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
 def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``worker``: a RabbitMQ queue (``--rabbitmq --queue``) or a job file
     (``--jobs``) over ``--server``s, with the retry knobs of ``run``."""
-    p = subparsers.add_parser("worker", help="run jobs from a RabbitMQ queue (or a job file)")
+    p = add_command(subparsers, "worker", "run jobs from a RabbitMQ queue (or a job file)")
     src = p.add_mutually_exclusive_group()
     add_rabbitmq_option(src)
     src.add_argument("--jobs", type=Path, help="a job file instead of a queue")

@@ -153,6 +153,8 @@ class Pool(Probing, LeaseKeeping, Orphans, Holdings, Holding, Quarantine, Priori
         self._renewer: asyncio.Task[None] | None = None
         self._reported: dict[str, str] = {}  # last state reported per server (log once)
         self._reported_at: dict[str, float] = {}  # monotonic time of that report
+        self._away_since: dict[str, float] = {}  # monotonic time each went unreachable
+        self._answered: set[str] = set()  # servers that answered a probe since the start
         self._init_holdings()
         self._init_quarantine()
         # Prompts of ours that have finished: ComfyUI still lists a prompt in /queue while

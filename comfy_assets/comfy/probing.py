@@ -1,6 +1,7 @@
 """Probing the pool's servers: health and queue length from their sockets when open,
 else from ``/system_stats`` and ``/queue``; reports of servers that went away or came
-back; "no server reachable" for longer than ``unreachable_timeout_s``."""
+back; "no server reachable" for longer than ``unreachable_timeout_s``, or for
+``NEVER_ANSWERED_S`` when none has answered since the pool started (a mistyped URL)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("comfy_assets.pool")
 REPORT_AGAIN_S = 60.0  # seconds between reminders that a server is still unreachable
+# Seconds a pool with a patience (``unreachable_timeout_s``) waits when none of its servers
+# has answered since it started: a mistyped URL or a server not started is said within a
+# minute, while a farm whose servers start with the batch has time to come up.
+NEVER_ANSWERED_S = 30.0
+# The option of ``comfy-assets run`` (and the field of the Dagster resource, underscored)
+# that sets the patience, named where a line says how long the batch waits.
+PATIENCE_OPTION = "--unreachable-timeout-s"
 
 
 class Probing:
@@ -93,23 +101,56 @@ class Probing:
         return probe
 
     def _report(self, probes: Sequence[ServerProbe]) -> None:
-        """Log a server's state when it changes, not at every probe; an unreachable
-        server is named again every ``REPORT_AGAIN_S`` so a long wait is not silent."""
+        """Log a server's state when it changes, not at every probe; its first line as
+        unreachable says how long the batch waits (``_patience``); an unreachable server
+        is named again every ``REPORT_AGAIN_S`` with how long it has been away."""
         now = time.monotonic()
         for p in probes:
             self._came_back(p.name, p.healthy)
+            if p.healthy:
+                self._answered.add(p.name)
             state = "healthy" if p.healthy else f"unreachable: {p.reason}"
-            changed = self._reported.get(p.name, "healthy") != state
+            was = self._reported.get(p.name, "healthy")
+            changed = was != state
+            went = changed and was == "healthy"  # not a new reason of one already away
+            if went:
+                self._away_since[p.name] = now
+            away = now - self._away_since.get(p.name, now)
             stale = not p.healthy and now - self._reported_at.get(p.name, now) >= REPORT_AGAIN_S
+            if changed and p.healthy:
+                log.info("server %s healthy", p.name)
+            elif changed:
+                log.warning("server %s %s%s", p.name, state, self._patience() if went else "")
+            elif stale:
+                log.warning("server %s still unreachable after %.0f s: %s", p.name, away, p.reason)
             if changed or stale:
-                level = logging.INFO if p.healthy else logging.WARNING
-                log.log(level, "server %s %s", p.name, state)
                 self._reported_at[p.name] = now
             self._reported[p.name] = state
         if len(self._probed_unreachable()) < len(self.servers):
             self._none_reachable_since = None
         elif self._none_reachable_since is None:
             self._none_reachable_since = asyncio.get_running_loop().time()
+
+    def _patience(self) -> str:
+        """What a server's first line as unreachable adds: how long the batch waits for a
+        server to answer and what sets it (nothing for a pool that waits for ever)."""
+        limit = self._unreachable_limit()
+        if limit is None:
+            return ""
+        if self._never_answered():
+            return f"; no server has answered yet: the batch stops in {limit:g} s unless one does"
+        return f"; the batch waits up to {limit:g} s for a server to answer ({PATIENCE_OPTION})"
+
+    def _never_answered(self) -> bool:
+        """No server has answered since the pool started, and ``NEVER_ANSWERED_S`` is
+        shorter than the patience the settings give."""
+        limit = self.settings.unreachable_timeout_s
+        return not self._answered and limit is not None and NEVER_ANSWERED_S < limit
+
+    def _unreachable_limit(self) -> float | None:
+        """Seconds with no server reachable before the batch stops: ``unreachable_timeout_s``,
+        or ``NEVER_ANSWERED_S`` while ``_never_answered``; None: for ever."""
+        return NEVER_ANSWERED_S if self._never_answered() else self.settings.unreachable_timeout_s
 
     def open_follower(self, name: str) -> PromptFollower | None:
         """The socket of server ``name`` if one is open now (for reading progress)."""
@@ -131,10 +172,18 @@ class Probing:
         return {n: s for n, s in self._reported.items() if s != "healthy"}
 
     def _check_reachable(self) -> None:
-        """Raise NoServerReachable once no server has answered for unreachable_timeout_s."""
-        since, limit = self._none_reachable_since, self.settings.unreachable_timeout_s
+        """Raise NoServerReachable once no server has answered for the patience
+        (``_unreachable_limit``)."""
+        since, limit = self._none_reachable_since, self._unreachable_limit()
         if since is None or limit is None:
             return
         waited = asyncio.get_running_loop().time() - since
-        if waited >= limit:
+        if waited < limit:
+            return
+        if not self._never_answered():
             raise NoServerReachable(waited, self._probed_unreachable())
+        raise NoServerReachable(
+            waited,
+            self._probed_unreachable(),
+            why=f"none has answered in the {limit:g} s since the batch started",
+        )

@@ -60,20 +60,23 @@ def _copy_params(info: MediaInfo) -> dict[str, object]:
     }
 
 
-def _reencode_reason(infos: list[MediaInfo], width: int, height: int, rate: Fraction) -> str:
-    """Why the clips cannot be stream-copied into a width x height, rate film ("" if they can)."""
-    first = infos[0]
+def _reencode_reason(
+    infos: list[MediaInfo], names: list[str], width: int, height: int, rate: Fraction
+) -> str:
+    """Why the clips cannot be stream-copied into a width x height, rate film ("" if they
+    can); each clip named by ``names`` (``shot 1``, or its file's name)."""
+    first, name = infos[0], names[0]
     if (first.width, first.height) != (width, height):
-        return f"target size {width}x{height} differs from {first.path.name} {first.width}x{first.height}"
+        return f"target size {width}x{height} differs from {name} {first.width}x{first.height}"
     if first.rate != rate:
-        return f"target fps {float(rate):g} differs from {first.path.name} {first.fps:g}"
+        return f"target fps {float(rate):g} differs from {name} {first.fps:g}"
     if first.codec != "h264" or first.pix_fmt != "yuv420p":
-        return f"{first.path.name} is {first.codec}/{first.pix_fmt}, not h264/yuv420p"
+        return f"{name} is {first.codec}/{first.pix_fmt}, not h264/yuv420p"
     reference = _copy_params(first)
-    for info in infos[1:]:
+    for info, other in zip(infos[1:], names[1:], strict=True):
         for key, value in _copy_params(info).items():
             if value != reference[key]:
-                return f"{info.path.name} {key} {value} differs from {first.path.name} {reference[key]}"
+                return f"{other} {key} {value} differs from {name} {reference[key]}"
     return ""
 
 
@@ -85,6 +88,7 @@ def concat(
     height: int | None = None,
     fps: float | Fraction | None = None,
     metadata: Mapping[str, str] | None = None,
+    names: list[str] | None = None,
 ) -> ConcatInfo:
     """Join video ``clips`` in order into an MP4 at ``out`` (video only).
 
@@ -92,7 +96,8 @@ def concat(
     fps, SPS/PPS) and matches the target, the streams are copied with FFmpeg's concat demuxer;
     otherwise every clip is re-encoded with libx264 to the target size (letterboxed) and fps,
     which default to the first clip's. Each clip keeps its own duration rounded to whole frames.
-    ``metadata`` goes into the container (e.g. {"comment": "DRAFT ..."}).
+    ``metadata`` goes into the container (e.g. {"comment": "DRAFT ..."}). ``names``: what
+    the reason for a re-encode calls each clip (``shot 1``; default its file's name).
     The written film is probed and its frame count checked before it is renamed to ``out``.
 
     Raises ValueError for no clips, MediaError for a clip that is broken or an image (make a
@@ -110,7 +115,10 @@ def concat(
     height = first.height if height is None else height
     rate = first.rate if fps is None else as_rate(fps)
     assert rate is not None  # probe always sets a video's rate
-    reason = _reencode_reason(infos, width, height, rate)
+    if names is not None and len(names) != len(infos):
+        raise ValueError(f"{len(names)} names for {len(infos)} clips")
+    named = names if names is not None else [info.path.name for info in infos]
+    reason = _reencode_reason(infos, named, width, height, rate)
     with atomic_output(out) as tmp:
         if reason:
             check_size(width, height)

@@ -365,13 +365,16 @@ def build_film(
         still_clip(still, v.duration_s, clip, width=film_width, height=film_height, fps=rate)
         clips.append(clip)
     metadata = {"comment": _comment(result)}
-    joined = concat(clips, out, width=film_width, height=film_height, fps=rate, metadata=metadata)
+    shots = [f"shot {v.shot}" for v in result.verdicts]
+    joined = concat(
+        clips, out, width=film_width, height=film_height, fps=rate, metadata=metadata, names=shots
+    )
     # Three 160 px tiles a row: 480 px fit the metadata column of Dagster's UI.
     sheet = contact_sheet(
         clips,
         out.with_name(f"{out.stem}.contact.png"),
         columns=3,
-        labels=[f"shot {v.shot}" for v in result.verdicts],
+        labels=shots,
     )
     return FilmResult(joined, sheet.path, result)
 

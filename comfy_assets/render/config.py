@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from comfy_assets.comfy.download import MAX_OUTPUT_BYTES
+from comfy_assets.comfy.probing import NEVER_ANSWERED_S
 from comfy_assets.comfy.settings import PoolSettings, knob
 from comfy_assets.render.backoff import RetryPolicy
 
@@ -48,7 +49,9 @@ class BatchConfig(PoolSettings):
     unreachable_timeout_s: float | None = knob(
         600.0,
         "Seconds with no server reachable after which the batch stops, its unrun jobs left "
-        "pending for a retry; none waits for ever (as the worker service does).",
+        f"pending for a retry ({NEVER_ANSWERED_S:g} s at most while no server has answered "
+        "since it started); "
+        "none waits for ever (as the worker service does).",
     )
     policy: str | None = knob(
         None,

@@ -70,7 +70,7 @@ def cost_report(attempts: list[AttemptCost], shots: int) -> dict[str, float | in
         "gpu_seconds_success": round(success_s, 1),
         "gpu_seconds_wasted": round(total_s - success_s, 1),
         "failure_rate": round(p, 4),
-        "mean_shot_s": round(t, 1),
+        "mean_shot_s": round(t, 3),
         "expected_missing_shots_skip": round(n * p, 2),
         "expected_batches_rerun": round(1 / clean_batch, 3) if clean_batch > 0 else None,
         "expected_attempts_per_shot_tiered": round(1 / (1 - p), 3) if p < 1 else None,

@@ -14,6 +14,7 @@ from comfy_assets.comfy.event_loop import new_event_loop
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import Job, JobFile
+from comfy_assets.jobs.states import DONE
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
@@ -126,6 +127,7 @@ async def _run_batch(
     started = time.monotonic()
     # Store calls here wait out a database outage off the event loop (``off_loop``).
     await off_loop(store, store.register_jobs, partition, job_file.jobs)
+    counts = await off_loop(store, store.counts, partition)
     stop_on_fatal, draft = resolve_policy(job_file, config)
     async with make_pool(servers, store, config, owner) as pool:
         pool.priority = priority
@@ -141,7 +143,7 @@ async def _run_batch(
             on_line=on_line,
             heartbeat=heartbeat,
         )
-        await _steered(batch, on_progress)
+        await _steered(batch, on_progress, sum(counts[state] for state in DONE))
     summary = await off_loop(
         store,
         summarize,
@@ -156,11 +158,14 @@ async def _run_batch(
     return summary
 
 
-async def _steered(batch: Batch, on_progress: Callable[[Progress], None] | None) -> None:
+async def _steered(
+    batch: Batch, on_progress: Callable[[Progress], None] | None, done_before: int = 0
+) -> None:
     """Run ``batch``; ``on_progress`` gets its progress with the estimate, the reasons
     and the running prompts, at each job's end and every few seconds, and the store what
-    ``comfy-assets status`` shows (``steering.py``)."""
-    steering = Steering(batch, on_progress or _ignore)
+    ``comfy-assets status`` shows (``steering.py``). ``done_before``: its jobs the store
+    had done at its start."""
+    steering = Steering(batch, on_progress or _ignore, done_before=done_before)
     ticks = asyncio.create_task(steering.run(), name="progress")
     try:
         await batch.run()

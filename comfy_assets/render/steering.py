@@ -15,7 +15,11 @@ reasons, a small fixed vocabulary (``REASONS``), each name what the jobs wait fo
   not);
 - ``for their upstream shot``: a job they continue from is not done yet;
 - ``in backoff``: waiting out the delay after a failed attempt;
-- ``claimed by another process``: another worker holds their claim.
+- ``claimed by another process``: another worker holds their claim;
+- ``done before, being checked``: the store had them done when the batch started (a run
+  again of a partition): their records and files are checked, nothing is posted;
+- ``not submitted: the batch stopped submitting``: the delivery policy stopped the batch
+  at a fatal failure (or no server answered): they stay pending for another run.
 """
 
 from __future__ import annotations
@@ -46,7 +50,19 @@ FOR_A_SERVER = "waiting for a server"
 FOR_UPSTREAM = "for their upstream shot"
 IN_BACKOFF = "in backoff"
 FOR_A_CLAIM = "claimed by another process"
-REASONS = (RENDERING, FINISHING, FOR_A_SERVER, FOR_UPSTREAM, IN_BACKOFF, FOR_A_CLAIM)
+DONE_BEFORE = "done before, being checked"
+STOPPED = "not submitted: the batch stopped submitting"
+REASONS = (
+    RENDERING,
+    FINISHING,
+    FOR_A_SERVER,
+    FOR_UPSTREAM,
+    IN_BACKOFF,
+    FOR_A_CLAIM,
+    DONE_BEFORE,
+    STOPPED,
+)
+
 
 log = logging.getLogger("comfy_assets.render.steering")
 
@@ -61,13 +77,15 @@ watchers: list[Callable[[Steering, Progress | None], None]] = []
 class Steering:
     """The progress of ``batch`` with its estimate, reasons and running prompts, given to
     ``on_progress`` (on the batch's event loop). Made before ``batch.run``; ``run`` gives
-    one every ``every_s`` seconds until cancelled."""
+    one every ``every_s`` seconds until cancelled. ``done_before``: how many of its jobs
+    the store had done when it started (``DONE_BEFORE``)."""
 
     def __init__(
         self,
         batch: Batch,
         on_progress: Callable[[Progress], None],
         every_s: float | None = None,
+        done_before: int = 0,
     ) -> None:
         self.batch = batch
         self.on_progress = on_progress
@@ -77,6 +95,7 @@ class Steering:
             job.prompt_id: batch.queue.needs(Item(job)) for job in batch.jobs
         }
         self._published = False
+        self.done_before = done_before
         self._last: Progress | None = None  # the last full look (``now``), and when
         self._last_at = 0.0
         batch.on_progress = self._batch_progress
@@ -177,10 +196,17 @@ class Steering:
             counts[FOR_A_CLAIM if item.job.id in batch.told_held else IN_BACKOFF] += 1
         counts[FOR_UPSTREAM] = len(batch.parked)
         # The rest: in line, or on their way to a server (being claimed, their server
-        # just handed over).
-        counts[FOR_A_SERVER] = max(
-            progress.remaining - sum(n for why, n in counts.items() if why != FOR_A_SERVER), 0
-        )
+        # just handed over); of those, the ones done before the batch started are only
+        # checked (each done job resolved so far counts as one of them); once the batch
+        # stopped submitting, none goes to a server any more.
+        rest = max(progress.remaining - sum(counts.values()), 0)
+        if batch.stopped:
+            for why in (FOR_UPSTREAM, IN_BACKOFF, FOR_A_CLAIM):
+                rest, counts[why] = rest + counts[why], 0
+            counts[STOPPED] = rest
+        else:
+            counts[DONE_BEFORE] = min(max(self.done_before - progress.done, 0), rest)
+            counts[FOR_A_SERVER] = rest - counts[DONE_BEFORE]
         looked = dataclasses.replace(
             progress,
             elapsed_s=max(time.monotonic() - batch.started, progress.elapsed_s),

@@ -16,6 +16,13 @@ import time
 
 import sqlalchemy as sa
 
+
+def wall_time(epoch: float) -> str:
+    """``epoch`` (seconds) as this host's local date, time and zone, for people:
+    ``2026-12-07 08:16:13 UTC`` (a time of day alone is ambiguous across days and hosts)."""
+    return time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(epoch))
+
+
 # Epoch seconds by the database's clock, and when the database last started (SQL
 # expressions by dialect; SQLite never "restarts": 0).
 _NOW_SQL = {

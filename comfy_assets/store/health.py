@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import sqlalchemy as sa
 
 from comfy_assets.store.base import StoreBase
+from comfy_assets.store.clock import wall_time
 from comfy_assets.store.retry import retried
 from comfy_assets.store.schema import (
     attempts_table,
@@ -84,13 +84,13 @@ class ServerHealthRecord:
     open_failures: int = 0
 
     def line(self) -> str:
-        """The server's state for people: ``gpu2 quarantined until 12:04:10: 3 jobs
+        """The server's state for people: ``gpu2 quarantined until 2026-12-07 12:04:10
+        UTC: 3 jobs
         failed here that rendered on gpu0, gpu1 (last: ...)``, ``gpu2 on trial (its
         cool-down is over: its next job decides)``, ``gpu0 ok``, with its strikes and
         open failures when it has some."""
         if self.state == "quarantined":
-            until = time.strftime("%H:%M:%S", time.localtime(self.until or 0))
-            return f"{self.server} quarantined until {until}: {self.reason}"
+            return f"{self.server} quarantined until {wall_time(self.until or 0)}: {self.reason}"
         if self.state == "trial":
             text = f"{self.server} on trial (its cool-down is over: its next job decides)"
         else:
@@ -418,7 +418,7 @@ class ServerHealth(StoreBase):
     @retried
     def readmit_server(self, server: str, by: str, now: float | None = None) -> HealthChange | None:
         """Re-admit ``server`` by hand (``by``: who, for the event): ok, no strikes, its
-        open failures closed unjudged. None when it was not quarantined or on trial, or
+        open failures closed unjudged, its list of jobs that failed there emptied. None when it was not quarantined or on trial, or
         rendered and never failed (a server lease and no health row). Raises UnknownServer
         for a server the store has no word of (nothing written)."""
         now = self._now(now)
@@ -434,7 +434,8 @@ class ServerHealth(StoreBase):
             if _state(row, now) == "ok":
                 self._save(conn, {**row, "strikes": 0}, now)
                 return None
-            row.update(state="ok", until=None, strikes=0, level=0)
+            # A later quarantine lists only the jobs that failed here after this.
+            row.update(state="ok", until=None, strikes=0, level=0, failed_jobs="[]")
             self._save(conn, row, now)
             detail = f"re-admitted by hand ({by})"
             self._event(conn, server, "readmitted", detail, now)
