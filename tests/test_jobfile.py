@@ -227,6 +227,24 @@ def test_a_workflow_path_to_a_device_a_fifo_a_folder_or_a_huge_file_is_refused_u
     assert errors[3].message.endswith(f"is over the limit of {MAX_WORKFLOW_BYTES} bytes")
 
 
+def test_an_inline_workflow_has_the_limit_of_a_workflow_file(workflow_dir):
+    def inline(prefix_chars: int) -> dict:
+        workflow = json.loads((workflow_dir / "image.json").read_text())
+        workflow["3"]["inputs"]["filename_prefix"] = "p" * prefix_chars
+        return workflow
+
+    # The compact JSON of the workflow is the limit less its other characters.
+    rest = len(canonical_json(inline(0)))
+    fits, over = job(workflow=inline(MAX_WORKFLOW_BYTES - rest)), job(ID2, workflow=inline(0))
+    over["workflow"]["3"]["inputs"]["filename_prefix"] = "p" * (MAX_WORKFLOW_BYTES - rest + 1)
+    (e,) = errors_of(write(workflow_dir, fits, over))
+    assert (e.line, e.field) == (2, "workflow")
+    assert e.message == (
+        f"inline workflow is {MAX_WORKFLOW_BYTES + 1} bytes as compact JSON, over the limit "
+        f"of {MAX_WORKFLOW_BYTES} bytes of a workflow file"
+    )
+
+
 def test_a_job_file_that_is_a_device_or_a_fifo_is_refused_unread(tmp_path):
     os.mkfifo(tmp_path / "fifo.jsonl")
     for path in (Path("/dev/zero"), tmp_path / "fifo.jsonl"):

@@ -69,7 +69,7 @@ from comfy_assets.jobs.strict_json import (
     quoted,
     text_problems,
 )
-from comfy_assets.jobs.workflows import WorkflowCache, api_format_problem
+from comfy_assets.jobs.workflows import MAX_WORKFLOW_BYTES, WorkflowCache, api_format_problem
 
 JOB_FIELDS = frozenset(
     {"id", "workflow", "set", "shot", "duration_s", "optional", "inputs", "take"}
@@ -395,7 +395,16 @@ class _Parser(ChainResolution):
             if problem:
                 self.error(line, "workflow", f"inline workflow {problem}")
                 return None
-            return json.loads(canonical_json(spec))
+            text = canonical_json(spec)  # ASCII only: a character is a byte
+            if len(text) > MAX_WORKFLOW_BYTES:
+                self.error(
+                    line,
+                    "workflow",
+                    f"inline workflow is {len(text)} bytes as compact JSON, over the limit "
+                    f"of {MAX_WORKFLOW_BYTES} bytes of a workflow file",
+                )
+                return None
+            return json.loads(text)
         if not isinstance(spec, str) or not spec:
             self.error(line, "workflow", f"expected a file path or an object, got {quoted(spec)}")
             return None
