@@ -241,10 +241,11 @@ class ExecutionErrorInfo:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ExecutionErrorInfo:
+        # Bounded here, where they are read: reasons quote them.
         return cls(
-            node_id=str(data.get("node_id", "")),
-            node_type=str(data.get("node_type", "")),
-            exception_type=str(data.get("exception_type", "")),
+            node_id=excerpt(str(data.get("node_id", ""))),
+            node_type=excerpt(str(data.get("node_type", ""))),
+            exception_type=excerpt(str(data.get("exception_type", ""))),
             exception_message=str(data.get("exception_message", "")),
         )
 
