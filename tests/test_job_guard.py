@@ -12,15 +12,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 import sqlalchemy.exc
 
 from comfy_assets.cli.main import main
+from comfy_assets.comfy import capabilities
 from comfy_assets.comfy import client as client_module
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.guard import our_error, stops_the_batch
+from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, StoreDiskFull, StoreUnavailable
+from comfy_assets.store.schema import metadata
 from fake_comfy import FakeComfy
-from tests.support import write_jobs
+from tests.support import fake_servers, fast_config, write_jobs
 
 FAST = ["--base-delay-s", "0.01", "--max-delay-s", "0.05", "--no-jitter", "--poll-s", "0.05"]
 
@@ -160,3 +164,31 @@ def test_our_error_is_bounded_and_holds_nothing_a_store_or_terminal_refuses() ->
     assert reason.endswith("… (10,000,004 characters)")
     assert len(reason) < 400
     reason.encode("utf-8")
+
+
+@pytest.mark.postgres
+async def test_a_nul_that_reaches_postgresql_is_that_jobs_dead_letter(
+    tmp_path: Path, pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The parser refuses a NUL, and reasons escape one: both bypassed here, so PostgreSQL
+    # itself refuses the dead letter's reason (psycopg's DataError), as it did before.
+    extra = [{"set": {"3.seed": i, "5.width": 64, "5.height": 64}} for i in range(3)]
+    jobs = write_jobs(tmp_path / "jobs", 3, workflow="text_to_image.json", extra=extra)
+    job_file = load_job_file(jobs)
+    good, bad, other = job_file.jobs
+    bad.workflow["4"]["inputs"]["ckpt_name"] = "a\x00b.safetensors"
+    monkeypatch.setattr(capabilities, "excerpt", lambda text: text)
+    fake = FakeComfy(prompt_seconds=0.005, models=["v1-5-pruned-emaonly-fp16.safetensors"])
+    with Store(tmp_path / "store", pg_url) as store, store.engine.begin() as conn:
+        conn.execute(sa.text("TRUNCATE " + ", ".join(t.name for t in metadata.sorted_tables)))
+    with Store(tmp_path / "store", pg_url) as store:
+        async with fake_servers(fake) as servers:
+            summary = await run_batch(
+                job_file, partition="jobs", servers=servers, store=store, config=fast_config()
+            )
+        assert (summary.done, summary.dead_lettered) == (2, 1)
+        record = store.get(bad.id)
+        assert record.state == "failed_fatal"
+        assert record.reason.startswith("our error while handling this job: DataError: ")
+        assert "cannot contain NUL" in record.reason
+        assert [store.get(j.id).state for j in (good, other)] == ["succeeded", "succeeded"]
