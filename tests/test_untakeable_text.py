@@ -131,10 +131,12 @@ def test_a_queue_message_holding_a_nul_is_refused_before_its_inputs_are_read(
 def test_a_request_holding_a_surrogate_is_invalid_with_its_json_pointer() -> None:
     body = job_body(set={"1.color": 1, "3.filename_prefix": "\ud800"})
     body["inputs"] = {"1.ima\x00ge": data_uri(b"png")}
+    body["webhook"] = "http://127.0.0.1:9/\x00"
     with pytest.raises(Invalid) as err:
         parse_submission(body, partition="api-alice", max_input_bytes=1024, max_message_bytes=2**20)
     fields = sorted((p.field, p.message.split(",")[0]) for p in err.value.problems)
     assert fields == [
         ("/inputs", f'the key "1.ima\\u0000ge" holds {NUL}'),
         ("/set/3.filename_prefix", f"holds {SURROGATE}"),
+        ("/webhook", f"holds {NUL}"),
     ]

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from comfy_assets.jobs.model import Header, Job, JobFile, JobFileError, LineError
-from comfy_assets.jobs.strict_json import kind_of
+from comfy_assets.jobs.strict_json import first_untakeable, kind_of
 from comfy_assets.service.messages import job_message, parse_message, queue_problems
 
 SOURCE = "request"
@@ -99,6 +99,8 @@ def parse_submission(
     webhook = obj.pop("webhook", None)
     if webhook is not None and not isinstance(webhook, str):
         problems.append(Problem("/webhook", f"expected a URL string, got {kind_of(webhook)}"))
+    elif webhook is not None and (untakeable := first_untakeable(webhook)) is not None:
+        problems.append(Problem("/webhook", untakeable))
     for name in NOT_IN_API:
         if name in obj:
             del obj[name]
