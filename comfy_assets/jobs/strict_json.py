@@ -84,7 +84,7 @@ def is_shot(value: Any) -> bool:
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
-# What no server and no store takes in a string, though JSON's \\u escapes can write both:
+# What no server and no store takes in a string, though JSON's \u escapes write both:
 # NUL (PostgreSQL's text columns refuse it, and a file name ends at it) and a lone UTF-16
 # surrogate (it has no UTF-8 encoding, so no POST body, row or log line can hold it).
 UNTAKEABLE = re.compile(r"[\x00\ud800-\udfff]")
@@ -135,7 +135,7 @@ def text_problems(obj: dict[str, Any]) -> list[tuple[str, str]]:
 
 def first_untakeable(value: Any) -> str | None:
     """Why ``value`` (a string, or any depth of objects and arrays) cannot be sent or
-    stored: the first string holding ``UNTAKEABLE``, or key holding a control
+    stored: the first string holding ``UNTAKEABLE``, or a key holding one or a control
     character, in words with where it is; None when there is none. Walks without
     recursion."""
     stack: list[tuple[Any, str]] = [(value, "")]
