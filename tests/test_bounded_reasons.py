@@ -47,7 +47,7 @@ def test_a_50_mb_value_a_failure_quotes_gives_a_bounded_reason_event_cell_and_li
     with fake.serve_in_thread(port=0) as url:
         code = main(
             ["run", "--jobs", str(jobs), "--server", f"gpu0={url}", "--store", str(store)]
-            + ["--attempts", "1", "--events", "--poll-s", "0.05"]
+            + ["--attempts", "1", "--poll-s", "0.05"]
         )
     assert code == 1
     out = capsys.readouterr().out.splitlines()
