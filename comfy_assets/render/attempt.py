@@ -151,7 +151,8 @@ class Attempt(CatchUp, Removal):
         except Exception as e:
             if stops_the_batch(e):
                 raise
-            log.error("%s: our error", self.label, exc_info=e)
+            # The traceback is for whoever fixes our code; the job's reason says it in words.
+            log.error("%s: %s; the attempt ends permanent", self.label, our_error(e), exc_info=e)
             server = self.slot.name if self.slot is not None else self.prev_server
             try:
                 what = await self.cancel_cleanup()
