@@ -397,3 +397,16 @@ async def test_an_in_flight_job_is_cancelled_once_its_attempt_settles(
         view = await (await client.get(f"/v1/jobs/{job_id}", headers=auth())).json()
     assert view["reason"] == "cancelled by alice"
     assert store.claim(job_id, "worker-1") == "dead_lettered"  # its worker acks it
+
+
+async def test_a_nul_in_a_set_value_is_422_naming_the_field(store: Store, queue: str) -> None:
+    body = job_body(set={"1.color": 1, "3.filename_prefix": "a\u0000b"})
+    client = await api_client(make_api(store, queue))
+    async with client:
+        answer = await client.post("/v1/jobs", json=body, headers=auth())
+        assert answer.status == 422
+        (problem,) = (await answer.json())["errors"]
+    assert problem["field"] == "/set/3.filename_prefix"
+    assert problem["message"].startswith("holds a NUL character (U+0000), which neither")
+    assert store.get(body["id"]) is None
+    assert await queued(queue) == []

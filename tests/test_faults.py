@@ -45,7 +45,7 @@ def test_the_ci_seeds_cover_every_mode_and_every_fault():
     assert any("GET /view" in p.lose_answer for p in servers)
     assert any("POST /upload/image" in p.lose_answer for p in servers)
     lines = [(s, line) for s in schedules for line in s.plan]
-    assert {line.kind for _, line in lines} == {"image", "picture", "chained"}
+    assert {line.kind for _, line in lines} == {"image", "picture", "chained", "huge"}
     # Two jobs of a file whose pictures share a base name, other bytes.
     assert any(
         {"pictures/a/key.png", "pictures/b/key.png"}
@@ -57,6 +57,7 @@ def test_the_ci_seeds_cover_every_mode_and_every_fault():
         line.kind == "chained" and s.plan[line.upstream].kind != "image" for s, line in lines
     )
     assert not any(line.kind == "chained" for s, line in lines if s.mode == "worker")
+    assert {s.hostile for s in schedules if s.mode == "worker"} == {"\x00", "\ud800"}
     assert {p.sick for p in servers} >= set(SICK_WORDS)
     drawn = [s.priorities for s in schedules if s.priorities]
     assert any(a != b for a, b in drawn) and all(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import shutil
 import sqlite3
 from collections.abc import Callable
@@ -115,6 +116,47 @@ def test_a_repr_in_a_jobs_event_is_a_violation(clean, tmp_path):
 
     (found,) = broken(clean, tmp_path, change)
     assert "a repr in its reason or events: done after <ClientResponse object at 0x7f3a2c>" in found
+
+
+def test_a_line_or_an_event_of_a_megabyte_is_a_violation(clean, tmp_path):
+    huge = "execution_error in node 3 (SaveImage): OSError: File name too long: " + "p" * 2**20
+
+    def change(p: Played) -> None:
+        p.phases[0].runs[0].stdout += huge + "\n"
+        sql(
+            p,
+            "UPDATE comfy_events SET detail = ? WHERE job_id = ? AND to_state = 'succeeded'",
+            huge,
+            job_ids(p)[0],
+        )
+
+    line, event = broken(clean, tmp_path, change)
+    assert f"run 1: a line of {len(huge)} characters on stdout: execution_error" in line
+    assert f": a reason or event of {len(huge)} characters: execution_error" in event
+    assert len(line) < 500 and len(event) < 500
+
+
+@pytest.mark.parametrize(
+    "dead",
+    [
+        [],  # never dead-lettered
+        ["job 1: dead-lettered, our error while handling this job: UnicodeEncodeError: ..."],
+    ],
+)
+def test_a_hostile_message_not_refused_as_invalid_is_a_violation(clean, tmp_path, dead):
+    def change(p: Played) -> None:
+        p.schedule = dataclasses.replace(p.schedule, hostile="\x00")
+        p.phases[0].worker = {"acked": 1, "messages": 1, "hostile": dead}
+
+    (found,) = broken(clean, tmp_path, change)
+    assert found.startswith("worker: the hostile message not dead-lettered as invalid")
+
+    def refused(p: Played) -> None:
+        change(p)
+        reason = "invalid job: jobs message 1:1: set.1.color: holds a NUL character (U+0000), ..."
+        p.phases[0].worker = {"acked": 1, "messages": 1, "hostile": [reason]}
+
+    assert broken(clean, tmp_path / "refused", refused) == []
 
 
 def test_a_file_whose_bytes_changed_in_the_store_is_a_violation(clean, tmp_path):

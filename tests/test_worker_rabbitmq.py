@@ -16,7 +16,9 @@ from pathlib import Path
 
 import aio_pika
 import pytest
+import sqlalchemy.exc
 
+from comfy_assets.comfy import client as client_module
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service import broker
@@ -377,3 +379,55 @@ async def test_a_lost_connection_stops_the_worker_with_an_error(tmp_path, queue)
         with pytest.raises(broker.BrokerError, match="RabbitMQ connection lost"):
             await asyncio.wait_for(task, 30)
     assert worker.stop_reason.startswith("error: RabbitMQ connection lost")
+
+
+async def test_a_message_whose_handling_raises_is_dead_lettered_and_the_worker_serves_on(
+    tmp_path, queue, monkeypatch
+):
+    # Our code raising for one job, by hand (the parser refuses the inputs that did so):
+    # registering the first job's row, encoding the second one's prompt.
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    row_fails, prompt_fails, good = load_job_file(jobs).jobs
+    lines = jobs.read_text().splitlines()
+    register, dumps = Store.register_jobs, client_module.json_dumps
+
+    def register_jobs(self, partition, batch, *args, **kwargs):
+        if any(j.id == row_fails.id for j in batch):
+            raise sqlalchemy.exc.DataError("INSERT ...", {}, ValueError("cannot contain NUL"))
+        return register(self, partition, batch, *args, **kwargs)
+
+    def json_dumps(value):
+        text = dumps(value)
+        return text + "\ud800" if value.get("prompt_id") == prompt_fails.prompt_id else text
+
+    monkeypatch.setattr(Store, "register_jobs", register_jobs)
+    monkeypatch.setattr(client_module, "json_dumps", json_dumps)
+    fake = FakeComfy(prompt_seconds=0.005)
+    store = Store(tmp_path / "store")
+    async with fake_servers(fake) as specs:
+        # One message at a time, in order: the good one comes after both bad ones.
+        worker = make_worker(queue, specs, store, jobs.parent, config=fast_config(attempts=4))
+        worker.jobs_per_server = 1
+        async with running_worker(worker) as task:
+            await broker.enqueue(
+                URL,
+                queue,
+                [
+                    (j.id, line.encode())
+                    for j, line in zip((row_fails, prompt_fails, good), lines, strict=True)
+                ],
+            )
+            await wait_until(lambda: worker.counts["acked"] == 3, 30, "3 acks")
+            assert not task.done()  # still serving
+    dead = await drain(broker.dead_queue_name(queue))
+    assert [m.message_id for m in dead] == [row_fails.id, prompt_fails.id]
+    reasons = [m.headers[broker.REASON_HEADER] for m in dead]
+    assert reasons[0].startswith("our error while handling this job: DataError: ")
+    assert reasons[1].startswith("our error while handling this job: UnicodeEncodeError: ")
+    assert store.get(prompt_fails.id).reason == reasons[1]
+    assert store.get(prompt_fails.id).attempts == 1  # dead at once, never tried again
+    assert store.get(good.id).state == "succeeded"
+    assert prompt_fails.prompt_id not in fake.stats["prompts"]
+    assert (worker.counts["dead_lettered"], worker.counts["done"]) == (2, 1)
+    assert worker.counts["requeued"] == 0
+    assert await ready_count(queue) == 0

@@ -41,7 +41,7 @@ from pydantic_core import ErrorDetails
 
 from comfy_assets.api.models import PATTERN_WORDS, TOKEN, integral, request_model
 from comfy_assets.jobs.model import Header, Job, JobFile, JobFileError, LineError
-from comfy_assets.jobs.strict_json import kind_of, quoted
+from comfy_assets.jobs.strict_json import first_untakeable, kind_of, quoted
 from comfy_assets.service.messages import job_message, parse_message, queue_problems
 
 SOURCE = "request"
@@ -110,6 +110,8 @@ def parse_submission(
     webhook = obj.pop("webhook", None)
     if webhook is not None and not isinstance(webhook, str):
         problems.append(Problem("/webhook", f"expected a URL string, got {kind_of(webhook)}"))
+    elif webhook is not None and (untakeable := first_untakeable(webhook)) is not None:
+        problems.append(Problem("/webhook", untakeable))
     for name in NOT_IN_API:
         if name in obj:
             del obj[name]

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from comfy_assets.comfy.types import excerpt
+
 # Inputs that name a model file, and what a person calls that file.
 MODEL_KINDS: dict[str, str] = {
     "ckpt_name": "checkpoint",
@@ -101,11 +103,11 @@ class Capabilities:
         """The first thing (sorted, so every server names the same one) this server lacks
         for ``needs``, or None when it can run it."""
         for class_type in sorted(needs.classes - self.classes):
-            return Missing(f"node class '{class_type}'")
+            return Missing(f"node class '{excerpt(class_type)}'")
         for class_type, name, file in sorted(needs.files):
             listed = self.lists.get((class_type, name))
             if listed is not None and file not in listed:
-                return Missing(f"{model_kind(name)} '{file}'")
+                return Missing(f"{model_kind(name)} '{excerpt(file)}'")
         return None
 
 

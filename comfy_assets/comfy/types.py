@@ -7,6 +7,7 @@ that is not the recorded shape; ``client.py`` turns those into ``UnexpectedAnswe
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -132,13 +133,25 @@ class QueueState:
 
 BODY_EXCERPT = 300  # characters of a server's text kept in an error message
 
+# A NUL (PostgreSQL's text refuses it) and a lone UTF-16 surrogate (no UTF-8 encoding:
+# no row, file or terminal line can hold it), as a server's JSON may send them.
+_UNWRITABLE = re.compile(r"[\x00\ud800-\udfff]")
 
-def excerpt(text: str) -> str:
-    """The start of a server's text on one line (runs of whitespace, newlines among
-    them, as one space): messages become lines of output, one per error, and a 400 that
-    echoes a megabyte of input does not make a megabyte of reason."""
-    text = " ".join(text.split())
-    return text if len(text) <= BODY_EXCERPT else text[:BODY_EXCERPT] + "..."
+
+def excerpt(text: str, limit: int = BODY_EXCERPT) -> str:
+    """The start of a server's text, or of a value quoted in a reason, on one line (runs
+    of whitespace, newlines among them, as one space), at most ``limit`` characters; a
+    longer text is cut with its length said, ``aaaa… (52,428,800 characters)``, so a
+    server's answer that echoes a 50 MB input makes a reason of a few hundred characters,
+    not 50 MB of log lines, events and results.csv cells. A NUL or a lone surrogate is
+    written as Python escapes it (``\\x00``, ``\\ud800``): every reason can be stored
+    and printed. The one function that bounds such text."""
+    size = len(text)
+    # Only the head is split: a 50 MB text is not copied to be cut.
+    head = " ".join(text[: limit + 1].split())
+    if size > limit or len(head) > limit:
+        head = f"{head[:limit]}… ({size:,} characters)"
+    return _UNWRITABLE.sub(lambda m: ascii(m[0])[1:-1], head)
 
 
 def format_node_errors(node_errors: Mapping[str, Any]) -> str:
@@ -228,10 +241,11 @@ class ExecutionErrorInfo:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ExecutionErrorInfo:
+        # Bounded here, where they are read: reasons quote them.
         return cls(
-            node_id=str(data.get("node_id", "")),
-            node_type=str(data.get("node_type", "")),
-            exception_type=str(data.get("exception_type", "")),
+            node_id=excerpt(str(data.get("node_id", ""))),
+            node_type=excerpt(str(data.get("node_type", ""))),
+            exception_type=excerpt(str(data.get("exception_type", ""))),
             exception_message=str(data.get("exception_message", "")),
         )
 

@@ -67,8 +67,9 @@ from comfy_assets.jobs.strict_json import (
     kind_of,
     loads_bounded,
     quoted,
+    text_problems,
 )
-from comfy_assets.jobs.workflows import WorkflowCache, api_format_problem
+from comfy_assets.jobs.workflows import MAX_WORKFLOW_BYTES, WorkflowCache, api_format_problem
 
 JOB_FIELDS = frozenset(
     {"id", "workflow", "set", "shot", "duration_s", "optional", "inputs", "take"}
@@ -197,7 +198,7 @@ def job_from_dict(
     parser = _Parser(source, Path(base_dir), WorkflowCache(), rules)
     if not isinstance(obj, dict):
         parser.error(line, "job", f"expected a JSON object, got {kind_of(obj)}")
-    elif parser.finite(obj, line):
+    elif parser.sendable(obj, line):
         job = parser.job(obj, line)
         if job is not None and not parser.errors:
             done = parser.chain([job], {})
@@ -245,7 +246,17 @@ class _Parser(ChainResolution):
         if not isinstance(obj, dict):
             self.error(line, "json", f"expected a JSON object, got {kind_of(obj)}")
             return None
-        return obj if self.finite(obj, line) else None
+        return obj if self.sendable(obj, line) else None
+
+    def sendable(self, obj: dict[str, Any], line: int) -> bool:
+        """Record an error for each field of ``obj`` a server or the store could not take:
+        a non-finite number (``finite``), a NUL or a lone surrogate in a string, a control
+        character in a key (``strict_json.text_problems``). True if none."""
+        finite = self.finite(obj, line)
+        problems = text_problems(obj)
+        for name, message in problems:
+            self.error(line, name, message)
+        return finite and not problems
 
     def finite(self, obj: dict[str, Any], line: int) -> bool:
         """Record an error for each field of ``obj`` holding a non-finite number (at any
@@ -384,7 +395,16 @@ class _Parser(ChainResolution):
             if problem:
                 self.error(line, "workflow", f"inline workflow {problem}")
                 return None
-            return json.loads(canonical_json(spec))
+            text = canonical_json(spec)  # ASCII only: a character is a byte
+            if len(text) > MAX_WORKFLOW_BYTES:
+                self.error(
+                    line,
+                    "workflow",
+                    f"inline workflow is {len(text)} bytes as compact JSON, over the limit "
+                    f"of {MAX_WORKFLOW_BYTES} bytes of a workflow file",
+                )
+                return None
+            return json.loads(text)
         if not isinstance(spec, str) or not spec:
             self.error(line, "workflow", f"expected a file path or an object, got {quoted(spec)}")
             return None

@@ -84,6 +84,92 @@ def is_shot(value: Any) -> bool:
 CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
+# What no server and no store takes in a string, though JSON's \u escapes write both:
+# NUL (PostgreSQL's text columns refuse it, and a file name ends at it) and a lone UTF-16
+# surrogate (it has no UTF-8 encoding, so no POST body, row or log line can hold it).
+UNTAKEABLE = re.compile(r"[\x00\ud800-\udfff]")
+TAKEN_BY_NONE = "which neither a ComfyUI server nor the store can take"
+
+
+def character_name(char: str) -> str:
+    """``char`` in words for an error: "a NUL character (U+0000)", "a lone UTF-16
+    surrogate (U+D800)", "a control character (U+001B)"."""
+    code = ord(char)
+    if code == 0:
+        return "a NUL character (U+0000)"
+    if 0xD800 <= code <= 0xDFFF:
+        return f"a lone UTF-16 surrogate (U+{code:04X})"
+    return f"a control character (U+{code:04X})"
+
+
+def text_problems(obj: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(field, message)`` for each field of the parsed line ``obj`` holding a string no
+    server or store takes (``UNTAKEABLE``, in a key or a value, at any depth), or a key
+    holding a control character (node ids and input names never do; a newline or an
+    escape sequence in one would split or drive the lines that name it). Fields are named
+    as ``first_non_finite``'s are reported: ``set``, ``inputs`` and ``header`` entries
+    one by one (``set.3.text``), a bad key by the object holding it; a place deeper in a
+    value is written after the message as a path of JSON strings (``at ["3"]["inputs"]
+    ["text"]``). Keys and values are shown ASCII-escaped, so the message itself holds
+    none of them."""
+    found: list[tuple[str, str]] = []
+    for key, value in obj.items():
+        if (bad := _bad_key(key)) is not None:
+            found.append(("json", f"the key {_shown(key)} holds {bad}"))
+            continue
+        if key in ("set", "header", "inputs") and isinstance(value, dict):
+            fields = []
+            for sub, inner in value.items():
+                if (bad := _bad_key(sub)) is not None:
+                    found.append((key, f"the key {_shown(sub)} holds {bad}"))
+                else:
+                    fields.append((f"{key}.{sub}", inner))
+        else:
+            fields = [(key, value)]
+        for name, inner in fields:
+            problem = first_untakeable(inner)
+            if problem is not None:
+                found.append((name, problem))
+    return found
+
+
+def first_untakeable(value: Any) -> str | None:
+    """Why ``value`` (a string, or any depth of objects and arrays) cannot be sent or
+    stored: the first string holding ``UNTAKEABLE``, or a key holding one or a control
+    character, in words with where it is; None when there is none. Walks without
+    recursion."""
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, str):
+            char = UNTAKEABLE.search(item)
+            if char is not None:
+                at = f" at {where}" if where else ""
+                return f"holds {character_name(char[0])}{at}, {TAKEN_BY_NONE}"
+        elif isinstance(item, dict):
+            for key, inner in reversed(list(item.items())):
+                path = f"{where}[{_shown(key)}]"
+                if (bad := _bad_key(key)) is not None:
+                    at = f" at {where}" if where else ""
+                    return f"the key {_shown(key)}{at} holds {bad}"
+                stack.append((inner, path))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{where}[{i}]") for i, inner in reversed(list(enumerate(item))))
+    return None
+
+
+def _bad_key(key: str) -> str | None:
+    char = UNTAKEABLE.search(key) or CONTROL_CHARACTERS.search(key)
+    return None if char is None else character_name(char[0])
+
+
+def _shown(text: str) -> str:
+    """``text`` as an ASCII JSON string (every control character and surrogate escaped),
+    cut to a readable length."""
+    shown = json.dumps(text)
+    return shown if len(shown) <= _SHOWN_CHARS else shown[: _SHOWN_CHARS - 4] + '..."'
+
+
 def quoted(value: Any) -> str:
     """``value`` as JSON spells it (``true``, ``null``, ``"text"``), cut to a readable length."""
     text = json.dumps(value, ensure_ascii=False, default=repr)

@@ -15,6 +15,7 @@ from comfy_assets.jobs.strict_json import (
     FINITE_HINT,
     NonFinite,
     first_non_finite,
+    first_untakeable,
     kind_of,
     loads_bounded,
     parse_float,
@@ -89,7 +90,7 @@ class WorkflowCache:
             nodes = obj.items() if isinstance(obj, dict) else ()
             node = next((f" node {k!r}" for k, v in nodes if first_non_finite(v)), "")
             return f"workflow file {path}{node} holds {text}; {FINITE_HINT}"
-        problem = api_format_problem(obj)
+        problem = api_format_problem(obj) or first_untakeable(obj)
         if problem:
             return f"workflow file {path} {problem}"
         return _Workflow(canonical_json(obj))

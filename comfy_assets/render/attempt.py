@@ -41,9 +41,10 @@ from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.comfy.infra import infra_cause, prompt_strings
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.slot import Slot
-from comfy_assets.comfy.types import HistoryEntry
+from comfy_assets.comfy.types import HistoryEntry, excerpt
 from comfy_assets.jobs.model import Job
 from comfy_assets.render.catch_up import CatchUp
+from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.inputs import (
     InputProblem,
     Locate,
@@ -149,7 +150,28 @@ class Attempt(CatchUp, Removal):
         )  # type: ignore[arg-type]
 
     async def run(self) -> AttemptResult:
-        """Run the attempt; returns the classified result. Never raises a ComfyError."""
+        """Run the attempt; returns the classified result. Never raises a ComfyError.
+        Anything else our code raises meanwhile that is the job's (``render/guard.py``:
+        a prompt that cannot be encoded, say) ends it permanent, its prompt removed from
+        the server first; the rest (a cancellation, the store away, ...) is raised."""
+        try:
+            return await self._run()
+        except Exception as e:
+            if stops_the_batch(e):
+                raise
+            # The traceback is for whoever fixes our code; the job's reason says it in words.
+            log.error("%s: %s; the attempt ends permanent", self.label, our_error(e), exc_info=e)
+            server = self.slot.name if self.slot is not None else self.prev_server
+            try:
+                what = await self.cancel_cleanup()
+            except Exception as cleanup:
+                if stops_the_batch(cleanup):
+                    raise
+                what = f"its prompt's removal failed too ({our_error(cleanup)})"
+            reason = f"{our_error(e)}; {what}"
+            return self.result("permanent", reason, server=server, posted=self.posted)
+
+    async def _run(self) -> AttemptResult:
         if self.fresh:
             self.twice = "outputs missing on the server: ComfyUI's cache freed, rendering anew"
         else:
@@ -441,7 +463,7 @@ class Attempt(CatchUp, Removal):
         if err is None:
             return self.result("permanent", f"prompt ended with status {outcome.status}", **common)
         # The first line: ComfyUI appends pages of tips to an OOM message.
-        first = (err.exception_message.strip().splitlines() or [""])[0]
+        first = excerpt((err.exception_message.strip().splitlines() or [""])[0])
         reason = f"execution_error in node {err.node_id} ({err.node_type}): "
         reason += f"{err.exception_type}: {first}"
         fed = inputs_of_nodes(self.job, [err.node_id])

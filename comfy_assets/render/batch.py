@@ -34,6 +34,7 @@ from comfy_assets.render.chain import Chain
 from comfy_assets.render.claiming import Claiming
 from comfy_assets.render.claims import Claims
 from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.guard import JobGuard
 from comfy_assets.render.outcome import CATCH_UP_AFTER, AttemptHooks, AttemptResult, NotPosted
 from comfy_assets.render.outputs import take_folder
 from comfy_assets.render.owners import OwnerHeartbeat
@@ -62,7 +63,7 @@ STORE_THREADS = 2
 CONSUMERS_PER_SERVER = 3
 
 
-class Batch(Settle, Chain, Claiming):
+class Batch(Settle, Chain, Claiming, JobGuard):
     """Runs ``jobs`` of ``partition`` to the end over ``pool``, recording in ``store``."""
 
     def __init__(
@@ -288,7 +289,7 @@ class Batch(Settle, Chain, Claiming):
         """``item`` (claimed: ``rec``) can run on no server: a dead letter (degraded in a
         draft) with ``reason``, nothing posted."""
         result = AttemptResult("permanent", reason, prompt_id=item.job.prompt_id)
-        await self._settle(item, rec.attempts + 1, result)
+        await self._settle_guarded(item, rec.attempts + 1, result)
 
     async def _consumer(self) -> None:
         slot: Slot | None = None
@@ -474,7 +475,7 @@ class Batch(Settle, Chain, Claiming):
             self.attempts.pop(job.id, None)
         self.settling.add(job.id)
         try:
-            await self._settle(item, attempt_number, result)
+            await self._settle_guarded(item, attempt_number, result)
         except ClaimLost as e:
             outcome = f"its result ({result.kind}) not recorded"
             await self._left_to_holder(job, attempt, attempt_number, f"claim lost ({e})", outcome)

@@ -14,7 +14,7 @@ from comfy_assets.comfy.errors import (
     PromptRejected,
     ServerError,
 )
-from comfy_assets.comfy.types import DownloadedFile, HistoryEntry
+from comfy_assets.comfy.types import DownloadedFile, HistoryEntry, excerpt
 
 Kind = Literal["success", "transient", "permanent"]
 
@@ -175,7 +175,7 @@ def describe_error(e: ComfyError, what: str) -> str:
     """A reason a person can read, in the shape of the log lines in STYLE.md."""
     if isinstance(e, ServerError):
         first = (e.body or "").strip().splitlines()[:1]
-        return f"{what} {e.status}, {first[0] if first else 'no body'}"
+        return f"{what} {e.status}, {excerpt(first[0]) if first else 'no body'}"
     if isinstance(e, PromptRejected):
         return f"{what} 400, {e.detail}"
     return f"{what}: {type(e).__name__}: {e}"

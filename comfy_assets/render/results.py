@@ -4,7 +4,8 @@ command, the ``render_results`` asset and the worker all call it).
 
 One row per job: ``job_id``, ``line`` (its line in the job file), ``shot`` (its shot
 number, empty for none), one column per ``set`` key of the job file (named as in the
-file, ``"<node id>.<input name>"``, so they never clash with the fixed columns), then
+file, ``"<node id>.<input name>"``, so they never clash with the fixed columns; a value
+over ``MAX_CELL_CHARS`` is cut, its length said), then
 ``take``, ``inputs`` (each input file as ``key=path@sha256:<hex>``, or for a file of an
 upstream job ``key=job <id> node <n> #<index>@sha256:<hex>``, joined with ``"; "``),
 ``state``, ``server``, ``failed_on`` (the servers its failed attempts ran on, in order,
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from comfy_assets.comfy.types import excerpt
 from comfy_assets.store import Store
 
 FIXED_BEFORE = ["job_id", "line", "shot"]
@@ -131,9 +133,18 @@ def inputs_cell(
     return "; ".join(cells)
 
 
+# The most characters a ``set`` value (or a job's models) keeps in its cell; a longer one
+# is cut, its length said: far above any prompt a person writes, far below the 131,072
+# characters Python's csv module reads in one field, so every reader reads every row.
+MAX_CELL_CHARS = 10_000
+
+
 def _cell(value: Any) -> Any:
     # Lists and objects (say a prompt list) go in as JSON so the CSV cell round-trips.
-    return json.dumps(value, sort_keys=True) if isinstance(value, list | dict) else value
+    cell = json.dumps(value, sort_keys=True) if isinstance(value, list | dict) else value
+    if isinstance(cell, str) and len(cell) > MAX_CELL_CHARS:
+        return excerpt(cell, MAX_CELL_CHARS)
+    return cell
 
 
 def last_model_tries(tries: Iterable[ModelTryRow]) -> dict[str, tuple[tuple[str, ...], bool]]:
@@ -196,7 +207,7 @@ def results_table(
         for row in rows:
             found = models.get(row["job_id"])
             if found is not None:
-                row["models"], row["model_loaded"] = " ".join(found[0]), found[1]
+                row["models"], row["model_loaded"] = _cell(" ".join(found[0])), found[1]
     return ResultsTable(columns, rows)
 
 

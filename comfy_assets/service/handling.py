@@ -14,7 +14,9 @@ from comfy_assets.comfy.pool import Pool
 from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.run import SUPERSEDED, run_one
+from comfy_assets.service.broker import BrokerError
 from comfy_assets.service.messages import parse_message
 from comfy_assets.service.sources import Delivery
 from comfy_assets.store import PartitionConflict, Store, off_loop
@@ -57,11 +59,16 @@ class MessageHandling:
 
     async def _handle(self, d: Delivery, pool: Pool) -> None:
         """Run one delivery's job and answer the delivery (see the module docstring).
-        Whatever stops the handling before an answer (a cancellation, the store failing
-        for good, our disk, a bug) gives the message back, then is raised."""
+        What our code raises meanwhile that is the job's (``render/guard.py``) makes the
+        message a dead letter with our error as its reason, and the worker serves on.
+        Whatever else stops the handling before an answer (a cancellation, the store
+        failing for good, our disk, the broker) gives the message back, then is raised."""
         try:
             await self._handle_one(d, pool)
         except (Exception, asyncio.CancelledError) as e:
+            if d not in self._answered and isinstance(e, Exception) and _the_jobs(e):
+                await self._our_error(d, e)
+                return
             if d not in self._answered:
                 why = "cancelled before it finished" if isinstance(e, asyncio.CancelledError) else e
                 label = d.job.id if d.job is not None else d.message_id or "(no message_id)"
@@ -189,11 +196,12 @@ class MessageHandling:
                 holder,
             )
             return
+        # Left pending: every server that can run it is quarantined, and nothing says
+        # its failures are the job's. The message goes back; this worker takes none while
+        # every server is quarantined (``Pool.until_usable``).
         await self._requeue(d)
-        raise RuntimeError(
-            f"job {job.id}: run_one ended in state {state!r}, neither done nor "
-            "dead-lettered; message requeued"
-        )
+        why = (rec.reason if rec is not None else None) or "no server usable"
+        log.warning("job %s: not run (%s), %s; message requeued", job.id, state, why)
 
     async def _superseded(self, d: Delivery, job: Job) -> None:
         """Ack a message whose job the store holds under another prompt (a newer take,
@@ -225,6 +233,21 @@ class MessageHandling:
             f"shot {first.shot} (job {first.job_id}): {first.reason}; requeue that job and "
             "enqueue the file again"
         )
+
+    async def _our_error(self, d: Delivery, error: Exception) -> None:
+        """The handling of ``d`` raised ``error``, the job's: ``d`` goes to the dead-letter
+        destination with ``our_error`` as its reason, and is acked. A publication that
+        fails gives the message back and raises, as any failure to answer does."""
+        label = f"message {d.message_id or '(no message_id)'}"
+        reason = our_error(error)
+        log.error("%s: %s", label, reason, exc_info=error)
+        try:
+            await d.dead_letter(reason)
+        except BaseException:
+            await self._requeue(d)
+            raise
+        where = self.source.dead_destination
+        await self._acked(d, "dead_lettered", "%s: dead-lettered to %s, %s", label, where, reason)
 
     async def _invalid(self, d: Delivery, label: str, error: str) -> None:
         reason = f"invalid job: {error}"
@@ -258,3 +281,9 @@ class MessageHandling:
         """Requeue a delivery no handler took."""
         await self._requeue(d)
         self._answered.discard(d)
+
+
+def _the_jobs(error: Exception) -> bool:
+    """True when ``error``, raised handling one message, is that job's failure: not what
+    stops a batch (``render/guard.py``), nor the broker's."""
+    return not stops_the_batch(error) and not isinstance(error, BrokerError)

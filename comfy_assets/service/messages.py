@@ -71,7 +71,7 @@ from comfy_assets.jobs.model import (
     priority_problem,
 )
 from comfy_assets.jobs.parse import job_from_dict
-from comfy_assets.jobs.strict_json import loads_bounded
+from comfy_assets.jobs.strict_json import loads_bounded, text_problems
 from comfy_assets.store.base import folder_name
 
 # A job with its workflow inline is a few KiB; a workflow with embedded data (a base64
@@ -271,7 +271,9 @@ def parse_message(
     ``workflows_dir`` only. ``source`` names the message in errors. Raises
     ``JobFileError`` listing every problem (the checks of a job file's line, plus: a
     body over ``max_bytes`` bytes, not parsed; a path outside ``workflows_dir``, not
-    opened; a ``policy`` that is not "delivery" or "draft").
+    opened; a ``policy`` that is not "delivery" or "draft"; a NUL or a lone surrogate
+    anywhere, a control character in a key: ``strict_json.text_problems``, found before
+    anything else is checked).
     """
     if len(body) > max_bytes:
         raise JobFileError(
@@ -301,6 +303,10 @@ def parse_message(
     line = 1
     errors: list[LineError] = []
     if isinstance(obj, dict):
+        # Before the inline inputs become InputFiles: their paths are checked too.
+        untakeable = text_problems(obj)
+        if untakeable:
+            raise JobFileError([LineError(source, 1, name, text) for name, text in untakeable])
         obj = dict(obj)
         partition = _envelope(obj, "partition", _partition_problem, source, errors, partition)
         priority = _envelope(obj, "priority", priority_problem, source, errors, priority)

@@ -10,6 +10,8 @@ Per message, one outcome and one log line:
   registered or posted, an event of the job says it was superseded;
 - not a valid job (bad JSON, bad id, a workflow path outside ``--workflows-dir``, a body
   over ``--max-message-bytes``, ...) -> ``<queue>.dead`` with the validation error, ack;
+- its handling raised in our own code, the job's failure (``render/guard.py``) ->
+  ``<queue>.dead`` with ``our error while handling this job: ...``, ack;
 - still running when the shutdown grace ran out -> run cancelled (prompt interrupted and
   removed, claim and server lease released), nack with requeue;
 - the store unreachable for longer than its retry budget, full, or our disk full (an

@@ -6,7 +6,10 @@ the runs' output and results.csv.
 - no Python traceback in any run's stdout or stderr (nor from the worker or the harness),
   and every run ended by itself within the harness's timeout;
 - every line a run prints and every reason and event detail in the store reads as words:
-  no Python repr of an object (``REPR``: ``<Name(...``, ``<Name: ...``, ``object at 0x``);
+  no Python repr of an object (``REPR``: ``<Name(...``, ``<Name: ...``, ``object at 0x``),
+  and is at most ``BOUND`` characters (a hostile job's huge value is quoted cut);
+- the worker's hostile message (``Schedule.hostile``) is dead-lettered once, as invalid,
+  naming its ``set`` field and the character (``HOSTILE_REASON``);
 - every job ends done (its files in the store, their sha256 the one recorded and the one
   of the server's file by that name) or dead-lettered with a reason that names the fault
   (``FAULT_REASON``);
@@ -52,14 +55,21 @@ FAULT_REASON = re.compile(
     r"|outputs dropped"
     r"|\b404\b|\b500\b|\b400\b|lost|deadline|interrupted|socket|connect|disconnect"
     r"|unreachable|timed out|timeout|partial|not executed|Internal Server Error"
-    r"|no server has|CUDA|No space left|infrastructure|failed on",
+    r"|no server has|CUDA|No space left|infrastructure|failed on|File name too long",
     re.IGNORECASE,
 )
+# The most characters a reason, an event's detail or a printed line may have: a value a
+# failure quotes (a hostile job's huge file name) is cut to a few hundred.
+BOUND = 2_000
 # An object's repr where a reason should be: what a person reads is the class's guts.
 REPR = re.compile(r"<[A-Z]\w*[(:]|\bobject at 0x[0-9a-f]+")
 # The extension an uploaded input keeps (data/recorded/upload.json: the server keeps a
 # name's extension; a plain one only, so a name is never a path).
 PLAIN_SUFFIX = re.compile(r"\.[a-z0-9]{1,8}")
+# A hostile message's dead letter: refused as invalid, its field and character named.
+HOSTILE_REASON = re.compile(
+    r"^invalid job: .*: set\.\S+: holds (a NUL character|a lone UTF-16 surrogate)"
+)
 EXCUSED = re.compile(r"may render twice|outputs missing|prompt lost")
 
 
@@ -89,6 +99,11 @@ def _runs(phase: Phase) -> list[str]:
                 shown = trace if len(trace) <= 4000 else f"{trace[:1000]}\n...\n{trace[-3000:]}"
                 found.append(f"{who}: traceback on {name}: {shown}")
             found += [f"{who}: a repr on {name}: {line}" for line in _reprs(text.splitlines())]
+            found += [
+                f"{who}: a line of {len(line)} characters on {name}: {line[:300]}"
+                for line in text.splitlines()
+                if len(line) > BOUND
+            ]
         if run.timed_out:
             tail = "\n".join(run.stderr.splitlines()[-40:])
             found.append(
@@ -149,6 +164,11 @@ def _jobs(played: Played, phase: Phase) -> list[str]:
                     f"{who}: a repr in its reason or events: {line}"
                     for line in _reprs([record.reason or "", *details])
                 ]
+                found += [
+                    f"{who}: a reason or event of {len(text)} characters: {text[:300]}"
+                    for text in [record.reason or "", *details]
+                    if len(text) > BOUND
+                ]
                 successes = _successes(played, phase, job.prompt_id)
                 if successes > 1 and not any(EXCUSED.search(d) for d in details):
                     found.append(
@@ -171,6 +191,10 @@ def _jobs(played: Played, phase: Phase) -> list[str]:
             w = phase.worker
             if w["acked"] != w["messages"]:
                 found.append(f"worker: {w['acked']} of {w['messages']} messages acked: {w}")
+            if played.schedule.hostile and not (
+                len(w["hostile"]) == 1 and HOSTILE_REASON.search(w["hostile"][0])
+            ):
+                found.append(f"worker: the hostile message not dead-lettered as invalid: {w}")
     finally:
         store.close()
     return found

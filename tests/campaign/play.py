@@ -38,7 +38,7 @@ from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from fake_comfy.proxy import FaultProxy
-from tests.campaign.schedule import PICTURES, Schedule, ServerPlan
+from tests.campaign.schedule import HUGE_CHARS, PICTURES, Schedule, ServerPlan
 from tests.support import ROOT, WORKFLOWS, job_id, write_jobs
 
 RUN_TIMEOUT_S = 120.0  # a run that has not ended by then is a violation (and killed)
@@ -226,6 +226,12 @@ def write_plan(folder: Path, schedule: Schedule, *, name: str, salt: str) -> Pat
         job: dict[str, Any] = {"id": job_id(i, salt)}
         if plan.kind == "image":
             job |= {"workflow": "image.json", "set": {"1.color": 1000 + i}}
+        elif plan.kind == "huge":
+            prefix = "p" * HUGE_CHARS
+            job |= {
+                "workflow": "image.json",
+                "set": {"1.color": 1000 + i, "3.filename_prefix": prefix},
+            }
         elif plan.kind == "picture":
             job |= {
                 "workflow": "invert_picture.json",
@@ -349,11 +355,14 @@ def _play_phase(schedule: Schedule, hosts: list[Host], phase: Phase) -> None:
 
 
 def _play_worker(schedule: Schedule, hosts: list[Host], phase: Phase) -> RunOutput:
-    """Every job of the file delivered twice to the in-process worker."""
+    """Every job of the file delivered twice to the in-process worker, and the hostile
+    message (``Schedule.hostile``) once, after the first deliveries."""
     jobs = phase.job_files[0]
     messages = job_messages(jobs)
     source = MemorySource(jobs.stem)
-    for _, body in [*messages, *reversed(messages)]:
+    hostile = _hostile_message(messages[0][1], schedule.hostile) if schedule.hostile else []
+    hostile_bodies = {body for _, body in hostile}
+    for _, body in [*messages, *hostile, *reversed(messages)]:
         source.put(body)
     source.end()
     specs = [ServerSpec(h.name, h.url) for h in hosts]
@@ -375,12 +384,23 @@ def _play_worker(schedule: Schedule, hosts: list[Host], phase: Phase) -> RunOutp
             "acked": len(source.acked),
             "dead": list(source.dead),
             "requeued": len(source.requeued),
-            "messages": 2 * len(messages),
+            "messages": 2 * len(messages) + len(hostile),
             "counts": dict(worker.counts),
+            "hostile": [reason for body, reason in source.dead if body in hostile_bodies],
         }
     finally:
         store.close()
     return RunOutput(["worker"], jobs, 0 if not err else 1, "".join(lines.text), err)
+
+
+def _hostile_message(body: bytes, text: str) -> list[tuple[str, bytes]]:
+    """A message like ``body`` under another id whose first ``set`` value holds ``text``
+    (JSON-escaped, as a client's \\u escapes write it)."""
+    job = json.loads(body)
+    job["id"] = job_id(999, "hostile")
+    key = next(iter(job["set"]), "1.color")
+    job["set"][key] = f"hostile{text}"
+    return [(job["id"], json.dumps(job).encode())]
 
 
 class _LogLines(logging.Handler):

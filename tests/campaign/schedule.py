@@ -33,6 +33,15 @@ image jobs; each server then lists some of the checkpoints (every one on at leas
 server), keeps 1-2 loaded and takes up to 50 ms to load one. Those draws come from a
 random generator of their own, so the other draws of a seed stay what they were.
 
+A quarter of the schedules of image, picture and chained jobs have a hostile job: an
+image job whose ``3.filename_prefix`` is ``HUGE_CHARS`` characters long (``JobPlan``
+kind ``huge``; no disk takes the file name, and ComfyUI's error quotes it), on a line no
+chained job continues from. Every worker schedule gets one hostile message besides its
+jobs: a ``set`` value holding a NUL or a lone UTF-16 surrogate (``Schedule.hostile``),
+which the worker must dead-letter as invalid and serve on. Both from generators of
+their own. A job file holding such text is refused whole before anything runs, so
+``run`` schedules have no such line (tests/test_untakeable_text.py covers them).
+
 Bounds keep a schedule to seconds: fast prompts, small deadlines, few faults.
 """
 
@@ -66,6 +75,10 @@ _WORD_WEIGHTS = {
     "restart": 2,
     "busy": 1,
 }
+# The length of a hostile job's huge value (characters): a file name no disk takes.
+HUGE_CHARS = 1024**2
+# What a hostile message's ``set`` value holds: text no server or store takes.
+HOSTILE_TEXT = ("\x00", "\ud800")
 # The words of a sick server play as its default word (``ServerPlan.sick``), drawn apart.
 SICK_WORDS = ("error", "cuda", "disk", "500", "oom", "partial")
 # A wedged server (``wedge``) is played by tests/test_sick_shapes.py: a campaign's server
@@ -78,7 +91,8 @@ assert set(_WORD_WEIGHTS) - {"busy"} == WORDS - {"cuda", "disk", "wedge"}, (
 @dataclass(frozen=True)
 class JobPlan:
     """One job line. kind: ``image`` (EmptyImage of its own colour, saved as ``solid``
-    and ``inverted``), ``picture`` (LoadImage of ``PICTURES[picture]``, inverted, saved as
+    and ``inverted``), ``huge`` (an image job whose file name prefix is ``HUGE_CHARS``
+    long: a dead letter quoting it, bounded), ``picture`` (LoadImage of ``PICTURES[picture]``, inverted, saved as
     ``img2img``) or ``chained`` (the same workflow, loading the file node ``node`` of the
     job on line ``upstream + 1`` wrote: an earlier line)."""
 
@@ -88,6 +102,8 @@ class JobPlan:
     node: str = ""
 
     def describe(self) -> str:
+        if self.kind == "huge":
+            return f"huge:3.filename_prefix={HUGE_CHARS}chars"
         if self.kind == "picture":
             return f"picture:{PICTURES[self.picture]}"
         if self.kind == "chained":
@@ -147,6 +163,8 @@ class Schedule:
     lines: tuple[JobPlan, ...] = ()  # one per job (empty: every job an image job)
     # concurrent: each run's --priority (empty: none given)
     priorities: tuple[int, ...] = ()
+    # worker: what the hostile message's set value holds ("": no such message)
+    hostile: str = ""
 
     @property
     def plan(self) -> tuple[JobPlan, ...]:
@@ -158,7 +176,8 @@ class Schedule:
         lines = [
             f"seed={self.seed} mode={self.mode} jobs={self.jobs} attempts={self.attempts} "
             f"kill_after_runs={self.kill_after_runs} same_file={self.same_file}"
-            + (f" priorities={','.join(map(str, self.priorities))}" if self.priorities else ""),
+            + (f" priorities={','.join(map(str, self.priorities))}" if self.priorities else "")
+            + (f" hostile={self.hostile!a}" if self.hostile else ""),
             f"  lines: {' '.join(j.describe() for j in self.plan)}",
         ]
         if self.checkpoints:
@@ -263,7 +282,25 @@ def make_schedule(seed: int) -> Schedule:
     )
     schedule = _with_models(schedule, random.Random(f"models{seed}"))
     schedule = _with_sick(schedule, random.Random(f"sick:{seed}"))
-    return _with_priorities(schedule, random.Random(f"priorities:{seed}"))
+    schedule = _with_priorities(schedule, random.Random(f"priorities:{seed}"))
+    return _with_hostile(schedule, random.Random(f"hostile:{seed}"))
+
+
+def _with_hostile(schedule: Schedule, rng: random.Random) -> Schedule:
+    """A quarter of the schedules with job lines: one image line no chained line
+    continues from made ``huge``; every worker schedule: a hostile message (see the
+    module docstring), from a generator of its own."""
+    if schedule.mode == "worker":
+        schedule = replace(schedule, hostile=rng.choice(HOSTILE_TEXT))
+    if not schedule.lines or rng.random() >= 1 / 4:
+        return schedule
+    upstreams = {j.upstream for j in schedule.lines if j.kind == "chained"}
+    free = [i for i, j in enumerate(schedule.lines) if j.kind == "image" and i not in upstreams]
+    if not free:
+        return schedule
+    lines = list(schedule.lines)
+    lines[rng.choice(free)] = JobPlan("huge")
+    return replace(schedule, lines=tuple(lines))
 
 
 def _with_priorities(schedule: Schedule, rng: random.Random) -> Schedule:
