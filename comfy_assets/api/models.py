@@ -135,8 +135,9 @@ _REQUEST_FIELDS: dict[str, Any] = {
 }
 _REQUEST_DOC = (
     "One job line (docs/api.md). Beyond this schema the API checks what JSON Schema "
-    "cannot say: `set` and `inputs` keys name literal inputs of the workflow's nodes, and "
-    "the queue message is within --max-message-bytes."
+    "cannot say: `set` and `inputs` keys name literal inputs of the workflow's nodes, no "
+    "string anywhere holds a NUL or a lone UTF-16 surrogate, no key a control character, "
+    "and the queue message is within --max-message-bytes."
 )
 
 
