@@ -27,12 +27,12 @@ from dagster import (
 )
 from PIL import Image
 
+from comfy_assets.farm.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.gate import FilmResult
 from comfy_assets.film.probe import VIDEO_SUFFIXES
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.states import DONE
-from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, ResultsTable, inputs_cell
 from comfy_assets.store import FileRecord, JobRecord, Store
