@@ -49,8 +49,8 @@ from comfy_assets.farm.metadata import (
     column_schema,
     film_metadata,
     job_files_check_fields,
+    job_frame,
     job_table,
-    jobs_frame,
     media_url,
     model_load_metadata,
     outputs_contact_sheet,
@@ -79,6 +79,7 @@ from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
+    JobResults,
     combine_results,
     last_model_tries,
     results_csv_path,
@@ -196,7 +197,8 @@ def render_partition(
         ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
-    jobs = jobs_frame(current, job_ids, outputs, last_model_tries(tries), failed_on)
+    # The UI's view of the rows results.csv writes (render_results).
+    jobs = job_frame(JobResults.of(current, outputs, job_ids, last_model_tries(tries), failed_on))
     metadata: dict[str, object] = {}
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.

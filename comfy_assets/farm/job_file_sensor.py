@@ -36,7 +36,7 @@ import json
 import os
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dagster import (
@@ -321,19 +321,29 @@ def build_job_file_sensor(farm: Farm) -> SensorDefinition:
     return job_file_sensor
 
 
-def job_file_tick(context: SensorEvaluationContext, farm: Farm = DEFAULT_FARM) -> SensorResult:
-    """One tick of the farm's job-file sensor (see the module docstring)."""
-    job_files_partitions = farm.job_files_partitions
-    storyboard_partitions = farm.storyboard_partitions
-    max_runs = _int_from_env(MAX_RUNS_ENV, DEFAULT_MAX_RUNS_PER_TICK)
-    previous = parse_cursor(context.cursor)
+@dataclass
+class _Accepted:
+    """What one tick made of the changed job files: a run request and a materialization
+    per accepted version, its partitions with and without shots, the files that did not
+    validate, and how many changed files it left for the next tick (``max_runs`` a tick)."""
 
-    by_key = _by_key(farm.dirs())
+    max_runs: int
+    run_requests: list[RunRequest] = field(default_factory=list)
+    materializations: list[AssetMaterialization] = field(default_factory=list)
+    with_shots: list[str] = field(default_factory=list)
+    without_shots: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    deferred: int = 0
 
-    seen: dict[str, SeenFile] = {}
-    problems: list[str] = []  # found this tick: logged and given as the skip reason
+
+def _changed_files(
+    by_key: dict[str, list[os.DirEntry[str]]],
+    previous: dict[str, SeenFile],
+    seen: dict[str, SeenFile],
+) -> tuple[list[str], list[tuple[int, str, Path, os.stat_result]]]:
+    """The names several files share, and the files whose stat changed since the last
+    tick (mtime, key, path, stat); an unchanged file goes to ``seen`` as it was, unread."""
     ambiguous: list[str] = []
-    # Files whose stat changed since the last tick, taken oldest first below.
     candidates: list[tuple[int, str, Path, os.stat_result]] = []
     for key, entries in by_key.items():
         if len(entries) > 1:
@@ -346,17 +356,24 @@ def job_file_tick(context: SensorEvaluationContext, farm: Farm = DEFAULT_FARM) -
             seen[key] = old  # unchanged since the last tick: not even read
             continue
         candidates.append((stat.st_mtime_ns, key, Path(entry.path), stat))
+    return ambiguous, candidates
 
-    run_requests: list[RunRequest] = []
-    materializations: list[AssetMaterialization] = []
-    with_shots: list[str] = []  # accepted this tick: a partition of storyboards
-    without_shots: list[str] = []  # accepted this tick: not one
-    deferred = 0
+
+def _accept(
+    context: SensorEvaluationContext,
+    farm: Farm,
+    candidates: list[tuple[int, str, Path, os.stat_result]],
+    previous: dict[str, SeenFile],
+    seen: dict[str, SeenFile],
+) -> _Accepted:
+    """Read, hash and validate the changed files, oldest first, up to the runs a tick may
+    request; each goes to ``seen`` with what the tick made of it."""
+    accepted = _Accepted(_int_from_env(MAX_RUNS_ENV, DEFAULT_MAX_RUNS_PER_TICK))
     workflows = WorkflowCache()  # files dropped together share a workflow: read it once
     for _, key, path, stat in sorted(candidates, key=lambda item: (item[0], item[1])):
         old = previous.get(key)
-        if len(run_requests) >= max_runs:
-            deferred += 1
+        if len(accepted.run_requests) >= accepted.max_runs:
+            accepted.deferred += 1
             if old is not None:
                 seen[key] = old  # keep the old version; the new one is taken next tick
             continue
@@ -368,53 +385,55 @@ def job_file_tick(context: SensorEvaluationContext, farm: Farm = DEFAULT_FARM) -
         try:
             job_file = load_job_file(path, workflows, rules=input_rules_from_env())
         except JobFileError as exc:
-            problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
+            accepted.problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
             errors = job_file_problems(exc)
             seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, False, errors)
             continue
         # The file may have changed between hashing and loading: the loaded bytes win.
         sha = job_file.sha256
         seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, True)
-        run_requests.append(
+        accepted.run_requests.append(
             RunRequest(
                 run_key=f"{key}:{sha[:_HASH_CHARS]}",
                 partition_key=key,
                 tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
             )
         )
-        materializations.append(_materialization(key, path, job_file, farm.job_files_key))
+        accepted.materializations.append(_materialization(key, path, job_file, farm.job_files_key))
         shots = any(job.shot is not None for job in job_file.jobs)
-        (with_shots if shots else without_shots).append(key)
-        if len(run_requests) <= LOGGED_REQUESTS:
+        (accepted.with_shots if shots else accepted.without_shots).append(key)
+        if len(accepted.run_requests) <= LOGGED_REQUESTS:
             context.log.info(
                 f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}"
             )
+    return accepted
 
-    if len(run_requests) > LOGGED_REQUESTS:
-        context.log.info(
-            f"and {len(run_requests) - LOGGED_REQUESTS} more job files, a run requested for "
-            f"each ({len(run_requests)} in all)"
-        )
-    problems = ambiguous + problems
-    for problem in problems:
-        context.log.error(problem)
-    if deferred:
-        context.log.info(
-            f"{deferred} changed job files left for the next tick ({max_runs} runs per tick)"
-        )
 
+def _partition_requests(
+    context: SensorEvaluationContext,
+    farm: Farm,
+    present: set[str],
+    accepted: _Accepted,
+) -> tuple[list[AddDynamicPartitionsRequest | DeleteDynamicPartitionsRequest], dict[str, float]]:
+    """The partitions to add (new job files, new storyboards) and to delete (strays, and
+    storyboards whose new version has no shots), and when each stray that stays was first
+    seen (for the cursor)."""
+    job_files_partitions = farm.job_files_partitions
+    storyboard_partitions = farm.storyboard_partitions
     instance = context.instance
     existing = set(instance.get_dynamic_partitions(job_files_partitions.name))
-    new_keys = [req.partition_key for req in run_requests if req.partition_key not in existing]
+    new_keys = [
+        req.partition_key for req in accepted.run_requests if req.partition_key not in existing
+    ]
     existing_storyboards = set(instance.get_dynamic_partitions(storyboard_partitions.name))
-    new_storyboards = [key for key in with_shots if key not in existing_storyboards]
+    new_storyboards = [key for key in accepted.with_shots if key not in existing_storyboards]
     # A storyboard whose new version has no shots is no film any more.
-    unshot = [key for key in without_shots if key in existing_storyboards]
+    unshot = [key for key in accepted.without_shots if key in existing_storyboards]
     stray, stray_storyboards, stray_seen = stray_partitions(
         instance,
-        set(by_key),
+        present,
         existing,
-        existing_storyboards - set(with_shots) - set(without_shots),
+        existing_storyboards - set(accepted.with_shots) - set(accepted.without_shots),
         stray_since(context.cursor),
         time.time(),
         farm,
@@ -440,6 +459,33 @@ def job_file_tick(context: SensorEvaluationContext, farm: Farm = DEFAULT_FARM) -
         requests.append(job_files_partitions.build_delete_request(stray))
     if unshot or stray_storyboards:
         requests.append(storyboard_partitions.build_delete_request(unshot + stray_storyboards))
+    return requests, stray_seen
+
+
+def job_file_tick(context: SensorEvaluationContext, farm: Farm = DEFAULT_FARM) -> SensorResult:
+    """One tick of the farm's job-file sensor (see the module docstring)."""
+    previous = parse_cursor(context.cursor)
+    by_key = _by_key(farm.dirs())
+    seen: dict[str, SeenFile] = {}
+    ambiguous, candidates = _changed_files(by_key, previous, seen)
+    accepted = _accept(context, farm, candidates, previous, seen)
+    run_requests = accepted.run_requests
+
+    if len(run_requests) > LOGGED_REQUESTS:
+        context.log.info(
+            f"and {len(run_requests) - LOGGED_REQUESTS} more job files, a run requested for "
+            f"each ({len(run_requests)} in all)"
+        )
+    # Found this tick: logged and given as the skip reason.
+    problems = ambiguous + accepted.problems
+    for problem in problems:
+        context.log.error(problem)
+    if accepted.deferred:
+        context.log.info(
+            f"{accepted.deferred} changed job files left for the next tick "
+            f"({accepted.max_runs} runs per tick)"
+        )
+    requests, stray_seen = _partition_requests(context, farm, set(by_key), accepted)
 
     # Every problem standing now (not only this tick's), for the ``valid`` check; it is
     # evaluated again only when they change, so the asset stays red until they are fixed.
@@ -453,7 +499,7 @@ def job_file_tick(context: SensorEvaluationContext, farm: Farm = DEFAULT_FARM) -
         ]
     )
     reported = _digest(standing)
-    events: list[AssetMaterialization | AssetCheckEvaluation] = list(materializations)
+    events: list[AssetMaterialization | AssetCheckEvaluation] = list(accepted.materializations)
     if reported != reported_digest(context.cursor):
         events.append(job_files_check_evaluation(standing, farm.job_files_key))
 
