@@ -54,7 +54,7 @@ class ResultsTable:
     value (an int, float, bool or str; None or a column the row lacks is an empty cell).
     Plain rows, not a DataFrame: ``run`` and the worker write the CSV without loading
     pandas (a large part of a process's start-up); the Dagster assets make a DataFrame of
-    it for their metadata (``metadata.results_metadata``)."""
+    it for their metadata (``farm.metadata.results_metadata``)."""
 
     columns: list[str]
     rows: list[dict[str, Any]]
