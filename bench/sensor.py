@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dagster import DagsterInstance, SensorResult, build_sensor_context, instance_for_test
 
-from comfy_assets.partitions import JOB_DIRS_ENV
+from comfy_assets.farm.partitions import JOB_DIRS_ENV
 from comfy_assets.sensors import MAX_RUNS_ENV, job_file_sensor
 
 WORKFLOW = Path(__file__).resolve().parent.parent / "data" / "workflows" / "image.json"

@@ -1,6 +1,6 @@
 """comfy-assets: ComfyUI as a production batch-rendering service orchestrated by Dagster.
 
-``comfy_assets.RenderFarm`` is the Dagster component (``comfy_assets.component``),
+``comfy_assets.RenderFarm`` is the Dagster component (``comfy_assets.farm.component``),
 imported on first use so the command line does not load Dagster.
 """
 
@@ -13,7 +13,7 @@ __all__ = ["RenderFarm"]
 
 def __getattr__(name: str) -> Any:
     if name == "RenderFarm":
-        from comfy_assets.component import RenderFarm
+        from comfy_assets.farm.component import RenderFarm
 
         return RenderFarm
     raise AttributeError(f"module 'comfy_assets' has no attribute {name!r}")

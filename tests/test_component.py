@@ -17,7 +17,7 @@ import yaml
 from dagster import AssetCheckKey, AssetKey, DagsterInstance, EnvVar, instance_for_test
 from dagster.components.testing import create_defs_folder_sandbox
 
-from comfy_assets.component import RenderFarm
+from comfy_assets.farm.component import RenderFarm
 from comfy_assets.jobs.parse import load_job_file
 from fake_comfy import FakeComfy
 from tests.support import write_jobs
@@ -45,7 +45,7 @@ def test_the_scaffolder_writes_a_farm_named_after_its_folder() -> None:
         path = sandbox.scaffold_component(component_cls=RenderFarm, defs_path="draft")
         written = yaml.safe_load((path / "defs.yaml").read_text())
     # The sandbox names the class by its module; dg by the registry (the test below).
-    assert written["type"] == "comfy_assets.component.RenderFarm"
+    assert written["type"] == "comfy_assets.farm.component.RenderFarm"
     assert written["attributes"]["key_prefix"] == ["draft"]
     assert written["attributes"]["job_dirs"] == ["jobs/draft"]
     assert written["attributes"]["store"] == "store/draft"

@@ -18,8 +18,9 @@ from dagster import (
 )
 from dagster._core.test_utils import create_run_for_test, instance_for_test
 
-from comfy_assets.dead_runs import NO_LIVE_OWNER_S, dead_run_reason, dead_runs_sensor
+from comfy_assets.farm.dead_runs import NO_LIVE_OWNER_S, dead_run_reason
 from comfy_assets.resources import ResultStoreResource
+from comfy_assets.sensors import dead_runs_sensor
 from comfy_assets.store import OWNER_DEAD_S, OwnerRecord, Store
 from tests.support import gone_owner
 

@@ -10,7 +10,7 @@ from dagster import AssetCheckKey, AssetKey, DefaultSensorStatus, IdentityPartit
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.definitions import defs
-from comfy_assets.partitions import job_files_partitions, storyboard_partitions
+from comfy_assets.farm.partitions import job_files_partitions, storyboard_partitions
 from comfy_assets.resources import ComfyPoolResource, ServerConfig, default_resources
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,8 +183,8 @@ def test_the_definitions_are_the_default_farm_of_the_factory_and_a_second_farm_s
 ) -> None:
     from dagster import Definitions
 
-    from comfy_assets.farm import DEFAULT_FARM, Farm
-    from comfy_assets.farm_defs import build_farm_defs
+    from comfy_assets.farm.defs import build_farm_defs
+    from comfy_assets.farm.names import DEFAULT_FARM, Farm
     from comfy_assets.resources import ResultStoreResource
 
     resources = default_resources()

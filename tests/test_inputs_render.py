@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from comfy_assets.farm.metadata import jobs_frame
 from comfy_assets.film.gate import GateBlocked
 from comfy_assets.film.make import make_film
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.metadata import jobs_frame
 from comfy_assets.render.results import write_results
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from dagster import DagsterInstance, instance_for_test
 
-from comfy_assets.farm import farm_of
-from comfy_assets.launched_partition import add_launched_partition, partition_argument
+from comfy_assets.farm.launched_partition import add_launched_partition, partition_argument
+from comfy_assets.farm.names import farm_of
 from tests.support import write_jobs
 
 

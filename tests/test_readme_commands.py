@@ -408,7 +408,7 @@ def test_the_wheel_make_builds_installs_into_another_projects_environment(tmp_pa
         [
             str(studio / "bin" / "python"),
             "-c",
-            "import comfy_assets.component as c, importlib.metadata as m; print(c.__file__); "
+            "import comfy_assets.farm.component as c, importlib.metadata as m; print(c.__file__); "
             "print([e.value for e in m.entry_points(group='dagster_dg_cli.registry_modules')])",
         ],
         capture_output=True,
@@ -416,5 +416,5 @@ def test_the_wheel_make_builds_installs_into_another_projects_environment(tmp_pa
         check=True,
         cwd=tmp_path,
     ).stdout.splitlines()
-    assert found[0] == str(site / "comfy_assets" / "component.py")  # the wheel's copy
+    assert found[0] == str(site / "comfy_assets" / "farm" / "component.py")  # the wheel's copy
     assert "comfy_assets" in found[1]  # how dg finds comfy_assets.RenderFarm

@@ -25,8 +25,8 @@ from dagster import (
 )
 from dagster._core.test_utils import create_run_for_test
 
-from comfy_assets import sensors
-from comfy_assets.partitions import (
+from comfy_assets.farm import job_file_sensor as sensors
+from comfy_assets.farm.partitions import (
     AmbiguousJobFileError,
     find_job_file,
     job_dirs_from_env,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from comfy_assets.farm.metadata import JOB_COLUMNS, MODEL_JOB_COLUMNS, WIDE_JOB_COLUMNS
+from comfy_assets.farm.partitions import partition_key_for
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.metadata import JOB_COLUMNS, MODEL_JOB_COLUMNS, WIDE_JOB_COLUMNS
-from comfy_assets.partitions import partition_key_for
 
 REPO = Path(__file__).resolve().parents[1]
 UI = (REPO / "docs" / "ui.md").read_text()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from comfy_assets.metadata import JOB_CELL_CHARS, job_table, jobs_frame, tile_label
+from comfy_assets.farm.metadata import JOB_CELL_CHARS, job_table, jobs_frame, tile_label
 
 JOB_IDS = ["e2f87063-605c-536f-bb57-ee613428fb53", "4d200798-c3ed-5022-9995-ba4043a62535"]
 SHA = "1a2b3c4d5e6f" + "0" * 52

@@ -11,96 +11,27 @@ retry budget answers 503.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from aiohttp import web
 
+from comfy_assets.api import openapi, routes_jobs, routes_read
 from comfy_assets.api.outbox import Outbox
-from comfy_assets.api.publisher import Publisher, republish_loop
+from comfy_assets.api.publisher import republish_loop
 from comfy_assets.api.ratelimit import RateLimit
-from comfy_assets.api.streams import Changes, StreamCap
-from comfy_assets.api.tokens import Clients, partition_of
-from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.store import Store, StoreUnavailable
-from comfy_assets.store.api_jobs import ApiLedger
+from comfy_assets.api.shared import API, CLIENT, Answer, Api, Limits, error, json_response
+from comfy_assets.api.tokens import partition_of
+from comfy_assets.store import StoreUnavailable
+
+# Api and Limits are built by whoever serves the application (cli/api.py, the tests).
+__all__ = ["API", "CLIENT", "Answer", "Api", "Limits", "error", "json_response", "make_app"]
 
 log = logging.getLogger("comfy_assets.api")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 # Liveness, readiness and the API's own description: nothing of any client's.
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json"})
-
-
-@dataclass
-class Limits:
-    """What one request may be: ``max_input_bytes`` per input file (decoded),
-    ``max_message_bytes`` per queue message (what a worker accepts),
-    ``max_body_bytes`` per request body; ``rate_per_s`` requests a second per client and
-    ``burst`` at once; ``max_streams`` event streams open at once per client."""
-
-    max_input_bytes: int
-    max_message_bytes: int
-    max_body_bytes: int
-    rate_per_s: float = 50.0
-    burst: int = 100
-    max_streams: int = 20
-
-
-@dataclass
-class Api:
-    """Everything the handlers share (``request.app[API]``)."""
-
-    store: Store
-    ledger: ApiLedger
-    publisher: Publisher
-    clients: Clients
-    limits: Limits
-    webhook_key: bytes | None = None
-    allow_private_webhooks: bool = False
-    servers: list[ServerSpec] = field(default_factory=list)
-    probe_timeout_s: float = 3.0
-    rate: RateLimit = field(init=False)
-    streams: StreamCap = field(init=False)
-    changes: Changes = field(init=False)
-    background: list[asyncio.Task[None]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.rate = RateLimit(self.limits.rate_per_s, self.limits.burst)
-        self.streams = StreamCap(self.limits.max_streams)
-        self.changes = Changes(self.ledger)
-
-
-API = web.AppKey("api", Api)
-CLIENT = web.RequestKey("client", str)
-
-
-def json_response(
-    body: Any, status: int = 200, headers: dict[str, str] | None = None
-) -> web.Response:
-    """``body`` as JSON (UTF-8) with ``status``."""
-    return web.json_response(body, status=status, headers=headers, dumps=_dumps)
-
-
-def error(status: int, message: str, **extra: Any) -> web.Response:
-    """An error answer: ``{"message": message, **extra}``."""
-    return json_response({"message": message, **extra}, status=status)
-
-
-def _dumps(obj: Any) -> str:
-    return json.dumps(obj, ensure_ascii=False, allow_nan=False)
-
-
-class Answer(Exception):
-    """Raised by a helper of a handler to answer with ``response`` at once (a 404 for a
-    job that is not the client's, say)."""
-
-    def __init__(self, response: web.Response) -> None:
-        self.response = response
-        super().__init__(response.status)
 
 
 @web.middleware
@@ -160,8 +91,6 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 def make_app(api: Api, *, background: bool = True) -> web.Application:
     """The application over ``api``. With ``background``, it also publishes unconfirmed
     jobs again and, when webhooks are on, runs the outbox, while it serves."""
-    from comfy_assets.api import openapi, routes_jobs, routes_read
-
     app = web.Application(
         middlewares=[errors_middleware, auth_middleware],
         client_max_size=api.limits.max_body_bytes,
@@ -177,11 +106,9 @@ def make_app(api: Api, *, background: bool = True) -> web.Application:
 
 
 async def _start_background(app: web.Application) -> None:
-    from comfy_assets.api.routes_jobs import cancel_loop
-
     api = app[API]
     api.background.append(asyncio.create_task(republish_loop(api.ledger, api.publisher)))
-    api.background.append(asyncio.create_task(cancel_loop(api)))
+    api.background.append(asyncio.create_task(routes_jobs.cancel_loop(api)))
     if api.webhook_key is not None:
         outbox = Outbox(
             api.ledger,

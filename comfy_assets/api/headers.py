@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 
-from comfy_assets.api.app import Answer, error
+from comfy_assets.api.shared import Answer, error
 
 # Event ids are the store's integer keys: 64-bit, so at most 19 digits.
 _EVENT_ID = re.compile(r"[0-9]{1,19}")

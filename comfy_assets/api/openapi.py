@@ -16,9 +16,9 @@ from typing import Any
 
 from aiohttp import web
 
-from comfy_assets.api.app import API, json_response
 from comfy_assets.api.headers import EVENT_ID_PATTERN
 from comfy_assets.api.models import UUID, schemas
+from comfy_assets.api.shared import API, json_response
 
 JSON = "application/json"
 

@@ -22,9 +22,9 @@ import logging
 
 from aiohttp import web
 
-from comfy_assets.api.app import API, CLIENT, Answer, Api, error, json_response
 from comfy_assets.api.interrupting import interrupt_prompt
 from comfy_assets.api.publisher import publish_recorded
+from comfy_assets.api.shared import API, CLIENT, Answer, Api, error, json_response
 from comfy_assets.api.submission import (
     Invalid,
     Problem,

@@ -9,10 +9,10 @@ from typing import Any
 
 from aiohttp import web
 
-from comfy_assets.api.app import API, CLIENT, Api, error, json_response
 from comfy_assets.api.files import file_response
 from comfy_assets.api.headers import last_event_id
 from comfy_assets.api.routes_jobs import owned
+from comfy_assets.api.shared import API, CLIENT, Api, error, json_response
 from comfy_assets.api.streams import STREAM_RETRY_AFTER_S
 from comfy_assets.api.views import current_files, event_view, iso
 from comfy_assets.jobs.states import DONE, FAILED_FATAL

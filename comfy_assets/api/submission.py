@@ -98,15 +98,11 @@ def pointer(field: str) -> str:
     return "".join("/" + p.replace("~", "~0").replace("/", "~1") for p in parts)
 
 
-def parse_submission(
-    obj: Any, *, partition: str, max_input_bytes: int, max_message_bytes: int
-) -> Submission:
-    """Validate one decoded request body (see the module docstring) as a job of
-    ``partition``. Raises ``Invalid`` listing every problem."""
-    if not isinstance(obj, dict):
-        raise Invalid([Problem("", f"expected a JSON object, got {kind_of(obj)}")])
-    given, obj = obj, dict(obj)
-    problems: list[Problem] = []
+def _refused_fields(obj: dict[str, Any], problems: list[Problem]) -> str | None:
+    """Take out of ``obj`` (a copy of the body) what the API does not pass to the job
+    parser, each with its problem: the webhook (returned if a string; a problem if not
+    a URL it takes), the fields of a film, the fields the API sets itself, and a workflow named
+    by file (left as ``{}``)."""
     webhook = obj.pop("webhook", None)
     if webhook is not None and not isinstance(webhook, str):
         problems.append(Problem("/webhook", f"expected a URL string, got {kind_of(webhook)}"))
@@ -134,6 +130,20 @@ def parse_submission(
             )
         )
         obj["workflow"] = {}
+    # A webhook that is not a string is a problem above: the body is refused.
+    return webhook if isinstance(webhook, str) else None
+
+
+def parse_submission(
+    obj: Any, *, partition: str, max_input_bytes: int, max_message_bytes: int
+) -> Submission:
+    """Validate one decoded request body (see the module docstring) as a job of
+    ``partition``. Raises ``Invalid`` listing every problem."""
+    if not isinstance(obj, dict):
+        raise Invalid([Problem("", f"expected a JSON object, got {kind_of(obj)}")])
+    given, obj = obj, dict(obj)
+    problems: list[Problem] = []
+    webhook = _refused_fields(obj, problems)
     if "take" in obj:
         obj["take"] = integral(obj["take"])
     inputs = obj.get("inputs")

@@ -19,10 +19,10 @@ from dagster import (
 )
 
 from comfy_assets.cli.demo_processes import Child, DemoFailed, announce, tail
+from comfy_assets.farm.partitions import iter_job_files, partition_key_for
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import DONE
-from comfy_assets.partitions import iter_job_files, partition_key_for
 from comfy_assets.render.results import results_csv_path
 from comfy_assets.sensors import JOB_FILE_SHA_TAG
 

@@ -29,7 +29,7 @@ MAX_INPUT_BYTES = 64 * 1024**2
 MAX_INDEX = 2**31 - 1
 UPSTREAM_FIELDS = ("job", "node", "index")
 _READ_CHUNK = 1024**2
-# Dagster's names for the two rules (``partitions.input_rules_from_env``); the commands'
+# Dagster's names for the two rules (``farm.partitions.input_rules_from_env``); the commands'
 # are ``--follow-input-links`` and ``--max-input-bytes`` (``cli.options``). A refusal
 # names both, so whoever reads it finds the knob of the tool they ran.
 FOLLOW_INPUT_LINKS_ENV = "COMFY_ASSETS_FOLLOW_INPUT_LINKS"

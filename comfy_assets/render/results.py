@@ -54,7 +54,7 @@ class ResultsTable:
     value (an int, float, bool or str; None or a column the row lacks is an empty cell).
     Plain rows, not a DataFrame: ``run`` and the worker write the CSV without loading
     pandas (a large part of a process's start-up); the Dagster assets make a DataFrame of
-    it for their metadata (``metadata.results_metadata``)."""
+    it for their metadata (``farm.metadata.results_metadata``)."""
 
     columns: list[str]
     rows: list[dict[str, Any]]
@@ -152,6 +152,109 @@ def last_model_tries(tries: Iterable[ModelTryRow]) -> dict[str, tuple[tuple[str,
     return {t.job_id: (tuple(t.models), t.loaded) for t in tries}
 
 
+@dataclass(frozen=True)
+class JobResults:
+    """A partition's jobs as the store has them, the one model both views show:
+    ``table`` (results.csv, every column) and ``farm.metadata.job_frame`` (the UI's job
+    table, its columns cut for the UI). ``job_ids``: the rows, in order; ``records``: the
+    store's job record of each (a job without one is ``missing``); ``files``: each job's
+    output files (by job id); ``models``: each job's models and whether its last try
+    loaded one (``last_model_tries``); ``failed_on``: the servers each job failed on
+    (``Store.failed_on``)."""
+
+    job_ids: list[str]
+    records: Mapping[str, JobRow]
+    files: Mapping[str, Iterable[FileRow]]
+    models: Mapping[str, tuple[tuple[str, ...], bool]]
+    failed_on: Mapping[str, Sequence[str]]
+
+    @classmethod
+    def of(
+        cls,
+        records: Sequence[JobRow],
+        files: Mapping[str, Iterable[FileRow]],
+        job_ids: Sequence[str] | None = None,
+        models: Mapping[str, tuple[tuple[str, ...], bool]] | None = None,
+        failed_on: Mapping[str, Sequence[str]] | None = None,
+    ) -> JobResults:
+        """The model of ``records``: ``job_ids`` (the job file's ids in line order)
+        selects and orders the rows; without it every record is a row, in the given
+        order."""
+        order = list(job_ids) if job_ids is not None else [record.job_id for record in records]
+        return cls(
+            order,
+            {record.job_id: record for record in records},
+            files,
+            models or {},
+            failed_on or {},
+        )
+
+    @classmethod
+    def read(cls, store: Store, partition: str, job_ids: Sequence[str] | None = None) -> JobResults:
+        """``partition``'s jobs, read from ``store`` once. ``job_ids`` (a job file's, in
+        line order) selects and orders the rows, and a record of a job no longer in the
+        file (a deleted line) is left out; without it every job registered in the
+        partition is a row, in line order. Raises StoreUnavailable."""
+        records = store.jobs(partition)
+        if job_ids is not None:
+            wanted = set(job_ids)
+            records = [record for record in records if record.job_id in wanted]
+        else:
+            records = sorted(records, key=lambda record: (record.line, record.job_id))
+        by_job = store.partition_files(partition)
+        files = {record.job_id: by_job.get(record.job_id, []) for record in records}
+        models = last_model_tries(store.model_loads(partition))
+        return cls.of(records, files, job_ids, models, store.failed_on(partition))
+
+    def cells(self, job_id: str, *, short: bool = False) -> dict[str, Any]:
+        """The columns every view shows of one job: ``job_id``, ``line``, ``shot``,
+        ``take``, ``inputs`` (``inputs_cell``; ``short`` as there), ``state``, ``server``,
+        ``failed_on``, ``attempts``, ``seconds`` and ``reason``; only ``job_id`` and
+        ``state`` (``missing``) for a job without a record."""
+        record = self.records.get(job_id)
+        if record is None:
+            return {"job_id": job_id, "state": MISSING_STATE}
+        return {
+            "job_id": job_id,
+            "line": record.line,
+            "shot": record.shot,
+            "take": record.take,
+            "inputs": inputs_cell(record.inputs, self.files, short=short),
+            "state": str(record.state),
+            "server": record.server,
+            "failed_on": " ".join(self.failed_on.get(job_id, ())),
+            "attempts": record.attempts,
+            "seconds": None if record.seconds is None else round(record.seconds, 3),
+            "reason": record.reason,
+        }
+
+    def table(self) -> ResultsTable:
+        """The results table (results.csv): every column, a ``set`` key's each, the
+        ``files`` and, when any job loads models, the ``models`` and ``model_loaded``."""
+        set_columns: list[str] = []
+        rows: list[dict[str, Any]] = []
+        for job_id in self.job_ids:
+            row = self.cells(job_id)
+            record = self.records.get(job_id)
+            if record is not None:
+                values = record.set or {}
+                for key in values:
+                    if key not in set_columns:
+                        set_columns.append(key)
+                row |= {key: _cell(value) for key, value in values.items()}
+                row["files"] = files_cell(self.files.get(job_id, ()))
+            rows.append(row)
+        columns = FIXED_BEFORE + set_columns + FIXED_AFTER
+        if self.models:
+            at = columns.index("server") + 1
+            columns[at:at] = MODEL_COLUMNS
+            for row in rows:
+                found = self.models.get(row["job_id"])
+                if found is not None:
+                    row["models"], row["model_loaded"] = _cell(" ".join(found[0])), found[1]
+        return ResultsTable(columns, rows)
+
+
 def results_table(
     records: Sequence[JobRow],
     files: Mapping[str, Iterable[FileRow]],
@@ -159,7 +262,7 @@ def results_table(
     models: Mapping[str, tuple[tuple[str, ...], bool]] | None = None,
     failed_on: Mapping[str, Sequence[str]] | None = None,
 ) -> ResultsTable:
-    """Build the results table.
+    """The results table of ``records`` (``JobResults.of``, then ``JobResults.table``).
 
     ``files`` maps job id to its output files. ``job_ids`` (the job file's ids in line
     order) selects and orders the rows; a job of the file without a record gets a row
@@ -168,47 +271,7 @@ def results_table(
     ``model_loaded`` columns. ``failed_on``: the servers each job failed on
     (``Store.failed_on``).
     """
-    failed_on = failed_on or {}
-    by_id = {record.job_id: record for record in records}
-    order = list(job_ids) if job_ids is not None else [record.job_id for record in records]
-
-    set_columns: list[str] = []
-    rows: list[dict[str, Any]] = []
-    for job_id in order:
-        record = by_id.get(job_id)
-        if record is None:
-            rows.append({"job_id": job_id, "state": MISSING_STATE})
-            continue
-        values = record.set or {}
-        for key in values:
-            if key not in set_columns:
-                set_columns.append(key)
-        rows.append(
-            {
-                "job_id": job_id,
-                "line": record.line,
-                "shot": record.shot,
-                **{key: _cell(value) for key, value in values.items()},
-                "take": record.take,
-                "inputs": inputs_cell(record.inputs, files),
-                "state": str(record.state),
-                "server": record.server,
-                "failed_on": " ".join(failed_on.get(job_id, ())),
-                "attempts": record.attempts,
-                "seconds": None if record.seconds is None else round(record.seconds, 3),
-                "files": files_cell(files.get(job_id, ())),
-                "reason": record.reason,
-            }
-        )
-    columns = FIXED_BEFORE + set_columns + FIXED_AFTER
-    if models:
-        at = columns.index("server") + 1
-        columns[at:at] = MODEL_COLUMNS
-        for row in rows:
-            found = models.get(row["job_id"])
-            if found is not None:
-                row["models"], row["model_loaded"] = _cell(" ".join(found[0])), found[1]
-    return ResultsTable(columns, rows)
+    return JobResults.of(records, files, job_ids, models, failed_on).table()
 
 
 def results_csv_path(root: Path, partition: str) -> Path:
@@ -225,17 +288,7 @@ def write_results(
     job registered in the partition is a row, in line order (the order of ``job_ids``
     for a file whose jobs all got there). Raises OSError if the CSV cannot be written,
     StoreUnavailable."""
-    records = store.jobs(partition)
-    if job_ids is not None:
-        wanted = set(job_ids)
-        records = [record for record in records if record.job_id in wanted]
-    else:
-        records = sorted(records, key=lambda record: (record.line, record.job_id))
-    by_job = store.partition_files(partition)
-    files = {record.job_id: by_job.get(record.job_id, []) for record in records}
-    models = last_model_tries(store.model_loads(partition))
-    failed = store.failed_on(partition)
-    table = results_table(records, files, job_ids=job_ids, models=models, failed_on=failed)
+    table = JobResults.read(store, partition, job_ids).table()
     return write_csv(table, results_csv_path(store.root, partition)), table
 
 

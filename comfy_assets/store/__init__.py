@@ -3,6 +3,7 @@
 SQLite (``<root>/store.db``, WAL) by default, PostgreSQL by URL, the same code for both.
 
 - ``schema``: the tables and the engine settings
+- ``errors``: ``StoreError``, the base of every error the store raises
 - ``records``: what the store returns and raises
 - ``statements``: prebuilt hot statements (compare-and-set updates, upserts)
 - ``register``: registering a job file's jobs in bulk
@@ -12,6 +13,7 @@ SQLite (``<root>/store.db``, WAL) by default, PostgreSQL by URL, the same code f
 - ``store``: the ``Store`` class
 """
 
+from comfy_assets.store.errors import StoreError
 from comfy_assets.store.owners import OWNER_BEAT_S, OWNER_DEAD_S, OwnerRecord
 from comfy_assets.store.records import (
     AttemptEntry,
@@ -66,6 +68,7 @@ __all__ = [
     "Store",
     "StoreConflict",
     "StoreDiskFull",
+    "StoreError",
     "StoreUnavailable",
     "UnknownJob",
     "metadata",

@@ -29,6 +29,7 @@ import sqlalchemy as sa
 
 from comfy_assets.store.base import StoreBase
 from comfy_assets.store.clock import wall_time
+from comfy_assets.store.errors import StoreError
 from comfy_assets.store.retry import retried
 from comfy_assets.store.schema import (
     attempts_table,
@@ -113,7 +114,7 @@ class ServerHealthRecord:
         return None
 
 
-class UnknownServer(KeyError):
+class UnknownServer(StoreError, KeyError):
     """``readmit_server`` of a server the store has no word of (no health row, no
     lease): ``known`` lists those it has."""
 

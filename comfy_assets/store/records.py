@@ -9,6 +9,7 @@ from pathlib import PurePosixPath
 from typing import Any, Protocol
 
 from comfy_assets.jobs.states import DONE, State
+from comfy_assets.store.errors import StoreError
 
 
 class ClaimStatus(StrEnum):
@@ -212,7 +213,7 @@ class RegisterResult:
     superseded: list[str] = field(default_factory=list)
 
 
-class UnknownJob(LookupError):
+class UnknownJob(StoreError, LookupError):
     """No job with that id in the store."""
 
     def __init__(self, job_id: str) -> None:
@@ -220,7 +221,7 @@ class UnknownJob(LookupError):
         self.job_id = job_id
 
 
-class ClaimLost(RuntimeError):
+class ClaimLost(StoreError, RuntimeError):
     """The caller does not hold the job's claim (never had it, released, or taken over)."""
 
     def __init__(self, job_id: str, owner: str, holder: str | None) -> None:
@@ -231,7 +232,7 @@ class ClaimLost(RuntimeError):
         self.holder = holder
 
 
-class PartitionConflict(ValueError):
+class PartitionConflict(StoreError, ValueError):
     """Job ids already registered under another partition (ids are global)."""
 
     def __init__(self, partition: str, conflicts: dict[str, str]) -> None:
@@ -245,5 +246,5 @@ class PartitionConflict(ValueError):
         self.conflicts = conflicts
 
 
-class StoreConflict(RuntimeError):
+class StoreConflict(StoreError, RuntimeError):
     """A guarded UPDATE matched no row although its row was locked: a bug, not a race."""

@@ -32,6 +32,8 @@ from typing import Any, ParamSpec, TypeVar
 
 import sqlalchemy as sa
 
+from comfy_assets.store.errors import StoreError
+
 log = logging.getLogger("comfy_assets.store")
 
 P = ParamSpec("P")
@@ -69,7 +71,7 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(StoreError, RuntimeError):
     """The database could not be reached for ``waited_s`` seconds; ``cause`` is the last
     driver error (its message names no password: SQLAlchemy hides it)."""
 

@@ -17,6 +17,7 @@ import sqlalchemy as sa
 from comfy_assets.store.base import folder_name
 from comfy_assets.store.claims import Claims
 from comfy_assets.store.clock import DbClock
+from comfy_assets.store.errors import StoreError
 from comfy_assets.store.health import ServerHealth
 from comfy_assets.store.leases import ServerLeases
 from comfy_assets.store.live import Live
@@ -42,11 +43,11 @@ from comfy_assets.store.transitions import OUTCOMES, TRANSITION_FIELDS, Transiti
 DB_URL_ENV = "COMFY_ASSETS_DB_URL"
 
 
-class NoStore(ValueError):
+class NoStore(StoreError, ValueError):
     """No result store where one was expected (``Store.existing``)."""
 
 
-class BadDbUrl(ValueError):
+class BadDbUrl(StoreError, ValueError):
     """A ``db_url`` SQLAlchemy cannot open: not a URL, or a driver it does not have."""
 
 

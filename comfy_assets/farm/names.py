@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dagster import AssetKey, DynamicPartitionsDefinition
 
-from comfy_assets.partitions import (
+from comfy_assets.farm.partitions import (
     JOB_FILES_ASSET,
     job_dirs_from_env,
     job_files_partitions,

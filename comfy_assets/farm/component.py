@@ -15,8 +15,8 @@ writes ``defs/draft/defs.yaml``; its ``attributes`` are this class's fields::
       db_url: "{{ env.DRAFT_DB_URL }}"
       key_prefix: [draft]
 
-Each instance is one farm (``comfy_assets.farm.Farm``) built by
-``comfy_assets.farm_defs.build_farm_defs``: its own asset keys (under ``key_prefix``),
+Each instance is one farm (``comfy_assets.farm.names.Farm``) built by
+``comfy_assets.farm.defs.build_farm_defs``: its own asset keys (under ``key_prefix``),
 partitions, checks, sensors, render job and resources, so two instances share nothing.
 Relative folders are the project root's. ``dg list components`` shows the class through
 the ``dagster_dg_cli.registry_modules`` entry point of comfy-assets.
@@ -35,10 +35,10 @@ from dagster.components.resolved.errors import ResolutionException
 from pydantic import ConfigDict, Field
 
 from comfy_assets.comfy.servers import parse_servers
-from comfy_assets.farm import farm_of
-from comfy_assets.farm_defs import build_farm_defs
+from comfy_assets.farm.defs import build_farm_defs
+from comfy_assets.farm.names import farm_of
+from comfy_assets.farm.resources import ComfyPoolResource, ResultStoreResource, ServerConfig
 from comfy_assets.jobs.model import POLICIES
-from comfy_assets.resources import ComfyPoolResource, ResultStoreResource, ServerConfig
 
 # A value that is one environment variable and nothing else: ``{{ env.NAME }}``.
 _ONE_VARIABLE = re.compile(r"\{\{\s*env\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
@@ -110,7 +110,7 @@ class RenderFarmScaffolder(Scaffolder):
 class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
     """A farm of ComfyUI servers rendering the job files of its folders, exactly once, into
     its store: the assets job_files, renders, render_results, all_results and films under
-    ``key_prefix``, with their checks, sensors and render job (see comfy_assets.farm_defs)."""
+    ``key_prefix``, with their checks, sensors and render job (see comfy_assets.farm.defs)."""
 
     model_config = _MODEL_CONFIG
 

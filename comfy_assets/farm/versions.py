@@ -6,10 +6,10 @@
 
 from dagster import AssetExecutionContext, AssetRecordsFilter, Failure
 
-from comfy_assets.farm import DEFAULT_FARM, Farm
+from comfy_assets.farm.names import DEFAULT_FARM, Farm
+from comfy_assets.farm.partitions import AmbiguousJobFileError, find_job_file, input_rules_from_env
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.partitions import AmbiguousJobFileError, find_job_file, input_rules_from_env
 
 
 def job_file_missing(

@@ -22,12 +22,12 @@ from dagster import (
     define_asset_job,
 )
 
-from comfy_assets.assets import FarmAssets, build_assets
-from comfy_assets.dead_runs import build_dead_runs_sensor
-from comfy_assets.farm import Farm
-from comfy_assets.launched_partition import add_launched_partition
-from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
-from comfy_assets.sensors import build_job_file_sensor
+from comfy_assets.farm.assets import FarmAssets, build_assets
+from comfy_assets.farm.dead_runs import build_dead_runs_sensor
+from comfy_assets.farm.job_file_sensor import build_job_file_sensor
+from comfy_assets.farm.launched_partition import add_launched_partition
+from comfy_assets.farm.names import Farm
+from comfy_assets.farm.resources import ComfyPoolResource, ResultStoreResource
 
 # Run retries (dagster.yaml: retry_on_asset_or_op_failure false) only re-launch runs whose
 # worker died; the batch itself retries each job with backoff.

@@ -32,8 +32,8 @@ from dagster import (
     sensor,
 )
 
-from comfy_assets.farm import DEFAULT_FARM, Farm
-from comfy_assets.resources import ResultStoreResource
+from comfy_assets.farm.names import DEFAULT_FARM, Farm
+from comfy_assets.farm.resources import ResultStoreResource
 from comfy_assets.store import OWNER_DEAD_S, OwnerRecord, StoreDiskFull, StoreUnavailable
 
 # Seconds between the sensor's ticks: a dead run is failed OWNER_DEAD_S plus at most
@@ -199,6 +199,3 @@ def fail_run(
     # re-launch it (only an asset's failure is kept from them by the profile).
     instance.report_run_failed(run, message)
     return True
-
-
-dead_runs_sensor = build_dead_runs_sensor(DEFAULT_FARM)

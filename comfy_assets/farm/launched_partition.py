@@ -20,8 +20,8 @@ from pathlib import Path
 
 from dagster import DagsterInstance
 
-from comfy_assets.farm import Farm
-from comfy_assets.partitions import iter_job_files, partition_key_for
+from comfy_assets.farm.names import Farm
+from comfy_assets.farm.partitions import iter_job_files, partition_key_for
 
 
 def partition_argument(argv: Sequence[str]) -> str | None:

@@ -27,14 +27,14 @@ from dagster import (
 )
 from PIL import Image
 
+from comfy_assets.farm.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.gate import FilmResult
 from comfy_assets.film.probe import VIDEO_SUFFIXES
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.states import DONE
-from comfy_assets.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.render.cost import ModelLoadCost
-from comfy_assets.render.results import FileRow, ResultsTable, inputs_cell
+from comfy_assets.render.results import FileRow, JobResults, ResultsTable
 from comfy_assets.store import FileRecord, JobRecord, Store
 
 # Errors of one bad file shown by the ``valid`` check; the rest are counted.
@@ -276,36 +276,23 @@ def jobs_frame(
     record is ``missing``. ``files``: each job's output files (for the sha256 of an input
     taken from an upstream job). Columns: JOB_COLUMNS, the model ones only with ``models``
     (``render.results.last_model_tries``) not empty; ``failed_on``: the servers each job
-    failed on (``Store.failed_on``)."""
-    files = files or {}
-    failed_on = failed_on or {}
-    by_id = {record.job_id: record for record in records}
+    failed on (``Store.failed_on``). ``job_frame`` of ``JobResults.of`` these."""
+    return job_frame(JobResults.of(records, files or {}, job_ids, models, failed_on))
+
+
+def job_frame(results: JobResults) -> pd.DataFrame:
+    """The UI's view of ``results``: a row per job with JOB_COLUMNS (the job id cut to
+    ``job`` too, the inputs' sha256 and upstream ids short; the model columns only when
+    a job loads models)."""
     rows = []
-    for job_id in job_ids:
-        record = by_id.get(job_id)
-        if record is None:
-            rows.append({"job": job_id[:8], "job_id": job_id, "state": "missing"})
-            continue
-        rows.append(
-            {
-                "job": job_id[:8],
-                "job_id": job_id,
-                "line": record.line,
-                "shot": record.shot,
-                "take": record.take,
-                "inputs": inputs_cell(record.inputs, files, short=True),
-                "state": str(record.state),
-                "server": record.server,
-                "failed_on": " ".join(failed_on.get(job_id, ())),
-                "attempts": record.attempts,
-                "seconds": None if record.seconds is None else round(record.seconds, 3),
-                "reason": record.reason,
-            }
-        )
-        if models and job_id in models:
-            rows[-1]["models"] = " ".join(models[job_id][0])
-            rows[-1]["model_loaded"] = models[job_id][1]
-    columns = [c for c in JOB_COLUMNS if models or c not in MODEL_JOB_COLUMNS]
+    for job_id in results.job_ids:
+        row = {"job": job_id[:8], **results.cells(job_id, short=True)}
+        found = results.models.get(job_id)
+        if found is not None and job_id in results.records:
+            row["models"] = " ".join(found[0])
+            row["model_loaded"] = found[1]
+        rows.append(row)
+    columns = [c for c in JOB_COLUMNS if results.models or c not in MODEL_JOB_COLUMNS]
     frame = pd.DataFrame(rows, columns=columns, dtype=object)
     for name in ("line", "shot", "take", "attempts"):
         frame[name] = frame[name].astype("Int64")
