@@ -9,7 +9,7 @@ import asyncio
 import socket
 from pathlib import Path
 
-from comfy_assets.comfy.pool import Pool
+from comfy_assets.pool.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file

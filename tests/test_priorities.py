@@ -126,7 +126,7 @@ def test_enqueue_priority_travels_in_the_message_and_is_checked(tmp_path: Path) 
 
 
 def test_a_long_lived_pool_has_the_highest_priority_of_the_jobs_it_runs() -> None:
-    from comfy_assets.comfy.priority import Priorities
+    from comfy_assets.pool.priority import Priorities
 
     pool = Priorities()
     with pool.prioritized(5):

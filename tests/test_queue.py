@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from comfy_assets.comfy import event_loop
-from comfy_assets.comfy.plan import Plan
+from comfy_assets.pool.plan import Plan
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.queue import Item, JobQueue
 

@@ -40,7 +40,7 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from comfy_assets.comfy.pool import Pool
+from comfy_assets.pool.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import JobFileError

@@ -14,7 +14,7 @@ from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.servers import ServerSpec
 
 if TYPE_CHECKING:  # the pool makes slots; a slot tells its pool
-    from comfy_assets.comfy.pool import Pool
+    from comfy_assets.pool.pool import Pool
 
 # Every client_id we send starts with this, so a probe of /queue can tell our prompts
 # from those of people using the web UI (the /queue item's extra_data carries client_id).
@@ -55,7 +55,7 @@ class ServerLeaseStore(Protocol):
     ) -> bool: ...
 
     def server_health(self) -> Mapping[str, Any]:
-        """Each server's health by name (``comfy/quarantine.py``'s ``HealthRecord``)."""
+        """Each server's health by name (``pool/quarantine.py``'s ``HealthRecord``)."""
         ...
 
     def now(self) -> float:
