@@ -49,10 +49,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import fake_processes, fake_runs, scratch_dir, utilization_and_gaps
-from comfy_assets.pool.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import new_owner

@@ -18,10 +18,10 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from comfy_assets.pool.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.pool.slot import new_client_id
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.pool.pool import Pool
+from comfy_assets.pool.slot import new_client_id
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, StoreDiskFull
 from comfy_assets.store.schema import pool_waiters_table

@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from comfy_assets.comfy import probing
 from comfy_assets.comfy.errors import NoServerReachable
-from comfy_assets.pool.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.pool import probing
+from comfy_assets.pool.pool import Pool
 from comfy_assets.pool.settings import PoolSettings
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy

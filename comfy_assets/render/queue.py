@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from comfy_assets.comfy.capabilities import Needs
-from comfy_assets.pool.plan import Demand, Plan
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.pool.slot import Slot
 from comfy_assets.jobs.model import Job
+from comfy_assets.pool.plan import Demand, Plan
+from comfy_assets.pool.slot import Slot
 from comfy_assets.render.outcome import Failure
 from comfy_assets.store import JobRecord
 

@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import NotRequired, TypedDict, Unpack
 
 from comfy_assets.comfy.event_loop import new_event_loop
-from comfy_assets.pool.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import Job, JobFile
 from comfy_assets.jobs.states import DONE
+from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner

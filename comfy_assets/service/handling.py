@@ -10,9 +10,9 @@ import dataclasses
 import logging
 from typing import Any, cast
 
-from comfy_assets.pool.pool import Pool
 from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
+from comfy_assets.pool.pool import Pool
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.run import SUPERSEDED, run_one
