@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 # The socket messages the follower gives ``PromptProgress``: ``progress_state`` says
 # nothing that ``executing`` and ``execution_cached`` have not (a node is done once the
@@ -105,6 +105,6 @@ class PromptProgress:
         return text
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     # NaN and infinities are numbers json reads but no step count.
     return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < 1e12

@@ -19,9 +19,9 @@ from comfy_assets.comfy.errors import ComfyError
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.pool.lease_keeping import LeaseKeeper
 from comfy_assets.pool.plan import Plan, held_text, models_of, parse_held
-from comfy_assets.pool.server_state import ServerStates
+from comfy_assets.pool.server_state import ServerState, ServerStates
 from comfy_assets.pool.settings import PoolSettings
-from comfy_assets.pool.slot import Slot
+from comfy_assets.pool.slot import ServerLeaseView, Slot
 from comfy_assets.pool.sockets import Sockets
 
 log = logging.getLogger("comfy_assets.pool")
@@ -92,7 +92,7 @@ class ModelsHeld:
                 reading = state.reading
                 if reading is None:
                     reading = state.reading = asyncio.ensure_future(self._read(spec))
-                    reading.add_done_callback(lambda _, s=state: setattr(s, "reading", None))
+                    reading.add_done_callback(_forget_reading(state))
                 todo.append(reading)
         if todo:
             await asyncio.gather(*(asyncio.shield(t) for t in todo))
@@ -213,14 +213,14 @@ class ModelsHeld:
             self.keeper.ask(self.keeper.leases.note_server_model, None, slot.name, text)
         return load
 
-    def held_from(self, leases: Mapping[str, object]) -> None:
+    def held_from(self, leases: Mapping[str, ServerLeaseView]) -> None:
         """What servers not ours now hold, as the store says (another process may have
         run other models there since)."""
         for name, lease in leases.items():
             state = self.states.get(name)
             if state is None or state.held is not None or state.kept:
                 continue
-            held = parse_held(getattr(lease, "last_model", None))
+            held = parse_held(lease.last_model)
             if held:
                 self.plan.held[name] = held
             else:
@@ -240,3 +240,12 @@ class ModelsHeld:
     def held_text(self, name: str) -> str | None:
         """What server ``name`` holds, as its lease row keeps it."""
         return held_text(self.plan.holds(name))
+
+
+def _forget_reading(state: ServerState) -> Callable[[asyncio.Future[None]], None]:
+    """A done callback: ``state``'s /object_info is no longer being read."""
+
+    def forget(_: asyncio.Future[None]) -> None:
+        state.reading = None
+
+    return forget

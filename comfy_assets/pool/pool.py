@@ -49,7 +49,7 @@ from comfy_assets.pool.probing import Prober
 from comfy_assets.pool.quarantine import HealthRecord, Quarantine
 from comfy_assets.pool.server_state import ServerState, ServerStates
 from comfy_assets.pool.settings import PoolSettings
-from comfy_assets.pool.slot import ServerLeaseStore, ServerProbe, Slot
+from comfy_assets.pool.slot import ServerLeaseStore, ServerLeaseView, ServerProbe, Slot
 from comfy_assets.pool.sockets import Sockets
 from comfy_assets.pool.want import Chooser, Want
 
@@ -473,7 +473,8 @@ class Pool:
         that no process of a higher priority waits for and that may take a prompt."""
         # Lease times are the store's clock, not this host's (hosts' clocks differ).
         now = self.leases.now()
-        leases = self.keeper.ask(self.leases.server_leases, {})
+        nothing: Mapping[str, ServerLeaseView] = {}
+        leases = self.keeper.ask(self.leases.server_leases, nothing)
         self.models.held_from(leases)
         free = []
         for state in mine:
@@ -482,7 +483,8 @@ class Pool:
             if want.only is None and self.blocked(state.name) is not None:
                 continue
             lease = leases.get(state.name)
-            if lease is not None and lease.owner and lease.expires_at > now:
+            expires_at = None if lease is None else lease.expires_at
+            if lease is not None and lease.owner and expires_at is not None and expires_at > now:
                 if not lease.holder_gone:  # its owner is gone: free to take
                     continue
             if self.priorities.outranked(state):  # a batch of a higher priority waits for it

@@ -26,6 +26,24 @@ def new_client_id() -> str:
     return CLIENT_ID_PREFIX + uuid.uuid4().hex
 
 
+class ServerLeaseView(Protocol):
+    """What the pool reads of a server's lease row (``store.records.ServerLease``):
+    ``owner`` None once released; ``expires_at`` in the store's epoch seconds;
+    ``holder_gone``, its owner is gone (free to take); ``last_model``, what it holds."""
+
+    @property
+    def owner(self) -> str | None: ...
+
+    @property
+    def expires_at(self) -> float | None: ...
+
+    @property
+    def holder_gone(self) -> bool: ...
+
+    @property
+    def last_model(self) -> str | None: ...
+
+
 class ServerLeaseStore(Protocol):
     """What the pool needs of the result store (``comfy_assets.store.Store`` has it)."""
 
@@ -39,7 +57,7 @@ class ServerLeaseStore(Protocol):
 
     def note_server_model(self, server: str, last_model: str | None) -> None: ...
 
-    def server_leases(self) -> dict: ...
+    def server_leases(self) -> Mapping[str, ServerLeaseView]: ...
 
     def mark_waiting(
         self,
