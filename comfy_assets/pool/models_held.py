@@ -43,7 +43,6 @@ class ModelsHeld:
         self.settings = settings
         self.plan = Plan([s.name for s in states.all], self.can_run)
         self.prompt_listeners: list[Callable[[Slot, float], None]] = []
-        self._can_run: dict[tuple[str, Needs], Missing | None] = {}
         # Needs some server could run, at which ``_known`` (bumped by every change to
         # what is known of the servers): asked per job, answered without a loop.
         self._known = 0
@@ -55,12 +54,13 @@ class ModelsHeld:
     def lacks(self, name: str, needs: Needs) -> Missing | None:
         """What server ``name`` lacks for ``needs`` by its last /object_info; None when
         it has it all or was not read yet."""
-        key = (name, needs)
-        if key not in self._can_run:
-            state = self.states.get(name)
-            caps = None if state is None else state.capabilities
-            self._can_run[key] = caps.lacks(needs) if caps is not None else None
-        return self._can_run[key]
+        state = self.states.get(name)
+        if state is None:
+            return None
+        if needs not in state.lacking:
+            caps = state.capabilities
+            state.lacking[needs] = caps.lacks(needs) if caps is not None else None
+        return state.lacking[needs]
 
     def may_run(self, name: str, needs: Needs) -> bool:
         """Whether server ``name`` may run a job of ``needs`` now: reachable at its last
@@ -111,7 +111,7 @@ class ModelsHeld:
         state.stale = False
         state.read, state.read_mark = True, self.sockets.mark(spec.name)
         if before is None or before.lists != caps.lists or before.classes != caps.classes:
-            self._can_run = {k: v for k, v in self._can_run.items() if k[0] != spec.name}
+            state.lacking.clear()
             self._known += 1
             files = len(set().union(*caps.lists.values())) if caps.lists else 0
             log.info(

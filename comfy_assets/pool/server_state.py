@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from comfy_assets.comfy.capabilities import Capabilities
+from comfy_assets.comfy.capabilities import Capabilities, Missing, Needs
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.comfy.servers import ServerSpec
@@ -45,6 +45,7 @@ class ServerState:
     unreachable_since: float | None = None
     # What it can run: its /object_info, read again once stale.
     capabilities: Capabilities | None = None
+    lacking: dict[Needs, Missing | None] = field(default_factory=dict)  # by its capabilities
     stale: bool = False
     reading: asyncio.Future[None] | None = None
     read: bool = False  # read at least once (``read_mark`` says of which socket)
