@@ -8,13 +8,14 @@ import asyncio
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.servers import ServerSpec
 
 if TYPE_CHECKING:  # the pool makes slots; a slot tells its pool
     from comfy_assets.pool.pool import Pool
+    from comfy_assets.pool.quarantine import HealthRecord
 
 # Every client_id we send starts with this, so a probe of /queue can tell our prompts
 # from those of people using the web UI (the /queue item's extra_data carries client_id).
@@ -72,7 +73,7 @@ class ServerLeaseStore(Protocol):
         self, owner: str, server: str, now: float | None = None, priority: int | None = None
     ) -> bool: ...
 
-    def server_health(self) -> Mapping[str, Any]:
+    def server_health(self) -> Mapping[str, HealthRecord]:
         """Each server's health by name (``pool/quarantine.py``'s ``HealthRecord``)."""
         ...
 
