@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.capabilities import Missing, Needs, no_server_reason
 from comfy_assets.comfy.errors import ComfyError
@@ -22,7 +23,9 @@ from comfy_assets.pool.plan import Plan, held_text, models_of, parse_held
 from comfy_assets.pool.server_state import ServerState, ServerStates
 from comfy_assets.pool.settings import PoolSettings
 from comfy_assets.pool.slot import ServerLeaseView, Slot
-from comfy_assets.pool.sockets import Sockets
+
+if TYPE_CHECKING:  # annotations only: ``render/config.py`` reads a constant of probing.py
+    from comfy_assets.pool.sockets import Sockets
 
 log = logging.getLogger("comfy_assets.pool")
 

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.errors import ComfyError, NoServerReachable
 from comfy_assets.comfy.servers import ServerSpec
@@ -16,7 +17,9 @@ from comfy_assets.pool.models_held import ModelsHeld
 from comfy_assets.pool.server_state import HEALTHY, ServerStates
 from comfy_assets.pool.settings import PoolSettings
 from comfy_assets.pool.slot import CLIENT_ID_PREFIX, ServerProbe
-from comfy_assets.pool.sockets import Sockets
+
+if TYPE_CHECKING:  # annotations only: ``render/config.py`` reads this module's constants
+    from comfy_assets.pool.sockets import Sockets
 
 log = logging.getLogger("comfy_assets.pool")
 REPORT_AGAIN_S = 60.0  # seconds between reminders that a server is still unreachable

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from comfy_assets.comfy.capabilities import Capabilities, Missing, Needs
-from comfy_assets.comfy.client import ComfyClient
-from comfy_assets.comfy.follow import PromptFollower
-from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.pool.slot import ServerProbe, Slot
+if TYPE_CHECKING:  # annotations only: the commands that read the store load no socket code
+    from comfy_assets.comfy.capabilities import Capabilities, Missing, Needs
+    from comfy_assets.comfy.client import ComfyClient
+    from comfy_assets.comfy.follow import PromptFollower
+    from comfy_assets.comfy.servers import ServerSpec
+    from comfy_assets.pool.slot import ServerProbe, Slot
 
 HEALTHY = "healthy"  # what ``ServerState.reported`` says of a server that answers
 
