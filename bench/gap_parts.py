@@ -22,7 +22,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from comfy_assets.comfy import client, follow, pool
+from comfy_assets.comfy import client, follow
+from comfy_assets.pool import pool
 
 STEPS = ("release", "take", "post", "posted")
 marks: dict[str, list[tuple[str, float]]] = collections.defaultdict(list)

@@ -14,7 +14,7 @@ loads a checkpoint runs 2 more (the loader, after `--load-s`, and the negative p
 
 Scenarios, each on fakes started afresh (nothing loaded):
 
-1. the batch in one process, planned (`comfy/plan.py`): `makespan_s` (first prompt's start
+1. the batch in one process, planned (`pool/plan.py`): `makespan_s` (first prompt's start
    to last prompt's end, from the fakes' own records), `model_loads` (the fakes'
    `model_loads`), `lower_bound_s` = (jobs x prompt + max(models, servers) x load) /
    servers, `ratio` = makespan / lower bound (target <= 1.25);
@@ -49,10 +49,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import fake_processes, fake_runs, scratch_dir, utilization_and_gaps
-from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import new_owner

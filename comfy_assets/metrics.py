@@ -8,7 +8,7 @@ prometheus-client library: every name starts with ``comfy_assets_``.
 - ``comfy_assets_prompt_seconds{server}``: histogram of our prompts' seconds, from the
   POST's answer to the prompt's end, of prompts that loaded no model;
 - ``comfy_assets_model_load_seconds{server}``: histogram of what a model load added to
-  its prompt (its seconds less the median prompt without a load: ``comfy/plan.py``);
+  its prompt (its seconds less the median prompt without a load: ``pool/plan.py``);
 - ``comfy_assets_server_up{server}``: 1 when the server answered its last probe and its
   socket is not lost (``Pool.unreachable``), else 0;
 - ``comfy_assets_server_quarantined{server}``: 1 while it is quarantined
@@ -35,8 +35,8 @@ from comfy_assets.render import run, steering
 from comfy_assets.store import Store, StoreUnavailable
 
 if TYPE_CHECKING:
-    from comfy_assets.comfy.pool import Pool
-    from comfy_assets.comfy.slot import Slot
+    from comfy_assets.pool.pool import Pool
+    from comfy_assets.pool.slot import Slot
     from comfy_assets.render.progress import Progress
     from comfy_assets.render.steering import Steering
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from comfy_assets.cli.main import COMMANDS, build_parser, main
-from comfy_assets.comfy import probing
+from comfy_assets.pool import probing
 from tests.support import free_port, write_jobs
 
 

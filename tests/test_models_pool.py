@@ -9,10 +9,10 @@ import asyncio
 import socket
 from pathlib import Path
 
-from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.pool.pool import Pool
 from comfy_assets.render.run import run_batch, run_one
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from comfy_assets.comfy.capabilities import Capabilities, Needs, no_server_reason
-from comfy_assets.comfy.plan import Demand, Plan, held_text, parse_held
+from comfy_assets.pool.plan import Demand, Plan, held_text, parse_held
 from fake_comfy.models import Models
 
 ROOT = Path(__file__).resolve().parent.parent

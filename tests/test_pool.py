@@ -18,10 +18,10 @@ import httpx
 import pytest
 import sqlalchemy as sa
 
-from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.comfy.slot import new_client_id
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.pool.pool import Pool
+from comfy_assets.pool.slot import new_client_id
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, StoreDiskFull
 from comfy_assets.store.schema import pool_waiters_table
@@ -395,3 +395,25 @@ async def test_a_full_disk_under_the_server_leases_is_raised_at_once_however_man
         async with Pool(servers, store, owner="me", store_timeout_s=3600) as pool:
             with pytest.raises(StoreDiskFull, match="writing acquire_server"):
                 await asyncio.wait_for(pool.acquire(), 60)
+
+
+def test_the_comfyui_client_imports_nothing_of_ours_but_itself() -> None:
+    # comfy/ is the ComfyUI side only: the pool (pool/) uses it, never the other way.
+    import ast
+
+    import comfy_assets.comfy
+
+    folder = Path(comfy_assets.comfy.__file__).parent
+    outside = []
+    for path in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module is not None:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            for name in names:
+                if name.startswith("comfy_assets.") and not name.startswith("comfy_assets.comfy"):
+                    outside.append(f"{path.name}: {name}")
+    assert len(list(folder.glob("*.py"))) > 10
+    assert outside == []

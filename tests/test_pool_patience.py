@@ -8,11 +8,11 @@ import asyncio
 
 import pytest
 
-from comfy_assets.comfy import probing
 from comfy_assets.comfy.errors import NoServerReachable
-from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.comfy.settings import PoolSettings
+from comfy_assets.pool import probing
+from comfy_assets.pool.pool import Pool
+from comfy_assets.pool.settings import PoolSettings
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import free_port

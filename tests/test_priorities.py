@@ -125,10 +125,11 @@ def test_enqueue_priority_travels_in_the_message_and_is_checked(tmp_path: Path) 
         parse_message(json.dumps(bad).encode(), workflows_dir=tmp_path, source="m")
 
 
-def test_a_long_lived_pool_has_the_highest_priority_of_the_jobs_it_runs() -> None:
-    from comfy_assets.comfy.priority import Priorities
+def test_a_long_lived_pool_has_the_highest_priority_of_the_jobs_it_runs(tmp_path: Path) -> None:
+    from comfy_assets.comfy.servers import ServerSpec
+    from comfy_assets.pool.pool import Pool
 
-    pool = Priorities()
+    pool = Pool([ServerSpec("gpu0", "http://127.0.0.1:9")], Store(tmp_path), owner="o")
     with pool.prioritized(5):
         with pool.prioritized(0):
             assert pool.priority == 5

@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 from comfy_assets.comfy import event_loop
-from comfy_assets.comfy.plan import Plan
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.pool.plan import Plan
 from comfy_assets.render.queue import Item, JobQueue
 
 JOB_IDS = ("6f1c2a52-8d0e-4a53-9a51-0c0f6b1d2e01", "6f1c2a52-8d0e-4a53-9a51-0c0f6b1d2e02")

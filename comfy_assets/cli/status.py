@@ -15,7 +15,7 @@ the server that says so, so the lines of one output agree. A job's reason is one
   result recorded;
 - ``waiting for a server``: which servers can run it and what they do now;
 - ``waiting for a server holding its model``: the servers that hold the model files its
-  workflow names are busy, and a load elsewhere would not be sooner (``comfy/plan.py``);
+  workflow names are busy, and a load elsewhere would not be sooner (``pool/plan.py``);
 - ``waiting for its upstream job``: the job it continues from (its id and state);
 - ``in backoff``: until when, after which failure;
 - ``claimed by another process``: its owner, host and heartbeat age;

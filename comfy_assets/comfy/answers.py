@@ -11,7 +11,7 @@ import socket
 import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from comfy_assets.comfy.errors import ConnectionLost, RequestTimeout, ServerUnreachable
@@ -53,7 +53,7 @@ class MappedErrors:
 
     def __exit__(
         self, kind: type[BaseException] | None, exc: BaseException | None, _: object
-    ) -> bool:
+    ) -> Literal[False]:
         if exc is None:
             return False
         import aiohttp

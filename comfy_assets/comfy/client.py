@@ -24,7 +24,7 @@ import base64
 import json
 import logging
 import mimetypes
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Self, TypeVar
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -331,7 +331,7 @@ class ComfyClient:
         *,
         chunk_bytes: int = 1 << 16,
         max_bytes: int | None = None,
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """GET /view streamed in chunks of up to ``chunk_bytes`` bytes. Raises
         OutputMissing on 404, UnexpectedAnswer on 400/403 (basics.json), OutputTooLarge
         when the file is over ``max_bytes`` bytes (by its Content-Length, before any

@@ -158,7 +158,7 @@ class NoServerReachable(Exception):
     failed; ``reasons`` by server name). Not a ComfyError on purpose: it is no attempt's
     failure (retrying would only burn attempts), it ends the batch with its unrun jobs
     still pending. ``what`` is "usable" when the servers answer but every one is
-    quarantined (``comfy/quarantine.py``); ``why``, when given, says why the batch stops
+    quarantined (``pool/quarantine.py``); ``why``, when given, says why the batch stops
     before its wait is over."""
 
     def __init__(

@@ -231,18 +231,14 @@ class PromptFollower:
                 if self._fatal is not None:
                     self._fatal_raised = True
                     raise self._fatal
-                events = self._events.get(prompt_id, ())
-                if cursor < len(events):
+                before = cursor
+                cursor, decided, written = self._take_events(run, cursor, on_finished)
+                if cursor > before:
                     heard_at = loop.time()
-                while cursor < len(events):
-                    kind, data = events[cursor]
-                    cursor += 1
-                    decided = self._on_event(run, kind, data, on_finished)
-                    if decided is not None:
-                        status, error = decided
-                        return finish(status, None, error)
-                    if kind in _TERMINAL or kind == "executing":
-                        check_now = True  # history is (about to be) written
+                if decided is not None:
+                    status, error = decided
+                    return finish(status, None, error)
+                check_now = check_now or written
                 if self._drops != seen_drops or not self.connected:
                     seen_drops = self._drops
                     suspect = True
@@ -257,14 +253,7 @@ class PromptFollower:
                 now = loop.time()
                 if now >= deadline:
                     raise self._deadline(run, deadline_s)
-                running = run.started or run.last_seen == "running"
-                stall = stall_s() if stall_s is not None and running else None
-                if stall is not None and now - heard_at >= stall:
-                    raise PromptStalled(
-                        f"{self.client.name}: prompt {prompt_id} run {number} running, and "
-                        f"nothing heard of it for {now - heard_at:.0f} s",
-                        server=self.client.base_url,
-                    )
+                self._check_stall(run, stall_s, now - heard_at)
                 if check_now or now >= next_poll:
                     if now >= next_poll:
                         next_poll = now + self.poll_s
@@ -281,13 +270,50 @@ class PromptFollower:
                 except TimeoutError:
                     pass  # time to poll (or the deadline): the loop decides
         finally:
-            wakers = self._wakers.get(prompt_id)
-            if wakers is not None:
-                wakers.discard(waker)
-                if not wakers:
-                    del self._wakers[prompt_id]
-                    self._events.pop(prompt_id, None)
-                    self._progress.pop(prompt_id, None)
+            self._forget_waker(prompt_id, waker)
+
+    def _forget_waker(self, prompt_id: str, waker: asyncio.Event) -> None:
+        """A ``wait`` for ``prompt_id`` is over: once none is left, its events and
+        progress go too."""
+        wakers = self._wakers.get(prompt_id)
+        if wakers is not None:
+            wakers.discard(waker)
+            if not wakers:
+                del self._wakers[prompt_id]
+                self._events.pop(prompt_id, None)
+                self._progress.pop(prompt_id, None)
+
+    def _take_events(
+        self, run: _Run, cursor: int, on_finished: Callable[[], object] | None
+    ) -> tuple[int, tuple[Outcome, ExecutionErrorInfo | None] | None, bool]:
+        """Apply the events of ``run``'s prompt from ``cursor`` on: the next cursor, the
+        (status, error) once one decides, and whether its history is (about to be)
+        written (a terminal event or ``executing``)."""
+        events = self._events.get(run.prompt_id, ())
+        written = False
+        while cursor < len(events):
+            kind, data = events[cursor]
+            cursor += 1
+            decided = self._on_event(run, kind, data, on_finished)
+            if decided is not None:
+                return cursor, decided, written
+            if kind in _TERMINAL or kind == "executing":
+                written = True
+        return cursor, None, written
+
+    def _check_stall(
+        self, run: _Run, stall_s: Callable[[], float | None] | None, silent_s: float
+    ) -> None:
+        """Raise PromptStalled when ``run`` has started and nothing was heard of it for
+        ``silent_s`` seconds, at least what ``stall_s()`` answers (None: never)."""
+        running = run.started or run.last_seen == "running"
+        stall = stall_s() if stall_s is not None and running else None
+        if stall is not None and silent_s >= stall:
+            raise PromptStalled(
+                f"{self.client.name}: prompt {run.prompt_id} run {run.number} running, and "
+                f"nothing heard of it for {silent_s:.0f} s",
+                server=self.client.base_url,
+            )
 
     def _on_event(
         self,

@@ -12,10 +12,10 @@ import contextlib
 import http.client
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from comfy_assets.comfy.answers import Answer, unreachable_reason
@@ -147,7 +147,9 @@ def _fetch(client: ComfyClient, path: str, route: str) -> Answer:
     try:
         connection.request("GET", f"{parts.path.rstrip('/')}{path}", headers=client.auth_headers)
         response = connection.getresponse()
-        answer = Answer(response.status, response.headers, response.read())
+        # An HTTPMessage reads as a mapping, its lookups case-insensitive like aiohttp's.
+        headers = cast(Mapping[str, str], response.headers)
+        answer = Answer(response.status, headers, response.read())
     except (OSError, http.client.HTTPException) as exc:
         raise _transport_error(exc, client, where, cut.is_set()) from exc
     finally:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 # The socket messages the follower gives ``PromptProgress``: ``progress_state`` says
 # nothing that ``executing`` and ``execution_cached`` have not (a node is done once the
@@ -68,20 +68,28 @@ class PromptProgress:
                     self.done.add(self.node)
                 self.node, self.value, self.max = str(node), None, None
         elif kind == "progress":
-            value, top = data.get("value"), data.get("max")
-            node = data.get("node")
-            if node is not None and str(node) != self.node:
-                if self.node is not None:
-                    self.done.add(self.node)
-                self.node = str(node)
-            if _number(value) and _number(top):
-                self.value, self.max = int(value), int(top)
+            self._step(data)
         elif kind == "progress_state":
-            nodes = data.get("nodes")
-            if isinstance(nodes, Mapping):
-                for node_id, state in nodes.items():
-                    if isinstance(state, Mapping) and state.get("state") == "finished":
-                        self.done.add(str(node_id))
+            self._finished_nodes(data.get("nodes"))
+
+    def _step(self, data: Mapping[str, Any]) -> None:
+        """A ``progress`` message: the node it names (when another than the last) and
+        its step."""
+        value, top = data.get("value"), data.get("max")
+        node = data.get("node")
+        if node is not None and str(node) != self.node:
+            if self.node is not None:
+                self.done.add(self.node)
+            self.node = str(node)
+        if _number(value) and _number(top):
+            self.value, self.max = int(value), int(top)
+
+    def _finished_nodes(self, nodes: object) -> None:
+        """A ``progress_state`` message's ``nodes``: those in state ``finished`` are done."""
+        if isinstance(nodes, Mapping):
+            for node_id, state in nodes.items():
+                if isinstance(state, Mapping) and state.get("state") == "finished":
+                    self.done.add(str(node_id))
 
     def describe(self, workflow: Mapping[str, Any] | None = None) -> str:
         """``node 3/7 KSampler, step 14/20`` (``workflow``: the API-format prompt, for the
@@ -105,6 +113,6 @@ class PromptProgress:
         return text
 
 
-def _number(value: object) -> bool:
+def _number(value: object) -> TypeGuard[int | float]:
     # NaN and infinities are numbers json reads but no step count.
     return isinstance(value, int | float) and not isinstance(value, bool) and abs(value) < 1e12

@@ -39,10 +39,10 @@ from comfy_assets.comfy.errors import (
 )
 from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.comfy.infra import infra_cause, prompt_strings
-from comfy_assets.comfy.pool import Pool
-from comfy_assets.comfy.slot import Slot
 from comfy_assets.comfy.types import HistoryEntry, excerpt
 from comfy_assets.jobs.model import Job
+from comfy_assets.pool.pool import Pool
+from comfy_assets.pool.slot import Slot
 from comfy_assets.render.catch_up import CatchUp
 from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.inputs import (

@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import ParamSpec, TypeVar
 
 from comfy_assets.comfy.errors import NoServerCanRun, NoServerReachable
-from comfy_assets.comfy.pool import Pool
-from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
+from comfy_assets.pool.pool import Pool
+from comfy_assets.pool.slot import Slot
 from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.chain import Chain
 from comfy_assets.render.claiming import Claiming

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from comfy_assets.comfy.download import MAX_OUTPUT_BYTES
-from comfy_assets.comfy.probing import NEVER_ANSWERED_S
-from comfy_assets.comfy.settings import PoolSettings, knob
+from comfy_assets.pool.probing import NEVER_ANSWERED_S
+from comfy_assets.pool.settings import PoolSettings, knob
 from comfy_assets.render.backoff import RetryPolicy
 
 

@@ -4,7 +4,7 @@ Each prompt of ours that leaves a server is measured (seconds from its POST's an
 its end: ``Pool.prompt_listeners``), by *workflow*: the group of jobs with the same
 ``Needs``, i.e. the same node classes and model files (``comfy/capabilities.py``); a
 prompt whose server loaded a model for it is kept apart, and what a load adds comes
-from the pool's plan (``comfy/plan.py``). The time left is::
+from the pool's plan (``pool/plan.py``). The time left is::
 
     work = sum over waiting jobs of their workflow's mean seconds (without a load)
          + a load for each waiting workflow no server holds

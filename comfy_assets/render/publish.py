@@ -34,12 +34,12 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from comfy_assets.comfy.capabilities import Needs
-from comfy_assets.comfy.plan import models_of
+from comfy_assets.pool.plan import models_of
 from comfy_assets.store import StoreUnavailable
 from comfy_assets.store.retry import off_loop
 
 if TYPE_CHECKING:
-    from comfy_assets.comfy.pool import Pool
+    from comfy_assets.pool.pool import Pool
     from comfy_assets.render.attempt import Attempt
     from comfy_assets.render.batch import Batch
     from comfy_assets.render.progress import Progress

@@ -5,7 +5,7 @@ Jobs with the same ``Needs`` (node classes and model files: ``comfy/capabilities
 form a group, in the order they came. A consumer claims a job before it waits in line
 for a server and leaves it here, claimed, at the head of its group (so a server handed
 over goes straight to a POST, with no claim to write on the way); the pool asks the
-consumer's ``chooser`` about each free server, and the plan (``comfy/plan.py``) answers
+consumer's ``chooser`` about each free server, and the plan (``pool/plan.py``) answers
 with the group that server takes a job of, or nothing (it waits for a model to be worth
 loading). With ``planned`` off, a free server takes the oldest job it can run, whatever
 its model (a server holding that model still wins a tie): the behaviour before the plan,
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from comfy_assets.comfy.capabilities import Needs
-from comfy_assets.comfy.plan import Demand, Plan
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
+from comfy_assets.pool.plan import Demand, Plan
+from comfy_assets.pool.slot import Slot
 from comfy_assets.render.outcome import Failure
 from comfy_assets.store import JobRecord
 
@@ -61,7 +61,7 @@ class Item:
 
 
 class ServerView(Protocol):
-    """What the queue asks of the pool about its servers (``comfy.pool.Pool`` has it)."""
+    """What the queue asks of the pool about its servers (``pool.pool.Pool`` has it)."""
 
     servers: Sequence[ServerSpec]
 
@@ -292,7 +292,7 @@ class JobQueue:
         return self.plan.oldest(server, demand)
 
     def chooser(self) -> Callable[[str, float], int | None]:
-        """A consumer's say on each free server (``comfy.pool.Chooser``): None when no
+        """A consumer's say on each free server (``pool.want.Chooser``): None when no
         job here should go there now, else 0 when the server holds the models of the
         group chosen for it, 1 when it must load one."""
 

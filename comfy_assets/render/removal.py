@@ -11,7 +11,7 @@ import time
 from comfy_assets.comfy.errors import (
     ComfyError,
 )
-from comfy_assets.comfy.slot import Slot
+from comfy_assets.pool.slot import Slot
 from comfy_assets.render.outcome import (
     Eviction,
 )

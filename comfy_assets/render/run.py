@@ -11,10 +11,10 @@ from collections.abc import Callable, Sequence
 from typing import NotRequired, TypedDict, Unpack
 
 from comfy_assets.comfy.event_loop import new_event_loop
-from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import Job, JobFile
 from comfy_assets.jobs.states import DONE
+from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
@@ -81,7 +81,7 @@ async def run_batch(
 ) -> BatchSummary:
     """Register the jobs of ``job_file`` as ``partition`` and run them all over a pool of
     ``servers``; returns the summary. ``priority``: the batch's among those sharing the
-    servers (higher first; None: the file header's, default 0: ``comfy/priority.py``). Raises only on cancellation (after cleaning up:
+    servers (higher first; None: the file header's, default 0: ``pool/priority.py``). Raises only on cancellation (after cleaning up:
     prompts interrupted and removed, claims and server leases released).
 
     Without an ``owner``, the batch is a new owner with a heartbeat in the store

@@ -32,9 +32,9 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.capabilities import Needs
-from comfy_assets.comfy.plan import models_of
-from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import is_priority
+from comfy_assets.pool.plan import models_of
+from comfy_assets.pool.slot import Slot
 from comfy_assets.render import publish
 from comfy_assets.render.eta import Estimator, Running
 from comfy_assets.render.progress import Progress

@@ -10,9 +10,9 @@ import dataclasses
 import logging
 from typing import Any, cast
 
-from comfy_assets.comfy.pool import Pool
 from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
+from comfy_assets.pool.pool import Pool
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.run import SUPERSEDED, run_one
@@ -99,7 +99,7 @@ class MessageHandling:
         if config.policy is None and policy is not None:
             config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
         self._touched.add(partition)  # its results.csv is written again soon
-        with pool.prioritized(priority):  # comfy/priority.py
+        with pool.prioritized(priority):  # pool/priority.py
             if job.shot is not None and (config.policy or "delivery") == "delivery":
                 async with self._shots:  # the shots before it have ended: their fates are known
                     await self._handle_job(d, pool, job, partition, config)

@@ -92,7 +92,7 @@ class QueuedJob:
     job: Job
     policy: Policy | None = None
     partition: str | None = None
-    priority: int = 0  # its batch's priority (``comfy/priority.py``)
+    priority: int = 0  # its batch's priority (``pool/priority.py``)
 
 
 def job_message(job: Job, policy: Policy | None = None, partition: str | None = None) -> bytes:

@@ -40,11 +40,11 @@ from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner

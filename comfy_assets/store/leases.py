@@ -69,7 +69,7 @@ class ServerLeases(StoreBase):
     ) -> None:
         """Remember that ``server`` holds ``last_model`` now (None: nothing, as after a
         restart), whoever holds its lease: every process sharing the servers plans with
-        it (``comfy/plan.py``)."""
+        it (``pool/plan.py``)."""
         params = {"v_server": server, "v_model": last_model, "v_now": self._now(now)}
         with self._write() as conn:
             conn.execute(q.note_server_model(self.dialect), params)

@@ -184,7 +184,7 @@ class RenderingStart:
 class ServerLease:
     """Who holds a GPU server and until when (epoch seconds). ``owner`` is None once
     released; ``last_model``, the model files the server holds (a JSON list, written by
-    ``comfy/plan.py: held_text``; an older row: one bare file name), survives the
+    ``pool/plan.py: held_text``; an older row: one bare file name), survives the
     release."""
 
     server: str

@@ -106,7 +106,7 @@ server_leases_table = sa.Table(
 )
 
 # The model files of an attempt's job and whether its server had to load one for it
-# (the pool's view when it sent the job there: comfy/plan.py); written with the attempt
+# (the pool's view when it sent the job there: pool/plan.py); written with the attempt
 # row, for jobs that load models only.
 model_loads_table = sa.Table(
     "comfy_model_loads",

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.errors import ComfyError, NoServerReachable
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.comfy.slot import (
-    CLIENT_ID_PREFIX,
-    ServerProbe,
-)
+from comfy_assets.pool.models_held import ModelsHeld
+from comfy_assets.pool.server_state import HEALTHY, ServerStates
+from comfy_assets.pool.settings import PoolSettings
+from comfy_assets.pool.slot import CLIENT_ID_PREFIX, ServerProbe
 
-if TYPE_CHECKING:
-    from comfy_assets.comfy.follow import PromptFollower
+if TYPE_CHECKING:  # annotations only: ``render/config.py`` reads this module's constants
+    from comfy_assets.pool.sockets import Sockets
 
 log = logging.getLogger("comfy_assets.pool")
 REPORT_AGAIN_S = 60.0  # seconds between reminders that a server is still unreachable
@@ -32,8 +32,28 @@ NEVER_ANSWERED_S = 30.0
 PATIENCE_OPTION = "--unreachable-timeout-s"
 
 
-class Probing:
-    """How the pool sees its servers (a part of ``Pool``)."""
+class Prober:
+    """How the pool sees its servers (a part of ``Pool``). ``stats_ttl_s``: how long a
+    healthy ``/system_stats`` answer stands (``/queue`` is asked at every probe).
+    ``probe_ttl_s``: how long a probe's /queue answer stands for a server nobody took
+    since. A probe's verdict goes to ``models`` (a server back from away is read again)."""
+
+    def __init__(
+        self,
+        states: ServerStates,
+        sockets: Sockets,
+        models: ModelsHeld,
+        settings: PoolSettings,
+        stats_ttl_s: float,
+        probe_ttl_s: float,
+    ) -> None:
+        self.states = states
+        self.sockets = sockets
+        self.models = models
+        self.settings = settings
+        self.stats_ttl_s = stats_ttl_s
+        self.probe_ttl_s = probe_ttl_s
+        self.none_reachable_since: float | None = None  # loop time
 
     async def probe(self, spec: ServerSpec) -> ServerProbe:
         """Probe ``/system_stats`` and ``/queue`` of one server within ``probe_timeout_s``.
@@ -46,25 +66,27 @@ class Probing:
         healthy server's socket is opened by its first probe: a server whose ``/ws``
         fails is unreachable for us, as we could not follow a prompt there.
         """
-        follower = self._followers.get(spec.name)
+        state = self.states[spec.name]
+        follower = state.follower
         if follower is not None and not follower.failed and follower.queue_remaining() == 0:
             return ServerProbe(spec.name, True)
-        cached = self._probed.get(spec.name)
+        cached = state.probed
         if cached is not None and asyncio.get_running_loop().time() - cached[0] < self.probe_ttl_s:
             return cached[1]
-        running = self._probing.get(spec.name)
+        running = state.probing
         if running is None:
-            running = asyncio.ensure_future(self._probe(spec))
-            self._probing[spec.name] = running
-            running.add_done_callback(lambda _: self._probing.pop(spec.name, None))
+            running = state.probing = asyncio.ensure_future(self._probe(spec))
+            running.add_done_callback(lambda _: setattr(state, "probing", None))
         return await asyncio.shield(running)
 
     async def _probe(self, spec: ServerSpec) -> ServerProbe:
-        client = self.clients[spec.name]
+        state = self.states[spec.name]
+        client = state.client
         loop = asyncio.get_running_loop()
         # /system_stats says the server is up and which device it has; it changes slowly,
         # so a recent healthy answer stands in for it. /queue is always asked afresh.
-        fresh = loop.time() - self._stats_at.get(spec.name, -1e9) < self.stats_ttl_s
+        stats_at = -1e9 if state.stats_at is None else state.stats_at
+        fresh = loop.time() - stats_at < self.stats_ttl_s
         try:
             async with asyncio.timeout(self.settings.probe_timeout_s):
                 if fresh:
@@ -80,43 +102,45 @@ class Probing:
                     if isinstance(queued, BaseException):
                         raise queued
                     queue = queued
-                    self._stats_at[spec.name] = loop.time()
+                    state.stats_at = loop.time()
                 # A prompt needs the server's socket; once open, its `status` messages
                 # answer the next probes without a request.
-                await self.follower(spec.name)
+                await self.sockets.follower(spec.name)
         except TimeoutError:
-            self._stats_at.pop(spec.name, None)
+            state.stats_at = None
             return ServerProbe(
                 spec.name, False, reason=f"no answer in {self.settings.probe_timeout_s} s"
             )
         except ComfyError as e:
-            self._stats_at.pop(spec.name, None)
+            state.stats_at = None
             return ServerProbe(spec.name, False, reason=f"{type(e).__name__}: {e}")
         entries = [*queue.running, *queue.pending]
         ours = tuple(
             e.prompt_id for e in entries if (e.client_id or "").startswith(CLIENT_ID_PREFIX)
         )
         probe = ServerProbe(spec.name, True, foreign_queue=len(entries) - len(ours), ours=ours)
-        self._probed[spec.name] = (loop.time(), probe)
+        state.probed = (loop.time(), probe)
         return probe
 
-    def _report(self, probes: Sequence[ServerProbe]) -> None:
+    def report(self, probes: Sequence[ServerProbe]) -> None:
         """Log a server's state when it changes, not at every probe; its first line as
         unreachable says how long the batch waits (``_patience``); an unreachable server
         is named again every ``REPORT_AGAIN_S`` with how long it has been away."""
         now = time.monotonic()
         for p in probes:
-            self._came_back(p.name, p.healthy)
+            self.models.came_back(p.name, p.healthy)
+            server = self.states[p.name]
             if p.healthy:
-                self._answered.add(p.name)
-            state = "healthy" if p.healthy else f"unreachable: {p.reason}"
-            was = self._reported.get(p.name, "healthy")
+                server.answered = True
+            state = HEALTHY if p.healthy else f"unreachable: {p.reason}"
+            was = server.reported
             changed = was != state
-            went = changed and was == "healthy"  # not a new reason of one already away
+            went = changed and was == HEALTHY  # not a new reason of one already away
             if went:
-                self._away_since[p.name] = now
-            away = now - self._away_since.get(p.name, now)
-            stale = not p.healthy and now - self._reported_at.get(p.name, now) >= REPORT_AGAIN_S
+                server.away_since = now
+            away = now - (now if server.away_since is None else server.away_since)
+            reported_at = now if server.reported_at is None else server.reported_at
+            stale = not p.healthy and now - reported_at >= REPORT_AGAIN_S
             if changed and p.healthy:
                 log.info("server %s healthy", p.name)
             elif changed:
@@ -124,12 +148,12 @@ class Probing:
             elif stale:
                 log.warning("server %s still unreachable after %.0f s: %s", p.name, away, p.reason)
             if changed or stale:
-                self._reported_at[p.name] = now
-            self._reported[p.name] = state
-        if len(self._probed_unreachable()) < len(self.servers):
-            self._none_reachable_since = None
-        elif self._none_reachable_since is None:
-            self._none_reachable_since = asyncio.get_running_loop().time()
+                server.reported_at = now
+            server.reported = state
+        if len(self._probed_unreachable()) < len(self.states.all):
+            self.none_reachable_since = None
+        elif self.none_reachable_since is None:
+            self.none_reachable_since = asyncio.get_running_loop().time()
 
     def _patience(self) -> str:
         """What a server's first line as unreachable adds: how long the batch waits for a
@@ -145,16 +169,13 @@ class Probing:
         """No server has answered since the pool started, and ``NEVER_ANSWERED_S`` is
         shorter than the patience the settings give."""
         limit = self.settings.unreachable_timeout_s
-        return not self._answered and limit is not None and NEVER_ANSWERED_S < limit
+        answered = any(s.answered for s in self.states.all)
+        return not answered and limit is not None and NEVER_ANSWERED_S < limit
 
     def _unreachable_limit(self) -> float | None:
         """Seconds with no server reachable before the batch stops: ``unreachable_timeout_s``,
         or ``NEVER_ANSWERED_S`` while ``_never_answered``; None: for ever."""
         return NEVER_ANSWERED_S if self._never_answered() else self.settings.unreachable_timeout_s
-
-    def open_follower(self, name: str) -> PromptFollower | None:
-        """The socket of server ``name`` if one is open now (for reading progress)."""
-        return self._followers.get(name)
 
     def unreachable(self) -> dict[str, str]:
         """Servers last seen unreachable, with the reason ("unreachable: ..."): by their
@@ -162,19 +183,19 @@ class Probing:
         server that died under our prompt, which no probe looks at while the prompt is
         followed). For summaries, status rows and metrics."""
         found = self._probed_unreachable()
-        for name, follower in list(self._followers.items()):
-            lost = follower.lost()
-            if lost is not None and name not in found:
-                found[name] = f"unreachable: {lost}"
+        for state in self.states.all:
+            lost = None if state.follower is None else state.follower.lost()
+            if lost is not None and state.name not in found:
+                found[state.name] = f"unreachable: {lost}"
         return found
 
     def _probed_unreachable(self) -> dict[str, str]:
-        return {n: s for n, s in self._reported.items() if s != "healthy"}
+        return {s.name: s.reported for s in self.states.all if s.reported != HEALTHY}
 
-    def _check_reachable(self) -> None:
+    def check_reachable(self) -> None:
         """Raise NoServerReachable once no server has answered for the patience
         (``_unreachable_limit``)."""
-        since, limit = self._none_reachable_since, self._unreachable_limit()
+        since, limit = self.none_reachable_since, self._unreachable_limit()
         if since is None or limit is None:
             return
         waited = asyncio.get_running_loop().time() - since

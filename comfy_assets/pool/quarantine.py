@@ -13,9 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 from comfy_assets.comfy.errors import NoServerReachable
+from comfy_assets.pool.lease_keeping import LeaseKeeper
+from comfy_assets.pool.server_state import ServerStates
+from comfy_assets.pool.settings import PoolSettings
 
 log = logging.getLogger("comfy_assets.pool")
 
@@ -38,17 +41,16 @@ class HealthRecord(Protocol):
 
 
 class Quarantine:
-    """Servers' health as the pool sees it (a part of ``Pool``)."""
+    """Servers' health as the pool sees it (a part of ``Pool``): ``health``, each
+    server's record by name, as last read from the store."""
 
-    leases: Any
-    servers: list[Any]
-    settings: Any
-    _ask_leases: Callable[..., Any]
-
-    def _init_quarantine(self) -> None:
+    def __init__(self, states: ServerStates, keeper: LeaseKeeper, settings: PoolSettings) -> None:
+        self.states = states
+        self.keeper = keeper
+        self.leases = keeper.leases
+        self.settings = settings
         self.health: Mapping[str, HealthRecord] = {}
         self._health_at = -1e9  # loop time of the last read
-        self._said_blocked: dict[str, str] = {}  # what the log last said per server
         self._blocked_since: float | None = None  # loop time every server was first blocked
         # Times every server was blocked at once: a second time, they went back to
         # quarantine after a trial (the fault stays), and the batch stops.
@@ -59,29 +61,27 @@ class Quarantine:
         next choice."""
         self._health_at = -1e9
 
-    def _read_health(self) -> None:
+    def read_health_soon(self) -> None:
         """Read the servers' health on the loop (as the leases are), when the last read
         is older than ``HEALTH_TTL_S``; a store that fails leaves the last view."""
         now = asyncio.get_running_loop().time()
         if now - self._health_at < HEALTH_TTL_S:
             return
         self._health_at = now
-        read = self._ask_leases(self.leases.server_health, None)
+        read = self.keeper.ask(self.leases.server_health, None)
         if read is not None:
             self._took_health(read)
 
     def _took_health(self, read: Mapping[str, HealthRecord]) -> None:
         self.health = read
-        for spec in self.servers:
-            why = self.blocked(spec.name)
-            if why != self._said_blocked.get(spec.name):
+        for state in self.states.all:
+            why = self.blocked(state.name)
+            if why != state.said_blocked:
                 if why is not None:
-                    log.info("server %s takes no job: %s", spec.name, why)
-                elif spec.name in self._said_blocked:
-                    log.info("server %s takes jobs again", spec.name)
-                self._said_blocked[spec.name] = why  # type: ignore[assignment]
-                if why is None:
-                    del self._said_blocked[spec.name]
+                    log.info("server %s takes no job: %s", state.name, why)
+                else:
+                    log.info("server %s takes jobs again", state.name)
+                state.said_blocked = why
 
     def blocked(self, name: str) -> str | None:
         """Why server ``name`` takes no new prompt now (``gpu2 quarantined until
@@ -99,9 +99,9 @@ class Quarantine:
         record = self.health.get(name)
         return record is not None and record.open_failures > 0
 
-    def _all_blocked(self) -> bool:
+    def note_all_blocked(self) -> bool:
         """True when every server of the pool takes no prompt now (the time it started
-        is kept for ``_check_usable``)."""
+        is kept for ``check_usable``)."""
         if not self.all_blocked():
             self._blocked_since = None
             return False
@@ -110,7 +110,7 @@ class Quarantine:
             self._blocked_episodes += 1
         return True
 
-    def _check_usable(self) -> None:
+    def check_usable(self) -> None:
         """Raise NoServerReachable once every server has been quarantined for
         ``unreachable_timeout_s``, or at once when no cool-down ends within it or when
         it is the second time in this pool's life that every server is (one came back,
@@ -170,7 +170,7 @@ class Quarantine:
     def all_blocked(self) -> dict[str, str]:
         """Every server of the pool with why it takes no prompt, when none may take
         one; else empty."""
-        reasons = {s.name: self.blocked(s.name) for s in self.servers}
+        reasons = {s.name: self.blocked(s.name) for s in self.states.all}
         if any(why is None for why in reasons.values()):
             return {}
         return {name: why for name, why in reasons.items() if why is not None}

@@ -8,13 +8,14 @@ import asyncio
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.servers import ServerSpec
 
 if TYPE_CHECKING:  # the pool makes slots; a slot tells its pool
-    from comfy_assets.comfy.pool import Pool
+    from comfy_assets.pool.pool import Pool
+    from comfy_assets.pool.quarantine import HealthRecord
 
 # Every client_id we send starts with this, so a probe of /queue can tell our prompts
 # from those of people using the web UI (the /queue item's extra_data carries client_id).
@@ -24,6 +25,24 @@ CLIENT_ID_PREFIX = "comfy-assets-"
 def new_client_id() -> str:
     """A fresh client id, recognisable as ours in any server's /queue."""
     return CLIENT_ID_PREFIX + uuid.uuid4().hex
+
+
+class ServerLeaseView(Protocol):
+    """What the pool reads of a server's lease row (``store.records.ServerLease``):
+    ``owner`` None once released; ``expires_at`` in the store's epoch seconds;
+    ``holder_gone``, its owner is gone (free to take); ``last_model``, what it holds."""
+
+    @property
+    def owner(self) -> str | None: ...
+
+    @property
+    def expires_at(self) -> float | None: ...
+
+    @property
+    def holder_gone(self) -> bool: ...
+
+    @property
+    def last_model(self) -> str | None: ...
 
 
 class ServerLeaseStore(Protocol):
@@ -39,7 +58,7 @@ class ServerLeaseStore(Protocol):
 
     def note_server_model(self, server: str, last_model: str | None) -> None: ...
 
-    def server_leases(self) -> dict: ...
+    def server_leases(self) -> Mapping[str, ServerLeaseView]: ...
 
     def mark_waiting(
         self,
@@ -54,8 +73,8 @@ class ServerLeaseStore(Protocol):
         self, owner: str, server: str, now: float | None = None, priority: int | None = None
     ) -> bool: ...
 
-    def server_health(self) -> Mapping[str, Any]:
-        """Each server's health by name (``comfy/quarantine.py``'s ``HealthRecord``)."""
+    def server_health(self) -> Mapping[str, HealthRecord]:
+        """Each server's health by name (``pool/quarantine.py``'s ``HealthRecord``)."""
         ...
 
     def now(self) -> float:

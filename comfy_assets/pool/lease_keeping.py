@@ -9,14 +9,36 @@ import logging
 from collections.abc import Callable
 from typing import TypeVar
 
+from comfy_assets.pool.server_state import ServerState, ServerStates
+from comfy_assets.pool.settings import PoolSettings
+from comfy_assets.pool.slot import ServerLeaseStore, Slot
+
 log = logging.getLogger("comfy_assets.pool")
 T = TypeVar("T")
 
 
-class LeaseKeeping:
-    """How the pool keeps its leases (a part of ``Pool``)."""
+class LeaseKeeper:
+    """How the pool asks the store about leases and keeps the ones it has (a part of
+    ``Pool``). ``store_timeout_s``: how long a store call may fail before its error is
+    raised. ``lost_listeners`` are called with each slot whose lease is lost."""
 
-    def _ask_leases(self, call: Callable[..., T], failed: T, *args: object) -> T:
+    def __init__(
+        self,
+        states: ServerStates,
+        leases: ServerLeaseStore,
+        owner: str,
+        settings: PoolSettings,
+        store_timeout_s: float,
+    ) -> None:
+        self.states = states
+        self.leases = leases
+        self.owner = owner
+        self.settings = settings
+        self.store_timeout_s = store_timeout_s
+        self.lost_listeners: list[Callable[[Slot], None]] = []
+        self._failing_since: dict[str, float] = {}  # loop time, by store call
+
+    def ask(self, call: Callable[..., T], failed: T, *args: object) -> T:
         """``call(*args)`` on the lease store; while the store fails, ``failed`` (nothing
         is taken on a store that can't record it) and the consumer looks again later.
         Raises the store's error once that call has failed for ``store_timeout_s`` on
@@ -30,74 +52,87 @@ class LeaseKeeping:
             if getattr(e, "lasting", False):
                 raise
             now = asyncio.get_running_loop().time()
-            if not self._store_failing_since:
+            if not self._failing_since:
                 log.warning(
                     "server leases: the store failed (%s: %s); trying again", type(e).__name__, e
                 )
-            since = self._store_failing_since.setdefault(name, now)
+            since = self._failing_since.setdefault(name, now)
             if now - since >= self.store_timeout_s:
                 raise
             return failed
-        self._store_failing_since.pop(name, None)
+        self._failing_since.pop(name, None)
         return answer
 
-    def _release_lease(self, name: str, model: str | None) -> None:
+    def take(self, state: ServerState) -> bool:
+        """Take the lease of ``state``'s server in the store; False if someone else has it
+        (or the store fails)."""
+        asked_at = asyncio.get_running_loop().time()
+        lease_s = self.settings.server_lease_s
+        if not self.ask(self.leases.acquire_server, False, state.name, self.owner, lease_s):
+            return False
+        state.lease_until = asked_at + lease_s
+        return True
+
+    def release(self, state: ServerState, model: str | None) -> None:
         """Give the lease back in the store. If the store fails, the lease is left to
         expire (nobody else uses the server meanwhile), and the log says so."""
-        self._lease_until.pop(name, None)
+        state.lease_until = None
         try:
-            self.leases.release_server(name, self.owner, last_model=model)
+            self.leases.release_server(state.name, self.owner, last_model=model)
         except Exception as e:  # the store, whatever its driver: the lease expires by itself
             log.warning(
                 "server %s: server lease not released (%s: %s); it expires within %.0f s",
-                name,
+                state.name,
                 type(e).__name__,
                 e,
                 self.settings.server_lease_s,
             )
 
-    async def _renew_forever(self) -> None:
+    async def renew_forever(self) -> None:
         """Renew every lease we hold or keep each third of ``lease_s``; while the store
         fails, try again every thirtieth, and give a lease up as lost once only a third
-        of it is left (``_lose``)."""
+        of it is left (``lose``)."""
         failing = False
         while True:
             await asyncio.sleep(self.settings.server_lease_s / (30 if failing else 3))
             failing = False
-            held = [n for n, slot in self._held.items() if slot.lost is None]
-            for name in [*held, *self._kept]:
-                failing = not self._renew(name) or failing
+            held = [s for s in self.states.held() if s.held is not None and s.held.lost is None]
+            for state in [*held, *self.states.kept()]:
+                failing = not self._renew(state) or failing
 
-    def _renew(self, name: str) -> bool:
+    def _renew(self, state: ServerState) -> bool:
         """Renew one lease; False when the store failed and the lease is still ours."""
         loop = asyncio.get_running_loop()
         asked_at = loop.time()
         try:
-            renewed = self.leases.renew_server(name, self.owner, self.settings.server_lease_s)
+            renewed = self.leases.renew_server(state.name, self.owner, self.settings.server_lease_s)
         except Exception as e:  # the store, whatever its driver: judged by the time left
-            left = self._lease_until.get(name, asked_at) - asked_at
+            until = asked_at if state.lease_until is None else state.lease_until
+            left = until - asked_at
             why = f"{type(e).__name__}: {e}"
             if left > self.settings.server_lease_s / 3:
                 log.warning(
                     "server %s: server lease not renewed (%s); %.0f s left, trying again",
-                    name,
+                    state.name,
                     why,
                     left,
                 )
                 return False
-            self._lose(name, f"server lease not renewed ({why}) and {left:.0f} s left")
+            self.lose(state, f"server lease not renewed ({why}) and {left:.0f} s left")
             return True
         if renewed:
-            self._lease_until[name] = asked_at + self.settings.server_lease_s
+            state.lease_until = asked_at + self.settings.server_lease_s
         else:
-            self._lose(name, "server lease taken by another process")
+            self.lose(state, "server lease taken by another process")
         return True
 
-    def _lose(self, name: str, why: str) -> None:
-        """Stop using server ``name``: the lease is no longer ours for sure."""
-        self._lease_until.pop(name, None)
-        kept = self._kept.pop(name, None) is not None
-        slot = self._held.get(name)
+    def lose(self, state: ServerState, why: str) -> None:
+        """Stop using ``state``'s server: the lease is no longer ours for sure."""
+        name = state.name
+        state.lease_until = None
+        kept = state.kept_at is not None
+        state.kept_at = None
+        slot = state.held
         if slot is None or slot.lost is not None:
             if kept:
                 log.error("server %s: %s; not posting there", name, why)

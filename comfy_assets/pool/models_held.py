@@ -13,33 +13,39 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
-from comfy_assets.comfy.capabilities import Capabilities, Missing, Needs, no_server_reason
+from comfy_assets.comfy.capabilities import Missing, Needs, no_server_reason
 from comfy_assets.comfy.errors import ComfyError
-from comfy_assets.comfy.plan import Plan, held_text, models_of, parse_held
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.comfy.slot import Slot
+from comfy_assets.pool.lease_keeping import LeaseKeeper
+from comfy_assets.pool.plan import Plan, held_text, models_of, parse_held
+from comfy_assets.pool.server_state import ServerState, ServerStates
+from comfy_assets.pool.settings import PoolSettings
+from comfy_assets.pool.slot import ServerLeaseView, Slot
+
+if TYPE_CHECKING:  # annotations only: ``render/config.py`` reads a constant of probing.py
+    from comfy_assets.pool.sockets import Sockets
 
 log = logging.getLogger("comfy_assets.pool")
 
 READ_AGAIN_S = 2.0  # seconds before a job like one found unrunnable reads all again
 
 
-class Holdings:
-    """Capabilities and held models of the pool's servers (a part of ``Pool``)."""
+class ModelsHeld:
+    """Capabilities and held models of the pool's servers (a part of ``Pool``): ``plan``
+    (``plan.py``), and ``prompt_listeners``, called with each prompt of ours that left its
+    server and its seconds from the POST's answer (estimates of time left, metrics)."""
 
-    def _init_holdings(self) -> None:
-        self.capabilities: dict[str, Capabilities] = {}
-        self.plan = Plan([s.name for s in self.servers], self.can_run)
-        # Called with each prompt of ours that left its server and its seconds from the
-        # POST's answer (estimates of time left, metrics).
+    def __init__(
+        self, states: ServerStates, sockets: Sockets, keeper: LeaseKeeper, settings: PoolSettings
+    ) -> None:
+        self.states = states
+        self.sockets = sockets
+        self.keeper = keeper
+        self.settings = settings
+        self.plan = Plan([s.name for s in states.all], self.can_run)
         self.prompt_listeners: list[Callable[[Slot, float], None]] = []
-        self._can_run: dict[tuple[str, Needs], Missing | None] = {}
-        self._stale: set[str] = set()  # read again before the next use
-        self._reading: dict[str, asyncio.Future[None]] = {}
-        # (id of the server's follower, its reconnects) when its /object_info was read.
-        self._read_mark: dict[str, tuple[int, int] | None] = {}
-        self._unreachable_since: dict[str, float] = {}  # loop time
         # Needs some server could run, at which ``_known`` (bumped by every change to
         # what is known of the servers): asked per job, answered without a loop.
         self._known = 0
@@ -51,23 +57,29 @@ class Holdings:
     def lacks(self, name: str, needs: Needs) -> Missing | None:
         """What server ``name`` lacks for ``needs`` by its last /object_info; None when
         it has it all or was not read yet."""
-        key = (name, needs)
-        if key not in self._can_run:
-            caps = self.capabilities.get(name)
-            self._can_run[key] = caps.lacks(needs) if caps is not None else None
-        return self._can_run[key]
+        state = self.states.get(name)
+        if state is None:
+            return None
+        if needs not in state.lacking:
+            caps = state.capabilities
+            state.lacking[needs] = caps.lacks(needs) if caps is not None else None
+        return state.lacking[needs]
 
     def may_run(self, name: str, needs: Needs) -> bool:
         """Whether server ``name`` may run a job of ``needs`` now: reachable at its last
         probe (or not probed yet), and lacking nothing by its /object_info (or not read
         yet)."""
-        return name not in self._unreachable_since and self.lacks(name, needs) is None
+        state = self.states.get(name)
+        reachable = state is None or state.unreachable_since is None
+        return reachable and self.lacks(name, needs) is None
 
     def can_run(self, name: str, needs: Needs) -> bool:
         """Whether server ``name`` (read, and reachable) can run a job of ``needs``."""
+        state = self.states.get(name)
         return (
-            name in self.capabilities
-            and name not in self._unreachable_since
+            state is not None
+            and state.capabilities is not None
+            and state.unreachable_since is None
             and self.lacks(name, needs) is None
         )
 
@@ -78,74 +90,73 @@ class Holdings:
         todo = []
         for spec in specs:
             self._notice_restart(spec.name)
-            if force or spec.name not in self.capabilities or spec.name in self._stale:
-                reading = self._reading.get(spec.name)
+            state = self.states[spec.name]
+            if force or state.capabilities is None or state.stale:
+                reading = state.reading
                 if reading is None:
-                    reading = asyncio.ensure_future(self._read(spec))
-                    self._reading[spec.name] = reading
-                    reading.add_done_callback(
-                        lambda _, n=spec.name: self._reading.pop(n, None)  # type: ignore[misc]
-                    )
+                    reading = state.reading = asyncio.ensure_future(self._read(spec))
+                    reading.add_done_callback(_forget_reading(state))
                 todo.append(reading)
         if todo:
             await asyncio.gather(*(asyncio.shield(t) for t in todo))
 
     async def _read(self, spec: ServerSpec) -> None:
-        client = self.clients[spec.name]
+        state = self.states[spec.name]
+        client = state.client
         try:
             async with asyncio.timeout(self.settings.probe_timeout_s * 3):
                 caps = await client.object_info()
         except (ComfyError, TimeoutError) as e:
             log.info("server %s: /object_info not read (%s)", spec.name, e or type(e).__name__)
             return
-        before = self.capabilities.get(spec.name)
-        self.capabilities[spec.name] = caps
-        self._stale.discard(spec.name)
-        self._read_mark[spec.name] = self._follower_mark(spec.name)
+        before = state.capabilities
+        state.capabilities = caps
+        state.stale = False
+        state.read, state.read_mark = True, self.sockets.mark(spec.name)
         if before is None or before.lists != caps.lists or before.classes != caps.classes:
-            self._can_run = {k: v for k, v in self._can_run.items() if k[0] != spec.name}
+            state.lacking.clear()
             self._known += 1
             files = len(set().union(*caps.lists.values())) if caps.lists else 0
             log.info(
                 "server %s: %d node classes, %d model files", spec.name, len(caps.classes), files
             )
 
-    def _follower_mark(self, name: str) -> tuple[int, int] | None:
-        follower = self._followers.get(name)
-        return None if follower is None else (id(follower), follower.reconnects)
-
     def _notice_restart(self, name: str) -> None:
         """Mark ``name`` stale when its socket reconnected (or was opened anew after a
         failure) since its last read: the server may have started again."""
-        seen = self._read_mark.get(name)
-        now = self._follower_mark(name)
+        state = self.states[name]
+        seen = state.read_mark
+        now = self.sockets.mark(name)
         if seen is None or now is None:
-            if name in self._read_mark and now is not None:
-                self._read_mark[name] = now  # opened after the read: nothing happened
+            if state.read and now is not None:
+                state.read_mark = now  # opened after the read: nothing happened
             return
         if seen != now:
             self._started_anew(name, "its socket reconnected")
 
-    def _came_back(self, name: str, healthy: bool) -> None:
-        """A probe's verdict on ``name`` (``Probing._report``): back from unreachable, it
+    def came_back(self, name: str, healthy: bool) -> None:
+        """A probe's verdict on ``name`` (``Prober.report``): back from unreachable, it
         may have started again."""
+        state = self.states[name]
         if not healthy:
-            if name not in self._unreachable_since:
-                self._unreachable_since[name] = asyncio.get_running_loop().time()
+            if state.unreachable_since is None:
+                state.unreachable_since = asyncio.get_running_loop().time()
                 self._known += 1
             return
-        if self._unreachable_since.pop(name, None) is not None:
+        if state.unreachable_since is not None:
+            state.unreachable_since = None
             self._known += 1
             self._started_anew(name, "it came back")
 
     def _started_anew(self, name: str, why: str) -> None:
-        if name not in self._stale:
+        state = self.states[name]
+        if not state.stale:
             log.info("server %s: %s; its /object_info is read again, it holds no model", name, why)
-        self._stale.add(name)
-        self._read_mark[name] = None
+        state.stale = True
+        state.read, state.read_mark = True, None
         if self.plan.holds(name):
             self.plan.forget(name)
-            self._ask_leases(self.leases.note_server_model, None, name, None)
+            self.keeper.ask(self.keeper.leases.note_server_model, None, name, None)
 
     async def cannot_run(self, needs: Needs) -> str | None:
         """Why no server of the pool can run a job of ``needs`` (a dead letter, nothing
@@ -153,14 +164,15 @@ class Holdings:
         than ``unreachable_timeout_s``). Before saying no, every server is read again."""
         if self._runnable.get(needs) == self._known:
             return None
-        await self.read_capabilities(self.servers)
+        specs = [s.spec for s in self.states.all]
+        await self.read_capabilities(specs)
         if self.cannot_run_now(needs) is None:
             return None
         # Files may have been copied since the last read: read every server again, once
         # per READ_AGAIN_S for the same needs (a file of 1,000 such jobs reads it once).
         now = asyncio.get_running_loop().time()
         if now - self._unrunnable_at.get(needs, -1e9) >= READ_AGAIN_S:
-            await self.read_capabilities(self.servers, force=True)
+            await self.read_capabilities(specs, force=True)
             self._unrunnable_at[needs] = asyncio.get_running_loop().time()
         return self.cannot_run_now(needs)
 
@@ -172,19 +184,19 @@ class Holdings:
         gone: list[str] = []
         limit = self.settings.unreachable_timeout_s
         now = asyncio.get_running_loop().time()
-        for spec in self.servers:
-            since = self._unreachable_since.get(spec.name)
+        for state in self.states.all:
+            since = state.unreachable_since
             if since is not None and limit is not None and now - since >= limit:
-                gone.append(spec.name)
+                gone.append(state.name)
                 continue
-            if spec.name not in self.capabilities:
+            if state.capabilities is None:
                 return None  # not read yet: it may have it
-            missing = self.lacks(spec.name, needs)
+            missing = self.lacks(state.name, needs)
             if missing is None:
                 if since is None:  # runnable for sure: remembered until something changes
                     self._runnable[needs] = self._known
                 return None
-            lacking[spec.name] = missing
+            lacking[state.name] = missing
         if not lacking:  # every server unreachable: nothing is known (NoServerReachable)
             return None
         return no_server_reason(lacking, gone)
@@ -201,22 +213,23 @@ class Holdings:
         slot.assigned = True
         if load:
             text = held_text(self.plan.holds(slot.name))
-            self._ask_leases(self.leases.note_server_model, None, slot.name, text)
+            self.keeper.ask(self.keeper.leases.note_server_model, None, slot.name, text)
         return load
 
-    def _held_from(self, leases: Mapping[str, object]) -> None:
+    def held_from(self, leases: Mapping[str, ServerLeaseView]) -> None:
         """What servers not ours now hold, as the store says (another process may have
         run other models there since)."""
         for name, lease in leases.items():
-            if name in self._held or name in self._kept or name not in self.clients:
+            state = self.states.get(name)
+            if state is None or state.held is not None or state.kept:
                 continue
-            held = parse_held(getattr(lease, "last_model", None))
+            held = parse_held(lease.last_model)
             if held:
                 self.plan.held[name] = held
             else:
                 self.plan.forget(name)
 
-    def _prompt_left(self, slot: Slot) -> None:
+    def prompt_left(self, slot: Slot) -> None:
         """``slot``'s prompt left its server: measure it (plan estimates), and remember
         what the server holds when no job said so (a slot taken with ``models``)."""
         if not slot.assigned and slot.models:
@@ -230,3 +243,12 @@ class Holdings:
     def held_text(self, name: str) -> str | None:
         """What server ``name`` holds, as its lease row keeps it."""
         return held_text(self.plan.holds(name))
+
+
+def _forget_reading(state: ServerState) -> Callable[[asyncio.Future[None]], None]:
+    """A done callback: ``state``'s /object_info is no longer being read."""
+
+    def forget(_: asyncio.Future[None]) -> None:
+        state.reading = None
+
+    return forget

@@ -1,0 +1,96 @@
+"""Priorities across the processes sharing servers (a part of ``Pool``).
+
+A pool has the priority of the batch it serves (``Pool.priority``, an integer, higher
+first, default 0); its marks that it waits for a server carry it (``mark_waiting``).
+When one of our prompts frees a server, the pool hands it to its own next job unless
+another process waits for it with a priority at least ours (equal ones take turns:
+``Handover.slot_released``); a free server that another process waits for with a higher
+priority is not taken at all. A prompt already rendering is never interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from comfy_assets.pool.lease_keeping import LeaseKeeper
+from comfy_assets.pool.server_state import ServerState, ServerStates
+
+# Seconds a mark that this pool waits for a server stands (``Priorities.mark_waiting``):
+# long enough to be written rarely, short enough that a mark left by a pool that got its
+# server makes others leave a freed server idle (``3 x busy_poll_s``) only briefly.
+WAITING_MARK_S = 1.0
+
+
+class Priorities:
+    """The pool's priority, its marks that it waits, and whether another process waits
+    for a server (at a priority at least ours, or above it). Each question to the store
+    stands ``busy_poll_s`` per server."""
+
+    def __init__(self, states: ServerStates, keeper: LeaseKeeper, busy_poll_s: float) -> None:
+        self.states = states
+        self.keeper = keeper
+        self.busy_poll_s = busy_poll_s
+        self.priority = 0
+        self._in_flight: Counter[int] = Counter()
+        self._marked_at = -1e9
+
+    def outranked(self, state: ServerState) -> bool:
+        """Whether another process waits for ``state``'s server with a higher priority
+        than ours."""
+        now = asyncio.get_running_loop().time()
+        asked_at, higher = state.outranked
+        if now - asked_at >= self.busy_poll_s:
+            keeper = self.keeper
+            higher = keeper.ask(
+                keeper.leases.others_waiting,
+                False,
+                keeper.owner,
+                state.name,
+                None,
+                self.priority + 1,
+            )
+            state.outranked = (now, higher)
+        return higher
+
+    def others_waiting(self, state: ServerState) -> bool:
+        """Whether another process waits for ``state``'s server at our priority or above:
+        one that could not take it is no reason to leave it."""
+        now = asyncio.get_running_loop().time()
+        asked_at, waiting = state.others
+        if now - asked_at >= self.busy_poll_s:
+            keeper = self.keeper
+            waiting = keeper.ask(
+                keeper.leases.others_waiting, False, keeper.owner, state.name, None, self.priority
+            )
+            state.others = (now, waiting)
+        return waiting
+
+    def mark_waiting(self) -> None:
+        """Tell other processes that we wait for one of our servers: a mark good for
+        ``WAITING_MARK_S``, renewed at half its life. A consumer in line for a busy
+        server waits most of the time, so a mark per poll would be a write every
+        busy_poll_s for as long as the pool works."""
+        now = asyncio.get_running_loop().time()
+        if now - self._marked_at >= WAITING_MARK_S / 2:
+            self._marked_at = now
+            names = [s.name for s in self.states.all]
+            keeper = self.keeper
+            mark = keeper.leases.mark_waiting
+            keeper.ask(mark, None, keeper.owner, WAITING_MARK_S, names, None, self.priority)
+
+    @contextmanager
+    def prioritized(self, priority: int) -> Iterator[None]:
+        """While a job of ``priority`` runs on this (long-lived) pool, the pool has the
+        highest priority of the jobs it runs (a worker's messages each carry their own)."""
+        self._in_flight[priority] += 1
+        self.priority = max(self._in_flight)
+        try:
+            yield
+        finally:
+            self._in_flight[priority] -= 1
+            if not self._in_flight[priority]:
+                del self._in_flight[priority]
+            self.priority = max(self._in_flight, default=0)
