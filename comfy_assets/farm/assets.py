@@ -291,7 +291,7 @@ def gather_results(
     """Concatenate every partition's results CSV; partitions without one are logged."""
     root = result_store.root
     tables: dict[str, Path] = {}
-    for partition in context.instance.get_dynamic_partitions(farm.job_files_partitions.name):
+    for partition in context.instance.get_dynamic_partitions(farm.job_files_partitions_name):
         path = results_csv_path(root, partition)
         if path.exists():
             tables[partition] = path

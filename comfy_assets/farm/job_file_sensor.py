@@ -250,21 +250,22 @@ def stray_partitions(
     finds no file and materializes nothing), and STRAY_GRACE_S after it was first seen, so
     the run launched right after adding it finds it; then it goes, Missing for good
     otherwise. ``since`` (from the cursor) says when each was first seen."""
-    job_files_partitions = farm.job_files_partitions
-    storyboard_partitions = farm.storyboard_partitions
     candidates: list[tuple[str, str]] = []
     absent = job_files - present
     if absent:
         rendered = instance.get_materialized_partitions(farm.key("renders"))
-        candidates += [(job_files_partitions.name, key) for key in sorted(absent - rendered)]
+        candidates += [(farm.job_files_partitions_name, key) for key in sorted(absent - rendered)]
     if storyboards:
         waiting = storyboards - instance.get_materialized_partitions(farm.key("films"))
         candidates += [
-            (storyboard_partitions.name, key)
+            (farm.storyboard_partitions_name, key)
             for key in sorted(waiting)
             if key not in present or _shots_accepted(instance, key, farm) == 0
         ]
-    delete: dict[str, list[str]] = {job_files_partitions.name: [], storyboard_partitions.name: []}
+    delete: dict[str, list[str]] = {
+        farm.job_files_partitions_name: [],
+        farm.storyboard_partitions_name: [],
+    }
     still: dict[str, float] = {}
     for definition, key in candidates:
         first = since.get(f"{definition}/{key}", now)
@@ -272,7 +273,7 @@ def stray_partitions(
             delete[definition].append(key)
         else:
             still[f"{definition}/{key}"] = first
-    return delete[job_files_partitions.name], delete[storyboard_partitions.name], still
+    return delete[farm.job_files_partitions_name], delete[farm.storyboard_partitions_name], still
 
 
 def missing_folders(dirs: list[Path]) -> list[str]:
@@ -421,11 +422,11 @@ def _partition_requests(
     job_files_partitions = farm.job_files_partitions
     storyboard_partitions = farm.storyboard_partitions
     instance = context.instance
-    existing = set(instance.get_dynamic_partitions(job_files_partitions.name))
+    existing = set(instance.get_dynamic_partitions(farm.job_files_partitions_name))
     new_keys = [
         req.partition_key for req in accepted.run_requests if req.partition_key not in existing
     ]
-    existing_storyboards = set(instance.get_dynamic_partitions(storyboard_partitions.name))
+    existing_storyboards = set(instance.get_dynamic_partitions(farm.storyboard_partitions_name))
     new_storyboards = [key for key in accepted.with_shots if key not in existing_storyboards]
     # A storyboard whose new version has no shots is no film any more.
     unshot = [key for key in accepted.without_shots if key in existing_storyboards]

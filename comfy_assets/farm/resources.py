@@ -20,7 +20,7 @@ UI shows as written.
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from dagster import Config, ConfigurableResource, EnvVar
 from pydantic import Field
@@ -41,6 +41,10 @@ def _knob(name: str) -> Any:
     return Field(default=KNOBS[name].default, description=knob_doc(name))
 
 
+@overload
+def env_or_default(name: str, default: str) -> str: ...
+@overload
+def env_or_default(name: str, default: None) -> str | None: ...
 def env_or_default(name: str, default: str | None) -> str | None:
     """Return ``EnvVar(name)`` when the variable is set, else ``default``."""
     return EnvVar(name) if name in os.environ else default
