@@ -49,6 +49,7 @@ from dagster import (
     DagsterRunStatus,
     DefaultSensorStatus,
     DeleteDynamicPartitionsRequest,
+    IntMetadataValue,
     MetadataValue,
     RunRequest,
     RunsFilter,
@@ -117,13 +118,13 @@ class SeenFile:
     ok: bool  # passed validation (and so was launched)
     errors: str = ""  # a bad file's errors, one a line, as the ``valid`` check shows them
 
-    def to_json(self) -> list[object]:
+    def to_json(self) -> list[str | int]:
         """Compact form: thousands of these live in one cursor string."""
-        raw: list[object] = [self.sha, self.size, self.mtime_ns, int(self.ok)]
+        raw: list[str | int] = [self.sha, self.size, self.mtime_ns, int(self.ok)]
         return [*raw, self.errors] if self.errors else raw
 
     @classmethod
-    def from_json(cls, raw: list[object]) -> "SeenFile":
+    def from_json(cls, raw: list[str | int]) -> "SeenFile":
         """Inverse of :meth:`to_json`."""
         sha, size, mtime_ns, ok, *errors = raw
         return cls(str(sha), int(size), int(mtime_ns), bool(ok), str(errors[0]) if errors else "")
@@ -222,7 +223,11 @@ def _shots_accepted(instance: DagsterInstance, key: str, farm: Farm) -> int:
     ).records
     materialization = records[0].asset_materialization if records else None
     shots = materialization.metadata.get("shots") if materialization else None
-    return int(shots.value) if shots is not None else 0
+    if shots is None:
+        return 0
+    if not isinstance(shots, IntMetadataValue) or shots.value is None:
+        raise TypeError(f"partition {key}: the job files' metadata shots is {shots!r}")
+    return shots.value
 
 
 def _has_unfinished_run(instance: DagsterInstance, key: str) -> bool:
@@ -330,6 +335,7 @@ class _Accepted:
 
     max_runs: int
     run_requests: list[RunRequest] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # the partition of each run request
     materializations: list[AssetMaterialization] = field(default_factory=list)
     with_shots: list[str] = field(default_factory=list)
     without_shots: list[str] = field(default_factory=list)
@@ -400,6 +406,7 @@ def _accept(
                 tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
             )
         )
+        accepted.keys.append(key)
         accepted.materializations.append(_materialization(key, path, job_file, farm.job_files_key))
         shots = any(job.shot is not None for job in job_file.jobs)
         (accepted.with_shots if shots else accepted.without_shots).append(key)
@@ -423,9 +430,7 @@ def _partition_requests(
     storyboard_partitions = farm.storyboard_partitions
     instance = context.instance
     existing = set(instance.get_dynamic_partitions(farm.job_files_partitions_name))
-    new_keys = [
-        req.partition_key for req in accepted.run_requests if req.partition_key not in existing
-    ]
+    new_keys = [key for key in accepted.keys if key not in existing]
     existing_storyboards = set(instance.get_dynamic_partitions(farm.storyboard_partitions_name))
     new_storyboards = [key for key in accepted.with_shots if key not in existing_storyboards]
     # A storyboard whose new version has no shots is no film any more.
