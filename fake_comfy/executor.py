@@ -226,10 +226,13 @@ class _PromptRun:
     # -- messages -----------------------------------------------------------------
 
     def emit(self, event: str, data: dict[str, Any]) -> None:
+        """Sends ``event`` to the prompt's client (to every socket without one); a
+        silent prompt sends nothing."""
         if not self.silent:
             self.hub.send(event, data, self.client)
 
     def add_message(self, event: str, data: dict[str, Any], broadcast: bool) -> None:
+        """Keeps ``event`` for the history entry and sends it as the routing says."""
         # PromptExecutor.add_message: kept for history; sent to the client, or to
         # everyone when broadcast and there is no client.
         data = {**data, "timestamp": now_ms()}
