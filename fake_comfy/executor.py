@@ -163,190 +163,20 @@ class Executor:
         prompt still running meanwhile). Raises _Restarted."""
         fake = self.fake
         session = fake.session
-        hub = fake.hub
-        pid = item.prompt_id
-        client = item.client_id
-        word = item.word
-        silent = word == "silent"
         session.interrupt.clear()  # PromptExecutor.execute clears a stale interrupt
-        session.client_id = client
-        messages: list[list[Any]] = []
-
-        def emit(event: str, data: dict[str, Any]) -> None:
-            if not silent:
-                hub.send(event, data, client)
-
-        def add_message(event: str, data: dict[str, Any], broadcast: bool) -> None:
-            # PromptExecutor.add_message: kept for history; sent to the client, or to
-            # everyone when broadcast and there is no client.
-            data = {**data, "timestamp": now_ms()}
-            messages.append([event, data])
-            if client is not None or broadcast:
-                emit(event, data)
-
-        add_message("execution_start", {"prompt_id": pid}, False)
-        changed = None
-        if inputs_mod.needs_fingerprints(item.prompt):
-            # IS_CHANGED reads files (the sha256 of an input): off the loop thread.
-            changed = await asyncio.to_thread(inputs_mod.fingerprints, item.prompt, fake.folders)
-        keys = session.cache.start_prompt(item.prompt, changed)
-        full = word in FULL_RUN_WORDS
-        cached = [] if full else [n for n in item.prompt if session.cache.get(keys[n])]
-        add_message("execution_cached", {"nodes": cached, "prompt_id": pid}, False)
-
-        info = recorded.object_info()
-        output_classes = {k for k, v in info.items() if v.get("output_node") is True}
-        order = execution_order(item.prompt, item.outputs, output_classes)
-        trigger = min(1, len(order) - 1)  # "the second node" of the words below
-        node_s = fake.prompt_seconds * (SLOW_FACTOR if word == "slow" else 1)
-        ctx = nodes.SaveContext(
-            fake.output, fake.temp, item.prompt, item.extra_data.get("extra_pnginfo")
-        )
-        results: dict[str, tuple[Any, ...]] = {}
-        executed: list[str] = []
-        ui_outputs: dict[str, Any] = {}
-        meta: dict[str, Any] = {}
-        progress: dict[str, dict[str, Any]] = {}
-        outcome = "success"
-
-        for index, node_id in enumerate(order):
-            class_type = item.prompt[node_id]["class_type"]
-            steps: int | None = None  # the node reports this many steps (stepping.py)
-            hit = None if full else session.cache.get(keys[node_id])
-            if hit is not None:
-                if hit.ui is None:
-                    results[node_id] = hit.results  # read by the nodes that run
-                    continue
-                ui_outputs[node_id] = hit.ui
-                meta[node_id] = _meta(node_id)
-                if client is not None:
-                    emit(
-                        "executed",
-                        {
-                            "node": node_id,
-                            "display_node": node_id,
-                            "output": hit.ui,
-                            "prompt_id": pid,
-                        },
-                    )
-                progress[node_id] = _progress(pid, node_id, 1, "finished")
-                emit("progress_state", {"prompt_id": pid, "nodes": dict(progress)})
-                continue
-            progress[node_id] = _progress(pid, node_id, 0.0, "running")
-            emit("progress_state", {"prompt_id": pid, "nodes": dict(progress)})
-            if client is not None:
-                if not silent:  # a reconnect of a silent prompt's client learns nothing
-                    session.last_node_id = node_id
-                emit("executing", {"node": node_id, "display_node": node_id, "prompt_id": pid})
-            if index == trigger:
-                if word == "restart":
-                    self._restart()
-                    raise _Restarted
-                if word == "drop" and client is not None:
-                    hub.cut(client)
-                if word == "hang":
-                    await session.interrupt.wait()
-                if word == "wedge":
-                    await asyncio.Event().wait()  # never set: only the server's stop ends it
-            if session.interrupt.is_set():
-                add_message(
-                    "execution_interrupted",
-                    {
-                        "prompt_id": pid,
-                        "node_id": node_id,
-                        "node_type": class_type,
-                        "executed": list(executed),
-                    },
-                    True,
-                )
-                outcome = "interrupted"
-                break
-            inputs = {
-                name: results[v[0]][int(v[1])] if is_link(v) else v
-                for name, v in item.prompt[node_id]["inputs"].items()
-            }
-            try:
-                if index == trigger and word in ("error", "oom", "cuda"):
-                    raise nodes.word_failure(word)
-                if word == "disk" and class_type in output_classes:
-                    raise nodes.full_disk_failure()
-                # The node's time passes whole: an interrupt lands only between nodes.
-                await fake.models.before_node(pid, item.prompt, class_type, inputs)
-                steps = stepping.steps_of(class_type, inputs)
-                if steps is None:
-                    await asyncio.sleep(node_s)
-                else:
-                    previews = class_type == "SaveImageWebsocket"
-                    await stepping.report_steps(
-                        emit, hub, client, pid, node_id, steps, node_s, progress, previews
-                    )
-                if class_type in output_classes:
-                    ui = await nodes.save(class_type, inputs, ctx)
-                    session.cache.set(keys[node_id], CacheEntry(ui=ui))
-                else:
-                    computed = sampling.compute(class_type, inputs)
-                    if computed is not None:
-                        results[node_id] = computed
-                    elif nodes.runs_in_thread(class_type, inputs):
-                        results[node_id] = await asyncio.to_thread(
-                            nodes.compute, class_type, inputs, fake.folders
-                        )
-                    else:
-                        results[node_id] = nodes.compute(class_type, inputs, fake.folders)
-                    session.cache.set(keys[node_id], CacheEntry(results=results[node_id]))
-            except nodes.NodeFailure as failure:
-                add_message(
-                    "execution_error",
-                    {
-                        "prompt_id": pid,
-                        "node_id": node_id,
-                        "node_type": class_type,
-                        "executed": list(executed),
-                        "exception_message": failure.exception_message,
-                        "exception_type": failure.exception_type,
-                        "traceback": failure.traceback,
-                        "current_inputs": _current_inputs(item.prompt[node_id]["inputs"]),
-                        "current_outputs": list(order),
-                    },
-                    False,
-                )
-                outcome = "error"
-                break
-            if class_type in output_classes and ui:  # SaveImageWebsocket's is empty
-                ui_outputs[node_id] = ui
-                meta[node_id] = _meta(node_id)
-                if client is not None:
-                    emit(
-                        "executed",
-                        {"node": node_id, "display_node": node_id, "output": ui, "prompt_id": pid},
-                    )
-            executed.append(node_id)
-            if steps is not None:
-                progress[node_id] = stepping.node_state(pid, node_id, steps, steps, "finished")
-            else:
-                progress[node_id] = _progress(pid, node_id, 1.0, "finished")
-            emit("progress_state", {"prompt_id": pid, "nodes": dict(progress)})
-        else:
-            add_message("execution_success", {"prompt_id": pid}, False)
+        session.client_id = item.client_id
+        run = _PromptRun(self, item)
+        run.add_message("execution_start", {"prompt_id": item.prompt_id}, False)
+        await run.start()
+        outcome = await run.run_nodes()
         session.last_node_id = None
-
-        entry = {
-            "prompt": item.as_list(),
-            "outputs": ui_outputs,
-            "status": {
-                "status_str": "success" if outcome == "success" else "error",
-                "completed": outcome == "success",
-                "messages": messages,
-            },
-            "meta": meta,
-        }
-        if word == "late":
-            fake.records.last_message(pid)
+        if item.word == "late":
+            fake.records.last_message(item.prompt_id)
             await asyncio.sleep(LATE_HISTORY_S)
-        session.write_history(pid, entry)
+        session.write_history(item.prompt_id, run.history_entry(outcome))
         return outcome
 
-    def _restart(self) -> None:
+    def restart(self) -> None:
         """The `restart` word: cut every socket, forget queue, history and numbers."""
         log.info("fake_comfy: script word restart: cutting sockets, forgetting queue and history")
         self.fake.hub.cut(None)
@@ -359,6 +189,234 @@ class Executor:
         is shut down."""
         task.cancel()
         await asyncio.wait([task])
+
+
+class _PromptRun:
+    """One prompt's run: the state its nodes share (results, progress, UI outputs) and the
+    messages it sends, routed as the module docstring says."""
+
+    def __init__(self, executor: Executor, item: QueueItem) -> None:
+        fake = executor.fake
+        self.executor = executor
+        self.fake = fake
+        self.session = fake.session
+        self.hub = fake.hub
+        self.item = item
+        self.pid = item.prompt_id
+        self.client = item.client_id
+        self.word = item.word
+        self.silent = item.word == "silent"
+        self.full = item.word in FULL_RUN_WORDS
+        info = recorded.object_info()
+        self.output_classes = {k for k, v in info.items() if v.get("output_node") is True}
+        self.order = execution_order(item.prompt, item.outputs, self.output_classes)
+        self.trigger = min(1, len(self.order) - 1)  # "the second node" of the words
+        self.node_s = fake.prompt_seconds * (SLOW_FACTOR if item.word == "slow" else 1)
+        self.ctx = nodes.SaveContext(
+            fake.output, fake.temp, item.prompt, item.extra_data.get("extra_pnginfo")
+        )
+        self.keys: dict[str, str] = {}
+        self.messages: list[list[Any]] = []
+        self.results: dict[str, tuple[Any, ...]] = {}
+        self.executed: list[str] = []
+        self.ui_outputs: dict[str, Any] = {}
+        self.meta: dict[str, Any] = {}
+        self.progress: dict[str, dict[str, Any]] = {}
+
+    # -- messages -----------------------------------------------------------------
+
+    def emit(self, event: str, data: dict[str, Any]) -> None:
+        """Sends ``event`` to the prompt's client (to every socket without one); a
+        silent prompt sends nothing."""
+        if not self.silent:
+            self.hub.send(event, data, self.client)
+
+    def add_message(self, event: str, data: dict[str, Any], broadcast: bool) -> None:
+        """Keeps ``event`` for the history entry and sends it as the routing says."""
+        # PromptExecutor.add_message: kept for history; sent to the client, or to
+        # everyone when broadcast and there is no client.
+        data = {**data, "timestamp": now_ms()}
+        self.messages.append([event, data])
+        if self.client is not None or broadcast:
+            self.emit(event, data)
+
+    def _set_progress(self, node_id: str, state: dict[str, Any]) -> None:
+        self.progress[node_id] = state
+        self.emit("progress_state", {"prompt_id": self.pid, "nodes": dict(self.progress)})
+
+    def _send_executed(self, node_id: str, ui: dict[str, Any]) -> None:
+        """Keeps an output node's UI output for the history and tells the client."""
+        self.ui_outputs[node_id] = ui
+        self.meta[node_id] = _meta(node_id)
+        if self.client is not None:
+            self.emit(
+                "executed",
+                {"node": node_id, "display_node": node_id, "output": ui, "prompt_id": self.pid},
+            )
+
+    # -- the run ------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Reads the nodes' cache keys and sends execution_cached."""
+        prompt = self.item.prompt
+        changed = None
+        if inputs_mod.needs_fingerprints(prompt):
+            # IS_CHANGED reads files (the sha256 of an input): off the loop thread.
+            changed = await asyncio.to_thread(inputs_mod.fingerprints, prompt, self.fake.folders)
+        cache = self.session.cache
+        self.keys = cache.start_prompt(prompt, changed)
+        cached = [] if self.full else [n for n in prompt if cache.get(self.keys[n])]
+        self.add_message("execution_cached", {"nodes": cached, "prompt_id": self.pid}, False)
+
+    async def run_nodes(self) -> str:
+        """Runs the nodes in order; returns "success", "error" or "interrupted"."""
+        for index, node_id in enumerate(self.order):
+            hit = None if self.full else self.session.cache.get(self.keys[node_id])
+            if hit is not None:
+                self._replay(node_id, hit)
+                continue
+            outcome = await self._run_node(index, node_id)
+            if outcome is not None:
+                return outcome
+        self.add_message("execution_success", {"prompt_id": self.pid}, False)
+        return "success"
+
+    def _replay(self, node_id: str, hit: CacheEntry) -> None:
+        """A cached node: its results feed the nodes that run; an output node sends its
+        previous UI output and a finished progress_state (cache_replay.json)."""
+        if hit.ui is None:
+            self.results[node_id] = hit.results  # read by the nodes that run
+            return
+        self._send_executed(node_id, hit.ui)
+        self._set_progress(node_id, _progress(self.pid, node_id, 1, "finished"))
+
+    async def _run_node(self, index: int, node_id: str) -> str | None:
+        """Runs one node; returns the prompt's outcome when the node ends it, else None."""
+        node = self.item.prompt[node_id]
+        class_type = node["class_type"]
+        self._set_progress(node_id, _progress(self.pid, node_id, 0.0, "running"))
+        if self.client is not None:
+            if not self.silent:  # a reconnect of a silent prompt's client learns nothing
+                self.session.last_node_id = node_id
+            self.emit(
+                "executing", {"node": node_id, "display_node": node_id, "prompt_id": self.pid}
+            )
+        if index == self.trigger:
+            await self._act_on_word()
+        if self.session.interrupt.is_set():
+            self.add_message("execution_interrupted", self._failed_at(node_id, class_type), True)
+            return "interrupted"
+        inputs = {
+            name: self.results[v[0]][int(v[1])] if is_link(v) else v
+            for name, v in node["inputs"].items()
+        }
+        try:
+            steps, ui = await self._compute(index, node_id, class_type, inputs)
+        except nodes.NodeFailure as failure:
+            self.add_message("execution_error", self._error(node_id, class_type, failure), False)
+            return "error"
+        if ui:  # output nodes only; SaveImageWebsocket's is empty
+            self._send_executed(node_id, ui)
+        self.executed.append(node_id)
+        if steps is not None:
+            state = stepping.node_state(self.pid, node_id, steps, steps, "finished")
+        else:
+            state = _progress(self.pid, node_id, 1.0, "finished")
+        self._set_progress(node_id, state)
+        return None
+
+    async def _act_on_word(self) -> None:
+        """The script words that act at the prompt's second node. Raises _Restarted."""
+        word = self.word
+        if word == "restart":
+            self.executor.restart()
+            raise _Restarted
+        if word == "drop" and self.client is not None:
+            self.hub.cut(self.client)
+        if word == "hang":
+            await self.session.interrupt.wait()
+        if word == "wedge":
+            await asyncio.Event().wait()  # never set: only the server's stop ends it
+
+    async def _compute(
+        self, index: int, node_id: str, class_type: str, inputs: dict[str, Any]
+    ) -> tuple[int | None, dict[str, Any] | None]:
+        """Runs one node's work: (the steps it reported or None, its UI output if it is an
+        output node). Raises nodes.NodeFailure."""
+        word = self.word
+        if index == self.trigger and word in ("error", "oom", "cuda"):
+            raise nodes.word_failure(word)
+        if word == "disk" and class_type in self.output_classes:
+            raise nodes.full_disk_failure()
+        # The node's time passes whole: an interrupt lands only between nodes.
+        await self.fake.models.before_node(self.pid, self.item.prompt, class_type, inputs)
+        steps = stepping.steps_of(class_type, inputs)
+        if steps is None:
+            await asyncio.sleep(self.node_s)
+        else:
+            previews = class_type == "SaveImageWebsocket"
+            await stepping.report_steps(
+                self.emit,
+                self.hub,
+                self.client,
+                self.pid,
+                node_id,
+                steps,
+                self.node_s,
+                self.progress,
+                previews,
+            )
+        cache = self.session.cache
+        if class_type in self.output_classes:
+            ui = await nodes.save(class_type, inputs, self.ctx)
+            cache.set(self.keys[node_id], CacheEntry(ui=ui))
+            return steps, ui
+        self.results[node_id] = await self._outputs(class_type, inputs)
+        cache.set(self.keys[node_id], CacheEntry(results=self.results[node_id]))
+        return steps, None
+
+    async def _outputs(self, class_type: str, inputs: dict[str, Any]) -> tuple[Any, ...]:
+        """A non-output node's outputs: sampled, or computed (in a thread if it may block)."""
+        computed = sampling.compute(class_type, inputs)
+        if computed is not None:
+            return computed
+        folders = self.fake.folders
+        if nodes.runs_in_thread(class_type, inputs):
+            return await asyncio.to_thread(nodes.compute, class_type, inputs, folders)
+        return nodes.compute(class_type, inputs, folders)
+
+    def _failed_at(self, node_id: str, class_type: str) -> dict[str, Any]:
+        """The fields an interrupt and an error share: where the prompt stopped."""
+        return {
+            "prompt_id": self.pid,
+            "node_id": node_id,
+            "node_type": class_type,
+            "executed": list(self.executed),
+        }
+
+    def _error(self, node_id: str, class_type: str, failure: nodes.NodeFailure) -> dict[str, Any]:
+        """An execution_error's data (execution_error.json)."""
+        return {
+            **self._failed_at(node_id, class_type),
+            "exception_message": failure.exception_message,
+            "exception_type": failure.exception_type,
+            "traceback": failure.traceback,
+            "current_inputs": _current_inputs(self.item.prompt[node_id]["inputs"]),
+            "current_outputs": list(self.order),
+        }
+
+    def history_entry(self, outcome: str) -> dict[str, Any]:
+        """The prompt's /history entry (success.json, execution_error.json)."""
+        return {
+            "prompt": self.item.as_list(),
+            "outputs": self.ui_outputs,
+            "status": {
+                "status_str": "success" if outcome == "success" else "error",
+                "completed": outcome == "success",
+                "messages": self.messages,
+            },
+            "meta": self.meta,
+        }
 
 
 def _meta(node_id: str) -> dict[str, Any]:

@@ -211,60 +211,108 @@ def compute(
     "alpha" on an RGB image (the recorded IndexError), a file that is not an image or a
     video (the exception of Pillow or PyAV, as ComfyUI reports it).
     """
-    if class_type == "EmptyImage":
-        color = int(inputs["color"])
-        pixel = tuple(_f32(((color >> shift) & 0xFF) / 0xFF) for shift in (16, 8, 0))
-        return (
-            Images(int(inputs["width"]), int(inputs["height"]), int(inputs["batch_size"]), pixel),
-        )
-    if class_type == "LoadImage":
-        path = _input_path(folders, inputs["image"])
-        return _node_reads(lambda: _load_image(path))
-    if class_type == "LoadVideo":
-        return (VideoFile(Path(_input_path(folders, inputs["file"]))),)
-    if class_type == "GetVideoComponents":
-        return _video_components(inputs["video"])
-    if class_type == "ImageFromBatch":
-        return (_from_batch(_as_images(inputs["image"]), inputs["batch_index"], inputs["length"]),)
-    if class_type == "RepeatImageBatch":
-        img, amount = _as_images(inputs["image"]), int(inputs["amount"])
-        if img.pixels is not None:
-            return (Images.of(np.tile(img.pixels, (amount, 1, 1, 1))),)  # image.repeat
-        return (Images(img.width, img.height, img.batch * amount, img.pixel),)
-    if class_type == "ImageInvert":
-        img = _as_images(inputs["image"])
-        if img.pixels is not None:
-            return (Images.of(np.float32(1.0) - img.pixels),)
-        pixel = tuple(_f32(np.float32(1.0) - np.float32(c)) for c in img.pixel)
-        return (Images(img.width, img.height, img.batch, pixel),)
-    if class_type == "ImageBlur":
-        return (_as_images(inputs["image"]),)  # see the module docstring
-    if class_type == "ImageToMask":
-        img = _as_images(inputs["image"])
-        channels = ["red", "green", "blue", "alpha"]
-        index = channels.index(inputs["channel"])
-        if index >= 3:
-            raise index_error_failure()
-        if img.pixels is not None:
-            return (Mask.of(np.ascontiguousarray(img.pixels[..., index])),)
-        return (Mask(img.width, img.height, img.batch, img.pixel[index]),)
-    if class_type == "MaskToImage":
-        mask = inputs["mask"]
-        if not isinstance(mask, Mask):
-            mask = Mask(64, 64, 1, 0.5)
-        if mask.values is not None:
-            return (Images.of(np.repeat(mask.values[..., None], 3, axis=-1)),)
-        return (Images(mask.width, mask.height, mask.batch, (mask.value,) * 3),)
-    if class_type == "CreateVideo":
-        return (Video(_as_images(inputs["images"]), float(inputs["fps"])),)
-    if class_type == "EmptyLatentImage":
-        return (Latent(int(inputs["width"]), int(inputs["height"]), int(inputs["batch_size"])),)
-    if class_type == "KSampler":
-        latent = inputs.get("latent_image")
-        return (latent if isinstance(latent, Latent) else Opaque(class_type),)
-    if class_type == "VAEDecode":
-        return (_as_images(inputs.get("samples")),)
-    return tuple(Opaque(class_type) for _ in range(4))
+    node = _NODES.get(class_type)
+    if node is None:
+        return tuple(Opaque(class_type) for _ in range(4))
+    return node(inputs, folders)
+
+
+def _empty_image(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    color = int(inputs["color"])
+    pixel = tuple(_f32(((color >> shift) & 0xFF) / 0xFF) for shift in (16, 8, 0))
+    return (Images(int(inputs["width"]), int(inputs["height"]), int(inputs["batch_size"]), pixel),)
+
+
+def _load_image_node(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    path = _input_path(folders, inputs["image"])
+    return _node_reads(lambda: _load_image(path))
+
+
+def _load_video_node(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    return (VideoFile(Path(_input_path(folders, inputs["file"]))),)
+
+
+def _video_components_node(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    return _video_components(inputs["video"])
+
+
+def _image_from_batch(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    return (_from_batch(_as_images(inputs["image"]), inputs["batch_index"], inputs["length"]),)
+
+
+def _repeat_image_batch(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    img, amount = _as_images(inputs["image"]), int(inputs["amount"])
+    if img.pixels is not None:
+        return (Images.of(np.tile(img.pixels, (amount, 1, 1, 1))),)  # image.repeat
+    return (Images(img.width, img.height, img.batch * amount, img.pixel),)
+
+
+def _image_invert(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    img = _as_images(inputs["image"])
+    if img.pixels is not None:
+        return (Images.of(np.float32(1.0) - img.pixels),)
+    pixel = tuple(_f32(np.float32(1.0) - np.float32(c)) for c in img.pixel)
+    return (Images(img.width, img.height, img.batch, pixel),)
+
+
+def _image_blur(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    return (_as_images(inputs["image"]),)  # see the module docstring
+
+
+def _image_to_mask(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    img = _as_images(inputs["image"])
+    channels = ["red", "green", "blue", "alpha"]
+    index = channels.index(inputs["channel"])
+    if index >= 3:
+        raise index_error_failure()
+    if img.pixels is not None:
+        return (Mask.of(np.ascontiguousarray(img.pixels[..., index])),)
+    return (Mask(img.width, img.height, img.batch, img.pixel[index]),)
+
+
+def _mask_to_image(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    mask = inputs["mask"]
+    if not isinstance(mask, Mask):
+        mask = Mask(64, 64, 1, 0.5)
+    if mask.values is not None:
+        return (Images.of(np.repeat(mask.values[..., None], 3, axis=-1)),)
+    return (Images(mask.width, mask.height, mask.batch, (mask.value,) * 3),)
+
+
+def _create_video(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    return (Video(_as_images(inputs["images"]), float(inputs["fps"])),)
+
+
+def _empty_latent(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    return (Latent(int(inputs["width"]), int(inputs["height"]), int(inputs["batch_size"])),)
+
+
+def _ksampler(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    latent = inputs.get("latent_image")
+    return (latent if isinstance(latent, Latent) else Opaque("KSampler"),)
+
+
+def _vae_decode(inputs: dict[str, Any], folders: Folders | None) -> tuple[Any, ...]:
+    return (_as_images(inputs.get("samples")),)
+
+
+# The nodes ``compute`` runs, by class type; any other gives four opaque outputs.
+_NODES: dict[str, Callable[[dict[str, Any], Folders | None], tuple[Any, ...]]] = {
+    "EmptyImage": _empty_image,
+    "LoadImage": _load_image_node,
+    "LoadVideo": _load_video_node,
+    "GetVideoComponents": _video_components_node,
+    "ImageFromBatch": _image_from_batch,
+    "RepeatImageBatch": _repeat_image_batch,
+    "ImageInvert": _image_invert,
+    "ImageBlur": _image_blur,
+    "ImageToMask": _image_to_mask,
+    "MaskToImage": _mask_to_image,
+    "CreateVideo": _create_video,
+    "EmptyLatentImage": _empty_latent,
+    "KSampler": _ksampler,
+    "VAEDecode": _vae_decode,
+}
 
 
 def _input_path(folders: Folders | None, name: Any) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mimetypes
 import re
 from pathlib import Path
+from typing import Literal
 
 from aiohttp import web
 
@@ -28,7 +29,7 @@ def position(digits: str) -> int:
     return BEYOND_ANY_FILE if len(digits) > 18 else int(digits or "0")
 
 
-def byte_range(header: str | None, size: int) -> tuple[int, int] | None | str:
+def byte_range(header: str | None, size: int) -> tuple[int, int] | None | Literal["unsatisfiable"]:
     """The ``(first, last)`` byte (inclusive) of a ``Range`` header for a file of
     ``size`` bytes; None to send the whole file (no header, several ranges, another
     unit); "unsatisfiable" for a range beyond the end. Positions of any length are read
@@ -74,7 +75,7 @@ async def file_response(
         wanted = None  # the client's copy is another version: send this one whole
     if wanted == "unsatisfiable":
         return web.Response(status=416, headers={**common, "Content-Range": f"bytes */{size}"})
-    first, last = (0, size - 1) if wanted is None else wanted  # type: ignore[misc]
+    first, last = (0, size - 1) if wanted is None else wanted
     status = 200 if wanted is None else 206
     response = web.StreamResponse(status=status, headers=common)
     response.content_type = kind

@@ -29,7 +29,12 @@ from pydantic import (
     WithJsonSchema,
     create_model,
 )
-from pydantic.json_schema import GenerateJsonSchema, JsonSchemaValue, models_json_schema
+from pydantic.json_schema import (
+    GenerateJsonSchema,
+    JsonSchemaMode,
+    JsonSchemaValue,
+    models_json_schema,
+)
 from pydantic_core import PydanticCustomError, core_schema
 
 from comfy_assets.api.webhook_urls import MAX_URL_CHARS
@@ -292,7 +297,10 @@ class _Generator(GenerateJsonSchema):
 def schemas(webhooks: bool) -> dict[str, Any]:
     """The OpenAPI document's ``components/schemas``: the request (``request_model``) and
     every answer, as JSON Schema 2020-12 (OpenAPI 3.1)."""
-    models = [(request_model(webhooks), "validation")] + [(m, "serialization") for m in ANSWERS]
+    models: list[tuple[type[BaseModel], JsonSchemaMode]] = [
+        (request_model(webhooks), "validation"),
+        *((m, "serialization") for m in ANSWERS),
+    ]
     _, found = models_json_schema(
         models, ref_template="#/components/schemas/{model}", schema_generator=_Generator
     )

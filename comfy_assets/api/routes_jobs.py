@@ -156,20 +156,20 @@ async def _take(api: Api, client: str, sub: Submission) -> web.Response:
             created_at=api.ledger.now(),
         )
         try:
-            existing, inserted = await off_loop(
+            taken, inserted = await off_loop(
                 api.ledger, api.ledger.take, row, partition_of(client), job
             )
         except PartitionConflict:
             return error(409, f"job id {job.id} is in use by a job the API did not take")
         if not inserted:
-            return await _again(api, client, sub, existing)  # another request was first
+            return await _again(api, client, sub, taken)  # another request was first
         try:
             await publish_recorded(api.ledger, api.publisher, job.id, sub.message, job.take)
         except broker.BrokerError as e:
             return _not_confirmed(e)
         # Just registered: pending, no attempt, no file (a worker may have started it
         # since; GET /v1/jobs/{id} says).
-        view = job_view(existing, None, [], [])
+        view = job_view(taken, None, [], [])
         return json_response(view, status=202, headers={"Location": job_path(job.id)})
     return await _again(api, client, sub, existing)
 

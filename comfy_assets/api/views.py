@@ -52,15 +52,15 @@ def job_view(
     if record is not None and record.server is not None and record.server not in servers:
         servers.append(record.server)
     state = record.state if record is not None else PENDING
-    attempts = 0
+    tries = 0
     if record is not None:
         # The attempt under way counts too: its row is written when it ends.
-        attempts = record.attempts_before + record.attempts + (state in IN_FLIGHT)
+        tries = record.attempts_before + record.attempts + (state in IN_FLIGHT)
     return {
         "id": api.job_id,
         "state": str(state),
         "take": record.take if record is not None else api.content.get("take", 1),
-        "attempts": attempts,
+        "attempts": tries,
         "servers": servers,
         "reason": record.reason if record is not None and state == FAILED_FATAL else None,
         "created_at": iso(api.created_at),

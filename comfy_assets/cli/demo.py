@@ -54,6 +54,7 @@ from comfy_assets.cli.demo_processes import (
 )
 from comfy_assets.cli.demo_report import (
     SENSOR_INTERVAL_S,
+    Expected,
     expected_files,
     report_all_results,
     report_partition,
@@ -154,68 +155,16 @@ def run_demo(
             f"a kept demo may still be running ({demo_dir / PIDS_FILE}); "
             f"stop it first: {_stop_command(demo_dir)}"
         )
-    if ui and port is None:
-        port = DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port()
-        if port != DEFAULT_PORT:
-            announce(f"port {DEFAULT_PORT} is taken; the web UI uses port {port}")
-    elif ui and not port_free(port):
-        raise DemoFailed(f"port {port} is taken; pass another --port N, or none to pick one")
+    port = _ui_port(port) if ui else port
     expected = expected_files(jobs_dir)
-
-    if demo_dir.exists():
-        shutil.rmtree(demo_dir)
-    home = demo_dir / "dagster_home"
-    logs = demo_dir / "logs"
-    store = demo_dir / "store"
-    for folder in (home, logs, store):
-        folder.mkdir(parents=True)
-    shutil.copy(TEMPLATE, home / "dagster.yaml")
-
-    env = dict(os.environ)
-    env.pop("COMFY_ASSETS_DB_URL", None)  # the demo's store is SQLite in .demo/store
-    env.update(
-        {
-            "DAGSTER_HOME": str(home),
-            "COMFY_ASSETS_STORE": str(store),
-            "COMFY_ASSETS_JOB_DIRS": str(jobs_dir),
-            "COMFY_ASSETS_SENSOR_INTERVAL_S": str(SENSOR_INTERVAL_S),
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
+    home, logs, store = _fresh_folders(demo_dir)
+    env = _demo_env(home, store, jobs_dir)
     children = Children(logs)
     kept = False
     try:
-        urls = []
-        for i in range(FAKES):
-            child = children.start(
-                f"fake{i}",
-                [
-                    sys.executable,
-                    "-m",
-                    "fake_comfy",
-                    "--port",
-                    "0",
-                    "--output-dir",
-                    str(demo_dir / f"fake{i}"),
-                ],
-                env,
-            )
-            urls.append(wait_for_listening(child))
-        servers = ",".join(f"gpu{i}={url}" for i, url in enumerate(urls))
-        env["COMFY_ASSETS_SERVERS"] = servers
-        announce(f"fake ComfyUI servers: {servers}")
+        _start_fakes(children, env, demo_dir)
         if ui:
-            # The UI has no way to serve a file: this server lets it show the pictures
-            # and play the film (read-only, loopback only, the store folder alone).
-            media_port = free_port()
-            media_url = f"http://127.0.0.1:{media_port}"
-            media = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
-            media += ["--directory", str(store), str(media_port)]
-            wait_for_ui(
-                media_url, children.start("media", media, env), what="the media server", path="/"
-            )
-            env["COMFY_ASSETS_MEDIA_URL"] = media_url
-            announce(f"pictures and films of {store} served at {media_url}")
+            _start_media(children, env, store)
 
         # Create the instance's SQLite storage here, once: the daemon and the UI starting
         # on an empty DAGSTER_HOME at the same time race to create it.
@@ -249,22 +198,108 @@ def run_demo(
                 wait_for_ui(ui_url, watched[-1])
             save_pids(demo_dir, children)
             kept = True
-            announce(
-                f"kept running: {', '.join(f'{c.name} pid {c.proc.pid}' for c in children.items)}"
-            )
-            if ui:
-                announce(f"open the UI at {ui_url}:")
-                keys = [item.key for item in expected]
-                storyboards = [item.key for item in expected if item.shots]
-                for line in pages(ui_url, keys, storyboards):
-                    announce(f"  {line}")
-            announce(f"stop them with: {_stop_command(demo_dir)}")
-            settings = write_env(demo_dir, env)
-            announce(f"Dagster commands on this home (dagster, dg) need its settings: . {settings}")
+            _announce_kept(demo_dir, children, env, ui_url if ui else None, expected)
         return 0
     finally:
         if not kept:
             children.stop()
+
+
+def _ui_port(port: int | None) -> int:
+    """The web UI's port: ``port`` if free (DemoFailed if taken), else DEFAULT_PORT or,
+    when that is taken, a free one."""
+    if port is None:
+        port = DEFAULT_PORT if port_free(DEFAULT_PORT) else free_port()
+        if port != DEFAULT_PORT:
+            announce(f"port {DEFAULT_PORT} is taken; the web UI uses port {port}")
+    elif not port_free(port):
+        raise DemoFailed(f"port {port} is taken; pass another --port N, or none to pick one")
+    return port
+
+
+def _fresh_folders(demo_dir: Path) -> tuple[Path, Path, Path]:
+    """Empties ``demo_dir`` and makes its (Dagster home, logs, store) folders."""
+    if demo_dir.exists():
+        shutil.rmtree(demo_dir)
+    home = demo_dir / "dagster_home"
+    logs = demo_dir / "logs"
+    store = demo_dir / "store"
+    for folder in (home, logs, store):
+        folder.mkdir(parents=True)
+    shutil.copy(TEMPLATE, home / "dagster.yaml")
+    return home, logs, store
+
+
+def _demo_env(home: Path, store: Path, jobs_dir: Path) -> dict[str, str]:
+    """The environment of the demo's processes."""
+    env = dict(os.environ)
+    env.pop("COMFY_ASSETS_DB_URL", None)  # the demo's store is SQLite in .demo/store
+    env.update(
+        {
+            "DAGSTER_HOME": str(home),
+            "COMFY_ASSETS_STORE": str(store),
+            "COMFY_ASSETS_JOB_DIRS": str(jobs_dir),
+            "COMFY_ASSETS_SENSOR_INTERVAL_S": str(SENSOR_INTERVAL_S),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    return env
+
+
+def _start_fakes(children: Children, env: dict[str, str], demo_dir: Path) -> None:
+    """Starts the fake ComfyUI servers and names them in ``env``'s COMFY_ASSETS_SERVERS."""
+    urls = []
+    for i in range(FAKES):
+        child = children.start(
+            f"fake{i}",
+            [
+                sys.executable,
+                "-m",
+                "fake_comfy",
+                "--port",
+                "0",
+                "--output-dir",
+                str(demo_dir / f"fake{i}"),
+            ],
+            env,
+        )
+        urls.append(wait_for_listening(child))
+    servers = ",".join(f"gpu{i}={url}" for i, url in enumerate(urls))
+    env["COMFY_ASSETS_SERVERS"] = servers
+    announce(f"fake ComfyUI servers: {servers}")
+
+
+def _start_media(children: Children, env: dict[str, str], store: Path) -> None:
+    """Starts the media server and names it in ``env``'s COMFY_ASSETS_MEDIA_URL."""
+    # The UI has no way to serve a file: this server lets it show the pictures
+    # and play the film (read-only, loopback only, the store folder alone).
+    media_port = free_port()
+    media_url = f"http://127.0.0.1:{media_port}"
+    media = [sys.executable, "-m", "http.server", "--bind", "127.0.0.1"]
+    media += ["--directory", str(store), str(media_port)]
+    wait_for_ui(media_url, children.start("media", media, env), what="the media server", path="/")
+    env["COMFY_ASSETS_MEDIA_URL"] = media_url
+    announce(f"pictures and films of {store} served at {media_url}")
+
+
+def _announce_kept(
+    demo_dir: Path,
+    children: Children,
+    env: dict[str, str],
+    ui_url: str | None,
+    expected: list[Expected],
+) -> None:
+    """Says what a --keep demo left running, its UI's pages, and how to stop it."""
+    announce(f"kept running: {', '.join(f'{c.name} pid {c.proc.pid}' for c in children.items)}")
+    if ui_url is not None:
+        announce(f"open the UI at {ui_url}:")
+        keys = [item.key for item in expected]
+        storyboards = [item.key for item in expected if item.shots]
+        for line in pages(ui_url, keys, storyboards):
+            announce(f"  {line}")
+    announce(f"stop them with: {_stop_command(demo_dir)}")
+    settings = write_env(demo_dir, env)
+    announce(f"Dagster commands on this home (dagster, dg) need its settings: . {settings}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -234,8 +234,8 @@ def report_partition(
     checks = []
     for record in instance.all_logs(run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION):
         event = record.dagster_event
-        evaluation = event.event_specific_data if event else None
-        if evaluation is not None:
+        if event is not None:
+            evaluation = event.asset_check_evaluation_data
             checks.append(f"{evaluation.check_name} {'passed' if evaluation.passed else 'FAILED'}")
             if not evaluation.passed:
                 problems.append(f"{item.key}: check {evaluation.check_name} failed")
@@ -296,8 +296,9 @@ def report_all_results(
         built = instance.fetch_materializations(
             AssetKey(ALL_RESULTS_ASSET), limit=1, ascending=False
         ).records
-        if built and built[0].timestamp > newest_partition:
-            metadata = dict(built[0].asset_materialization.metadata)
+        built_one = built[0].asset_materialization if built else None
+        if built_one is not None and built[0].timestamp > newest_partition:
+            metadata = dict(built_one.metadata)
             rows = _meta_value(metadata, "dagster/row_count")
             announce(f"all_results: {rows} rows in {_meta_value(metadata, 'path')}")
             total = sum(len(item.job_ids) for item in expected)

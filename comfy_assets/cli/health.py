@@ -22,6 +22,7 @@ from comfy_assets.cli.options import add_command, bounded
 from comfy_assets.comfy.servers import parse_servers
 
 if TYPE_CHECKING:
+    from comfy_assets.comfy.servers import ServerSpec
     from comfy_assets.store import Store
     from comfy_assets.store.health import ServerHealthRecord
 
@@ -76,6 +77,25 @@ def health(args: argparse.Namespace) -> int:
     ``--readmit`` servers. Exit 0 when at least one server is healthy and not
     quarantined (or, with ``--readmit`` alone, every server named is usable now, re-admitted
     or never quarantined), 1 otherwise, 2 for bad arguments."""
+    specs = _check_args(args)
+    if isinstance(specs, int):
+        return specs
+    records: dict[str, ServerHealthRecord] = {}
+    code = 0
+    if args.store is not None:
+        read = _readmit_and_read(args)
+        if isinstance(read, int):
+            return read
+        records, code = read
+        if args.readmit and not specs:
+            return code
+    if not specs:
+        return _print_records(records, args.store)
+    return code or (0 if _probe(specs, records, args.timeout_s) else 1)
+
+
+def _check_args(args: argparse.Namespace) -> list[ServerSpec] | int:
+    """The ``--server`` specs, or exit code 2 after saying what is wrong."""
     try:
         specs = parse_servers(args.server) if args.server else []
     except ValueError as exc:
@@ -87,46 +107,68 @@ def health(args: argparse.Namespace) -> int:
     if not specs and args.store is None:
         print("comfy-assets health: give --server NAME=URL, or --store DIR", file=sys.stderr)
         return 2
-    records: dict[str, ServerHealthRecord] = {}
-    code = 0
-    if args.store is not None:
-        opened = _open(args)
-        if isinstance(opened, int):
-            return opened
-        from comfy_assets.store.health import UnknownServer, ok_record
+    return specs
 
+
+def _readmit_and_read(args: argparse.Namespace) -> tuple[dict[str, ServerHealthRecord], int] | int:
+    """Re-admits the ``--readmit`` servers, then reads every server's health record from
+    ``--store``: (records by server, exit code so far), or the exit code of a store that
+    does not open."""
+    opened = _open(args)
+    if isinstance(opened, int):
+        return opened
+    from comfy_assets.store.health import ok_record
+
+    try:
+        code = _readmit(opened, args.readmit)
+        records = opened.server_health()
+        # Servers that rendered and never failed have no health row: ok.
+        for name in sorted(opened.server_leases()):
+            records.setdefault(name, ok_record(name))
+    finally:
+        opened.close()
+    return records, code
+
+
+def _readmit(opened: Store, names: list[str]) -> int:
+    """Re-admits each of ``names``, printing what changed; 2 if one is unknown, else 0."""
+    from comfy_assets.store.health import UnknownServer
+
+    code = 0
+    by = f"{getpass.getuser()}@{socket.gethostname()}"
+    for name in names:
         try:
-            by = f"{getpass.getuser()}@{socket.gethostname()}"
-            for name in args.readmit:
-                try:
-                    change = opened.readmit_server(name, by)
-                except UnknownServer as e:
-                    print(f"comfy-assets health: --readmit: {e}", file=sys.stderr)
-                    code = 2
-                    continue
-                if change is None:  # usable already: what --readmit asks for holds
-                    print(f"{name} ok: not quarantined, no strikes now")
-                else:
-                    print(f"{name} {change.detail}")
-            records = opened.server_health()
-            # Servers that rendered and never failed have no health row: ok.
-            for name in sorted(opened.server_leases()):
-                records.setdefault(name, ok_record(name))
-        finally:
-            opened.close()
-        if args.readmit and not specs:
-            return code
-    if not specs:
-        if not records:
-            print(f"no server has a failure on record in {args.store}", flush=True)
-            return 0
-        for record in records.values():
-            print(record.line(), flush=True)
-        return 0 if any(r.blocked() is None for r in records.values()) else 1
+            change = opened.readmit_server(name, by)
+        except UnknownServer as e:
+            print(f"comfy-assets health: --readmit: {e}", file=sys.stderr)
+            code = 2
+            continue
+        if change is None:  # usable already: what --readmit asks for holds
+            print(f"{name} ok: not quarantined, no strikes now")
+        else:
+            print(f"{name} {change.detail}")
+    return code
+
+
+def _print_records(records: dict[str, ServerHealthRecord], store: object) -> int:
+    """Prints the store's records alone: 0 when one server is usable (or none failed)."""
+    if not records:
+        print(f"no server has a failure on record in {store}", flush=True)
+        return 0
+    for record in records.values():
+        print(record.line(), flush=True)
+    return 0 if any(r.blocked() is None for r in records.values()) else 1
+
+
+def _probe(
+    specs: list[ServerSpec], records: dict[str, ServerHealthRecord], timeout_s: float
+) -> bool:
+    """Probes ``specs`` and prints a line each (with its store record); whether one is
+    healthy and not blocked."""
     from comfy_assets.comfy.health import probe_all  # after the arguments are checked
 
     usable = False
-    for result in probe_all(specs, args.timeout_s):
+    for result in probe_all(specs, timeout_s):
         record = records.get(result.spec.name)
         line = result.line()
         if record is not None and record.state != "ok":
@@ -135,7 +177,7 @@ def health(args: argparse.Namespace) -> int:
             line += record.line().removeprefix(f"{record.server} ok")
         usable = usable or (result.healthy and (record is None or record.blocked() is None))
         print(line, flush=True)
-    return code or (0 if usable else 1)
+    return usable
 
 
 def _open(args: argparse.Namespace) -> Store | int:

@@ -84,7 +84,10 @@ def add_knob_option(
     elif isinstance(default, float):
         shown = f"{default:g}" + (" s" if name.endswith("_s") else "")
     else:
-        shown = byte_size_text(default) if kind is byte_size else str(default)
+        if kind is byte_size and isinstance(default, int):
+            shown = byte_size_text(default)
+        else:
+            shown = str(default)
     p.add_argument(
         f"--{name.replace('_', '-')}",
         type=kind,

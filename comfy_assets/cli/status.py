@@ -192,33 +192,60 @@ def _jobs(store: Store, look: _Look, *, details: bool) -> list[dict[str, Any]]:
 
 def _reason(rec: JobRecord, look: _Look) -> tuple[str, str]:
     """(one of REASONS, what it waits for) for a job not done."""
-    row, servers = look.row, look.servers
     if rec.state == "failed_fatal":
-        text = rec.reason or "no reason recorded"
-        if text.startswith("no server"):
-            return "no server can run it", text
-        return "dead-lettered", f"{text}; requeue it to run again"
+        return _dead_lettered(rec)
     if rec.job_id in look.where:
-        what, name = look.where[rec.job_id]
-        s = servers.get(name, {})
-        if s.get("state") == "unreachable":  # its prompt's server died under it, say
-            return "waiting for a server", (
-                f"its prompt went to {name}, unreachable now ({s.get('reason')}): it is "
-                "asked there again before the job is posted elsewhere"
-            )
-        if what == FINISHING:
-            return FINISHING, (
-                f"its prompt left {name}; its outputs are being downloaded and its result recorded"
-            )
-        who = "" if row is not None and s.get("owner") == row.owner else f", for {s.get('owner')}"
-        how_far = s.get("progress") or "no progress known here"
-        return RENDERING, f"on {name} since {_clock(s.get('since'))}, {how_far}{who}"
-    if rec.claimed_by and (row is None or owner_of(rec.claimed_by) != row.owner):
-        if alive(look.owners, rec.claimed_by):
-            o = look.owners[owner_of(rec.claimed_by)]
-            return "claimed by another process", (
-                f"owner {o.owner} on {o.host} (pid {o.pid}), heartbeat {o.beat_age_s:.0f} s ago"
-            )
+        return _on_server(rec, look)
+    for why in (_claimed_elsewhere, _outside_batch, _held, _waiting_in_group):
+        found = why(rec, look)
+        if found is not None:
+            return found
+    return "waiting for a server", "in line"
+
+
+def _dead_lettered(rec: JobRecord) -> tuple[str, str]:
+    """A job in the dead letter: no server could run it, or its attempts ran out."""
+    text = rec.reason or "no reason recorded"
+    if text.startswith("no server"):
+        return "no server can run it", text
+    return "dead-lettered", f"{text}; requeue it to run again"
+
+
+def _on_server(rec: JobRecord, look: _Look) -> tuple[str, str]:
+    """A job whose prompt is on a server: rendering, finishing, or its server gone."""
+    what, name = look.where[rec.job_id]
+    s = look.servers.get(name, {})
+    if s.get("state") == "unreachable":  # its prompt's server died under it, say
+        return "waiting for a server", (
+            f"its prompt went to {name}, unreachable now ({s.get('reason')}): it is "
+            "asked there again before the job is posted elsewhere"
+        )
+    if what == FINISHING:
+        return FINISHING, (
+            f"its prompt left {name}; its outputs are being downloaded and its result recorded"
+        )
+    row = look.row
+    who = "" if row is not None and s.get("owner") == row.owner else f", for {s.get('owner')}"
+    how_far = s.get("progress") or "no progress known here"
+    return RENDERING, f"on {name} since {_clock(s.get('since'))}, {how_far}{who}"
+
+
+def _claimed_elsewhere(rec: JobRecord, look: _Look) -> tuple[str, str] | None:
+    """A job another live process claims."""
+    row = look.row
+    if not rec.claimed_by or (row is not None and owner_of(rec.claimed_by) == row.owner):
+        return None
+    if not alive(look.owners, rec.claimed_by):
+        return None
+    o = look.owners[owner_of(rec.claimed_by)]
+    return "claimed by another process", (
+        f"owner {o.owner} on {o.host} (pid {o.pid}), heartbeat {o.beat_age_s:.0f} s ago"
+    )
+
+
+def _outside_batch(rec: JobRecord, look: _Look) -> tuple[str, str] | None:
+    """A job no running batch holds, or one the running batch let go."""
+    row = look.row
     if row is None:
         return "not in a running batch", (
             f"no running batch holds partition {rec.partition} (a run, or a worker's "
@@ -237,36 +264,47 @@ def _reason(rec: JobRecord, look: _Look) -> tuple[str, str]:
             f"the running batch of partition {rec.partition} let it go without running it "
             "(its lines say why); the next run of the partition runs it"
         )
+    return None
+
+
+def _held(rec: JobRecord, look: _Look) -> tuple[str, str] | None:
+    """A job the running batch holds back: for its upstream, a catch-up, or a backoff."""
     h = look.held.get(rec.job_id)
-    if h is not None and h.get("reason") == "upstream":
+    if h is None:
+        return None
+    if h.get("reason") == "upstream":
         ups = [
             f"{u} ({look.records[u].state if u in look.records else look.upstream.get(u, '?')})"
             for u in h.get("upstream") or []
         ]
         return "waiting for its upstream job", ", ".join(ups)
-    if h is not None and h.get("reason") == "catch-up":
+    if h.get("reason") == "catch-up":
         return "waiting for a server", (
             f"its prompt went to {h.get('server')}, which does not answer: asked there again "
             f"until {_clock(h.get('until'))}, then posted anew (it may render twice)"
         )
-    if h is not None and h.get("reason") == "in backoff":
+    if h.get("reason") == "in backoff":
         after = h.get("after") or rec.reason or "a failed attempt"
         return "in backoff", f"until {_clock(h.get('until'))}, after: {after}"
+    return None
+
+
+def _waiting_in_group(rec: JobRecord, look: _Look) -> tuple[str, str] | None:
+    """A job waiting for a server of its group (the servers that can run it)."""
     g = look.group_of.get(rec.job_id)
-    if g is not None:
-        able = g.get("servers") or []
-        if not able:
-            return "no server can run it", "none of the pool's servers has its nodes and models"
-        if all(servers.get(s, {}).get("state") == "quarantined" for s in able):
-            return "every server that can run it is quarantined", ", ".join(able)
-        holding = g.get("holding") or []
-        doing = "; ".join(f"{s} {_doing(servers.get(s))}" for s in able)
-        if holding and not any(servers.get(s, {}).get("state") == "free" for s in able):
-            return "waiting for a server holding its model", (
-                f"{', '.join(holding)} hold it; {doing}"
-            )
-        return "waiting for a server", f"{', '.join(able)} can run it; {doing}"
-    return "waiting for a server", "in line"
+    if g is None:
+        return None
+    servers = look.servers
+    able = g.get("servers") or []
+    if not able:
+        return "no server can run it", "none of the pool's servers has its nodes and models"
+    if all(servers.get(s, {}).get("state") == "quarantined" for s in able):
+        return "every server that can run it is quarantined", ", ".join(able)
+    holding = g.get("holding") or []
+    doing = "; ".join(f"{s} {_doing(servers.get(s))}" for s in able)
+    if holding and not any(servers.get(s, {}).get("state") == "free" for s in able):
+        return "waiting for a server holding its model", (f"{', '.join(holding)} hold it; {doing}")
+    return "waiting for a server", f"{', '.join(able)} can run it; {doing}"
 
 
 def _doing(server: dict[str, Any] | None) -> str:

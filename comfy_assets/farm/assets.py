@@ -45,6 +45,7 @@ from comfy_assets.farm.automation import (
 from comfy_assets.farm.job_file_sensor import JOB_FILE_SHA_TAG, current_problems
 from comfy_assets.farm.metadata import (
     JOB_COLUMNS,
+    Metadata,
     OutputsSheet,
     column_schema,
     film_metadata,
@@ -199,7 +200,7 @@ def render_partition(
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
     # The UI's view of the rows results.csv writes (render_results).
     jobs = job_frame(JobResults.of(current, outputs, job_ids, last_model_tries(tries), failed_on))
-    metadata: dict[str, object] = {}
+    metadata: Metadata = {}
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
         url = result_store.media_url
@@ -291,7 +292,7 @@ def gather_results(
     """Concatenate every partition's results CSV; partitions without one are logged."""
     root = result_store.root
     tables: dict[str, Path] = {}
-    for partition in context.instance.get_dynamic_partitions(farm.job_files_partitions.name):
+    for partition in context.instance.get_dynamic_partitions(farm.job_files_partitions_name):
         path = results_csv_path(root, partition)
         if path.exists():
             tables[partition] = path
@@ -388,7 +389,7 @@ def cut_film(
     url = result_store.media_url
     media = (url, result_store.root) if url else None
 
-    how = policy.mode
+    how: str = policy.mode
     if film.gate.draft:
         slates = ", ".join(map(str, film.gate.placeholders))
         how = f"draft, slates for shots {slates}" if slates else "draft"

@@ -49,6 +49,7 @@ from dagster import (
     DagsterRunStatus,
     DefaultSensorStatus,
     DeleteDynamicPartitionsRequest,
+    IntMetadataValue,
     MetadataValue,
     RunRequest,
     RunsFilter,
@@ -117,13 +118,13 @@ class SeenFile:
     ok: bool  # passed validation (and so was launched)
     errors: str = ""  # a bad file's errors, one a line, as the ``valid`` check shows them
 
-    def to_json(self) -> list[object]:
+    def to_json(self) -> list[str | int]:
         """Compact form: thousands of these live in one cursor string."""
-        raw: list[object] = [self.sha, self.size, self.mtime_ns, int(self.ok)]
+        raw: list[str | int] = [self.sha, self.size, self.mtime_ns, int(self.ok)]
         return [*raw, self.errors] if self.errors else raw
 
     @classmethod
-    def from_json(cls, raw: list[object]) -> "SeenFile":
+    def from_json(cls, raw: list[str | int]) -> "SeenFile":
         """Inverse of :meth:`to_json`."""
         sha, size, mtime_ns, ok, *errors = raw
         return cls(str(sha), int(size), int(mtime_ns), bool(ok), str(errors[0]) if errors else "")
@@ -222,7 +223,11 @@ def _shots_accepted(instance: DagsterInstance, key: str, farm: Farm) -> int:
     ).records
     materialization = records[0].asset_materialization if records else None
     shots = materialization.metadata.get("shots") if materialization else None
-    return int(shots.value) if shots is not None else 0
+    if shots is None:
+        return 0
+    if not isinstance(shots, IntMetadataValue) or shots.value is None:
+        raise TypeError(f"partition {key}: the job files' metadata shots is {shots!r}")
+    return shots.value
 
 
 def _has_unfinished_run(instance: DagsterInstance, key: str) -> bool:
@@ -250,21 +255,22 @@ def stray_partitions(
     finds no file and materializes nothing), and STRAY_GRACE_S after it was first seen, so
     the run launched right after adding it finds it; then it goes, Missing for good
     otherwise. ``since`` (from the cursor) says when each was first seen."""
-    job_files_partitions = farm.job_files_partitions
-    storyboard_partitions = farm.storyboard_partitions
     candidates: list[tuple[str, str]] = []
     absent = job_files - present
     if absent:
         rendered = instance.get_materialized_partitions(farm.key("renders"))
-        candidates += [(job_files_partitions.name, key) for key in sorted(absent - rendered)]
+        candidates += [(farm.job_files_partitions_name, key) for key in sorted(absent - rendered)]
     if storyboards:
         waiting = storyboards - instance.get_materialized_partitions(farm.key("films"))
         candidates += [
-            (storyboard_partitions.name, key)
+            (farm.storyboard_partitions_name, key)
             for key in sorted(waiting)
             if key not in present or _shots_accepted(instance, key, farm) == 0
         ]
-    delete: dict[str, list[str]] = {job_files_partitions.name: [], storyboard_partitions.name: []}
+    delete: dict[str, list[str]] = {
+        farm.job_files_partitions_name: [],
+        farm.storyboard_partitions_name: [],
+    }
     still: dict[str, float] = {}
     for definition, key in candidates:
         first = since.get(f"{definition}/{key}", now)
@@ -272,7 +278,7 @@ def stray_partitions(
             delete[definition].append(key)
         else:
             still[f"{definition}/{key}"] = first
-    return delete[job_files_partitions.name], delete[storyboard_partitions.name], still
+    return delete[farm.job_files_partitions_name], delete[farm.storyboard_partitions_name], still
 
 
 def missing_folders(dirs: list[Path]) -> list[str]:
@@ -329,6 +335,7 @@ class _Accepted:
 
     max_runs: int
     run_requests: list[RunRequest] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # the partition of each run request
     materializations: list[AssetMaterialization] = field(default_factory=list)
     with_shots: list[str] = field(default_factory=list)
     without_shots: list[str] = field(default_factory=list)
@@ -399,6 +406,7 @@ def _accept(
                 tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
             )
         )
+        accepted.keys.append(key)
         accepted.materializations.append(_materialization(key, path, job_file, farm.job_files_key))
         shots = any(job.shot is not None for job in job_file.jobs)
         (accepted.with_shots if shots else accepted.without_shots).append(key)
@@ -421,11 +429,9 @@ def _partition_requests(
     job_files_partitions = farm.job_files_partitions
     storyboard_partitions = farm.storyboard_partitions
     instance = context.instance
-    existing = set(instance.get_dynamic_partitions(job_files_partitions.name))
-    new_keys = [
-        req.partition_key for req in accepted.run_requests if req.partition_key not in existing
-    ]
-    existing_storyboards = set(instance.get_dynamic_partitions(storyboard_partitions.name))
+    existing = set(instance.get_dynamic_partitions(farm.job_files_partitions_name))
+    new_keys = [key for key in accepted.keys if key not in existing]
+    existing_storyboards = set(instance.get_dynamic_partitions(farm.storyboard_partitions_name))
     new_storyboards = [key for key in accepted.with_shots if key not in existing_storyboards]
     # A storyboard whose new version has no shots is no film any more.
     unshot = [key for key in accepted.without_shots if key in existing_storyboards]

@@ -49,7 +49,7 @@ def add_launched_partition(farm: Farm, argv: Sequence[str] | None = None) -> Pat
     ]
     if len(found) != 1:  # none, or several (the sensor's check names them)
         return None
-    name = farm.job_files_partitions.name
+    name = farm.job_files_partitions_name
     with DagsterInstance.get() as instance:
         if instance.has_dynamic_partition(name, key):
             return None

@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, TypeAlias
 from urllib.parse import quote
 
 import pandas as pd
@@ -36,6 +36,13 @@ from comfy_assets.jobs.states import DONE
 from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, JobResults, ResultsTable
 from comfy_assets.store import FileRecord, JobRecord, Store
+
+# An asset's metadata entry, a subset of what Dagster takes (its RawMetadataValue, which
+# the package does not export): a MetadataValue, or a plain value it wraps.
+MetadataEntry: TypeAlias = (
+    MetadataValue | TableSchema | dict[str, Any] | list[Any] | float | int | str | None
+)
+Metadata: TypeAlias = dict[str, MetadataEntry]
 
 # Errors of one bad file shown by the ``valid`` check; the rest are counted.
 MAX_ERRORS_PER_FILE = 50
@@ -409,7 +416,7 @@ RESULTS_COLUMNS = {
 }
 
 
-def results_metadata(results: ResultsTable, path: Path) -> dict[str, object]:
+def results_metadata(results: ResultsTable, path: Path) -> Metadata:
     """Row count, path, the column schema and a preview table of a results CSV."""
     # object dtype keeps each value as it is (64 stays 64 where some rows lack a key);
     # the schema's types come from the values (``_table_type``).
@@ -428,7 +435,7 @@ def film_metadata(
     cost: dict[str, float | int | None] | None,
     sheet_px: int,
     media: tuple[str, Path] | None = None,
-) -> dict[str, object]:
+) -> Metadata:
     """The film materialization's metadata: the contact sheet, the film, then the cost
     report as numbers. ``media``: the store's ``(media URL, folder)`` when the folder is
     served over HTTP; the film is then a link that plays it and the sheet is inline."""
@@ -436,7 +443,7 @@ def film_metadata(
     if media is not None:
         sheet_url = media_url(*media, film.contact_sheet)
         film_url = media_url(*media, film.concat.path)
-    metadata: dict[str, object] = {}
+    metadata: Metadata = {}
     if film_url is not None:
         metadata["film"] = MetadataValue.url(film_url)
     metadata["contact_sheet"] = MetadataValue.md(
@@ -478,7 +485,7 @@ SERVER_COLUMNS = {
 
 def servers_metadata(
     servers: Sequence[str], records: Sequence[Any], health: Mapping[str, Any]
-) -> dict[str, object]:
+) -> Metadata:
     """The ``servers`` table of a partition: per server, its state and the failures it
     and the jobs own (``Store.server_health``), the partition's jobs it rendered."""
     done: dict[str, int] = {}
@@ -503,7 +510,7 @@ def servers_metadata(
     return {"servers": table(frame, column_schema(frame, SERVER_COLUMNS))}
 
 
-def model_load_metadata(cost: ModelLoadCost) -> dict[str, object]:
+def model_load_metadata(cost: ModelLoadCost) -> Metadata:
     """A partition's model loads (``render.cost.model_load_cost``): how many, the GPU
     seconds they took, and per server."""
     frame = pd.DataFrame(

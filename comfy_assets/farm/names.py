@@ -95,14 +95,24 @@ class Farm:
         """A partition per job file of the watched folders."""
         if not self.key_prefix:
             return job_files_partitions
-        return DynamicPartitionsDefinition(name=self.name("job_files"))
+        return DynamicPartitionsDefinition(name=self.job_files_partitions_name)
 
     @functools.cached_property
     def storyboard_partitions(self) -> DynamicPartitionsDefinition:
         """A partition per job file whose jobs have shot numbers: the films'."""
         if not self.key_prefix:
             return storyboard_partitions
-        return DynamicPartitionsDefinition(name=self.name("storyboards"))
+        return DynamicPartitionsDefinition(name=self.storyboard_partitions_name)
+
+    @property
+    def job_files_partitions_name(self) -> str:
+        """The name of ``job_files_partitions`` (the instance's dynamic partitions)."""
+        return self.name("job_files")
+
+    @property
+    def storyboard_partitions_name(self) -> str:
+        """The name of ``storyboard_partitions``."""
+        return self.name("storyboards")
 
     @property
     def job_files_key(self) -> AssetKey:

@@ -20,7 +20,7 @@ UI shows as written.
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, overload
 
 from dagster import Config, ConfigurableResource, EnvVar
 from pydantic import Field
@@ -41,6 +41,10 @@ def _knob(name: str) -> Any:
     return Field(default=KNOBS[name].default, description=knob_doc(name))
 
 
+@overload
+def env_or_default(name: str, default: str) -> str: ...
+@overload
+def env_or_default(name: str, default: None) -> str | None: ...
 def env_or_default(name: str, default: str | None) -> str | None:
     """Return ``EnvVar(name)`` when the variable is set, else ``default``."""
     return EnvVar(name) if name in os.environ else default
@@ -134,7 +138,14 @@ class ResultStoreResource(ConfigurableResource):
         return Store(self.root, db_url=self.db_url, retry_s=retry_s)
 
 
-def default_resources() -> dict[str, ConfigurableResource]:
+class DefaultResources(TypedDict):
+    """``default_resources``: one farm's resources by their keys."""
+
+    comfy: ComfyPoolResource
+    result_store: ResultStoreResource
+
+
+def default_resources() -> DefaultResources:
     """Resources configured from the environment (see the module docstring)."""
     return {
         "comfy": ComfyPoolResource(servers_spec=env_or_default(SERVERS_ENV, DEFAULT_SERVERS)),

@@ -293,7 +293,9 @@ def _check_media(s: Shot, policy: Policy) -> tuple[str, Path | None, MediaInfo |
 def _pick_file(files: list[Path]) -> Path | None:
     paths = [Path(f) for f in files]
     videos = [p for p in paths if p.suffix.lower() in VIDEO_SUFFIXES]
-    return (videos or paths or [None])[0]
+    if videos:
+        return videos[0]
+    return paths[0] if paths else None
 
 
 def _blocked(s: Shot, reason: str, file: Path | None = None) -> ShotVerdict:
@@ -365,16 +367,16 @@ def build_film(
         still_clip(still, v.duration_s, clip, width=film_width, height=film_height, fps=rate)
         clips.append(clip)
     metadata = {"comment": _comment(result)}
-    shots = [f"shot {v.shot}" for v in result.verdicts]
+    names = [f"shot {v.shot}" for v in result.verdicts]
     joined = concat(
-        clips, out, width=film_width, height=film_height, fps=rate, metadata=metadata, names=shots
+        clips, out, width=film_width, height=film_height, fps=rate, metadata=metadata, names=names
     )
     # Three 160 px tiles a row: 480 px fit the metadata column of Dagster's UI.
     sheet = contact_sheet(
         clips,
         out.with_name(f"{out.stem}.contact.png"),
         columns=3,
-        labels=shots,
+        labels=names,
     )
     return FilmResult(joined, sheet.path, result)
 

@@ -112,7 +112,23 @@ class ChainResolution:
         if not chained:
             return cast(list[Job], entries)
         prompt_ids = {e.id: e.prompt_id for e in entries if isinstance(e, Job)}
-        waits: dict[str, set[str]] = {}  # chained job -> the chained jobs it waits for
+        waits = self._waits(chained, ids)
+        finished, left = _finish_in_order(chained, waits, prompt_ids)
+        self._cycles({job_id: waits[job_id] & left.keys() for job_id in left}, chained)
+        done: list[Job] = []
+        for entry in entries:
+            if isinstance(entry, Chained):
+                made = finished.get(entry.id)
+                if made is not None and made.line == entry.line:
+                    done.append(made)
+            else:
+                done.append(entry)
+        return done
+
+    def _waits(self, chained: Mapping[str, Chained], ids: Mapping[str, int]) -> dict[str, set[str]]:
+        """Each chained job whose inputs are all sound -> the chained jobs it waits for;
+        records an error for each input that is not."""
+        waits: dict[str, set[str]] = {}
         for job in chained.values():
             ups: set[str] | None = set()
             for item in job.upstreams():
@@ -124,36 +140,7 @@ class ChainResolution:
                     ups.add(item.job)
             if ups is not None:
                 waits[job.id] = ups
-        # Kahn's order: a job is finished once every job it waits for is.
-        dependants: dict[str, list[str]] = {}
-        for job_id, ups in waits.items():
-            for up in ups:
-                dependants.setdefault(up, []).append(job_id)
-        left = {job_id: len(ups) for job_id, ups in waits.items()}
-        ready = [job_id for job_id, count in left.items() if count == 0]
-        finished: dict[str, Job] = {}
-        while ready:
-            job_id = ready.pop()
-            del left[job_id]
-            job = chained[job_id]
-            if all(i.job in prompt_ids for i in job.upstreams()):
-                finished[job_id] = job.job(prompt_ids)
-                prompt_ids[job_id] = finished[job_id].prompt_id
-            for dependant in dependants.get(job_id, ()):
-                if dependant in left:
-                    left[dependant] -= 1
-                    if left[dependant] == 0:
-                        ready.append(dependant)
-        self._cycles({job_id: waits[job_id] & left.keys() for job_id in left}, chained)
-        done: list[Job] = []
-        for entry in entries:
-            if isinstance(entry, Chained):
-                made = finished.get(entry.id)
-                if made is not None and made.line == entry.line:
-                    done.append(made)
-            else:
-                done.append(entry)
-        return done
+        return waits
 
     def _upstream_problem(
         self, job: Chained, item: InputFromJob, ids: Mapping[str, int]
@@ -242,3 +229,32 @@ def strongly_connected(graph: Mapping[str, set[str]]) -> list[list[str]]:
                     if len(component) > 1:
                         found.append(component)
     return found
+
+
+def _finish_in_order(
+    chained: Mapping[str, Chained], waits: dict[str, set[str]], prompt_ids: dict[str, str]
+) -> tuple[dict[str, Job], dict[str, int]]:
+    """Kahn's order: a job is finished once every job it waits for is. Returns (the
+    finished jobs by id, the jobs left unfinished, those in or behind a cycle, with how
+    many jobs each still waits for);
+    ``prompt_ids`` gains the finished jobs' prompt ids."""
+    dependants: dict[str, list[str]] = {}
+    for job_id, ups in waits.items():
+        for up in ups:
+            dependants.setdefault(up, []).append(job_id)
+    left = {job_id: len(ups) for job_id, ups in waits.items()}
+    ready = [job_id for job_id, count in left.items() if count == 0]
+    finished: dict[str, Job] = {}
+    while ready:
+        job_id = ready.pop()
+        del left[job_id]
+        job = chained[job_id]
+        if all(i.job in prompt_ids for i in job.upstreams()):
+            finished[job_id] = job.job(prompt_ids)
+            prompt_ids[job_id] = finished[job_id].prompt_id
+        for dependant in dependants.get(job_id, ()):
+            if dependant in left:
+                left[dependant] -= 1
+                if left[dependant] == 0:
+                    ready.append(dependant)
+    return finished, left

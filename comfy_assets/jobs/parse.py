@@ -96,23 +96,7 @@ def load_job_file(
     """
     path = Path(path)
     where = str(path)
-    try:
-        data = read_regular_file(path)
-    except OSError as e:
-        raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
-    except NotARegularFile as e:
-        raise JobFileError([LineError(where, 0, "file", f"cannot read: it {e}")]) from e
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        # The line of the first byte that is not UTF-8, and its column in bytes (1-based);
-        # e.start counts from after a BOM, as e.object does.
-        line = e.object.count(b"\n", 0, e.start) + 1
-        column = e.start - (e.object.rfind(b"\n", 0, e.start) + 1) + 1
-        raise JobFileError(
-            [LineError(where, line, "file", f"not UTF-8 at byte {column} of the line: {e.reason}")]
-        ) from e
-
+    data, text = _read_text(path)
     parser = _Parser(where, path.parent, workflows or WorkflowCache(), rules)
     header = Header()
     seen_ids: dict[str, int] = {}
@@ -138,19 +122,7 @@ def load_job_file(
         if obj is None:
             continue
         job = parser.job(obj, number)
-        job_id = obj.get("id")
-        if isinstance(job_id, str):
-            if job_id in seen_ids:
-                parser.error(number, "id", f"{job_id} repeated; first on line {seen_ids[job_id]}")
-            else:
-                seen_ids[job_id] = number
-        shot = obj.get("shot")
-        if is_shot(shot):
-            # Two jobs for one shot: the film would have to pick one, so neither is taken.
-            if shot in seen_shots:
-                parser.error(number, "shot", f"{shot} repeated; first on line {seen_shots[shot]}")
-            else:
-                seen_shots[shot] = number
+        _note_repeats(parser, obj, number, seen_ids, seen_shots)
         if job is not None:
             jobs.append(job)
     if job_lines == 0:
@@ -164,6 +136,53 @@ def load_job_file(
     if parser.errors:
         raise JobFileError(parser.errors)
     return JobFile(path=path, sha256=version_sha256(data, done), header=header, jobs=done)
+
+
+def _read_text(path: Path) -> tuple[bytes, str]:
+    """The job file's bytes and text; JobFileError (line 0, or the line of the first byte
+    that is not UTF-8; field "file") when it cannot be read or decoded."""
+    where = str(path)
+    try:
+        data = read_regular_file(path)
+    except OSError as e:
+        raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
+    except NotARegularFile as e:
+        raise JobFileError([LineError(where, 0, "file", f"cannot read: it {e}")]) from e
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        # The line of the first byte that is not UTF-8, and its column in bytes (1-based);
+        # e.start counts from after a BOM, as e.object does.
+        line = e.object.count(b"\n", 0, e.start) + 1
+        column = e.start - (e.object.rfind(b"\n", 0, e.start) + 1) + 1
+        raise JobFileError(
+            [LineError(where, line, "file", f"not UTF-8 at byte {column} of the line: {e.reason}")]
+        ) from e
+    return data, text
+
+
+def _note_repeats(
+    parser: _Parser,
+    obj: dict[str, Any],
+    number: int,
+    seen_ids: dict[str, int],
+    seen_shots: dict[int, int],
+) -> None:
+    """Records line ``number``'s id and shot, or an error naming the first line that has
+    the same one."""
+    job_id = obj.get("id")
+    if isinstance(job_id, str):
+        if job_id in seen_ids:
+            parser.error(number, "id", f"{job_id} repeated; first on line {seen_ids[job_id]}")
+        else:
+            seen_ids[job_id] = number
+    shot = obj.get("shot")
+    if is_shot(shot):
+        # Two jobs for one shot: the film would have to pick one, so neither is taken.
+        if shot in seen_shots:
+            parser.error(number, "shot", f"{shot} repeated; first on line {seen_shots[shot]}")
+        else:
+            seen_shots[shot] = number
 
 
 def version_sha256(data: bytes, jobs: list[Job]) -> str:

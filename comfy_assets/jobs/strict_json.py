@@ -7,7 +7,7 @@ import json
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 # Values quoted in errors are cut to this many characters (a whole workflow is no help).
 _SHOWN_CHARS = 80
@@ -74,7 +74,7 @@ def is_link(value: Any) -> bool:
 MAX_SHOT = 2**31 - 1
 
 
-def is_shot(value: Any) -> bool:
+def is_shot(value: object) -> TypeGuard[int]:
     """An integer from 0 to MAX_SHOT (not a bool): a shot number."""
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SHOT
 

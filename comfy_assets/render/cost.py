@@ -81,12 +81,17 @@ def cost_report(attempts: list[AttemptCost], shots: int) -> dict[str, float | in
 
 
 class ModelTry(Protocol):
-    """What ``model_load_cost`` reads of a try (``store.ModelLoadRecord`` has it)."""
+    """What ``model_load_cost`` reads of a try (``store.ModelLoadRecord`` has it);
+    read-only, as a frozen record's fields are."""
 
-    server: str | None
-    models: tuple[str, ...]
-    loaded: bool
-    gpu_seconds: float | None
+    @property
+    def server(self) -> str | None: ...
+    @property
+    def models(self) -> tuple[str, ...]: ...
+    @property
+    def loaded(self) -> bool: ...
+    @property
+    def gpu_seconds(self) -> float | None: ...
 
 
 @dataclass(frozen=True)

@@ -80,19 +80,27 @@ class JobRow(Protocol):
 
 
 class ModelTryRow(Protocol):
-    """A try of a job that loads models (``store.ModelLoadRecord``)."""
+    """A try of a job that loads models (``store.ModelLoadRecord``); read-only, as a
+    frozen record's fields are."""
 
-    job_id: str
-    models: tuple[str, ...]
-    loaded: bool
+    @property
+    def job_id(self) -> str: ...
+    @property
+    def models(self) -> tuple[str, ...]: ...
+    @property
+    def loaded(self) -> bool: ...
 
 
 class FileRow(Protocol):
-    """One output file of a job (path relative to the job's folder)."""
+    """One output file of a job (path relative to the job's folder); read-only, as a
+    frozen record's fields are."""
 
-    path: str
-    sha256: str
-    node_id: str | None
+    @property
+    def path(self) -> str: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def node_id(self) -> str | None: ...
 
 
 def files_cell(files: Iterable[FileRow]) -> str:

@@ -16,7 +16,7 @@ database is away, like the ``Store``'s own.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,16 +96,18 @@ class Webhook:
     client: str | None = None  # the job's client
 
 
-def _api_job(row: sa.Row) -> ApiJob:
+def _api_job(row: sa.Row[Any] | Mapping[str, Any]) -> ApiJob:
+    """The API job of an api_jobs row, or of its columns by name."""
+    values = row._mapping if isinstance(row, sa.Row) else row
     return ApiJob(
-        job_id=row.job_id,
-        client=row.client,
-        content=json.loads(row.content_json),
-        message=row.message.encode(),
-        webhook=row.webhook,
-        created_at=row.created_at,
-        published_at=row.published_at,
-        notified_at=row.notified_at,
+        job_id=values["job_id"],
+        client=values["client"],
+        content=json.loads(values["content_json"]),
+        message=values["message"].encode(),
+        webhook=values["webhook"],
+        created_at=values["created_at"],
+        published_at=values["published_at"],
+        notified_at=values["notified_at"],
     )
 
 
@@ -337,7 +339,7 @@ class ApiLedger(StoreBase):
 
     @retried
     def ended_since(
-        self, event_id: int, partitions: list[str], limit: int = 1000
+        self, event_id: int, partitions: Sequence[str], limit: int = 1000
     ) -> tuple[list[str], int]:
         """The jobs of ``partitions`` with an ending (a move to succeeded, degraded or
         failed_fatal) among the events after ``event_id``, and the id of the last event
@@ -388,7 +390,7 @@ class ApiLedger(StoreBase):
                 mapping = row._mapping
                 api = {k: mapping[api_jobs_table.c[k]] for k in api_columns}
                 job = {k: mapping[jobs_table.c[k]] for k in jobs_table.c.keys()}
-                found.append((_api_job(_Row(api)), _job_record(_Row(job))))
+                found.append((_api_job(api), _job_record(job)))
         return found
 
     @retried
@@ -471,11 +473,3 @@ class ApiLedger(StoreBase):
         )
         with self._read() as conn:
             return [Webhook(**r._mapping) for r in conn.execute(stmt)]
-
-
-class _Row:
-    """A mapping read as a row (attribute access), for the record builders."""
-
-    def __init__(self, values: dict[str, Any]) -> None:
-        self.__dict__.update(values)
-        self._mapping = values

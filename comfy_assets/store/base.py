@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -178,8 +178,9 @@ def _event(
     )
 
 
-def _job_record(row: sa.Row) -> JobRecord:
-    values = dict(row._mapping)
+def _job_record(row: sa.Row[Any] | Mapping[str, Any]) -> JobRecord:
+    """The record of a jobs row, or of its columns by name."""
+    values = dict(row._mapping if isinstance(row, sa.Row) else row)
     values["set"] = json.loads(values.pop("set_json"))
     values["inputs"] = tuple(json.loads(values.pop("inputs_json") or "[]"))
     values["state"] = State(values["state"])

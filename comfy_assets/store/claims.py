@@ -133,14 +133,14 @@ class Claims(Owners):
                 event = self._insert_events(conn, [event])[0]
         if event:
             log_event(event)
-        claimed = dataclasses.replace(
+        taken = dataclasses.replace(
             record,
             claimed_by=owner,
             claim_expires_at=now + lease_s,
             updated_at=now,
             taken_over=event.detail if event else None,
         )
-        return ClaimStatus.CLAIMED, claimed
+        return ClaimStatus.CLAIMED, taken
 
     @retried
     def renew_claim(

@@ -394,7 +394,7 @@ class ServerHealth(StoreBase):
         t, f = server_health_table, server_failures_table
         with self._read() as conn:
             rows = list(conn.execute(sa.select(t)))
-            counts = dict(
+            counts: dict[str, int] = dict(
                 conn.execute(
                     sa.select(f.c.server, sa.func.count())
                     .where(f.c.verdict.is_(None), f.c.at > now - OPEN_FAILURE_S)
@@ -475,7 +475,7 @@ class ServerHealth(StoreBase):
         if server is not None:
             stmt = stmt.where(e.c.server == server)
         with self._read() as conn:
-            return [tuple(r) for r in conn.execute(stmt)]  # type: ignore[misc]
+            return [tuple(r) for r in conn.execute(stmt)]
 
 
 def ok_record(server: str) -> ServerHealthRecord:

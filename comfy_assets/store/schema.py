@@ -387,5 +387,6 @@ def _add_columns(conn: sa.Connection) -> None:
         column = table.c[name]
         kind = column.type.compile(dialect=conn.dialect)
         default = column.server_default
-        clause = f" NOT NULL DEFAULT {default.arg}" if default is not None else ""
+        # Every column added to an existing table has a plain server default or none.
+        clause = f" NOT NULL DEFAULT {default.arg}" if isinstance(default, sa.DefaultClause) else ""
         conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {name} {kind}{clause}"))

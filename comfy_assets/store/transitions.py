@@ -402,7 +402,7 @@ class Transitions(StoreBase):
         ``row``, ``tried_row`` just written among them; a job with no attempt before it
         (none now, none before a reset: ``attempts_before``) has that one's alone."""
         if tried_row is None or row.attempts or row.attempts_before:
-            return tuple(conn.execute(q.TOTALS, {"b_id": row.job_id}).one())  # type: ignore[return-value]
+            return tuple(conn.execute(q.TOTALS, {"b_id": row.job_id}).one())
         seconds, waited, gpu = (
             tried_row["seconds"],
             tried_row["queue_wait_s"],
