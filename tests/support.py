@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -21,7 +22,10 @@ from aiohttp import web
 
 import fake_comfy.fake
 from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.jobs.model import JobFile
 from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.run import run_batch
+from comfy_assets.render.summary import BatchSummary
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 
@@ -85,6 +89,30 @@ async def fake_servers(*fakes: FakeComfy) -> AsyncIterator[list[ServerSpec]]:
             url = await stack.enter_async_context(fake.serve(port=0))
             specs.append(ServerSpec(f"gpu{i}", url))
         yield specs
+
+
+async def fast_batch(
+    job_file: JobFile,
+    servers: Sequence[ServerSpec],
+    store: Store,
+    *,
+    partition: str = "p",
+    **options: Any,
+) -> BatchSummary:
+    """``run_batch`` of ``job_file`` as ``partition`` over ``servers`` with ``fast_config()``;
+    ``options``: run_batch's others (``on_line``, ``owner``, ...). Returns the summary."""
+    return await run_batch(
+        job_file, partition=partition, servers=servers, store=store, config=fast_config(), **options
+    )
+
+
+async def batch_over_fakes(
+    job_file: JobFile, store: Store, *fakes: FakeComfy, partition: str = "p", **options: Any
+) -> BatchSummary:
+    """The fake-farm batch: serve ``fakes`` (gpu0, gpu1, ...) and run ``job_file`` over them
+    with ``fast_config()`` (``fast_batch``); returns the summary once the fakes are down."""
+    async with fake_servers(*fakes) as servers:
+        return await fast_batch(job_file, servers, store, partition=partition, **options)
 
 
 def free_port() -> int:

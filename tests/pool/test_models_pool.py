@@ -13,10 +13,17 @@ from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch, run_one
+from comfy_assets.render.run import run_one
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, posted, write_jobs
+from tests.support import (
+    batch_over_fakes,
+    fake_servers,
+    fast_batch,
+    fast_config,
+    posted,
+    write_jobs,
+)
 
 
 def model_jobs(folder: Path, checkpoints: list[str], salt: str = "") -> JobFile:
@@ -50,10 +57,7 @@ async def test_a_job_whose_checkpoint_only_gpu1_lists_is_posted_only_to_gpu1(tmp
     gpu0 = FakeComfy(models=["a.safetensors"], prompt_seconds=0.001)
     gpu1 = FakeComfy(models=["a.safetensors", "b.safetensors"], prompt_seconds=0.001)
     jf = model_jobs(tmp_path / "jobs", ["b.safetensors", "a.safetensors"] * 4)
-    async with fake_servers(gpu0, gpu1) as servers:
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=Store(tmp_path / "s"), config=fast_config()
-        )
+    summary = await batch_over_fakes(jf, Store(tmp_path / "s"), gpu0, gpu1)
     assert summary.done == 8
     only_b = ids_of(jf, "b.safetensors")
     assert [posted(gpu0, p) for p in only_b] == [0] * 4
@@ -68,15 +72,7 @@ async def test_a_job_whose_checkpoint_no_server_lists_is_a_dead_letter_with_noth
     jf = model_jobs(tmp_path / "jobs", ["a.safetensors", "sdxl_base.safetensors", "a.safetensors"])
     lines: list[str] = []
     store = Store(tmp_path / "s")
-    async with fake_servers(gpu0, gpu1) as servers:
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+    summary = await batch_over_fakes(jf, store, gpu0, gpu1, on_line=lines.append)
     (missing,) = [j for j in jf.jobs if "sdxl_base.safetensors" in j.models]
     reason = "no server has checkpoint 'sdxl_base.safetensors' (gpu0, gpu1 checked)"
     assert (summary.done, summary.dead_letters) == (2, [(missing.id, reason)])
@@ -93,9 +89,7 @@ async def test_a_job_waits_for_a_server_that_comes_up_with_its_model(tmp_path):
     store = Store(tmp_path / "s")
     async with fake_servers(gpu0) as (up,):
         servers = [up, ServerSpec("gpu1", f"http://127.0.0.1:{port}")]
-        task = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
-        )
+        task = asyncio.create_task(fast_batch(jf, servers, store))
         # gpu1 is down and gpu0 lacks c: the a jobs run, the c job waits, unposted.
         async with asyncio.timeout(30):
             while store.counts("p").get("succeeded", 0) != 2:
@@ -148,9 +142,6 @@ async def test_jobs_of_one_model_stay_on_the_server_holding_it(tmp_path):
     ]
     names = ["a.safetensors", "b.safetensors"] * 10
     jf = model_jobs(tmp_path / "jobs", names)
-    async with fake_servers(*fakes) as servers:
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=Store(tmp_path / "s"), config=fast_config()
-        )
+    summary = await batch_over_fakes(jf, Store(tmp_path / "s"), *fakes)
     assert summary.done == 20
     assert [loads(f) for f in fakes] == [1, 1]

@@ -28,7 +28,9 @@ from comfy_assets.store.schema import pool_waiters_table
 from fake_comfy import FakeComfy
 from tests.support import (
     ROOT,
+    batch_over_fakes,
     fake_servers,
+    fast_batch,
     fast_config,
     free_port,
     outcomes,
@@ -47,10 +49,7 @@ async def test_the_busiest_server_is_avoided(tmp_path):
     busy = FakeComfy(busy=3, prompt_seconds=0.2)
     idle = FakeComfy(prompt_seconds=0.005)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    async with fake_servers(busy, idle) as servers:
-        await run_batch(
-            jf, partition="p", servers=servers, store=Store(tmp_path / "s"), config=fast_config()
-        )
+    await batch_over_fakes(jf, Store(tmp_path / "s"), busy, idle)
     ours = {j.prompt_id for j in jf.jobs}
     assert (ran_on(busy, ours), ran_on(idle, ours)) == (0, 1)
 
@@ -63,9 +62,7 @@ async def test_an_unreachable_server_is_reported_and_skipped(tmp_path):
             ServerSpec("gpu0", f"http://127.0.0.1:{free_port()}"),
             ServerSpec("gpu1", up.url),
         ]
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=Store(tmp_path / "s"), config=fast_config()
-        )
+        summary = await fast_batch(jf, servers, Store(tmp_path / "s"))
     assert summary.done == 4
     assert ran_on(fake, {j.prompt_id for j in jf.jobs}) == 4
     assert "gpu0" in summary.unreachable and "ServerUnreachable" in summary.unreachable["gpu0"]
@@ -100,13 +97,8 @@ async def test_with_every_server_down_the_pool_waits_and_resumes(tmp_path):
     store = Store(tmp_path / "s")
     lines: list[str] = []
     task = asyncio.create_task(
-        run_batch(
-            jf,
-            partition="p",
-            servers=[ServerSpec("gpu0", f"http://127.0.0.1:{port}")],
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
+        fast_batch(
+            jf, [ServerSpec("gpu0", f"http://127.0.0.1:{port}")], store, on_line=lines.append
         )
     )
     # The batch is waiting: nothing can have run, and the jobs are still pending.
@@ -325,10 +317,7 @@ async def test_a_server_our_prompt_leaves_goes_to_our_next_prompt_without_a_new_
     fake = FakeComfy(prompt_seconds=0.01)
     store = CountingStore(tmp_path / "s")
     jf = load_job_file(write_jobs(tmp_path / "jobs", 6))
-    async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+    summary = await batch_over_fakes(jf, store, fake)
     runs = sorted(fake.stats["runs"], key=lambda r: r["start"])
     assert summary.done == 6
     assert len(runs) == 6

@@ -18,7 +18,14 @@ from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, job_id, wait_until, write_jobs
+from tests.support import (
+    batch_over_fakes,
+    fake_servers,
+    fast_config,
+    job_id,
+    wait_until,
+    write_jobs,
+)
 
 
 def prompts(fake: FakeComfy) -> int:
@@ -53,15 +60,15 @@ async def test_a_sick_server_of_three_runs_at_most_5_prompts_of_30_and_nothing_i
     store = Store(tmp_path / "store", url)
     lines: list[str] = []
     jobs = write_jobs(tmp_path / "jobs", 30, name="big.jsonl")
-    async with fake_servers(healthy[0], healthy[1], sick) as servers:
-        summary = await run_batch(
-            load_job_file(jobs),
-            partition="big",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+    summary = await batch_over_fakes(
+        load_job_file(jobs),
+        store,
+        healthy[0],
+        healthy[1],
+        sick,
+        partition="big",
+        on_line=lines.append,
+    )
     assert summary.counts.get("failed_fatal", 0) == 0
     assert summary.counts["succeeded"] == 30
     assert prompts(sick) <= 5
@@ -84,14 +91,9 @@ async def test_a_sick_server_of_three_runs_at_most_5_prompts_of_30_and_nothing_i
     before = prompts(sick)
     second = write_jobs(tmp_path / "jobs", 6, name="next.jsonl")
     other = Store(tmp_path / "store", url)
-    async with fake_servers(healthy[0], healthy[1], sick) as servers:
-        summary = await run_batch(
-            load_job_file(second),
-            partition="next",
-            servers=servers,
-            store=other,
-            config=fast_config(),
-        )
+    summary = await batch_over_fakes(
+        load_job_file(second), other, healthy[0], healthy[1], sick, partition="next"
+    )
     assert summary.counts["succeeded"] == 6
     assert prompts(sick) == before
 

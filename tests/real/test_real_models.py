@@ -24,7 +24,7 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import ROOT, fast_config, posted
+from tests.support import ROOT, fast_batch, fast_config, posted
 
 pytestmark = [pytest.mark.real_comfyui, pytest.mark.timeout(300)]
 
@@ -94,13 +94,7 @@ async def test_a_checkpoint_neither_server_lists_is_a_dead_letter_posted_nowhere
     fake = FakeComfy(models=["other.safetensors"], prompt_seconds=0.001)
     async with fake.serve(port=0) as fake_url:
         servers = [ServerSpec("gpu0", fake_url), ServerSpec("gpu1", real_url)]
-        summary = await run_batch(
-            job_file,
-            partition="p",
-            servers=servers,
-            store=Store(tmp_path / "store"),
-            config=fast_config(),
-        )
+        summary = await fast_batch(job_file, servers, Store(tmp_path / "store"))
     async with httpx.AsyncClient(base_url=real_url) as c:
         history = (await c.get(f"/history/{job.prompt_id}")).json()
     reason = f"no server has checkpoint '{name}' (gpu0, gpu1 checked)"

@@ -20,11 +20,10 @@ from comfy_assets.comfy import capabilities
 from comfy_assets.comfy import client as client_module
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.guard import our_error, stops_the_batch
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, StoreDiskFull, StoreUnavailable
 from comfy_assets.store.schema import metadata
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, write_jobs
+from tests.support import batch_over_fakes, write_jobs
 
 FAST = ["--base-delay-s", "0.01", "--max-delay-s", "0.05", "--no-jitter", "--poll-s", "0.05"]
 
@@ -182,10 +181,7 @@ async def test_a_nul_that_reaches_postgresql_is_that_jobs_dead_letter(
     with Store(tmp_path / "store", pg_url) as store, store.engine.begin() as conn:
         conn.execute(sa.text("TRUNCATE " + ", ".join(t.name for t in metadata.sorted_tables)))
     with Store(tmp_path / "store", pg_url) as store:
-        async with fake_servers(fake) as servers:
-            summary = await run_batch(
-                job_file, partition="jobs", servers=servers, store=store, config=fast_config()
-            )
+        summary = await batch_over_fakes(job_file, store, fake, partition="jobs")
         assert (summary.done, summary.dead_lettered) == (2, 1)
         record = store.get(bad.id)
         assert record.state == "failed_fatal"

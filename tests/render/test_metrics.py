@@ -20,10 +20,9 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.metrics import Metrics
 from comfy_assets.render import run as run_module
 from comfy_assets.render import steering
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import ROOT, fake_servers, fast_config, write_jobs
+from tests.support import ROOT, batch_over_fakes, write_jobs
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -56,14 +55,9 @@ async def served_batch(
     metrics.serve(port, addr="127.0.0.1")
     store = Store(tmp_path / "s")
     metrics.track_store(store, "p")
-    async with fake_servers(*fakes) as servers:
-        summary = await run_batch(
-            load_job_file(write_jobs(tmp_path / "jobs", jobs)),
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-        )
+    summary = await batch_over_fakes(
+        load_job_file(write_jobs(tmp_path / "jobs", jobs)), store, *fakes
+    )
     assert summary.done == jobs
     return port
 

@@ -23,7 +23,15 @@ from comfy_assets.store import OWNER_DEAD_S, Store
 from fake_comfy import FakeComfy
 from tests.render.test_runner import post_as_a_killed_run
 from tests.store.test_store import make_jobs
-from tests.support import executed, fake_servers, fast_config, gone_owner, posted, write_jobs
+from tests.support import (
+    executed,
+    fake_servers,
+    fast_batch,
+    fast_config,
+    gone_owner,
+    posted,
+    write_jobs,
+)
 
 
 def test_a_live_owner_with_a_dead_pid_of_this_host_keeps_its_claims(store, workflow_dir):
@@ -247,9 +255,7 @@ async def test_a_run_takes_the_server_and_the_job_of_an_owner_killed_with_its_ho
     async with fake_servers(fake) as servers:
         assert store.acquire_server("gpu0", owner, 3600.0)
         await post_as_a_killed_run(store, job, servers[0].url, "gpu0")  # as ``owner``
-        summary = await asyncio.wait_for(
-            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config()), 120
-        )
+        summary = await asyncio.wait_for(fast_batch(jf, servers, store), 120)
     assert summary.done == 1
     assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
 

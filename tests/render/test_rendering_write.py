@@ -7,19 +7,22 @@ from __future__ import annotations
 import asyncio
 
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import ClaimLost, Store
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, running, wait_until, write_jobs
+from tests.support import (
+    batch_over_fakes,
+    fake_servers,
+    fast_batch,
+    running,
+    wait_until,
+    write_jobs,
+)
 
 
 async def test_every_job_of_quick_prompts_records_each_move_in_order(store, tmp_path):
     fake = FakeComfy(prompt_seconds=0.0)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 6))
-    async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+    summary = await batch_over_fakes(jf, store, fake)
     assert summary.done == 6
     for job in jf.jobs:
         events = store.events(job.id)
@@ -41,9 +44,7 @@ async def test_a_long_prompt_shows_rendering_while_it_runs(store, tmp_path):
     jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
     (job,) = jf.jobs
     async with fake_servers(fake) as servers:
-        batch = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
-        )
+        batch = asyncio.create_task(fast_batch(jf, servers, store))
 
         def rendering() -> bool:
             return running(fake, job.prompt_id) and store.get(job.id).state == "rendering"
@@ -77,14 +78,7 @@ async def test_a_claim_lost_at_the_rendering_write_removes_the_prompt_and_leaves
     store = ClaimGoneAtRendering(tmp_path / "store")
     lines: list[str] = []
     async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+        summary = await fast_batch(jf, servers, store, on_line=lines.append)
         await fake.wait_idle(10.0)  # the hung prompt is not left running
     assert [r["outcome"] for r in fake.stats["runs"]] == ["interrupted"]
     assert summary.done == 0

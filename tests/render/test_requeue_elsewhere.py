@@ -11,10 +11,15 @@ import pytest
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import executed, fake_servers, fast_config, write_jobs
+from tests.support import (
+    batch_over_fakes,
+    executed,
+    fake_servers,
+    fast_batch,
+    write_jobs,
+)
 
 
 async def test_a_requeued_dead_letter_renders_elsewhere_without_a_false_warning(
@@ -24,10 +29,7 @@ async def test_a_requeued_dead_letter_renders_elsewhere_without_a_false_warning(
     [job] = job_file.jobs
     store = Store(tmp_path / "store")
     failing = FakeComfy(script=["error"])
-    async with fake_servers(failing) as servers:
-        first = await run_batch(
-            job_file, partition="p", servers=servers, store=store, config=fast_config()
-        )
+    first = await batch_over_fakes(job_file, store, failing)
     assert [job_id for job_id, _ in first.dead_letters] == [job.id]
     assert store.requeue(job.id)
 
@@ -37,14 +39,7 @@ async def test_a_requeued_dead_letter_renders_elsewhere_without_a_false_warning(
     async with fake_servers(other) as served:
         # gpu0, where the dead letter was, is not a server of this pool.
         servers = [ServerSpec("gpu1", served[0].url)]
-        second = await run_batch(
-            job_file,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+        second = await fast_batch(job_file, servers, store, on_line=lines.append)
 
     assert second.dead_letters == []
     assert executed(other, job.prompt_id) == 1

@@ -21,8 +21,10 @@ from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy, recorded
 from tests.support import (
+    batch_over_fakes,
     executed,
     fake_servers,
+    fast_batch,
     fast_config,
     gone_owner,
     job_id,
@@ -65,14 +67,7 @@ async def test_duplicate_delivery_of_a_done_job_posts_nothing(tmp_path):
     lines: list[str] = []
     async with fake_servers(fake) as servers:
         for _ in range(2):
-            await run_batch(
-                jf,
-                partition="p",
-                servers=servers,
-                store=store,
-                config=fast_config(),
-                on_line=lines.append,
-            )
+            await fast_batch(jf, servers, store, on_line=lines.append)
     assert [posted(fake, j.prompt_id) for j in jf.jobs] == [1, 1, 1]
     assert sum("already done, nothing posted" in line for line in lines) == 3
 
@@ -164,11 +159,11 @@ async def render_edit_render(tmp_path, count: int, old: str, new: str):
     store = Store(tmp_path / "store")
     async with fake_servers(fake) as servers:
         first = load_job_file(write_jobs(folder, count))
-        await run_batch(first, partition="p", servers=servers, store=store, config=fast_config())
+        await fast_batch(first, servers, store)
         text = (folder / "jobs.jsonl").read_text().replace(old, new)
         (folder / "jobs.jsonl").write_text(text)
         second = load_job_file(folder / "jobs.jsonl")
-        await run_batch(second, partition="p", servers=servers, store=store, config=fast_config())
+        await fast_batch(second, servers, store)
     return fake, first, second, store
 
 
@@ -189,17 +184,10 @@ async def test_a_deleted_output_is_fetched_again_without_rendering_again(tmp_pat
     store = Store(tmp_path / "store")
     lines: list[str] = []
     async with fake_servers(fake) as servers:
-        await run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        await fast_batch(jf, servers, store)
         (first,) = [f for f in store.files(job.id) if "solid" in f.path]
         (store.job_dir("p", job.id) / first.path).unlink()
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+        summary = await fast_batch(jf, servers, store, on_line=lines.append)
     assert summary.done == 1
     assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
     data = (store.job_dir("p", job.id) / first.path).read_bytes()
@@ -228,15 +216,7 @@ async def test_the_claim_of_an_owner_whose_heartbeat_stopped_is_taken_over_at_on
     owner = gone_owner(store)
     assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
     lines: list[str] = []
-    async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+    summary = await batch_over_fakes(jf, store, fake, on_line=lines.append)
     assert summary.done == 1
     taken = f"job {job.id}: claim taken over from {owner} (its holder is gone: no heartbeat for"
     assert any(line.startswith(taken) for line in lines), lines
@@ -271,9 +251,7 @@ async def test_a_run_that_validation_cut_short_is_a_dead_letter_when_caught_up(t
     async with fake_servers(fake) as servers:
         await post_as_a_killed_run(store, job, servers[0].url, "gpu0")
         await fake.wait_idle(5.0)
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+        summary = await fast_batch(jf, servers, store)
     assert summary.dead_letters == [
         (
             job.id,
@@ -293,9 +271,7 @@ async def test_a_claim_taken_over_mid_attempt_counts_the_lost_attempt(tmp_path):
     store.register_jobs("p", jf.jobs)
     async with fake_servers(fake) as servers:
         await post_as_a_killed_run(store, job, servers[0].url, "gpu0")
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+        summary = await fast_batch(jf, servers, store)
     assert summary.done == 1
     assert posted(fake, job.prompt_id) == 1  # caught up, not posted again
     tries = store.attempts(job.id)
@@ -373,16 +349,7 @@ async def test_a_job_whose_inputs_change_while_it_waits_for_a_server_is_not_post
     store = Store(tmp_path / "store")
     lines: list[str] = []
     async with fake_servers(fake) as servers:
-        batch = asyncio.create_task(
-            run_batch(
-                jf,
-                partition="p",
-                servers=servers,
-                store=store,
-                config=fast_config(),
-                on_line=lines.append,
-            )
-        )
+        batch = asyncio.create_task(fast_batch(jf, servers, store, on_line=lines.append))
         await wait_until(
             lambda: running(fake, first.prompt_id) and store.get(second.id).claimed_by,
             10.0,
@@ -416,19 +383,12 @@ async def test_outputs_gone_from_the_server_are_rendered_anew_after_the_cache_is
     store = Store(tmp_path / "store")
     lines: list[str] = []
     async with fake_servers(fake) as servers:
-        await run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
+        await fast_batch(jf, servers, store)
         for f in store.files(job.id):
             (store.job_dir("p", job.id) / f.path).unlink()
         for p in fake.output_dir.rglob("*.png"):
             p.unlink()
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+        summary = await fast_batch(jf, servers, store, on_line=lines.append)
     assert summary.done == 1, lines
     assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (2, 2)
     assert fake.stats["requests"].get("POST /free") == 1
@@ -525,7 +485,7 @@ async def test_a_prompt_that_cannot_be_followed_is_removed_not_left_running(tmp_
     store = Store(tmp_path / "store")
     async with fake_servers(fake) as servers:
         summary = await asyncio.wait_for(
-            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config()),
+            fast_batch(jf, servers, store),
             20.0,
         )
     assert summary.done == 3
@@ -547,9 +507,7 @@ async def test_a_removal_waiting_on_a_long_node_says_so_before_it_ends(
     jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
     store = Store(tmp_path / "store")
     async with fake_servers(fake) as servers:
-        task = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
-        )
+        task = asyncio.create_task(fast_batch(jf, servers, store))
 
         def rendering() -> bool:
             rec = store.get(jf.jobs[0].id)  # None until the batch registers its jobs
@@ -608,10 +566,7 @@ async def test_a_run_removed_after_an_unanswered_post_does_not_end_the_next_run(
     job = jf.jobs[0]
     lost = lose_post_and_queue_answers(monkeypatch)
     store = Store(tmp_path / "store")
-    async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+    summary = await batch_over_fakes(jf, store, fake)
     assert lost == ["POST /prompt", "GET /queue"]
     assert summary.done == 1
     assert outcomes(fake, job.prompt_id) == ["interrupted", "success"]
@@ -651,9 +606,7 @@ async def test_a_run_found_by_a_catch_up_then_forgotten_by_a_restart_says_it_may
             await client.post_prompt(job.workflow, prompt_id=job.prompt_id, client_id="gone")
         await fake.wait_idle(10.0)
         monkeypatch.setattr(ComfyClient, "iter_view", restart_mid_download)
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+        summary = await fast_batch(jf, servers, store)
     assert restarted == ["gpu0"]
     assert summary.done == 1
     assert executed(fake, job.prompt_id) == 2
@@ -675,10 +628,7 @@ async def test_a_prompt_that_ran_while_its_unanswered_post_was_looked_for_is_tak
     # the prompt ends before the lost /queue answer is given up on
     lost = lose_post_and_queue_answers(monkeypatch, meanwhile=lambda: fake.wait_for_runs(1, 10.0))
     store = Store(tmp_path / "store")
-    async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+    summary = await batch_over_fakes(jf, store, fake)
     assert lost == ["POST /prompt", "GET /queue"]
     assert summary.done == 1
     assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
@@ -700,9 +650,7 @@ async def test_a_post_of_a_killed_run_forgotten_by_a_restart_says_it_may_render_
             await client.post_prompt(job.workflow, prompt_id=job.prompt_id, client_id="gone")
         await fake.wait_idle(10.0)
         fake.session.history.clear()  # forgotten, as by a restart
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+        summary = await fast_batch(jf, servers, store)
     assert summary.done == 1
     assert executed(fake, job.prompt_id) == 2
     details = [e.detail or "" for e in store.events(job.id)]
@@ -716,15 +664,9 @@ async def test_a_400_that_echoes_a_huge_value_gives_a_reason_of_a_few_lines(tmp_
     jobs = write_jobs(tmp_path / "jobs", 1, extra=[{"set": {"1.width": huge}}])
     store = Store(tmp_path / "store")
     lines: list[str] = []
-    async with fake_servers(FakeComfy()) as servers:
-        summary = await run_batch(
-            load_job_file(jobs),
-            partition="jobs",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_line=lines.append,
-        )
+    summary = await batch_over_fakes(
+        load_job_file(jobs), store, FakeComfy(), partition="jobs", on_line=lines.append
+    )
     assert summary.counts["failed_fatal"] == 1
     reason = store.get(job_id(0, "jobs.jsonl")).reason
     assert "Failed to convert an input value to a INT value [width, xxx" in reason

@@ -28,6 +28,7 @@ from fake_comfy import FakeComfy
 from tests.pool.test_models_pool import model_jobs
 from tests.support import (
     fake_servers,
+    fast_batch,
     fast_config,
     free_port,
     job_id,
@@ -129,9 +130,7 @@ async def test_a_job_requeued_after_the_running_batch_dead_lettered_it_waits_for
     bad = jf.jobs[0].id
     store = Store(tmp_path / "s")
     async with fake_servers(FakeComfy(prompt_seconds=0.2)) as servers:
-        task = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=store, config=fast_config())
-        )
+        task = asyncio.create_task(fast_batch(jf, servers, store))
         try:
 
             def dead(s: Store) -> bool:
@@ -198,9 +197,7 @@ async def test_a_server_that_dies_under_our_prompt_reads_unreachable_not_renderi
 
         return seen
 
-    task = asyncio.create_task(
-        run_batch(jf, partition="p", servers=[server], store=store, config=fast_config())
-    )
+    task = asyncio.create_task(fast_batch(jf, [server], store))
     try:
         await wait_until(row_state("rendering"), 30.0, "the prompt to render")
         fake.kill()  # its host dies: the port refuses at once

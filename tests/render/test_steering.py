@@ -17,7 +17,7 @@ from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.pool.test_models_pool import model_jobs
-from tests.support import fake_servers, fast_config, write_jobs
+from tests.support import batch_over_fakes, fake_servers, fast_batch, fast_config, write_jobs
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,15 +105,7 @@ async def test_a_batch_reports_the_step_of_its_running_prompts_and_its_time_left
     for job in jf.jobs:
         job.workflow["3"]["inputs"]["steps"] = 5
     seen: list[Progress] = []
-    async with fake_servers(*fakes) as servers:
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=Store(tmp_path / "s"),
-            config=fast_config(),
-            on_progress=seen.append,
-        )
+    summary = await batch_over_fakes(jf, Store(tmp_path / "s"), *fakes, on_progress=seen.append)
     assert summary.done == 8
     running = {line for p in seen for line in p.running}
     step = re.compile(r"job [0-9a-f]{8} on gpu[01]: node 5/7 KSampler, step [1-5]/5")
@@ -139,16 +131,13 @@ async def test_each_progress_adds_up_to_the_jobs_left_and_names_no_ended_job(
         if " succeeded " in text:
             ended.add(text.split()[1][:8])
 
-    async with fake_servers(*fakes) as servers:
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=Store(tmp_path / "s"),
-            config=fast_config(),
-            on_line=on_line,
-            on_progress=lambda p: seen.append((p, frozenset(ended))),
-        )
+    summary = await batch_over_fakes(
+        jf,
+        Store(tmp_path / "s"),
+        *fakes,
+        on_line=on_line,
+        on_progress=lambda p: seen.append((p, frozenset(ended))),
+    )
     assert summary.done == 24
     looked = [(p, done) for p, done in seen if p.remaining and p.waiting]
     assert len(looked) >= 20
@@ -166,18 +155,9 @@ async def test_a_run_again_of_a_done_partition_says_it_checks_its_jobs(tmp_path:
     jf = load_job_file(write_jobs(tmp_path / "jobs", 12))
     store = Store(tmp_path / "s")
     async with fake_servers(fake) as servers:
-        first = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config()
-        )
+        first = await fast_batch(jf, servers, store)
         seen: list[Progress] = []
-        again = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=store,
-            config=fast_config(),
-            on_progress=seen.append,
-        )
+        again = await fast_batch(jf, servers, store, on_progress=seen.append)
     assert first.done == again.done == 12
     lines = [p.waiting_line() for p in seen if p.waiting_line()]
     assert lines and all(

@@ -13,7 +13,6 @@ import pytest
 import sqlalchemy as sa
 
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch
 from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker
 from comfy_assets.store import Store, StoreUnavailable, metadata
@@ -22,6 +21,7 @@ from tests.process_support import FAST, command, start, stop, via
 from tests.support import (
     executed,
     fake_servers,
+    fast_batch,
     fast_config,
     running,
     wait_until,
@@ -62,9 +62,7 @@ async def test_a_database_blip_during_a_run_costs_nothing(pg_store, pg_url, tmp_
     fake = FakeComfy(prompt_seconds=0.01)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 12))
     async with fake_servers(fake) as servers:
-        batch = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=pg_store, config=fast_config())
-        )
+        batch = asyncio.create_task(fast_batch(jf, servers, pg_store))
         await wait_until(lambda: running(fake, jf.jobs[3].prompt_id), 20.0, "job 4 to render")
         assert await asyncio.to_thread(cut_every_connection, pg_url) > 0
         summary = await asyncio.wait_for(batch, 60.0)
@@ -77,9 +75,7 @@ async def test_a_database_that_stays_away_stops_the_run_and_removes_its_prompts(
     jf = load_job_file(write_jobs(tmp_path / "jobs", 3))
     pg_store.retry_s = 0.5
     async with fake_servers(fake) as servers:
-        batch = asyncio.create_task(
-            run_batch(jf, partition="p", servers=servers, store=pg_store, config=fast_config())
-        )
+        batch = asyncio.create_task(fast_batch(jf, servers, pg_store))
 
         # Two consumers claim two jobs: whichever posts first gets the script's `hang`.
         def hung() -> bool:
@@ -115,14 +111,7 @@ async def test_a_store_gone_at_the_rendering_write_stops_the_run_and_removes_the
     lines: list[str] = []
     async with fake_servers(fake) as servers:
         with pytest.raises(StoreUnavailable):
-            await run_batch(
-                jf,
-                partition="p",
-                servers=servers,
-                store=store,
-                config=fast_config(),
-                on_line=lines.append,
-            )
+            await fast_batch(jf, servers, store, on_line=lines.append)
         await fake.wait_idle(10.0)  # the hung prompt is not left running
     store.close()
     assert [r["outcome"] for r in fake.stats["runs"]] in ([], ["interrupted"])
