@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,17 +12,6 @@ import pytest
 from comfy_assets.cli.main import main
 from fake_comfy import FakeComfy
 from tests.support import ROOT, write_jobs
-
-
-@pytest.fixture
-def fake() -> FakeComfy:
-    return FakeComfy(prompt_seconds=0.005)
-
-
-@pytest.fixture
-def url(fake: FakeComfy) -> Iterator[str]:
-    with fake.serve_in_thread(port=0) as served:
-        yield served
 
 
 def posted(fake: FakeComfy) -> int:
