@@ -21,7 +21,7 @@ from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.run import make_pool, run_batch, run_one
 from comfy_assets.store import OWNER_DEAD_S, Store
 from fake_comfy import FakeComfy
-from tests.render.test_runner import post_as_a_killed_run
+from tests.render.test_catch_up import post_as_a_killed_run
 from tests.store.test_store import make_jobs
 from tests.support import (
     executed,
