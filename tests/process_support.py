@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import sqlalchemy as sa
 
+from comfy_assets.comfy.servers import ServerSpec
 from tests.support import ROOT
 from tests.tcp_proxy import TcpProxy
 
@@ -21,6 +23,17 @@ FAST = ["--base-delay-s", "0.01", "--max-delay-s", "0.05", "--no-jitter", "--pol
 def command(*args: object) -> list[str]:
     """``python -m comfy_assets.cli ARGS`` (paths and numbers as text)."""
     return [sys.executable, "-m", "comfy_assets.cli", *(str(a) for a in args)]
+
+
+def worker_command(
+    rabbitmq: str, queue: str, servers: Sequence[ServerSpec], store: object, *extra: object
+) -> list[str]:
+    """``comfy-assets worker`` on ``queue`` of the RabbitMQ at ``rabbitmq``, over ``servers``
+    (each ``--server name=url``), its store in the folder ``store``; ``extra`` after."""
+    each_server = [a for s in servers for a in ("--server", f"{s.name}={s.url}")]
+    return command(
+        "worker", "--rabbitmq", rabbitmq, "--queue", queue, *each_server, "--store", store, *extra
+    )
 
 
 async def start(args: list[str], log: Path) -> asyncio.subprocess.Process:

@@ -10,9 +10,11 @@ import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+from aiohttp.test_utils import TestClient
 
 from comfy_assets.api import routes_jobs
 from comfy_assets.api.app import Limits
@@ -28,7 +30,6 @@ from tests.api_support import (
     api_client,
     auth,
     data_uri,
-    fresh_queue,
     job_body,
     make_api,
     queued,
@@ -36,12 +37,6 @@ from tests.api_support import (
 from tests.support import wait_until
 
 pytestmark = pytest.mark.rabbitmq
-
-
-@pytest.fixture
-async def queue() -> AsyncIterator[str]:
-    async with fresh_queue() as name:
-        yield name
 
 
 async def test_a_job_is_202_once_queued_200_when_sent_again_409_when_changed(
@@ -124,12 +119,19 @@ async def test_a_key_repeated_in_the_body_is_refused_as_in_a_job_file(
     assert await queued(queue) == []
 
 
-async def test_tokens_and_clients_see_only_their_own_jobs(store: Store, queue: str) -> None:
+@asynccontextmanager
+async def one_job_posted(store: Store, queue: str) -> AsyncIterator[tuple[TestClient, dict, str]]:
+    """A client of the API over ``store`` and ``queue`` that has posted one job (202); yields
+    the client, the job's body and its path (``/v1/jobs/<id>``)."""
     client = await api_client(make_api(store, queue))
     body = job_body()
-    job = f"/v1/jobs/{body['id']}"
     async with client:
         assert (await client.post("/v1/jobs", json=body, headers=auth())).status == 202
+        yield client, body, f"/v1/jobs/{body['id']}"
+
+
+async def test_tokens_and_clients_see_only_their_own_jobs(store: Store, queue: str) -> None:
+    async with one_job_posted(store, queue) as (client, body, job):
         for path in ("/v1/jobs/" + body["id"], "/v1/servers"):
             assert (await client.get(path)).status == 401
             wrong = {"Authorization": "Bearer alice-token-012345678"}
@@ -257,11 +259,7 @@ async def test_files_with_etag_and_ranges(store: Store, queue: str) -> None:
 
 
 async def test_cancel_then_requeue(store: Store, queue: str) -> None:
-    client = await api_client(make_api(store, queue))
-    body = job_body()
-    job = f"/v1/jobs/{body['id']}"
-    async with client:
-        assert (await client.post("/v1/jobs", json=body, headers=auth())).status == 202
+    async with one_job_posted(store, queue) as (client, body, job):
         cancelled = await client.post(f"{job}/cancel", headers=auth())
         assert cancelled.status == 200
         view = await cancelled.json()

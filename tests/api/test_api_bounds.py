@@ -7,22 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator
 
 import pytest
 
 from comfy_assets.store import OutputFile, Store
-from tests.api_support import api_client, auth, fresh_queue, job_body, make_api
+from tests.api_support import api_client, auth, job_body, make_api
 
 pytestmark = pytest.mark.rabbitmq
 
 HUGE = "9" * 5000
-
-
-@pytest.fixture
-async def queue() -> AsyncIterator[str]:
-    async with fresh_queue() as name:
-        yield name
 
 
 async def test_ranges_and_event_ids_of_any_length_are_answered_in_bounds(

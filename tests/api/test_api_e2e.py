@@ -18,7 +18,7 @@ import json
 import signal
 import socket
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from aiohttp import web
 from comfy_assets.api.signing import load_key, verify
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.api_support import AMQP, TOKENS, auth, data_uri, fresh_queue, write_tokens
+from tests.api_support import AMQP, TOKENS, auth, data_uri, write_tokens
 from tests.process_support import FAST, command, start, stop
 from tests.support import ROOT
 
@@ -82,12 +82,6 @@ async def wait_for(condition: Any, timeout_s: float, what: str) -> Any:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         await asyncio.sleep(0.05)
     return found
-
-
-@pytest.fixture
-async def queue() -> AsyncIterator[str]:
-    async with fresh_queue() as name:
-        yield name
 
 
 async def test_submit_follow_fetch_webhook_and_cancel(

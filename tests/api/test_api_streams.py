@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -15,18 +14,12 @@ from aiohttp import ClientResponse
 
 from comfy_assets.api.app import Limits
 from comfy_assets.store import Store
-from tests.api_support import api_client, auth, fresh_queue, job_body, make_api
+from tests.api_support import api_client, auth, job_body, make_api
 from tests.support import wait_until
 
 pytestmark = pytest.mark.rabbitmq
 
 STREAM = {"Accept": "text/event-stream"}
-
-
-@pytest.fixture
-async def queue() -> AsyncIterator[str]:
-    async with fresh_queue() as name:
-        yield name
 
 
 async def next_event(response: ClientResponse) -> tuple[str, dict[str, Any]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
 from typing import Any
@@ -25,17 +24,11 @@ from aiohttp.test_utils import TestClient
 from comfy_assets.api.submission import parse_submission
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.api_support import api_client, auth, fresh_queue, job_body, make_api
+from tests.api_support import api_client, auth, job_body, make_api
 from tests.service.test_worker_rabbitmq import make_worker, running_worker
 from tests.support import executed, fake_servers, fast_config, posted, wait_until
 
 pytestmark = [pytest.mark.rabbitmq, pytest.mark.postgres, pytest.mark.timeout(180)]
-
-
-@pytest.fixture
-async def queue() -> AsyncIterator[str]:
-    async with fresh_queue() as name:
-        yield name
 
 
 def prompt_of(body: dict[str, Any]) -> str:

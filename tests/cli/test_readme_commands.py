@@ -144,10 +144,10 @@ def clean_env() -> dict[str, str]:
     }
 
 
-def run_block(block: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
-    """Run ``block`` in bash as pasted into a terminal that stops at the first error; stop
-    what it left in the background (its process group) when it ends."""
-    proc = subprocess.Popen(
+def start_block(block: str, cwd: Path) -> subprocess.Popen[str]:
+    """``block`` started in bash as pasted into a terminal that stops at the first error, in
+    a process group of its own, without our COMFY_ASSETS_ settings; its output in one pipe."""
+    return subprocess.Popen(
         ["bash", "-euo", "pipefail", "-c", block],
         cwd=cwd,
         env=clean_env(),
@@ -156,6 +156,12 @@ def run_block(block: str, cwd: Path, timeout_s: float = 300) -> subprocess.Compl
         text=True,
         start_new_session=True,
     )
+
+
+def run_block(block: str, cwd: Path, timeout_s: float = 300) -> subprocess.CompletedProcess[str]:
+    """Run ``block`` in bash as pasted into a terminal that stops at the first error; stop
+    what it left in the background (its process group) when it ends."""
+    proc = start_block(block, cwd)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     finally:
@@ -242,15 +248,7 @@ def test_dg_dev_serves_the_ui_until_stopped(project: Path) -> None:
         except (urllib.error.URLError, OSError):
             return False
 
-    proc = subprocess.Popen(
-        ["bash", "-euo", "pipefail", "-c", command],
-        cwd=project,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_block(command, project)
     try:
         wait_until(lambda: answers() or proc.poll() is not None, "dg dev's UI", 240)
         assert proc.poll() is None, proc.communicate()[0]

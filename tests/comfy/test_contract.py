@@ -4,7 +4,6 @@ against a real ComfyUI (model-free workflows only, so any install can run them).
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +16,7 @@ from comfy_assets.comfy.download import download_outputs
 from comfy_assets.comfy.errors import PromptRejected
 from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
 from fake_comfy import FakeComfy
+from tests.support import fake_or_real_url
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,14 +79,8 @@ def error_workflow(color: int) -> dict:
     params=["fake", pytest.param("real", marks=pytest.mark.real_comfyui)],
 )
 async def server_url(request, tmp_path) -> AsyncIterator[str]:
-    if request.param == "real":
-        url = os.environ.get("COMFYUI_URL")
-        if not url:
-            pytest.skip("COMFYUI_URL is not set")
-        yield url
-        return
     fake = FakeComfy(prompt_seconds=0.01, output_dir=tmp_path / "fake-output")
-    async with fake.serve(port=0) as url:
+    async with fake_or_real_url(request.param, fake) as url:
         yield url
 
 

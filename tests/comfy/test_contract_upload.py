@@ -7,7 +7,6 @@ made unique per run (the recording's suffix replaced by a fresh one).
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.follow import PromptFollower
 from fake_comfy import FakeComfy
+from tests.support import fake_or_real_url
 from tests.upload_support import (
     animated_png,
     decoded_frames,
@@ -44,14 +44,8 @@ UPLOAD_BYTES = [FIRST, FIRST, OTHER, REPLACED, FIRST, FIRST, FIRST, FIRST, FIRST
 
 @pytest.fixture(params=["fake", pytest.param("real", marks=pytest.mark.real_comfyui)])
 async def server_url(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[str]:
-    if request.param == "real":
-        url = os.environ.get("COMFYUI_URL")
-        if not url:
-            pytest.skip("COMFYUI_URL is not set")
-        yield url
-        return
     fake = FakeComfy(prompt_seconds=0.001, output_dir=tmp_path / "out")
-    async with fake.serve(port=0) as url:
+    async with fake_or_real_url(request.param, fake) as url:
         yield url
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -21,25 +22,12 @@ from comfy_assets.comfy.errors import (
 )
 from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
 from fake_comfy import FakeComfy
+from tests.conftest import IMAGE_WORKFLOW as IMAGE
 from tests.support import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
 RECORDED = Path(__file__).resolve().parents[2] / "data" / "recorded"
-
-# The two-output image workflow of success.json.
-IMAGE = {
-    "1": {
-        "class_type": "EmptyImage",
-        "inputs": {"width": 64, "height": 64, "batch_size": 1, "color": 3368652},
-    },
-    "2": {"class_type": "ImageInvert", "inputs": {"image": ["1", 0]}},
-    "3": {"class_type": "SaveImage", "inputs": {"images": ["1", 0], "filename_prefix": "solid"}},
-    "4": {
-        "class_type": "SaveImage",
-        "inputs": {"images": ["2", 0], "filename_prefix": "inverted"},
-    },
-}
 
 
 def new_id() -> str:
@@ -84,11 +72,21 @@ async def post_and_wait(
     return outcome
 
 
-async def test_ok_succeeds_with_both_outputs_and_frees_the_slot_once():
-    fake = FakeComfy(script=["ok"], prompt_seconds=0.01)
+async def follow_script(
+    word: str, **options: Any
+) -> tuple[FakeComfy, str, Recorder, PromptOutcome]:
+    """One prompt posted to a fake whose script is ``[word]`` (each node 10 ms) and followed
+    to its end (``post_and_wait`` with ``options``); returns the fake, the prompt id, the
+    on_finished recorder and the outcome."""
+    fake = FakeComfy(script=[word], prompt_seconds=0.01)
     pid, finished = new_id(), Recorder()
     async with fake.serve(port=0) as url, ComfyClient(url) as client:
-        outcome = await post_and_wait(client, pid, on_finished=finished)
+        outcome = await post_and_wait(client, pid, on_finished=finished, **options)
+    return fake, pid, finished, outcome
+
+
+async def test_ok_succeeds_with_both_outputs_and_frees_the_slot_once():
+    fake, pid, finished, outcome = await follow_script("ok")
     assert outcome.status == "success"
     assert outcome.history is not None
     assert len([f for f in outcome.history.output_files if f.type == "output"]) == 2
@@ -112,10 +110,7 @@ async def test_a_quick_prompt_costs_one_history_request_not_a_poll_loop():
 
 
 async def test_error_reports_the_index_error_and_is_not_oom():
-    fake = FakeComfy(script=["error"], prompt_seconds=0.01)
-    pid, finished = new_id(), Recorder()
-    async with fake.serve(port=0) as url, ComfyClient(url) as client:
-        outcome = await post_and_wait(client, pid, on_finished=finished)
+    fake, pid, finished, outcome = await follow_script("error")
     assert outcome.status == "error"
     assert outcome.error is not None
     assert outcome.error.exception_type == "IndexError"
@@ -170,10 +165,7 @@ async def test_drop_reconnects_with_the_same_client_id_and_still_succeeds():
 
 
 async def test_late_history_is_waited_for_after_execution_success():
-    fake = FakeComfy(script=["late"], prompt_seconds=0.01)
-    pid, finished = new_id(), Recorder()
-    async with fake.serve(port=0) as url, ComfyClient(url) as client:
-        outcome = await post_and_wait(client, pid, on_finished=finished)
+    fake, pid, finished, outcome = await follow_script("late")
     assert outcome.status == "success"
     assert outcome.history is not None and len(outcome.history.output_files) == 2
     assert finished.calls == 1
@@ -181,10 +173,7 @@ async def test_late_history_is_waited_for_after_execution_success():
 
 
 async def test_silent_socket_is_covered_by_polling_history():
-    fake = FakeComfy(script=["silent"], prompt_seconds=0.01)
-    pid, finished = new_id(), Recorder()
-    async with fake.serve(port=0) as url, ComfyClient(url) as client:
-        outcome = await post_and_wait(client, pid, on_finished=finished)
+    fake, pid, finished, outcome = await follow_script("silent")
     assert outcome.status == "success"
     assert outcome.history is not None and outcome.history.output_files
     assert finished.calls == 1

@@ -7,7 +7,6 @@ import hashlib
 import json
 import logging
 import re
-import shutil
 import threading
 import uuid
 from collections.abc import Iterator
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import httpx
 import pandas as pd
-import pytest
 from dagster import (
     AssetKey,
     DagsterInstance,
@@ -27,7 +25,6 @@ from dagster import (
     RunsFilter,
     TableMetadataValue,
     evaluate_automation_conditions,
-    instance_for_test,
     materialize,
 )
 from PIL import Image
@@ -38,24 +35,9 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource, ServerConfig
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
+from tests.support import FAST_TIMES
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def jobs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    (tmp_path / "workflows").mkdir()
-    shutil.copy(REPO / "data/workflows/image.json", tmp_path / "workflows/image.json")
-    folder = tmp_path / "jobs"
-    folder.mkdir()
-    monkeypatch.setenv("COMFY_ASSETS_JOB_DIRS", str(folder))
-    return folder
-
-
-@pytest.fixture
-def instance() -> Iterator[DagsterInstance]:
-    with instance_for_test() as inst:
-        yield inst
 
 
 def write_job_file(folder: Path, name: str, colors: list[int]) -> Path:
@@ -82,13 +64,7 @@ def serving(*fakes: FakeComfy) -> Iterator[ComfyPoolResource]:
         urls = [stack.enter_context(fake.serve_in_thread(port=0)) for fake in fakes]
         yield ComfyPoolResource(
             servers=[ServerConfig(name=f"gpu{i}", url=url) for i, url in enumerate(urls)],
-            base_delay_s=0.01,
-            max_delay_s=0.05,
-            jitter=False,
-            timeout_s=30.0,
-            poll_s=0.05,
-            unhealthy_wait_s=0.05,
-            probe_timeout_s=2.0,
+            **FAST_TIMES,
         )
 
 
@@ -381,12 +357,18 @@ def all_results_requested(instance, cursor=None):
     return evaluation.get_num_requested(AssetKey("all_results")), evaluation.cursor
 
 
+def two_job_files(jobs_dir: Path, tmp_path: Path) -> ResultStoreResource:
+    """Job files "one" (two jobs) and "two" (one job) in ``jobs_dir``; returns a result store
+    resource on ``tmp_path/store``."""
+    write_job_file(jobs_dir, "one", [1, 2])
+    write_job_file(jobs_dir, "two", [3])
+    return ResultStoreResource(folder=str(tmp_path / "store"))
+
+
 def test_all_results_is_requested_after_each_render_and_current_after(
     jobs_dir: Path, tmp_path: Path, instance
 ) -> None:
-    write_job_file(jobs_dir, "one", [1, 2])
-    write_job_file(jobs_dir, "two", [3])
-    store = ResultStoreResource(folder=str(tmp_path / "store"))
+    store = two_job_files(jobs_dir, tmp_path)
 
     def build_all_results(comfy: ComfyPoolResource) -> None:
         assert materialize(
@@ -422,9 +404,7 @@ def test_results_changed_while_all_results_runs_bring_it_again(
     # all_results is requested; before its run ends, another partition's results change
     # (its run read the tables first, say). Its own update is no answer to that change:
     # it is requested again, once, so all_results.csv ends with every partition's rows.
-    write_job_file(jobs_dir, "one", [1, 2])
-    write_job_file(jobs_dir, "two", [3])
-    store = ResultStoreResource(folder=str(tmp_path / "store"))
+    store = two_job_files(jobs_dir, tmp_path)
 
     with serving(FakeComfy()) as comfy:
         resources = {"comfy": comfy, "result_store": store}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import av
@@ -33,9 +34,7 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.dagster.test_assets import checks, counts, instance, serving, write_job_file
-
-__all__ = ["instance"]  # a fixture, imported for its side effect on collection
+from tests.dagster.test_assets import checks, counts, serving, write_job_file
 
 REPO = Path(__file__).resolve().parents[2]
 PARTITION = "storyboard"
@@ -44,14 +43,10 @@ FRAME_S = 1 / 24
 
 
 @pytest.fixture
-def storyboard(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def storyboard(watch: Callable[[str], Path]) -> Path:
     """The sample storyboard in a watched folder of its own; returns its path."""
-    (tmp_path / "workflows").mkdir()
-    shutil.copy(REPO / "data/workflows/video_shot.json", tmp_path / "workflows")
-    folder = tmp_path / "jobs"
-    folder.mkdir()
+    folder = watch("video_shot.json")
     shutil.copy(REPO / "data/jobs/storyboard.jsonl", folder)
-    monkeypatch.setenv("COMFY_ASSETS_JOB_DIRS", str(folder))
     return folder / "storyboard.jsonl"
 
 
@@ -367,18 +362,21 @@ def test_a_film_partition_added_by_hand_for_a_file_without_shots_cuts_no_film(
     assert not (tmp_path / "store" / "stills" / "film.mp4").exists()
 
 
+def films_requested(instance: DagsterInstance, cursor: object = None) -> tuple[set, object]:
+    """One evaluation of the automation conditions: the film partitions it requests, and the
+    cursor for the next."""
+    evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+    return evaluation.get_requested_partitions(AssetKey("films")), evaluation.cursor
+
+
 def test_a_storyboard_film_is_requested_once_its_renders_are_built(
     storyboard: Path, tmp_path: Path, instance
 ) -> None:
-    def requested(cursor=None):
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
-        return evaluation.get_requested_partitions(AssetKey("films")), evaluation.cursor
-
     instance.add_dynamic_partitions("job_files", [PARTITION, "stills"])
     instance.add_dynamic_partitions("storyboards", [PARTITION])  # as the sensor does
     store_dir = tmp_path / "store"
     with serving(FakeComfy(prompt_seconds=0.005)) as comfy:
-        wanted, cursor = requested()
+        wanted, cursor = films_requested(instance)
         assert wanted == set()  # renders not built yet: nothing to cut
         resources = {"comfy": comfy, "result_store": ResultStoreResource(folder=str(store_dir))}
         materialize(
@@ -387,10 +385,10 @@ def test_a_storyboard_film_is_requested_once_its_renders_are_built(
             instance=instance,
             resources=resources,
         )
-        wanted, cursor = requested(cursor)
+        wanted, cursor = films_requested(instance, cursor)
         assert wanted == {PARTITION}
         materialize_partition(instance, comfy, store_dir, only_films=True)
-        wanted, cursor = requested(cursor)
+        wanted, cursor = films_requested(instance, cursor)
         assert wanted == set()  # cut: nothing changed since
 
 
@@ -406,16 +404,12 @@ def test_the_film_is_cut_behind_a_blocking_gate() -> None:
 def test_a_render_that_changed_nothing_cuts_no_film_again(
     storyboard: Path, tmp_path: Path, instance
 ) -> None:
-    def requested(cursor=None):
-        evaluation = evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
-        return evaluation.get_requested_partitions(AssetKey("films")), evaluation.cursor
-
     store_dir = tmp_path / "store"
     fake = FakeComfy(prompt_seconds=0.005)
     with serving(fake) as comfy:
         materialize_partition(instance, comfy, store_dir)  # rendered and cut
-        wanted, cursor = requested()
-        wanted, cursor = requested(cursor)
+        wanted, cursor = films_requested(instance)
+        wanted, cursor = films_requested(instance, cursor)
         assert wanted == set()
         runs = len(fake.stats["runs"])
         # A backfill of renders over the partition: every job already done.
@@ -424,7 +418,7 @@ def test_a_render_that_changed_nothing_cuts_no_film_again(
             [renders], partition_key=PARTITION, instance=instance, resources=resources
         ).success
         assert len(fake.stats["runs"]) == runs  # nothing rendered
-        wanted, cursor = requested(cursor)
+        wanted, cursor = films_requested(instance, cursor)
         assert wanted == set()  # nothing changed: the film stands
 
         # A new take of a shot changes what the film is made of.
@@ -435,5 +429,5 @@ def test_a_render_that_changed_nothing_cuts_no_film_again(
         assert materialize(
             [renders], partition_key=PARTITION, instance=instance, resources=resources
         ).success
-        wanted, cursor = requested(cursor)
+        wanted, cursor = films_requested(instance, cursor)
         assert wanted == {PARTITION}

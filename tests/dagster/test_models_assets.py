@@ -5,14 +5,13 @@ and the GPU seconds they took, counted the way the fakes counted them."""
 from __future__ import annotations
 
 import json
-import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 import pytest
-from dagster import DagsterInstance, TableMetadataValue, instance_for_test, materialize
+from dagster import DagsterInstance, TableMetadataValue, materialize
 
 from comfy_assets.assets import render_results, renders
 from comfy_assets.render.cost import model_load_cost
@@ -24,19 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def jobs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    (tmp_path / "workflows").mkdir()
-    shutil.copy(REPO / "data/workflows/text_to_image.json", tmp_path / "workflows")
-    folder = tmp_path / "jobs"
-    folder.mkdir()
-    monkeypatch.setenv("COMFY_ASSETS_JOB_DIRS", str(folder))
-    return folder
-
-
-@pytest.fixture
-def instance() -> Iterator[DagsterInstance]:
-    with instance_for_test() as inst:
-        yield inst
+def jobs_dir(watch: Callable[[str], Path]) -> Path:
+    """A watched job folder beside ``workflows/text_to_image.json``."""
+    return watch("text_to_image.json")
 
 
 def test_a_render_tells_each_jobs_models_and_the_loads_per_server(

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from dagster import (
     DeleteDynamicPartitionsRequest,
     SensorResult,
     build_sensor_context,
-    instance_for_test,
 )
 from dagster._core.test_utils import create_run_for_test
 
@@ -49,23 +47,6 @@ def job_line(n: int, color: int = 0x336699) -> str:
 def write_jobs(path: Path, count: int = 2, color: int = 0x336699) -> Path:
     path.write_text("".join(job_line(n, color) + "\n" for n in range(count)))
     return path
-
-
-@pytest.fixture
-def jobs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    (tmp_path / "workflows").mkdir()
-    shutil.copy(REPO / "data/workflows/image.json", tmp_path / "workflows/image.json")
-    folder = tmp_path / "jobs"
-    folder.mkdir()
-    monkeypatch.setenv("COMFY_ASSETS_JOB_DIRS", str(folder))
-    monkeypatch.delenv("COMFY_ASSETS_MAX_RUNS_PER_TICK", raising=False)
-    return folder
-
-
-@pytest.fixture
-def instance():
-    with instance_for_test() as inst:
-        yield inst
 
 
 def tick(instance: DagsterInstance, cursor: str | None) -> SensorResult:

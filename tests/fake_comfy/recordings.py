@@ -7,12 +7,15 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 import websockets
+
+from fake_comfy import FakeComfy
 
 RECORDED = Path(__file__).resolve().parents[2] / "data" / "recorded"
 FAKE_DATA = Path(__file__).resolve().parents[2] / "fake_comfy" / "data"
@@ -118,3 +121,15 @@ async def post(
     if client_id is not None:
         body["client_id"] = client_id
     return await client.post("/prompt", json=body)
+
+
+@asynccontextmanager
+async def posted_by_me(
+    fake: FakeComfy, prompt: dict[str, Any], prompt_id: str
+) -> AsyncIterator[tuple[str, httpx.AsyncClient, Socket]]:
+    """``fake`` served, a client of it and a socket of client id "me" that has posted
+    ``prompt`` as ``prompt_id``; yields the URL, the client and the socket."""
+    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
+        sock = await Socket.open(url, "me")
+        await post(c, prompt, "me", prompt_id)
+        yield url, c, sock

@@ -19,6 +19,7 @@ from tests.fake_comfy.recordings import (
     WAIT_S,
     Socket,
     post,
+    posted_by_me,
     recorded_http,
     recording,
     scrub,
@@ -52,9 +53,7 @@ async def test_anonymous_prompt_interrupt_reaches_everyone_but_its_other_events_
 
 async def test_reconnect_with_the_same_client_id_replaces_the_socket(tmp_path: Path) -> None:
     fake = FakeComfy(script=["hang"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        old = await Socket.open(url, "me")
-        await post(c, workflows.blur_chain(), "me", "h")
+    async with posted_by_me(fake, workflows.blur_chain(), "h") as (url, c, old):
         await old.until("executing", node="2", prompt_id="h")
         new = await Socket.open(url, "me")
         assert new.greeting == {
@@ -151,9 +150,7 @@ async def test_a_server_stopped_and_started_on_the_same_port_forgets_but_records
 
 async def test_leaving_serve_loses_the_running_prompt(tmp_path: Path) -> None:
     fake = FakeComfy(script=["hang"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, workflows.blur_chain(), "me", "h")
+    async with posted_by_me(fake, workflows.blur_chain(), "h") as (url, c, sock):
         await sock.until("executing", node="2", prompt_id="h")
         with pytest.raises(TimeoutError):
             await fake.wait_idle(0.05)

@@ -15,6 +15,7 @@ from tests.fake_comfy.recordings import (
     WAIT_S,
     Socket,
     post,
+    posted_by_me,
     recorded_http,
     recorded_run,
     recording,
@@ -73,9 +74,7 @@ def test_unknown_script_words_are_refused_when_added() -> None:
 
 async def test_error_fails_at_the_second_node_with_the_recorded_index_error(tmp_path: Path) -> None:
     fake = FakeComfy(script=["error"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, workflows.solid_and_inverted(), "me", "e")
+    async with posted_by_me(fake, workflows.solid_and_inverted(), "e") as (url, c, sock):
         messages = await sock.until_done("e")
         await fake.wait_idle(WAIT_S)
         entry = (await c.get("/history/e")).json()["e"]
@@ -102,9 +101,7 @@ async def test_a_nul_byte_in_a_prefix_is_the_nodes_value_error_and_the_next_prom
     fake = FakeComfy(prompt_seconds=NODE_S, output_dir=tmp_path)
     bad = workflows.solid_and_inverted()
     bad["3"]["inputs"]["filename_prefix"] = "\x00nul"
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, bad, "me", "nul")
+    async with posted_by_me(fake, bad, "nul") as (url, c, sock):
         messages = await sock.until_done("nul")
         await post(c, workflows.solid_and_inverted(), "me", "next")
         await sock.until_done("next")
@@ -120,9 +117,7 @@ async def test_a_nul_byte_in_a_prefix_is_the_nodes_value_error_and_the_next_prom
 
 async def test_oom_is_an_execution_error_with_comfyuis_tip(tmp_path: Path) -> None:
     fake = FakeComfy(script=["oom"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, workflows.solid_and_inverted(), "me", "o")
+    async with posted_by_me(fake, workflows.solid_and_inverted(), "o") as (url, c, sock):
         messages = await sock.until_done("o")
         await sock.close()
     error = next(m["data"] for m in messages if m["type"] == "execution_error")
@@ -136,9 +131,7 @@ async def test_oom_is_an_execution_error_with_comfyuis_tip(tmp_path: Path) -> No
 
 async def test_drop_cuts_the_clients_socket_and_the_prompt_still_finishes(tmp_path: Path) -> None:
     fake = FakeComfy(script=["drop"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, workflows.solid_and_inverted(), "me", "d")
+    async with posted_by_me(fake, workflows.solid_and_inverted(), "d") as (url, c, sock):
         with pytest.raises(websockets.ConnectionClosedError) as closed:
             await sock.until_done("d")
         assert closed.value.rcvd is None  # no close frame, as when a process dies
@@ -150,9 +143,7 @@ async def test_drop_cuts_the_clients_socket_and_the_prompt_still_finishes(tmp_pa
 
 async def test_hang_waits_for_an_interrupt_that_lands_at_the_second_node(tmp_path: Path) -> None:
     fake = FakeComfy(script=["hang"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, workflows.blur_chain(), "me", "h")
+    async with posted_by_me(fake, workflows.blur_chain(), "h") as (url, c, sock):
         await post(c, workflows.single_image(), "me", "next")
         await sock.until("executing", node="2", prompt_id="h")
         queue = (await c.get("/queue")).json()
@@ -210,9 +201,7 @@ async def test_late_writes_history_after_execution_success_and_keeps_the_prompt_
     tmp_path: Path,
 ) -> None:
     fake = FakeComfy(script=["late"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, workflows.solid_and_inverted(), "me", "l")
+    async with posted_by_me(fake, workflows.solid_and_inverted(), "l") as (url, c, sock):
         await sock.until("execution_success", prompt_id="l")
         assert (await c.get("/history/l")).json() == {}
         running = (await c.get("/queue")).json()["queue_running"]
@@ -228,9 +217,7 @@ async def test_late_writes_history_after_execution_success_and_keeps_the_prompt_
 
 async def test_silent_prompt_runs_but_its_client_hears_nothing_of_it(tmp_path: Path) -> None:
     fake = FakeComfy(script=["silent"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, workflows.solid_and_inverted(), "me", "quiet")
+    async with posted_by_me(fake, workflows.solid_and_inverted(), "quiet") as (url, c, sock):
         await fake.wait_for_runs(1, WAIT_S)
         await post(c, workflows.single_image(), "me", "loud")
         messages = await sock.until_done("loud")
@@ -247,9 +234,7 @@ async def test_silent_prompt_runs_but_its_client_hears_nothing_of_it(tmp_path: P
 
 async def test_restart_cuts_sockets_and_forgets_queue_and_history(tmp_path: Path) -> None:
     fake = FakeComfy(script=["ok", "hang", "restart"], prompt_seconds=NODE_S, output_dir=tmp_path)
-    async with fake.serve() as url, httpx.AsyncClient(base_url=url) as c:
-        sock = await Socket.open(url, "me")
-        await post(c, workflows.single_image(), "me", "before")
+    async with posted_by_me(fake, workflows.single_image(), "before") as (url, c, sock):
         await sock.until_done("before")
         # "crash" and "pending" wait behind the hanging prompt, so both are queued for sure.
         for pid in ("hang", "crash", "pending"):

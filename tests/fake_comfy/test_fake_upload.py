@@ -18,6 +18,7 @@ from PIL import Image, ImageSequence
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import InputRejected, ServerError, UnexpectedAnswer
 from fake_comfy import FakeComfy
+from tests.fake_comfy.recordings import scrub
 from tests.upload_support import (
     animated_png,
     decoded_frames,
@@ -76,17 +77,6 @@ def recorded_http(index: int) -> dict[str, Any]:
         if ex["kind"] == "http" and ex["request"]["path"] != "/upload/image"
     ]
     return others[index]
-
-
-def scrub(value: Any) -> Any:
-    """``value`` without what differs between runs (timestamps, create_time)."""
-    if isinstance(value, dict):
-        return {
-            k: ("<t>" if k in ("timestamp", "create_time") else scrub(v)) for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [scrub(v) for v in value]
-    return value
 
 
 @pytest.fixture

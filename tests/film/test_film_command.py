@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,14 +28,6 @@ def film(*argv: str) -> int:
     add_film_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["film", *argv])
     return int(args.func(args))
-
-
-@pytest.fixture
-def storyboard(tmp_path: Path) -> Path:
-    (tmp_path / "workflows").mkdir()
-    shutil.copy(REPO / "data/workflows/video_shot.json", tmp_path / "workflows")
-    (tmp_path / "jobs").mkdir()
-    return Path(shutil.copy(REPO / "data/jobs/storyboard.jsonl", tmp_path / "jobs"))
 
 
 def render(job_file: JobFile, store_dir: Path, script: list[str]) -> None:

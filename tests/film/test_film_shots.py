@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,15 +35,6 @@ PARTITION = "storyboard"
 SHOT_SECONDS = [1.0, 1.5, 2.0, 1.0, 1.25, 1.0]
 
 
-@pytest.fixture
-def storyboard(tmp_path: Path) -> Path:
-    """A copy of the sample storyboard (six video shots) beside its workflow."""
-    (tmp_path / "workflows").mkdir()
-    shutil.copy(REPO / "data/workflows/video_shot.json", tmp_path / "workflows")
-    (tmp_path / "jobs").mkdir()
-    return Path(shutil.copy(REPO / "data/jobs/storyboard.jsonl", tmp_path / "jobs"))
-
-
 def render(
     job_file: JobFile, store: Store, script: list[str], config: BatchConfig | None = None
 ) -> FakeComfy:
@@ -59,12 +51,23 @@ def render(
     return fake
 
 
+@contextmanager
+def rendered(
+    storyboard: Path, tmp_path: Path, script: list[str]
+) -> Iterator[tuple[JobFile, Store]]:
+    """The storyboard rendered (``render``, the fake following ``script``) into a store at
+    ``tmp_path/store``; yields the job file and the open store."""
+    job_file = load_job_file(storyboard)
+    with Store(tmp_path / "store") as store:
+        render(job_file, store, script)
+        yield job_file, store
+
+
 def test_shots_follow_the_job_file_and_take_state_and_files_from_the_store(
     storyboard: Path, tmp_path: Path
 ) -> None:
-    job_file = load_job_file(storyboard)
-    with Store(tmp_path / "store") as store:
-        render(job_file, store, ["ok", "ok", "error"])  # delivery: stops after shot 3
+    # Delivery: the render stops after shot 3.
+    with rendered(storyboard, tmp_path, ["ok", "ok", "error"]) as (job_file, store):
         shots = shots_from_store(store, PARTITION, job_file)
 
     assert [s.shot for s in shots] == [1, 2, 3, 4, 5, 6]
@@ -106,9 +109,7 @@ def test_a_shot_rendered_with_other_inputs_is_pending_and_its_old_file_unused(
 def test_a_partition_that_never_saw_the_jobs_has_every_shot_pending(
     storyboard: Path, tmp_path: Path
 ) -> None:
-    job_file = load_job_file(storyboard)
-    with Store(tmp_path / "store") as store:
-        render(job_file, store, [])
+    with rendered(storyboard, tmp_path, []) as (job_file, store):
         shots = shots_from_store(store, "another", job_file)
 
     assert [(s.state, s.files) for s in shots] == [("pending", [])] * 6
@@ -137,9 +138,7 @@ def test_jobs_without_a_shot_number_are_not_shots(tmp_path: Path) -> None:
 def test_a_broken_shot_file_in_the_store_is_blocked_with_its_reason(
     storyboard: Path, tmp_path: Path
 ) -> None:
-    job_file = load_job_file(storyboard)
-    with Store(tmp_path / "store") as store:
-        render(job_file, store, [])
+    with rendered(storyboard, tmp_path, []) as (job_file, store):
         shots = shots_from_store(store, PARTITION, job_file)
     (shot4,) = shots[3].files
     shot4.write_bytes(shot4.read_bytes()[:-300])  # cut the end off
@@ -203,9 +202,7 @@ def test_attempt_costs_count_successful_and_wasted_attempts(
 def test_a_requeued_shot_keeps_the_gpu_time_its_failed_attempt_wasted(
     storyboard: Path, tmp_path: Path
 ) -> None:
-    job_file = load_job_file(storyboard)
-    with Store(tmp_path / "store") as store:
-        render(job_file, store, ["ok"] * 5 + ["error"])
+    with rendered(storyboard, tmp_path, ["ok"] * 5 + ["error"]) as (job_file, store):
         assert store.requeue(job_file.jobs[5].id)
         render(job_file, store, [])
         report = film_cost_report(store, job_file)

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import json
-from fractions import Fraction
 from pathlib import Path
 
 import av
-import numpy as np
 import pytest
 from PIL import Image
 
 from comfy_assets.film.gate import GateBlocked, Policy, Shot, build_film, gate
 from comfy_assets.film.probe import probe
+from tests.film.test_media import solid
 
 COLOURS = [
     (230, 20, 20),
@@ -24,22 +23,6 @@ COLOURS = [
 ]
 DELIVERY = Policy(mode="delivery")
 DRAFT = Policy(mode="draft")
-
-
-def solid(path: Path, colour, frames: int, *, fps: int = 24, size=(128, 72)) -> Path:
-    width, height = size
-    with av.open(str(path), "w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        pixels = np.full((height, width, 3), colour, np.uint8)
-        for i in range(frames):
-            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
-            frame.pts, frame.time_base = i, Fraction(1, fps)
-            for packet in stream.encode(frame):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return path
 
 
 def centre_colours(path: Path) -> list[tuple[float, tuple[int, int, int]]]:

@@ -22,7 +22,6 @@ from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.comfy.slot import new_client_id
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store, StoreDiskFull
 from comfy_assets.store.schema import pool_waiters_table
 from fake_comfy import FakeComfy
@@ -344,13 +343,7 @@ async def test_a_prompt_of_ours_that_nobody_follows_is_removed_after_a_grace(tmp
         await wait_until(lambda: running(fake, orphan), 5.0, "the orphan to run")
         with caplog.at_level(logging.WARNING, logger="comfy_assets.pool"):
             summary = await asyncio.wait_for(
-                run_batch(
-                    jf,
-                    partition="p",
-                    servers=servers,
-                    store=store,
-                    config=fast_config(server_lease_s=0.5),
-                ),
+                fast_batch(jf, servers, store, config=fast_config(server_lease_s=0.5)),
                 20.0,
             )
     assert outcomes(fake, orphan) == ["interrupted"]

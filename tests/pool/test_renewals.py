@@ -15,39 +15,47 @@ from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from comfy_assets.store.schema import jobs_table, server_leases_table
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, outcomes, running, wait_until, write_jobs
+from tests.support import (
+    fake_servers,
+    fast_batch,
+    fast_config,
+    one_job,
+    outcomes,
+    running,
+    wait_until,
+    write_jobs,
+)
 
 WAIT_S = 20.0
 
 
-def take_server(store: Store, server: str, owner: str) -> None:
-    """Another process takes ``server``'s lease (as after our lease lapsed)."""
-    t = server_leases_table.c
+def held_elsewhere(
+    store: Store, table: sa.Table, row: sa.ColumnElement, holder: str, owner: str, expiry: str
+) -> None:
+    """``owner`` written into the ``holder`` column of ``table``'s ``row`` and an hour from now
+    into its ``expiry`` column: a row another process holds now."""
     with store.engine.begin() as conn:
         conn.execute(
-            sa.update(server_leases_table)
-            .where(t.server == server)
-            .values(owner=owner, expires_at=time.time() + 3600)
+            sa.update(table).where(row).values({holder: owner, expiry: time.time() + 3600})
         )
+
+
+def take_server(store: Store, server: str, owner: str) -> None:
+    """Another process takes ``server``'s lease (as after our lease lapsed)."""
+    row = server_leases_table.c.server == server
+    held_elsewhere(store, server_leases_table, row, "owner", owner, "expires_at")
 
 
 def take_claim(store: Store, job_id: str, owner: str) -> None:
     """Another worker takes the job's claim (as after our claim lapsed)."""
-    t = jobs_table.c
-    with store.engine.begin() as conn:
-        conn.execute(
-            sa.update(jobs_table)
-            .where(t.job_id == job_id)
-            .values(claimed_by=owner, claim_expires_at=time.time() + 3600)
-        )
+    row = jobs_table.c.job_id == job_id
+    held_elsewhere(store, jobs_table, row, "claimed_by", owner, "claim_expires_at")
 
 
 async def render_while(tmp_path, fakes, config, during) -> tuple:
     """Run one job on ``fakes`` (the first hangs it), calling ``during(store, job)`` once
     the prompt runs on the first; returns (summary, store, job, lines)."""
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    (job,) = jf.jobs
-    store = Store(tmp_path / "store")
+    jf, job, store = one_job(tmp_path)
     lines: list[str] = []
     async with fake_servers(*fakes) as servers:
         batch = asyncio.create_task(
@@ -142,13 +150,8 @@ async def test_with_no_server_reachable_for_the_timeout_the_batch_stops_and_jobs
     lines: list[str] = []
     dead = [ServerSpec("gpu0", "http://127.0.0.1:9"), ServerSpec("gpu1", "http://127.0.0.1:9")]
     summary = await asyncio.wait_for(
-        run_batch(
-            jf,
-            partition="p",
-            servers=dead,
-            store=store,
-            config=fast_config(unreachable_timeout_s=0.3),
-            on_line=lines.append,
+        fast_batch(
+            jf, dead, store, config=fast_config(unreachable_timeout_s=0.3), on_line=lines.append
         ),
         WAIT_S,
     )

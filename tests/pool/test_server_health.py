@@ -13,11 +13,11 @@ import pytest
 
 from comfy_assets.comfy.infra import infra_cause, prompt_strings
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch
 from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
+from tests.pool.test_sick_shapes import one_sick_of_three
 from tests.support import (
     batch_over_fakes,
     fake_servers,
@@ -38,14 +38,9 @@ def executions(fake: FakeComfy) -> int:
 
 
 async def run(tmp_path: Path, store: Store, fakes: list[FakeComfy], jobs: Path, **config: object):
-    async with fake_servers(*fakes) as servers:
-        return await run_batch(
-            load_job_file(jobs),
-            partition=jobs.stem,
-            servers=servers,
-            store=store,
-            config=fast_config(**config),
-        )
+    return await batch_over_fakes(
+        load_job_file(jobs), store, *fakes, partition=jobs.stem, config=fast_config(**config)
+    )
 
 
 @pytest.mark.parametrize(
@@ -54,10 +49,7 @@ async def run(tmp_path: Path, store: Store, fakes: list[FakeComfy], jobs: Path, 
 async def test_a_sick_server_of_three_runs_at_most_5_prompts_of_30_and_nothing_is_dead_lettered(
     tmp_path, word, db, request
 ):
-    sick = FakeComfy(default_word=word, prompt_seconds=0.001)
-    healthy = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
-    url = request.getfixturevalue("pg_url") if db == "pg" else None
-    store = Store(tmp_path / "store", url)
+    sick, healthy, store, url = one_sick_of_three(tmp_path, word, db, request)
     lines: list[str] = []
     jobs = write_jobs(tmp_path / "jobs", 30, name="big.jsonl")
     summary = await batch_over_fakes(

@@ -11,10 +11,9 @@ import pytest
 
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import ownership
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, fast_config, write_jobs
+from tests.support import batch_over_fakes, fast_config, write_jobs
 
 
 def posts(fake: FakeComfy) -> int:
@@ -23,15 +22,27 @@ def posts(fake: FakeComfy) -> int:
 
 
 async def render(store: Store, fakes: list[FakeComfy], jobs: Path, lines: list[str], **config):
-    async with fake_servers(*fakes) as servers:
-        return await run_batch(
-            load_job_file(jobs),
-            partition=jobs.stem,
-            servers=servers,
-            store=store,
-            config=fast_config(**config),
-            on_line=lines.append,
-        )
+    return await batch_over_fakes(
+        load_job_file(jobs),
+        store,
+        *fakes,
+        partition=jobs.stem,
+        config=fast_config(**config),
+        on_line=lines.append,
+    )
+
+
+def one_sick_of_three(
+    tmp_path: Path, word: str, db: str, request: pytest.FixtureRequest
+) -> tuple[FakeComfy, list[FakeComfy], Store, str | None]:
+    """A fake whose every prompt meets the script word ``word`` (1 ms a node), two healthy
+    fakes (20 ms a node), and a store at ``tmp_path/store`` on ``db`` ("pg": the test's
+    PostgreSQL database, else SQLite); returns the sick fake, the healthy ones, the store and
+    its database URL (None for SQLite)."""
+    sick = FakeComfy(default_word=word, prompt_seconds=0.001)
+    healthy = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
+    url = request.getfixturevalue("pg_url") if db == "pg" else None
+    return sick, healthy, Store(tmp_path / "store", url), url
 
 
 @pytest.mark.parametrize(
@@ -45,10 +56,7 @@ async def render(store: Store, fakes: list[FakeComfy], jobs: Path, lines: list[s
     ],
 )
 async def test_one_sick_server_of_three_in_any_shape_costs_no_job(tmp_path, word, db, request):
-    sick = FakeComfy(default_word=word, prompt_seconds=0.001)
-    healthy = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
-    url = request.getfixturevalue("pg_url") if db == "pg" else None
-    store = Store(tmp_path / "store", url)
+    sick, healthy, store, url = one_sick_of_three(tmp_path, word, db, request)
     lines: list[str] = []
     jobs = write_jobs(tmp_path / "jobs", 30, name="big.jsonl")
     summary = await render(store, [*healthy, sick], jobs, lines)

@@ -15,9 +15,8 @@ import pytest
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
-from tests.support import fast_config
+from tests.support import fast_batch, fast_config
 
 pytestmark = [pytest.mark.real_comfyui, pytest.mark.timeout(300)]
 
@@ -59,13 +58,8 @@ async def test_a_real_server_with_a_full_output_disk_is_quarantined_and_its_jobs
     servers = [ServerSpec("full", FULL_URL), ServerSpec("real", URL)]
     store = Store(tmp_path / "store")
     lines: list[str] = []
-    summary = await run_batch(
-        jobs,
-        partition="p",
-        servers=servers,
-        store=store,
-        config=fast_config(poll_s=0.2, timeout_s=120.0),
-        on_line=lines.append,
+    summary = await fast_batch(
+        jobs, servers, store, config=fast_config(poll_s=0.2, timeout_s=120.0), on_line=lines.append
     )
     assert summary.done == 4, lines
     assert all(store.get(j.id).server == "real" for j in jobs.jobs)

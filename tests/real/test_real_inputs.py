@@ -25,10 +25,9 @@ from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.film.make import make_film
 from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from tests.render.test_inputs_render import last_frame, output_of, picture, pixels_of
-from tests.support import WORKFLOWS, fast_config
+from tests.support import WORKFLOWS, fast_batch, fast_config
 from tests.upload_support import inverted_as_comfyui_saves
 
 pytestmark = [pytest.mark.real_comfyui, pytest.mark.timeout(600)]
@@ -47,11 +46,11 @@ def real_url() -> str:
 
 async def render(path: Path, store: Store, url: str, partition: str) -> Any:
     lines: list[str] = []
-    summary = await run_batch(
+    summary = await fast_batch(
         load_job_file(path),
+        [ServerSpec("real", url)],
+        store,
         partition=partition,
-        servers=[ServerSpec("real", url)],
-        store=store,
         config=fast_config(poll_s=0.2, timeout_s=240.0),
         on_line=lines.append,
     )

@@ -21,7 +21,6 @@ import pytest
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import ROOT, fast_batch, fast_config, posted
@@ -61,11 +60,10 @@ async def test_a_checkpoint_only_the_real_server_lists_is_posted_only_there(real
         fake = FakeComfy(models=["other.safetensors"], prompt_seconds=0.001)
         async with fake.serve(port=0) as fake_url:
             servers = [ServerSpec("gpu0", fake_url), ServerSpec("gpu1", real_url)]
-            summary = await run_batch(
+            summary = await fast_batch(
                 load_job_file(tmp_path / "jobs.jsonl"),
-                partition="p",
-                servers=servers,
-                store=Store(tmp_path / "store"),
+                servers,
+                Store(tmp_path / "store"),
                 config=fast_config(attempts=1, timeout_s=120.0),
             )
         async with httpx.AsyncClient(base_url=real_url) as c:

@@ -20,6 +20,8 @@ from tests.support import (
     fake_servers,
     fast_batch,
     gone_owner,
+    left_submitted_by_a_gone_run,
+    one_job,
     outcomes,
     posted,
     write_jobs,
@@ -47,9 +49,7 @@ async def test_a_run_that_validation_cut_short_is_a_dead_letter_when_caught_up(t
     # dropped); nobody saw the answer. The catch-up finds the run in /history: it
     # rendered one of the two outputs, which is the same permanent failure.
     fake = FakeComfy(script=["partial"], prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    (job,) = jf.jobs
-    store = Store(tmp_path / "store")
+    jf, job, store = one_job(tmp_path)
     store.register_jobs("p", jf.jobs)
     async with fake_servers(fake) as servers:
         await post_as_a_killed_run(store, job, servers[0].url, "gpu0")
@@ -68,9 +68,7 @@ async def test_a_run_that_validation_cut_short_is_a_dead_letter_when_caught_up(t
 
 async def test_a_claim_taken_over_mid_attempt_counts_the_lost_attempt(tmp_path):
     fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    (job,) = jf.jobs
-    store = Store(tmp_path / "store")
+    jf, job, store = one_job(tmp_path)
     store.register_jobs("p", jf.jobs)
     async with fake_servers(fake) as servers:
         await post_as_a_killed_run(store, job, servers[0].url, "gpu0")
@@ -152,13 +150,7 @@ async def test_a_run_found_by_a_catch_up_then_forgotten_by_a_restart_says_it_may
     # during the download. The next catch-up finds nothing: posting anew renders the job
     # a second time, and its event says so.
     fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    job = jf.jobs[0]
-    store = Store(tmp_path / "store")
-    store.register_jobs("p", jf.jobs)
-    store.claim_job(job.id, "host:1:gone", 60.0)
-    store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
-    store.release_claim(job.id, "host:1:gone")
+    jf, job, store = left_submitted_by_a_gone_run(tmp_path)
     iter_view = ComfyClient.iter_view
     restarted: list[str] = []
 
@@ -207,13 +199,7 @@ async def test_a_prompt_that_ran_while_its_unanswered_post_was_looked_for_is_tak
 
 async def test_a_post_of_a_killed_run_forgotten_by_a_restart_says_it_may_render_twice(tmp_path):
     fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    job = jf.jobs[0]
-    store = Store(tmp_path / "store")
-    store.register_jobs("p", jf.jobs)
-    store.claim_job(job.id, "host:1:gone", 60.0)
-    store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
-    store.release_claim(job.id, "host:1:gone")
+    jf, job, store = left_submitted_by_a_gone_run(tmp_path)
     async with fake_servers(fake) as servers:
         async with ComfyClient(servers[0].url, name="gpu0") as client:
             await client.post_prompt(job.workflow, prompt_id=job.prompt_id, client_id="gone")

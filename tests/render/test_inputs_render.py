@@ -15,13 +15,21 @@ from PIL import Image
 
 from comfy_assets.film.gate import GateBlocked
 from comfy_assets.film.make import make_film
+from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.metadata import jobs_frame
 from comfy_assets.render.results import write_results
-from comfy_assets.render.run import run_batch
+from comfy_assets.render.summary import BatchSummary
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import WORKFLOWS, executed, fake_servers, fast_config, job_id, posted
+from tests.support import (
+    WORKFLOWS,
+    batch_over_fakes,
+    executed,
+    fast_config,
+    job_id,
+    posted,
+)
 
 STORYBOARD_SHOTS = 4
 
@@ -61,14 +69,23 @@ def image_jobs(folder: Path, pictures: list[str], salt: str = "img") -> Path:
 
 
 async def render(path: Path, store: Store, *fakes: FakeComfy, partition: str = "p", **config):
-    async with fake_servers(*fakes) as servers:
-        return await run_batch(
-            load_job_file(path),
-            partition=partition,
-            servers=servers,
-            store=store,
-            config=fast_config(**config),
-        )
+    return await batch_over_fakes(
+        load_job_file(path), store, *fakes, partition=partition, config=fast_config(**config)
+    )
+
+
+async def render_one_picture(
+    tmp_path: Path, seed: int, fake: FakeComfy
+) -> tuple[BatchSummary, Job, Store]:
+    """One job inverting a picture of random pixels (``seed``) of ``tmp_path/jobs``, rendered
+    over ``fake`` into a store at ``tmp_path/store``; returns the summary, the job and the
+    store."""
+    folder = tmp_path / "jobs"
+    picture(folder / "one.png", seed)
+    path = image_jobs(folder, ["one.png"])
+    store = Store(tmp_path / "store")
+    summary = await render(path, store, fake)
+    return summary, load_job_file(path).jobs[0], store
 
 
 def output_of(store: Store, partition: str, job: str, suffix: str = ".png") -> Path:
@@ -124,12 +141,7 @@ async def test_the_same_picture_is_uploaded_once_per_server_not_once_per_job(tmp
 
 
 async def test_results_table_names_each_input_with_its_sha256_and_take(tmp_path):
-    folder = tmp_path / "jobs"
-    picture(folder / "one.png", 1)
-    path = image_jobs(folder, ["one.png"])
-    store = Store(tmp_path / "store")
-    await render(path, store, FakeComfy(prompt_seconds=0.005))
-    job = load_job_file(path).jobs[0]
+    _, job, store = await render_one_picture(tmp_path, 1, FakeComfy(prompt_seconds=0.005))
     _, table = write_results(store, "p", [job.id])
     row = table.rows[0]
     sha = job.inputs[0].sha256
@@ -282,13 +294,8 @@ async def test_an_upload_answered_500_is_retried_and_the_job_renders_once(tmp_pa
         return await real_upload(self, data, filename, **kw)
 
     monkeypatch.setattr(ComfyClient, "upload_input", flaky)
-    folder = tmp_path / "jobs"
-    picture(folder / "one.png", 3)
-    path = image_jobs(folder, ["one.png"])
-    store = Store(tmp_path / "store")
     fake = FakeComfy(prompt_seconds=0.005)
-    summary = await render(path, store, fake)
-    job = load_job_file(path).jobs[0]
+    summary, job, store = await render_one_picture(tmp_path, 3, fake)
     assert summary.done == 1 and len(calls) == 2
     assert posted(fake, job.prompt_id) == 1
     failed = [e for e in store.events(job_id=job.id) if e.to_state == "failed_retryable"]
@@ -306,13 +313,8 @@ async def test_an_upload_the_server_refuses_is_a_dead_letter_with_nothing_posted
         raise InputRejected("POST /upload/image: 400", status=400, detail="400 Bad Request")
 
     monkeypatch.setattr(ComfyClient, "upload_input", refused)
-    folder = tmp_path / "jobs"
-    picture(folder / "one.png", 4)
-    path = image_jobs(folder, ["one.png"])
-    store = Store(tmp_path / "store")
     fake = FakeComfy(prompt_seconds=0.005)
-    summary = await render(path, store, fake)
-    job = load_job_file(path).jobs[0]
+    summary, job, store = await render_one_picture(tmp_path, 4, fake)
     assert summary.dead_lettered == 1
     assert posted(fake, job.prompt_id) == 0
     assert "input 1.image (one.png)" in (store.get(job.id).reason or "")

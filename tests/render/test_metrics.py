@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -84,14 +85,27 @@ async def test_a_batch_shows_its_jobs_attempts_prompt_seconds_and_servers(
         assert samples[("comfy_assets_server_quarantined", (("server", gpu),))] == 0
 
 
-def test_run_metrics_port_serves_while_the_batch_runs(tmp_path: Path) -> None:
+UP = ("comfy_assets_server_up", (("server", "gpu0"),))
+
+
+def scraped_while_running(
+    tmp_path: Path,
+    command: str,
+    enough: Callable[[dict], bool],
+    *extra: str,
+    meanwhile: Callable[[int], None] = lambda port: None,
+) -> tuple[int, str, dict]:
+    """``comfy-assets COMMAND`` over 4 jobs on one fake (0.3 s a node) with ``--metrics-port``
+    (and ``extra``) as a process of its own, scraped every 0.1 s until ``enough(samples)`` or
+    its end (60 s at most); ``meanwhile(port)`` runs then, while it may still serve. Returns
+    its exit code, its stderr and the last samples."""
     fake = FakeComfy(prompt_seconds=0.3)
     jobs = write_jobs(tmp_path / "jobs", 4)
     port = free_port()
     with fake.serve_in_thread(port=0) as url:
-        cmd = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
+        cmd = [sys.executable, "-m", "comfy_assets.cli", command, "--jobs", str(jobs)]
         cmd += ["--server", f"gpu0={url}", "--store", str(tmp_path / "s")]
-        cmd += ["--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--poll-s", "0.05"]
+        cmd += ["--metrics-port", str(port), *extra, "--poll-s", "0.05"]
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         samples: dict = {}
         try:
@@ -101,16 +115,30 @@ def test_run_metrics_port_serves_while_the_batch_runs(tmp_path: Path) -> None:
                     samples = scrape(port)
                 except OSError:
                     samples = {}
-                waiting = [k for k in samples if k[0] == "comfy_assets_jobs_waiting"]
-                if waiting and samples.get(("comfy_assets_server_up", (("server", "gpu0"),))):
+                if enough(samples):
                     break
                 time.sleep(0.1)  # polling a server another process runs: no event to wait on
-            # Listening on 127.0.0.1 alone: another loopback address of this host refuses.
-            with pytest.raises(ConnectionRefusedError):
-                socket.create_connection(("127.0.0.2", port), timeout=5).close()
+            meanwhile(port)
         finally:
-            out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err.decode()
+            _, err = proc.communicate(timeout=60)
+    return proc.returncode, err.decode(), samples
+
+
+def test_run_metrics_port_serves_while_the_batch_runs(tmp_path: Path) -> None:
+    def refused_elsewhere(port: int) -> None:
+        # Listening on 127.0.0.1 alone: another loopback address of this host refuses.
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.2", port), timeout=5).close()
+
+    code, err, samples = scraped_while_running(
+        tmp_path,
+        "run",
+        lambda s: any(k[0] == "comfy_assets_jobs_waiting" for k in s) and bool(s.get(UP)),
+        "--metrics-host",
+        "127.0.0.1",
+        meanwhile=refused_elsewhere,
+    )
+    assert code == 0, err
     assert samples[("comfy_assets_server_up", (("server", "gpu0"),))] == 1
     assert any(k[0] == "comfy_assets_jobs_waiting" for k in samples)
     assert sum(v for k, v in samples.items() if k[0] == "comfy_assets_jobs") == 4
@@ -142,29 +170,12 @@ def test_a_refused_metrics_option_is_said_and_leaves_no_store(tmp_path: Path, co
 
 
 def test_worker_metrics_port_serves_its_pool_and_the_stores_jobs(tmp_path: Path) -> None:
-    fake = FakeComfy(prompt_seconds=0.3)
-    jobs = write_jobs(tmp_path / "jobs", 4)
-    port = free_port()
-    with fake.serve_in_thread(port=0) as url:
-        cmd = [sys.executable, "-m", "comfy_assets.cli", "worker", "--jobs", str(jobs)]
-        cmd += ["--server", f"gpu0={url}", "--store", str(tmp_path / "s")]
-        cmd += ["--metrics-port", str(port), "--poll-s", "0.05"]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        samples: dict = {}
-        try:
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    samples = scrape(port)
-                except OSError:
-                    samples = {}
-                done = samples.get(("comfy_assets_jobs", (("state", "succeeded"),)), 0)
-                if done >= 1 and samples.get(("comfy_assets_server_up", (("server", "gpu0"),))):
-                    break
-                time.sleep(0.1)  # polling a server another process runs: no event to wait on
-        finally:
-            out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err.decode()
+    def one_done_and_up(samples: dict) -> bool:
+        done = samples.get(("comfy_assets_jobs", (("state", "succeeded"),)), 0)
+        return done >= 1 and bool(samples.get(UP))
+
+    code, err, samples = scraped_while_running(tmp_path, "worker", one_done_and_up)
+    assert code == 0, err
     assert samples[("comfy_assets_server_up", (("server", "gpu0"),))] == 1
     assert samples[("comfy_assets_server_quarantined", (("server", "gpu0"),))] == 0
     assert samples[("comfy_assets_jobs", (("state", "succeeded"),))] >= 1

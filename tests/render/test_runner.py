@@ -16,7 +16,6 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import removal
 from comfy_assets.render.outcome import Failure
 from comfy_assets.render.ownership import graph_sha256
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy, recorded
 from tests.support import (
@@ -27,6 +26,8 @@ from tests.support import (
     fast_config,
     gone_owner,
     job_id,
+    left_submitted_by_a_gone_run,
+    one_job,
     posted,
     running,
     wait_until,
@@ -39,10 +40,7 @@ async def render(tmp_path: Path, script: list[str], count: int = 1, **config: ob
     fake = FakeComfy(script=script, prompt_seconds=0.005)
     job_file = load_job_file(write_jobs(tmp_path / "jobs", count))
     store = Store(tmp_path / "store")
-    async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            job_file, partition="p", servers=servers, store=store, config=fast_config(**config)
-        )
+    summary = await batch_over_fakes(job_file, store, fake, config=fast_config(**config))
     return fake, job_file, store, summary
 
 
@@ -177,9 +175,7 @@ async def test_a_changed_input_renders_again_and_the_same_input_does_not(tmp_pat
 
 async def test_a_deleted_output_is_fetched_again_without_rendering_again(tmp_path):
     fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    job = jf.jobs[0]
-    store = Store(tmp_path / "store")
+    jf, job, store = one_job(tmp_path)
     lines: list[str] = []
     async with fake_servers(fake) as servers:
         await fast_batch(jf, servers, store)
@@ -207,9 +203,7 @@ async def test_an_edited_job_keeps_only_its_new_outputs(tmp_path):
 
 async def test_the_claim_of_an_owner_whose_heartbeat_stopped_is_taken_over_at_once(tmp_path):
     fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    job = jf.jobs[0]
-    store = Store(tmp_path / "store")
+    jf, job, store = one_job(tmp_path)
     store.register_jobs("p", jf.jobs)
     owner = gone_owner(store)
     assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
@@ -241,13 +235,7 @@ async def test_delivery_posts_nothing_after_a_fatal_failure_while_another_server
     async with fake_servers(failing, hung) as servers:
         failing.pause()  # shot 1 fails only once shot 2 is rendering on gpu1
         batch = asyncio.create_task(
-            run_batch(
-                jf,
-                partition="p",
-                servers=servers,
-                store=store,
-                config=fast_config(policy="delivery", attempts=1),
-            )
+            fast_batch(jf, servers, store, config=fast_config(policy="delivery", attempts=1))
         )
         await wait_until(lambda: len(hung.stats["runs"]) == 1, 20.0, "the hung shot")
         failing.resume()
@@ -307,9 +295,7 @@ async def test_outputs_gone_from_the_server_are_rendered_anew_after_the_cache_is
     # catch-up's download gets 404, and the next attempt renders anew (after POST /free:
     # an identical prompt would replay the missing names, README fact 11).
     fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    job = jf.jobs[0]
-    store = Store(tmp_path / "store")
+    jf, job, store = one_job(tmp_path)
     lines: list[str] = []
     async with fake_servers(fake) as servers:
         await fast_batch(jf, servers, store)
@@ -334,9 +320,7 @@ async def test_outputs_gone_from_the_server_are_rendered_anew_after_the_cache_is
 
 async def test_outputs_that_stay_missing_end_as_a_dead_letter_naming_the_404(tmp_path):
     fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    job = jf.jobs[0]
-    store = Store(tmp_path / "store")
+    jf, job, store = one_job(tmp_path)
     stop = asyncio.Event()
 
     async def clean_output_folder() -> None:
@@ -348,9 +332,7 @@ async def test_outputs_that_stay_missing_end_as_a_dead_letter_naming_the_404(tmp
 
     async with fake_servers(fake) as servers:
         cleaner = asyncio.create_task(clean_output_folder())
-        summary = await run_batch(
-            jf, partition="p", servers=servers, store=store, config=fast_config(attempts=3)
-        )
+        summary = await fast_batch(jf, servers, store, config=fast_config(attempts=3))
         stop.set()
         await cleaner
     assert summary.dead_lettered == 1
@@ -366,13 +348,7 @@ async def test_a_catch_up_that_cannot_reach_the_previous_server_waits_before_pos
     # The job was posted to gpu0 (the store says so), then gpu0 stops answering. Posting
     # on gpu1 at once could render it twice; the attempt asks gpu0 again for catch_up_s.
     gpu0, gpu1 = FakeComfy(prompt_seconds=0.005), FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
-    job = jf.jobs[0]
-    store = Store(tmp_path / "store")
-    store.register_jobs("p", jf.jobs)
-    store.claim_job(job.id, "host:1:gone", 60.0)
-    store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
-    store.release_claim(job.id, "host:1:gone")
+    jf, job, store = left_submitted_by_a_gone_run(tmp_path)
     lines: list[str] = []
     async with fake_servers(gpu0, gpu1) as servers:
         # gpu0 refuses connections from now on: a port nobody listens on.
@@ -380,11 +356,10 @@ async def test_a_catch_up_that_cannot_reach_the_previous_server_waits_before_pos
             s.bind(("127.0.0.1", 0))
             dead = f"http://127.0.0.1:{s.getsockname()[1]}"
         servers[0] = type(servers[0])("gpu0", dead)
-        summary = await run_batch(
+        summary = await fast_batch(
             jf,
-            partition="p",
-            servers=servers,
-            store=store,
+            servers,
+            store,
             config=fast_config(catch_up_s=0.3, probe_timeout_s=0.2),
             on_line=lines.append,
         )

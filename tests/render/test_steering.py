@@ -13,7 +13,6 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import steering
 from comfy_assets.render.eta import Estimator, Running, format_left
 from comfy_assets.render.progress import Progress
-from comfy_assets.render.run import run_batch
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.pool.test_models_pool import model_jobs
@@ -173,15 +172,13 @@ async def test_jobs_left_after_the_delivery_policy_stopped_are_said_not_submitte
     shots = [{"shot": i + 1} for i in range(4)]
     jf = load_job_file(write_jobs(tmp_path / "jobs", 4, extra=shots))
     seen: list[Progress] = []
-    async with fake_servers(fake) as servers:
-        summary = await run_batch(
-            jf,
-            partition="p",
-            servers=servers,
-            store=Store(tmp_path / "s"),
-            config=fast_config(attempts=1, policy="delivery"),
-            on_progress=seen.append,
-        )
+    summary = await batch_over_fakes(
+        jf,
+        Store(tmp_path / "s"),
+        fake,
+        config=fast_config(attempts=1, policy="delivery"),
+        on_progress=seen.append,
+    )
     assert summary.stopped and summary.stopped.startswith("stopped after the fatal failure")
     after = [p.waiting_line() for p in seen if p.waiting_line() and p.dead_lettered]
     assert after, [p.lines() for p in seen]

@@ -18,7 +18,7 @@ from comfy_assets.service import broker
 from comfy_assets.service.worker import job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.process_support import FAST, SmallDisk, command, start, stop
+from tests.process_support import FAST, SmallDisk, command, start, stop, worker_command
 from tests.service.test_store_outage import pg_store  # noqa: F401 (a fixture)
 from tests.service.test_worker_rabbitmq import URL, make_worker, queue, ready_count  # noqa: F401
 from tests.support import ROOT, fake_servers, outcomes, wait_until, write_jobs
@@ -114,14 +114,10 @@ async def test_a_worker_on_a_full_disk_stops_with_one_line_and_requeues_what_it_
     fakes = [FakeComfy(prompt_seconds=0.005), FakeComfy(prompt_seconds=0.005)]
     log = tmp_path / "worker.log"
     async with fake_servers(*fakes) as servers:
-        args = command(
-            "worker",
-            "--rabbitmq",
+        args = worker_command(
             URL,
-            "--queue",
             queue,
-            *[a for s in servers for a in ("--server", f"{s.name}={s.url}")],
-            "--store",
+            servers,
             store,
             *db_url,
             "--grace-s",

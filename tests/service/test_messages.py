@@ -18,29 +18,23 @@ from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service.messages import job_message, parse_message
 from comfy_assets.service.sources import MemorySource
-from comfy_assets.service.worker import Worker, job_messages
+from comfy_assets.service.worker import job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.conftest import IMAGE_WORKFLOW
+from tests.service.test_worker import make_worker
 from tests.service.test_worker_rabbitmq import URL as AMQP_URL
 from tests.service.test_worker_rabbitmq import drain, queue, ready_count  # noqa: F401 (a fixture)
 from tests.support import (
     WORKFLOWS,
     executed,
     fake_servers,
-    fast_config,
     job_id,
     opened_files,
     posted,
     wait_until,
     write_jobs,
 )
-
-
-def make_worker(source, specs, store: Store, folder: Path, **kwargs) -> Worker:
-    config = kwargs.pop("config", None) or fast_config(attempts=1)
-    return Worker(source, servers=specs, store=store, config=config, workflows_dir=folder, **kwargs)
-
 
 # -- self-contained -----------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from comfy_assets.cli.main import build_parser
-from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service.messages import parse_message
 from comfy_assets.service.sources import FileSource, MemoryDelivery, MemorySource
@@ -29,6 +29,13 @@ from tests.support import (
     wait_until,
     write_jobs,
 )
+
+
+def one_job_line(tmp_path: Path) -> tuple[Path, Job, str]:
+    """One job written to ``tmp_path/jobs``; returns the job file's path, its job and its line
+    (the message a queue would carry)."""
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    return jobs, load_job_file(jobs).jobs[0], jobs.read_text().splitlines()[0]
 
 
 def make_worker(source, specs, store: Store, folder: Path, **kwargs) -> Worker:
@@ -60,9 +67,7 @@ async def test_a_job_delivered_twice_is_executed_once_and_both_messages_are_acke
 async def test_two_deliveries_of_one_job_taken_at_once_run_it_once(tmp_path, store):
     # Two servers, so both copies are taken together: the second waits for the first's
     # claim instead of running too.
-    jobs = write_jobs(tmp_path / "jobs", 1)
-    job = load_job_file(jobs).jobs[0]
-    line = jobs.read_text().splitlines()[0]
+    jobs, job, line = one_job_line(tmp_path)
     fakes = [FakeComfy(prompt_seconds=0.02), FakeComfy(prompt_seconds=0.02)]
     source = MemorySource("images")
     source.put(line)
@@ -122,9 +127,7 @@ async def test_a_message_that_is_not_a_valid_job_is_dead_lettered_with_the_valid
 
 
 async def test_a_dead_letter_is_published_once_and_its_duplicate_is_only_acked(tmp_path, store):
-    jobs = write_jobs(tmp_path / "jobs", 1)
-    job = load_job_file(jobs).jobs[0]
-    line = jobs.read_text().splitlines()[0]
+    jobs, job, line = one_job_line(tmp_path)
     fake = FakeComfy(script=["error"], prompt_seconds=0.005)
     source = MemorySource("images")
     source.put(line)
@@ -145,9 +148,7 @@ async def test_a_dead_letter_is_published_once_and_its_duplicate_is_only_acked(t
 async def test_after_the_grace_a_running_prompt_is_interrupted_and_its_message_requeued(
     tmp_path, store
 ):
-    jobs = write_jobs(tmp_path / "jobs", 1)
-    job = load_job_file(jobs).jobs[0]
-    line = jobs.read_text().splitlines()[0]
+    jobs, job, line = one_job_line(tmp_path)
     fake = FakeComfy(script=["hang"], prompt_seconds=0.005)
     source = MemorySource("images")
     source.put(line)

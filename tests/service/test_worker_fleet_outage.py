@@ -19,7 +19,7 @@ from comfy_assets.service import broker
 from comfy_assets.service.worker import job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.process_support import FAST, command, start, stop, via
+from tests.process_support import FAST, start, stop, via, worker_command
 from tests.service.test_store_outage import pg_store  # noqa: F401 (a fixture)
 from tests.service.test_worker_rabbitmq import URL, queue, ready_count  # noqa: F401 (a fixture)
 from tests.support import executed, fake_servers, outcomes, wait_until, write_jobs
@@ -51,14 +51,10 @@ async def test_three_workers_ride_out_a_database_restart_between_messages_and_un
     check = Store(tmp_path / "check", pg_url)  # straight to the database, not the proxy
     logs = [tmp_path / f"worker{i}.log" for i in range(3)]
     async with fake_servers(*fakes) as servers:
-        args = command(
-            "worker",
-            "--rabbitmq",
+        args = worker_command(
             URL,
-            "--queue",
             queue,
-            *[a for s in servers for a in ("--server", f"{s.name}={s.url}")],
-            "--store",
+            servers,
             tmp_path / "store",
             "--db-url",
             via(db_proxy, pg_url),

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import sys
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,12 +18,14 @@ import sqlalchemy.exc
 
 from comfy_assets.comfy import client as client_module
 from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service import broker
 from comfy_assets.service.sources import RabbitSource
 from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
+from tests.api_support import AMQP, fresh_queue
 from tests.support import (
     ROOT,
     executed,
@@ -40,23 +40,14 @@ from tests.support import (
 
 pytestmark = pytest.mark.rabbitmq
 
-URL = os.environ.get("COMFY_ASSETS_TEST_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
+URL = AMQP
 
 
 @pytest.fixture
 async def queue() -> AsyncIterator[str]:
     """A fresh queue name; the queue and its ``.dead`` are deleted at the end."""
-    name = f"test-worker-{uuid.uuid4().hex[:10]}"
-    try:
-        connection = await aio_pika.connect(URL, timeout=5)
-    except OSError as e:
-        pytest.fail(f"RabbitMQ unreachable at {URL}: {e!r}")
-    await connection.close()
-    yield name
-    async with await aio_pika.connect(URL) as connection:
-        channel = await connection.channel()
-        for q in (name, broker.dead_queue_name(name)):
-            await channel.queue_delete(q)
+    async with fresh_queue("test-worker") as name:
+        yield name
 
 
 async def ready_count(queue_name: str) -> int:
@@ -254,17 +245,25 @@ async def test_a_dead_letter_carries_its_reason_and_a_duplicate_is_not_published
     assert await ready_count(queue) == 0
 
 
+async def one_job_enqueued(tmp_path: Path, queue: str) -> tuple[Path, Job, Path]:
+    """One job of ``tmp_path/jobs`` enqueued on ``queue``, and a store at ``tmp_path/store``
+    whose schema is made before processes share it; returns the job file's path, the job and
+    the store's folder."""
+    jobs = write_jobs(tmp_path / "jobs", 1)
+    job = load_job_file(jobs).jobs[0]
+    await broker.enqueue(URL, queue, job_messages(jobs))
+    store_dir = tmp_path / "store"
+    Store(store_dir)
+    return jobs, job, store_dir
+
+
 async def test_a_worker_killed_mid_job_is_finished_by_another_without_a_second_execution(
     tmp_path, queue
 ):
     # `silent` + a 60 s poll: worker A never learns that the prompt finished, so killing it
     # right after the fake's own record says success leaves the message unacked.
-    jobs = write_jobs(tmp_path / "jobs", 1)
-    job = load_job_file(jobs).jobs[0]
-    await broker.enqueue(URL, queue, job_messages(jobs))
+    jobs, job, store_dir = await one_job_enqueued(tmp_path, queue)
     fake = FakeComfy(script=["silent"], prompt_seconds=0.005)
-    store_dir = tmp_path / "store"
-    Store(store_dir)  # schema created before two processes share it
     async with fake_servers(fake) as specs:
         args = worker_args(
             queue,
@@ -304,12 +303,8 @@ async def test_a_worker_killed_mid_job_is_finished_by_another_without_a_second_e
 async def test_sigterm_interrupts_the_running_prompt_requeues_and_exits_0_then_it_runs_once(
     tmp_path, queue
 ):
-    jobs = write_jobs(tmp_path / "jobs", 1)
-    job = load_job_file(jobs).jobs[0]
-    await broker.enqueue(URL, queue, job_messages(jobs))
+    jobs, job, store_dir = await one_job_enqueued(tmp_path, queue)
     fake = FakeComfy(script=["hang"], prompt_seconds=0.005)
-    store_dir = tmp_path / "store"
-    Store(store_dir)
     log = tmp_path / "a.log"
     async with fake_servers(fake) as specs:
         proc = await start(
@@ -339,12 +334,8 @@ async def test_sigterm_interrupts_the_running_prompt_requeues_and_exits_0_then_i
 
 
 async def test_a_second_sigterm_is_logged_and_the_running_job_still_gets_its_grace(tmp_path, queue):
-    jobs = write_jobs(tmp_path / "jobs", 1)
-    job = load_job_file(jobs).jobs[0]
-    await broker.enqueue(URL, queue, job_messages(jobs))
+    jobs, job, store_dir = await one_job_enqueued(tmp_path, queue)
     fake = FakeComfy(script=["slow"], prompt_seconds=0.1)  # 10 x 0.1 s a node
-    store_dir = tmp_path / "store"
-    Store(store_dir)
     log = tmp_path / "a.log"
     async with fake_servers(fake) as specs:
         proc = await start(

@@ -15,7 +15,7 @@ from comfy_assets.service import broker
 from comfy_assets.service.worker import job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.process_support import FAST, command, start, stop
+from tests.process_support import FAST, start, stop, worker_command
 from tests.service.test_worker_rabbitmq import URL, queue, ready_count  # noqa: F401 (a fixture)
 from tests.support import fake_servers, write_jobs
 
@@ -35,15 +35,10 @@ async def test_a_worker_sigtermed_soon_after_its_start_stops_with_one_line_and_e
     store = tmp_path / "store"
     log = tmp_path / "worker.log"
     async with fake_servers(FakeComfy(prompt_seconds=0.1)) as servers:  # 0.4 s a job
-        args = command(
-            "worker",
-            "--rabbitmq",
+        args = worker_command(
             URL,
-            "--queue",
             queue,
-            "--server",
-            f"gpu0={servers[0].url}",
-            "--store",
+            servers,
             store,
             "--grace-s",
             "0.5",
