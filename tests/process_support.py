@@ -43,6 +43,15 @@ async def start(args: list[str], log: Path) -> asyncio.subprocess.Process:
         return await asyncio.create_subprocess_exec(*args, cwd=ROOT, stdout=out, stderr=out)
 
 
+def ended_cleanly(log: Path, code: int, expected: int = 0) -> str:
+    """The text of a process's ``log``, once asserted that it exited ``expected`` (its
+    ``code``) without a traceback."""
+    text = log.read_text()
+    assert code == expected, text
+    assert "Traceback" not in text
+    return text
+
+
 async def stop(proc: asyncio.subprocess.Process) -> None:
     """Kill ``proc`` if it still runs (a test's cleanup after a failure)."""
     if proc.returncode is None:

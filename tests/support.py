@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -165,6 +166,18 @@ def left_submitted_by_a_gone_run(tmp_path: Path) -> tuple[JobFile, Job, Store]:
     store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
     store.release_claim(job.id, "host:1:gone")
     return jf, job, store
+
+
+def assert_stored_as_served(
+    store: Store, partition: str, job_id: str, on_server: dict[str, str]
+) -> None:
+    """Assert the job's two outputs are in the store, each with its sha256, and each the
+    bytes the server holds under its name (``on_server``: file name to sha256)."""
+    files = store.files(job_id)
+    assert len(files) == 2, files
+    for f in files:
+        data = (store.job_dir(partition, job_id) / f.path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f.sha256 == on_server[Path(f.path).name], f
 
 
 def free_port() -> int:

@@ -19,6 +19,7 @@ from comfy_assets.render.ownership import graph_sha256
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy, recorded
 from tests.support import (
+    assert_stored_as_served,
     batch_over_fakes,
     executed,
     fake_servers,
@@ -308,11 +309,7 @@ async def test_outputs_gone_from_the_server_are_rendered_anew_after_the_cache_is
     assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (2, 2)
     assert fake.stats["requests"].get("POST /free") == 1
     on_server = server_bytes(fake)
-    files = store.files(job.id)
-    assert len(files) == 2
-    for f in files:
-        data = (store.job_dir("p", job.id) / f.path).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == f.sha256 == on_server[Path(f.path).name]
+    assert_stored_as_served(store, "p", job.id, on_server)
     details = [e.detail or "" for e in store.events(job.id)]
     assert any("outputs missing" in d for d in details)
     assert any("ComfyUI's cache freed" in d for d in details)

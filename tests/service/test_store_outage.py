@@ -17,7 +17,7 @@ from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker
 from comfy_assets.store import Store, StoreUnavailable, metadata
 from fake_comfy import FakeComfy
-from tests.process_support import FAST, command, start, stop, via
+from tests.process_support import FAST, command, ended_cleanly, start, stop, via
 from tests.support import (
     executed,
     fake_servers,
@@ -162,9 +162,7 @@ async def test_run_or_worker_started_while_the_database_is_down_waits_for_it_the
             code = await asyncio.wait_for(proc.wait(), 120)
         finally:
             await stop(proc)
-    text = log.read_text()
-    assert code == 0, text
-    assert "Traceback" not in text
+    text = ended_cleanly(log, code)
     assert text.count("store: the database is unreachable") == 1, text
     assert "store: the database is reachable again" in text
     assert done_line in text, text

@@ -15,7 +15,7 @@ from comfy_assets.service import broker
 from comfy_assets.service.worker import job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.process_support import FAST, start, stop, worker_command
+from tests.process_support import FAST, ended_cleanly, start, stop, worker_command
 from tests.service.test_worker_rabbitmq import URL, queue, ready_count  # noqa: F401 (a fixture)
 from tests.support import fake_servers, write_jobs
 
@@ -51,9 +51,7 @@ async def test_a_worker_sigtermed_soon_after_its_start_stops_with_one_line_and_e
             code = await asyncio.wait_for(proc.wait(), 60)
         finally:
             await stop(proc)
-    text = log.read_text()
-    assert code == 0, text
-    assert "Traceback" not in text
+    text = ended_cleanly(log, code)
     assert text.count("SIGTERM: stopping") == 1, text
     # Nothing lost: each job is done, or its message is back in the queue.
     done = Store(store).counts("jobs")["succeeded"] if (store / "store.db").exists() else 0

@@ -7,7 +7,6 @@ import asyncio
 import hashlib
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +26,7 @@ from tests.campaign.schedule import (
     ServerPlan,
     make_schedule,
 )
-from tests.support import ROOT, executed, fast_config, write_jobs
+from tests.support import ROOT, assert_stored_as_served, executed, fast_config, write_jobs
 
 CI_SEEDS = range(22)
 
@@ -153,11 +152,7 @@ def test_two_view_404s_for_a_caught_up_job_end_done_with_no_traceback(tmp_path):
     on_server = {
         p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in fake.output_dir.glob("*.png")
     }
-    files = store.files(job.id)
-    assert len(files) == 2
-    for f in files:
-        data = (store.job_dir("jobs", job.id) / f.path).read_bytes()
-        assert hashlib.sha256(data).hexdigest() == f.sha256 == on_server[Path(f.path).name]
+    assert_stored_as_served(store, "jobs", job.id, on_server)
     details = [e.detail or "" for e in store.events(job.id)]
     assert any("outputs missing" in d for d in details), details
     # Each 404 is a file gone from the server: the cache is freed and the job rendered anew.
