@@ -54,9 +54,10 @@ def data_uri(data: bytes, kind: str = "image/png") -> str:
 
 
 @asynccontextmanager
-async def fresh_queue() -> AsyncIterator[str]:
-    """A fresh queue name; the queue and its ``.dead`` are deleted at the end."""
-    name = f"test-api-{uuid.uuid4().hex[:10]}"
+async def fresh_queue(prefix: str = "test-api") -> AsyncIterator[str]:
+    """A fresh queue name starting ``prefix``; the queue and its ``.dead`` are deleted at the
+    end. Fails the test at once when RabbitMQ (``AMQP``) is unreachable."""
+    name = f"{prefix}-{uuid.uuid4().hex[:10]}"
     try:
         connection = await aio_pika.connect(AMQP, timeout=5)
     except OSError as e:

@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import sqlalchemy as sa
 
+from comfy_assets.comfy.servers import ServerSpec
 from tests.support import ROOT
 from tests.tcp_proxy import TcpProxy
 
@@ -23,11 +25,31 @@ def command(*args: object) -> list[str]:
     return [sys.executable, "-m", "comfy_assets.cli", *(str(a) for a in args)]
 
 
+def worker_command(
+    rabbitmq: str, queue: str, servers: Sequence[ServerSpec], store: object, *extra: object
+) -> list[str]:
+    """``comfy-assets worker`` on ``queue`` of the RabbitMQ at ``rabbitmq``, over ``servers``
+    (each ``--server name=url``), its store in the folder ``store``; ``extra`` after."""
+    each_server = [a for s in servers for a in ("--server", f"{s.name}={s.url}")]
+    return command(
+        "worker", "--rabbitmq", rabbitmq, "--queue", queue, *each_server, "--store", store, *extra
+    )
+
+
 async def start(args: list[str], log: Path) -> asyncio.subprocess.Process:
     """Start ``args`` with stdout and stderr both in ``log`` (a file: nobody has to read
     it while the process runs)."""
     with log.open("wb") as out:
         return await asyncio.create_subprocess_exec(*args, cwd=ROOT, stdout=out, stderr=out)
+
+
+def ended_cleanly(log: Path, code: int, expected: int = 0) -> str:
+    """The text of a process's ``log``, once asserted that it exited ``expected`` (its
+    ``code``) without a traceback."""
+    text = log.read_text()
+    assert code == expected, text
+    assert "Traceback" not in text
+    return text
 
 
 async def stop(proc: asyncio.subprocess.Process) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -21,7 +23,11 @@ from aiohttp import web
 
 import fake_comfy.fake
 from comfy_assets.comfy.servers import ServerSpec
+from comfy_assets.jobs.model import Job, JobFile
+from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.run import run_batch
+from comfy_assets.render.summary import BatchSummary
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 
@@ -58,20 +64,23 @@ def write_jobs(
     return path
 
 
+# Tiny delays and polls, so tests run fast without sleeping (a BatchConfig's and a
+# ComfyPoolResource's fields alike).
+FAST_TIMES: dict[str, object] = dict(
+    base_delay_s=0.01,
+    max_delay_s=0.05,
+    jitter=False,
+    timeout_s=30.0,
+    poll_s=0.05,
+    unhealthy_wait_s=0.05,
+    probe_timeout_s=2.0,
+)
+
+
 def fast_config(**overrides: object) -> BatchConfig:
-    """A BatchConfig with tiny delays and polls, so tests run fast without sleeping."""
-    values: dict = dict(
-        attempts=4,
-        base_delay_s=0.01,
-        max_delay_s=0.05,
-        jitter=False,
-        timeout_s=30.0,
-        poll_s=0.05,
-        lease_s=60.0,
-        server_lease_s=30.0,
-        unhealthy_wait_s=0.05,
-        probe_timeout_s=2.0,
-    )
+    """A BatchConfig with tiny delays and polls (``FAST_TIMES``), so tests run fast without
+    sleeping; ``overrides`` replace any field."""
+    values: dict = dict(attempts=4, lease_s=60.0, server_lease_s=30.0, **FAST_TIMES)
     values.update(overrides)
     return BatchConfig(**values)
 
@@ -85,6 +94,90 @@ async def fake_servers(*fakes: FakeComfy) -> AsyncIterator[list[ServerSpec]]:
             url = await stack.enter_async_context(fake.serve(port=0))
             specs.append(ServerSpec(f"gpu{i}", url))
         yield specs
+
+
+async def fast_batch(
+    job_file: JobFile,
+    servers: Sequence[ServerSpec],
+    store: Store,
+    *,
+    partition: str = "p",
+    config: BatchConfig | None = None,
+    **options: Any,
+) -> BatchSummary:
+    """``run_batch`` of ``job_file`` as ``partition`` over ``servers`` with ``config``
+    (default ``fast_config()``); ``options``: run_batch's others (``on_line``, ``owner``, ...).
+    Returns the summary."""
+    return await run_batch(
+        job_file,
+        partition=partition,
+        servers=servers,
+        store=store,
+        config=config or fast_config(),
+        **options,
+    )
+
+
+async def batch_over_fakes(
+    job_file: JobFile,
+    store: Store,
+    *fakes: FakeComfy,
+    partition: str = "p",
+    config: BatchConfig | None = None,
+    **options: Any,
+) -> BatchSummary:
+    """The fake-farm batch: serve ``fakes`` (gpu0, gpu1, ...) and run ``job_file`` over them
+    with ``config`` (default ``fast_config()``: ``fast_batch``); returns the summary once the
+    fakes are down."""
+    async with fake_servers(*fakes) as servers:
+        return await fast_batch(
+            job_file, servers, store, partition=partition, config=config, **options
+        )
+
+
+@asynccontextmanager
+async def fake_or_real_url(which: str, fake: FakeComfy) -> AsyncIterator[str]:
+    """The base URL a contract test talks to: ``which`` "real", the ComfyUI at ``COMFYUI_URL``
+    (the test skipped when it is unset); else ``fake``, served in process for the block."""
+    if which == "real":
+        url = os.environ.get("COMFYUI_URL")
+        if not url:
+            pytest.skip("COMFYUI_URL is not set")
+        yield url
+        return
+    async with fake.serve(port=0) as url:
+        yield url
+
+
+def one_job(tmp_path: Path) -> tuple[JobFile, Job, Store]:
+    """One image job written to ``tmp_path/jobs`` and a store at ``tmp_path/store``; returns
+    the job file, its job and the store."""
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 1))
+    return jf, jf.jobs[0], Store(tmp_path / "store")
+
+
+def left_submitted_by_a_gone_run(tmp_path: Path) -> tuple[JobFile, Job, Store]:
+    """What a killed run leaves: one job of ``tmp_path/jobs`` registered as "p" in
+    ``tmp_path/store``, submitted to gpu0 as attempt 1 by an owner that is gone
+    ("host:1:gone"), its claim released. Returns the job file, its job and the store."""
+    jf, job, store = one_job(tmp_path)
+    store.register_jobs("p", jf.jobs)
+    store.claim_job(job.id, "host:1:gone", 60.0)
+    store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
+    store.release_claim(job.id, "host:1:gone")
+    return jf, job, store
+
+
+def assert_stored_as_served(
+    store: Store, partition: str, job_id: str, on_server: dict[str, str]
+) -> None:
+    """Assert the job's two outputs are in the store, each with its sha256, and each the
+    bytes the server holds under its name (``on_server``: file name to sha256)."""
+    files = store.files(job_id)
+    assert len(files) == 2, files
+    for f in files:
+        data = (store.job_dir(partition, job_id) / f.path).read_bytes()
+        assert hashlib.sha256(data).hexdigest() == f.sha256 == on_server[Path(f.path).name], f
 
 
 def free_port() -> int:

@@ -5,7 +5,7 @@ open without a token.
 The routes and their answers are listed here; every body's schema is generated from the
 typed models the API validates requests with (``models``), so the request the document
 describes is the one the API checks. Fuzzed against the handlers in the tests
-(tests/test_api_fuzz.py, schemathesis): every answer's status and body must be one this
+(tests/api/test_api_fuzz.py, schemathesis): every answer's status and body must be one this
 document lists, and a request it admits is never refused as invalid.
 """
 

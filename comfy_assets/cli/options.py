@@ -85,7 +85,7 @@ def add_size_option(p: argparse.ArgumentParser, flag: str, default: int | None, 
 
 
 # The default of --max-input-bytes (jobs/inputs.py MAX_INPUT_BYTES, which imports more
-# than ``health`` needs at start-up; tests/test_jobfile_inputs.py keeps the two equal).
+# than ``health`` needs at start-up; tests/jobs/test_jobfile_inputs.py keeps the two equal).
 MAX_INPUT_BYTES = 64 * 1024**2
 
 

@@ -40,7 +40,7 @@ chained job continues from. Every worker schedule gets one hostile message besid
 jobs: a ``set`` value holding a NUL or a lone UTF-16 surrogate (``Schedule.hostile``),
 which the worker must dead-letter as invalid and serve on. Both from generators of
 their own. A job file holding such text is refused whole before anything runs, so
-``run`` schedules have no such line (tests/test_untakeable_text.py covers them).
+``run`` schedules have no such line (tests/jobs/test_untakeable_text.py covers them).
 
 Bounds keep a schedule to seconds: fast prompts, small deadlines, few faults.
 """
@@ -81,7 +81,7 @@ HUGE_CHARS = 1024**2
 HOSTILE_TEXT = ("\x00", "\ud800")
 # The words of a sick server play as its default word (``ServerPlan.sick``), drawn apart.
 SICK_WORDS = ("error", "cuda", "disk", "500", "oom", "partial")
-# A wedged server (``wedge``) is played by tests/test_sick_shapes.py: a campaign's server
+# A wedged server (``wedge``) is played by tests/pool/test_sick_shapes.py: a campaign's server
 # stays stuck for good once one prompt wedges it.
 assert set(_WORD_WEIGHTS) - {"busy"} == WORDS - {"cuda", "disk", "wedge"}, (
     "every script word is played"
