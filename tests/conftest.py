@@ -8,6 +8,7 @@ import os
 import subprocess
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -70,12 +71,10 @@ def store(tmp_path: Path) -> Iterator[Store]:
     s.close()
 
 
-@pytest.fixture(scope="session")
-def pg_url() -> Iterator[str]:
-    """URL of a fresh PostgreSQL database for this session, dropped at the end.
-
-    Skips when the server is unreachable, unless the env var CI is set: then it fails.
-    """
+@contextmanager
+def _database() -> Iterator[str]:
+    """A new PostgreSQL database's URL, dropped at the end. Skips when the server is
+    unreachable, unless the env var CI is set: then it fails."""
     server = sa.make_url(PG_SERVER_URL)
     admin = sa.create_engine(
         server, isolation_level="AUTOCOMMIT", connect_args={"connect_timeout": 3}
@@ -99,6 +98,22 @@ def pg_url() -> Iterator[str]:
             # FORCE: a Store a failed test left open must not keep the database alive.
             conn.execute(sa.text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
         admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """URL of a fresh PostgreSQL database for this session, dropped at the end (its
+    servers' health is shared by the session's tests)."""
+    with _database() as url:
+        yield url
+
+
+@pytest.fixture
+def own_pg_url() -> Iterator[str]:
+    """URL of a PostgreSQL database of this test's own: for a test whose servers' health
+    (quarantines of gpu0, gpu1, ...) must not meet another test's."""
+    with _database() as url:
+        yield url
 
 
 @pytest.fixture

@@ -41,7 +41,7 @@ def one_sick_of_three(
     its database URL (None for SQLite)."""
     sick = FakeComfy(default_word=word, prompt_seconds=0.001)
     healthy = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
-    url = request.getfixturevalue("pg_url") if db == "pg" else None
+    url = request.getfixturevalue("own_pg_url") if db == "pg" else None
     return sick, healthy, Store(tmp_path / "store", url), url
 
 
