@@ -8,7 +8,7 @@ never raises for anything a server does; only cancellation propagates.
 Classification: POST 400 → permanent; 5xx, refused, reset, timeout, lost → transient;
 ``execution_error`` of out-of-memory type → transient (``POST /free`` first); an
 infrastructure error (``comfy/infra.py``) → transient, the server's; any other
-``execution_error`` → permanent, unless ``render/ownership.py`` finds it may be the
+``execution_error`` → permanent, unless ``render/blame.py`` finds it may be the
 server's (a deadline and a lost prompt carry a ``Failure`` for it too); our prompt interrupted by someone else → transient; 200
 with ``node_errors`` → permanent (outputs were dropped,
 data/recorded/validation_errors.json); a deadline → interrupt, delete from the queue, wait
@@ -301,7 +301,7 @@ class Attempt(CatchUp, Removal):
 
     def _refused(self, reason: str, name: str) -> AttemptResult:
         """The result of a prompt ``name`` refused (POST 400): the job's if another
-        server refuses it so too (``render/ownership.py``)."""
+        server refuses it so too (``render/blame.py``)."""
         failure = Failure.of("rejected", reason)
         return self.result("permanent", reason, server=name, posted=True, failure=failure)
 

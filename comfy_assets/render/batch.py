@@ -31,8 +31,8 @@ from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
 from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.chain import Chain
-from comfy_assets.render.claiming import Claiming
-from comfy_assets.render.claims import Claims
+from comfy_assets.render.admission import Claiming
+from comfy_assets.render.claim_keeping import Claims
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.guard import JobGuard
 from comfy_assets.render.outcome import CATCH_UP_AFTER, AttemptHooks, AttemptResult, NotPosted

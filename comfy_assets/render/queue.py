@@ -50,7 +50,7 @@ class Item:
     model_loaded: bool = False
     seq: int = field(default=0, compare=False)  # arrival rank in the queue (lower first)
     # Servers where an attempt of this batch failed in a way that may be the server's,
-    # with the failure, in the order they failed (``render/ownership.py``): the job goes
+    # with the failure, in the order they failed (``render/blame.py``): the job goes
     # elsewhere while another server can run it.
     failed_on: dict[str, Failure] = field(default_factory=dict, compare=False)
     # Attempts that went elsewhere at once because their failure may be the server's:

@@ -11,7 +11,7 @@ from comfy_assets.jobs.model import Job
 from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.outcome import AttemptResult
 from comfy_assets.render.outputs import remove_stale_outputs
-from comfy_assets.render.ownership import Ownership
+from comfy_assets.render.blame import Ownership
 from comfy_assets.render.queue import Item
 from comfy_assets.store import AttemptEntry, ClaimLost, StoreUnavailable
 
