@@ -29,9 +29,9 @@ from comfy_assets.comfy.errors import NoServerCanRun, NoServerReachable
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.jobs.model import Job
+from comfy_assets.render.admission import Claiming
 from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.chain import Chain
-from comfy_assets.render.admission import Claiming
 from comfy_assets.render.claim_keeping import Claims
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.guard import JobGuard
@@ -114,6 +114,9 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         # Jobs resolved other than done, and how: this batch does not take them up again
         # (a requeue while it runs is for the next run); ``status`` says so.
         self.let_go: dict[str, Ended] = {}
+        # Jobs whose done record (or degraded) or dead letter this batch wrote: exactly
+        # one run writes each (the store takes it only from the claim's holder, once).
+        self.wrote: set[str] = set()
         self._tasks: dict[str, asyncio.Task[None]] = {}  # the consumer running each attempt
         self.finished = asyncio.Event()  # every job resolved, or stopped with none in flight
         # SQLite is a local file: a call costs less than a hop to a thread and back.

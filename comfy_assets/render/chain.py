@@ -98,13 +98,11 @@ class Chain:
         job = item.job
         self.claims.finishing_now(job.id)
         if self.draft:
-            await self._db(
-                self.store.mark_done, job.id, self.owner, state="degraded", reason=reason
-            )
+            await self._write_done(job.id, state="degraded", reason=reason)
             self.report(f"job {job.id}: degraded (draft), {reason}")
             ended: Literal["degraded", "dead_lettered"] = "degraded"
         else:
-            await self._db(self.store.dead_letter, job.id, self.owner, reason)
+            await self._write_dead_letter(job.id, reason)
             self.report(f"job {job.id}: dead-lettered, {reason}")
             ended = "dead_lettered"
         self.claims.finished(job.id)

@@ -77,6 +77,7 @@ class JobGuard:
     report: Any
     _resolve: Any
     _settle: Any
+    _write_dead_letter: Any
 
     async def _settle_guarded(self, item: Item, attempt_number: int, result: Any) -> None:
         """``_settle(item, attempt_number, result)`` (``render/settle.py``); what it
@@ -101,9 +102,7 @@ class JobGuard:
         log.error("job %s: %s", job_id, reason, exc_info=error)
         self.claims.finishing_now(job_id)
         try:
-            await self._db(
-                self.store.dead_letter, job_id, self.owner, reason, attempt=attempt_number
-            )
+            await self._write_dead_letter(job_id, reason, attempt=attempt_number)
         except Exception as again:
             if stops_the_batch(again):
                 raise

@@ -9,9 +9,20 @@ from typing import Any
 
 from comfy_assets.jobs.model import Job
 from comfy_assets.render.attempt import Attempt
+from comfy_assets.render.blame import Ownership
+from comfy_assets.render.decision import (
+    Degraded,
+    Done,
+    Facts,
+    Move,
+    Pending,
+    Policy,
+    Retry,
+    decide,
+    needs_farm_look,
+)
 from comfy_assets.render.outcome import AttemptResult
 from comfy_assets.render.outputs import remove_stale_outputs
-from comfy_assets.render.blame import Ownership
 from comfy_assets.render.queue import Item
 from comfy_assets.store import AttemptEntry, ClaimLost, StoreUnavailable
 
@@ -21,11 +32,33 @@ class Settle(Ownership):
     was is decided first (``Ownership``)."""
 
     async def _settle(self, item: Item, attempt_number: int, r: AttemptResult) -> None:
-        job, store, cfg = item.job, self.store, self.config
+        """Judge the attempt's result (``Blame``), decide its move (``decide``) and write
+        the move. Raises ClaimLost, StoreUnavailable."""
         r, at_once = await self._owned(item, r)
         if at_once:
             item.elsewhere += 1
         counted = attempt_number - item.elsewhere  # the job's own attempts
+        policy = Policy(self.config.retry, self.draft, self.stop_on_fatal)
+        sick = None
+        if needs_farm_look(r.kind, counted, policy):
+            sick = await self._sick_farm(item)
+        facts = Facts(
+            r.kind,
+            r.reason,
+            attempt_number,
+            counted,
+            at_once=at_once,
+            sick=sick,
+            optional=item.job.optional,
+            stopped=self.stopped,
+        )
+        await self._apply(item, attempt_number, r, decide(facts, policy, item.job.id))
+
+    async def _apply(self, item: Item, attempt_number: int, r: AttemptResult, move: Move) -> None:
+        """Write ``move`` for attempt ``attempt_number`` of ``item`` (result ``r``): its
+        transition with the attempt's row in one transaction, the claim, a line, the
+        job's place in line or its end in this batch."""
+        job, store = item.job, self.store
         tried = AttemptEntry(  # written with the transition below, one transaction
             item.attempts_before + attempt_number,  # rows go on numbering after a requeue
             server=r.server,
@@ -49,13 +82,11 @@ class Settle(Ownership):
             "tried": tried,
             "rendering": rendering,
         }
-        if r.kind == "success":
+        if isinstance(move, Done):
             remove_stale_outputs(store.job_dir(self.partition, job.id), r.files, job.take)
             self.claims.finishing_now(job.id)
-            await self._db(
-                store.mark_done,
+            await self._write_done(
                 job.id,
-                self.owner,
                 state="succeeded",
                 files=r.files,
                 number=r.number,
@@ -68,7 +99,7 @@ class Settle(Ownership):
             self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
             self._resolve("done", job.id)
             return
-        if r.kind == "transient" and counted < cfg.attempts:
+        if isinstance(move, Retry | Pending):
             await self._db(
                 store.transition,
                 job.id,
@@ -79,83 +110,63 @@ class Settle(Ownership):
                 detail=r.reason,
                 **ended,
             )
-            if self.stopped:  # no consumer takes it any more: the next run does
-                self.claims.release(job.id)
-                self.report(
-                    f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; not retried "
-                    f"in this run ({self.stopped})"
+            failed = f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}"
+            if isinstance(move, Retry) and self.stopped:
+                # Stopped while the failure was written: no consumer takes it any more.
+                move = Pending(f"not retried in this run ({self.stopped})", stopped=True)
+            if isinstance(move, Retry):
+                when = "retry at once" if move.at_once else f"retry in {move.delay_s * 1000:.0f} ms"
+                self.report(f"{failed}; {when}, ahead of the jobs not yet tried")
+                again = Item(
+                    job,
+                    prev_server=r.server,
+                    fresh=r.outputs_missing,
+                    prev_number=r.number,
+                    failed_on=item.failed_on,
+                    elsewhere=item.elsewhere,
+                    kinds=item.kinds,
                 )
-                self._resolve("not_run", job.id)
+                self.queue.push_later(again, move.delay_s)
                 return
-            delay = 0.0 if at_once else cfg.retry.delay(attempt_number)
-            when = "retry at once" if at_once else f"retry in {delay * 1000:.0f} ms"
-            self.report(
-                f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; "
-                f"{when}, ahead of the jobs not yet tried"
-            )
-            again = Item(
-                job,
-                prev_server=r.server,
-                fresh=r.outputs_missing,
-                prev_number=r.number,
-                failed_on=item.failed_on,
-                elsewhere=item.elsewhere,
-                kinds=item.kinds,
-            )
-            self.queue.push_later(again, delay)
-            return
-        sick = await self._sick_farm(item) if r.kind == "transient" else None
-        if sick is not None:  # no evidence that it is the job's: it waits for a server
-            await self._db(
-                store.transition,
-                job.id,
-                "failed_retryable",
-                owner=self.owner,
-                detail=r.reason,
-                **ended,
-            )
-            self.claims.release(job.id)
-            await self._unjudged(item)
-            self.report(
-                f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; not run "
-                f"again, {sick}; it stays pending"
-            )
+            self.claims.release(job.id)  # no consumer takes it any more: a later run does
+            if not move.stopped:
+                await self._unjudged(item)
+            self.report(f"{failed}; {move.why}" + ("" if move.stopped else "; it stays pending"))
             self._resolve("not_run", job.id)
             return
-        plural = "s" if attempt_number > 1 else ""
-        reason = (
-            r.reason
-            if r.kind == "permanent"
-            else f"gave up after {attempt_number} attempt{plural}, last: {r.reason}"
-        )
         self.claims.finishing_now(job.id)
         await self._unjudged(item)  # its failures no second server judged hold nobody back
-        degraded = self.draft and (r.kind == "permanent" or job.optional)
-        if degraded:
-            await self._db(
-                store.mark_done,
+        if isinstance(move, Degraded):
+            await self._write_done(
                 job.id,
-                self.owner,
                 state="degraded",
                 files=[],
-                reason=reason,
+                reason=move.reason,
                 **ended,
             )
-            self.report(f"job {job.id}: degraded (draft), {reason}")
-        else:
-            await self._db(
-                store.dead_letter,
-                job.id,
-                self.owner,
-                reason,
-                **ended,
-            )
-            self.report(f"job {job.id}: dead-lettered, {reason}")
-            if self.stop_on_fatal and not self.stopped:
-                self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
-                self.report(f"delivery policy: {self.stopped}; no new shots are submitted")
+            self.report(f"job {job.id}: degraded (draft), {move.reason}")
+            self.claims.finished(job.id)
+            self._resolve("degraded", job.id)
+            return
+        await self._write_dead_letter(job.id, move.reason, **ended)
+        self.report(f"job {job.id}: dead-lettered, {move.reason}")
+        if move.stops is not None and not self.stopped:
+            self.stopped = move.stops
+            self.report(f"delivery policy: {self.stopped}; no new shots are submitted")
         self.claims.finished(job.id)
-        self._resolve("degraded" if degraded else "dead_lettered", job.id)
+        self._resolve("dead_lettered", job.id)
+
+    async def _write_done(self, job_id: str, **fields: Any) -> None:
+        """The done record of ``job_id`` (``Store.mark_done``, with our claim), noted as
+        this batch's (``wrote``). Raises ClaimLost, StoreUnavailable."""
+        await self._db(self.store.mark_done, job_id, self.owner, **fields)
+        self.wrote.add(job_id)
+
+    async def _write_dead_letter(self, job_id: str, reason: str, **fields: Any) -> None:
+        """The dead letter of ``job_id`` (``Store.dead_letter``, with our claim), noted as
+        this batch's (``wrote``). Raises ClaimLost, StoreUnavailable."""
+        await self._db(self.store.dead_letter, job_id, self.owner, reason, **fields)
+        self.wrote.add(job_id)
 
     async def _cancelled(
         self, job: Job, attempt: Attempt, attempt_number: int, before: int

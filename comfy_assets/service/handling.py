@@ -8,49 +8,18 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, cast
 
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.jobs.model import Job, JobFileError
-from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.guard import our_error, stops_the_batch
-from comfy_assets.render.run import SUPERSEDED, run_one
+from comfy_assets.render.run import SUPERSEDED, JobEnding, run_one
 from comfy_assets.service.broker import BrokerError
 from comfy_assets.service.messages import parse_message
 from comfy_assets.service.sources import Delivery
-from comfy_assets.store import PartitionConflict, Store, off_loop
+from comfy_assets.store import PartitionConflict, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
-
-
-class EndingsWatch:
-    """The store as one ``run_one`` call sees it, noting the jobs that call dead-lettered
-    and those it recorded done (``finished``: a twin delivery that finished the job while
-    this one waited for its claim leaves it out, so this one is "done before").
-
-    ``Store.dead_letter`` succeeds only for the holder of the job's claim and only from a
-    state that is not yet failed_fatal, in one transaction: so exactly one run ever writes
-    a job's dead letter, and only that run's message is published to ``<queue>.dead``.
-    A duplicate delivery finds failed_fatal already (its claim answers DEAD_LETTERED), so
-    its ``run_one`` writes nothing and the worker acks without publishing again.
-    """
-
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self.dead_lettered: set[str] = set()
-        self.finished: set[str] = set()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def dead_letter(self, job_id: str, owner: str, reason: str, **kwargs: Any) -> None:
-        self._store.dead_letter(job_id, owner, reason, **kwargs)
-        self.dead_lettered.add(job_id)  # only once the row is written
-
-    def mark_done(self, job_id: str, owner: str, *args: Any, **kwargs: Any) -> None:
-        self._store.mark_done(job_id, owner, *args, **kwargs)
-        self.finished.add(job_id)  # only once the row is written
 
 
 class MessageHandling:
@@ -116,7 +85,6 @@ class MessageHandling:
             await d.dead_letter(stopped)
             await self._acked(d, "stopped", "job %s: not rendered, %s", job.id, stopped)
             return
-        watch = EndingsWatch(self.store)
         # A claim owner per run: two deliveries of one job in this worker must not both
         # hold its claim (the second one waits for the first, as another worker would).
         self._run_number += 1
@@ -128,7 +96,7 @@ class MessageHandling:
                 job,
                 partition=partition,
                 pool=pool,
-                store=cast(Store, watch),
+                store=self.store,
                 config=config,
                 owner=claim_owner,
                 heartbeat=self.owner_heartbeat,
@@ -138,7 +106,7 @@ class MessageHandling:
         )
         self._runs[me] = run
         try:
-            state = await run
+            ending = await run
         except asyncio.CancelledError:
             # The run was cancelled (grace over) and has cleaned up; or this handler is.
             await self._requeue(d)
@@ -154,21 +122,26 @@ class MessageHandling:
             # Written again: a write while the job ran shows it unfinished.
             self._touched.add(partition)
 
-        if state == SUPERSEDED:
+        await self._answer(d, job, ending)
+
+    async def _answer(self, d: Delivery, job: Job, ending: JobEnding) -> None:
+        """Answer ``d`` by how its run ended: acked (done, done before, dead-lettered now
+        and published to ``<queue>.dead``, dead before, superseded, left to its holder) or,
+        left pending (every server that can run it quarantined, nothing saying its
+        failures are the job's), requeued; this worker then takes none while every server
+        is quarantined (``Pool.until_usable``)."""
+        how, state, rec = ending.how, ending.state, ending.record
+        if how == SUPERSEDED:
             await self._superseded(d, job)
-            return
-        if state in DONE:
-            if job.id not in watch.finished:
-                await self._acked(
-                    d, "done_before", "job %s: done before (%s), nothing posted", job.id, state
-                )
-            else:
-                await self._acked(d, "done", "job %s: %s", job.id, state)
-            return
-        rec = await off_loop(self.store, self.store.get, job.id)
-        if state == FAILED_FATAL:
+        elif how == "done":
+            await self._acked(d, "done", "job %s: %s", job.id, state)
+        elif how == "done_before":
+            await self._acked(
+                d, "done_before", "job %s: done before (%s), nothing posted", job.id, state
+            )
+        elif how in ("dead_lettered", "dead_before"):
             reason = (rec.reason if rec is not None else None) or "(no reason recorded)"
-            if job.id in watch.dead_lettered:
+            if how == "dead_lettered":
                 await d.dead_letter(reason)
                 where = self.source.dead_destination
                 await self._acked(
@@ -182,9 +155,7 @@ class MessageHandling:
                     job.id,
                     reason,
                 )
-            return
-        holder = rec.claimed_by if rec is not None else None
-        if holder is not None and holder != claim_owner:
+        elif how == "left_to_holder":
             # Its claim was taken while it ran (a cancel through the API, or a worker that
             # found our claim stale): the holder finishes the job, so this message is done.
             await self._acked(
@@ -193,15 +164,12 @@ class MessageHandling:
                 "job %s: %s, its claim taken by %s, which finishes it",
                 job.id,
                 state,
-                holder,
+                rec.claimed_by if rec is not None else None,
             )
-            return
-        # Left pending: every server that can run it is quarantined, and nothing says
-        # its failures are the job's. The message goes back; this worker takes none while
-        # every server is quarantined (``Pool.until_usable``).
-        await self._requeue(d)
-        why = (rec.reason if rec is not None else None) or "no server usable"
-        log.warning("job %s: not run (%s), %s; message requeued", job.id, state, why)
+        else:
+            await self._requeue(d)
+            why = (rec.reason if rec is not None else None) or "no server usable"
+            log.warning("job %s: not run (%s), %s; message requeued", job.id, state, why)
 
     async def _superseded(self, d: Delivery, job: Job) -> None:
         """Ack a message whose job the store holds under another prompt (a newer take,
