@@ -1,33 +1,55 @@
 """Claiming a job before it runs, and what its record then says: done already (its files
 checked on disk), a dead letter, held by another live process (waited for), or taken
-over from a holder that was lost mid-attempt (that attempt counted). A part of ``Batch``."""
+over from a holder that was lost mid-attempt (that attempt counted). ``Admission``, a part
+of ``Batch``."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from collections.abc import Callable
 
 from comfy_assets.jobs.states import InvalidTransition
+from comfy_assets.render.chain import Chain
+from comfy_assets.render.claim_keeping import Claims
+from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outputs import outputs_problem
-from comfy_assets.render.queue import Item
-from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord
+from comfy_assets.render.progress import Ended
+from comfy_assets.render.queue import Item, JobQueue
+from comfy_assets.render.store_threads import StoreThreads
+from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord, Store
 
 
-class Claiming:
-    """``_claim``: a job's claim and what its record says (a part of ``Batch``)."""
+class Admission:
+    """``claim``: a job's claim (``claims``) and what its record says, for one batch of
+    ``partition``: a job ended already is resolved (``resolve``), one held by another
+    process goes back in ``queue`` for later, a chained one dead-lettered only for its
+    upstream is requeued (``chain``); each said with ``report``."""
 
-    config: Any
-    store: Any
-    partition: str
-    claims: Any
-    queue: Any
-    told_held: set[str]
-    _db: Any
-    report: Any
-    _resolve: Any
-    _requeue_if_upstream_fixed: Any
+    def __init__(
+        self,
+        *,
+        store: Store,
+        config: BatchConfig,
+        partition: str,
+        claims: Claims,
+        queue: JobQueue,
+        chain: Chain,
+        threads: StoreThreads,
+        report: Callable[[str], None],
+        resolve: Callable[[Ended, str], None],
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.partition = partition
+        self.claims = claims
+        self.queue = queue
+        self.chain = chain
+        self.threads = threads
+        self.report = report
+        self._resolve = resolve
+        self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
 
-    async def _claim(self, item: Item) -> JobRecord | None:
+    async def claim(self, item: Item) -> JobRecord | None:
         """Claim ``item``'s job; its record when it is ours to run, else None (done,
         dead-lettered, or held by another worker: then it is resolved or put back). A
         chained job dead-lettered (or degraded) only for its upstream job, which is no
@@ -38,10 +60,12 @@ class Claiming:
             if job.id in self.claims.held:  # claimed before its consumer waited in line
                 return rec
         status, rec = await self.claims.claim(job.id, job.prompt_id)
-        if status in ("dead_lettered", "done") and await self._requeue_if_upstream_fixed(job, rec):
+        if status in ("dead_lettered", "done") and await self.chain.requeue_if_upstream_fixed(
+            job, rec, self.report
+        ):
             status, rec = await self.claims.claim(job.id, job.prompt_id)
         if status == "done":
-            problem = await self._db(outputs_problem, store, self.partition, job.id)
+            problem = await self.threads.call(outputs_problem, store, self.partition, job.id)
             if problem is None:
                 if rec.state == "degraded":
                     self.report(
@@ -56,7 +80,7 @@ class Claiming:
             # Done, but its files are gone or changed on disk: render it again, which
             # catches up from the server's /history first (downloads, no new prompt).
             try:
-                await self._db(
+                await self.threads.call(
                     store.transition, job.id, "pending", detail=f"outputs {problem}; fetching again"
                 )
                 self.report(f"job {job.id}: outputs {problem}; fetching them again")
@@ -107,7 +131,7 @@ class Claiming:
                 started_at=rec.updated_at,
                 reason="its holder was lost mid-attempt",
             )
-            await self._db(
+            await self.threads.call(
                 store.transition,
                 job.id,
                 "failed_retryable",
@@ -119,5 +143,5 @@ class Claiming:
             rec = dataclasses.replace(rec, state="failed_retryable", attempts=rec.attempts + 1)
             item.prev_unsettled = True
         if rec.state == "failed_retryable":
-            await self._db(store.transition, job.id, "pending", detail="retry")
+            await self.threads.call(store.transition, job.id, "pending", detail="retry")
         return rec

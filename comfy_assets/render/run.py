@@ -319,7 +319,7 @@ async def run_one(
         return JobEnding("left", "pending")
     if rec.prompt_id != job.prompt_id:
         return JobEnding(SUPERSEDED, rec.state, rec)
-    wrote = job.id in batch.wrote
+    wrote = job.id in batch.settler.wrote
     if rec.state in DONE:
         return JobEnding("done" if wrote else "done_before", rec.state, rec)
     if rec.state == FAILED_FATAL:
