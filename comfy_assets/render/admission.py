@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.states import InvalidTransition
 from comfy_assets.render.chain import Chain
 from comfy_assets.render.claim_keeping import Claims
@@ -65,32 +66,10 @@ class Admission:
         ):
             status, rec = await self.claims.claim(job.id, job.prompt_id)
         if status == "done":
-            problem = await self.threads.call(outputs_problem, store, self.partition, job.id)
-            if problem is None:
-                if rec.state == "degraded":
-                    self.report(
-                        f"job {job.id}: degraded earlier ({rec.reason}), nothing posted; "
-                        "requeue it to render again"
-                    )
-                    self._resolve("degraded", job.id)
-                else:
-                    self.report(f"job {job.id}: already done, nothing posted")
-                    self._resolve("done", job.id)
+            again = await self._done_before(job, rec)
+            if again is None:
                 return None
-            # Done, but its files are gone or changed on disk: render it again, which
-            # catches up from the server's /history first (downloads, no new prompt).
-            try:
-                await self.threads.call(
-                    store.transition, job.id, "pending", detail=f"outputs {problem}; fetching again"
-                )
-                self.report(f"job {job.id}: outputs {problem}; fetching them again")
-            except InvalidTransition:
-                pass  # another worker reopened it a moment ago: claim decides who fetches
-            status, rec = await self.claims.claim(job.id, job.prompt_id)
-            if status == "done":  # and that worker has already fetched them
-                self.report(f"job {job.id}: already done, nothing posted")
-                self._resolve("done", job.id)
-                return None
+            status, rec = again
         if status == "changed":
             # Registered again since this batch began (a newer take, other inputs): the
             # run that registered it renders it; rendering this prompt would give the
@@ -145,3 +124,37 @@ class Admission:
         if rec.state == "failed_retryable":
             await self.threads.call(store.transition, job.id, "pending", detail="retry")
         return rec
+
+    async def _done_before(self, job: Job, rec: JobRecord) -> tuple[str, JobRecord] | None:
+        """``job`` is done in the store (``rec``): None when its files stand on disk (it
+        is resolved, nothing posted); else it is reopened to fetch them again (a catch-up
+        from the server's /history first) and claimed anew: that claim's (status,
+        record)."""
+        problem = await self.threads.call(outputs_problem, self.store, self.partition, job.id)
+        if problem is None:
+            if rec.state == "degraded":
+                self.report(
+                    f"job {job.id}: degraded earlier ({rec.reason}), nothing posted; "
+                    "requeue it to render again"
+                )
+                self._resolve("degraded", job.id)
+            else:
+                self.report(f"job {job.id}: already done, nothing posted")
+                self._resolve("done", job.id)
+            return None
+        try:
+            await self.threads.call(
+                self.store.transition,
+                job.id,
+                "pending",
+                detail=f"outputs {problem}; fetching again",
+            )
+            self.report(f"job {job.id}: outputs {problem}; fetching them again")
+        except InvalidTransition:
+            pass  # another worker reopened it a moment ago: claim decides who fetches
+        status, rec = await self.claims.claim(job.id, job.prompt_id)
+        if status == "done":  # and that worker has already fetched them
+            self.report(f"job {job.id}: already done, nothing posted")
+            self._resolve("done", job.id)
+            return None
+        return status, rec

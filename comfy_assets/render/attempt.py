@@ -43,7 +43,7 @@ from comfy_assets.comfy.pool import Pool
 from comfy_assets.comfy.slot import Slot
 from comfy_assets.comfy.types import HistoryEntry, excerpt
 from comfy_assets.jobs.model import Job
-from comfy_assets.render.catch_up import CatchUp
+from comfy_assets.render.catch_up import CatchUp, dropped_outputs
 from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.inputs import (
     InputProblem,
@@ -69,7 +69,7 @@ log = logging.getLogger("comfy_assets.render.attempt")
 
 
 @dataclass(eq=False, repr=False)  # identity, and no repr of a whole prompt in logs
-class Attempt(CatchUp, Removal):
+class Attempt:
     """One attempt of ``job`` over ``pool``; files land in ``dest_dir``.
 
     ``slot``: a server already held for it (else one is acquired). ``prev_server``: where
@@ -131,6 +131,15 @@ class Attempt(CatchUp, Removal):
         # the time.monotonic() it gives up at), for ``comfy-assets status``.
         self.catching_up: tuple[str, float] | None = None
         self.staged: Staged | None = None  # the job's inputs on the server posted to
+        # Its parts: looking where the prompt was last posted, removing it from a server.
+        self.catch_up = CatchUp(self)
+        self.removal = Removal(
+            self.job.prompt_id,
+            label=self.label,
+            evict_timeout_s=self.evict_timeout_s,
+            poll_s=self.poll_s,
+            lease_s=self.pool.settings.server_lease_s,
+        )
 
     def aborted_result(self, cleanup: str) -> AttemptResult:
         """The transient result of an attempt the batch stopped (``aborted``), once
@@ -175,7 +184,7 @@ class Attempt(CatchUp, Removal):
         if self.fresh:
             self.twice = "outputs missing on the server: ComfyUI's cache freed, rendering anew"
         else:
-            caught = await self._catch_up()
+            caught = await self.catch_up.run()
             if caught is not None:
                 return caught
         if self.slot is None:
@@ -260,7 +269,7 @@ class Attempt(CatchUp, Removal):
             fed = inputs_of_nodes(self.job, list(post.node_errors))
             if fed:
                 reason += f" (fed by {fed})"
-            gone = await self._evict(slot, post.number)
+            gone = await self.removal.evict(slot, post.number)
             self.on_server = None
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
@@ -326,14 +335,14 @@ class Attempt(CatchUp, Removal):
                 queue = await client.queue()
                 entry = await client.history(pid)
         except (ComfyError, TimeoutError):
-            gone = await self._evict(slot, number=-1)
+            gone = await self.removal.evict(slot, number=-1)
             self.on_server = None
             entry = gone.history
             if entry is not None and entry.status_str == "success":
                 # It ran to its end before the removal could land: taken, not posted again
                 # (a restart before the next attempt's catch-up would render it twice).
                 log.info("%s on %s: %s, but the prompt ran: taking it", self.label, name, reason)
-                return await self._download(client, name, entry, posted=True, verify=True)
+                return await self.download(client, name, entry, posted=True, verify=True)
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
             return self.server_failed(reason, server=name, posted=True)
@@ -355,13 +364,13 @@ class Attempt(CatchUp, Removal):
             log.info(
                 "%s on %s: %s, but the prompt ran: taking its outputs", self.label, name, reason
             )
-            return await self._download(client, name, entry, posted=True, verify=True)
+            return await self.download(client, name, entry, posted=True, verify=True)
         if error.transient:
             return self.server_failed(reason, server=name, posted=True)
         failure = Failure.of("garbled", reason)
         return self.result("permanent", reason, server=name, posted=True, failure=failure)
 
-    async def _follow(self, slot: Slot, number: int, *, posted: bool) -> AttemptResult:
+    async def follow(self, slot: Slot, number: int, *, posted: bool) -> AttemptResult:
         try:
             follower = await self.pool.follower(slot.name)
         except ComfyError as e:
@@ -394,36 +403,7 @@ class Attempt(CatchUp, Removal):
                 then=lambda: self.pool.handed_over(slot),
             )
         except DeadlineExceeded as e:
-            gone = await self._evict(slot, number, wedge_s=self.wedge_s)
-            if gone.won is not None:  # it finished while we interrupted it: take the result
-                return await self._download(
-                    client, name, gone.won, number=number, posted=posted, verify=verify
-                )
-            if isinstance(e, PromptStalled):
-                why = f"stalled: {e.message.removeprefix(f'{name}: ')}"
-                failure = Failure("stalled", "stalled", why)
-            else:
-                why = f"deadline of {self.deadline_s:g} s exceeded"
-                failure = Failure("deadline", "deadline", why)
-            if gone.wedged:
-                failure = Failure("wedged", "wedged", f"{why}; prompt {gone.problem}")
-                what = f"prompt {gone.problem}; it may still render there"
-            elif not gone.confirmed:
-                what = f"could not remove it from {name} ({gone.problem})"
-            elif gone.was_there:
-                what = "prompt interrupted and removed from the queue"
-            else:
-                what = (
-                    f"prompt lost: in neither /queue nor /history of {name} (the server forgot it)"
-                )
-            return self.result(
-                "transient",
-                f"{why}; {what}",
-                server=name,
-                number=number,
-                posted=posted,
-                failure=failure,
-            )
+            return await self._timed_out(e, slot, number, posted=posted, verify=verify)
         except PromptLost as e:
             slot.release()  # neither in /queue nor in /history: it is not on the server
             return self.result(
@@ -452,7 +432,7 @@ class Attempt(CatchUp, Removal):
         self.on_server = None
         slot.release()  # already done by on_finished; idempotent
         if outcome.status == "success" and outcome.history is not None:
-            return await self._download(
+            return await self.download(
                 client, name, outcome.history, number=number, posted=posted, verify=verify
             )
         gpu, wait = entry_timings(outcome.history) if outcome.history else (None, None)
@@ -491,7 +471,43 @@ class Attempt(CatchUp, Removal):
         )
         return self.result("permanent", reason, failure=failure, **common)
 
-    async def _download(
+    async def _timed_out(
+        self, e: DeadlineExceeded, slot: Slot, number: int, *, posted: bool, verify: bool
+    ) -> AttemptResult:
+        """Run ``number`` ran past its deadline or stalled (``e``): removed from ``slot``'s
+        server, the result says what came of it (taken after all if it finished
+        meanwhile; a wedged server if it stays running)."""
+        client, name = slot.client, slot.name
+        gone = await self.removal.evict(slot, number, wedge_s=self.wedge_s)
+        if gone.won is not None:  # it finished while we interrupted it: take the result
+            return await self.download(
+                client, name, gone.won, number=number, posted=posted, verify=verify
+            )
+        if isinstance(e, PromptStalled):
+            why = f"stalled: {e.message.removeprefix(f'{name}: ')}"
+            failure = Failure("stalled", "stalled", why)
+        else:
+            why = f"deadline of {self.deadline_s:g} s exceeded"
+            failure = Failure("deadline", "deadline", why)
+        if gone.wedged:
+            failure = Failure("wedged", "wedged", f"{why}; prompt {gone.problem}")
+            what = f"prompt {gone.problem}; it may still render there"
+        elif not gone.confirmed:
+            what = f"could not remove it from {name} ({gone.problem})"
+        elif gone.was_there:
+            what = "prompt interrupted and removed from the queue"
+        else:
+            what = f"prompt lost: in neither /queue nor /history of {name} (the server forgot it)"
+        return self.result(
+            "transient",
+            f"{why}; {what}",
+            server=name,
+            number=number,
+            posted=posted,
+            failure=failure,
+        )
+
+    async def download(
         self,
         client: ComfyClient,
         name: str,
@@ -514,7 +530,11 @@ class Attempt(CatchUp, Removal):
             queue_wait_s=wait,
         )
         try:
-            dropped = await self._dropped(client, entry.outputs_to_execute) if verify else ""
+            dropped = (
+                await dropped_outputs(client, self.job.workflow, entry.outputs_to_execute)
+                if verify
+                else ""
+            )
             if dropped:  # the server's, may be: judged on another server
                 where = f" (run {entry.number} on {name})"
                 failure = Failure.of("rejected", dropped)
@@ -541,6 +561,26 @@ class Attempt(CatchUp, Removal):
         return self.result("success", files=files, **common)
 
     # -- removing a prompt of ours from a server ----------------------------------------
+
+    async def _remove(self, slot: Slot, number: int) -> str:
+        """``Removal.remove`` of our run ``number`` from ``slot``'s server; what came of
+        it, for people."""
+        what = await self.removal.remove(slot, number)
+        self.on_server = None
+        return what
+
+    async def cancel_cleanup(self) -> str:
+        """On cancellation: interrupt and remove our prompt, then free the slot. Returns
+        what happened, for people ("prompt interrupted and removed from gpu0", "could not
+        remove prompt ... from gpu0 (...)", "nothing on a server").
+
+        Bounded by ``evict_timeout_s``; used by the batch's cancellation path."""
+        if self.slot is None or self.slot.released:
+            return "nothing on a server"
+        if self.on_server is None:
+            self.slot.release()
+            return "nothing on a server"
+        return await self._remove(self.slot, number=-1)
 
 
 async def _no_upstream(inp: object) -> UpstreamFile:

@@ -8,10 +8,9 @@ a server, so a server handed over at the end of a prompt goes straight to the ne
 left goes to the next consumer in line whatever its job); a loop that still holds a
 server takes the waiting job that fits it best. A job waiting for its backoff delay holds
 its claim but no server. Every state change goes through the store (an event row and a
-JSON log line); people get one log line per decision, in the shape of STYLE.md. With
-PostgreSQL the batch's own store calls (claims, transitions, done records) run on worker
-threads, so their network round trips don't stall the event loop that reads every
-server's socket; the pool's lease calls stay on the loop.
+JSON log line); people get one log line per decision, in the shape of STYLE.md. The
+batch's own store calls run on worker threads for PostgreSQL (``store_threads.py``); the
+pool's lease calls stay on the loop.
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from comfy_assets.jobs.model import Job
 from comfy_assets.render.admission import Admission
 from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.blame import Blame
-from comfy_assets.render.chain import Chain
+from comfy_assets.render.chain import Chain, Verdict
 from comfy_assets.render.claim_keeping import Claims
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outcome import CATCH_UP_AFTER, AttemptHooks, NotPosted
@@ -88,8 +87,6 @@ class Batch:
         self.store = store
         self.config = config
         self.owner = owner
-        self.stop_on_fatal = stop_on_fatal
-        self.draft = draft
         self.on_line = on_line or log.info
         self.on_progress = on_progress
         self.started = time.monotonic()
@@ -328,7 +325,7 @@ class Batch:
                         item = self.queue.pop_for(slot)
                 except NoServerCanRun:  # a server started again without a model
                     await self._dead_letter_unrunnable()
-                    await self._leave_quarantined()
+                    await self.settler.leave_quarantined()
                     continue
                 except NoServerReachable as e:
                     self._stop_unreachable(e)  # the jobs here stay pending, unposted
@@ -338,41 +335,58 @@ class Batch:
                         slot.release()
                         slot = None
                     continue
-                verdict, reason = "ready", ""
-                while item.job.depends_on:
-                    seen = self.resolutions
-                    verdict, reason = await self.chain.upstreams(item.job)
-                    if verdict != "wait" or self.resolutions == seen:
-                        break  # else a job ended while we looked: look again
+                verdict, reason = await self._may_run(item)
                 if verdict == "wait":
                     self.chain.park(item)
                     continue
-                # The job is claimed before we wait for a server, so a server handed to
-                # us goes straight to the submit and the POST: one store write less
-                # between two prompts on a GPU.
-                rec = await self.admission.claim(item)
-                if rec is None:
-                    continue
-                if verdict == "blocked":
-                    await self.settler.not_rendered(item, reason)
-                    continue
-                try:
-                    if self.stopped:
-                        # Stopped (delivery policy) while we claimed or waited: the job
-                        # stays pending, unposted.
-                        self.claims.release(item.job.id)
-                        break
-                    item.loaded_on = slot.name
-                    item.model_loaded = self.pool.assign(slot, self.queue.needs(item))
-                    slot = await self._run_item(item, rec, slot)
-                except NoServerReachable as e:
-                    self.claims.release(item.job.id)  # unposted: it stays pending
-                    self._stop_unreachable(e)
+                slot, go_on = await self._claim_and_run(item, slot, verdict, reason)
+                if not go_on:
                     break
         finally:
             if slot is not None:
                 slot.release()
             self.queue.changed.set()  # wake the other consumers to see the end
+
+    async def _claim_and_run(
+        self, item: Item, slot: Slot, verdict: Verdict, reason: str
+    ) -> tuple[Slot | None, bool]:
+        """Claim ``item`` (``verdict``: what its upstream jobs say) and run its attempt
+        on ``slot``: the slot if still ours, and whether the consumer goes on (False once
+        the batch stopped)."""
+        # The job is claimed before we wait for a server, so a server handed to us goes
+        # straight to the submit and the POST: one store write less between two prompts
+        # on a GPU.
+        rec = await self.admission.claim(item)
+        if rec is None:
+            return slot, True
+        if verdict == "blocked":
+            await self.settler.not_rendered(item, reason)
+            return slot, True
+        try:
+            if self.stopped:
+                # Stopped (delivery policy) while we claimed or waited: the job stays
+                # pending, unposted.
+                self.claims.release(item.job.id)
+                return slot, False
+            item.loaded_on = slot.name
+            item.model_loaded = self.pool.assign(slot, self.queue.needs(item))
+            return await self._run_item(item, rec, slot), True
+        except NoServerReachable as e:
+            self.claims.release(item.job.id)  # unposted: it stays pending
+            self._stop_unreachable(e)
+            return slot, False
+
+    async def _may_run(self, item: Item) -> tuple[Verdict, str]:
+        """Whether ``item``'s upstream jobs let it run now (``Chain.upstreams``), asked
+        again when a job ended while we looked."""
+        verdict: Verdict = "ready"
+        reason = ""
+        while item.job.depends_on:
+            seen = self.resolutions
+            verdict, reason = await self.chain.upstreams(item.job)
+            if verdict != "wait" or self.resolutions == seen:
+                break  # else a job ended while we looked: look again
+        return verdict, reason
 
     async def _run_item(self, item: Item, rec: JobRecord, slot: Slot) -> Slot | None:
         """Run one attempt of ``item`` (claimed: ``rec``) on ``slot`` or the server it
@@ -458,12 +472,16 @@ class Batch:
                 self.report(f"job {job.id}: the store failed ({attempt.store_failed}); {what}")
                 raise attempt.store_failed from None
             if attempt.claim_lost:
-                await self._left_to_holder(job, attempt, attempt_number, attempt.aborted, what)
+                await self.settler.left_to_holder(
+                    job, attempt, attempt_number, attempt.aborted, what
+                )
                 return None
             result = attempt.aborted_result(what)
         except ClaimLost as e:
             what = await attempt.cancel_cleanup()  # our prompt, if posted, is stale: remove it
-            await self._left_to_holder(job, attempt, attempt_number, f"claim lost ({e})", what)
+            await self.settler.left_to_holder(
+                job, attempt, attempt_number, f"claim lost ({e})", what
+            )
             return None
         except NotPosted:
             self.claims.release(job.id)  # the batch stopped first: the job stays pending
@@ -485,7 +503,9 @@ class Batch:
             await self.settler.settle(item, attempt_number, result)
         except ClaimLost as e:
             outcome = f"its result ({result.kind}) not recorded"
-            await self._left_to_holder(job, attempt, attempt_number, f"claim lost ({e})", outcome)
+            await self.settler.left_to_holder(
+                job, attempt, attempt_number, f"claim lost ({e})", outcome
+            )
         finally:
             self.settling.discard(job.id)  # resolved, or back in line for a retry
         self._check_finished()
@@ -503,20 +523,6 @@ class Batch:
         """The delivery policy stops the batch at a storyboard's first dead letter."""
         self.stopped = why
         self.report(f"delivery policy: {why}; no new shots are submitted")
-
-    async def _leave_quarantined(self) -> None:
-        """The jobs waiting here for servers that are all quarantined
-        (``Blame.quarantined_group``) are not run in this batch: their claims are
-        released, they stay pending for a later run, and a line says why."""
-        for group in self.queue.groups():
-            reason = self.blame.quarantined_group(group)
-            if reason is None:
-                continue
-            for item in self.queue.pop_all(group):
-                if item.rec is not None:
-                    self.claims.release(item.job.id)
-                self.report(f"job {item.job.id}: not run, {reason}; it stays pending")
-                self._resolve("not_run", item.job.id)
 
     async def _write_rendering(self, job_id: str, move: RenderingStart) -> None:
         """``DeferredRendering``'s write: the job's move to rendering, with our claim."""
@@ -545,24 +551,6 @@ class Batch:
             return False
         attempt.store_failed = error
         return True
-
-    async def _left_to_holder(
-        self, job: Job, attempt: Attempt, attempt_number: int, why: str, cleanup: str
-    ) -> None:
-        """The job's claim went to another worker while attempt ``attempt_number`` ran: say so
-        (an event that changes nothing, and a line) and leave the job to its holder."""
-        try:
-            await self.renderings.take(job.id)  # its rendering move is not ours to write
-        except ClaimLost:
-            pass  # raised by that move's write under way: the loss this reports
-        server = attempt.slot.name if attempt.slot is not None else None
-        detail = f"{why} during attempt {attempt_number}; {cleanup}"
-        await self.threads.call(
-            self.store.note, job.id, detail, server=server, attempt=attempt_number
-        )
-        self.claims.forget(job.id)
-        self.report(f"job {job.id}: {detail}; left to its holder")
-        self._resolve("not_run", job.id)
 
     def _on_lost_slot(self, slot: Slot) -> None:
         """The pool lost the server lease of ``slot``: stop the attempt holding it (its

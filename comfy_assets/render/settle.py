@@ -279,6 +279,38 @@ class Settler:
             )
         self.claims.release(job.id)
 
+    async def left_to_holder(
+        self, job: Job, attempt: Attempt, attempt_number: int, why: str, cleanup: str
+    ) -> None:
+        """The job's claim went to another worker while attempt ``attempt_number`` ran: say so
+        (an event that changes nothing, and a line) and leave the job to its holder."""
+        try:
+            await self.renderings.take(job.id)  # its rendering move is not ours to write
+        except ClaimLost:
+            pass  # raised by that move's write under way: the loss this reports
+        server = attempt.slot.name if attempt.slot is not None else None
+        detail = f"{why} during attempt {attempt_number}; {cleanup}"
+        await self.threads.call(
+            self.store.note, job.id, detail, server=server, attempt=attempt_number
+        )
+        self.claims.forget(job.id)
+        self.report(f"job {job.id}: {detail}; left to its holder")
+        self._resolve("not_run", job.id)
+
+    async def leave_quarantined(self) -> None:
+        """The jobs waiting here for servers that are all quarantined
+        (``Blame.quarantined_group``) are not run in this batch: their claims are
+        released, they stay pending for a later run, and a line says why."""
+        for group in self.queue.groups():
+            reason = self.blame.quarantined_group(group)
+            if reason is None:
+                continue
+            for item in self.queue.pop_all(group):
+                if item.rec is not None:
+                    self.claims.release(item.job.id)
+                self.report(f"job {item.job.id}: not run, {reason}; it stays pending")
+                self._resolve("not_run", item.job.id)
+
     async def dead_letter_now(self, item: Item, rec: JobRecord, reason: str) -> None:
         """``item`` (claimed: ``rec``) can run on no server: a dead letter (degraded in a
         draft) with ``reason``, nothing posted."""
