@@ -1,4 +1,5 @@
-"""How the worker handles one message (a part of ``service.worker.Worker``): parsed,
+"""How the worker handles one message (``MessageHandler``, a part of
+``service.worker.Worker``): parsed,
 validated, run exactly once through ``run_one``, then acknowledged, published to the
 dead-letter queue or given back, with one log line per message (the outcomes are in
 ``service.worker``'s docstring)."""
@@ -8,25 +9,72 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from comfy_assets.comfy.pool import Pool
 from comfy_assets.jobs.model import Job, JobFileError
+from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.guard import our_error, stops_the_batch
+from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.run import SUPERSEDED, JobEnding, run_one
 from comfy_assets.service.broker import BrokerError
 from comfy_assets.service.messages import parse_message
-from comfy_assets.service.sources import Delivery
-from comfy_assets.store import PartitionConflict, off_loop
+from comfy_assets.service.sources import Delivery, JobSource
+from comfy_assets.store import PartitionConflict, Store, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
 
 
-class MessageHandling:
-    """The message handling of ``Worker``: its state (store, config, counts, ...) is the
-    worker's."""
+class MessageHandler:
+    """The worker's handling of its messages, one at a time each: what it uses is given
+    here. ``source``: where the messages come from (its partition and dead-letter
+    destination); ``store``, ``config``, ``workflows_dir``, ``max_message_bytes``: as the
+    worker's; ``owner``: the worker's, each run claiming as ``<owner>#<n>``;
+    ``heartbeat()``: its owner heartbeat while it runs; ``counts``: the worker's outcome
+    counters (``worker.OUTCOMES``), counted here; ``batches``: where each running job's
+    batch is (the status rows); ``shots``: storyboard shots run at once under the delivery
+    policy.
 
-    async def _handle(self, d: Delivery, pool: Pool) -> None:
+    ``runs``: each handler task's ``run_one`` task (cancelled after a stop's grace);
+    ``touched``: the partitions whose results.csv is out of date."""
+
+    def __init__(
+        self,
+        *,
+        source: JobSource,
+        store: Store,
+        config: BatchConfig,
+        workflows_dir: Path,
+        max_message_bytes: int,
+        owner: str,
+        heartbeat: Callable[[], OwnerHeartbeat | None],
+        counts: Counter[str],
+        batches: set[Batch],
+        shots: int,
+    ) -> None:
+        self.source = source
+        self.partition = source.partition
+        self.store = store
+        self.config = config
+        self.workflows_dir = workflows_dir
+        self.max_message_bytes = max_message_bytes
+        self.owner = owner
+        self._heartbeat = heartbeat
+        self.counts = counts
+        self.batches = batches
+        self.runs: dict[asyncio.Task[Any], asyncio.Task[JobEnding]] = {}
+        self.touched: set[str] = set()
+        self._answered: set[Delivery] = set()  # handed to ack/requeue: never answer again
+        # A storyboard's shots under the delivery policy running at once: a shot in hand
+        # checks whether its storyboard stopped only once one has ended (FIFO).
+        self._shots = asyncio.Semaphore(shots)
+        self._run_number = 0
+
+    async def handle(self, d: Delivery, pool: Pool) -> None:
         """Run one delivery's job and answer the delivery (see the module docstring).
         What our code raises meanwhile that is the job's (``render/guard.py``) makes the
         message a dead letter with our error as its reason, and the worker serves on.
@@ -67,7 +115,7 @@ class MessageHandling:
         config = self.config
         if config.policy is None and policy is not None:
             config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
-        self._touched.add(partition)  # its results.csv is written again soon
+        self.touched.add(partition)  # its results.csv is written again soon
         with pool.prioritized(priority):  # comfy/priority.py
             if job.shot is not None and (config.policy or "delivery") == "delivery":
                 async with self._shots:  # the shots before it have ended: their fates are known
@@ -99,12 +147,12 @@ class MessageHandling:
                 store=self.store,
                 config=config,
                 owner=claim_owner,
-                heartbeat=self.owner_heartbeat,
+                heartbeat=self._heartbeat(),
                 running=self.batches,
             ),
             name=f"job {job.id}",
         )
-        self._runs[me] = run
+        self.runs[me] = run
         try:
             ending = await run
         except asyncio.CancelledError:
@@ -118,9 +166,9 @@ class MessageHandling:
             await self._invalid(d, f"job {job.id}", str(e))
             return
         finally:
-            self._runs.pop(me, None)
+            self.runs.pop(me, None)
             # Written again: a write while the job ran shows it unfinished.
-            self._touched.add(partition)
+            self.touched.add(partition)
 
         await self._answer(d, job, ending)
 
@@ -245,7 +293,7 @@ class MessageHandling:
         await d.requeue()
         self.counts["requeued"] += 1
 
-    async def _give_back(self, d: Delivery) -> None:
+    async def give_back(self, d: Delivery) -> None:
         """Requeue a delivery no handler took."""
         await self._requeue(d)
         self._answered.discard(d)
