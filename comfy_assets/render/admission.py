@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 
 from comfy_assets.jobs.model import Job
-from comfy_assets.jobs.states import InvalidTransition
+from comfy_assets.jobs.states import InvalidTransition, State
 from comfy_assets.render.chain import Chain
 from comfy_assets.render.claim_keeping import Claims
 from comfy_assets.render.config import BatchConfig
@@ -119,7 +119,7 @@ class Admission:
                 server=rec.server,
                 tried=lost,
             )
-            rec = dataclasses.replace(rec, state="failed_retryable", attempts=rec.attempts + 1)
+            rec = dataclasses.replace(rec, state=State.FAILED_RETRYABLE, attempts=rec.attempts + 1)
             item.prev_unsettled = True
         if rec.state == "failed_retryable":
             await self.threads.call(store.transition, job.id, "pending", detail="retry")

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.download import MAX_OUTPUT_BYTES, download_outputs
@@ -149,14 +150,16 @@ class Attempt:
             "transient", f"{self.aborted}; {cleanup}", server=server, posted=self.posted
         )
 
-    def result(self, kind: Kind, reason: str = "", **kw: object) -> AttemptResult:
+    def result(self, kind: Kind, reason: str = "", **kw: Any) -> AttemptResult:
+        """An ``AttemptResult`` of this attempt (its prompt and seconds so far), with
+        ``kw``: the result's other fields."""
         return AttemptResult(
             kind,
             reason,
             prompt_id=self.job.prompt_id,
             seconds=time.monotonic() - self.started,
             **kw,
-        )  # type: ignore[arg-type]
+        )
 
     async def run(self) -> AttemptResult:
         """Run the attempt; returns the classified result. Never raises a ComfyError.
@@ -314,7 +317,7 @@ class Attempt:
         failure = Failure.of("rejected", reason)
         return self.result("permanent", reason, server=name, posted=True, failure=failure)
 
-    def server_failed(self, reason: str, *, server: str, **kw: object) -> AttemptResult:
+    def server_failed(self, reason: str, *, server: str, **kw: Any) -> AttemptResult:
         """The transient result of a failure the server may own (5xx, refused, reset, timed
         out): the next attempt goes to another server while one can run the job."""
         failure = Failure.of("server", reason)
@@ -521,7 +524,7 @@ class Attempt:
         """Download a successful run's outputs; ``verify``: first check it rendered every
         output node of the workflow (its POST's answer, which would say, was not seen)."""
         gpu, wait = entry_timings(entry)
-        common = dict(
+        common: dict[str, Any] = dict(
             server=name,
             number=entry.number if number is None else number,
             posted=posted,
@@ -552,7 +555,7 @@ class Attempt:
             )
         except ComfyError as e:
             if e.transient:  # the server's, may be: a proxy's page, a reset
-                return self.server_failed(describe_error(e, "download"), **common)  # type: ignore[arg-type]
+                return self.server_failed(describe_error(e, "download"), **common)
             return self.result("permanent", describe_error(e, "download"), **common)
         if not files:
             return self.result(

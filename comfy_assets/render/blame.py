@@ -43,7 +43,7 @@ import json
 import time
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
 from comfy_assets.comfy.capabilities import Needs
 from comfy_assets.comfy.pool import Pool
@@ -52,7 +52,7 @@ from comfy_assets.render.outcome import RETRYABLE, SERVERS_AT_ONCE, AttemptResul
 from comfy_assets.render.queue import Item, JobQueue
 from comfy_assets.render.store_threads import StoreThreads
 from comfy_assets.store import Store
-from comfy_assets.store.health import QUARANTINE_STRIKES, HealthChange
+from comfy_assets.store.health import QUARANTINE_STRIKES, HealthChange, ServerHealthRecord
 
 # A running prompt is taken as stalled after ``stall_factor`` times the longest run of its
 # kind in the batch, never sooner than this (seconds), once this many of them ran.
@@ -341,7 +341,8 @@ class Blame:
             self._learned_graphs.discard(graph)
             await self.threads.call(self.store.unlearn_workflow, graph)
         health = self.pool.health
-        record = health.get(server)
+        # The pool holds the store's records (``ServerHealthRecord``), strikes and all.
+        record = cast("ServerHealthRecord | None", health.get(server))
         busy = record is not None and (record.strikes or record.level or record.state != "ok")
         # An open failure of this job may come from an earlier run (its Item is new).
         judging = any(r.open_failures for r in health.values())

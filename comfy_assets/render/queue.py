@@ -63,7 +63,8 @@ class Item:
 class ServerView(Protocol):
     """What the queue asks of the pool about its servers (``comfy.pool.Pool`` has it)."""
 
-    servers: Sequence[ServerSpec]
+    @property
+    def servers(self) -> Sequence[ServerSpec]: ...
 
     def may_run(self, name: str, needs: Needs) -> bool: ...
 

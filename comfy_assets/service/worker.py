@@ -132,6 +132,7 @@ class Worker:
         self.workflows_dir = Path(self.workflows_dir)
         owner = self.owner or new_owner()
         self.owner = owner
+        self._owner = owner  # the same, typed as set
         self.partition = self.source.partition
         self.counts: Counter[str] = Counter({name: 0 for name in OUTCOMES})
         self.consuming = asyncio.Event()  # set while messages are being taken
@@ -205,7 +206,7 @@ class Worker:
         that cannot be written) or the exception of a message's handling, after the
         shutdown."""
         # Other workers, on any host, take this one's jobs only once this stops beating.
-        owner_heartbeat = OwnerHeartbeat(self.store, self.owner)
+        owner_heartbeat = OwnerHeartbeat(self.store, self._owner)
         await off_loop(self.store, owner_heartbeat.start)
         try:
             await self._run(owner_heartbeat)
@@ -214,7 +215,7 @@ class Worker:
 
     async def _run(self, owner_heartbeat: OwnerHeartbeat) -> None:
         self.owner_heartbeat = owner_heartbeat
-        pool = make_pool(self.servers, self.store, self.config, self.owner)
+        pool = make_pool(self.servers, self.store, self.config, self._owner)
         heartbeat: asyncio.Task[None] | None = None
         results: asyncio.Task[None] | None = None
         status: asyncio.Task[None] | None = None
@@ -237,7 +238,7 @@ class Worker:
                         self._write_results(self.results_every_s), name="results"
                     )
                     rows = publish_servers(
-                        self.store, self.owner, pool, self.batches, self.status_every_s
+                        self.store, self._owner, pool, self.batches, self.status_every_s
                     )
                     status = asyncio.create_task(rows, name="status rows")
                     status.add_done_callback(_status_rows_done)
@@ -438,7 +439,7 @@ class Worker:
 
     async def _clear_status_rows(self) -> None:
         try:
-            await off_loop(self.store, self.store.clear_live, self.owner)
+            await off_loop(self.store, self.store.clear_live, self._owner)
         except StoreUnavailable as e:  # they go stale by themselves
             log.warning("status rows of worker %s not cleared: %s", self.owner, e)
 
