@@ -8,7 +8,7 @@ never raises for anything a server does; only cancellation propagates.
 Classification: POST 400 → permanent; 5xx, refused, reset, timeout, lost → transient;
 ``execution_error`` of out-of-memory type → transient (``POST /free`` first); an
 infrastructure error (``comfy/infra.py``) → transient, the server's; any other
-``execution_error`` → permanent, unless ``render/ownership.py`` finds it may be the
+``execution_error`` → permanent, unless ``render/blame.py`` finds it may be the
 server's (a deadline and a lost prompt carry a ``Failure`` for it too); our prompt interrupted by someone else → transient; 200
 with ``node_errors`` → permanent (outputs were dropped,
 data/recorded/validation_errors.json); a deadline → interrupt, delete from the queue, wait
@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.download import MAX_OUTPUT_BYTES, download_outputs
@@ -43,7 +44,7 @@ from comfy_assets.comfy.types import HistoryEntry, excerpt
 from comfy_assets.jobs.model import Job
 from comfy_assets.pool.pool import Pool
 from comfy_assets.pool.slot import Slot
-from comfy_assets.render.catch_up import CatchUp
+from comfy_assets.render.catch_up import CatchUp, dropped_outputs
 from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.inputs import (
     InputProblem,
@@ -69,7 +70,7 @@ log = logging.getLogger("comfy_assets.render.attempt")
 
 
 @dataclass(eq=False, repr=False)  # identity, and no repr of a whole prompt in logs
-class Attempt(CatchUp, Removal):
+class Attempt:
     """One attempt of ``job`` over ``pool``; files land in ``dest_dir``.
 
     ``slot``: a server already held for it (else one is acquired). ``prev_server``: where
@@ -131,6 +132,15 @@ class Attempt(CatchUp, Removal):
         # the time.monotonic() it gives up at), for ``comfy-assets status``.
         self.catching_up: tuple[str, float] | None = None
         self.staged: Staged | None = None  # the job's inputs on the server posted to
+        # Its parts: looking where the prompt was last posted, removing it from a server.
+        self.catch_up = CatchUp(self)
+        self.removal = Removal(
+            self.job.prompt_id,
+            label=self.label,
+            evict_timeout_s=self.evict_timeout_s,
+            poll_s=self.poll_s,
+            lease_s=self.pool.settings.server_lease_s,
+        )
 
     def aborted_result(self, cleanup: str) -> AttemptResult:
         """The transient result of an attempt the batch stopped (``aborted``), once
@@ -140,14 +150,16 @@ class Attempt(CatchUp, Removal):
             "transient", f"{self.aborted}; {cleanup}", server=server, posted=self.posted
         )
 
-    def result(self, kind: Kind, reason: str = "", **kw: object) -> AttemptResult:
+    def result(self, kind: Kind, reason: str = "", **kw: Any) -> AttemptResult:
+        """An ``AttemptResult`` of this attempt (its prompt and seconds so far), with
+        ``kw``: the result's other fields."""
         return AttemptResult(
             kind,
             reason,
             prompt_id=self.job.prompt_id,
             seconds=time.monotonic() - self.started,
             **kw,
-        )  # type: ignore[arg-type]
+        )
 
     async def run(self) -> AttemptResult:
         """Run the attempt; returns the classified result. Never raises a ComfyError.
@@ -175,7 +187,7 @@ class Attempt(CatchUp, Removal):
         if self.fresh:
             self.twice = "outputs missing on the server: ComfyUI's cache freed, rendering anew"
         else:
-            caught = await self._catch_up()
+            caught = await self.catch_up.run()
             if caught is not None:
                 return caught
         if self.slot is None:
@@ -260,7 +272,7 @@ class Attempt(CatchUp, Removal):
             fed = inputs_of_nodes(self.job, list(post.node_errors))
             if fed:
                 reason += f" (fed by {fed})"
-            gone = await self._evict(slot, post.number)
+            gone = await self.removal.evict(slot, post.number)
             self.on_server = None
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
@@ -301,11 +313,11 @@ class Attempt(CatchUp, Removal):
 
     def _refused(self, reason: str, name: str) -> AttemptResult:
         """The result of a prompt ``name`` refused (POST 400): the job's if another
-        server refuses it so too (``render/ownership.py``)."""
+        server refuses it so too (``render/blame.py``)."""
         failure = Failure.of("rejected", reason)
         return self.result("permanent", reason, server=name, posted=True, failure=failure)
 
-    def server_failed(self, reason: str, *, server: str, **kw: object) -> AttemptResult:
+    def server_failed(self, reason: str, *, server: str, **kw: Any) -> AttemptResult:
         """The transient result of a failure the server may own (5xx, refused, reset, timed
         out): the next attempt goes to another server while one can run the job."""
         failure = Failure.of("server", reason)
@@ -326,14 +338,14 @@ class Attempt(CatchUp, Removal):
                 queue = await client.queue()
                 entry = await client.history(pid)
         except (ComfyError, TimeoutError):
-            gone = await self._evict(slot, number=-1)
+            gone = await self.removal.evict(slot, number=-1)
             self.on_server = None
             entry = gone.history
             if entry is not None and entry.status_str == "success":
                 # It ran to its end before the removal could land: taken, not posted again
                 # (a restart before the next attempt's catch-up would render it twice).
                 log.info("%s on %s: %s, but the prompt ran: taking it", self.label, name, reason)
-                return await self._download(client, name, entry, posted=True, verify=True)
+                return await self.download(client, name, entry, posted=True, verify=True)
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
             return self.server_failed(reason, server=name, posted=True)
@@ -355,13 +367,13 @@ class Attempt(CatchUp, Removal):
             log.info(
                 "%s on %s: %s, but the prompt ran: taking its outputs", self.label, name, reason
             )
-            return await self._download(client, name, entry, posted=True, verify=True)
+            return await self.download(client, name, entry, posted=True, verify=True)
         if error.transient:
             return self.server_failed(reason, server=name, posted=True)
         failure = Failure.of("garbled", reason)
         return self.result("permanent", reason, server=name, posted=True, failure=failure)
 
-    async def _follow(self, slot: Slot, number: int, *, posted: bool) -> AttemptResult:
+    async def follow(self, slot: Slot, number: int, *, posted: bool) -> AttemptResult:
         try:
             follower = await self.pool.follower(slot.name)
         except ComfyError as e:
@@ -394,36 +406,7 @@ class Attempt(CatchUp, Removal):
                 then=lambda: self.pool.handed_over(slot),
             )
         except DeadlineExceeded as e:
-            gone = await self._evict(slot, number, wedge_s=self.wedge_s)
-            if gone.won is not None:  # it finished while we interrupted it: take the result
-                return await self._download(
-                    client, name, gone.won, number=number, posted=posted, verify=verify
-                )
-            if isinstance(e, PromptStalled):
-                why = f"stalled: {e.message.removeprefix(f'{name}: ')}"
-                failure = Failure("stalled", "stalled", why)
-            else:
-                why = f"deadline of {self.deadline_s:g} s exceeded"
-                failure = Failure("deadline", "deadline", why)
-            if gone.wedged:
-                failure = Failure("wedged", "wedged", f"{why}; prompt {gone.problem}")
-                what = f"prompt {gone.problem}; it may still render there"
-            elif not gone.confirmed:
-                what = f"could not remove it from {name} ({gone.problem})"
-            elif gone.was_there:
-                what = "prompt interrupted and removed from the queue"
-            else:
-                what = (
-                    f"prompt lost: in neither /queue nor /history of {name} (the server forgot it)"
-                )
-            return self.result(
-                "transient",
-                f"{why}; {what}",
-                server=name,
-                number=number,
-                posted=posted,
-                failure=failure,
-            )
+            return await self._timed_out(e, slot, number, posted=posted, verify=verify)
         except PromptLost as e:
             slot.release()  # neither in /queue nor in /history: it is not on the server
             return self.result(
@@ -452,7 +435,7 @@ class Attempt(CatchUp, Removal):
         self.on_server = None
         slot.release()  # already done by on_finished; idempotent
         if outcome.status == "success" and outcome.history is not None:
-            return await self._download(
+            return await self.download(
                 client, name, outcome.history, number=number, posted=posted, verify=verify
             )
         gpu, wait = entry_timings(outcome.history) if outcome.history else (None, None)
@@ -491,7 +474,43 @@ class Attempt(CatchUp, Removal):
         )
         return self.result("permanent", reason, failure=failure, **common)
 
-    async def _download(
+    async def _timed_out(
+        self, e: DeadlineExceeded, slot: Slot, number: int, *, posted: bool, verify: bool
+    ) -> AttemptResult:
+        """Run ``number`` ran past its deadline or stalled (``e``): removed from ``slot``'s
+        server, the result says what came of it (taken after all if it finished
+        meanwhile; a wedged server if it stays running)."""
+        client, name = slot.client, slot.name
+        gone = await self.removal.evict(slot, number, wedge_s=self.wedge_s)
+        if gone.won is not None:  # it finished while we interrupted it: take the result
+            return await self.download(
+                client, name, gone.won, number=number, posted=posted, verify=verify
+            )
+        if isinstance(e, PromptStalled):
+            why = f"stalled: {e.message.removeprefix(f'{name}: ')}"
+            failure = Failure("stalled", "stalled", why)
+        else:
+            why = f"deadline of {self.deadline_s:g} s exceeded"
+            failure = Failure("deadline", "deadline", why)
+        if gone.wedged:
+            failure = Failure("wedged", "wedged", f"{why}; prompt {gone.problem}")
+            what = f"prompt {gone.problem}; it may still render there"
+        elif not gone.confirmed:
+            what = f"could not remove it from {name} ({gone.problem})"
+        elif gone.was_there:
+            what = "prompt interrupted and removed from the queue"
+        else:
+            what = f"prompt lost: in neither /queue nor /history of {name} (the server forgot it)"
+        return self.result(
+            "transient",
+            f"{why}; {what}",
+            server=name,
+            number=number,
+            posted=posted,
+            failure=failure,
+        )
+
+    async def download(
         self,
         client: ComfyClient,
         name: str,
@@ -505,7 +524,7 @@ class Attempt(CatchUp, Removal):
         """Download a successful run's outputs; ``verify``: first check it rendered every
         output node of the workflow (its POST's answer, which would say, was not seen)."""
         gpu, wait = entry_timings(entry)
-        common = dict(
+        common: dict[str, Any] = dict(
             server=name,
             number=entry.number if number is None else number,
             posted=posted,
@@ -514,7 +533,11 @@ class Attempt(CatchUp, Removal):
             queue_wait_s=wait,
         )
         try:
-            dropped = await self._dropped(client, entry.outputs_to_execute) if verify else ""
+            dropped = (
+                await dropped_outputs(client, self.job.workflow, entry.outputs_to_execute)
+                if verify
+                else ""
+            )
             if dropped:  # the server's, may be: judged on another server
                 where = f" (run {entry.number} on {name})"
                 failure = Failure.of("rejected", dropped)
@@ -532,7 +555,7 @@ class Attempt(CatchUp, Removal):
             )
         except ComfyError as e:
             if e.transient:  # the server's, may be: a proxy's page, a reset
-                return self.server_failed(describe_error(e, "download"), **common)  # type: ignore[arg-type]
+                return self.server_failed(describe_error(e, "download"), **common)
             return self.result("permanent", describe_error(e, "download"), **common)
         if not files:
             return self.result(
@@ -541,6 +564,26 @@ class Attempt(CatchUp, Removal):
         return self.result("success", files=files, **common)
 
     # -- removing a prompt of ours from a server ----------------------------------------
+
+    async def _remove(self, slot: Slot, number: int) -> str:
+        """``Removal.remove`` of our run ``number`` from ``slot``'s server; what came of
+        it, for people."""
+        what = await self.removal.remove(slot, number)
+        self.on_server = None
+        return what
+
+    async def cancel_cleanup(self) -> str:
+        """On cancellation: interrupt and remove our prompt, then free the slot. Returns
+        what happened, for people ("prompt interrupted and removed from gpu0", "could not
+        remove prompt ... from gpu0 (...)", "nothing on a server").
+
+        Bounded by ``evict_timeout_s``; used by the batch's cancellation path."""
+        if self.slot is None or self.slot.released:
+            return "nothing on a server"
+        if self.on_server is None:
+            self.slot.release()
+            return "nothing on a server"
+        return await self._remove(self.slot, number=-1)
 
 
 async def _no_upstream(inp: object) -> UpstreamFile:

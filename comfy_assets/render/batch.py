@@ -8,40 +8,36 @@ a server, so a server handed over at the end of a prompt goes straight to the ne
 left goes to the next consumer in line whatever its job); a loop that still holds a
 server takes the waiting job that fits it best. A job waiting for its backoff delay holds
 its claim but no server. Every state change goes through the store (an event row and a
-JSON log line); people get one log line per decision, in the shape of STYLE.md. With
-PostgreSQL the batch's own store calls (claims, transitions, done records) run on worker
-threads, so their network round trips don't stall the event loop that reads every
-server's socket; the pool's lease calls stay on the loop.
+JSON log line); people get one log line per decision, in the shape of STYLE.md. The
+batch's own store calls run on worker threads for PostgreSQL (``store_threads.py``); the
+pool's lease calls stay on the loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import ParamSpec, TypeVar
 
 from comfy_assets.comfy.errors import NoServerCanRun, NoServerReachable
 from comfy_assets.jobs.model import Job
 from comfy_assets.pool.pool import Pool
 from comfy_assets.pool.slot import Slot
+from comfy_assets.render.admission import Admission
 from comfy_assets.render.attempt import Attempt
-from comfy_assets.render.chain import Chain
-from comfy_assets.render.claiming import Claiming
-from comfy_assets.render.claims import Claims
+from comfy_assets.render.blame import Blame
+from comfy_assets.render.chain import Chain, Verdict
+from comfy_assets.render.claim_keeping import Claims
 from comfy_assets.render.config import BatchConfig
-from comfy_assets.render.guard import JobGuard
-from comfy_assets.render.outcome import CATCH_UP_AFTER, AttemptHooks, AttemptResult, NotPosted
+from comfy_assets.render.outcome import CATCH_UP_AFTER, AttemptHooks, NotPosted
 from comfy_assets.render.outputs import take_folder
 from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.progress import Ended, Progress
-from comfy_assets.render.queue import Item, JobQueue
+from comfy_assets.render.queue import Item, JobQueue, prev_number
 from comfy_assets.render.rendering import DeferredRendering
-from comfy_assets.render.settle import Settle
+from comfy_assets.render.settle import Settler
+from comfy_assets.render.store_threads import StoreThreads
 from comfy_assets.store import (
     ClaimLost,
     JobRecord,
@@ -52,19 +48,17 @@ from comfy_assets.store import (
 
 log = logging.getLogger("comfy_assets.render.batch")
 
-P = ParamSpec("P")
-
-R = TypeVar("R")
-
-# Worker threads for a networked store (PostgreSQL): two, so one call can wait on the
-# network while another runs; more only add GIL contention (docs/performance.md).
-STORE_THREADS = 2
-
 CONSUMERS_PER_SERVER = 3
 
 
-class Batch(Settle, Chain, Claiming, JobGuard):
-    """Runs ``jobs`` of ``partition`` to the end over ``pool``, recording in ``store``."""
+class Batch:
+    """Runs ``jobs`` of ``partition`` to the end over ``pool``, recording in ``store``.
+
+    Made of parts, each given what it uses: ``threads`` (where store calls run),
+    ``chain`` (chained jobs parked), ``claims`` (the claims held and renewed),
+    ``admission`` (a job claimed and its record read), ``blame`` (whose failure it was),
+    ``settler`` (an attempt's result decided and written), ``renderings`` (the move to
+    rendering, deferred); the batch runs the consumers and the attempts."""
 
     def __init__(
         self,
@@ -93,8 +87,6 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         self.store = store
         self.config = config
         self.owner = owner
-        self.stop_on_fatal = stop_on_fatal
-        self.draft = draft
         self.on_line = on_line or log.info
         self.on_progress = on_progress
         self.started = time.monotonic()
@@ -102,11 +94,6 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         self.queue = JobQueue(pool.plan, pool.planned, pool)
         self.unresolved = len(self.jobs)
         self.resolutions = 0  # jobs resolved so far (a parked job's check may miss one)
-        self._init_chain()
-        self._init_ownership()
-        self.claims = Claims(store, owner, config.lease_s, self._db, self._claim_gone)
-        self.renderings = DeferredRendering(self._write_rendering, self._rendering_failed)
-        self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
         self.stopped: str | None = None
         self.no_server = False
         self.attempts: dict[str, Attempt] = {}
@@ -116,31 +103,49 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         self.let_go: dict[str, Ended] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}  # the consumer running each attempt
         self.finished = asyncio.Event()  # every job resolved, or stopped with none in flight
-        # SQLite is a local file: a call costs less than a hop to a thread and back.
-        self._store_threads = (
-            ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="store")
-            if store.dialect == "postgresql"
-            else None
+        # Its parts, each given what it uses.
+        self.threads = StoreThreads(store)
+        self.chain = Chain(
+            self.jobs, store=store, threads=self.threads, queue=self.queue, partition=partition
         )
-        # Store calls under way on those threads: a cancelled await does not stop one,
-        # so cleanup waits for them before it reads or releases anything.
-        self._in_flight: set[concurrent.futures.Future[object]] = set()
-
-    async def _db(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> R:
-        """``fn(*args, **kwargs)`` (a store call): on a worker thread for PostgreSQL,
-        inline for SQLite. Raises what ``fn`` raises."""
-        if self._store_threads is None:
-            return fn(*args, **kwargs)
-        future = self._store_threads.submit(functools.partial(fn, *args, **kwargs))
-        self._in_flight.add(future)  # type: ignore[arg-type]
-        future.add_done_callback(self._in_flight.discard)  # type: ignore[arg-type]
-        return await asyncio.wrap_future(future)
-
-    async def _landed(self) -> None:
-        """Wait until every store call under way on a worker thread has finished."""
-        if self._in_flight:
-            pending = [asyncio.wrap_future(f) for f in list(self._in_flight)]
-            await asyncio.gather(*pending, return_exceptions=True)
+        self.claims = Claims(store, owner, config.lease_s, self.threads.call, self._claim_gone)
+        self.renderings = DeferredRendering(self._write_rendering, self._rendering_failed)
+        self.blame = Blame(
+            pool=pool,
+            store=store,
+            queue=self.queue,
+            config=config,
+            threads=self.threads,
+            report=self.report,
+        )
+        self.admission = Admission(
+            store=store,
+            config=config,
+            partition=partition,
+            claims=self.claims,
+            queue=self.queue,
+            chain=self.chain,
+            threads=self.threads,
+            report=self.report,
+            resolve=self._resolve,
+        )
+        self.settler = Settler(
+            store=store,
+            config=config,
+            partition=partition,
+            owner=owner,
+            claims=self.claims,
+            renderings=self.renderings,
+            queue=self.queue,
+            blame=self.blame,
+            threads=self.threads,
+            report=self.report,
+            resolve=self._resolve,
+            stopped=lambda: self.stopped,
+            stop=self._stop_fatal,
+            draft=draft,
+            stop_on_fatal=stop_on_fatal,
+        )
 
     def report(self, text: str) -> None:
         """One line for people (``on_line``), in the shape of STYLE.md."""
@@ -153,7 +158,7 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         for job in self.jobs:
             item = Item(job)
             if job.depends_on:
-                self._park(item)  # a chained job waits for its upstream jobs
+                self.chain.park(item)  # a chained job waits for its upstream jobs
             else:
                 self.queue.push(item)
         self.pool.lost_listeners.append(self._on_lost_slot)
@@ -162,12 +167,18 @@ class Batch(Settle, Chain, Claiming, JobGuard):
             asyncio.create_task(self._consumer(), name=f"consumer-{i}")
             for i in range(self.consumers)
         ]
-        if self.parked:
-            workers.append(asyncio.create_task(self._watch_parked(), name="parked"))
+        if self.chain.parked:
+            workers.append(
+                asyncio.create_task(
+                    self.chain.watch_parked(self.finished, lambda: self.stopped), name="parked"
+                )
+            )
         try:
             await asyncio.gather(*workers)
-            if self.stopped and self.dependants:
-                await self._settle_blocked_left(self._claim)
+            if self.stopped and self.chain.dependants:
+                await self.chain.settle_blocked_left(
+                    self.admission.claim, self.settler.not_rendered
+                )
         except asyncio.CancelledError:
             # gather has cancelled each consumer once; a second cancel would cut short
             # their cleanup (interrupting and removing prompts), so wait for it instead.
@@ -182,11 +193,10 @@ class Batch(Settle, Chain, Claiming, JobGuard):
             self.pool.lost_listeners.remove(self._on_lost_slot)
             heartbeat.cancel()
             await asyncio.gather(heartbeat, return_exceptions=True)
-            await self._landed()  # a claim that lands now must be released below
+            await self.threads.landed()  # a claim that lands now must be released below
             left = [item.job.id for item in self.queue.cancel_all()]
             self.claims.release_all(also=left)
-            if self._store_threads is not None:
-                self._store_threads.shutdown(wait=False)  # nothing is under way any more
+            self.threads.close()  # nothing is under way any more
 
     def _resolve(self, ended: Ended = "not_run", job_id: str | None = None) -> None:
         self.unresolved -= 1
@@ -195,7 +205,7 @@ class Batch(Settle, Chain, Claiming, JobGuard):
             self.settling.discard(job_id)  # no longer left, so not finishing either
             if ended != "done":
                 self.let_go[job_id] = ended
-            self._unpark(job_id)  # the jobs that continue from it look again
+            self.chain.unpark(job_id)  # the jobs that continue from it look again
         counts = {"done": 0, "dead_lettered": 0, "not_run": 0}
         counts["done" if ended == "degraded" else ended] = 1
         p = self.progress
@@ -255,12 +265,12 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         item = self.queue.pop_unclaimed()
         if item is None:
             return
-        rec = await self._claim(item)
+        rec = await self.admission.claim(item)
         if rec is None:
             return
         reason = await self.pool.cannot_run(self.queue.needs(item))
         if reason is not None:
-            await self._dead_letter_now(item, rec, reason)
+            await self.settler.dead_letter_now(item, rec, reason)
             return
         self.queue.put_back(item, rec)
 
@@ -269,7 +279,7 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         ones, for too long), else None (``check`` of ``Pool.acquire``, asked at each
         look)."""
         for group in self.queue.groups():
-            reason = self.pool.cannot_run_now(group) or self._quarantined_group(group)
+            reason = self.pool.cannot_run_now(group) or self.blame.quarantined_group(group)
             if reason is not None:
                 return reason
         return None
@@ -281,15 +291,9 @@ class Batch(Settle, Chain, Claiming, JobGuard):
             if reason is None:
                 continue
             for item in self.queue.pop_all(group):
-                rec = await self._claim(item)
+                rec = await self.admission.claim(item)
                 if rec is not None:
-                    await self._dead_letter_now(item, rec, reason)
-
-    async def _dead_letter_now(self, item: Item, rec: JobRecord, reason: str) -> None:
-        """``item`` (claimed: ``rec``) can run on no server: a dead letter (degraded in a
-        draft) with ``reason``, nothing posted."""
-        result = AttemptResult("permanent", reason, prompt_id=item.job.prompt_id)
-        await self._settle_guarded(item, rec.attempts + 1, result)
+                    await self.settler.dead_letter_now(item, rec, reason)
 
     async def _consumer(self) -> None:
         slot: Slot | None = None
@@ -321,7 +325,7 @@ class Batch(Settle, Chain, Claiming, JobGuard):
                         item = self.queue.pop_for(slot)
                 except NoServerCanRun:  # a server started again without a model
                     await self._dead_letter_unrunnable()
-                    await self._leave_quarantined()
+                    await self.settler.leave_quarantined()
                     continue
                 except NoServerReachable as e:
                     self._stop_unreachable(e)  # the jobs here stay pending, unposted
@@ -331,41 +335,58 @@ class Batch(Settle, Chain, Claiming, JobGuard):
                         slot.release()
                         slot = None
                     continue
-                verdict, reason = "ready", ""
-                while item.job.depends_on:
-                    seen = self.resolutions
-                    verdict, reason = await self._upstreams(item.job)
-                    if verdict != "wait" or self.resolutions == seen:
-                        break  # else a job ended while we looked: look again
+                verdict, reason = await self._may_run(item)
                 if verdict == "wait":
-                    self._park(item)
+                    self.chain.park(item)
                     continue
-                # The job is claimed before we wait for a server, so a server handed to
-                # us goes straight to the submit and the POST: one store write less
-                # between two prompts on a GPU.
-                rec = await self._claim(item)
-                if rec is None:
-                    continue
-                if verdict == "blocked":
-                    await self._not_rendered(item, reason)
-                    continue
-                try:
-                    if self.stopped:
-                        # Stopped (delivery policy) while we claimed or waited: the job
-                        # stays pending, unposted.
-                        self.claims.release(item.job.id)
-                        break
-                    item.loaded_on = slot.name
-                    item.model_loaded = self.pool.assign(slot, self.queue.needs(item))
-                    slot = await self._run_item(item, rec, slot)
-                except NoServerReachable as e:
-                    self.claims.release(item.job.id)  # unposted: it stays pending
-                    self._stop_unreachable(e)
+                slot, go_on = await self._claim_and_run(item, slot, verdict, reason)
+                if not go_on:
                     break
         finally:
             if slot is not None:
                 slot.release()
             self.queue.changed.set()  # wake the other consumers to see the end
+
+    async def _claim_and_run(
+        self, item: Item, slot: Slot, verdict: Verdict, reason: str
+    ) -> tuple[Slot | None, bool]:
+        """Claim ``item`` (``verdict``: what its upstream jobs say) and run its attempt
+        on ``slot``: the slot if still ours, and whether the consumer goes on (False once
+        the batch stopped)."""
+        # The job is claimed before we wait for a server, so a server handed to us goes
+        # straight to the submit and the POST: one store write less between two prompts
+        # on a GPU.
+        rec = await self.admission.claim(item)
+        if rec is None:
+            return slot, True
+        if verdict == "blocked":
+            await self.settler.not_rendered(item, reason)
+            return slot, True
+        try:
+            if self.stopped:
+                # Stopped (delivery policy) while we claimed or waited: the job stays
+                # pending, unposted.
+                self.claims.release(item.job.id)
+                return slot, False
+            item.loaded_on = slot.name
+            item.model_loaded = self.pool.assign(slot, self.queue.needs(item))
+            return await self._run_item(item, rec, slot), True
+        except NoServerReachable as e:
+            self.claims.release(item.job.id)  # unposted: it stays pending
+            self._stop_unreachable(e)
+            return slot, False
+
+    async def _may_run(self, item: Item) -> tuple[Verdict, str]:
+        """Whether ``item``'s upstream jobs let it run now (``Chain.upstreams``), asked
+        again when a job ended while we looked."""
+        verdict: Verdict = "ready"
+        reason = ""
+        while item.job.depends_on:
+            seen = self.resolutions
+            verdict, reason = await self.chain.upstreams(item.job)
+            if verdict != "wait" or self.resolutions == seen:
+                break  # else a job ended while we looked: look again
+        return verdict, reason
 
     async def _run_item(self, item: Item, rec: JobRecord, slot: Slot) -> Slot | None:
         """Run one attempt of ``item`` (claimed: ``rec``) on ``slot`` or the server it
@@ -385,7 +406,7 @@ class Batch(Settle, Chain, Claiming, JobGuard):
                 detail = f"take {job.take}" + (f"; {detail}" if detail else "")
             # With our owner: a claim lost while we waited (the job re-registered with
             # new inputs, say) raises ClaimLost here, before anything is posted.
-            await self._db(
+            await self.threads.call(
                 store.transition,
                 job.id,
                 "submitted",
@@ -414,10 +435,10 @@ class Batch(Settle, Chain, Claiming, JobGuard):
             store.job_dir(self.partition, job.id),
             slot=slot,
             prev_server=prev,
-            prev_number=_prev_number(item, rec, prev),
+            prev_number=prev_number(item, rec, prev),
             prev_unsettled=item.prev_unsettled and prev is not None,
             deadline_s=cfg.timeout_s,
-            stall_s=self._stall_s(item),
+            stall_s=self.blame.stall_s(item),
             wedge_s=cfg.wedge_s,
             poll_s=cfg.poll_s,
             catch_up_s=cfg.catch_up_s,
@@ -425,7 +446,7 @@ class Batch(Settle, Chain, Claiming, JobGuard):
             hooks=hooks,
             label=f"job {job.id}",
             max_output_bytes=cfg.max_output_bytes,
-            locate=self._locate,
+            locate=self.chain.locate,
             subdir=take_folder(job.take),
         )
         me = asyncio.current_task()
@@ -440,23 +461,27 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         except asyncio.CancelledError:
             if attempt.aborted is None or me.cancelling() > 1:
                 await asyncio.shield(
-                    self._cancelled(job, attempt, attempt_number, rec.attempts_before)
+                    self.settler.cancelled(job, attempt, attempt_number, rec.attempts_before)
                 )
                 raise
             me.uncancel()  # only the attempt was stopped, not the batch
             # The lease still keeps other processes away while our prompt is removed.
             what = await asyncio.shield(attempt.cancel_cleanup())
-            await self._landed()  # a transition still being written lands first
+            await self.threads.landed()  # a transition still being written lands first
             if isinstance(attempt.store_failed, StoreUnavailable):
                 self.report(f"job {job.id}: the store failed ({attempt.store_failed}); {what}")
                 raise attempt.store_failed from None
             if attempt.claim_lost:
-                await self._left_to_holder(job, attempt, attempt_number, attempt.aborted, what)
+                await self.settler.left_to_holder(
+                    job, attempt, attempt_number, attempt.aborted, what
+                )
                 return None
             result = attempt.aborted_result(what)
         except ClaimLost as e:
             what = await attempt.cancel_cleanup()  # our prompt, if posted, is stale: remove it
-            await self._left_to_holder(job, attempt, attempt_number, f"claim lost ({e})", what)
+            await self.settler.left_to_holder(
+                job, attempt, attempt_number, f"claim lost ({e})", what
+            )
             return None
         except NotPosted:
             self.claims.release(job.id)  # the batch stopped first: the job stays pending
@@ -475,10 +500,12 @@ class Batch(Settle, Chain, Claiming, JobGuard):
             self.attempts.pop(job.id, None)
         self.settling.add(job.id)
         try:
-            await self._settle_guarded(item, attempt_number, result)
+            await self.settler.settle(item, attempt_number, result)
         except ClaimLost as e:
             outcome = f"its result ({result.kind}) not recorded"
-            await self._left_to_holder(job, attempt, attempt_number, f"claim lost ({e})", outcome)
+            await self.settler.left_to_holder(
+                job, attempt, attempt_number, f"claim lost ({e})", outcome
+            )
         finally:
             self.settling.discard(job.id)  # resolved, or back in line for a retry
         self._check_finished()
@@ -492,9 +519,14 @@ class Batch(Settle, Chain, Claiming, JobGuard):
             self.report(self.stopped)
         self._check_finished()
 
+    def _stop_fatal(self, why: str) -> None:
+        """The delivery policy stops the batch at a storyboard's first dead letter."""
+        self.stopped = why
+        self.report(f"delivery policy: {why}; no new shots are submitted")
+
     async def _write_rendering(self, job_id: str, move: RenderingStart) -> None:
         """``DeferredRendering``'s write: the job's move to rendering, with our claim."""
-        await self._db(
+        await self.threads.call(
             self.store.transition,
             job_id,
             "rendering",
@@ -520,22 +552,6 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         attempt.store_failed = error
         return True
 
-    async def _left_to_holder(
-        self, job: Job, attempt: Attempt, attempt_number: int, why: str, cleanup: str
-    ) -> None:
-        """The job's claim went to another worker while attempt ``attempt_number`` ran: say so
-        (an event that changes nothing, and a line) and leave the job to its holder."""
-        try:
-            await self.renderings.take(job.id)  # its rendering move is not ours to write
-        except ClaimLost:
-            pass  # raised by that move's write under way: the loss this reports
-        server = attempt.slot.name if attempt.slot is not None else None
-        detail = f"{why} during attempt {attempt_number}; {cleanup}"
-        await self._db(self.store.note, job.id, detail, server=server, attempt=attempt_number)
-        self.claims.forget(job.id)
-        self.report(f"job {job.id}: {detail}; left to its holder")
-        self._resolve("not_run", job.id)
-
     def _on_lost_slot(self, slot: Slot) -> None:
         """The pool lost the server lease of ``slot``: stop the attempt holding it (its
         prompt is removed while the lease still keeps other processes away)."""
@@ -557,20 +573,11 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         return True
 
     async def _unsure(self) -> str | None:
-        """Wait while our heartbeat is not reaching the store (see ``AttemptHooks``), up
-        to the store's budget: then, or once found gone, why nothing may be posted."""
-        heartbeat = self.heartbeat
-        if heartbeat is None:
+        """Why nothing may be posted now (``AttemptHooks.unsure``), once our heartbeat
+        is found stale for the store's budget or gone (``OwnerHeartbeat.unsure``)."""
+        if self.heartbeat is None:
             return None
-        waited = 0.0
-        step = heartbeat.beat_s / 4
-        while (why := heartbeat.stale()) is not None:
-            if heartbeat.gone is not None or self.stopped or waited >= self.store.retry_s:
-                return why
-            # Its thread beats again as soon as the store answers.
-            await asyncio.sleep(step)
-            waited += step
-        return None
+        return await self.heartbeat.unsure(self.store.retry_s, lambda: self.stopped)
 
     def _claim_gone(self, job_id: str, why: str) -> None:
         """Our claim on ``job_id`` is gone (``Claims``): stop its attempt, if one runs."""
@@ -579,16 +586,3 @@ class Batch(Settle, Chain, Claiming, JobGuard):
         else:
             # Waiting for a server or its retry: the next claim finds out who holds it.
             self.claims.forget(job_id)
-
-
-def _prev_number(item: Item, rec: JobRecord, prev: str | None) -> int | None:
-    """The run number the job's prompt last had on ``prev`` (its last server): the
-    store's, else the one the previous attempt of this batch saw there (a run found by a
-    catch-up or after an unanswered POST, which the store does not record). None for a
-    job requeued since its last attempt: only a dead letter is requeued, and its run has
-    ended (a catch-up still looks for a success there, but no run of it can be lost)."""
-    if prev is None or (rec.attempts == 0 and rec.attempts_before > 0):
-        return None
-    if rec.number is not None:
-        return rec.number
-    return item.prev_number if item.prev_server == prev else None

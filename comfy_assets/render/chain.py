@@ -14,14 +14,15 @@ and renders, a job dead-lettered (or degraded) only for it is requeued by the ne
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Literal
 
 from comfy_assets.jobs.model import InputFromJob, Job
 from comfy_assets.jobs.states import REQUEUEABLE, InvalidTransition
 from comfy_assets.render.inputs import UpstreamFile
-from comfy_assets.render.queue import Item
-from comfy_assets.store import JobRecord
+from comfy_assets.render.queue import Item, JobQueue
+from comfy_assets.render.store_threads import StoreThreads
+from comfy_assets.store import JobRecord, Store
 
 # The start of the reason of a job not rendered because of its upstream job.
 NOT_RENDERED = "not rendered: it continues from "
@@ -34,18 +35,30 @@ Verdict = Literal["ready", "wait", "blocked"]
 
 
 class Chain:
-    """Parking and releasing chained jobs (a part of ``Batch``)."""
+    """Parking and releasing the chained jobs of one batch: ``jobs``, whose records are
+    read from ``store`` through ``threads``, put back in ``queue`` once they may run."""
 
-    def _init_chain(self) -> None:
+    def __init__(
+        self,
+        jobs: Sequence[Job],
+        *,
+        store: Store,
+        threads: StoreThreads,
+        queue: JobQueue,
+        partition: str,
+    ) -> None:
+        self.store = store
+        self.threads = threads
+        self.queue = queue
+        self.partition = partition
         self.parked: dict[str, Item] = {}
-        self.lines: dict[str, Job] = {job.id: job for job in self.jobs}
+        self.lines: dict[str, Job] = {job.id: job for job in jobs}
         self.dependants: dict[str, list[str]] = {}
-        for job in self.jobs:
+        for job in jobs:
             for up in job.depends_on:
                 self.dependants.setdefault(up, []).append(job.id)
-        self._parked_changed = asyncio.Event()
 
-    def _describe(self, job_id: str) -> str:
+    def describe(self, job_id: str) -> str:
         """``job <id> (line N, shot S)``: how a reason names an upstream job."""
         job = self.lines.get(job_id)
         if job is None:
@@ -53,28 +66,29 @@ class Chain:
         shot = f", shot {job.shot}" if job.shot is not None else ""
         return f"job {job_id} (line {job.line}{shot})"
 
-    async def _upstreams(self, job: Job) -> tuple[Verdict, str]:
+    async def upstreams(self, job: Job) -> tuple[Verdict, str]:
         """Whether ``job`` may run now: ("ready", ""), ("wait", "") or ("blocked",
         reason) when an upstream job ended without a file to continue from."""
         for ref in _upstream_refs(job):
-            rec: JobRecord | None = await self._db(self.store.get, ref.job)
+            rec: JobRecord | None = await self.threads.call(self.store.get, ref.job)
             if rec is None or rec.prompt_id != ref.upstream_prompt_id:
                 return "wait", ""  # not registered yet, or registered with other inputs
             if rec.state == "succeeded":
                 continue
             if rec.state == "failed_fatal":
-                why = f"{NOT_RENDERED}{self._describe(ref.job)}, which was dead-lettered"
+                why = f"{NOT_RENDERED}{self.describe(ref.job)}, which was dead-lettered"
                 return "blocked", f"{why} ({rec.reason})"
             if rec.state == "degraded":
-                why = f"{NOT_RENDERED}{self._describe(ref.job)}, which was degraded"
+                why = f"{NOT_RENDERED}{self.describe(ref.job)}, which was degraded"
                 return "blocked", f"{why} and wrote no file to continue from ({rec.reason})"
             return "wait", ""
         return "ready", ""
 
-    def _park(self, item: Item) -> None:
+    def park(self, item: Item) -> None:
+        """``item`` waits for its upstream jobs, out of the queue."""
         self.parked[item.job.id] = item
 
-    def _unpark(self, job_id: str | None) -> None:
+    def unpark(self, job_id: str | None) -> None:
         """Put back in line the parked jobs that wait for ``job_id`` (None: all of them)."""
         ids = list(self.parked) if job_id is None else self.dependants.get(job_id, [])
         for dependant in ids:
@@ -82,47 +96,33 @@ class Chain:
             if item is not None:
                 self.queue.push(item)
 
-    async def _watch_parked(self) -> None:
-        """While jobs are parked, put them back in line every ``RECHECK_S``."""
-        while not self.finished.is_set():
+    async def watch_parked(
+        self, finished: asyncio.Event, stopped: Callable[[], str | None]
+    ) -> None:
+        """While jobs are parked, put them back in line every ``RECHECK_S`` until
+        ``finished`` (not while ``stopped`` says why the batch stopped)."""
+        while not finished.is_set():
             try:
-                await asyncio.wait_for(self.finished.wait(), RECHECK_S)
+                await asyncio.wait_for(finished.wait(), RECHECK_S)
             except TimeoutError:
-                if self.parked and not self.stopped:
-                    self._unpark(None)
+                if self.parked and not stopped():
+                    self.unpark(None)
 
-    async def _not_rendered(self, item: Item, reason: str) -> None:
-        """Settle a claimed job whose upstream job failed: degraded under the draft
-        policy, else a dead letter; nothing is posted. Raises ClaimLost,
-        StoreUnavailable."""
-        job = item.job
-        self.claims.finishing_now(job.id)
-        if self.draft:
-            await self._db(
-                self.store.mark_done, job.id, self.owner, state="degraded", reason=reason
-            )
-            self.report(f"job {job.id}: degraded (draft), {reason}")
-            ended: Literal["degraded", "dead_lettered"] = "degraded"
-        else:
-            await self._db(self.store.dead_letter, job.id, self.owner, reason)
-            self.report(f"job {job.id}: dead-lettered, {reason}")
-            ended = "dead_lettered"
-        self.claims.finished(job.id)
-        self._resolve(ended, job.id)
-
-    async def _requeue_if_upstream_fixed(self, job: Job, rec: JobRecord) -> bool:
+    async def requeue_if_upstream_fixed(
+        self, job: Job, rec: JobRecord, report: Callable[[str], None]
+    ) -> bool:
         """A job dead-lettered (or degraded, under draft) only because its upstream job
-        was, whose upstream is no longer blocked: back to pending (True), so it renders
-        in this run."""
+        was, whose upstream is no longer blocked: back to pending (True, said with
+        ``report``), so it renders in this run."""
         if rec.state not in REQUEUEABLE:
             return False
         if not job.depends_on or not (rec.reason or "").startswith(NOT_RENDERED):
             return False
-        verdict, _ = await self._upstreams(job)
+        verdict, _ = await self.upstreams(job)
         if verdict == "blocked":
             return False
         try:
-            await self._db(
+            await self.threads.call(
                 self.store.transition,
                 job.id,
                 "pending",
@@ -130,38 +130,42 @@ class Chain:
             )
         except InvalidTransition:
             pass  # another worker requeued it a moment ago
-        self.report(f"job {job.id}: requeued, the job it continues from is no longer failed")
+        report(f"job {job.id}: requeued, the job it continues from is no longer failed")
         return True
 
-    async def _settle_blocked_left(self, claim: Callable[[Item], object]) -> None:
+    async def settle_blocked_left(
+        self,
+        claim: Callable[[Item], Awaitable[JobRecord | None]],
+        not_rendered: Callable[[Item, str], Awaitable[None]],
+    ) -> None:
         """After a stopped batch: the parked jobs whose upstream job failed are settled
-        (not rendered, with the reason), in as many passes as the chain is long; the
-        others stay pending for the next run."""
+        (``claim``, then ``not_rendered`` with the reason), in as many passes as the chain
+        is long; the others stay pending for the next run."""
         changed = True
         while changed:
             changed = False
             # Put back in line by an upstream job's end, but no consumer is left.
             for item in [i for i in self.queue.ready if i.job.depends_on]:
                 self.queue.remove(item)
-                self._park(item)
+                self.park(item)
             for job_id, item in list(self.parked.items()):
-                verdict, reason = await self._upstreams(item.job)
+                verdict, reason = await self.upstreams(item.job)
                 if verdict != "blocked":
                     continue
                 del self.parked[job_id]
-                rec = await claim(item)  # type: ignore[misc]
+                rec = await claim(item)
                 if rec is not None:
-                    await self._not_rendered(item, reason)
+                    await not_rendered(item, reason)
                     changed = True
 
-    async def _locate(self, ref: InputFromJob) -> UpstreamFile:
+    async def locate(self, ref: InputFromJob) -> UpstreamFile:
         """The file ``ref`` names: the ``index``-th (0-based, in path order) output of the
         upstream job's node, from its done record. Raises LookupError."""
-        files = await self._db(self.store.files, ref.job)
+        files = await self.threads.call(self.store.files, ref.job)
         mine = sorted((f for f in files if f.node_id == ref.node), key=lambda f: str(f.path))
         if ref.index >= len(mine):
             raise LookupError(
-                f"{self._describe(ref.job)} has {len(mine)} output files of node {ref.node}, "
+                f"{self.describe(ref.job)} has {len(mine)} output files of node {ref.node}, "
                 f"none at index {ref.index}"
             )
         f = mine[ref.index]

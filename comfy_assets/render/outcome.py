@@ -18,7 +18,7 @@ from comfy_assets.comfy.types import DownloadedFile, HistoryEntry, excerpt
 
 Kind = Literal["success", "transient", "permanent"]
 
-# What failed, when it may not be the job's fault (``render/ownership.py`` decides whose),
+# What failed, when it may not be the job's fault (``render/blame.py`` decides whose),
 # by where the decision comes from:
 # - judged by a second server (the same failure there makes it the job's): an
 #   ``execution_error``, a prompt ``rejected`` (POST 400, or 200 with node_errors), an
@@ -54,7 +54,7 @@ _VOLATILE = re.compile(r"0x[0-9a-fA-F]+|\d{4,}")
 
 @dataclass(frozen=True)
 class Failure:
-    """A failure that may belong to the server, for ``render/ownership.py``. ``kind``
+    """A failure that may belong to the server, for ``render/blame.py``. ``kind``
     (``FailureKind``); ``signature``: equal for the same error in the same node
     (node id, exception type, first message line without addresses), so two servers that
     failed "the same way" compare equal; ``summary``: the reason for people, without

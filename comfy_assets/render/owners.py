@@ -3,6 +3,7 @@ other process, on any host, that this one is alive (``store/owners.py``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import socket
@@ -107,6 +108,20 @@ class OwnerHeartbeat:
                 self.on_gone(self.gone)
                 return
             self._last_ok = time.monotonic()
+
+    async def unsure(self, budget_s: float, stopped: Callable[[], str | None]) -> str | None:
+        """Wait while this heartbeat is not reaching the store (``stale``), up to
+        ``budget_s`` seconds (or until ``stopped`` says why the batch stopped): then, or
+        once found gone, why nothing may be posted; None once it beats again."""
+        waited = 0.0
+        step = self.beat_s / 4
+        while (why := self.stale()) is not None:
+            if self.gone is not None or stopped() or waited >= budget_s:
+                return why
+            # Its thread beats again as soon as the store answers.
+            await asyncio.sleep(step)
+            waited += step
+        return None
 
     def stop(self) -> None:
         """Stop beating and release the owner (its claims are free to take), unless it

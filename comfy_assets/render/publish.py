@@ -59,14 +59,14 @@ def rows(batch: Batch, progress: Progress) -> dict[tuple[str, str], dict[str, An
     wall_now = time.time()
     held: dict[str, dict[str, Any]] = {}
     for item, when in batch.queue.later():
-        if item.job.id in batch.told_held:
+        if item.job.id in batch.admission.told_held:
             continue  # another process's claim: the store says whose
         held[item.job.id] = {
             "reason": "in backoff",
             "until": wall_now + max(when - loop_now, 0.0),
             "server": item.prev_server,
         }
-    for job_id, item in list(batch.parked.items()):
+    for job_id, item in list(batch.chain.parked.items()):
         held[job_id] = {"reason": "upstream", "upstream": list(item.job.depends_on)}
     for attempt in list(batch.attempts.values()):
         if attempt.catching_up is not None:

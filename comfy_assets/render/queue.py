@@ -50,7 +50,7 @@ class Item:
     model_loaded: bool = False
     seq: int = field(default=0, compare=False)  # arrival rank in the queue (lower first)
     # Servers where an attempt of this batch failed in a way that may be the server's,
-    # with the failure, in the order they failed (``render/ownership.py``): the job goes
+    # with the failure, in the order they failed (``render/blame.py``): the job goes
     # elsewhere while another server can run it.
     failed_on: dict[str, Failure] = field(default_factory=dict, compare=False)
     # Attempts that went elsewhere at once because their failure may be the server's:
@@ -63,7 +63,8 @@ class Item:
 class ServerView(Protocol):
     """What the queue asks of the pool about its servers (``pool.pool.Pool`` has it)."""
 
-    servers: Sequence[ServerSpec]
+    @property
+    def servers(self) -> Sequence[ServerSpec]: ...
 
     def may_run(self, name: str, needs: Needs) -> bool: ...
 
@@ -321,3 +322,16 @@ class _Ready:
     def __iter__(self) -> Iterator[Item]:
         items = [i for group in self.queue._groups.values() for i in group]
         return iter(sorted(items, key=lambda i: i.seq))
+
+
+def prev_number(item: Item, rec: JobRecord, prev: str | None) -> int | None:
+    """The run number the job's prompt last had on ``prev`` (its last server): the
+    store's, else the one the previous attempt of this batch saw there (a run found by a
+    catch-up or after an unanswered POST, which the store does not record). None for a
+    job requeued since its last attempt: only a dead letter is requeued, and its run has
+    ended (a catch-up still looks for a success there, but no run of it can be lost)."""
+    if prev is None or (rec.attempts == 0 and rec.attempts_before > 0):
+        return None
+    if rec.number is not None:
+        return rec.number
+    return item.prev_number if item.prev_server == prev else None

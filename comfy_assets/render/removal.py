@@ -23,9 +23,21 @@ SAY_WAITING_S = 5.0
 
 
 class Removal:
-    """How an attempt removes its prompt (a part of ``Attempt``)."""
+    """How an attempt removes its prompt (``prompt_id``) from a server: waiting up to
+    ``evict_timeout_s`` for it to leave, asking every ``poll_s``; a removal that can't be
+    confirmed leaves the server lease to expire after ``lease_s``. ``label`` names the
+    job in the log."""
 
-    async def _evict(self, slot: Slot, number: int, wedge_s: float | None = None) -> Eviction:
+    def __init__(
+        self, prompt_id: str, *, label: str, evict_timeout_s: float, poll_s: float, lease_s: float
+    ) -> None:
+        self.prompt_id = prompt_id
+        self.label = label
+        self.evict_timeout_s = evict_timeout_s
+        self.poll_s = poll_s
+        self.lease_s = lease_s
+
+    async def evict(self, slot: Slot, number: int, wedge_s: float | None = None) -> Eviction:
         """Interrupt our prompt, delete it from the queue, and wait until it has left
         /queue (an interrupt lands only between nodes and a delete can lose the race:
         data/recorded/README.md fact 7); then read its history, in case run ``number``
@@ -34,7 +46,7 @@ class Removal:
         running that long after its interrupt and delete means a wedged server (its
         execution stuck inside a node): given up then, ``wedged`` (None: only
         ``evict_timeout_s`` bounds the wait)."""
-        client, pid = slot.client, self.job.prompt_id
+        client, pid = slot.client, self.prompt_id
         deadline = time.monotonic() + self.evict_timeout_s
         try:
             queue = await client.queue()
@@ -84,31 +96,17 @@ class Removal:
             was_there=was_there, confirmed=True, won=entry if won else None, history=entry
         )
 
-    async def _remove(self, slot: Slot, number: int) -> str:
-        """``_evict`` our run ``number`` from ``slot``'s server; what came of it, for
+    async def remove(self, slot: Slot, number: int) -> str:
+        """``evict`` our run ``number`` from ``slot``'s server; what came of it, for
         people. A run that succeeded meanwhile is left for the next attempt's catch-up."""
-        gone = await self._evict(slot, number)
-        self.on_server = None
+        gone = await self.evict(slot, number)
         if not gone.confirmed:
             return (
-                f"could not remove prompt {self.job.prompt_id} from {slot.name} "
-                f"({gone.problem}); its server lease expires in {self.pool.settings.server_lease_s:g} s"
+                f"could not remove prompt {self.prompt_id} from {slot.name} "
+                f"({gone.problem}); its server lease expires in {self.lease_s:g} s"
             )
         if gone.won is not None:
             return f"it succeeded on {slot.name} meanwhile (the next attempt takes it)"
         if gone.was_there:
             return f"prompt interrupted and removed from {slot.name}"
         return f"prompt no longer on {slot.name}"
-
-    async def cancel_cleanup(self) -> str:
-        """On cancellation: interrupt and remove our prompt, then free the slot. Returns
-        what happened, for people ("prompt interrupted and removed from gpu0", "could not
-        remove prompt ... from gpu0 (...)", "nothing on a server").
-
-        Bounded by ``evict_timeout_s``; used by the batch's cancellation path."""
-        if self.slot is None or self.slot.released:
-            return "nothing on a server"
-        if self.on_server is None:
-            self.slot.release()
-            return "nothing on a server"
-        return await self._remove(self.slot, number=-1)

@@ -12,7 +12,8 @@ catch-up finds in the server's /queue or /history.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from comfy_assets.store import RenderingStart
 
@@ -31,7 +32,7 @@ class DeferredRendering:
 
     def __init__(
         self,
-        write: Callable[[str, RenderingStart], Awaitable[None]],
+        write: Callable[[str, RenderingStart], Coroutine[Any, Any, None]],
         failed: Callable[[str, BaseException], bool],
         delay_s: float = RENDERING_WRITE_S,
     ) -> None:

@@ -8,12 +8,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import NotRequired, TypedDict, Unpack
+from dataclasses import dataclass
+from typing import Literal, NotRequired, TypedDict, Unpack
 
 from comfy_assets.comfy.event_loop import new_event_loop
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import Job, JobFile
-from comfy_assets.jobs.states import DONE
+from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
@@ -21,12 +22,12 @@ from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.progress import Progress
 from comfy_assets.render.steering import Steering
 from comfy_assets.render.summary import BatchSummary, summarize
-from comfy_assets.store import Store, off_loop
+from comfy_assets.store import JobRecord, Store, off_loop
 
 log = logging.getLogger("comfy_assets.render.run")
 
 # What ``run_one`` answers for a job the store holds under another prompt (a newer take).
-SUPERSEDED = "superseded"
+SUPERSEDED: Literal["superseded"] = "superseded"
 
 # Called with each pool made here and its store (the metrics: ``metrics.py``).
 pool_watchers: list[Callable[[Pool, Store], None]] = []
@@ -238,6 +239,31 @@ def _cancel_left(loop: asyncio.AbstractEventLoop) -> None:
         loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
 
 
+How = Literal[
+    "done", "done_before", "dead_lettered", "dead_before", "superseded", "left_to_holder", "left"
+]
+
+
+@dataclass(frozen=True)
+class JobEnding:
+    """How one ``run_one`` call ended its job.
+
+    ``how``: ``done`` (this call wrote its done record: succeeded or degraded),
+    ``done_before`` (done already, or finished meanwhile by a twin delivery: nothing
+    posted), ``dead_lettered`` (this call wrote its dead letter: exactly one run ever
+    does, ``Store.dead_letter`` taking it only from the claim's holder, once),
+    ``dead_before`` (a dead letter already), ``superseded`` (the store holds the job under
+    another prompt), ``left_to_holder`` (its claim taken while it ran: the holder finishes
+    it), ``left`` (not run to an end here: every server that can run it quarantined, or
+    the run stopped). ``state``: the job's state in the store afterwards (``pending`` for
+    a job it does not hold); ``record``: its record then, if any.
+    """
+
+    how: How
+    state: str
+    record: JobRecord | None = None
+
+
 async def run_one(
     job: Job,
     *,
@@ -249,25 +275,26 @@ async def run_one(
     on_line: Callable[[str], None] | None = None,
     heartbeat: OwnerHeartbeat | None = None,
     running: set[Batch] | None = None,
-) -> str:
+) -> JobEnding:
     """Run one job (a message from a queue) to its end over a long-lived ``pool``.
 
-    Returns the job's final state: ``succeeded``/``degraded`` (done, also when it was
-    done before: nothing is posted), ``failed_fatal`` (dead letter, with its reason in
-    the store); while another live worker holds its claim it waits. Retries with
-    backoff happen inside; nothing is posted while ``heartbeat`` (``owner``'s, kept by
-    the caller) is stale. ``running``: where its batch is while it runs (the caller's
-    status rows name its prompt: ``publish.publish_servers``). Raises only on
-    cancellation, after cleaning up.
+    Returns how it ended (``JobEnding``): done (``succeeded``/``degraded``, by this call
+    or before it: then nothing is posted), a dead letter (``failed_fatal``, with its reason
+    in the store), superseded, left to another holder, or left pending; while another
+    live worker holds its claim it waits. Retries with backoff happen inside; nothing is
+    posted while ``heartbeat`` (``owner``'s, kept by the caller) is stale. ``running``:
+    where its batch is while it runs (the caller's status rows name its prompt:
+    ``publish.publish_servers``). Raises only on cancellation, after cleaning up.
 
-    ``SUPERSEDED`` when the store holds the job under another prompt: a newer take was
-    registered before this one (nothing is registered or posted), or the job was
-    registered again while this call waited or ran (a newer take, other inputs: the run
-    that registered it renders it; this one's attempt, if any, could record nothing).
+    ``superseded`` (``SUPERSEDED``) when the store holds the job under another prompt: a
+    newer take was registered before this one (nothing is registered or posted), or the
+    job was registered again while this call waited or ran (a newer take, other inputs:
+    the run that registered it renders it; this one's attempt, if any, could record
+    nothing).
     """
     found = await off_loop(store, store.register_jobs, partition, [job], forward_only=True)
     if found.superseded:
-        return SUPERSEDED
+        return JobEnding(SUPERSEDED, "pending")
     batch = Batch(
         [job],
         partition=partition,
@@ -288,6 +315,15 @@ async def run_one(
         if running is not None:
             running.discard(batch)
     rec = await off_loop(store, store.get, job.id)
-    if rec is not None and rec.prompt_id != job.prompt_id:
-        return SUPERSEDED
-    return rec.state if rec is not None else "pending"
+    if rec is None:
+        return JobEnding("left", "pending")
+    if rec.prompt_id != job.prompt_id:
+        return JobEnding(SUPERSEDED, rec.state, rec)
+    wrote = job.id in batch.settler.wrote
+    if rec.state in DONE:
+        return JobEnding("done" if wrote else "done_before", rec.state, rec)
+    if rec.state == FAILED_FATAL:
+        return JobEnding("dead_lettered" if wrote else "dead_before", rec.state, rec)
+    if rec.claimed_by is not None and rec.claimed_by != owner:
+        return JobEnding("left_to_holder", rec.state, rec)
+    return JobEnding("left", rec.state, rec)

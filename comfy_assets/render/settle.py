@@ -4,28 +4,124 @@ policy, the storyboard stopped); and an attempt cut short by a cancelled run, re
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from comfy_assets.jobs.model import Job
 from comfy_assets.render.attempt import Attempt
+from comfy_assets.render.blame import Blame
+from comfy_assets.render.claim_keeping import Claims
+from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.decision import (
+    Degraded,
+    Done,
+    Facts,
+    Move,
+    Pending,
+    Policy,
+    Retry,
+    decide,
+    needs_farm_look,
+)
+from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.outcome import AttemptResult
 from comfy_assets.render.outputs import remove_stale_outputs
-from comfy_assets.render.ownership import Ownership
-from comfy_assets.render.queue import Item
-from comfy_assets.store import AttemptEntry, ClaimLost, StoreUnavailable
+from comfy_assets.render.progress import Ended
+from comfy_assets.render.queue import Item, JobQueue
+from comfy_assets.render.rendering import DeferredRendering
+from comfy_assets.render.store_threads import StoreThreads
+from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store, StoreUnavailable
+
+log = logging.getLogger("comfy_assets.render.guard")
 
 
-class Settle(Ownership):
-    """The store's side of each attempt's end (a part of ``Batch``); whose failure it
-    was is decided first (``Ownership``)."""
+class Settler:
+    """The store's side of each attempt's end, for one batch: whose failure it was
+    (``blame``), the move (``decide``, with the policy: ``config``'s retries, ``draft``,
+    ``stop_on_fatal``), then the move written with our claim (``owner``, ``claims``) through
+    ``threads``; a retry goes back in ``queue``, an end is told to ``resolve``, a delivery
+    stop to ``stop`` (``stopped`` says why the batch stopped, if it did).
+
+    ``wrote``: the jobs whose done record (or degraded) or dead letter this batch wrote:
+    exactly one run ever writes each (the store takes it only from the claim's holder,
+    once), so ``run_one`` tells a job ended now from one ended before."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        config: BatchConfig,
+        partition: str,
+        owner: str,
+        claims: Claims,
+        renderings: DeferredRendering,
+        queue: JobQueue,
+        blame: Blame,
+        threads: StoreThreads,
+        report: Callable[[str], None],
+        resolve: Callable[[Ended, str], None],
+        stopped: Callable[[], str | None],
+        stop: Callable[[str], None],
+        draft: bool = False,
+        stop_on_fatal: bool = False,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.partition = partition
+        self.owner = owner
+        self.claims = claims
+        self.renderings = renderings
+        self.queue = queue
+        self.blame = blame
+        self.threads = threads
+        self.report = report
+        self._resolve = resolve
+        self._stopped = stopped
+        self._stop = stop
+        self.policy = Policy(config.retry, draft, stop_on_fatal)
+        self.wrote: set[str] = set()
+
+    async def settle(self, item: Item, attempt_number: int, result: AttemptResult) -> None:
+        """Record attempt ``attempt_number`` of ``item`` (``result``); what that raises
+        that is the job's (``stops_the_batch`` False: ``render/guard.py``) makes the job a
+        dead letter (``_broke``), the rest is raised (ClaimLost, StoreUnavailable...)."""
+        try:
+            await self._settle(item, attempt_number, result)
+        except Exception as e:
+            if stops_the_batch(e):
+                raise
+            await self._broke(item, attempt_number, e)
 
     async def _settle(self, item: Item, attempt_number: int, r: AttemptResult) -> None:
-        job, store, cfg = item.job, self.store, self.config
-        r, at_once = await self._owned(item, r)
+        """Judge the attempt's result (``Blame``), decide its move (``decide``) and write
+        the move. Raises ClaimLost, StoreUnavailable."""
+        r, at_once = await self.blame.owned(item, r)
         if at_once:
             item.elsewhere += 1
         counted = attempt_number - item.elsewhere  # the job's own attempts
+        policy = self.policy
+        sick = None
+        if needs_farm_look(r.kind, counted, policy):
+            sick = await self.blame.sick_farm(item)
+        facts = Facts(
+            r.kind,
+            r.reason,
+            attempt_number,
+            counted,
+            at_once=at_once,
+            sick=sick,
+            optional=item.job.optional,
+            stopped=self._stopped(),
+        )
+        await self._apply(item, attempt_number, r, decide(facts, policy, item.job.id))
+
+    async def _apply(self, item: Item, attempt_number: int, r: AttemptResult, move: Move) -> None:
+        """Write ``move`` for attempt ``attempt_number`` of ``item`` (result ``r``): its
+        transition with the attempt's row in one transaction, the claim, a line, the
+        job's place in line or its end in this batch."""
+        job, store = item.job, self.store
         tried = AttemptEntry(  # written with the transition below, one transaction
             item.attempts_before + attempt_number,  # rows go on numbering after a requeue
             server=r.server,
@@ -49,27 +145,25 @@ class Settle(Ownership):
             "tried": tried,
             "rendering": rendering,
         }
-        if r.kind == "success":
+        if isinstance(move, Done):
             remove_stale_outputs(store.job_dir(self.partition, job.id), r.files, job.take)
             self.claims.finishing_now(job.id)
-            await self._db(
-                store.mark_done,
+            await self.write_done(
                 job.id,
-                self.owner,
                 state="succeeded",
                 files=r.files,
                 number=r.number,
                 **ended,
             )
             self.claims.finished(job.id)
-            self._measured(item, r)
-            await self._rendered(item, r.server)
+            self.blame.measured(item, r)
+            await self.blame.rendered(item, r.server)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
             self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
             self._resolve("done", job.id)
             return
-        if r.kind == "transient" and counted < cfg.attempts:
-            await self._db(
+        if isinstance(move, Retry | Pending):
+            await self.threads.call(
                 store.transition,
                 job.id,
                 "failed_retryable",
@@ -79,87 +173,65 @@ class Settle(Ownership):
                 detail=r.reason,
                 **ended,
             )
-            if self.stopped:  # no consumer takes it any more: the next run does
-                self.claims.release(job.id)
-                self.report(
-                    f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; not retried "
-                    f"in this run ({self.stopped})"
+            failed = f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}"
+            stopped = self._stopped()
+            if isinstance(move, Retry) and stopped:
+                # Stopped while the failure was written: no consumer takes it any more.
+                move = Pending(f"not retried in this run ({stopped})", stopped=True)
+            if isinstance(move, Retry):
+                when = "retry at once" if move.at_once else f"retry in {move.delay_s * 1000:.0f} ms"
+                self.report(f"{failed}; {when}, ahead of the jobs not yet tried")
+                again = Item(
+                    job,
+                    prev_server=r.server,
+                    fresh=r.outputs_missing,
+                    prev_number=r.number,
+                    failed_on=item.failed_on,
+                    elsewhere=item.elsewhere,
+                    kinds=item.kinds,
                 )
-                self._resolve("not_run", job.id)
+                self.queue.push_later(again, move.delay_s)
                 return
-            delay = 0.0 if at_once else cfg.retry.delay(attempt_number)
-            when = "retry at once" if at_once else f"retry in {delay * 1000:.0f} ms"
-            self.report(
-                f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; "
-                f"{when}, ahead of the jobs not yet tried"
-            )
-            again = Item(
-                job,
-                prev_server=r.server,
-                fresh=r.outputs_missing,
-                prev_number=r.number,
-                failed_on=item.failed_on,
-                elsewhere=item.elsewhere,
-                kinds=item.kinds,
-            )
-            self.queue.push_later(again, delay)
-            return
-        sick = await self._sick_farm(item) if r.kind == "transient" else None
-        if sick is not None:  # no evidence that it is the job's: it waits for a server
-            await self._db(
-                store.transition,
-                job.id,
-                "failed_retryable",
-                owner=self.owner,
-                detail=r.reason,
-                **ended,
-            )
-            self.claims.release(job.id)
-            await self._unjudged(item)
-            self.report(
-                f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}; not run "
-                f"again, {sick}; it stays pending"
-            )
+            self.claims.release(job.id)  # no consumer takes it any more: a later run does
+            if not move.stopped:
+                await self.blame.unjudged(item)
+            self.report(f"{failed}; {move.why}" + ("" if move.stopped else "; it stays pending"))
             self._resolve("not_run", job.id)
             return
-        plural = "s" if attempt_number > 1 else ""
-        reason = (
-            r.reason
-            if r.kind == "permanent"
-            else f"gave up after {attempt_number} attempt{plural}, last: {r.reason}"
-        )
         self.claims.finishing_now(job.id)
-        await self._unjudged(item)  # its failures no second server judged hold nobody back
-        degraded = self.draft and (r.kind == "permanent" or job.optional)
-        if degraded:
-            await self._db(
-                store.mark_done,
+        await self.blame.unjudged(item)  # its failures no second server judged hold nobody back
+        if isinstance(move, Degraded):
+            await self.write_done(
                 job.id,
-                self.owner,
                 state="degraded",
                 files=[],
-                reason=reason,
+                reason=move.reason,
                 **ended,
             )
-            self.report(f"job {job.id}: degraded (draft), {reason}")
-        else:
-            await self._db(
-                store.dead_letter,
-                job.id,
-                self.owner,
-                reason,
-                **ended,
-            )
-            self.report(f"job {job.id}: dead-lettered, {reason}")
-            if self.stop_on_fatal and not self.stopped:
-                self.stopped = f"stopped after the fatal failure of job {job.id}: {reason}"
-                self.report(f"delivery policy: {self.stopped}; no new shots are submitted")
+            self.report(f"job {job.id}: degraded (draft), {move.reason}")
+            self.claims.finished(job.id)
+            self._resolve("degraded", job.id)
+            return
+        await self.write_dead_letter(job.id, move.reason, **ended)
+        self.report(f"job {job.id}: dead-lettered, {move.reason}")
+        if move.stops is not None and not self._stopped():
+            self._stop(move.stops)
         self.claims.finished(job.id)
-        self._resolve("degraded" if degraded else "dead_lettered", job.id)
+        self._resolve("dead_lettered", job.id)
 
-    async def _cancelled(
-        self, job: Job, attempt: Attempt, attempt_number: int, before: int
-    ) -> None:
+    async def write_done(self, job_id: str, **fields: Any) -> None:
+        """The done record of ``job_id`` (``Store.mark_done``, with our claim), noted as
+        this batch's (``wrote``). Raises ClaimLost, StoreUnavailable."""
+        await self.threads.call(self.store.mark_done, job_id, self.owner, **fields)
+        self.wrote.add(job_id)
+
+    async def write_dead_letter(self, job_id: str, reason: str, **fields: Any) -> None:
+        """The dead letter of ``job_id`` (``Store.dead_letter``, with our claim), noted as
+        this batch's (``wrote``). Raises ClaimLost, StoreUnavailable."""
+        await self.threads.call(self.store.dead_letter, job_id, self.owner, reason, **fields)
+        self.wrote.add(job_id)
+
+    async def cancelled(self, job: Job, attempt: Attempt, attempt_number: int, before: int) -> None:
         """The batch is cancelled during attempt ``attempt_number`` (``before``: the job's tries
         before its last requeue): remove our prompt, record the attempt, free the claim."""
         what = "cleanup did not finish"
@@ -182,9 +254,9 @@ class Settle(Ownership):
         """Record the cancelled attempt (its job back to failed_retryable, after its
         rendering move if not yet written) and free the claim. Raises StoreUnavailable,
         ClaimLost."""
-        await self._landed()  # a `submitted` still being written lands first
+        await self.threads.landed()  # a `submitted` still being written lands first
         rendering = await self.renderings.take(job.id)
-        rec = await self._db(self.store.get, job.id)
+        rec = await self.threads.call(self.store.get, job.id)
         if rec is not None and rec.state in ("submitted", "rendering"):
             reason = f"run cancelled; {what}"
             tried = AttemptEntry(
@@ -196,7 +268,7 @@ class Settle(Ownership):
                 seconds=time.monotonic() - attempt.started,
                 reason=reason,
             )
-            await self._db(
+            await self.threads.call(
                 self.store.transition,
                 job.id,
                 "failed_retryable",
@@ -206,3 +278,94 @@ class Settle(Ownership):
                 rendering=rendering if rec.state == "submitted" else None,
             )
         self.claims.release(job.id)
+
+    async def left_to_holder(
+        self, job: Job, attempt: Attempt, attempt_number: int, why: str, cleanup: str
+    ) -> None:
+        """The job's claim went to another worker while attempt ``attempt_number`` ran: say so
+        (an event that changes nothing, and a line) and leave the job to its holder."""
+        try:
+            await self.renderings.take(job.id)  # its rendering move is not ours to write
+        except ClaimLost:
+            pass  # raised by that move's write under way: the loss this reports
+        server = attempt.slot.name if attempt.slot is not None else None
+        detail = f"{why} during attempt {attempt_number}; {cleanup}"
+        await self.threads.call(
+            self.store.note, job.id, detail, server=server, attempt=attempt_number
+        )
+        self.claims.forget(job.id)
+        self.report(f"job {job.id}: {detail}; left to its holder")
+        self._resolve("not_run", job.id)
+
+    async def leave_quarantined(self) -> None:
+        """The jobs waiting here for servers that are all quarantined
+        (``Blame.quarantined_group``) are not run in this batch: their claims are
+        released, they stay pending for a later run, and a line says why."""
+        for group in self.queue.groups():
+            reason = self.blame.quarantined_group(group)
+            if reason is None:
+                continue
+            for item in self.queue.pop_all(group):
+                if item.rec is not None:
+                    self.claims.release(item.job.id)
+                self.report(f"job {item.job.id}: not run, {reason}; it stays pending")
+                self._resolve("not_run", item.job.id)
+
+    async def dead_letter_now(self, item: Item, rec: JobRecord, reason: str) -> None:
+        """``item`` (claimed: ``rec``) can run on no server: a dead letter (degraded in a
+        draft) with ``reason``, nothing posted."""
+        result = AttemptResult("permanent", reason, prompt_id=item.job.prompt_id)
+        await self.settle(item, rec.attempts + 1, result)
+
+    async def not_rendered(self, item: Item, reason: str) -> None:
+        """Settle a claimed job whose upstream job failed: degraded under the draft
+        policy, else a dead letter; nothing is posted. Raises ClaimLost,
+        StoreUnavailable."""
+        job = item.job
+        self.claims.finishing_now(job.id)
+        if self.policy.draft:
+            await self.write_done(job.id, state="degraded", reason=reason)
+            self.report(f"job {job.id}: degraded (draft), {reason}")
+            ended: Ended = "degraded"
+        else:
+            await self.write_dead_letter(job.id, reason)
+            self.report(f"job {job.id}: dead-lettered, {reason}")
+            ended = "dead_lettered"
+        self.claims.finished(job.id)
+        self._resolve(ended, job.id)
+
+    async def _broke(self, item: Item, attempt_number: int, error: Exception) -> None:
+        """Recording attempt ``attempt_number`` of ``item`` raised ``error``, the job's
+        (``stops_the_batch`` is False): the job is a dead letter with ``our_error`` as its
+        reason, written alone (no attempt row, nothing of the attempt's result). When even
+        that cannot be written (the store answers with something other than an outage),
+        the job is resolved as its record stands, said in a line. Raises what
+        ``stops_the_batch`` says is not the job's."""
+        job_id = item.job.id
+        reason = our_error(error)
+        log.error("job %s: %s", job_id, reason, exc_info=error)
+        self.claims.finishing_now(job_id)
+        try:
+            await self.write_dead_letter(job_id, reason, attempt=attempt_number)
+        except Exception as again:
+            if stops_the_batch(again):
+                raise
+            rec = await self.threads.call(self.store.get, job_id)
+            state = rec.state if rec is not None else "missing"
+            self.claims.release(job_id)
+            self.report(
+                f"job {job_id}: {reason}; its dead letter not written either "
+                f"({our_error(again)}); left {state}"
+            )
+            ended: dict[str, Ended] = {
+                "failed_fatal": "dead_lettered",
+                "succeeded": "done",
+                "degraded": "degraded",
+            }
+            self._resolve(ended.get(state, "not_run"), job_id)
+            return
+        self.claims.finished(job_id)
+        self.report(f"job {job_id}: dead-lettered, {reason}")
+        if self.policy.stop_on_fatal and not self._stopped():
+            self._stop(f"stopped after the fatal failure of job {job_id}: {reason}")
+        self._resolve("dead_lettered", job_id)

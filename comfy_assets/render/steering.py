@@ -134,7 +134,9 @@ class Steering:
         batch = self.batch
         try:
             # The rows are made before the first await: the same moment as ``progress``.
-            await batch._db(batch.store.publish_live, batch.owner, publish.rows(batch, progress))
+            await batch.threads.call(
+                batch.store.publish_live, batch.owner, publish.rows(batch, progress)
+            )
             self._published = True
         except StoreUnavailable as e:
             # The batch's own store calls meet the outage and decide; status only
@@ -193,8 +195,8 @@ class Steering:
             1 for a in list(batch.attempts.values()) if a.slot is not None and a.slot.released
         )
         for item, _ in batch.queue.later():
-            counts[FOR_A_CLAIM if item.job.id in batch.told_held else IN_BACKOFF] += 1
-        counts[FOR_UPSTREAM] = len(batch.parked)
+            counts[FOR_A_CLAIM if item.job.id in batch.admission.told_held else IN_BACKOFF] += 1
+        counts[FOR_UPSTREAM] = len(batch.chain.parked)
         # The rest: in line, or on their way to a server (being claimed, their server
         # just handed over); of those, the ones done before the batch started are only
         # checked (each done job resolved so far counts as one of them); once the batch
@@ -223,7 +225,7 @@ class Steering:
         waiting: dict[Hashable, int] = {g: d.count for g, d in batch.queue.demand().items()}
         for item, _ in batch.queue.later():
             self._count(waiting, item)
-        for item in list(batch.parked.values()):
+        for item in list(batch.chain.parked.values()):
             self._count(waiting, item)
         usable = max(len(pool.servers) - len(pool.unreachable()), 1)
         plan = pool.plan

@@ -160,8 +160,8 @@ async def publish_jobs(
                     task.result()
             pending.add(asyncio.create_task(publish(channel, queue, job_message(body, job_id))))
             count += 1
-        for task in asyncio.as_completed(pending):
-            await task
+        for published in asyncio.as_completed(pending):
+            await published
     finally:
         for task in pending:
             task.cancel()

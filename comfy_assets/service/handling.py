@@ -1,4 +1,5 @@
-"""How the worker handles one message (a part of ``service.worker.Worker``): parsed,
+"""How the worker handles one message (``MessageHandler``, a part of
+``service.worker.Worker``): parsed,
 validated, run exactly once through ``run_one``, then acknowledged, published to the
 dead-letter queue or given back, with one log line per message (the outcomes are in
 ``service.worker``'s docstring)."""
@@ -8,56 +9,72 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, cast
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from comfy_assets.jobs.model import Job, JobFileError
-from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.pool.pool import Pool
+from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.guard import our_error, stops_the_batch
-from comfy_assets.render.run import SUPERSEDED, run_one
+from comfy_assets.render.owners import OwnerHeartbeat
+from comfy_assets.render.run import SUPERSEDED, JobEnding, run_one
 from comfy_assets.service.broker import BrokerError
 from comfy_assets.service.messages import parse_message
-from comfy_assets.service.sources import Delivery
+from comfy_assets.service.sources import Delivery, JobSource
 from comfy_assets.store import PartitionConflict, Store, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
 
 
-class EndingsWatch:
-    """The store as one ``run_one`` call sees it, noting the jobs that call dead-lettered
-    and those it recorded done (``finished``: a twin delivery that finished the job while
-    this one waited for its claim leaves it out, so this one is "done before").
+class MessageHandler:
+    """The worker's handling of its messages, one at a time each: what it uses is given
+    here. ``source``: where the messages come from (its partition and dead-letter
+    destination); ``store``, ``config``, ``workflows_dir``, ``max_message_bytes``: as the
+    worker's; ``owner``: the worker's, each run claiming as ``<owner>#<n>``;
+    ``heartbeat()``: its owner heartbeat while it runs; ``counts``: the worker's outcome
+    counters (``worker.OUTCOMES``), counted here; ``batches``: where each running job's
+    batch is (the status rows); ``shots``: storyboard shots run at once under the delivery
+    policy.
 
-    ``Store.dead_letter`` succeeds only for the holder of the job's claim and only from a
-    state that is not yet failed_fatal, in one transaction: so exactly one run ever writes
-    a job's dead letter, and only that run's message is published to ``<queue>.dead``.
-    A duplicate delivery finds failed_fatal already (its claim answers DEAD_LETTERED), so
-    its ``run_one`` writes nothing and the worker acks without publishing again.
-    """
+    ``runs``: each handler task's ``run_one`` task (cancelled after a stop's grace);
+    ``touched``: the partitions whose results.csv is out of date."""
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self.dead_lettered: set[str] = set()
-        self.finished: set[str] = set()
+    def __init__(
+        self,
+        *,
+        source: JobSource,
+        store: Store,
+        config: BatchConfig,
+        workflows_dir: Path,
+        max_message_bytes: int,
+        owner: str,
+        heartbeat: Callable[[], OwnerHeartbeat | None],
+        counts: Counter[str],
+        batches: set[Batch],
+        shots: int,
+    ) -> None:
+        self.source = source
+        self.partition = source.partition
+        self.store = store
+        self.config = config
+        self.workflows_dir = workflows_dir
+        self.max_message_bytes = max_message_bytes
+        self.owner = owner
+        self._heartbeat = heartbeat
+        self.counts = counts
+        self.batches = batches
+        self.runs: dict[asyncio.Task[Any], asyncio.Task[JobEnding]] = {}
+        self.touched: set[str] = set()
+        self._answered: set[Delivery] = set()  # handed to ack/requeue: never answer again
+        # A storyboard's shots under the delivery policy running at once: a shot in hand
+        # checks whether its storyboard stopped only once one has ended (FIFO).
+        self._shots = asyncio.Semaphore(shots)
+        self._run_number = 0
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
-
-    def dead_letter(self, job_id: str, owner: str, reason: str, **kwargs: Any) -> None:
-        self._store.dead_letter(job_id, owner, reason, **kwargs)
-        self.dead_lettered.add(job_id)  # only once the row is written
-
-    def mark_done(self, job_id: str, owner: str, *args: Any, **kwargs: Any) -> None:
-        self._store.mark_done(job_id, owner, *args, **kwargs)
-        self.finished.add(job_id)  # only once the row is written
-
-
-class MessageHandling:
-    """The message handling of ``Worker``: its state (store, config, counts, ...) is the
-    worker's."""
-
-    async def _handle(self, d: Delivery, pool: Pool) -> None:
+    async def handle(self, d: Delivery, pool: Pool) -> None:
         """Run one delivery's job and answer the delivery (see the module docstring).
         What our code raises meanwhile that is the job's (``render/guard.py``) makes the
         message a dead letter with our error as its reason, and the worker serves on.
@@ -98,7 +115,7 @@ class MessageHandling:
         config = self.config
         if config.policy is None and policy is not None:
             config = dataclasses.replace(config, policy=policy)  # --policy wins, as in run
-        self._touched.add(partition)  # its results.csv is written again soon
+        self.touched.add(partition)  # its results.csv is written again soon
         with pool.prioritized(priority):  # pool/priority.py
             if job.shot is not None and (config.policy or "delivery") == "delivery":
                 async with self._shots:  # the shots before it have ended: their fates are known
@@ -116,7 +133,6 @@ class MessageHandling:
             await d.dead_letter(stopped)
             await self._acked(d, "stopped", "job %s: not rendered, %s", job.id, stopped)
             return
-        watch = EndingsWatch(self.store)
         # A claim owner per run: two deliveries of one job in this worker must not both
         # hold its claim (the second one waits for the first, as another worker would).
         self._run_number += 1
@@ -128,17 +144,17 @@ class MessageHandling:
                 job,
                 partition=partition,
                 pool=pool,
-                store=cast(Store, watch),
+                store=self.store,
                 config=config,
                 owner=claim_owner,
-                heartbeat=self.owner_heartbeat,
+                heartbeat=self._heartbeat(),
                 running=self.batches,
             ),
             name=f"job {job.id}",
         )
-        self._runs[me] = run
+        self.runs[me] = run
         try:
-            state = await run
+            ending = await run
         except asyncio.CancelledError:
             # The run was cancelled (grace over) and has cleaned up; or this handler is.
             await self._requeue(d)
@@ -150,25 +166,30 @@ class MessageHandling:
             await self._invalid(d, f"job {job.id}", str(e))
             return
         finally:
-            self._runs.pop(me, None)
+            self.runs.pop(me, None)
             # Written again: a write while the job ran shows it unfinished.
-            self._touched.add(partition)
+            self.touched.add(partition)
 
-        if state == SUPERSEDED:
+        await self._answer(d, job, ending)
+
+    async def _answer(self, d: Delivery, job: Job, ending: JobEnding) -> None:
+        """Answer ``d`` by how its run ended: acked (done, done before, dead-lettered now
+        and published to ``<queue>.dead``, dead before, superseded, left to its holder) or,
+        left pending (every server that can run it quarantined, nothing saying its
+        failures are the job's), requeued; this worker then takes none while every server
+        is quarantined (``Pool.until_usable``)."""
+        how, state, rec = ending.how, ending.state, ending.record
+        if how == SUPERSEDED:
             await self._superseded(d, job)
-            return
-        if state in DONE:
-            if job.id not in watch.finished:
-                await self._acked(
-                    d, "done_before", "job %s: done before (%s), nothing posted", job.id, state
-                )
-            else:
-                await self._acked(d, "done", "job %s: %s", job.id, state)
-            return
-        rec = await off_loop(self.store, self.store.get, job.id)
-        if state == FAILED_FATAL:
+        elif how == "done":
+            await self._acked(d, "done", "job %s: %s", job.id, state)
+        elif how == "done_before":
+            await self._acked(
+                d, "done_before", "job %s: done before (%s), nothing posted", job.id, state
+            )
+        elif how in ("dead_lettered", "dead_before"):
             reason = (rec.reason if rec is not None else None) or "(no reason recorded)"
-            if job.id in watch.dead_lettered:
+            if how == "dead_lettered":
                 await d.dead_letter(reason)
                 where = self.source.dead_destination
                 await self._acked(
@@ -182,9 +203,7 @@ class MessageHandling:
                     job.id,
                     reason,
                 )
-            return
-        holder = rec.claimed_by if rec is not None else None
-        if holder is not None and holder != claim_owner:
+        elif how == "left_to_holder":
             # Its claim was taken while it ran (a cancel through the API, or a worker that
             # found our claim stale): the holder finishes the job, so this message is done.
             await self._acked(
@@ -193,15 +212,12 @@ class MessageHandling:
                 "job %s: %s, its claim taken by %s, which finishes it",
                 job.id,
                 state,
-                holder,
+                rec.claimed_by if rec is not None else None,
             )
-            return
-        # Left pending: every server that can run it is quarantined, and nothing says
-        # its failures are the job's. The message goes back; this worker takes none while
-        # every server is quarantined (``Pool.until_usable``).
-        await self._requeue(d)
-        why = (rec.reason if rec is not None else None) or "no server usable"
-        log.warning("job %s: not run (%s), %s; message requeued", job.id, state, why)
+        else:
+            await self._requeue(d)
+            why = (rec.reason if rec is not None else None) or "no server usable"
+            log.warning("job %s: not run (%s), %s; message requeued", job.id, state, why)
 
     async def _superseded(self, d: Delivery, job: Job) -> None:
         """Ack a message whose job the store holds under another prompt (a newer take,
@@ -277,7 +293,7 @@ class MessageHandling:
         await d.requeue()
         self.counts["requeued"] += 1
 
-    async def _give_back(self, d: Delivery) -> None:
+    async def give_back(self, d: Delivery) -> None:
         """Requeue a delivery no handler took."""
         await self._requeue(d)
         self._answered.discard(d)

@@ -108,7 +108,8 @@ def message_size(job: Job, policy: Policy | None = None, partition: str | None =
     """The size in bytes of ``job_message(job, policy, partition)``, without reading
     any input file (base64 is 4 ASCII bytes per 3 bytes, rounded up)."""
     blank = _body(job, policy, partition, lambda item: "")
-    return len(blank) + sum(_base64_size(i.size) for i in job.inputs)
+    files = [i for i in job.inputs if isinstance(i, InputFile)]  # chained ones are refused
+    return len(blank) + sum(_base64_size(i.size) for i in files)
 
 
 def file_messages(

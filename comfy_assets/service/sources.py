@@ -348,19 +348,20 @@ class FileDelivery(Delivery):
     def __init__(self, source: FileSource, job: Job) -> None:
         self.source = source
         self.job = job
+        self._job = job  # the same, typed as set
         self.policy = source.job_file.policy
         self.body = b""
         self.message_id = job.id
         self.redelivered = False
 
     async def ack(self) -> None:
-        self.source.acked.append(self.job.id)
+        self.source.acked.append(self._job.id)
 
     async def requeue(self) -> None:
-        self.source.requeued.append(self.job.id)
+        self.source.requeued.append(self._job.id)
 
     async def dead_letter(self, reason: str) -> None:
-        self.source.dead.append((self.job.id, reason))
+        self.source.dead.append((self._job.id, reason))
 
 
 class FileSource(JobSource):

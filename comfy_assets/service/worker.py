@@ -38,7 +38,7 @@ from collections import Counter
 from collections.abc import Awaitable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TypeVar, cast
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.inputs import InputRules
@@ -53,13 +53,13 @@ from comfy_assets.render.results import results_csv_path, write_results
 from comfy_assets.render.run import make_pool
 from comfy_assets.render.steering import EVERY_S
 from comfy_assets.service import broker
-from comfy_assets.service.handling import MessageHandling
+from comfy_assets.service.handling import MessageHandler
 from comfy_assets.service.messages import (
     MAX_MESSAGE_BYTES,
     file_messages,
     queue_problems,
 )
-from comfy_assets.service.sources import Delivery, JobSource
+from comfy_assets.service.sources import JobSource
 from comfy_assets.store import Store, StoreUnavailable, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
@@ -88,7 +88,7 @@ JOBS_PER_SERVER = 2
 
 
 @dataclass(eq=False)
-class Worker(MessageHandling):
+class Worker:
     """Consumes ``source`` and runs its jobs over ``servers``: ``jobs_per_server`` in
     hand per server (one renders, the next waits in line for it; the two may be posted
     in either order), a storyboard's shots under the delivery policy one per server at
@@ -130,7 +130,9 @@ class Worker(MessageHandling):
             raise ValueError("jobs_per_server must be at least 1")
         self.servers = list(self.servers)
         self.workflows_dir = Path(self.workflows_dir)
-        self.owner = self.owner or new_owner()
+        owner = self.owner or new_owner()
+        self.owner = owner
+        self._owner = owner  # the same, typed as set
         self.partition = self.source.partition
         self.counts: Counter[str] = Counter({name: 0 for name in OUTCOMES})
         self.consuming = asyncio.Event()  # set while messages are being taken
@@ -139,16 +141,21 @@ class Worker(MessageHandling):
         self._stop_at = 0.0
         self._failure: BaseException | None = None
         self._handlers: set[asyncio.Task[None]] = set()
-        self._runs: dict[asyncio.Task[Any], asyncio.Task[str]] = {}  # handler -> its run
         self.batches: set[Batch] = set()  # the running messages' batches (status rows)
         self._slots = asyncio.Semaphore(self.jobs_per_server * len(self.servers))
-        # Shots of storyboards under the delivery policy running at once: a shot in hand
-        # checks whether its storyboard stopped only once one has ended (FIFO).
-        self._shots = asyncio.Semaphore(len(self.servers))
-        self._run_number = 0
         self.owner_heartbeat: OwnerHeartbeat | None = None  # while ``run`` runs
-        self._touched: set[str] = set()  # partitions whose results.csv is out of date
-        self._answered: set[Delivery] = set()  # handed to ack/requeue: never answer again
+        self.handler = MessageHandler(
+            source=self.source,
+            store=self.store,
+            config=self.config,
+            workflows_dir=self.workflows_dir,
+            max_message_bytes=self.max_message_bytes,
+            owner=owner,
+            heartbeat=lambda: self.owner_heartbeat,
+            counts=self.counts,
+            batches=self.batches,
+            shots=len(self.servers),
+        )
 
     # -- control --------------------------------------------------------------------
 
@@ -162,7 +169,7 @@ class Worker(MessageHandling):
             self.stop_reason = reason
             self._stop_at = now
             self._stop.set()
-            running = len(self._runs)
+            running = len(self.handler.runs)
             log.info(
                 "%s: stopping; no new messages, %d running job%s get up to %g s",
                 reason,
@@ -199,7 +206,7 @@ class Worker(MessageHandling):
         that cannot be written) or the exception of a message's handling, after the
         shutdown."""
         # Other workers, on any host, take this one's jobs only once this stops beating.
-        owner_heartbeat = OwnerHeartbeat(self.store, self.owner)
+        owner_heartbeat = OwnerHeartbeat(self.store, self._owner)
         await off_loop(self.store, owner_heartbeat.start)
         try:
             await self._run(owner_heartbeat)
@@ -208,7 +215,7 @@ class Worker(MessageHandling):
 
     async def _run(self, owner_heartbeat: OwnerHeartbeat) -> None:
         self.owner_heartbeat = owner_heartbeat
-        pool = make_pool(self.servers, self.store, self.config, self.owner)
+        pool = make_pool(self.servers, self.store, self.config, self._owner)
         heartbeat: asyncio.Task[None] | None = None
         results: asyncio.Task[None] | None = None
         status: asyncio.Task[None] | None = None
@@ -231,7 +238,7 @@ class Worker(MessageHandling):
                         self._write_results(self.results_every_s), name="results"
                     )
                     rows = publish_servers(
-                        self.store, self.owner, pool, self.batches, self.status_every_s
+                        self.store, self._owner, pool, self.batches, self.status_every_s
                     )
                     status = asyncio.create_task(rows, name="status rows")
                     status.add_done_callback(_status_rows_done)
@@ -330,14 +337,14 @@ class Worker(MessageHandling):
                 back = await self._store_back()
             except BaseException:
                 self._slots.release()
-                await self._give_back(delivery)
+                await self.handler.give_back(delivery)
                 raise
             if self._stop.is_set() or not back:
                 # Stopped while it arrived, or while the database was away.
                 self._slots.release()
-                await self._give_back(delivery)
+                await self.handler.give_back(delivery)
                 return
-            task = asyncio.create_task(self._handle(delivery, pool))
+            task = asyncio.create_task(self.handler.handle(delivery, pool))
             self._handlers.add(task)
             task.add_done_callback(self._handler_done)
 
@@ -395,7 +402,7 @@ class Worker(MessageHandling):
                 "" if len(late) == 1 else "s",
             )
             for handler in late:
-                run = self._runs.get(handler)
+                run = self.handler.runs.get(handler)
                 # A handler still waiting for the store has no run yet: cancel it whole
                 # (it requeues its message).
                 (run or handler).cancel()
@@ -432,7 +439,7 @@ class Worker(MessageHandling):
 
     async def _clear_status_rows(self) -> None:
         try:
-            await off_loop(self.store, self.store.clear_live, self.owner)
+            await off_loop(self.store, self.store.clear_live, self._owner)
         except StoreUnavailable as e:  # they go stale by themselves
             log.warning("status rows of worker %s not cleared: %s", self.owner, e)
 
@@ -450,22 +457,22 @@ class Worker(MessageHandling):
         Off the event loop; while the store's database is away, left for later."""
         while True:
             await asyncio.sleep(every_s)
-            touched, self._touched = self._touched, set()
+            touched, self.handler.touched = self.handler.touched, set()
             pending = sorted(touched)
             try:
                 while pending and not self.store.outage.away:
                     try:
                         await off_loop(self.store, write_results, self.store, pending[0])
                     except (OSError, StoreUnavailable) as e:
-                        self._touched.add(pending[0])  # tried again next time
+                        self.handler.touched.add(pending[0])  # tried again next time
                         self._results_not_written(pending[0], e)
                     pending.pop(0)
             finally:
-                self._touched.update(pending)
+                self.handler.touched.update(pending)
 
     def _flush_results(self) -> None:
         """The last write of the touched partitions' results.csv, when the worker stops."""
-        touched, self._touched = self._touched, set()
+        touched, self.handler.touched = self.handler.touched, set()
         for partition in sorted(touched):
             if self.store.outage.away:
                 path = results_csv_path(self.store.root, partition)

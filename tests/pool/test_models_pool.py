@@ -118,16 +118,30 @@ async def test_a_server_restarted_with_a_new_model_file_is_used_for_it_in_the_sa
             async with gpu1.serve(port=port):
                 for job in jf.jobs[:2]:
                     states.append(
-                        await run_one(
-                            job, partition="p", pool=pool, store=store, config=config, owner="me"
-                        )
+                        (
+                            await run_one(
+                                job,
+                                partition="p",
+                                pool=pool,
+                                store=store,
+                                config=config,
+                                owner="me",
+                            )
+                        ).state
                     )
             gpu1.models.set_files(["a.safetensors", "new.safetensors"])
             async with gpu1.serve(port=port):  # started again, with the new file
                 states.append(
-                    await run_one(
-                        jf.jobs[2], partition="p", pool=pool, store=store, config=config, owner="me"
-                    )
+                    (
+                        await run_one(
+                            jf.jobs[2],
+                            partition="p",
+                            pool=pool,
+                            store=store,
+                            config=config,
+                            owner="me",
+                        )
+                    ).state
                 )
     assert states == ["succeeded"] * 3
     new = jf.jobs[2].prompt_id

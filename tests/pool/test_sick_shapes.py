@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render import ownership
+from comfy_assets.render import blame
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import batch_over_fakes, fast_config, write_jobs
@@ -69,7 +69,7 @@ async def test_one_sick_server_of_three_in_any_shape_costs_no_job(tmp_path, word
 
 
 async def test_a_wedged_server_is_quarantined_and_its_job_renders_elsewhere(tmp_path, monkeypatch):
-    monkeypatch.setattr(ownership, "STALL_MIN_S", 0.5)
+    monkeypatch.setattr(blame, "STALL_MIN_S", 0.5)
     wedged = FakeComfy(default_word="wedge", prompt_seconds=0.001)
     healthy = [FakeComfy(prompt_seconds=0.02) for _ in range(2)]
     store = Store(tmp_path / "store")

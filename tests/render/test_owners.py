@@ -194,7 +194,7 @@ async def test_nothing_is_posted_while_the_heartbeat_does_not_reach_the_store(tm
     heartbeat._last_ok -= 60.0  # no beat for a minute, and its thread is not started
     async with fake_servers(fake) as servers:
         async with make_pool(servers, store, fast_config(), owner) as pool:
-            state = await run_one(
+            ending = await run_one(
                 job,
                 partition="p",
                 pool=pool,
@@ -204,7 +204,7 @@ async def test_nothing_is_posted_while_the_heartbeat_does_not_reach_the_store(tm
                 heartbeat=heartbeat,
             )
     assert posted(fake, job.prompt_id) == 0
-    assert state == "failed_fatal"
+    assert (ending.how, ending.state) == ("dead_lettered", "failed_fatal")
     reason = store.get(job.id).reason
     assert "not posted: this process's heartbeat has not reached the store for" in reason
 

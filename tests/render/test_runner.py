@@ -14,8 +14,8 @@ from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import UnexpectedAnswer
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import removal
+from comfy_assets.render.blame import graph_sha256
 from comfy_assets.render.outcome import Failure
-from comfy_assets.render.ownership import graph_sha256
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy, recorded
 from tests.support import (

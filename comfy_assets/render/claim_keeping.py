@@ -18,7 +18,7 @@ from typing import Any
 
 from comfy_assets.store import JobRecord, Store, StoreUnavailable
 
-log = logging.getLogger("comfy_assets.render.claims")
+log = logging.getLogger("comfy_assets.render.claim_keeping")
 
 StoreCall = Callable[..., Awaitable[Any]]
 

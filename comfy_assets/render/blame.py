@@ -1,4 +1,5 @@
-"""Whose failure is this: the job's, or the server's it ran on (a part of ``Batch``).
+"""Whose failure is this: the job's, or the server's it ran on (``Blame``, a part of
+``Batch``).
 
 Detected by the attempt (``render/attempt.py``: a ``Failure`` on its result), decided
 here, answered for in the store (``store/health.py``: open failures, strikes,
@@ -42,11 +43,16 @@ import json
 import time
 from collections.abc import Callable
 from functools import lru_cache
-from typing import Any
+from typing import Any, cast
 
+from comfy_assets.comfy.capabilities import Needs
+from comfy_assets.pool.pool import Pool
+from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outcome import RETRYABLE, SERVERS_AT_ONCE, AttemptResult, Failure
-from comfy_assets.render.queue import Item
-from comfy_assets.store.health import QUARANTINE_STRIKES, HealthChange
+from comfy_assets.render.queue import Item, JobQueue
+from comfy_assets.render.store_threads import StoreThreads
+from comfy_assets.store import Store
+from comfy_assets.store.health import QUARANTINE_STRIKES, HealthChange, ServerHealthRecord
 
 # A running prompt is taken as stalled after ``stall_factor`` times the longest run of its
 # kind in the batch, never sooner than this (seconds), once this many of them ran.
@@ -77,23 +83,30 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-class Ownership:
-    """Judging an attempt's failure and telling the store (a part of ``Batch``)."""
+class Blame:
+    """Judging an attempt's failure and telling the store, for one batch: the servers of
+    ``pool``, the jobs' groups of ``queue``, the stall factor and patience of ``config``;
+    store writes through ``threads``, changes of a server's health said with ``report``."""
 
-    pool: Any
-    store: Any
-    queue: Any
-    config: Any
-    claims: Any
-    _db: Any
-    report: Any
-    _resolve: Any
-    # Per group of jobs: monotonic time every server able to run it was first seen
-    # quarantined.
-    _blocked_groups: dict[Any, float]
-
-    def _init_ownership(self) -> None:
-        self._blocked_groups = {}
+    def __init__(
+        self,
+        *,
+        pool: Pool,
+        store: Store,
+        queue: JobQueue,
+        config: BatchConfig,
+        threads: StoreThreads,
+        report: Callable[[str], None],
+    ) -> None:
+        self.pool = pool
+        self.store = store
+        self.queue = queue
+        self.config = config
+        self.threads = threads
+        self.report = report
+        # Per group of jobs: monotonic time every server able to run it was first seen
+        # quarantined.
+        self._blocked_groups: dict[Needs, float] = {}
         # Workflows (graph sha256) that rendered in this batch: none of them can be a
         # workflow that fails everywhere, whatever two servers said.
         self._rendered_graphs: set[str] = set()
@@ -109,9 +122,9 @@ class Ownership:
         # deadline, out of memory...) since its last success, in order.
         self._failing: dict[str, list[str]] = {}
         # Per group of jobs (their needs): how many rendered, and the longest took (s).
-        self._longest: dict[Any, tuple[int, float]] = {}
+        self._longest: dict[Needs, tuple[int, float]] = {}
 
-    def _stall_s(self, item: Item) -> Callable[[], float | None]:
+    def stall_s(self, item: Item) -> Callable[[], float | None]:
         """``Attempt.stall_s`` of ``item``: how long its prompt may run unheard of before
         it is taken as stalled, asked as it runs: None before ``STALL_SAMPLES`` jobs of its
         kind rendered in this batch, on a server that loads a model for it (a load says
@@ -130,7 +143,7 @@ class Ownership:
 
         return stall_s
 
-    def _measured(self, item: Item, r: AttemptResult) -> None:
+    def measured(self, item: Item, r: AttemptResult) -> None:
         """A prompt of ``item`` rendered in ``r.gpu_seconds`` (else the attempt's time)."""
         if r.caught_up:
             return
@@ -156,7 +169,7 @@ class Ownership:
         self._unhashed.clear()
         return graph in self._rendered_graphs
 
-    async def _owned(self, item: Item, r: AttemptResult) -> tuple[AttemptResult, bool]:
+    async def owned(self, item: Item, r: AttemptResult) -> tuple[AttemptResult, bool]:
         """The attempt's result once ownership is decided, and whether the job is tried
         again at once (elsewhere, no backoff). A result without a ``Failure`` is
         returned as it is."""
@@ -168,7 +181,7 @@ class Ownership:
         if failure.kind in SERVERS_AT_ONCE:
             await self._server_failed(item, server, failure, infrastructure=True)
             if failure.kind == "wedged":
-                await self._db(
+                await self.threads.call(
                     self.store.note,
                     job.id,
                     f"its prompt stays running on {server} (wedged): should {server} come "
@@ -182,7 +195,9 @@ class Ownership:
         rendered = self._has_rendered(graph)
         known = None
         if not rendered:
-            known = await self._db(self.store.known_workflow_failure, graph, failure.signature)
+            known = await self.threads.call(
+                self.store.known_workflow_failure, graph, failure.signature
+            )
         if known is not None:
             self._learned_graphs.add(graph)
             await self._health(self.store.failure_owned_by_job, server, job.id)
@@ -276,7 +291,7 @@ class Ownership:
         reason = f"{r.reason}; trying another server ({', '.join(others)} can run it)"
         return dataclasses.replace(r, reason=reason), True
 
-    async def _sick_farm(self, item: Item) -> str | None:
+    async def sick_farm(self, item: Item) -> str | None:
         """Why ``item``, out of attempts with failures never the job's alone, stays
         pending: every server that can run it is quarantined now (nothing says the
         failures are the job's); else None."""
@@ -311,7 +326,7 @@ class Ownership:
             about=job.id,
         )
 
-    async def _rendered(self, item: Item, server: str | None) -> None:
+    async def rendered(self, item: Item, server: str | None) -> None:
         """The job rendered on ``server``: the failures it had elsewhere are those
         servers' (strikes), and ``server`` has a success (re-admitted from trial). The
         store is written only when that changes something."""
@@ -324,9 +339,10 @@ class Ownership:
             # It was taken for a workflow that fails everywhere (two sick servers failed
             # it alike): it is not, and its next failures are judged anew.
             self._learned_graphs.discard(graph)
-            await self._db(self.store.unlearn_workflow, graph)
+            await self.threads.call(self.store.unlearn_workflow, graph)
         health = self.pool.health
-        record = health.get(server)
+        # The pool holds the store's records (``ServerHealthRecord``), strikes and all.
+        record = cast("ServerHealthRecord | None", health.get(server))
         busy = record is not None and (record.strikes or record.level or record.state != "ok")
         # An open failure of this job may come from an earlier run (its Item is new).
         judging = any(r.open_failures for r in health.values())
@@ -334,13 +350,13 @@ class Ownership:
             return
         await self._health(self.store.job_rendered, server, item.job.id, about=item.job.id)
 
-    async def _unjudged(self, item: Item) -> None:
+    async def unjudged(self, item: Item) -> None:
         """The job ended without a verdict on its open failures (a dead letter for
         another reason, given up): they no longer hold their servers back."""
         if item.failed_on:
             await self._health(self.store.job_unjudged, item.job.id)
 
-    def _quarantined_group(self, group: Any) -> str | None:
+    def quarantined_group(self, group: Needs) -> str | None:
         """Why the jobs of ``group`` wait for no good reason any more: every server that
         can run them is quarantined, for ``unreachable_timeout_s`` already or with no
         cool-down ending within it; else None (they wait, or need not)."""
@@ -363,25 +379,13 @@ class Ownership:
         listed = "; ".join(f"{name} {why}" for name, why in blocked.items())
         return f"every server that can run it is quarantined ({listed})"
 
-    async def _leave_quarantined(self) -> None:
-        """The jobs waiting here for servers that are all quarantined (``_quarantined_
-        group``) are not run in this batch: their claims are released, they stay pending
-        for a later run, and a line says why."""
-        for group in self.queue.groups():
-            reason = self._quarantined_group(group)
-            if reason is None:
-                continue
-            for item in self.queue.pop_all(group):
-                if item.rec is not None:
-                    self.claims.release(item.job.id)
-                self.report(f"job {item.job.id}: not run, {reason}; it stays pending")
-                self._resolve("not_run", item.job.id)
-
-    async def _health(self, call: Any, *args: Any, about: str = "", **kwargs: Any) -> None:
+    async def _health(
+        self, call: Callable[..., Any], *args: Any, about: str = "", **kwargs: Any
+    ) -> None:
         """A write to the servers' health; its changes of state are said (a line, and an
         event of job ``about``, whose attempt caused them), and the pool reads the health
         again before its next choice."""
-        changes = await self._db(call, *args, **kwargs)
+        changes = await self.threads.call(call, *args, **kwargs)
         self.pool.health_changed()
         if isinstance(changes, HealthChange):
             changes = [changes]
@@ -389,4 +393,4 @@ class Ownership:
             text = f"server {change.server} {change.detail}"
             self.report(text)
             if about:
-                await self._db(self.store.note, about, text, server=change.server)
+                await self.threads.call(self.store.note, about, text, server=change.server)
