@@ -24,6 +24,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 demo: $(STAMP)
 	$(BIN)/python -m comfy_assets.cli.demo $(if $(KEEP),--keep,) $(if $(PORT),--port $(PORT),)

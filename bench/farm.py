@@ -133,6 +133,37 @@ def main() -> None:
         print(f"steady_per_job={calls:.2f} rows={rows:.2f} ms={ms:.3f} {query[:110]}")
 
 
+def wait_for_acks(
+    args: argparse.Namespace, counters: Counters, workers: list[Worker], db_url: str
+) -> tuple[dict[str, Snapshot], dict[str, int], dict[str, tuple[float, float]]]:
+    """Sample until every job is acked: the counters, acks and CPU (database server,
+    workers) at 10 % and 90 % of the acks. Exits when a worker dies or time runs out."""
+    marks: dict[str, Snapshot] = {}
+    acked_at: dict[str, int] = {}
+    cpu: dict[str, tuple[float, float]] = {}  # mark -> (database server, workers) CPU s
+    deadline = time.monotonic() + args.timeout_s
+    while True:
+        counters.sample_connections()
+        for w in workers:
+            w.read()
+        acked = sum(w.acked for w in workers)
+        for name, share in (("p10", 0.1), ("p90", 0.9)):
+            if name not in marks and acked >= share * args.jobs:
+                marks[name], acked_at[name] = counters.snapshot(), acked
+                cpu[name] = (server_cpu_s(db_url), sum(cpu_s(w.proc.pid) for w in workers))
+        if acked >= args.jobs:
+            break
+        for w in workers:
+            if w.proc.returncode is not None:
+                raise SystemExit(
+                    f"{w.proc.name} exited {w.proc.returncode}:\n{w.proc.text()[-3000:]}"
+                )
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{acked} of {args.jobs} jobs acked after {args.timeout_s} s")
+        time.sleep(SAMPLE_S)
+    return marks, acked_at, cpu
+
+
 def measure(
     args: argparse.Namespace, farm: Farm, db_url: str, counters: Counters
 ) -> tuple[dict[str, object], list[tuple[float, float, float, str]]]:
@@ -169,29 +200,7 @@ def measure(
     enqueue_s = time.monotonic() - t_enqueue
     published = int(re.search(r"enqueued (\d+) jobs", enqueue.text()).group(1))
 
-    marks: dict[str, Snapshot] = {}
-    acked_at: dict[str, int] = {}
-    cpu: dict[str, tuple[float, float]] = {}  # mark -> (database server, workers) CPU s
-    deadline = time.monotonic() + args.timeout_s
-    while True:
-        counters.sample_connections()
-        for w in workers:
-            w.read()
-        acked = sum(w.acked for w in workers)
-        for name, share in (("p10", 0.1), ("p90", 0.9)):
-            if name not in marks and acked >= share * args.jobs:
-                marks[name], acked_at[name] = counters.snapshot(), acked
-                cpu[name] = (server_cpu_s(db_url), sum(cpu_s(w.proc.pid) for w in workers))
-        if acked >= args.jobs:
-            break
-        for w in workers:
-            if w.proc.returncode is not None:
-                raise SystemExit(
-                    f"{w.proc.name} exited {w.proc.returncode}:\n{w.proc.text()[-3000:]}"
-                )
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{acked} of {args.jobs} jobs acked after {args.timeout_s} s")
-        time.sleep(SAMPLE_S)
+    marks, acked_at, cpu = wait_for_acks(args, counters, workers, db_url)
     wall_s = time.monotonic() - t_enqueue
     done = counters.snapshot()
     idle_end = time.monotonic() + args.idle_s

@@ -28,12 +28,20 @@ HEALTH_TTL_S = 1.0
 
 
 class HealthRecord(Protocol):
-    """What the pool reads of a server's health (``store.health.ServerHealthRecord``)."""
+    """What the pool reads of a server's health (``store.health.ServerHealthRecord``);
+    read-only, as that frozen record's fields are."""
 
-    state: str
-    until: float | None
-    reason: str | None
-    open_failures: int
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def until(self) -> float | None: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+    @property
+    def open_failures(self) -> int: ...
 
     def blocked(self) -> str | None: ...
 

@@ -541,7 +541,7 @@ class Attempt:
             if dropped:  # the server's, may be: judged on another server
                 where = f" (run {entry.number} on {name})"
                 failure = Failure.of("rejected", dropped)
-                return self.result("permanent", dropped + where, failure=failure, **common)  # type: ignore[arg-type]
+                return self.result("permanent", dropped + where, failure=failure, **common)
             files = await download_outputs(
                 client, entry, self.dest_dir, max_bytes=self.max_output_bytes, under=self.subdir
             )

@@ -58,6 +58,10 @@ from comfy_assets.store.health import QUARANTINE_STRIKES, HealthChange, ServerHe
 # kind in the batch, never sooner than this (seconds), once this many of them ran.
 STALL_MIN_S = 10.0
 STALL_SAMPLES = 3
+# Before that many of its kind rendered (every server wedged from its first prompt, say):
+# stalled after this many times ``STALL_MIN_S`` unheard of (2 minutes), so a farm of
+# wedged GPUs ends in minutes, not after each prompt's deadline.
+STALL_FIRST_RUNS = 12.0
 
 
 def graph_sha256(workflow: dict[str, Any]) -> str:
@@ -126,19 +130,20 @@ class Blame:
 
     def stall_s(self, item: Item) -> Callable[[], float | None]:
         """``Attempt.stall_s`` of ``item``: how long its prompt may run unheard of before
-        it is taken as stalled, asked as it runs: None before ``STALL_SAMPLES`` jobs of its
-        kind rendered in this batch, on a server that loads a model for it (a load says
-        nothing for as long as it takes), after it stalled once (a long job is not cut
-        twice), or with no ``stall_factor``."""
+        it is taken as stalled, asked as it runs: ``stall_factor`` times the longest run of
+        its kind in this batch (at least ``STALL_MIN_S``) once ``STALL_SAMPLES`` of them
+        rendered, ``STALL_FIRST_RUNS`` times ``STALL_MIN_S`` before; None on a server that
+        loads a model for it (a load says nothing for as long as it takes), after it
+        stalled once (a long job is not cut twice), or with no ``stall_factor``."""
         key = self.queue.needs(item)
 
         def stall_s() -> float | None:
             factor = self.config.stall_factor
+            if not factor or item.model_loaded or "stalled" in item.kinds:
+                return None
             seen = self._longest.get(key)
-            if not factor or seen is None or seen[0] < STALL_SAMPLES:
-                return None
-            if item.model_loaded or "stalled" in item.kinds:
-                return None
+            if seen is None or seen[0] < STALL_SAMPLES:
+                return STALL_FIRST_RUNS * STALL_MIN_S
             return max(STALL_MIN_S, factor * seen[1])
 
         return stall_s

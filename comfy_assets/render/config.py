@@ -27,7 +27,7 @@ class BatchConfig(PoolSettings):
     stall_factor: float | None = knob(
         10.0,
         "A running prompt nothing is heard of for this many times the longest run of its "
-        "kind in the batch (at least 10 s, once 3 have run) is interrupted and tried on "
+        "kind in the batch (at least 10 s, once 3 have run; 120 s before) is interrupted and tried on "
         "another server; 0 turns it off (only timeout_s ends a prompt).",
     )
     wedge_s: float = knob(

@@ -64,19 +64,41 @@ class ResultsTable:
 
 
 class JobRow(Protocol):
-    """The fields of a store job record that the table shows."""
+    """The fields of a store job record that the table shows; read-only, as a frozen
+    record's fields are."""
 
-    job_id: str
-    line: int  # 1-based, in the job file
-    shot: int | None
-    state: str
-    server: str | None
-    attempts: int
-    seconds: float | None
-    reason: str | None
-    set: Mapping[str, Any]  # the job's "node.input" overrides
-    take: int
-    inputs: Sequence[Mapping[str, Any]]  # store.register.inputs_json's items
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def line(self) -> int: ...  # 1-based, in the job file
+
+    @property
+    def shot(self) -> int | None: ...
+
+    @property
+    def state(self) -> str: ...
+
+    @property
+    def server(self) -> str | None: ...
+
+    @property
+    def attempts(self) -> int: ...
+
+    @property
+    def seconds(self) -> float | None: ...
+
+    @property
+    def reason(self) -> str | None: ...
+
+    @property
+    def set(self) -> Mapping[str, Any]: ...  # the job's "node.input" overrides
+
+    @property
+    def take(self) -> int: ...
+
+    @property
+    def inputs(self) -> Sequence[Mapping[str, Any]]: ...  # store.register.inputs_json's items
 
 
 class ModelTryRow(Protocol):

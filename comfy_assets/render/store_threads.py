@@ -43,7 +43,7 @@ class StoreThreads:
             return fn(*args, **kwargs)
         future = self._threads.submit(functools.partial(fn, *args, **kwargs))
         self._in_flight.add(future)  # type: ignore[arg-type]
-        future.add_done_callback(self._in_flight.discard)  # type: ignore[arg-type]
+        future.add_done_callback(self._in_flight.discard)
         return await asyncio.wrap_future(future)
 
     async def landed(self) -> None:

@@ -88,15 +88,17 @@ async def test_a_wedged_server_is_quarantined_and_its_job_renders_elsewhere(tmp_
 
 
 @pytest.mark.parametrize("word", ["500", "oom", "wedge"])
-async def test_a_farm_whose_every_server_is_sick_leaves_its_jobs_pending(tmp_path, word):
+async def test_a_farm_whose_every_server_is_sick_leaves_its_jobs_pending(
+    tmp_path, word, monkeypatch
+):
+    # A wedged prompt says nothing, and no job renders to measure: the stall before any
+    # run of its kind (STALL_FIRST_RUNS x STALL_MIN_S) ends it, not its deadline (30 s).
+    monkeypatch.setattr(blame, "STALL_MIN_S", 0.05)
     fakes = [FakeComfy(default_word=word, prompt_seconds=0.001) for _ in range(3)]
     store = Store(tmp_path / "store")
     lines: list[str] = []
     jobs = write_jobs(tmp_path / "jobs", 9, name="sick.jsonl")
-    # A wedged prompt says nothing: with no job rendered to measure, the deadline ends it.
-    summary = await render(
-        store, fakes, jobs, lines, timeout_s=1.0, wedge_s=0.3, unreachable_timeout_s=0.5
-    )
+    summary = await render(store, fakes, jobs, lines, wedge_s=0.3, unreachable_timeout_s=0.5)
     assert summary.counts.get("failed_fatal", 0) == 0
     assert summary.counts.get("succeeded", 0) == 0
     assert "no server usable" in (summary.stopped or "")
