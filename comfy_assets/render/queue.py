@@ -139,9 +139,9 @@ class JobQueue:
 
     def _fits(self, group: Needs, items: deque[Item], server: str) -> tuple[int | None, int]:
         """(index of the first item of ``group`` that ``server`` may take, how many may).
-        Not a job that failed there while another server can run it; on a server with
-        failures not judged yet (``on_probation``), only jobs that failed elsewhere,
-        unless no server without such failures can run the group."""
+        Not a job that failed there while another server that is not quarantined can run
+        it; on a server with failures not judged yet (``on_probation``), only jobs that
+        failed elsewhere, unless no server without such failures can run the group."""
         view = self.view
         assert view is not None
         capable: list[str] | None = None
@@ -159,7 +159,10 @@ class JobQueue:
         for index, item in enumerate(items):
             failed = item.failed_on
             if failed:
-                if server in failed and any(s not in failed for s in others()):
+                # Kept for a server it has not failed on, unless every such one is
+                # quarantined now (it would wait out a cool-down with this one free).
+                untried = (s for s in others() if s not in failed)
+                if server in failed and any(view.blocked(s) is None for s in untried):
                     continue
             elif restricted:
                 continue
