@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 from comfy_assets.pool.lease_keeping import LeaseKeeper
 from comfy_assets.pool.models_held import ModelsHeld
@@ -19,36 +20,27 @@ log = logging.getLogger("comfy_assets.pool")
 FINISHED_KEPT = 4096  # prompt_ids of ours remembered as finished
 
 
+@dataclass(eq=False)
 class Handover:
     """What happens to a held server at a prompt's end. ``line``: the lock consumers
     wait in (locked: a consumer is in line); ``changed``: set whenever a server may have
     become free; ``busy_poll_s``: how long a server is kept or left to another process."""
 
-    def __init__(
-        self,
-        states: ServerStates,
-        keeper: LeaseKeeper,
-        models: ModelsHeld,
-        priorities: Priorities,
-        line: asyncio.Lock,
-        changed: asyncio.Event,
-        busy_poll_s: float,
-    ) -> None:
-        self.states = states
-        self.keeper = keeper
-        self.models = models
-        self.priorities = priorities
-        self.line = line
-        self.changed = changed
-        self.busy_poll_s = busy_poll_s
-        # Prompts of ours that have finished: ComfyUI still lists a prompt in /queue while
-        # it writes its history, so a probe right after execution_success sees it; it no
-        # longer occupies the GPU and must not keep the server from its next prompt.
-        self.finished: OrderedDict[str, None] = OrderedDict()
-        # A server freed while a consumer waits in line is handed over: the freeing job's
-        # downloads wait (briefly) for that next prompt to be posted, so the GPU comes
-        # first. One event per hand-over, set by the next dispatch to finish.
-        self._handovers: deque[asyncio.Event] = deque()
+    states: ServerStates
+    keeper: LeaseKeeper
+    models: ModelsHeld
+    priorities: Priorities
+    line: asyncio.Lock
+    changed: asyncio.Event
+    busy_poll_s: float
+    # Prompts of ours that have finished: ComfyUI still lists a prompt in /queue while
+    # it writes its history, so a probe right after execution_success sees it; it no
+    # longer occupies the GPU and must not keep the server from its next prompt.
+    finished: OrderedDict[str, None] = field(default_factory=OrderedDict, init=False, repr=False)
+    # A server freed while a consumer waits in line is handed over: the freeing job's
+    # downloads wait (briefly) for that next prompt to be posted, so the GPU comes
+    # first. One event per hand-over, set by the next dispatch to finish.
+    _handovers: deque[asyncio.Event] = field(default_factory=deque, init=False, repr=False)
 
     def dispatch_done(self) -> None:
         """``Slot.posted``: a dispatch is over; the oldest hand-over waiting is done."""

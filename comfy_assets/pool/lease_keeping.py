@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from comfy_assets.pool.server_state import ServerState, ServerStates
@@ -17,26 +18,22 @@ log = logging.getLogger("comfy_assets.pool")
 T = TypeVar("T")
 
 
+@dataclass(eq=False)
 class LeaseKeeper:
     """How the pool asks the store about leases and keeps the ones it has (a part of
     ``Pool``). ``store_timeout_s``: how long a store call may fail before its error is
     raised. ``lost_listeners`` are called with each slot whose lease is lost."""
 
-    def __init__(
-        self,
-        states: ServerStates,
-        leases: ServerLeaseStore,
-        owner: str,
-        settings: PoolSettings,
-        store_timeout_s: float,
-    ) -> None:
-        self.states = states
-        self.leases = leases
-        self.owner = owner
-        self.settings = settings
-        self.store_timeout_s = store_timeout_s
-        self.lost_listeners: list[Callable[[Slot], None]] = []
-        self._failing_since: dict[str, float] = {}  # loop time, by store call
+    states: ServerStates
+    leases: ServerLeaseStore
+    owner: str
+    settings: PoolSettings
+    store_timeout_s: float
+    lost_listeners: list[Callable[[Slot], None]] = field(
+        default_factory=list, init=False, repr=False
+    )
+    # Loop time each store call has failed since, by call.
+    _failing_since: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def ask(self, call: Callable[..., T], failed: T, *args: object) -> T:
         """``call(*args)`` on the lease store; while the store fails, ``failed`` (nothing

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.capabilities import Missing, Needs, no_server_reason
@@ -32,25 +33,29 @@ log = logging.getLogger("comfy_assets.pool")
 READ_AGAIN_S = 2.0  # seconds before a job like one found unrunnable reads all again
 
 
+@dataclass(eq=False)
 class ModelsHeld:
     """Capabilities and held models of the pool's servers (a part of ``Pool``): ``plan``
     (``plan.py``), and ``prompt_listeners``, called with each prompt of ours that left its
     server and its seconds from the POST's answer (estimates of time left, metrics)."""
 
-    def __init__(
-        self, states: ServerStates, sockets: Sockets, keeper: LeaseKeeper, settings: PoolSettings
-    ) -> None:
-        self.states = states
-        self.sockets = sockets
-        self.keeper = keeper
-        self.settings = settings
-        self.plan = Plan([s.name for s in states.all], self.can_run)
-        self.prompt_listeners: list[Callable[[Slot, float], None]] = []
-        # Needs some server could run, at which ``_known`` (bumped by every change to
-        # what is known of the servers): asked per job, answered without a loop.
-        self._known = 0
-        self._runnable: dict[Needs, int] = {}
-        self._unrunnable_at: dict[Needs, float] = {}  # loop time of the last full read
+    states: ServerStates
+    sockets: Sockets
+    keeper: LeaseKeeper
+    settings: PoolSettings
+    plan: Plan = field(init=False, repr=False)
+    prompt_listeners: list[Callable[[Slot, float], None]] = field(
+        default_factory=list, init=False, repr=False
+    )
+    # Needs some server could run, at which ``_known`` (bumped by every change to
+    # what is known of the servers): asked per job, answered without a loop.
+    _known: int = field(default=0, init=False, repr=False)
+    _runnable: dict[Needs, int] = field(default_factory=dict, init=False, repr=False)
+    # Loop time of the last full read, by needs none could run.
+    _unrunnable_at: dict[Needs, float] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.plan = Plan([s.name for s in self.states.all], self.can_run)
 
     # -- what a server can run ----------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from comfy_assets.comfy.errors import ComfyError
 from comfy_assets.comfy.servers import ServerSpec
@@ -21,17 +22,15 @@ Take = Callable[[ServerSpec, Sequence[str], dict[str, int], str], Slot | None]
 log = logging.getLogger("comfy_assets.pool")
 
 
+@dataclass(eq=False)
 class Orphans:
     """How the pool removes prompts of ours nobody follows (a part of ``Pool``), taking
     the server with ``take`` first; ``grace_s``: how long one may stay."""
 
-    def __init__(
-        self, states: ServerStates, settings: PoolSettings, grace_s: float, take: Take
-    ) -> None:
-        self.states = states
-        self.settings = settings
-        self.grace_s = grace_s
-        self.take = take
+    states: ServerStates
+    settings: PoolSettings
+    grace_s: float
+    take: Take
 
     def watch(self, spec: ServerSpec, orphans: list[str]) -> None:
         """Note prompts of ours found on a free server; remove them once they have been

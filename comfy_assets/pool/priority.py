@@ -14,6 +14,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from comfy_assets.pool.lease_keeping import LeaseKeeper
 from comfy_assets.pool.server_state import ServerState, ServerStates
@@ -24,18 +25,18 @@ from comfy_assets.pool.server_state import ServerState, ServerStates
 WAITING_MARK_S = 1.0
 
 
+@dataclass(eq=False)
 class Priorities:
     """The pool's priority, its marks that it waits, and whether another process waits
     for a server (at a priority at least ours, or above it). Each question to the store
     stands ``busy_poll_s`` per server."""
 
-    def __init__(self, states: ServerStates, keeper: LeaseKeeper, busy_poll_s: float) -> None:
-        self.states = states
-        self.keeper = keeper
-        self.busy_poll_s = busy_poll_s
-        self.priority = 0
-        self._in_flight: Counter[int] = Counter()
-        self._marked_at = -1e9
+    states: ServerStates
+    keeper: LeaseKeeper
+    busy_poll_s: float
+    priority: int = field(default=0, init=False)
+    _in_flight: Counter[int] = field(default_factory=Counter, init=False, repr=False)
+    _marked_at: float = field(default=-1e9, init=False, repr=False)
 
     def outranked(self, state: ServerState) -> bool:
         """Whether another process waits for ``state``'s server with a higher priority

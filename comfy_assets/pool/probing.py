@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.errors import ComfyError, NoServerReachable
@@ -32,28 +33,20 @@ NEVER_ANSWERED_S = 30.0
 PATIENCE_OPTION = "--unreachable-timeout-s"
 
 
+@dataclass(eq=False)
 class Prober:
     """How the pool sees its servers (a part of ``Pool``). ``stats_ttl_s``: how long a
     healthy ``/system_stats`` answer stands (``/queue`` is asked at every probe).
     ``probe_ttl_s``: how long a probe's /queue answer stands for a server nobody took
     since. A probe's verdict goes to ``models`` (a server back from away is read again)."""
 
-    def __init__(
-        self,
-        states: ServerStates,
-        sockets: Sockets,
-        models: ModelsHeld,
-        settings: PoolSettings,
-        stats_ttl_s: float,
-        probe_ttl_s: float,
-    ) -> None:
-        self.states = states
-        self.sockets = sockets
-        self.models = models
-        self.settings = settings
-        self.stats_ttl_s = stats_ttl_s
-        self.probe_ttl_s = probe_ttl_s
-        self.none_reachable_since: float | None = None  # loop time
+    states: ServerStates
+    sockets: Sockets
+    models: ModelsHeld
+    settings: PoolSettings
+    stats_ttl_s: float
+    probe_ttl_s: float
+    none_reachable_since: float | None = field(default=None, init=False, repr=False)  # loop time
 
     async def probe(self, spec: ServerSpec) -> ServerProbe:
         """Probe ``/system_stats`` and ``/queue`` of one server within ``probe_timeout_s``.

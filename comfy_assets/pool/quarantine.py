@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from comfy_assets.comfy.errors import NoServerReachable
 from comfy_assets.pool.lease_keeping import LeaseKeeper
 from comfy_assets.pool.server_state import ServerStates
 from comfy_assets.pool.settings import PoolSettings
+from comfy_assets.pool.slot import ServerLeaseStore
 
 log = logging.getLogger("comfy_assets.pool")
 
@@ -48,21 +50,25 @@ class HealthRecord(Protocol):
     def line(self) -> str: ...
 
 
+@dataclass(eq=False)
 class Quarantine:
     """Servers' health as the pool sees it (a part of ``Pool``): ``health``, each
     server's record by name, as last read from the store."""
 
-    def __init__(self, states: ServerStates, keeper: LeaseKeeper, settings: PoolSettings) -> None:
-        self.states = states
-        self.keeper = keeper
-        self.leases = keeper.leases
-        self.settings = settings
-        self.health: Mapping[str, HealthRecord] = {}
-        self._health_at = -1e9  # loop time of the last read
-        self._blocked_since: float | None = None  # loop time every server was first blocked
-        # Times every server was blocked at once: a second time, they went back to
-        # quarantine after a trial (the fault stays), and the batch stops.
-        self._blocked_episodes = 0
+    states: ServerStates
+    keeper: LeaseKeeper
+    settings: PoolSettings
+    leases: ServerLeaseStore = field(init=False, repr=False)
+    health: Mapping[str, HealthRecord] = field(default_factory=dict, init=False, repr=False)
+    _health_at: float = field(default=-1e9, init=False, repr=False)  # loop time of the last read
+    # Loop time every server was first blocked at.
+    _blocked_since: float | None = field(default=None, init=False, repr=False)
+    # Times every server was blocked at once: a second time, they went back to
+    # quarantine after a trial (the fault stays), and the batch stops.
+    _blocked_episodes: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.leases = self.keeper.leases
 
     def health_changed(self) -> None:
         """Our batch wrote a server's failure or change of state: read again before the

@@ -3,18 +3,20 @@ a time per server, and a socket opened per prompt costs a handshake while the GP
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from comfy_assets.comfy.follow import PromptFollower
 from comfy_assets.pool.server_state import ServerStates
 from comfy_assets.pool.slot import new_client_id
 
 
+@dataclass(eq=False)
 class Sockets:
     """The servers' open sockets (``/ws`` with a client_id of ours); ``poll_s``: the
     followers' /history poll period."""
 
-    def __init__(self, states: ServerStates, poll_s: float) -> None:
-        self.states = states
-        self.poll_s = poll_s
+    states: ServerStates
+    poll_s: float
 
     async def follower(self, name: str) -> PromptFollower:
         """The open socket of server ``name``, opened on first use and again after a
