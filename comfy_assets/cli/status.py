@@ -39,6 +39,7 @@ import json
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from typing import Any
 
 from comfy_assets.cli.options import add_command
@@ -138,28 +139,25 @@ def gather(store: Store, partition: str | None = None) -> dict[str, Any] | None:
     return report
 
 
+@dataclass(eq=False)
 class _Look:
     """What one partition's reasons are read from: its running batch's row (None: no
     batch runs it), the servers by name, where the jobs on a server are
     (``cli/status_servers.py``), its jobs not done by id, and the owners by name."""
 
-    def __init__(
-        self,
-        row: LiveRow | None,
-        by_server: dict[str, dict[str, Any]],
-        where: dict[str, tuple[str, str]],
-        records: dict[str, JobRecord],
-        owners: dict[str, OwnerRecord],
-    ) -> None:
-        self.row = row
-        self.servers = by_server
-        self.where = where
-        self.records = records
-        self.owners = owners
-        detail = row.detail if row is not None else {}
-        self.held: dict[str, dict[str, Any]] = detail.get("held") or {}
-        self.upstream: dict[str, str] = {}  # the state of an upstream job done since
-        self.group_of: dict[str, dict[str, Any]] = {}
+    row: LiveRow | None
+    servers: dict[str, dict[str, Any]]
+    where: dict[str, tuple[str, str]]
+    records: dict[str, JobRecord]
+    owners: dict[str, OwnerRecord]
+    held: dict[str, dict[str, Any]] = field(init=False, repr=False)
+    # The state of an upstream job done since.
+    upstream: dict[str, str] = field(default_factory=dict, init=False, repr=False)
+    group_of: dict[str, dict[str, Any]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        detail = self.row.detail if self.row is not None else {}
+        self.held = detail.get("held") or {}
         for g in detail.get("groups") or []:
             for job_id in g.get("jobs") or []:
                 self.group_of[job_id] = g

@@ -20,35 +20,24 @@ from comfy_assets.render.store_threads import StoreThreads
 from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord, Store
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
 class Admission:
     """``claim``: a job's claim (``claims``) and what its record says, for one batch of
     ``partition``: a job ended already is resolved (``resolve``), one held by another
     process goes back in ``queue`` for later, a chained one dead-lettered only for its
     upstream is requeued (``chain``); each said with ``report``."""
 
-    def __init__(
-        self,
-        *,
-        store: Store,
-        config: BatchConfig,
-        partition: str,
-        claims: Claims,
-        queue: JobQueue,
-        chain: Chain,
-        threads: StoreThreads,
-        report: Callable[[str], None],
-        resolve: Callable[[Ended, str], None],
-    ) -> None:
-        self.store = store
-        self.config = config
-        self.partition = partition
-        self.claims = claims
-        self.queue = queue
-        self.chain = chain
-        self.threads = threads
-        self.report = report
-        self._resolve = resolve
-        self.told_held: set[str] = set()  # jobs whose "claimed by another" line was said
+    store: Store
+    config: BatchConfig
+    partition: str
+    claims: Claims
+    queue: JobQueue
+    chain: Chain
+    threads: StoreThreads
+    report: Callable[[str], None]
+    resolve: Callable[[Ended, str], None]
+    # Jobs whose "claimed by another" line was said.
+    told_held: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
 
     async def claim(self, item: Item) -> JobRecord | None:
         """Claim ``item``'s job; its record when it is ours to run, else None (done,
@@ -78,13 +67,13 @@ class Admission:
                 f"job {job.id}: registered again since (take {rec.take or 1} now); "
                 "not rendered by this run"
             )
-            self._resolve("not_run", job.id)
+            self.resolve("not_run", job.id)
             return None
         if status == "dead_lettered":
             self.report(
                 f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again"
             )
-            self._resolve("dead_lettered", job.id)
+            self.resolve("dead_lettered", job.id)
             return None
         if status == "claimed" and rec.taken_over:
             self.report(f"job {job.id}: {rec.taken_over}")
@@ -137,10 +126,10 @@ class Admission:
                     f"job {job.id}: degraded earlier ({rec.reason}), nothing posted; "
                     "requeue it to render again"
                 )
-                self._resolve("degraded", job.id)
+                self.resolve("degraded", job.id)
             else:
                 self.report(f"job {job.id}: already done, nothing posted")
-                self._resolve("done", job.id)
+                self.resolve("done", job.id)
             return None
         try:
             await self.threads.call(
@@ -155,6 +144,6 @@ class Admission:
         status, rec = await self.claims.claim(job.id, job.prompt_id)
         if status == "done":  # and that worker has already fetched them
             self.report(f"job {job.id}: already done, nothing posted")
-            self._resolve("done", job.id)
+            self.resolve("done", job.id)
             return None
         return status, rec

@@ -87,46 +87,44 @@ def _sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@dataclasses.dataclass(eq=False, kw_only=True)
 class Blame:
     """Judging an attempt's failure and telling the store, for one batch: the servers of
     ``pool``, the jobs' groups of ``queue``, the stall factor and patience of ``config``;
     store writes through ``threads``, changes of a server's health said with ``report``."""
 
-    def __init__(
-        self,
-        *,
-        pool: Pool,
-        store: Store,
-        queue: JobQueue,
-        config: BatchConfig,
-        threads: StoreThreads,
-        report: Callable[[str], None],
-    ) -> None:
-        self.pool = pool
-        self.store = store
-        self.queue = queue
-        self.config = config
-        self.threads = threads
-        self.report = report
-        # Per group of jobs: monotonic time every server able to run it was first seen
-        # quarantined.
-        self._blocked_groups: dict[Needs, float] = {}
-        # Workflows (graph sha256) that rendered in this batch: none of them can be a
-        # workflow that fails everywhere, whatever two servers said.
-        self._rendered_graphs: set[str] = set()
-        # Workflows this batch took (or learned) as known to fail: a success of one
-        # unlearns it in the store.
-        self._learned_graphs: set[str] = set()
-        self._graphs: dict[str, str] = {}  # resolved workflow sha256 -> graph sha256
-        # Workflows that rendered, by resolved sha256, not yet among ``_rendered_graphs``:
-        # hashed only when a failure is judged, which most batches never need (the
-        # batch's jobs hold these workflows anyway).
-        self._unhashed: dict[str, dict[str, Any]] = {}
-        # Per server: the jobs whose failure there was never the job's alone (a 5xx, a
-        # deadline, out of memory...) since its last success, in order.
-        self._failing: dict[str, list[str]] = {}
-        # Per group of jobs (their needs): how many rendered, and the longest took (s).
-        self._longest: dict[Needs, tuple[int, float]] = {}
+    pool: Pool
+    store: Store
+    queue: JobQueue
+    config: BatchConfig
+    threads: StoreThreads
+    report: Callable[[str], None]
+    # Per group of jobs: monotonic time every server able to run it was first seen
+    # quarantined.
+    _blocked_groups: dict[Needs, float] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
+    # Workflows (graph sha256) that rendered in this batch: none of them can be a
+    # workflow that fails everywhere, whatever two servers said.
+    _rendered_graphs: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
+    # Workflows this batch took (or learned) as known to fail: a success of one
+    # unlearns it in the store.
+    _learned_graphs: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
+    # Resolved workflow sha256 -> graph sha256.
+    _graphs: dict[str, str] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    # Workflows that rendered, by resolved sha256, not yet among ``_rendered_graphs``:
+    # hashed only when a failure is judged, which most batches never need (the
+    # batch's jobs hold these workflows anyway).
+    _unhashed: dict[str, dict[str, Any]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
+    # Per server: the jobs whose failure there was never the job's alone (a 5xx, a
+    # deadline, out of memory...) since its last success, in order.
+    _failing: dict[str, list[str]] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    # Per group of jobs (their needs): how many rendered, and the longest took (s).
+    _longest: dict[Needs, tuple[int, float]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def stall_s(self, item: Item) -> Callable[[], float | None]:
         """``Attempt.stall_s`` of ``item``: how long its prompt may run unheard of before

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from comfy_assets.comfy.client import ComfyClient
@@ -20,13 +21,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("comfy_assets.render.attempt")
 
 
+@dataclass(eq=False)
 class CatchUp:
     """An attempt's catch-up (``Attempt.catch_up``): it reads and sets the ``attempt``'s
     state (its slot, ``twice``, ``catching_up``, the deadline's start) and follows or
     downloads a run it finds with the attempt's own means."""
 
-    def __init__(self, attempt: Attempt) -> None:
-        self.attempt = attempt
+    attempt: Attempt
 
     async def run(self) -> AttemptResult | None:
         """Look where the prompt was last posted before posting again (exactly once):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Literal
 
 from comfy_assets.jobs.model import InputFromJob, Job
@@ -34,26 +35,23 @@ RECHECK_S = 2.0
 Verdict = Literal["ready", "wait", "blocked"]
 
 
+@dataclass(eq=False)
 class Chain:
     """Parking and releasing the chained jobs of one batch: ``jobs``, whose records are
     read from ``store`` through ``threads``, put back in ``queue`` once they may run."""
 
-    def __init__(
-        self,
-        jobs: Sequence[Job],
-        *,
-        store: Store,
-        threads: StoreThreads,
-        queue: JobQueue,
-        partition: str,
-    ) -> None:
-        self.store = store
-        self.threads = threads
-        self.queue = queue
-        self.partition = partition
-        self.parked: dict[str, Item] = {}
-        self.lines: dict[str, Job] = {job.id: job for job in jobs}
-        self.dependants: dict[str, list[str]] = {}
+    jobs: InitVar[Sequence[Job]]
+    _: KW_ONLY
+    store: Store
+    threads: StoreThreads
+    queue: JobQueue
+    partition: str
+    parked: dict[str, Item] = field(default_factory=dict, init=False, repr=False)
+    lines: dict[str, Job] = field(init=False, repr=False)  # by job id
+    dependants: dict[str, list[str]] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self, jobs: Sequence[Job]) -> None:
+        self.lines = {job.id: job for job in jobs}
         for job in jobs:
             for up in job.depends_on:
                 self.dependants.setdefault(up, []).append(job.id)

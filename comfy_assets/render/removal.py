@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import KW_ONLY, dataclass
 
 from comfy_assets.comfy.errors import (
     ComfyError,
@@ -22,20 +23,19 @@ log = logging.getLogger("comfy_assets.render.attempt")
 SAY_WAITING_S = 5.0
 
 
+@dataclass(eq=False)
 class Removal:
     """How an attempt removes its prompt (``prompt_id``) from a server: waiting up to
     ``evict_timeout_s`` for it to leave, asking every ``poll_s``; a removal that can't be
     confirmed leaves the server lease to expire after ``lease_s``. ``label`` names the
     job in the log."""
 
-    def __init__(
-        self, prompt_id: str, *, label: str, evict_timeout_s: float, poll_s: float, lease_s: float
-    ) -> None:
-        self.prompt_id = prompt_id
-        self.label = label
-        self.evict_timeout_s = evict_timeout_s
-        self.poll_s = poll_s
-        self.lease_s = lease_s
+    prompt_id: str
+    _: KW_ONLY
+    label: str
+    evict_timeout_s: float
+    poll_s: float
+    lease_s: float
 
     async def evict(self, slot: Slot, number: int, wedge_s: float | None = None) -> Eviction:
         """Interrupt our prompt, delete it from the queue, and wait until it has left

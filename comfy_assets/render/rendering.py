@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
 from comfy_assets.store import RenderingStart
@@ -22,6 +23,7 @@ from comfy_assets.store import RenderingStart
 RENDERING_WRITE_S = 0.25
 
 
+@dataclass(eq=False)
 class DeferredRendering:
     """Each job's rendering move, waiting for its write (at most one per job).
 
@@ -30,17 +32,13 @@ class DeferredRendering:
     has taken charge of the error (it stopped the attempt), else ``take`` raises it.
     """
 
-    def __init__(
-        self,
-        write: Callable[[str, RenderingStart], Coroutine[Any, Any, None]],
-        failed: Callable[[str, BaseException], bool],
-        delay_s: float = RENDERING_WRITE_S,
-    ) -> None:
-        self._write = write
-        self._failed = failed
-        self.delay_s = delay_s
-        self._waiting: dict[str, tuple[RenderingStart, asyncio.Handle]] = {}
-        self._writing: dict[str, asyncio.Task[None]] = {}
+    write: Callable[[str, RenderingStart], Coroutine[Any, Any, None]]
+    failed: Callable[[str, BaseException], bool]
+    delay_s: float = RENDERING_WRITE_S
+    _waiting: dict[str, tuple[RenderingStart, asyncio.Handle]] = field(
+        default_factory=dict, init=False, repr=False
+    )
+    _writing: dict[str, asyncio.Task[None]] = field(default_factory=dict, init=False, repr=False)
 
     def defer(self, job_id: str, move: RenderingStart) -> None:
         """Write ``move`` in ``delay_s`` seconds unless ``take`` comes first."""
@@ -49,14 +47,14 @@ class DeferredRendering:
 
     def _due(self, job_id: str) -> None:
         move, _ = self._waiting.pop(job_id)
-        task = asyncio.create_task(self._write(job_id, move), name=f"rendering-{job_id[:8]}")
+        task = asyncio.create_task(self.write(job_id, move), name=f"rendering-{job_id[:8]}")
         self._writing[job_id] = task
         task.add_done_callback(lambda t: self._written(job_id, t))
 
     def _written(self, job_id: str, task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is None:
             return
-        if self._failed(job_id, task.exception()):  # type: ignore[arg-type]
+        if self.failed(job_id, task.exception()):  # type: ignore[arg-type]
             self._writing.pop(job_id, None)
 
     async def take(self, job_id: str) -> RenderingStart | None:

@@ -208,8 +208,11 @@ class JobResults:
         failed_on: Mapping[str, Sequence[str]] | None = None,
     ) -> JobResults:
         """The model of ``records``: ``job_ids`` (the job file's ids in line order)
-        selects and orders the rows; without it every record is a row, in the given
-        order."""
+        selects and orders the rows, a job of the file without a record making a row with
+        state ``missing`` so a gap is visible; without it every record is a row, in the
+        given order. ``files`` maps job id to its output files; ``models``
+        (``last_model_tries``), when not empty, adds the ``models`` and ``model_loaded``
+        columns; ``failed_on``: the servers each job failed on (``Store.failed_on``)."""
         order = list(job_ids) if job_ids is not None else [record.job_id for record in records]
         return cls(
             order,
@@ -283,25 +286,6 @@ class JobResults:
                 if found is not None:
                     row["models"], row["model_loaded"] = _cell(" ".join(found[0])), found[1]
         return ResultsTable(columns, rows)
-
-
-def results_table(
-    records: Sequence[JobRow],
-    files: Mapping[str, Iterable[FileRow]],
-    job_ids: Sequence[str] | None = None,
-    models: Mapping[str, tuple[tuple[str, ...], bool]] | None = None,
-    failed_on: Mapping[str, Sequence[str]] | None = None,
-) -> ResultsTable:
-    """The results table of ``records`` (``JobResults.of``, then ``JobResults.table``).
-
-    ``files`` maps job id to its output files. ``job_ids`` (the job file's ids in line
-    order) selects and orders the rows; a job of the file without a record gets a row
-    with state ``missing`` so a gap is visible. Without it every record is a row, in the
-    given order. ``models`` (``last_model_tries``): when not empty, the ``models`` and
-    ``model_loaded`` columns. ``failed_on``: the servers each job failed on
-    (``Store.failed_on``).
-    """
-    return JobResults.of(records, files, job_ids, models, failed_on).table()
 
 
 def results_csv_path(root: Path, partition: str) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 from comfy_assets.jobs.model import Job
@@ -37,6 +38,7 @@ from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store, StoreU
 log = logging.getLogger("comfy_assets.render.guard")
 
 
+@dataclass(eq=False, kw_only=True)
 class Settler:
     """The store's side of each attempt's end, for one batch: whose failure it was
     (``blame``), the move (``decide``, with the policy: ``config``'s retries, ``draft``,
@@ -48,40 +50,26 @@ class Settler:
     exactly one run ever writes each (the store takes it only from the claim's holder,
     once), so ``run_one`` tells a job ended now from one ended before."""
 
-    def __init__(
-        self,
-        *,
-        store: Store,
-        config: BatchConfig,
-        partition: str,
-        owner: str,
-        claims: Claims,
-        renderings: DeferredRendering,
-        queue: JobQueue,
-        blame: Blame,
-        threads: StoreThreads,
-        report: Callable[[str], None],
-        resolve: Callable[[Ended, str], None],
-        stopped: Callable[[], str | None],
-        stop: Callable[[str], None],
-        draft: bool = False,
-        stop_on_fatal: bool = False,
-    ) -> None:
-        self.store = store
-        self.config = config
-        self.partition = partition
-        self.owner = owner
-        self.claims = claims
-        self.renderings = renderings
-        self.queue = queue
-        self.blame = blame
-        self.threads = threads
-        self.report = report
-        self._resolve = resolve
-        self._stopped = stopped
-        self._stop = stop
-        self.policy = Policy(config.retry, draft, stop_on_fatal)
-        self.wrote: set[str] = set()
+    store: Store
+    config: BatchConfig
+    partition: str
+    owner: str
+    claims: Claims
+    renderings: DeferredRendering
+    queue: JobQueue
+    blame: Blame
+    threads: StoreThreads
+    report: Callable[[str], None]
+    resolve: Callable[[Ended, str], None]
+    stopped: Callable[[], str | None]
+    stop: Callable[[str], None]
+    draft: InitVar[bool] = False
+    stop_on_fatal: InitVar[bool] = False
+    policy: Policy = field(init=False, repr=False)
+    wrote: set[str] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self, draft: bool, stop_on_fatal: bool) -> None:
+        self.policy = Policy(self.config.retry, draft, stop_on_fatal)
 
     async def settle(self, item: Item, attempt_number: int, result: AttemptResult) -> None:
         """Record attempt ``attempt_number`` of ``item`` (``result``); what that raises
@@ -113,7 +101,7 @@ class Settler:
             at_once=at_once,
             sick=sick,
             optional=item.job.optional,
-            stopped=self._stopped(),
+            stopped=self.stopped(),
         )
         await self._apply(item, attempt_number, r, decide(facts, policy, item.job.id))
 
@@ -160,7 +148,7 @@ class Settler:
             await self.blame.rendered(item, r.server)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
             self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
-            self._resolve("done", job.id)
+            self.resolve("done", job.id)
             return
         if isinstance(move, Retry | Pending):
             await self.threads.call(
@@ -174,7 +162,7 @@ class Settler:
                 **ended,
             )
             failed = f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}"
-            stopped = self._stopped()
+            stopped = self.stopped()
             if isinstance(move, Retry) and stopped:
                 # Stopped while the failure was written: no consumer takes it any more.
                 move = Pending(f"not retried in this run ({stopped})", stopped=True)
@@ -196,7 +184,7 @@ class Settler:
             if not move.stopped:
                 await self.blame.unjudged(item)
             self.report(f"{failed}; {move.why}" + ("" if move.stopped else "; it stays pending"))
-            self._resolve("not_run", job.id)
+            self.resolve("not_run", job.id)
             return
         self.claims.finishing_now(job.id)
         await self.blame.unjudged(item)  # its failures no second server judged hold nobody back
@@ -210,14 +198,14 @@ class Settler:
             )
             self.report(f"job {job.id}: degraded (draft), {move.reason}")
             self.claims.finished(job.id)
-            self._resolve("degraded", job.id)
+            self.resolve("degraded", job.id)
             return
         await self.write_dead_letter(job.id, move.reason, **ended)
         self.report(f"job {job.id}: dead-lettered, {move.reason}")
-        if move.stops is not None and not self._stopped():
-            self._stop(move.stops)
+        if move.stops is not None and not self.stopped():
+            self.stop(move.stops)
         self.claims.finished(job.id)
-        self._resolve("dead_lettered", job.id)
+        self.resolve("dead_lettered", job.id)
 
     async def write_done(self, job_id: str, **fields: Any) -> None:
         """The done record of ``job_id`` (``Store.mark_done``, with our claim), noted as
@@ -295,7 +283,7 @@ class Settler:
         )
         self.claims.forget(job.id)
         self.report(f"job {job.id}: {detail}; left to its holder")
-        self._resolve("not_run", job.id)
+        self.resolve("not_run", job.id)
 
     async def leave_quarantined(self) -> None:
         """The jobs waiting here for servers that are all quarantined
@@ -309,7 +297,7 @@ class Settler:
                 if item.rec is not None:
                     self.claims.release(item.job.id)
                 self.report(f"job {item.job.id}: not run, {reason}; it stays pending")
-                self._resolve("not_run", item.job.id)
+                self.resolve("not_run", item.job.id)
 
     async def dead_letter_now(self, item: Item, rec: JobRecord, reason: str) -> None:
         """``item`` (claimed: ``rec``) can run on no server: a dead letter (degraded in a
@@ -332,7 +320,7 @@ class Settler:
             self.report(f"job {job.id}: dead-lettered, {reason}")
             ended = "dead_lettered"
         self.claims.finished(job.id)
-        self._resolve(ended, job.id)
+        self.resolve(ended, job.id)
 
     async def _broke(self, item: Item, attempt_number: int, error: Exception) -> None:
         """Recording attempt ``attempt_number`` of ``item`` raised ``error``, the job's
@@ -362,10 +350,10 @@ class Settler:
                 "succeeded": "done",
                 "degraded": "degraded",
             }
-            self._resolve(ended.get(state, "not_run"), job_id)
+            self.resolve(ended.get(state, "not_run"), job_id)
             return
         self.claims.finished(job_id)
         self.report(f"job {job_id}: dead-lettered, {reason}")
-        if self.policy.stop_on_fatal and not self._stopped():
-            self._stop(f"stopped after the fatal failure of job {job_id}: {reason}")
-        self._resolve("dead_lettered", job_id)
+        if self.policy.stop_on_fatal and not self.stopped():
+            self.stop(f"stopped after the fatal failure of job {job_id}: {reason}")
+        self.resolve("dead_lettered", job_id)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pandas as pd
 
 from comfy_assets.render.results import (
+    JobResults,
     combine_results,
-    results_table,
     write_csv,
 )
 
@@ -56,7 +56,7 @@ def test_a_row_per_job_with_a_column_per_set_key() -> None:
     ]
     files = {"a": [F("solid_00001_.png", "ab" * 32), F("inverted_00001_.png", "cd" * 32)]}
 
-    table = results_table(records, files)
+    table = JobResults.of(records, files).table()
 
     assert table.columns == [
         "job_id",
@@ -85,7 +85,7 @@ def test_a_row_per_job_with_a_column_per_set_key() -> None:
 
 
 def test_csv_keeps_integers_when_a_key_is_missing_in_some_rows(tmp_path: Path) -> None:
-    table = results_table([rec("a", {"1.width": 64}), rec("b", {"1.color": 3})], {})
+    table = JobResults.of([rec("a", {"1.width": 64}), rec("b", {"1.color": 3})], {}).table()
     path = write_csv(table, tmp_path / "p" / "results.csv")
 
     text = path.read_text().splitlines()
@@ -101,7 +101,7 @@ def test_csv_keeps_integers_when_a_key_is_missing_in_some_rows(tmp_path: Path) -
 def test_job_ids_order_the_rows_and_show_missing_jobs() -> None:
     records = [rec("a", {"1.color": 1}), rec("old", {"1.color": 2}), rec("b", {"1.color": 3})]
 
-    table = results_table(records, {}, job_ids=["b", "a", "c"])
+    table = JobResults.of(records, {}, job_ids=["b", "a", "c"]).table()
 
     assert [row.get("job_id") for row in table.rows] == ["b", "a", "c"]
     assert [row.get("state") for row in table.rows] == ["succeeded", "succeeded", "missing"]
@@ -113,7 +113,7 @@ def test_a_storyboard_sorts_by_shot_and_every_row_names_its_line(tmp_path: Path)
         rec("b", {"1.color": 2}, line=3, shot=1),
         rec("c", {"1.color": 3}, line=4),
     ]
-    path = write_csv(results_table(records, {}), tmp_path / "p" / "results.csv")
+    path = write_csv(JobResults.of(records, {}).table(), tmp_path / "p" / "results.csv")
 
     frame = pd.read_csv(path).sort_values("shot")
 
@@ -123,13 +123,13 @@ def test_a_storyboard_sorts_by_shot_and_every_row_names_its_line(tmp_path: Path)
 
 
 def test_list_values_are_written_as_json() -> None:
-    table = results_table([rec("a", {"5.size": [1, 2]})], {})
+    table = JobResults.of([rec("a", {"5.size": [1, 2]})], {}).table()
     assert table.rows[0]["5.size"] == "[1, 2]"
 
 
 def test_combine_adds_a_partition_column(tmp_path: Path) -> None:
-    a = write_csv(results_table([rec("x", {"1.color": 1})], {}), tmp_path / "a.csv")
-    b = write_csv(results_table([rec("y", {"2.fps": 24.0})], {}), tmp_path / "b.csv")
+    a = write_csv(JobResults.of([rec("x", {"1.color": 1})], {}).table(), tmp_path / "a.csv")
+    b = write_csv(JobResults.of([rec("y", {"2.fps": 24.0})], {}).table(), tmp_path / "b.csv")
 
     combined = combine_results({"images": a, "story": b})
 
@@ -142,7 +142,7 @@ def test_combine_adds_a_partition_column(tmp_path: Path) -> None:
 def test_a_carriage_return_in_a_cell_keeps_its_row_whole(tmp_path: Path) -> None:
     # A reason from a server's Windows traceback: "\r\n" between its lines.
     records = [rec("a", {"1.color": 1}, reason="Traceback\r\n  line 1\rend"), rec("b", {})]
-    path = write_csv(results_table(records, {}), tmp_path / "p" / "results.csv")
+    path = write_csv(JobResults.of(records, {}).table(), tmp_path / "p" / "results.csv")
 
     with path.open(newline="") as handle:
         rows = list(csv.DictReader(handle))
