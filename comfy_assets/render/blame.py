@@ -52,7 +52,12 @@ from comfy_assets.render.outcome import RETRYABLE, SERVERS_AT_ONCE, AttemptResul
 from comfy_assets.render.queue import Item, JobQueue
 from comfy_assets.render.store_threads import StoreThreads
 from comfy_assets.store import Store
-from comfy_assets.store.health import QUARANTINE_STRIKES, HealthChange, ServerHealthRecord
+from comfy_assets.store.health import (
+    COOLDOWN_MAX_S,
+    QUARANTINE_STRIKES,
+    HealthChange,
+    ServerHealthRecord,
+)
 
 # A running prompt is taken as stalled after ``stall_factor`` times the longest run of its
 # kind in the batch, never sooner than this (seconds), once this many of them ran.
@@ -182,8 +187,16 @@ class Blame:
         job = item.job
         item.kinds.add(failure.kind)
         if failure.kind in SERVERS_AT_ONCE:
-            await self._server_failed(item, server, failure, infrastructure=True)
-            if failure.kind == "wedged":
+            # A wedged GPU stays stuck until someone restarts its server (``health
+            # --readmit`` then): quarantined for the longest cool-down, so a farm of wedged
+            # servers stops its batch at once instead of waiting for trials that cannot
+            # come (the stuck prompt keeps each server busy).
+            wedged = failure.kind == "wedged"
+            cooldown = COOLDOWN_MAX_S if wedged else None
+            await self._server_failed(
+                item, server, failure, infrastructure=True, cooldown_s=cooldown
+            )
+            if wedged:
                 await self.threads.call(
                     self.store.note,
                     job.id,
@@ -312,10 +325,17 @@ class Blame:
         return f"every server that can run it is quarantined ({listed})"
 
     async def _server_failed(
-        self, item: Item, server: str, failure: Failure, *, infrastructure: bool = False
+        self,
+        item: Item,
+        server: str,
+        failure: Failure,
+        *,
+        infrastructure: bool = False,
+        cooldown_s: float | None = None,
     ) -> None:
         """The job failed on ``server`` in a way that may be the server's: it goes
-        elsewhere next, and the store counts it (``Store.server_failed``)."""
+        elsewhere next, and the store counts it (``Store.server_failed``; quarantined for
+        ``cooldown_s`` when given)."""
         item.failed_on[server] = failure
         job = item.job
         await self._health(
@@ -326,6 +346,7 @@ class Blame:
             failure.signature,
             failure.summary,
             infrastructure=infrastructure,
+            cooldown_s=cooldown_s,
             about=job.id,
         )
 

@@ -181,10 +181,18 @@ class ServerHealth(StoreBase):
         )
 
     def _strike(
-        self, conn: sa.Connection, row: dict[str, Any], reason: str, now: float, *, at_once: bool
+        self,
+        conn: sa.Connection,
+        row: dict[str, Any],
+        reason: str,
+        now: float,
+        *,
+        at_once: bool,
+        cooldown_s: float | None = None,
     ) -> HealthChange | None:
         """Count a failure owned by the server; quarantine it when due (``at_once``: an
-        infrastructure error; a failure on trial; else ``QUARANTINE_STRIKES``)."""
+        infrastructure error; a failure on trial; else ``QUARANTINE_STRIKES``), for
+        ``cooldown_s`` when given."""
         row["failures_server"] += 1
         row["strikes"] += 1
         state = _state(row, now)
@@ -192,14 +200,19 @@ class ServerHealth(StoreBase):
         if state != "quarantined":  # a quarantine's reason stands while it lasts
             row["reason"] = reason
             if at_once or state == "trial" or row["strikes"] >= QUARANTINE_STRIKES:
-                change = self._quarantine(conn, row, reason, now)
+                change = self._quarantine(conn, row, reason, now, cooldown_s)
         self._save(conn, row, now)
         return change
 
     def _quarantine(
-        self, conn: sa.Connection, row: dict[str, Any], reason: str, now: float
+        self,
+        conn: sa.Connection,
+        row: dict[str, Any],
+        reason: str,
+        now: float,
+        cooldown_s: float | None = None,
     ) -> HealthChange:
-        cooldown = _cooldown(row["level"])
+        cooldown = _cooldown(row["level"]) if cooldown_s is None else cooldown_s
         row.update(state="quarantined", until=now + cooldown, level=row["level"] + 1)
         # Its failures not judged yet are decided with it: left open, they would keep it
         # blocked on its trial (``blocked``) when their jobs can render nowhere else.
@@ -235,19 +248,21 @@ class ServerHealth(StoreBase):
         reason: str,
         *,
         infrastructure: bool,
+        cooldown_s: float | None = None,
         now: float | None = None,
     ) -> HealthChange | None:
         """Job ``job_id`` failed on ``server`` in a way that may be the server's
         (``reason`` for people, ``signature`` equal for the same failure). An
-        ``infrastructure`` error counts against the server at once (and quarantines it);
-        any other is an open failure until the job's next attempt elsewhere judges it.
-        Returns the server's change of state, if any."""
+        ``infrastructure`` error counts against the server at once (and quarantines it,
+        for ``cooldown_s`` when given, else the cool-down of its level); any other is an
+        open failure until the job's next attempt elsewhere judges it. Returns the
+        server's change of state, if any."""
         now = self._now(now)
         with self._write() as conn:
             row = self._health_row(conn, server, now)
             if infrastructure:
                 self._note_failed_job(row, job_id, "", reason)
-                return self._strike(conn, row, reason, now, at_once=True)
+                return self._strike(conn, row, reason, now, at_once=True, cooldown_s=cooldown_s)
             conn.execute(
                 server_failures_table.insert().values(
                     server=server,

@@ -81,6 +81,8 @@ async def test_a_wedged_server_is_quarantined_and_its_job_renders_elsewhere(tmp_
     health = store.server_health()["gpu2"]
     assert health.state == "quarantined"
     assert "is wedged" in (health.reason or "")
+    # Stuck until someone restarts it: the longest cool-down, not a trial a minute later.
+    assert (health.until or 0) - store.now() > 3000
     (stuck,) = [j for j, _, _ in health.failed_jobs]
     notes = [e.detail or "" for e in store.events(stuck)]
     assert any("may have rendered there too" in n for n in notes)
