@@ -101,9 +101,7 @@ async def test_with_every_server_down_the_pool_waits_and_resumes(tmp_path):
         )
     )
     # The batch is waiting: nothing can have run, and the jobs are still pending.
-    async with asyncio.timeout(10):
-        while store.counts("p").get("pending", 0) != 2:
-            await asyncio.sleep(0.01)
+    await wait_until(lambda: store.counts("p").get("pending", 0) == 2, 10, "2 jobs pending")
     assert not task.done()
     async with fake.serve(port=port):
         summary = await asyncio.wait_for(task, 30)
