@@ -34,6 +34,7 @@ from tests.support import (
     fast_config,
     free_port,
     outcomes,
+    run_argv,
     running,
     start_fake_process,
     wait_until,
@@ -115,10 +116,8 @@ def _run_process(
 ) -> subprocess.Popen:
     """``comfy-assets run`` of ``jobs`` as its own process over ``servers`` (``name=url``
     each) with ``options``, polling every 50 ms, its output piped."""
-    argv = [sys.executable, "-m", "comfy_assets.cli", "run", "--jobs", str(jobs)]
-    for server in servers:
-        argv += ["--server", server]
-    argv += ["--store", str(store), "--poll-s", "0.05", *options]
+    argv = [sys.executable, "-m", "comfy_assets.cli"]
+    argv += run_argv(jobs, store, servers, "--poll-s", "0.05", *options)
     return subprocess.Popen(
         argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
     )
