@@ -180,6 +180,15 @@ def assert_stored_as_served(
         assert hashlib.sha256(data).hexdigest() == f.sha256 == on_server[Path(f.path).name], f
 
 
+def run_argv(jobs: Path, store: Path, servers: Sequence[str], *options: str) -> list[str]:
+    """The arguments of ``comfy-assets run`` (``main``'s, or after ``-m comfy_assets.cli``):
+    ``jobs`` over ``servers`` (``name=url`` each), recording in ``store``, then ``options``."""
+    argv = ["run", "--jobs", str(jobs)]
+    for server in servers:
+        argv += ["--server", server]
+    return [*argv, "--store", str(store), *options]
+
+
 def free_port() -> int:
     """A TCP port of 127.0.0.1 that nothing listens on now."""
     with socket.socket() as s:

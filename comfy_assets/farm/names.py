@@ -93,26 +93,29 @@ class Farm:
     @functools.cached_property
     def job_files_partitions(self) -> DynamicPartitionsDefinition:
         """A partition per job file of the watched folders."""
-        if not self.key_prefix:
-            return job_files_partitions
-        return DynamicPartitionsDefinition(name=self.job_files_partitions_name)
+        return self._partitions(job_files_partitions)
 
     @functools.cached_property
     def storyboard_partitions(self) -> DynamicPartitionsDefinition:
         """A partition per job file whose jobs have shot numbers: the films'."""
+        return self._partitions(storyboard_partitions)
+
+    def _partitions(self, default: DynamicPartitionsDefinition) -> DynamicPartitionsDefinition:
+        """``default`` (``farm/partitions.py``) in the default farm; in a prefixed farm, its
+        own dynamic partitions, named as ``default`` in this farm."""
         if not self.key_prefix:
-            return storyboard_partitions
-        return DynamicPartitionsDefinition(name=self.storyboard_partitions_name)
+            return default
+        return DynamicPartitionsDefinition(name=self.name(_named(default)))
 
     @property
     def job_files_partitions_name(self) -> str:
         """The name of ``job_files_partitions`` (the instance's dynamic partitions)."""
-        return self.name("job_files")
+        return _named(self.job_files_partitions)
 
     @property
     def storyboard_partitions_name(self) -> str:
         """The name of ``storyboard_partitions``."""
-        return self.name("storyboards")
+        return _named(self.storyboard_partitions)
 
     @property
     def job_files_key(self) -> AssetKey:
@@ -122,6 +125,13 @@ class Farm:
     def dirs(self) -> list[Path]:
         """The watched folders now."""
         return list(self.job_dirs) if self.job_dirs is not None else job_dirs_from_env()
+
+
+def _named(partitions: DynamicPartitionsDefinition) -> str:
+    """The name of ``partitions``: a farm's are all named (Dagster types it optional)."""
+    if partitions.name is None:
+        raise ValueError("a farm's dynamic partitions definition has no name")
+    return partitions.name
 
 
 DEFAULT_FARM = Farm()

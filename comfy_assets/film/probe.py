@@ -49,7 +49,6 @@ class MediaInfo:
     frames: int
     size_bytes: int
     duration_s: float | None = None
-    fps: float | None = None
     rate: Fraction | None = None
     time_base: Fraction | None = None
     codec_config: str = ""
@@ -58,6 +57,11 @@ class MediaInfo:
     def size(self) -> tuple[int, int]:
         """(width, height) in pixels."""
         return (self.width, self.height)
+
+    @property
+    def fps(self) -> float | None:
+        """Frames a second: ``rate`` as a float (None for a still image)."""
+        return None if self.rate is None else float(self.rate)
 
 
 def probe(path: Path) -> MediaInfo:
@@ -202,7 +206,6 @@ def _probe_video(path: Path, size_bytes: int) -> MediaInfo:
             frames=frames,
             size_bytes=size_bytes,
             duration_s=float(duration),
-            fps=float(rate),
             rate=Fraction(rate),
             time_base=Fraction(tb) if tb is not None else None,
             codec_config=hashlib.sha256(extradata).hexdigest()[:16] if extradata else "",

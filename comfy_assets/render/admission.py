@@ -6,36 +6,25 @@ of ``Batch``."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.states import InvalidTransition, State
 from comfy_assets.render.chain import Chain
-from comfy_assets.render.claim_keeping import Claims
-from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outputs import outputs_problem
-from comfy_assets.render.progress import Ended
-from comfy_assets.render.queue import Item, JobQueue
-from comfy_assets.render.store_threads import StoreThreads
-from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord, Store
+from comfy_assets.render.queue import Item
+from comfy_assets.render.scope import BatchScope
+from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class Admission:
-    """``claim``: a job's claim (``claims``) and what its record says, for one batch of
-    ``partition``: a job ended already is resolved (``resolve``), one held by another
-    process goes back in ``queue`` for later, a chained one dead-lettered only for its
-    upstream is requeued (``chain``); each said with ``report``."""
+    """``claim``: a job's claim (``scope.claims``) and what its record says, for one
+    batch (``scope``): a job ended already is resolved (``scope.resolve``), one held by
+    another process goes back in ``scope.queue`` for later, a chained one dead-lettered
+    only for its upstream is requeued (``chain``); each said with ``scope.report``."""
 
-    store: Store
-    config: BatchConfig
-    partition: str
-    claims: Claims
-    queue: JobQueue
+    scope: BatchScope
     chain: Chain
-    threads: StoreThreads
-    report: Callable[[str], None]
-    resolve: Callable[[Ended, str], None]
     # Jobs whose "claimed by another" line was said.
     told_held: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
 
@@ -44,16 +33,16 @@ class Admission:
         dead-lettered, or held by another worker: then it is resolved or put back). A
         chained job dead-lettered (or degraded) only for its upstream job, which is no
         longer failed, is requeued first."""
-        job, cfg, store = item.job, self.config, self.store
+        job, cfg, store = item.job, self.scope.config, self.scope.store
         if item.rec is not None:
             rec, item.rec = item.rec, None
-            if job.id in self.claims.held:  # claimed before its consumer waited in line
+            if job.id in self.scope.claims.held:  # claimed before its consumer waited in line
                 return rec
-        status, rec = await self.claims.claim(job.id, job.prompt_id)
+        status, rec = await self.scope.claims.claim(job.id, job.prompt_id)
         if status in ("dead_lettered", "done") and await self.chain.requeue_if_upstream_fixed(
-            job, rec, self.report
+            job, rec, self.scope.report
         ):
-            status, rec = await self.claims.claim(job.id, job.prompt_id)
+            status, rec = await self.scope.claims.claim(job.id, job.prompt_id)
         if status == "done":
             again = await self._done_before(job, rec)
             if again is None:
@@ -63,29 +52,29 @@ class Admission:
             # Registered again since this batch began (a newer take, other inputs): the
             # run that registered it renders it; rendering this prompt would give the
             # newer registration an older picture.
-            self.report(
+            self.scope.report(
                 f"job {job.id}: registered again since (take {rec.take or 1} now); "
                 "not rendered by this run"
             )
-            self.resolve("not_run", job.id)
+            self.scope.resolve("not_run", job.id)
             return None
         if status == "dead_lettered":
-            self.report(
+            self.scope.report(
                 f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again"
             )
-            self.resolve("dead_lettered", job.id)
+            self.scope.resolve("dead_lettered", job.id)
             return None
         if status == "claimed" and rec.taken_over:
-            self.report(f"job {job.id}: {rec.taken_over}")
+            self.scope.report(f"job {job.id}: {rec.taken_over}")
         if status == "held":
             if job.id not in self.told_held:
                 self.told_held.add(job.id)
-                self.report(
+                self.scope.report(
                     f"job {job.id}: claimed by {rec.claimed_by}; waiting (taken over if its "
                     f"heartbeat stops for {OWNER_DEAD_S:.0f} s)"
                 )
             left = (rec.claim_expires_at or 0) - store.now()
-            self.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
+            self.scope.queue.push_later(item, min(max(left, cfg.poll_s / 4), cfg.poll_s))
             return None
         if rec.state in ("submitted", "rendering"):
             # The lost holder's attempt never settled: count it, so attempt numbers and
@@ -99,7 +88,7 @@ class Admission:
                 started_at=rec.updated_at,
                 reason="its holder was lost mid-attempt",
             )
-            await self.threads.call(
+            await self.scope.threads.call(
                 store.transition,
                 job.id,
                 "failed_retryable",
@@ -111,7 +100,7 @@ class Admission:
             rec = dataclasses.replace(rec, state=State.FAILED_RETRYABLE, attempts=rec.attempts + 1)
             item.prev_unsettled = True
         if rec.state == "failed_retryable":
-            await self.threads.call(store.transition, job.id, "pending", detail="retry")
+            await self.scope.threads.call(store.transition, job.id, "pending", detail="retry")
         return rec
 
     async def _done_before(self, job: Job, rec: JobRecord) -> tuple[str, JobRecord] | None:
@@ -119,31 +108,33 @@ class Admission:
         is resolved, nothing posted); else it is reopened to fetch them again (a catch-up
         from the server's /history first) and claimed anew: that claim's (status,
         record)."""
-        problem = await self.threads.call(outputs_problem, self.store, self.partition, job.id)
+        problem = await self.scope.threads.call(
+            outputs_problem, self.scope.store, self.scope.partition, job.id
+        )
         if problem is None:
             if rec.state == "degraded":
-                self.report(
+                self.scope.report(
                     f"job {job.id}: degraded earlier ({rec.reason}), nothing posted; "
                     "requeue it to render again"
                 )
-                self.resolve("degraded", job.id)
+                self.scope.resolve("degraded", job.id)
             else:
-                self.report(f"job {job.id}: already done, nothing posted")
-                self.resolve("done", job.id)
+                self.scope.report(f"job {job.id}: already done, nothing posted")
+                self.scope.resolve("done", job.id)
             return None
         try:
-            await self.threads.call(
-                self.store.transition,
+            await self.scope.threads.call(
+                self.scope.store.transition,
                 job.id,
                 "pending",
                 detail=f"outputs {problem}; fetching again",
             )
-            self.report(f"job {job.id}: outputs {problem}; fetching them again")
+            self.scope.report(f"job {job.id}: outputs {problem}; fetching them again")
         except InvalidTransition:
             pass  # another worker reopened it a moment ago: claim decides who fetches
-        status, rec = await self.claims.claim(job.id, job.prompt_id)
+        status, rec = await self.scope.claims.claim(job.id, job.prompt_id)
         if status == "done":  # and that worker has already fetched them
-            self.report(f"job {job.id}: already done, nothing posted")
-            self.resolve("done", job.id)
+            self.scope.report(f"job {job.id}: already done, nothing posted")
+            self.scope.resolve("done", job.id)
             return None
         return status, rec

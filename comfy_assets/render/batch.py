@@ -36,6 +36,7 @@ from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.progress import Ended, Progress
 from comfy_assets.render.queue import Item, JobQueue, prev_number
 from comfy_assets.render.rendering import DeferredRendering
+from comfy_assets.render.scope import BatchScope
 from comfy_assets.render.settle import Settler
 from comfy_assets.render.store_threads import StoreThreads
 from comfy_assets.store import (
@@ -118,29 +119,22 @@ class Batch:
             threads=self.threads,
             report=self.report,
         )
-        self.admission = Admission(
+        scope = BatchScope(
             store=store,
             config=config,
             partition=partition,
             claims=self.claims,
             queue=self.queue,
-            chain=self.chain,
             threads=self.threads,
             report=self.report,
             resolve=self._resolve,
         )
+        self.admission = Admission(scope=scope, chain=self.chain)
         self.settler = Settler(
-            store=store,
-            config=config,
-            partition=partition,
+            scope=scope,
             owner=owner,
-            claims=self.claims,
             renderings=self.renderings,
-            queue=self.queue,
             blame=self.blame,
-            threads=self.threads,
-            report=self.report,
-            resolve=self._resolve,
             stopped=lambda: self.stopped,
             stop=self._stop_fatal,
             draft=draft,

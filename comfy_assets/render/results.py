@@ -25,10 +25,10 @@ import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 from comfy_assets.comfy.types import excerpt
-from comfy_assets.store import Store
+from comfy_assets.store import FileRecord, JobRecord, Store
 
 FIXED_BEFORE = ["job_id", "line", "shot"]
 FIXED_AFTER = [
@@ -63,42 +63,9 @@ class ResultsTable:
         return len(self.rows)
 
 
-class JobRow(Protocol):
-    """The fields of a store job record that the table shows; read-only, as a frozen
-    record's fields are."""
-
-    @property
-    def job_id(self) -> str: ...
-
-    @property
-    def line(self) -> int: ...  # 1-based, in the job file
-
-    @property
-    def shot(self) -> int | None: ...
-
-    @property
-    def state(self) -> str: ...
-
-    @property
-    def server(self) -> str | None: ...
-
-    @property
-    def attempts(self) -> int: ...
-
-    @property
-    def seconds(self) -> float | None: ...
-
-    @property
-    def reason(self) -> str | None: ...
-
-    @property
-    def set(self) -> Mapping[str, Any]: ...  # the job's "node.input" overrides
-
-    @property
-    def take(self) -> int: ...
-
-    @property
-    def inputs(self) -> Sequence[Mapping[str, Any]]: ...  # store.register.inputs_json's items
+# The store's job record, whose fields the table shows (``set``: the job's "node.input"
+# overrides; ``inputs``: ``store.register.inputs_json``'s items).
+JobRow: TypeAlias = JobRecord
 
 
 class ModelTryRow(Protocol):
@@ -113,16 +80,8 @@ class ModelTryRow(Protocol):
     def loaded(self) -> bool: ...
 
 
-class FileRow(Protocol):
-    """One output file of a job (path relative to the job's folder); read-only, as a
-    frozen record's fields are."""
-
-    @property
-    def path(self) -> str: ...
-    @property
-    def sha256(self) -> str: ...
-    @property
-    def node_id(self) -> str | None: ...
+# One output file of a job (``path`` relative to the job's folder), as the store has it.
+FileRow: TypeAlias = FileRecord
 
 
 def files_cell(files: Iterable[FileRow]) -> str:

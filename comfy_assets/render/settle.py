@@ -13,8 +13,6 @@ from typing import Any
 from comfy_assets.jobs.model import Job
 from comfy_assets.render.attempt import Attempt
 from comfy_assets.render.blame import Blame
-from comfy_assets.render.claim_keeping import Claims
-from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.decision import (
     Degraded,
     Done,
@@ -30,37 +28,31 @@ from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.outcome import AttemptResult
 from comfy_assets.render.outputs import remove_stale_outputs
 from comfy_assets.render.progress import Ended
-from comfy_assets.render.queue import Item, JobQueue
+from comfy_assets.render.queue import Item
 from comfy_assets.render.rendering import DeferredRendering
-from comfy_assets.render.store_threads import StoreThreads
-from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store, StoreUnavailable
+from comfy_assets.render.scope import BatchScope
+from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, StoreUnavailable
 
 log = logging.getLogger("comfy_assets.render.guard")
 
 
 @dataclass(eq=False, kw_only=True)
 class Settler:
-    """The store's side of each attempt's end, for one batch: whose failure it was
-    (``blame``), the move (``decide``, with the policy: ``config``'s retries, ``draft``,
-    ``stop_on_fatal``), then the move written with our claim (``owner``, ``claims``) through
-    ``threads``; a retry goes back in ``queue``, an end is told to ``resolve``, a delivery
-    stop to ``stop`` (``stopped`` says why the batch stopped, if it did).
+    """The store's side of each attempt's end, for one batch (``scope``): whose failure it
+    was (``blame``), the move (``decide``, with the policy: ``scope.config``'s retries,
+    ``draft``, ``stop_on_fatal``), then the move written with our claim (``owner``,
+    ``scope.claims``) through ``scope.threads``; a retry goes back in ``scope.queue``, an
+    end is told to ``scope.resolve``, a delivery stop to ``stop`` (``stopped`` says why the
+    batch stopped, if it did).
 
     ``wrote``: the jobs whose done record (or degraded) or dead letter this batch wrote:
     exactly one run ever writes each (the store takes it only from the claim's holder,
     once), so ``run_one`` tells a job ended now from one ended before."""
 
-    store: Store
-    config: BatchConfig
-    partition: str
+    scope: BatchScope
     owner: str
-    claims: Claims
     renderings: DeferredRendering
-    queue: JobQueue
     blame: Blame
-    threads: StoreThreads
-    report: Callable[[str], None]
-    resolve: Callable[[Ended, str], None]
     stopped: Callable[[], str | None]
     stop: Callable[[str], None]
     draft: InitVar[bool] = False
@@ -69,7 +61,7 @@ class Settler:
     wrote: set[str] = field(default_factory=set, init=False, repr=False)
 
     def __post_init__(self, draft: bool, stop_on_fatal: bool) -> None:
-        self.policy = Policy(self.config.retry, draft, stop_on_fatal)
+        self.policy = Policy(self.scope.config.retry, draft, stop_on_fatal)
 
     async def settle(self, item: Item, attempt_number: int, result: AttemptResult) -> None:
         """Record attempt ``attempt_number`` of ``item`` (``result``); what that raises
@@ -109,7 +101,7 @@ class Settler:
         """Write ``move`` for attempt ``attempt_number`` of ``item`` (result ``r``): its
         transition with the attempt's row in one transaction, the claim, a line, the
         job's place in line or its end in this batch."""
-        job, store = item.job, self.store
+        job, store = item.job, self.scope.store
         tried = AttemptEntry(  # written with the transition below, one transaction
             item.attempts_before + attempt_number,  # rows go on numbering after a requeue
             server=r.server,
@@ -134,8 +126,8 @@ class Settler:
             "rendering": rendering,
         }
         if isinstance(move, Done):
-            remove_stale_outputs(store.job_dir(self.partition, job.id), r.files, job.take)
-            self.claims.finishing_now(job.id)
+            remove_stale_outputs(store.job_dir(self.scope.partition, job.id), r.files, job.take)
+            self.scope.claims.finishing_now(job.id)
             await self.write_done(
                 job.id,
                 state="succeeded",
@@ -143,15 +135,15 @@ class Settler:
                 number=r.number,
                 **ended,
             )
-            self.claims.finished(job.id)
+            self.scope.claims.finished(job.id)
             self.blame.measured(item, r)
             await self.blame.rendered(item, r.server)
             how = "caught up, nothing posted" if r.caught_up else f"{len(r.files)} files"
-            self.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
-            self.resolve("done", job.id)
+            self.scope.report(f"job {job.id} attempt {attempt_number}{where}: succeeded ({how})")
+            self.scope.resolve("done", job.id)
             return
         if isinstance(move, Retry | Pending):
-            await self.threads.call(
+            await self.scope.threads.call(
                 store.transition,
                 job.id,
                 "failed_retryable",
@@ -168,7 +160,7 @@ class Settler:
                 move = Pending(f"not retried in this run ({stopped})", stopped=True)
             if isinstance(move, Retry):
                 when = "retry at once" if move.at_once else f"retry in {move.delay_s * 1000:.0f} ms"
-                self.report(f"{failed}; {when}, ahead of the jobs not yet tried")
+                self.scope.report(f"{failed}; {when}, ahead of the jobs not yet tried")
                 again = Item(
                     job,
                     prev_server=r.server,
@@ -178,15 +170,17 @@ class Settler:
                     elsewhere=item.elsewhere,
                     kinds=item.kinds,
                 )
-                self.queue.push_later(again, move.delay_s)
+                self.scope.queue.push_later(again, move.delay_s)
                 return
-            self.claims.release(job.id)  # no consumer takes it any more: a later run does
+            self.scope.claims.release(job.id)  # no consumer takes it any more: a later run does
             if not move.stopped:
                 await self.blame.unjudged(item)
-            self.report(f"{failed}; {move.why}" + ("" if move.stopped else "; it stays pending"))
-            self.resolve("not_run", job.id)
+            self.scope.report(
+                f"{failed}; {move.why}" + ("" if move.stopped else "; it stays pending")
+            )
+            self.scope.resolve("not_run", job.id)
             return
-        self.claims.finishing_now(job.id)
+        self.scope.claims.finishing_now(job.id)
         await self.blame.unjudged(item)  # its failures no second server judged hold nobody back
         if isinstance(move, Degraded):
             await self.write_done(
@@ -196,27 +190,29 @@ class Settler:
                 reason=move.reason,
                 **ended,
             )
-            self.report(f"job {job.id}: degraded (draft), {move.reason}")
-            self.claims.finished(job.id)
-            self.resolve("degraded", job.id)
+            self.scope.report(f"job {job.id}: degraded (draft), {move.reason}")
+            self.scope.claims.finished(job.id)
+            self.scope.resolve("degraded", job.id)
             return
         await self.write_dead_letter(job.id, move.reason, **ended)
-        self.report(f"job {job.id}: dead-lettered, {move.reason}")
+        self.scope.report(f"job {job.id}: dead-lettered, {move.reason}")
         if move.stops is not None and not self.stopped():
             self.stop(move.stops)
-        self.claims.finished(job.id)
-        self.resolve("dead_lettered", job.id)
+        self.scope.claims.finished(job.id)
+        self.scope.resolve("dead_lettered", job.id)
 
     async def write_done(self, job_id: str, **fields: Any) -> None:
         """The done record of ``job_id`` (``Store.mark_done``, with our claim), noted as
         this batch's (``wrote``). Raises ClaimLost, StoreUnavailable."""
-        await self.threads.call(self.store.mark_done, job_id, self.owner, **fields)
+        await self.scope.threads.call(self.scope.store.mark_done, job_id, self.owner, **fields)
         self.wrote.add(job_id)
 
     async def write_dead_letter(self, job_id: str, reason: str, **fields: Any) -> None:
         """The dead letter of ``job_id`` (``Store.dead_letter``, with our claim), noted as
         this batch's (``wrote``). Raises ClaimLost, StoreUnavailable."""
-        await self.threads.call(self.store.dead_letter, job_id, self.owner, reason, **fields)
+        await self.scope.threads.call(
+            self.scope.store.dead_letter, job_id, self.owner, reason, **fields
+        )
         self.wrote.add(job_id)
 
     async def cancelled(self, job: Job, attempt: Attempt, attempt_number: int, before: int) -> None:
@@ -232,9 +228,9 @@ class Settler:
             except StoreUnavailable as e:
                 what += f"; neither recorded nor its claim released ({e})"
             except ClaimLost as e:  # raised by its rendering write, under way meanwhile
-                self.claims.forget(job.id)
+                self.scope.claims.forget(job.id)
                 what += f"; not recorded: claim lost ({e})"
-            self.report(f"job {job.id}: run cancelled, {what}")
+            self.scope.report(f"job {job.id}: run cancelled, {what}")
 
     async def _record_cancel(
         self, job: Job, attempt: Attempt, attempt_number: int, before: int, what: str
@@ -242,9 +238,9 @@ class Settler:
         """Record the cancelled attempt (its job back to failed_retryable, after its
         rendering move if not yet written) and free the claim. Raises StoreUnavailable,
         ClaimLost."""
-        await self.threads.landed()  # a `submitted` still being written lands first
+        await self.scope.threads.landed()  # a `submitted` still being written lands first
         rendering = await self.renderings.take(job.id)
-        rec = await self.threads.call(self.store.get, job.id)
+        rec = await self.scope.threads.call(self.scope.store.get, job.id)
         if rec is not None and rec.state in ("submitted", "rendering"):
             reason = f"run cancelled; {what}"
             tried = AttemptEntry(
@@ -256,8 +252,8 @@ class Settler:
                 seconds=time.monotonic() - attempt.started,
                 reason=reason,
             )
-            await self.threads.call(
-                self.store.transition,
+            await self.scope.threads.call(
+                self.scope.store.transition,
                 job.id,
                 "failed_retryable",
                 detail=reason,
@@ -265,7 +261,7 @@ class Settler:
                 tried=tried,
                 rendering=rendering if rec.state == "submitted" else None,
             )
-        self.claims.release(job.id)
+        self.scope.claims.release(job.id)
 
     async def left_to_holder(
         self, job: Job, attempt: Attempt, attempt_number: int, why: str, cleanup: str
@@ -278,26 +274,26 @@ class Settler:
             pass  # raised by that move's write under way: the loss this reports
         server = attempt.slot.name if attempt.slot is not None else None
         detail = f"{why} during attempt {attempt_number}; {cleanup}"
-        await self.threads.call(
-            self.store.note, job.id, detail, server=server, attempt=attempt_number
+        await self.scope.threads.call(
+            self.scope.store.note, job.id, detail, server=server, attempt=attempt_number
         )
-        self.claims.forget(job.id)
-        self.report(f"job {job.id}: {detail}; left to its holder")
-        self.resolve("not_run", job.id)
+        self.scope.claims.forget(job.id)
+        self.scope.report(f"job {job.id}: {detail}; left to its holder")
+        self.scope.resolve("not_run", job.id)
 
     async def leave_quarantined(self) -> None:
         """The jobs waiting here for servers that are all quarantined
         (``Blame.quarantined_group``) are not run in this batch: their claims are
         released, they stay pending for a later run, and a line says why."""
-        for group in self.queue.groups():
+        for group in self.scope.queue.groups():
             reason = self.blame.quarantined_group(group)
             if reason is None:
                 continue
-            for item in self.queue.pop_all(group):
+            for item in self.scope.queue.pop_all(group):
                 if item.rec is not None:
-                    self.claims.release(item.job.id)
-                self.report(f"job {item.job.id}: not run, {reason}; it stays pending")
-                self.resolve("not_run", item.job.id)
+                    self.scope.claims.release(item.job.id)
+                self.scope.report(f"job {item.job.id}: not run, {reason}; it stays pending")
+                self.scope.resolve("not_run", item.job.id)
 
     async def dead_letter_now(self, item: Item, rec: JobRecord, reason: str) -> None:
         """``item`` (claimed: ``rec``) can run on no server: a dead letter (degraded in a
@@ -310,17 +306,17 @@ class Settler:
         policy, else a dead letter; nothing is posted. Raises ClaimLost,
         StoreUnavailable."""
         job = item.job
-        self.claims.finishing_now(job.id)
+        self.scope.claims.finishing_now(job.id)
         if self.policy.draft:
             await self.write_done(job.id, state="degraded", reason=reason)
-            self.report(f"job {job.id}: degraded (draft), {reason}")
+            self.scope.report(f"job {job.id}: degraded (draft), {reason}")
             ended: Ended = "degraded"
         else:
             await self.write_dead_letter(job.id, reason)
-            self.report(f"job {job.id}: dead-lettered, {reason}")
+            self.scope.report(f"job {job.id}: dead-lettered, {reason}")
             ended = "dead_lettered"
-        self.claims.finished(job.id)
-        self.resolve(ended, job.id)
+        self.scope.claims.finished(job.id)
+        self.scope.resolve(ended, job.id)
 
     async def _broke(self, item: Item, attempt_number: int, error: Exception) -> None:
         """Recording attempt ``attempt_number`` of ``item`` raised ``error``, the job's
@@ -332,16 +328,16 @@ class Settler:
         job_id = item.job.id
         reason = our_error(error)
         log.error("job %s: %s", job_id, reason, exc_info=error)
-        self.claims.finishing_now(job_id)
+        self.scope.claims.finishing_now(job_id)
         try:
             await self.write_dead_letter(job_id, reason, attempt=attempt_number)
         except Exception as again:
             if stops_the_batch(again):
                 raise
-            rec = await self.threads.call(self.store.get, job_id)
+            rec = await self.scope.threads.call(self.scope.store.get, job_id)
             state = rec.state if rec is not None else "missing"
-            self.claims.release(job_id)
-            self.report(
+            self.scope.claims.release(job_id)
+            self.scope.report(
                 f"job {job_id}: {reason}; its dead letter not written either "
                 f"({our_error(again)}); left {state}"
             )
@@ -350,10 +346,10 @@ class Settler:
                 "succeeded": "done",
                 "degraded": "degraded",
             }
-            self.resolve(ended.get(state, "not_run"), job_id)
+            self.scope.resolve(ended.get(state, "not_run"), job_id)
             return
-        self.claims.finished(job_id)
-        self.report(f"job {job_id}: dead-lettered, {reason}")
+        self.scope.claims.finished(job_id)
+        self.scope.report(f"job {job_id}: dead-lettered, {reason}")
         if self.policy.stop_on_fatal and not self.stopped():
             self.stop(f"stopped after the fatal failure of job {job_id}: {reason}")
-        self.resolve("dead_lettered", job_id)
+        self.scope.resolve("dead_lettered", job_id)

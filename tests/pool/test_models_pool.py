@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.jobs.model import JobFile
+from comfy_assets.jobs.model import Job, JobFile
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.pool.pool import Pool
 from comfy_assets.render.run import run_one
@@ -22,6 +22,7 @@ from tests.support import (
     fast_batch,
     fast_config,
     posted,
+    wait_until,
     write_jobs,
 )
 
@@ -91,9 +92,7 @@ async def test_a_job_waits_for_a_server_that_comes_up_with_its_model(tmp_path):
         servers = [up, ServerSpec("gpu1", f"http://127.0.0.1:{port}")]
         task = asyncio.create_task(fast_batch(jf, servers, store))
         # gpu1 is down and gpu0 lacks c: the a jobs run, the c job waits, unposted.
-        async with asyncio.timeout(30):
-            while store.counts("p").get("succeeded", 0) != 2:
-                await asyncio.sleep(0.01)
+        await wait_until(lambda: store.counts("p").get("succeeded", 0) == 2, 30, "the a jobs")
         assert not task.done()
         async with gpu1.serve(port=port):
             summary = await asyncio.wait_for(task, 30)
@@ -115,34 +114,19 @@ async def test_a_server_restarted_with_a_new_model_file_is_used_for_it_in_the_sa
     async with gpu0.serve(port=0) as url0:
         servers = [ServerSpec("gpu0", url0), ServerSpec("gpu1", f"http://127.0.0.1:{port}")]
         async with Pool(servers, store, owner="me", settings=config) as pool:
+
+            async def run(job: Job) -> None:
+                ran = await run_one(
+                    job, partition="p", pool=pool, store=store, config=config, owner="me"
+                )
+                states.append(ran.state)
+
             async with gpu1.serve(port=port):
                 for job in jf.jobs[:2]:
-                    states.append(
-                        (
-                            await run_one(
-                                job,
-                                partition="p",
-                                pool=pool,
-                                store=store,
-                                config=config,
-                                owner="me",
-                            )
-                        ).state
-                    )
+                    await run(job)
             gpu1.models.set_files(["a.safetensors", "new.safetensors"])
             async with gpu1.serve(port=port):  # started again, with the new file
-                states.append(
-                    (
-                        await run_one(
-                            jf.jobs[2],
-                            partition="p",
-                            pool=pool,
-                            store=store,
-                            config=config,
-                            owner="me",
-                        )
-                    ).state
-                )
+                await run(jf.jobs[2])
     assert states == ["succeeded"] * 3
     new = jf.jobs[2].prompt_id
     assert (posted(gpu0, new), posted(gpu1, new)) == (0, 1)

@@ -13,6 +13,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -33,6 +34,7 @@ from tests.support import (
     fast_config,
     free_port,
     outcomes,
+    run_argv,
     running,
     start_fake_process,
     wait_until,
@@ -101,14 +103,24 @@ async def test_with_every_server_down_the_pool_waits_and_resumes(tmp_path):
         )
     )
     # The batch is waiting: nothing can have run, and the jobs are still pending.
-    async with asyncio.timeout(10):
-        while store.counts("p").get("pending", 0) != 2:
-            await asyncio.sleep(0.01)
+    await wait_until(lambda: store.counts("p").get("pending", 0) == 2, 10, "2 jobs pending")
     assert not task.done()
     async with fake.serve(port=port):
         summary = await asyncio.wait_for(task, 30)
     assert summary.done == 2
     assert ran_on(fake, {j.prompt_id for j in jf.jobs}) == 2
+
+
+def _run_process(
+    jobs: Path, store: Path, servers: list[str], *options: str, **popen: Any
+) -> subprocess.Popen:
+    """``comfy-assets run`` of ``jobs`` as its own process over ``servers`` (``name=url``
+    each) with ``options``, polling every 50 ms, its output piped."""
+    argv = [sys.executable, "-m", "comfy_assets.cli"]
+    argv += run_argv(jobs, store, servers, "--poll-s", "0.05", *options)
+    return subprocess.Popen(
+        argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen
+    )
 
 
 def test_two_processes_sharing_two_servers_never_put_two_prompts_on_one(tmp_path):
@@ -118,30 +130,7 @@ def test_two_processes_sharing_two_servers_never_put_two_prompts_on_one(tmp_path
     files = [write_jobs(tmp_path / f"jobs{i}", 8, name=f"file{i}.jsonl") for i in range(2)]
     with fakes[0].serve_in_thread(port=0) as a, fakes[1].serve_in_thread(port=0) as b:
         procs = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "comfy_assets.cli",
-                    "run",
-                    "--jobs",
-                    str(f),
-                    "--server",
-                    f"gpu0={a}",
-                    "--server",
-                    f"gpu1={b}",
-                    "--store",
-                    str(store),
-                    "--poll-s",
-                    "0.05",
-                    "--base-delay-s",
-                    "0.01",
-                ],
-                cwd=ROOT,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
+            _run_process(f, store, [f"gpu0={a}", f"gpu1={b}"], "--base-delay-s", "0.01")
             for f in files
         ]
         outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -224,27 +213,7 @@ def test_two_runs_sharing_one_server_take_turns(tmp_path):
     ids = [{j.prompt_id for j in load_job_file(f).jobs} for f in files]
 
     def start(path: Path, nice: int = 0) -> subprocess.Popen:
-        return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "comfy_assets.cli",
-                "run",
-                "--jobs",
-                str(path),
-                "--server",
-                f"gpu0={url}",
-                "--store",
-                str(store),
-                "--poll-s",
-                "0.05",
-            ],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            preexec_fn=lambda: os.nice(nice),
-        )
+        return _run_process(path, store, [f"gpu0={url}"], preexec_fn=lambda: os.nice(nice))
 
     def waiting(pid: int) -> bool:
         """The run of process ``pid`` waits for a server (its pool's mark in the store)."""

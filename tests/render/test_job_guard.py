@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import csv
 import errno
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import sqlalchemy.exc
 from comfy_assets.cli.main import main
 from comfy_assets.comfy import capabilities
 from comfy_assets.comfy import client as client_module
+from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.store import Store, StoreDiskFull, StoreUnavailable
@@ -50,81 +52,91 @@ def _table(store: Path) -> dict[str, dict[str, str]]:
         return {row["job_id"]: row for row in csv.DictReader(handle)}
 
 
+@dataclass(frozen=True)
+class Three:
+    """A job file of three jobs (``path``) and its ``jobs``, run over the fake at ``url``;
+    our code is made to raise for ``bad``, the second."""
+
+    path: Path
+    jobs: list[Job]
+    url: str
+
+    @property
+    def bad(self) -> Job:
+        return self.jobs[1]
+
+
+@pytest.fixture
+def three(tmp_path: Path, url: str) -> Three:
+    jobs = write_jobs(tmp_path / "jobs", 3)
+    return Three(jobs, load_job_file(jobs).jobs, url)
+
+
+def _run_with_one_bad(
+    three: Three, capsys: pytest.CaptureFixture[str]
+) -> tuple[list[str], dict[str, str]]:
+    """Run ``three``: the two others succeed and ``three.bad`` is the batch's one dead
+    letter, the run's exit status 1. The lines printed and its row of results.csv."""
+    store = three.path.parent.parent / "store"
+    assert _run(three.path, store, three.url) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert "summary: 2 done, 1 dead-lettered" in out
+    assert out[-1] == f"results: {store / 'jobs' / 'results.csv'}"
+    table = _table(store)
+    assert [table[j.id]["state"] for j in three.jobs] == [
+        "succeeded",
+        "failed_fatal",
+        "succeeded",
+    ]
+    return out, table[three.bad.id]
+
+
 def test_a_prompt_our_client_cannot_encode_is_that_jobs_dead_letter_and_the_batch_ends(
-    tmp_path: Path,
+    three: Three,
     fake: FakeComfy,
-    url: str,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    jobs = write_jobs(tmp_path / "jobs", 3)
-    good, bad, other = load_job_file(jobs).jobs
     real = client_module.json_dumps
 
     def json_dumps(value: Any) -> str:
         # The text a lone surrogate in the prompt gives: encoding it to UTF-8 raises.
         text = real(value)
-        if isinstance(value, dict) and value.get("prompt_id") == bad.prompt_id:
+        if isinstance(value, dict) and value.get("prompt_id") == three.bad.prompt_id:
             return text + "\ud800"
         return text
 
     monkeypatch.setattr(client_module, "json_dumps", json_dumps)
-    store = tmp_path / "store"
 
-    assert _run(jobs, store, url) == 1
+    out, row = _run_with_one_bad(three, capsys)
 
-    out = capsys.readouterr().out.splitlines()
-    assert "summary: 2 done, 1 dead-lettered" in out
-    assert out[-1] == f"results: {store / 'jobs' / 'results.csv'}"
-    table = _table(store)
-    assert [table[j.id]["state"] for j in (good, bad, other)] == [
-        "succeeded",
-        "failed_fatal",
-        "succeeded",
-    ]
-    reason = table[bad.id]["reason"]
-    assert reason.startswith(
+    assert row["reason"].startswith(
         "our error while handling this job: UnicodeEncodeError: 'utf-8' codec can't encode "
         "character '\\ud800'"
     )
-    assert table[bad.id]["attempts"] == "1"  # permanent: not tried again
-    assert bad.prompt_id not in fake.stats["prompts"]  # nothing reached the server
-    assert any(line.startswith(f"job {bad.id}: dead-lettered, our error") for line in out)
+    assert row["attempts"] == "1"  # permanent: not tried again
+    assert three.bad.prompt_id not in fake.stats["prompts"]  # nothing reached the server
+    assert any(line.startswith(f"job {three.bad.id}: dead-lettered, our error") for line in out)
 
 
 def test_a_result_the_store_refuses_to_write_is_that_jobs_dead_letter(
-    tmp_path: Path,
-    fake: FakeComfy,
-    url: str,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    three: Three, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    jobs = write_jobs(tmp_path / "jobs", 3)
-    good, bad, other = load_job_file(jobs).jobs
     real = Store.mark_done
 
     def mark_done(self: Store, job_id: str, *args: Any, **kwargs: Any) -> None:
-        if job_id == bad.id:  # as PostgreSQL answers a NUL in a text column
+        if job_id == three.bad.id:  # as PostgreSQL answers a NUL in a text column
             raise sqlalchemy.exc.DataError(
                 "UPDATE comfy_jobs ...", {}, ValueError("text fields cannot contain NUL (0x00)")
             )
         real(self, job_id, *args, **kwargs)
 
     monkeypatch.setattr(Store, "mark_done", mark_done)
-    store = tmp_path / "store"
 
-    assert _run(jobs, store, url) == 1
+    _, row = _run_with_one_bad(three, capsys)
 
-    out = capsys.readouterr().out.splitlines()
-    assert "summary: 2 done, 1 dead-lettered" in out
-    table = _table(store)
-    assert [table[j.id]["state"] for j in (good, bad, other)] == [
-        "succeeded",
-        "failed_fatal",
-        "succeeded",
-    ]
-    assert table[bad.id]["reason"].startswith("our error while handling this job: DataError: ")
-    assert "text fields cannot contain NUL" in table[bad.id]["reason"]
+    assert row["reason"].startswith("our error while handling this job: DataError: ")
+    assert "text fields cannot contain NUL" in row["reason"]
 
 
 @pytest.mark.parametrize(

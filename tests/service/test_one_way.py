@@ -21,7 +21,7 @@ from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import WORKFLOWS, fake_servers, fast_config, job_id, posted
+from tests.support import WORKFLOWS, fake_servers, fast_config, job_id, posted, run_argv
 
 SAME = ["job_id", "1.color", "1.width", "state", "attempts", "files", "reason"]
 
@@ -71,18 +71,7 @@ def test_run_dagster_and_the_worker_write_the_same_results_csv(tmp_path, monkeyp
     fakes = [FakeComfy(script=["ok", "ok", "invalid"], prompt_seconds=0.005) for _ in range(3)]
     with fakes[0].serve_in_thread(port=0) as url:
         fast = ["--attempts", "1", "--poll-s", "0.05"]
-        code = main(
-            [
-                "run",
-                "--jobs",
-                str(jobs),
-                "--server",
-                f"gpu0={url}",
-                "--store",
-                str(tmp_path / "a"),
-                *fast,
-            ]
-        )
+        code = main(run_argv(jobs, tmp_path / "a", [f"gpu0={url}"], *fast))
         assert code == 1  # one dead letter
     with fakes[1].serve_in_thread(port=0) as url, instance_for_test() as instance:
         instance.add_dynamic_partitions("job_files", ["same"])

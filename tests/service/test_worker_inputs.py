@@ -20,6 +20,7 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service import broker
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
+from tests.process_support import stop
 from tests.render.test_inputs_render import image_jobs, output_of, picture, pixels_of
 from tests.service.test_worker_rabbitmq import URL, queue, ready_count  # noqa: F401 (a fixture)
 from tests.support import ROOT, fake_servers, wait_until
@@ -92,9 +93,7 @@ async def test_a_worker_without_the_pictures_renders_each_enqueued_job_once_from
             worker.send_signal(signal.SIGTERM)
             code = await asyncio.wait_for(worker.wait(), 60)
         finally:
-            if worker.returncode is None:
-                worker.kill()
-                await worker.wait()
+            await stop(worker)
         assert code == 0, log.read_text()
         stats = await fake_stats(specs[0].url)
 

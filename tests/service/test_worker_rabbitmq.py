@@ -26,6 +26,7 @@ from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.api_support import AMQP, fresh_queue
+from tests.process_support import start, stop
 from tests.support import (
     ROOT,
     executed,
@@ -118,11 +119,6 @@ def worker_args(queue_name: str, url: str, store: Path, folder: Path, *extra: st
         "0.05",
         *extra,
     ]
-
-
-async def start(args: list[str], log: Path) -> asyncio.subprocess.Process:
-    with log.open("wb") as out:  # a file, not a pipe: nobody has to read while it runs
-        return await asyncio.create_subprocess_exec(*args, cwd=ROOT, stdout=out, stderr=out)
 
 
 async def test_enqueue_publishes_each_job_persistent_to_a_quorum_queue(tmp_path, queue):
@@ -300,24 +296,39 @@ async def test_a_worker_killed_mid_job_is_finished_by_another_without_a_second_e
     assert await ready_count(queue) == 0
 
 
+@asynccontextmanager
+async def sigterm_once_it_renders(
+    queue: str,
+    url: str,
+    enqueued: tuple[Path, Job, Path],
+    fake: FakeComfy,
+    log: Path,
+    grace_s: str,
+) -> AsyncIterator[asyncio.subprocess.Process]:
+    """A worker process on ``queue`` for the job ``one_job_enqueued`` put there
+    (``enqueued``), over the fake at ``url``, ``--grace-s grace_s``, its output in
+    ``log``: sent SIGTERM once the job's prompt runs, killed on the way out if it still
+    runs."""
+    jobs, job, store_dir = enqueued
+    proc = await start(worker_args(queue, url, store_dir, jobs.parent, "--grace-s", grace_s), log)
+    try:
+        await wait_until(lambda: running(fake, job.prompt_id), 60, "the prompt to run")
+        proc.send_signal(signal.SIGTERM)
+        yield proc
+    finally:
+        await stop(proc)
+
+
 async def test_sigterm_interrupts_the_running_prompt_requeues_and_exits_0_then_it_runs_once(
     tmp_path, queue
 ):
-    jobs, job, store_dir = await one_job_enqueued(tmp_path, queue)
+    enqueued = await one_job_enqueued(tmp_path, queue)
+    jobs, job, store_dir = enqueued
     fake = FakeComfy(script=["hang"], prompt_seconds=0.005)
     log = tmp_path / "a.log"
     async with fake_servers(fake) as specs:
-        proc = await start(
-            worker_args(queue, specs[0].url, store_dir, jobs.parent, "--grace-s", "0.2"), log
-        )
-        try:
-            await wait_until(lambda: running(fake, job.prompt_id), 60, "the prompt to run")
-            proc.send_signal(signal.SIGTERM)
+        async with sigterm_once_it_renders(queue, specs[0].url, enqueued, fake, log, "0.2") as proc:
             code = await asyncio.wait_for(proc.wait(), 60)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
         text = log.read_text()
         assert code == 0, text
         assert outcomes(fake, job.prompt_id) == ["interrupted"]
@@ -334,23 +345,15 @@ async def test_sigterm_interrupts_the_running_prompt_requeues_and_exits_0_then_i
 
 
 async def test_a_second_sigterm_is_logged_and_the_running_job_still_gets_its_grace(tmp_path, queue):
-    jobs, job, store_dir = await one_job_enqueued(tmp_path, queue)
+    enqueued = await one_job_enqueued(tmp_path, queue)
+    _, job, store_dir = enqueued
     fake = FakeComfy(script=["slow"], prompt_seconds=0.1)  # 10 x 0.1 s a node
     log = tmp_path / "a.log"
     async with fake_servers(fake) as specs:
-        proc = await start(
-            worker_args(queue, specs[0].url, store_dir, jobs.parent, "--grace-s", "120"), log
-        )
-        try:
-            await wait_until(lambda: running(fake, job.prompt_id), 60, "the prompt to run")
-            proc.send_signal(signal.SIGTERM)
+        async with sigterm_once_it_renders(queue, specs[0].url, enqueued, fake, log, "120") as proc:
             await wait_until(lambda: "SIGTERM: stopping" in log.read_text(), 30, "the first signal")
             proc.send_signal(signal.SIGTERM)
             code = await asyncio.wait_for(proc.wait(), 60)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
     text = log.read_text()
     assert code == 0, text
     assert "SIGTERM: second signal received; still waiting up to" in text

@@ -204,20 +204,6 @@ def test_two_store_objects_on_one_file_see_each_others_claims(tmp_path, workflow
     b.close()
 
 
-def test_an_expired_claim_is_taken_over_with_an_event(store, workflow_dir):
-    (job,) = make_jobs(workflow_dir, 1)
-    store.register_jobs("film", [job])
-    assert store.claim(job.id, "w1", lease_s=10.0, now=100.0) == "claimed"
-    assert store.claim(job.id, "w2", lease_s=10.0, now=109.9) == "held"
-    assert store.claim(job.id, "w2", lease_s=10.0, now=110.0) == "claimed"
-    rec = store.get(job.id)
-    assert (rec.claimed_by, rec.claim_expires_at) == ("w2", 120.0)
-    last = store.events(job_id=job.id)[-1]
-    assert last.detail == "claim taken over from w1 (its lease expired)"
-    assert (last.from_state, last.to_state, last.time) == ("pending", "pending", 110.0)
-    assert store.renew_claim(job.id, "w1", 10.0, now=111.0) is False
-
-
 def test_renewing_keeps_a_claim_alive_past_its_first_expiry(store, workflow_dir):
     (job,) = make_jobs(workflow_dir, 1)
     store.register_jobs("film", [job])

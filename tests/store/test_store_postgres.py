@@ -88,15 +88,17 @@ def test_ten_thousand_jobs_register_in_bulk(any_store, workflow_dir):
     assert [(r.shot, r.line) for r in listed[:2]] == [(1, 10_000), (2, 9_999)]  # by shot
 
 
-def test_claims_expire_and_are_taken_over(any_store, workflow_dir):
+def test_claims_expire_and_are_taken_over_with_an_event(any_store, workflow_dir):
     (job,) = make_jobs(workflow_dir, 1)
     any_store.register_jobs("film", [job])
     assert any_store.claim(job.id, "w1", lease_s=10.0, now=100.0) == "claimed"
-    assert any_store.claim(job.id, "w2", lease_s=10.0, now=105.0) == "held"
+    assert any_store.claim(job.id, "w2", lease_s=10.0, now=109.9) == "held"
     assert any_store.claim(job.id, "w2", lease_s=10.0, now=110.0) == "claimed"
-    assert (
-        any_store.events(job_id=job.id)[-1].detail == "claim taken over from w1 (its lease expired)"
-    )
+    rec = any_store.get(job.id)
+    assert (rec.claimed_by, rec.claim_expires_at) == ("w2", 120.0)
+    last = any_store.events(job_id=job.id)[-1]
+    assert last.detail == "claim taken over from w1 (its lease expired)"
+    assert (last.from_state, last.to_state, last.time) == ("pending", "pending", 110.0)
     assert any_store.renew_claim(job.id, "w1", 10.0, now=111.0) is False
     assert any_store.renew_claim(job.id, "w2", 10.0, now=111.0) is True
     assert any_store.release_claim(job.id, "w2") is True

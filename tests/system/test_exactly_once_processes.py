@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
-from tests.support import ROOT, executed, posted, write_jobs
+from tests.support import ROOT, executed, posted, run_argv, write_jobs
 
 
 def cli(*args: str) -> list[str]:
@@ -23,22 +23,8 @@ def cli(*args: str) -> list[str]:
 
 
 def run_args(jobs: Path, url: str, store: Path, *extra: str) -> list[str]:
-    return cli(
-        "run",
-        "--jobs",
-        str(jobs),
-        "--server",
-        f"gpu0={url}",
-        "--store",
-        str(store),
-        "--base-delay-s",
-        "0.01",
-        "--max-delay-s",
-        "0.05",
-        "--poll-s",
-        "0.05",
-        *extra,
-    )
+    fast = ["--base-delay-s", "0.01", "--max-delay-s", "0.05", "--poll-s", "0.05"]
+    return cli(*run_argv(jobs, store, [f"gpu0={url}"], *fast, *extra))
 
 
 def wait_until(condition, timeout_s: float, what: str) -> None:
