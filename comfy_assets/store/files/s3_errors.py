@@ -87,6 +87,9 @@ def store_error(error: BaseException, location: str, doing: str) -> StoreError |
 def _mapped(error: BaseError, location: str, doing: str) -> StoreError:
     code, status = _code_and_status(str(error))
     why = _why(error, code, status)
+    # A quota's refusal may come as a 403: the code says which.
+    if code in _FULL_CODES or status == 507:
+        return FileStoreFull(f"{location}: {doing}: the object store is full ({why})")
     if code == "NoSuchBucket":
         return FileStoreRefused(f"{location}: {doing}: the bucket does not exist ({why})")
     if (
@@ -97,9 +100,7 @@ def _mapped(error: BaseError, location: str, doing: str) -> StoreError:
         return FileStoreRefused(f"{location}: {doing}: the credentials were refused ({why})")
     if isinstance(error, UnknownConfigurationKeyError):
         return FileStoreRefused(f"{location}: {doing}: the client's settings were refused")
-    if code in _FULL_CODES or status == 507:
-        return FileStoreFull(f"{location}: {doing}: the object store is full ({why})")
-    return FileStoreUnavailable(f"{location}: {doing}: the object store did not answer ({why})")
+    return FileStoreUnavailable(f"{location}: {doing}: the object store is unavailable ({why})")
 
 
 @contextmanager

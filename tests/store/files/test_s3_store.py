@@ -284,7 +284,7 @@ def test_a_wrong_secret_bucket_or_endpoint_is_refused_in_one_line(
     expected = {
         "secret": "the credentials were refused (403 SignatureDoesNotMatch)",
         "bucket": "the bucket does not exist (404 NoSuchBucket)",
-        "endpoint": "the object store did not answer (connection failed)",
+        "endpoint": "the object store is unavailable (connection failed)",
     }[wrong]
     assert message.endswith(expected), message
 
@@ -302,7 +302,9 @@ async def test_writes_with_a_wrong_secret_are_refused_and_a_store_down_unavailab
         endpoint=f"http://127.0.0.1:{unused_port()}",
         max_retries=1,
     )
-    with pytest.raises(FileStoreUnavailable, match="storing the output a.png: .* did not answer"):
+    with pytest.raises(
+        FileStoreUnavailable, match="storing the output a.png: the object store is unavailable"
+    ):
         await down.write_output("p", "j", "a.png", chunks_of(b"x"))
     assert s3_endpoint.objects(s3_bucket) == {}
 
