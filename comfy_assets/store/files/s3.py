@@ -72,6 +72,9 @@ CONNECT_TIMEOUT_S = 5
 REQUEST_TIMEOUT_S = 120
 # HEAD requests in flight at once when a job's outputs are confirmed.
 CONFIRM_CONCURRENCY = 16
+# How many keys whose size the server confirmed are remembered (about 100 bytes each);
+# past it they are forgotten and asked again.
+CONFIRMED_MAX = 50_000
 # S3's longest presigned URL (Signature V4): seven days.
 MAX_URL_EXPIRY_S = 7 * 24 * 3600
 
@@ -112,6 +115,7 @@ class S3FileStore:
         self.small_max = small_max
         self.part_bytes = part_bytes
         self.concurrency = concurrency
+        self._confirmed: dict[str, int] = {}
         self._store = _client(self.where, self.settings, max_retries, retry_timeout_s)
 
     @property
@@ -159,6 +163,7 @@ class S3FileStore:
                         chunk_size=self.part_bytes,
                         max_concurrency=self.concurrency,
                     )
+                    self._confirm(key, spool.size)
             return StoredFile(sha256, spool.size, media)
 
     async def _put_small(self, key: str, data: bytes | bytearray, media: str) -> None:
@@ -167,30 +172,46 @@ class S3FileStore:
                 self._store, key, data, mode="create", attributes={"Content-Type": media}
             )
         except AlreadyExistsError:
-            pass  # 412: the same bytes are stored already, by this job or another
+            return  # 412: the same bytes are stored already, by this job or another
+        self._confirm(key, len(data))
+
+    def _confirm(self, key: str, size: int) -> None:
+        """Remember that the server confirmed ``key`` holds ``size`` bytes."""
+        if len(self._confirmed) >= CONFIRMED_MAX:
+            self._confirmed.clear()
+        self._confirmed[key] = size
 
     async def _stored_with_size(self, key: str, size: int) -> bool:
         try:
             meta = await obstore.head_async(self._store, key)
         except (FileNotFoundError, NotFoundError):
             return False
-        return meta["size"] == size
+        if meta["size"] != size:
+            return False
+        self._confirm(key, size)
+        return True
 
     async def confirm_outputs(
         self, partition: str, job_id: str, files: Sequence[OutputRef]
     ) -> str | None:
-        """Sizes by HEAD requests, ``CONFIRM_CONCURRENCY`` at once; the checksum is the
-        key itself, written only by a writer that hashed the bytes it sent."""
+        """Sizes the server confirmed to this object already (a PUT answered 200, a
+        multipart upload completed, a HEAD before one) are not asked again; the others by
+        HEAD requests, ``CONFIRM_CONCURRENCY`` at once. The checksum is the key itself,
+        written only by a writer that hashed the bytes it sent."""
         limit = asyncio.Semaphore(CONFIRM_CONCURRENCY)
 
         async def problem(file: OutputRef) -> str | None:
+            key = _output_key(file.sha256)
+            if self._confirmed.get(key) == file.bytes:
+                return None
             async with limit:
-                key = _output_key(file.sha256)
                 with s3_errors(self.location, f"confirming the output {file.path}", key):
                     try:
                         meta = await obstore.head_async(self._store, key)
                     except (FileNotFoundError, NotFoundError):
                         return f"missing: {file.path}"
+                if meta["size"] == file.bytes:
+                    self._confirm(key, file.bytes)
                 return _size_problem(file, meta["size"])
 
         problems = await asyncio.gather(*(problem(f) for f in files))

@@ -325,3 +325,27 @@ def test_file_store_for_names_the_implementation(
     assert isinstance(file_store_for(str(tmp_path)), FolderFileStore)
     with pytest.raises(ValueError, match="bucket 'ab' is not a bucket name"):
         file_store_for("s3://ab/x")
+
+
+async def test_outputs_just_written_are_confirmed_without_asking_again(
+    s3_endpoint: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    """The store's own 200 answers confirm what this store object wrote; another one (a
+    process after a restart) asks the server (bytes through a proxy in front of it)."""
+    host, port = urlsplit(s3_endpoint.endpoint).netloc.split(":")
+    proxy = TcpProxy(host, int(port))
+    with proxy.running():
+        endpoint = f"http://127.0.0.1:{proxy.port}"
+        store = store_at(s3_endpoint, s3_bucket, tmp_path, endpoint=endpoint)
+        stored = await store.write_output("p", "j", "a.png", chunks_of(b"png bytes"))
+        ref = Ref("a.png", stored.sha256, stored.bytes)
+        before = proxy.bytes_sent
+        assert await store.confirm_outputs("p", "j", [ref]) is None
+        assert proxy.bytes_sent == before
+        restarted = store_at(s3_endpoint, s3_bucket, tmp_path, endpoint=endpoint)
+        assert await restarted.confirm_outputs("p", "j", [ref]) is None
+        assert proxy.bytes_sent > before
+        wrong_size = Ref("a.png", stored.sha256, stored.bytes + 1)
+        assert await store.confirm_outputs("p", "j", [wrong_size]) == (
+            f"changed: a.png ({stored.bytes} bytes, recorded {stored.bytes + 1})"
+        )
