@@ -248,25 +248,18 @@ class S3FileStore:
     def write_file(self, key: str, source: bytes | Path, content_type: str) -> None:
         object_key = _file_key(key)
         with s3_errors(self.location, f"writing {key}", object_key):
-            if isinstance(source, Path) and source.stat().st_size > self.small_max:
-                obstore.put(
-                    self._store,
-                    object_key,
-                    source,
-                    attributes={"Content-Type": content_type},
-                    use_multipart=True,
-                    chunk_size=self.part_bytes,
-                    max_concurrency=self.concurrency,
-                )
-            else:
-                data = source.read_bytes() if isinstance(source, Path) else source
-                obstore.put(
-                    self._store,
-                    object_key,
-                    data,
-                    attributes={"Content-Type": content_type},
-                    use_multipart=False,
-                )
+            # A big file is sent in parts from the disk, the rest in one PUT.
+            big = isinstance(source, Path) and source.stat().st_size > self.small_max
+            body = source.read_bytes() if isinstance(source, Path) and not big else source
+            obstore.put(
+                self._store,
+                object_key,
+                body,
+                attributes={"Content-Type": content_type},
+                use_multipart=big,
+                chunk_size=self.part_bytes,
+                max_concurrency=self.concurrency,
+            )
 
     def open_file(self, key: str) -> BinaryIO:
         return self._open(_file_key(key), f"reading {key}")
