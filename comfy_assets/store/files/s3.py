@@ -15,7 +15,9 @@ A small output is one create-only PUT (``If-None-Match: *``; 412 means the same 
 are there already: nothing more to do). A bigger one is a HEAD (there already with its
 size: nothing sent) and then a multipart upload of ``part_bytes`` parts, ``concurrency``
 at once, aborted on any failure; two writers of the same bytes at once both upload
-identical bytes to one key, which leaves one object either way.
+identical bytes to one key, which leaves one object either way. An abort that cannot be
+sent (the server gone for longer than the retries) leaves the upload open, unseen by
+readers: ``check`` (every command's start) aborts the store's uploads open for a day.
 
 Requests are retried by the client on connection errors, timeouts of reads, 5xx and
 throttling (503 SlowDown), ``max_retries`` times with exponential backoff from
@@ -26,9 +28,10 @@ then fail as FileStoreUnavailable (s3_errors): the caller waits and tries again.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import io
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
-from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -42,12 +45,14 @@ from comfy_assets.store.errors import StoreError
 from comfy_assets.store.files.base import (
     DEFAULT_URL_EXPIRY_S,
     FileStoreRefused,
+    FileStoreUnavailable,
     OutputRef,
     StoredFile,
 )
 from comfy_assets.store.files.folder import content_type
 from comfy_assets.store.files.s3_config import S3Location, S3Settings, parse_location
 from comfy_assets.store.files.s3_errors import refused, s3_errors
+from comfy_assets.store.files.s3_uploads import abort_upload, open_uploads
 from comfy_assets.store.files.spool import Spool
 
 if TYPE_CHECKING:
@@ -75,6 +80,9 @@ CONFIRM_CONCURRENCY = 16
 # How many keys whose size the server confirmed are remembered (about 100 bytes each);
 # past it they are forgotten and asked again.
 CONFIRMED_MAX = 50_000
+# A multipart upload open this long is one whose writer failed and could not abort it
+# (an outage longer than the retries): no upload of ours lasts a day.
+STALE_UPLOAD_S = 24 * 3600
 # S3's longest presigned URL (Signature V4): seven days.
 MAX_URL_EXPIRY_S = 7 * 24 * 3600
 
@@ -83,6 +91,7 @@ _FILES = "files"
 # Output names are checked as a folder store checks them (safe_output_path); no disk is
 # involved, so the folder given is one that does not exist, hence holds no link.
 _NO_FOLDER = Path("/nonexistent/comfy-assets-s3")
+logger = logging.getLogger(__name__)
 
 
 class S3FileStore:
@@ -125,7 +134,9 @@ class S3FileStore:
     def check(self) -> None:
         """List one key of the bucket: a wrong endpoint, bucket or credential fails here.
         (Credentials that may read but not write fail at the first write, also as
-        FileStoreRefused.) Raises FileStoreRefused, one line."""
+        FileStoreRefused.) Then abort the multipart uploads left open for a day
+        (``abort_stale_uploads``; its failure is logged, the store still works). Raises
+        FileStoreRefused, one line."""
         try:
             with s3_errors(self.location, "reaching the bucket"):
                 next(iter(obstore.list(self._store, _FILES, chunk_size=1)), None)
@@ -133,6 +144,31 @@ class S3FileStore:
             # At a first contact an endpoint that does not answer is as wrong as a bucket
             # that does not exist.
             raise refused(e) from e
+        try:
+            self.abort_stale_uploads()
+        except FileStoreUnavailable as e:
+            logger.warning("%s", e)
+
+    def abort_stale_uploads(self, older_than_s: float = STALE_UPLOAD_S) -> int:
+        """Abort the multipart uploads of ours (outputs, store files) open for
+        ``older_than_s`` seconds or more; how many (0 without static credentials:
+        module s3_uploads). Raises FileStoreUnavailable naming what failed."""
+        if self.settings.access_key_id is None:
+            return 0
+        now = datetime.datetime.now(datetime.UTC)
+        cutoff = now - datetime.timedelta(seconds=older_than_s)
+        aborted = 0
+        try:
+            for prefix in (f"{_OUTPUTS}/", f"{_FILES}/"):
+                for upload in open_uploads(self.settings, self.where, prefix):
+                    if upload.initiated <= cutoff:
+                        abort_upload(self.settings, self.where.bucket, upload)
+                        aborted += 1
+        except (OSError, RuntimeError, ValueError) as e:
+            raise FileStoreUnavailable(
+                f"{self.location}: aborting the multipart uploads left open: {e}"
+            ) from e
+        return aborted
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -298,7 +334,7 @@ class S3FileStore:
             # An endpoint reached without credentials serves its objects unsigned.
             return f"{self.settings.endpoint.rstrip('/')}/{self.where.bucket}/{self._full(key)}"
         with s3_errors(self.location, "signing a URL", key):
-            return obstore.sign(self._store, "GET", key, timedelta(seconds=expires_s))
+            return obstore.sign(self._store, "GET", key, datetime.timedelta(seconds=expires_s))
 
     def _full(self, key: str) -> str:
         return f"{self.where.prefix}/{key}" if self.where.prefix else key
@@ -350,15 +386,15 @@ def _client(
         config=config,  # type: ignore[arg-type]
         client_options={
             "allow_http": bool(settings.endpoint and settings.endpoint.startswith("http://")),
-            "connect_timeout": timedelta(seconds=CONNECT_TIMEOUT_S),
-            "timeout": timedelta(seconds=REQUEST_TIMEOUT_S),
+            "connect_timeout": datetime.timedelta(seconds=CONNECT_TIMEOUT_S),
+            "timeout": datetime.timedelta(seconds=REQUEST_TIMEOUT_S),
         },
         retry_config={
             "max_retries": max_retries,
-            "retry_timeout": timedelta(seconds=retry_timeout_s),
+            "retry_timeout": datetime.timedelta(seconds=retry_timeout_s),
             "backoff": {
-                "init_backoff": timedelta(seconds=RETRY_INIT_BACKOFF_S),
-                "max_backoff": timedelta(seconds=RETRY_MAX_BACKOFF_S),
+                "init_backoff": datetime.timedelta(seconds=RETRY_INIT_BACKOFF_S),
+                "max_backoff": datetime.timedelta(seconds=RETRY_MAX_BACKOFF_S),
                 "base": 2,
             },
         },

@@ -349,3 +349,19 @@ async def test_outputs_just_written_are_confirmed_without_asking_again(
         assert await store.confirm_outputs("p", "j", [wrong_size]) == (
             f"changed: a.png ({stored.bytes} bytes, recorded {stored.bytes + 1})"
         )
+
+
+def test_uploads_left_open_for_a_day_are_aborted(
+    s3_store: S3FileStore, s3_endpoint: S3Server, s3_bucket: str
+) -> None:
+    """An outage longer than the client's retries leaves its multipart upload open (its
+    abort could not be sent); the next store to start aborts the store's own ones once
+    they are a day old, and leaves other keys' alone."""
+    for key in (f"farm/sha256/{'a' * 64}", "farm/files/p/film.mp4", "elsewhere/big.bin"):
+        status, _ = s3_endpoint.request("POST", s3_bucket, key, query={"uploads": ""})
+        assert status == 200
+
+    s3_store.check()  # the uploads are new: they may still be being written
+    assert len(s3_endpoint.multipart_uploads(s3_bucket)) == 3
+    assert s3_store.abort_stale_uploads(older_than_s=0) == 2
+    assert s3_endpoint.multipart_uploads(s3_bucket) == ["elsewhere/big.bin"]
