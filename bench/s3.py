@@ -126,7 +126,9 @@ def timed(label: str, count: int, run) -> float:
 def bench_small(server: S3Server, work: Path, count: int, size: int, threads: int) -> None:
     paths = small_files(work / "small", count, size)
     store = S3FileStore(f"s3://{BUCKET}/ours", settings(server))
-    print(f"small_files={count} small_bytes={size} small_in_flight={threads}")
+    print(f"small_files={count}")
+    print(f"small_bytes={size}")
+    print(f"small_in_flight={threads}")
     ours = timed("ours", count, lambda: asyncio.run(ours_small(store, paths, threads)))
     timed("ours_again", count, lambda: asyncio.run(ours_small(store, paths, threads)))
     stored = len(server.objects(BUCKET, "ours/sha256/")) if count < 1000 else None
