@@ -12,6 +12,14 @@ from comfy_assets.store.files.base import (
 )
 from comfy_assets.store.files.folder import FolderFileStore
 
+
+def files_of(store: object) -> FileStore:
+    """The file store of ``store`` (a ``Store``): ``store.file_store`` where the store
+    holds one, else the folder of ``store.root``. The one place readers get it from."""
+    found: FileStore | None = getattr(store, "file_store", None)
+    return found if found is not None else FolderFileStore(getattr(store, "root"))  # noqa: B009
+
+
 __all__ = [
     "DEFAULT_URL_EXPIRY_S",
     "FileStore",
@@ -21,4 +29,5 @@ __all__ = [
     "FolderFileStore",
     "OutputRef",
     "StoredFile",
+    "files_of",
 ]
