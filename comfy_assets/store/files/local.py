@@ -32,10 +32,15 @@ class Copied:
     bytes: int
 
 
-def copy_stream(source: BinaryIO, dest: Path) -> Copied:
+class NotAsRecorded(ValueError):
+    """What a copy read is not the file the store recorded (another size or sha256)."""
+
+
+def copy_stream(source: BinaryIO, dest: Path, expect: OutputRef | None = None) -> Copied:
     """Copy ``source`` (read to its end, ``COPY_CHUNK`` bytes at a time) to ``dest``
     through a hidden temporary name beside it, renamed when complete: ``dest`` is the old
-    file or the new one, never a part. Folders are made. Raises OSError (nothing left
+    file or the new one, never a part. Folders are made. With ``expect``, the copy is
+    kept only if it has its size and sha256. Raises OSError, NotAsRecorded (nothing left
     behind but ``dest`` as it was)."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     temp = dest.with_name(f".{dest.name}.{os.urandom(4).hex()}.part")
@@ -47,6 +52,11 @@ def copy_stream(source: BinaryIO, dest: Path) -> Copied:
                 f.write(block)
                 digest.update(block)
                 size += len(block)
+        if expect is not None and (size, digest.hexdigest()) != (expect.bytes, expect.sha256):
+            raise NotAsRecorded(
+                f"{expect.path}: {size} bytes, sha256 {digest.hexdigest()[:12]}; recorded "
+                f"{expect.bytes} bytes, sha256 {expect.sha256[:12]}"
+            )
         os.replace(temp, dest)
     except BaseException:
         temp.unlink(missing_ok=True)
@@ -66,14 +76,14 @@ def file_sha256(path: Path) -> Copied:
     return Copied(digest.hexdigest(), size)
 
 
-def _scratch_path(scratch: Path, *parts: str) -> Path:
-    """``scratch`` joined with the POSIX paths ``parts``; ValueError for one that would
+def inside(folder: Path, *parts: str) -> Path:
+    """``folder`` joined with the POSIX paths ``parts``; ValueError for one that would
     leave it (the names come from the store's records, checked when written, and are
-    checked again here since a scratch folder is no place for surprises)."""
+    checked again here: a copy must land where it is said to)."""
     relative = PurePosixPath(*parts)
     if relative.is_absolute() or any(p in ("", ".", "..") for p in relative.parts):
-        raise ValueError(f"{relative} would leave the scratch folder")
-    return scratch.joinpath(*relative.parts)
+        raise ValueError(f"{relative} would leave {folder}")
+    return folder.joinpath(*relative.parts)
 
 
 def output_copy(
@@ -85,7 +95,7 @@ def output_copy(
     path = files.output_path(partition, job_id, file)
     if path is not None:
         return path
-    copy = _scratch_path(scratch, job_id, str(file.path))
+    copy = inside(scratch, job_id, str(file.path))
     with files.open_output(partition, job_id, file) as source:
         copy_stream(source, copy)
     return copy
@@ -100,7 +110,7 @@ def file_copy(files: FileStore, key: str, scratch: Path) -> Path:
         if not path.is_file():
             raise FileNotFoundError(f"{path}: no such file")
         return path
-    copy = _scratch_path(scratch, key)
+    copy = inside(scratch, key)
     with files.open_file(key) as source:
         copy_stream(source, copy)
     return copy
@@ -116,8 +126,7 @@ def writing(files: FileStore, keys: Sequence[str], scratch: Path) -> Iterator[li
     of one folder. Raises what the file store raises."""
     local = [files.file_path(key) for key in keys]
     paths = [
-        p if p is not None else _scratch_path(scratch, key)
-        for p, key in zip(local, keys, strict=True)
+        p if p is not None else inside(scratch, key) for p, key in zip(local, keys, strict=True)
     ]
     for path in paths:
         path.parent.mkdir(parents=True, exist_ok=True)
