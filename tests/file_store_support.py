@@ -20,6 +20,8 @@ from aiohttp.test_utils import TestServer
 from comfy_assets.store.files import DEFAULT_URL_EXPIRY_S, FolderFileStore, OutputRef, StoredFile
 
 SECRET = b"the fake store's signing key"
+# (method, path, Authorization header) of each request a links_app was sent.
+REQUESTS = web.AppKey("requests", list[tuple[str, str, str | None]])
 
 
 def signature(path: str, expires_s: int) -> str:
@@ -30,12 +32,15 @@ class LinkedFileStore:
     """A FileStore (comfy_assets.store.files.base) over the folder ``hidden`` that
     readers must reach by URL: ``output_path``/``file_path`` are None, URLs are
     ``<base_url>/<path>?X-Amz-Expires=..&X-Amz-Signature=..``. ``expiries``: every
-    ``expires_s`` a URL was asked for."""
+    ``expires_s`` a URL was asked for; ``opened``: every output and file read
+    (``<partition>/<job id>/<path>`` or the key); ``written``: every key written."""
 
     def __init__(self, hidden: Path, base_url: str = "http://objects.test") -> None:
         self.folder = FolderFileStore(hidden)
         self.base_url = base_url
         self.expiries: list[int] = []
+        self.opened: list[str] = []
+        self.written: list[str] = []
 
     @property
     def location(self) -> str:
@@ -63,6 +68,7 @@ class LinkedFileStore:
         """Objects may be shared: nothing is removed."""
 
     def open_output(self, partition: str, job_id: str, file: OutputRef) -> BinaryIO:
+        self.opened.append(f"{partition}/{job_id}/{file.path}")
         return self.folder.open_output(partition, job_id, file)
 
     def output_path(self, partition: str, job_id: str, file: OutputRef) -> Path | None:
@@ -82,9 +88,11 @@ class LinkedFileStore:
         return self._url(f"{partition}/{job_id}/{file.path}", expires_s)
 
     def write_file(self, key: str, source: bytes | Path, content_type: str) -> None:
+        self.written.append(key)
         self.folder.write_file(key, source, content_type)
 
     def open_file(self, key: str) -> BinaryIO:
+        self.opened.append(key)
         return self.folder.open_file(key)
 
     def file_path(self, key: str) -> Path | None:
@@ -103,7 +111,7 @@ def links_app(store: LinkedFileStore) -> web.Application:
     Authorization header) of each request."""
     app = web.Application()
     seen: list[tuple[str, str, str | None]] = []
-    app["requests"] = seen
+    app[REQUESTS] = seen
 
     async def get(request: web.Request) -> web.StreamResponse:
         relative = request.match_info["path"]

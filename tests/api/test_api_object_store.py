@@ -21,7 +21,7 @@ from comfy_assets.api.submission import parse_submission
 from comfy_assets.store import OutputFile, Store
 from comfy_assets.store.api_jobs import ApiJob, ApiLedger
 from tests.api_support import api_client, auth, job_body, make_api
-from tests.file_store_support import LinkedFileStore, serve_links
+from tests.file_store_support import REQUESTS, LinkedFileStore, serve_links
 from tests.support import wait_until
 
 pytestmark = pytest.mark.rabbitmq
@@ -91,7 +91,7 @@ async def test_files_are_presigned_urls_and_the_api_redirects_to_them(
     finally:
         await links.close()
     # What reached the object store's server: GETs only, never the API's token.
-    requests = links.app["requests"]
+    requests = links.app[REQUESTS]
     assert {method for method, _, _ in requests} == {"GET"}
     assert all(authorization is None for _, _, authorization in requests)
     assert set(objects.expiries) == {3600}

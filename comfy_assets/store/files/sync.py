@@ -75,7 +75,7 @@ def sync_outputs(
             try:
                 copied = copy_stream(source, dest, expect=file)
             except NotAsRecorded as e:
-                counts.failed.append(f"{job_id}/{e}: not copied")
+                counts.failed.append(f"{job_id}/{e}")
                 continue
         counts.copied_bytes += copied.bytes
         if found is None:
