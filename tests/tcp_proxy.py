@@ -20,7 +20,8 @@ class TcpProxy:
 
     ``cut()``: every open connection is closed and new ones are refused (nothing listens
     on the port), as during a server restart. ``restore()``: it listens again on the same
-    port. ``connections``: how many were accepted so far. Both are safe from any thread
+    port. ``connections``: how many were accepted so far; ``bytes_sent``: how many bytes
+    the clients sent to the target. Both are safe from any thread
     and return once done.
     """
 
@@ -33,6 +34,7 @@ class TcpProxy:
             probe.bind((listen_host, 0))
             self.port = probe.getsockname()[1]
         self.connections = 0
+        self.bytes_sent = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tcp-proxy")
         self._server: asyncio.Server | None = None
@@ -84,16 +86,22 @@ class TcpProxy:
         self._writers.update({writer, up_writer})
         try:
             await asyncio.gather(
-                self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
+                self._pipe(reader, up_writer, sent=True),
+                self._pipe(up_reader, writer),
+                return_exceptions=True,
             )
         finally:
             for w in (writer, up_writer):
                 self._writers.discard(w)
                 w.transport.abort()
 
-    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _pipe(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, sent: bool = False
+    ) -> None:
         try:
             while data := await reader.read(65536):
+                if sent:
+                    self.bytes_sent += len(data)
                 writer.write(data)
                 await writer.drain()
         finally:

@@ -1,5 +1,10 @@
 """The files side of the store: ``FileStore``, a folder (``FolderFileStore``) or an S3
-bucket (``S3FileStore``). See ``base``."""
+bucket (``S3FileStore``), made from a store's location by ``file_store_for``. See
+``base``."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 from comfy_assets.store.files.base import (
     DEFAULT_URL_EXPIRY_S,
@@ -11,6 +16,19 @@ from comfy_assets.store.files.base import (
     StoredFile,
 )
 from comfy_assets.store.files.folder import FolderFileStore
+from comfy_assets.store.files.s3 import S3FileStore
+from comfy_assets.store.files.s3_config import S3Settings, is_s3_location
+
+
+def file_store_for(location: str | Path) -> FileStore:
+    """The file store of a store's ``location``: ``s3://BUCKET/PREFIX`` an S3FileStore
+    (endpoint, region and credentials from the environment and the AWS profile files),
+    a Path or any other text a FolderFileStore of that folder. Nothing is reached yet
+    (``check`` does). Raises ValueError for an ``s3://`` location that is not
+    ``s3://BUCKET/PREFIX``, FileStoreRefused for an AWS_PROFILE that does not exist."""
+    if is_s3_location(location):
+        return S3FileStore(str(location))
+    return FolderFileStore(Path(location))
 
 
 def files_of(store: object) -> FileStore:
@@ -28,6 +46,9 @@ __all__ = [
     "FileStoreUnavailable",
     "FolderFileStore",
     "OutputRef",
+    "S3FileStore",
+    "S3Settings",
     "StoredFile",
+    "file_store_for",
     "files_of",
 ]
