@@ -101,6 +101,9 @@ class LinkedFileStore:
     def file_url(self, key: str, expires_s: int = DEFAULT_URL_EXPIRY_S) -> str | None:
         return self._url(key, expires_s)
 
+    def file_location(self, key: str) -> str:
+        return f"{self.location}/files/{key}"
+
     def list_files(self, prefix: str) -> Iterator[tuple[str, int]]:
         return self.folder.list_files(prefix)
 

@@ -83,14 +83,14 @@ def test_films_sheets_and_results_go_through_the_object_store(
     assert sheet.startswith(f"[![{PARTITION}: 6 outputs of 6 jobs]({link}")
     assert len(sheet) < 1000  # the UI shows it inline
     assert renders_meta["contact_sheet_path"].value == (
-        f"s3://fake-bucket/farm/{PARTITION}/outputs.contact.png"
+        f"s3://fake-bucket/farm/files/{PARTITION}/outputs.contact.png"
     )
     film_meta = metadata_of(cut, "films")
     assert film_meta["film"].value.startswith(f"{linked.base_url}/{PARTITION}/film.mp4?")
     assert film_meta["contact_sheet"].value.startswith("[![film contact sheet](http://objects")
-    assert film_meta["path"].value == f"s3://fake-bucket/farm/{PARTITION}/film.mp4"
+    assert film_meta["path"].value == f"s3://fake-bucket/farm/files/{PARTITION}/film.mp4"
     results_meta = metadata_of(rendered, "render_results")
-    assert results_meta["path"].value == f"s3://fake-bucket/farm/{PARTITION}/results.csv"
+    assert results_meta["path"].value == f"s3://fake-bucket/farm/files/{PARTITION}/results.csv"
     table = pd.read_csv(store_dir / "all_results.csv", dtype=str)
     assert list(table["partition"]) == [PARTITION] * 6
     assert set(table["state"]) == {"succeeded"}

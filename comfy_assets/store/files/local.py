@@ -138,9 +138,9 @@ def writing(files: FileStore, keys: Sequence[str], scratch: Path) -> Iterator[li
 
 def file_location(files: FileStore, key: str, *, resolved: bool = False) -> str:
     """Where the store's file ``key`` is, for a line or a metadata entry: its path on
-    this disk (absolute when ``resolved``), else ``<store location>/<key>``
-    (``s3://BUCKET/PREFIX/images/results.csv``)."""
+    this disk (absolute when ``resolved``), else its object's URL
+    (``FileStore.file_location``: ``s3://BUCKET/PREFIX/files/images/results.csv``)."""
     path = files.file_path(key)
-    if path is None:
-        return f"{files.location.rstrip('/')}/{key}"
-    return str(path.resolve() if resolved else path)
+    if path is not None and resolved:
+        return str(path.resolve())
+    return files.file_location(key)
