@@ -227,7 +227,8 @@ def render_partition(
         "counts": MetadataValue.json(counts),
         "gpu_seconds": MetadataValue.float(float(summary.gpu_seconds)),
         "seconds": MetadataValue.float(float(summary.seconds)),
-        "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
+        # Where the partition's files are: its folder, or its objects' prefix.
+        "store": MetadataValue.path(file_location(files, partition, resolved=True)),
         "job_table": job_table(jobs),  # the full ids and cells are in results.csv
         **servers_metadata([s.name for s in comfy.server_specs()], current, health),
     }

@@ -43,7 +43,14 @@ def test_films_sheets_and_results_go_through_the_object_store(
     # The bytes live in the store's folder (where the batch writes outputs today); every
     # reader and writer of the assets reaches them only through the file store.
     linked = LinkedFileStore(store_dir)
-    monkeypatch.setattr(Store, "file_store", linked, raising=False)
+    opened = ResultStoreResource.open
+
+    def open_linked(self: ResultStoreResource, *, retry_s: float | None = None) -> Store:
+        store = opened(self, retry_s=retry_s)
+        store.file_store = linked  # type: ignore[attr-defined]
+        return store
+
+    monkeypatch.setattr(ResultStoreResource, "open", open_linked)
     resources = {"result_store": ResultStoreResource(folder=str(store_dir))}
     instance.add_dynamic_partitions("job_files", [PARTITION])
     instance.add_dynamic_partitions("storyboards", [PARTITION])
@@ -85,6 +92,7 @@ def test_films_sheets_and_results_go_through_the_object_store(
     assert renders_meta["contact_sheet_path"].value == (
         f"s3://fake-bucket/farm/files/{PARTITION}/outputs.contact.png"
     )
+    assert renders_meta["store"].value == f"s3://fake-bucket/farm/files/{PARTITION}"
     film_meta = metadata_of(cut, "films")
     assert film_meta["film"].value.startswith(f"{linked.base_url}/{PARTITION}/film.mp4?")
     assert film_meta["contact_sheet"].value.startswith("[![film contact sheet](http://objects")
