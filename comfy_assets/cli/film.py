@@ -20,7 +20,12 @@ from comfy_assets.film.shots import bad_shot_lines, has_shots
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import POLICIES, JobFileError
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable, files_of
+from comfy_assets.store.files import (
+    FileStoreFull,
+    FileStoreRefused,
+    FileStoreUnavailable,
+    files_of,
+)
 from comfy_assets.store.files.local import file_location
 
 if TYPE_CHECKING:
@@ -105,7 +110,7 @@ def film_command(args: argparse.Namespace) -> int:
         for line in bad_shot_lines(blocked.result):
             print(f"  {line}")
         return EXIT_BLOCKED
-    except (MediaError, OSError, FileStoreUnavailable, FileStoreFull) as e:
+    except (MediaError, OSError, FileStoreUnavailable, FileStoreFull, FileStoreRefused) as e:
         print(f"error: the film was not written: {e}", file=sys.stderr)
         return EXIT_NOT_WRITTEN
     finally:

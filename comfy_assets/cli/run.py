@@ -385,11 +385,11 @@ def results_line(store: Store, partition: str, job_file: JobFile) -> str | None:
     """Write results.csv and print its path; or return why it could not be written
     (``<path> not written: <why>``), for the caller to say."""
     from comfy_assets.render.results import results_location, write_results
-    from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable
+    from comfy_assets.store import StoreError
 
     try:
         path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
-    except (StoreUnavailable, FileStoreUnavailable, FileStoreFull, OSError) as e:
+    except (StoreError, OSError) as e:  # the database's or the files' (StoreUnavailable...)
         # A write cut short by a full disk raises an OSError that names no file.
         return f"{results_location(store, partition)} not written: {e}"
     print_line(f"results: {path}")

@@ -302,7 +302,7 @@ def results_key(partition: str) -> str:
 
 def results_location(store: Store, partition: str) -> str:
     """Where ``write_results`` writes ``partition``'s results CSV, for a line: its path
-    in a folder store, ``s3://BUCKET/PREFIX/<partition>/results.csv`` in an object store."""
+    in a folder store, its object's URL in an object store (``FileStore.file_location``)."""
     return file_location(files_of(store), results_key(partition))
 
 
@@ -315,7 +315,7 @@ def write_results(
     line) is left out; without it every job registered in the partition is a row, in
     line order (the order of ``job_ids`` for a file whose jobs all got there). Raises
     OSError if the CSV cannot be written, StoreUnavailable, FileStoreUnavailable,
-    FileStoreFull."""
+    FileStoreFull, FileStoreRefused."""
     table = JobResults.read(store, partition, job_ids).table()
     return write_table(files_of(store), results_key(partition), table), table
 

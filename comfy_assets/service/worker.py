@@ -60,8 +60,7 @@ from comfy_assets.service.messages import (
     queue_problems,
 )
 from comfy_assets.service.sources import JobSource
-from comfy_assets.store import Store, StoreUnavailable, off_loop
-from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable
+from comfy_assets.store import Store, StoreError, StoreUnavailable, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
 
@@ -464,7 +463,7 @@ class Worker:
                 while pending and not self.store.outage.away:
                     try:
                         await off_loop(self.store, write_results, self.store, pending[0])
-                    except (OSError, StoreUnavailable, FileStoreUnavailable, FileStoreFull) as e:
+                    except (OSError, StoreError) as e:  # the database's or the files'
                         self.handler.touched.add(pending[0])  # tried again next time
                         self._results_not_written(pending[0], e)
                     pending.pop(0)
@@ -481,7 +480,7 @@ class Worker:
                 continue
             try:
                 write_results(self.store, partition)
-            except (OSError, StoreUnavailable, FileStoreUnavailable, FileStoreFull) as e:
+            except (OSError, StoreError) as e:  # the database's or the files'
                 self._results_not_written(partition, e)
 
     def _results_not_written(self, partition: str, error: BaseException) -> None:
