@@ -106,5 +106,8 @@ def test_sync_copies_then_finds_nothing_changed_then_one(s3_endpoint: object) ->
     # the bench starts a SeaweedFS of its own.
     lines = figures("bench/sync.py", "--files", "5", "--bytes", "1000", "--signs", "10")
     assert lines["files"] == "5"
-    for name in ("sync_first_s", "sync_again_s", "sync_one_changed_s", "presign_us"):
-        assert float(lines[name]) > 0
+    # Its own asserts check the counts (5 new, then 5 unchanged, then 1 changed); five
+    # tiny files may take under a millisecond to find unchanged.
+    for name in ("sync_first_s", "sync_again_s", "sync_one_changed_s"):
+        assert float(lines[name]) >= 0
+    assert float(lines["presign_us"]) > 0
