@@ -20,7 +20,8 @@ measured. Three parts:
   multipart upload of 8 MiB parts, 4 at once (median of 3): where multipart starts to pay.
 - ``big_*``: an output of ``--big-mb`` MiB streamed in 1 MiB chunks (made as they are
   asked for, as a download from ComfyUI) by ``write_output`` in a child process of its
-  own: end-to-end throughput (hash and spool included), the child's RSS before and its
+  own: end-to-end throughput (hash and spool included; the same bytes hashed and spooled
+  alone afterwards, to tell the upload's share), the child's RSS before and its
   peak RSS during the write (VmHWM, reset after the imports); and boto3's
   ``upload_file`` of a file of that size (written first, not timed) in another child.
 
@@ -48,6 +49,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from comfy_assets.store.files import S3FileStore, S3Settings  # noqa: E402
+from comfy_assets.store.files.s3 import SMALL_MAX_BYTES  # noqa: E402
+from comfy_assets.store.files.spool import Spool  # noqa: E402
 from tests.s3_server import S3Server, seaweedfs  # noqa: E402
 
 MiB = 1 << 20
@@ -123,7 +126,9 @@ def timed(label: str, count: int, run) -> float:
 def bench_small(server: S3Server, work: Path, count: int, size: int, threads: int) -> None:
     paths = small_files(work / "small", count, size)
     store = S3FileStore(f"s3://{BUCKET}/ours", settings(server))
-    print(f"small_files={count} small_bytes={size} small_in_flight={threads}")
+    print(f"small_files={count}")
+    print(f"small_bytes={size}")
+    print(f"small_in_flight={threads}")
     ours = timed("ours", count, lambda: asyncio.run(ours_small(store, paths, threads)))
     timed("ours_again", count, lambda: asyncio.run(ours_small(store, paths, threads)))
     stored = len(server.objects(BUCKET, "ours/sha256/")) if count < 1000 else None
@@ -196,6 +201,16 @@ def child_big(endpoint: str, key: str, secret: str, mib: int, spool: str, side: 
         stored = asyncio.run(store.write_output("bench", "big", "video/long.mp4", download()))
         wall = time.perf_counter() - t
         assert stored.bytes == mib * MiB
+        # The same bytes hashed and spooled to disk only: the rest of ``wall`` is the
+        # upload.
+        t = time.perf_counter()
+        with Spool(SMALL_MAX_BYTES, Path(spool)) as only_spool:
+            for i in range(mib):
+                only_spool.write(i.to_bytes(8, "big") + block[8:])
+            only_spool.finish()
+        spooled = time.perf_counter() - t
+        print(f"big_ours_hash_and_spool_s={spooled:.2f}")
+        print(f"big_ours_upload_mb_per_s={mib / max(wall - spooled, 1e-9):.0f}")
     else:
         path = Path(spool) / "big.bin"
         with path.open("wb") as f:

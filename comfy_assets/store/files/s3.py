@@ -15,7 +15,9 @@ A small output is one create-only PUT (``If-None-Match: *``; 412 means the same 
 are there already: nothing more to do). A bigger one is a HEAD (there already with its
 size: nothing sent) and then a multipart upload of ``part_bytes`` parts, ``concurrency``
 at once, aborted on any failure; two writers of the same bytes at once both upload
-identical bytes to one key, which leaves one object either way.
+identical bytes to one key, which leaves one object either way. An abort that cannot be
+sent (the server gone for longer than the retries) leaves the upload open, unseen by
+readers: ``check`` (every command's start) aborts the store's uploads open for a day.
 
 Requests are retried by the client on connection errors, timeouts of reads, 5xx and
 throttling (503 SlowDown), ``max_retries`` times with exponential backoff from
@@ -26,9 +28,10 @@ then fail as FileStoreUnavailable (s3_errors): the caller waits and tries again.
 from __future__ import annotations
 
 import asyncio
+import datetime
 import io
+import logging
 from collections.abc import AsyncIterator, Iterator, Sequence
-from datetime import timedelta
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -42,12 +45,14 @@ from comfy_assets.store.errors import StoreError
 from comfy_assets.store.files.base import (
     DEFAULT_URL_EXPIRY_S,
     FileStoreRefused,
+    FileStoreUnavailable,
     OutputRef,
     StoredFile,
 )
 from comfy_assets.store.files.folder import content_type
 from comfy_assets.store.files.s3_config import S3Location, S3Settings, parse_location
 from comfy_assets.store.files.s3_errors import refused, s3_errors
+from comfy_assets.store.files.s3_uploads import abort_upload, open_uploads
 from comfy_assets.store.files.spool import Spool
 
 if TYPE_CHECKING:
@@ -72,6 +77,12 @@ CONNECT_TIMEOUT_S = 5
 REQUEST_TIMEOUT_S = 120
 # HEAD requests in flight at once when a job's outputs are confirmed.
 CONFIRM_CONCURRENCY = 16
+# How many keys whose size the server confirmed are remembered (about 100 bytes each);
+# past it they are forgotten and asked again.
+CONFIRMED_MAX = 50_000
+# A multipart upload open this long is one whose writer failed and could not abort it
+# (an outage longer than the retries): no upload of ours lasts a day.
+STALE_UPLOAD_S = 24 * 3600
 # S3's longest presigned URL (Signature V4): seven days.
 MAX_URL_EXPIRY_S = 7 * 24 * 3600
 
@@ -80,6 +91,7 @@ _FILES = "files"
 # Output names are checked as a folder store checks them (safe_output_path); no disk is
 # involved, so the folder given is one that does not exist, hence holds no link.
 _NO_FOLDER = Path("/nonexistent/comfy-assets-s3")
+logger = logging.getLogger(__name__)
 
 
 class S3FileStore:
@@ -112,6 +124,7 @@ class S3FileStore:
         self.small_max = small_max
         self.part_bytes = part_bytes
         self.concurrency = concurrency
+        self._confirmed: dict[str, int] = {}
         self._store = _client(self.where, self.settings, max_retries, retry_timeout_s)
 
     @property
@@ -121,7 +134,9 @@ class S3FileStore:
     def check(self) -> None:
         """List one key of the bucket: a wrong endpoint, bucket or credential fails here.
         (Credentials that may read but not write fail at the first write, also as
-        FileStoreRefused.) Raises FileStoreRefused, one line."""
+        FileStoreRefused.) Then abort the multipart uploads left open for a day
+        (``abort_stale_uploads``; its failure is logged, the store still works). Raises
+        FileStoreRefused, one line."""
         try:
             with s3_errors(self.location, "reaching the bucket"):
                 next(iter(obstore.list(self._store, _FILES, chunk_size=1)), None)
@@ -129,6 +144,31 @@ class S3FileStore:
             # At a first contact an endpoint that does not answer is as wrong as a bucket
             # that does not exist.
             raise refused(e) from e
+        try:
+            self.abort_stale_uploads()
+        except FileStoreUnavailable as e:
+            logger.warning("%s", e)
+
+    def abort_stale_uploads(self, older_than_s: float = STALE_UPLOAD_S) -> int:
+        """Abort the multipart uploads of ours (outputs, store files) open for
+        ``older_than_s`` seconds or more; how many (0 without static credentials:
+        module s3_uploads). Raises FileStoreUnavailable naming what failed."""
+        if self.settings.access_key_id is None:
+            return 0
+        now = datetime.datetime.now(datetime.UTC)
+        cutoff = now - datetime.timedelta(seconds=older_than_s)
+        aborted = 0
+        try:
+            for prefix in (f"{_OUTPUTS}/", f"{_FILES}/"):
+                for upload in open_uploads(self.settings, self.where, prefix):
+                    if upload.initiated <= cutoff:
+                        abort_upload(self.settings, self.where.bucket, upload)
+                        aborted += 1
+        except (OSError, RuntimeError, ValueError) as e:
+            raise FileStoreUnavailable(
+                f"{self.location}: aborting the multipart uploads left open: {e}"
+            ) from e
+        return aborted
 
     # -- outputs ---------------------------------------------------------------------
 
@@ -159,6 +199,7 @@ class S3FileStore:
                         chunk_size=self.part_bytes,
                         max_concurrency=self.concurrency,
                     )
+                    self._confirm(key, spool.size)
             return StoredFile(sha256, spool.size, media)
 
     async def _put_small(self, key: str, data: bytes | bytearray, media: str) -> None:
@@ -167,30 +208,46 @@ class S3FileStore:
                 self._store, key, data, mode="create", attributes={"Content-Type": media}
             )
         except AlreadyExistsError:
-            pass  # 412: the same bytes are stored already, by this job or another
+            return  # 412: the same bytes are stored already, by this job or another
+        self._confirm(key, len(data))
+
+    def _confirm(self, key: str, size: int) -> None:
+        """Remember that the server confirmed ``key`` holds ``size`` bytes."""
+        if len(self._confirmed) >= CONFIRMED_MAX:
+            self._confirmed.clear()
+        self._confirmed[key] = size
 
     async def _stored_with_size(self, key: str, size: int) -> bool:
         try:
             meta = await obstore.head_async(self._store, key)
         except (FileNotFoundError, NotFoundError):
             return False
-        return meta["size"] == size
+        if meta["size"] != size:
+            return False
+        self._confirm(key, size)
+        return True
 
     async def confirm_outputs(
         self, partition: str, job_id: str, files: Sequence[OutputRef]
     ) -> str | None:
-        """Sizes by HEAD requests, ``CONFIRM_CONCURRENCY`` at once; the checksum is the
-        key itself, written only by a writer that hashed the bytes it sent."""
+        """Sizes the server confirmed to this object already (a PUT answered 200, a
+        multipart upload completed, a HEAD before one) are not asked again; the others by
+        HEAD requests, ``CONFIRM_CONCURRENCY`` at once. The checksum is the key itself,
+        written only by a writer that hashed the bytes it sent."""
         limit = asyncio.Semaphore(CONFIRM_CONCURRENCY)
 
         async def problem(file: OutputRef) -> str | None:
+            key = _output_key(file.sha256)
+            if self._confirmed.get(key) == file.bytes:
+                return None
             async with limit:
-                key = _output_key(file.sha256)
                 with s3_errors(self.location, f"confirming the output {file.path}", key):
                     try:
                         meta = await obstore.head_async(self._store, key)
                     except (FileNotFoundError, NotFoundError):
                         return f"missing: {file.path}"
+                if meta["size"] == file.bytes:
+                    self._confirm(key, file.bytes)
                 return _size_problem(file, meta["size"])
 
         problems = await asyncio.gather(*(problem(f) for f in files))
@@ -227,25 +284,18 @@ class S3FileStore:
     def write_file(self, key: str, source: bytes | Path, content_type: str) -> None:
         object_key = _file_key(key)
         with s3_errors(self.location, f"writing {key}", object_key):
-            if isinstance(source, Path) and source.stat().st_size > self.small_max:
-                obstore.put(
-                    self._store,
-                    object_key,
-                    source,
-                    attributes={"Content-Type": content_type},
-                    use_multipart=True,
-                    chunk_size=self.part_bytes,
-                    max_concurrency=self.concurrency,
-                )
-            else:
-                data = source.read_bytes() if isinstance(source, Path) else source
-                obstore.put(
-                    self._store,
-                    object_key,
-                    data,
-                    attributes={"Content-Type": content_type},
-                    use_multipart=False,
-                )
+            # A big file is sent in parts from the disk, the rest in one PUT.
+            big = isinstance(source, Path) and source.stat().st_size > self.small_max
+            body = source.read_bytes() if isinstance(source, Path) and not big else source
+            obstore.put(
+                self._store,
+                object_key,
+                body,
+                attributes={"Content-Type": content_type},
+                use_multipart=big,
+                chunk_size=self.part_bytes,
+                max_concurrency=self.concurrency,
+            )
 
     def open_file(self, key: str) -> BinaryIO:
         return self._open(_file_key(key), f"reading {key}")
@@ -287,7 +337,7 @@ class S3FileStore:
             # An endpoint reached without credentials serves its objects unsigned.
             return f"{self.settings.endpoint.rstrip('/')}/{self.where.bucket}/{self._full(key)}"
         with s3_errors(self.location, "signing a URL", key):
-            return obstore.sign(self._store, "GET", key, timedelta(seconds=expires_s))
+            return obstore.sign(self._store, "GET", key, datetime.timedelta(seconds=expires_s))
 
     def _full(self, key: str) -> str:
         return f"{self.where.prefix}/{key}" if self.where.prefix else key
@@ -339,15 +389,15 @@ def _client(
         config=config,  # type: ignore[arg-type]
         client_options={
             "allow_http": bool(settings.endpoint and settings.endpoint.startswith("http://")),
-            "connect_timeout": timedelta(seconds=CONNECT_TIMEOUT_S),
-            "timeout": timedelta(seconds=REQUEST_TIMEOUT_S),
+            "connect_timeout": datetime.timedelta(seconds=CONNECT_TIMEOUT_S),
+            "timeout": datetime.timedelta(seconds=REQUEST_TIMEOUT_S),
         },
         retry_config={
             "max_retries": max_retries,
-            "retry_timeout": timedelta(seconds=retry_timeout_s),
+            "retry_timeout": datetime.timedelta(seconds=retry_timeout_s),
             "backoff": {
-                "init_backoff": timedelta(seconds=RETRY_INIT_BACKOFF_S),
-                "max_backoff": timedelta(seconds=RETRY_MAX_BACKOFF_S),
+                "init_backoff": datetime.timedelta(seconds=RETRY_INIT_BACKOFF_S),
+                "max_backoff": datetime.timedelta(seconds=RETRY_MAX_BACKOFF_S),
                 "base": 2,
             },
         },

