@@ -56,6 +56,7 @@ NOT_RUN = {
     "bench/pool.py": BENCH,
     "bench/gap_parts.py": BENCH,
     "bench/throughput.py": BENCH,
+    "bench/s3.py; done": BENCH,
     "bench/sensor.py": BENCH,
     "the measured farm this projection starts from": BENCH,
     "bench/faults.py --schedules 200": "the fault campaign: tests/system/test_faults.py is the "
