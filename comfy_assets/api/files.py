@@ -1,6 +1,8 @@
 """A job's output file over HTTP: its content type, ``ETag`` (its sha256, from the done
 record), conditional requests and single ``Range`` requests (RFC 9110), so a browser
-scrubs a video and a client resumes a download.
+scrubs a video and a client resumes a download; or, for a store that presigns URLs, a
+redirect to the file's presigned URL (``redirect_response``), whose server answers the
+ranges.
 
 Only a file named in the job's done record is ever opened, at the path the store gives
 it; the request's name is matched against the record, never joined to a folder.
@@ -54,6 +56,36 @@ def byte_range(header: str | None, size: int) -> tuple[int, int] | None | Litera
     return start, end
 
 
+def _etag_matches(request: web.Request, etag: str) -> bool:
+    """``If-None-Match`` of ``request`` names ``etag`` (or is ``*``)."""
+    if_none = request.headers.get("If-None-Match")
+    if not if_none:
+        return False
+    return if_none.strip() == "*" or etag in [t.strip() for t in if_none.split(",")]
+
+
+async def redirect_response(
+    request: web.Request, url: str, name: str, sha256: str, size: int
+) -> web.StreamResponse:
+    """Answer ``request`` for a stored file (``name``, ``size`` bytes, ``sha256`` hex)
+    whose bytes are at the presigned GET URL ``url``: ``307 Temporary Redirect`` there
+    (the method and a ``Range`` header go with it; clients drop ``Authorization`` on a
+    redirect to another host), ``304`` when ``If-None-Match`` names its ETag. ``HEAD``
+    is answered here, ``200`` with the file's headers and no body: a URL presigned for
+    GET refuses HEAD. ``Cache-Control: no-store``: the URL expires."""
+    etag = f'"{sha256}"'
+    common = {"ETag": etag, "Cache-Control": "private, no-store"}
+    if _etag_matches(request, etag):
+        return web.Response(status=304, headers=common)
+    if request.method == "HEAD":
+        response = web.StreamResponse(status=200, headers={**common, "Accept-Ranges": "bytes"})
+        response.content_type = mimetypes.guess_type(name)[0] or "application/octet-stream"
+        response.content_length = size  # the file's, though no body is sent
+        await response.prepare(request)
+        return response
+    return web.Response(status=307, headers={**common, "Location": url})
+
+
 async def file_response(
     request: web.Request, path: Path, sha256: str, size: int
 ) -> web.StreamResponse:
@@ -66,8 +98,7 @@ async def file_response(
     etag = f'"{sha256}"'
     kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
     common = {"ETag": etag, "Accept-Ranges": "bytes", "Cache-Control": "private, max-age=0"}
-    if_none = request.headers.get("If-None-Match")
-    if if_none and (if_none.strip() == "*" or etag in [t.strip() for t in if_none.split(",")]):
+    if _etag_matches(request, etag):
         return web.Response(status=304, headers=common)
     wanted = byte_range(request.headers.get("Range"), size)
     if_range = request.headers.get("If-Range")

@@ -130,6 +130,11 @@ def document(*, webhooks: bool = False) -> dict[str, Any]:
                         "content": {"*/*": {"schema": {"type": "string", "format": "binary"}}},
                     },
                     "304": {"description": "not modified (If-None-Match)"},
+                    "307": {
+                        "description": "with an object store: the file is at the presigned "
+                        "GET URL of Location (no bytes through the API)",
+                        "headers": {"Location": {"schema": {"type": "string"}}},
+                    },
                     "416": {"description": "the range is beyond the end"},
                     "404": _error("no such job of this client, or no such file"),
                     **COMMON,

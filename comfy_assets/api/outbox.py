@@ -19,7 +19,9 @@ HTTP 503; next in 37 s``), shown by ``GET /v1/jobs/{id}/events`` and ``comfy-ass
 events``.
 
 The body is the Standard Webhooks shape ``{"type": "job.succeeded", "timestamp": ...,
-"data": <the job as GET /v1/jobs/{id} answers it>}``, signed (``signing``).
+"data": <the job as GET /v1/jobs/{id} answers it>}``, signed (``signing``). With an
+object store its files' ``url`` are presigned GET URLs good until an hour after the
+last attempt can be made (``Outbox.url_expiry_s``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from comfy_assets.api.webhook_urls import GuardedResolver, delivery_problem
 from comfy_assets.render.backoff import backoff_delay
 from comfy_assets.store import JobRecord, Store, StoreUnavailable, off_loop
 from comfy_assets.store.api_jobs import ApiJob, ApiLedger, Webhook
+from comfy_assets.store.files import DEFAULT_URL_EXPIRY_S, files_of
 
 log = logging.getLogger("comfy_assets.api.outbox")
 
@@ -59,6 +62,8 @@ PER_RECEIVER = 2
 PER_CLIENT = 4
 # Seconds between looks at every job with a webhook for an ending without one.
 FULL_SCAN_S = 60.0
+# The longest a presigned URL may be good for (S3 signs for a week at most).
+MAX_URL_EXPIRY_S = 7 * 24 * 3600
 
 
 def webhook_id(job_id: str, finished_at: float) -> str:
@@ -116,6 +121,13 @@ class Outbox:
         self.store = self.ledger.store
         self.partitions = list(self.partitions)
 
+    @property
+    def url_expiry_s(self) -> int:
+        """Seconds the presigned file URLs of a webhook are good for: a body is made once
+        and sent until ``give_up_after_s``, so its URLs last that long and the usual
+        hour after the last attempt (at most ``MAX_URL_EXPIRY_S``)."""
+        return min(MAX_URL_EXPIRY_S, int(self.give_up_after_s) + DEFAULT_URL_EXPIRY_S)
+
     async def run(self) -> None:
         """Forever: turn endings into outbox rows and deliver the rows that are due.
         A store away is waited for (logged once a round)."""
@@ -164,7 +176,7 @@ class Outbox:
         assert record.finished_at is not None and api.webhook is not None
         files = await off_loop(self.store, self.store.files, api.job_id)
         attempts = await off_loop(self.store, self.store.attempts, api.job_id)
-        data = job_view(api, record, files, attempts)
+        data = job_view(api, record, files, attempts, files_of(self.store), self.url_expiry_s)
         payload = {
             "type": f"job.{record.state}",
             "timestamp": iso(record.finished_at),

@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from comfy_assets.api.files import file_response
+from comfy_assets.api.files import file_response, redirect_response
 from comfy_assets.api.headers import last_event_id
 from comfy_assets.api.routes_jobs import owned
 from comfy_assets.api.shared import API, CLIENT, Api, error, json_response
@@ -19,6 +19,7 @@ from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.service import broker
 from comfy_assets.store import StoreUnavailable, off_loop
 from comfy_assets.store.api_jobs import ApiLedger
+from comfy_assets.store.files import files_of
 
 EVENT_STREAM = "text/event-stream"
 KEEP_ALIVE_S = 15.0
@@ -34,7 +35,10 @@ def add_routes(app: web.Application) -> None:
 
 
 async def get_file(request: web.Request) -> web.StreamResponse:
-    """``GET /v1/jobs/{id}/files/{name}``: one file of the job's done record."""
+    """``GET /v1/jobs/{id}/files/{name}``: one file of the job's done record. From a
+    folder store its bytes (``files.file_response``: ETag, ranges); from a store that
+    presigns URLs, ``307`` to the file's presigned GET URL (``files.redirect_response``:
+    no bytes through the API)."""
     api = request.app[API]
     job = await owned(request)
     name = request.match_info["name"]
@@ -43,8 +47,14 @@ async def get_file(request: web.Request) -> web.StreamResponse:
     found = [f for f in current_files(record, files) if f.path == name]
     if record is None or not found:
         return error(404, f"job {job.job_id} has no file {name[:200]!r}")
-    path = api.store.job_dir(record.partition, job.job_id) / found[0].path
+    file_store = files_of(api.store)
+    url = file_store.output_url(record.partition, job.job_id, found[0])
+    if url is not None:
+        return await redirect_response(request, url, found[0].path, found[0].sha256, found[0].bytes)
+    path = file_store.output_path(record.partition, job.job_id, found[0])
     try:
+        if path is None:
+            raise FileNotFoundError(name)
         return await file_response(request, path, found[0].sha256, found[0].bytes)
     except FileNotFoundError:
         return error(404, f"file {name[:200]!r} of job {job.job_id} is gone from the store")

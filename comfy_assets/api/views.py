@@ -1,6 +1,8 @@
 """The JSON the API answers with: a job, its events, its files. Times are UTC ISO 8601
 with milliseconds (as ``comfy-assets events`` prints them), links relative to the API's
-root."""
+root; a file's ``url`` in a store whose files are not on the API's disk (an object
+store) is the store's presigned GET URL instead, so its bytes never pass through the
+API."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from comfy_assets.jobs.events import Event
 from comfy_assets.jobs.states import FAILED_FATAL, IN_FLIGHT, PENDING
 from comfy_assets.store import AttemptRecord, FileRecord, JobRecord
 from comfy_assets.store.api_jobs import ApiJob
+from comfy_assets.store.files import DEFAULT_URL_EXPIRY_S, FileStore
 
 
 def iso(t: float | None) -> str | None:
@@ -29,6 +32,23 @@ def file_url(job_id: str, name: str) -> str:
     return f"{job_path(job_id)}/files/{quote(name, safe='/')}"
 
 
+def file_link(
+    record: JobRecord,
+    file: FileRecord,
+    files: FileStore | None,
+    expires_s: int = DEFAULT_URL_EXPIRY_S,
+) -> str:
+    """Where a client gets ``file`` of the job of ``record``: the store's presigned GET
+    URL (good for ``expires_s`` seconds) where ``files`` gives one, else the API's
+    ``/v1/jobs/{id}/files/{name}``."""
+    url = (
+        None
+        if files is None
+        else files.output_url(record.partition, record.job_id, file, expires_s)
+    )
+    return url if url is not None else file_url(record.job_id, file.path)
+
+
 def current_files(record: JobRecord | None, files: list[FileRecord]) -> list[FileRecord]:
     """The files of the job's current prompt (its take and inputs), by path."""
     if record is None:
@@ -41,9 +61,12 @@ def job_view(
     record: JobRecord | None,
     files: list[FileRecord],
     attempts: list[AttemptRecord],
+    file_store: FileStore | None = None,
+    url_expiry_s: int = DEFAULT_URL_EXPIRY_S,
 ) -> dict[str, Any]:
     """A job as ``GET /v1/jobs/{id}`` answers it. A job whose store row is not written
-    yet (the API died between its two writes; the worker writes it) is pending."""
+    yet (the API died between its two writes; the worker writes it) is pending. Each
+    file's ``url`` is ``file_link``'s (``file_store``, ``url_expiry_s``)."""
     path = job_path(api.job_id)
     servers: list[str] = []
     for attempt in attempts:
@@ -72,9 +95,10 @@ def job_view(
                 "name": f.path,
                 "bytes": f.bytes,
                 "sha256": f.sha256,
-                "url": file_url(api.job_id, f.path),
+                "url": file_link(record, f, file_store, url_expiry_s),
             }
             for f in current_files(record, files)
+            if record is not None
         ],
         "links": {
             "self": path,

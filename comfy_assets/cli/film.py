@@ -14,16 +14,19 @@ from typing import TYPE_CHECKING
 from comfy_assets.cli.options import add_command, add_input_options, bad_input
 from comfy_assets.cli.run import add_store_options, open_store
 from comfy_assets.film.gate import FilmResult, GateBlocked
-from comfy_assets.film.make import make_film
+from comfy_assets.film.make import make_film, store_film
 from comfy_assets.film.probe import MediaError
-from comfy_assets.film.shots import (
-    bad_shot_lines,
-    film_path,
-    has_shots,
-)
+from comfy_assets.film.shots import bad_shot_lines, has_shots
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import POLICIES, JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.store.files import (
+    FileStoreFull,
+    FileStoreRefused,
+    FileStoreUnavailable,
+    files_of,
+)
+from comfy_assets.store.files.local import file_location
 
 if TYPE_CHECKING:
     from comfy_assets.store import Store
@@ -90,25 +93,29 @@ def film_command(args: argparse.Namespace) -> int:
                 f"{args.jobs}: render it first (comfy-assets run), or name the partition it "
                 "was rendered under with --partition"
             )
-        out: Path = args.out if args.out is not None else film_path(args.store, partition)
-        inside = _job_folder_of(store, partition, registered, out)
-        if inside is not None:
-            return bad_input(
-                f"--out {args.out} is inside the folder of job {inside}, where its rendered "
-                "files are: give a path outside the jobs' folders"
-            )
-        film = make_film(store, partition, job_file, out, args.policy)
+        if args.out is not None:
+            inside = _job_folder_of(store, partition, registered, args.out)
+            if inside is not None:
+                return bad_input(
+                    f"--out {args.out} is inside the folder of job {inside}, where its "
+                    "rendered files are: give a path outside the jobs' folders"
+                )
+            film = make_film(store, partition, job_file, args.out, args.policy)
+            where = str(film.concat.path)
+        else:
+            stored = store_film(store, partition, job_file, args.policy)
+            film, where = stored.result, file_location(files_of(store), stored.film_key)
     except GateBlocked as blocked:
         print(blocked.result.describe().splitlines()[0])
         for line in bad_shot_lines(blocked.result):
             print(f"  {line}")
         return EXIT_BLOCKED
-    except (MediaError, OSError) as e:
+    except (MediaError, OSError, FileStoreUnavailable, FileStoreFull, FileStoreRefused) as e:
         print(f"error: the film was not written: {e}", file=sys.stderr)
         return EXIT_NOT_WRITTEN
     finally:
         store.close()
-    print(film.concat.path)
+    print(where)
     print(summary_line(film))
     return EXIT_OK
 
@@ -129,7 +136,10 @@ def _job_folder_of(store: Store, partition: str, job_ids: set[str], out: Path) -
     """The job of ``job_ids`` whose folder in ``store`` (``<root>/<partition>/<job id>/``)
     holds ``out`` (links followed), or None: a film written there could replace a shot it
     is cut from."""
-    folders = (store.root / partition).resolve()
+    here = files_of(store).file_path(partition)
+    if here is None:  # the store's files are not on this disk: no job folder holds out
+        return None
+    folders = here.resolve()
     target = out.resolve()
     if not target.is_relative_to(folders):
         return None

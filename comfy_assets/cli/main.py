@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "events": ("comfy_assets.cli.events", "add_events_parser"),
     "status": ("comfy_assets.cli.status", "add_status_parser"),
     "film": ("comfy_assets.cli.film", "add_film_parser"),
+    "sync": ("comfy_assets.cli.sync", "add_sync_parser"),
     "enqueue": ("comfy_assets.cli.worker", "add_enqueue_parser"),
     "worker": ("comfy_assets.cli.worker", "add_worker_parser"),
     "api": ("comfy_assets.cli.api", "add_api_parser"),

@@ -384,13 +384,14 @@ def _stopped(
 def results_line(store: Store, partition: str, job_file: JobFile) -> str | None:
     """Write results.csv and print its path; or return why it could not be written
     (``<path> not written: <why>``), for the caller to say."""
-    from comfy_assets.render.results import results_csv_path, write_results
+    from comfy_assets.render.results import results_location, write_results
+    from comfy_assets.store import StoreError
 
     try:
         path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
-    except (StoreUnavailable, OSError) as e:
+    except (StoreError, OSError) as e:  # the database's or the files' (StoreUnavailable...)
         # A write cut short by a full disk raises an OSError that names no file.
-        return f"{results_csv_path(store.root, partition)} not written: {e}"
+        return f"{results_location(store, partition)} not written: {e}"
     print_line(f"results: {path}")
     return None
 

@@ -8,6 +8,7 @@ module turns their answers into Dagster events. ``build_assets`` makes one farm'
 (``comfy_assets.farm.names``); ``comfy_assets.assets`` holds the default farm's.
 """
 
+import tempfile
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -52,13 +53,12 @@ from comfy_assets.farm.metadata import (
     job_files_check_fields,
     job_frame,
     job_table,
-    media_url,
     model_load_metadata,
     outputs_contact_sheet,
-    picture_markdown,
     renders_data_version,
     results_metadata,
     servers_metadata,
+    stored_picture,
     table,
 )
 from comfy_assets.farm.names import Farm
@@ -66,12 +66,11 @@ from comfy_assets.farm.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.farm.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.farm.versions import job_file_missing, load_partition_file, load_rendered_file
 from comfy_assets.film.gate import GateBlocked, GateResult
-from comfy_assets.film.make import make_film
+from comfy_assets.film.make import store_film
 from comfy_assets.film.probe import MediaError
 from comfy_assets.film.shots import (
     bad_shot_lines,
     film_cost_report,
-    film_path,
     film_policy,
     has_shots,
 )
@@ -83,14 +82,18 @@ from comfy_assets.render.results import (
     JobResults,
     combine_results,
     last_model_tries,
-    results_csv_path,
-    write_csv,
+    results_key,
     write_results,
+    write_table,
 )
 from comfy_assets.render.run import run_batch_sync
 from comfy_assets.render.steering import run_priority
 from comfy_assets.store import StoreUnavailable
+from comfy_assets.store.files import files_of
+from comfy_assets.store.files.local import file_copy, file_location
 
+# The store file key of every partition's results in one table.
+ALL_RESULTS_CSV = "all_results.csv"
 # Who answers for these assets in the UI (Dagster owners: an e-mail or "team:<name>").
 OWNERS = ["team:render"]
 # The pictures shown in the UI are shrunk to fit this box: metadata lives in the event log.
@@ -170,9 +173,8 @@ def render_partition(
         tries = [t for t in store.model_loads(partition) if t.job_id in in_file]
         failed_on = store.failed_on(partition)
         health = store.server_health()
-        sheet_path = result_store.root / partition / "outputs.contact.png"
         try:
-            sheet = outputs_contact_sheet(store, partition, current, sheet_path)
+            sheet = outputs_contact_sheet(store, partition, current)
         except MediaError as exc:
             context.log.warning(f"no contact sheet of the outputs: {exc}")
     except StoreUnavailable as e:
@@ -201,15 +203,16 @@ def render_partition(
     # The UI's view of the rows results.csv writes (render_results).
     jobs = job_frame(JobResults.of(current, outputs, job_ids, last_model_tries(tries), failed_on))
     metadata: Metadata = {}
+    files = files_of(store)
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
-        url = result_store.media_url
         metadata["contact_sheet"] = MetadataValue.md(
-            picture_markdown(
-                sheet.path,
+            stored_picture(
+                files,
+                sheet.key,
                 f"{partition}: {sheet.caption()}",
                 CONTACT_SHEET_PX,
-                media_url(url, result_store.root, sheet.path) if url else None,
+                result_store.media_url,
             )
         )
         metadata["pictures"] = (
@@ -224,14 +227,17 @@ def render_partition(
         "counts": MetadataValue.json(counts),
         "gpu_seconds": MetadataValue.float(float(summary.gpu_seconds)),
         "seconds": MetadataValue.float(float(summary.seconds)),
-        "store": MetadataValue.path(str(result_store.root.resolve() / partition)),
+        # Where the partition's files are: its folder, or its objects' prefix.
+        "store": MetadataValue.path(file_location(files, partition, resolved=True)),
         "job_table": job_table(jobs),  # the full ids and cells are in results.csv
         **servers_metadata([s.name for s in comfy.server_specs()], current, health),
     }
     if tries:  # what loading models cost, per server (jobs that load none: nothing)
         metadata.update(model_load_metadata(model_load_cost(tries)))
     if sheet is not None:
-        metadata["contact_sheet_path"] = MetadataValue.path(str(sheet.path.resolve()))
+        metadata["contact_sheet_path"] = MetadataValue.path(
+            file_location(files, sheet.key, resolved=True)
+        )
     if summary.stopped:
         metadata["stopped"] = summary.stopped
     dead_frame = jobs[jobs["state"] == "failed_fatal"][["job", "reason", "job_id"]]
@@ -281,27 +287,33 @@ def write_partition_results(
     finally:
         store.close()
     context.log.info(f"wrote {len(results)} rows to {path}")
+    where = file_location(files_of(store), results_key(partition), resolved=True)
     return MaterializeResult(
-        metadata={**results_metadata(results, path), "job_file_sha256": job_file.sha256}
+        metadata={**results_metadata(results, where), "job_file_sha256": job_file.sha256}
     )
 
 
 def gather_results(
     context: AssetExecutionContext, farm: Farm, result_store: ResultStoreResource
 ) -> MaterializeResult:
-    """Concatenate every partition's results CSV; partitions without one are logged."""
-    root = result_store.root
+    """Concatenate every partition's results CSV into the store's file all_results.csv;
+    partitions without one are logged. Read and written through the store's files (in
+    an object store, copies in a scratch folder)."""
+    store = result_store.open()
+    files = files_of(store)
+    store.close()  # only its files are read
     tables: dict[str, Path] = {}
-    for partition in context.instance.get_dynamic_partitions(farm.job_files_partitions_name):
-        path = results_csv_path(root, partition)
-        if path.exists():
-            tables[partition] = path
-        else:
-            context.log.warning(f"partition {partition} has no {RESULTS_CSV} yet")
-    results = combine_results(tables)
-    path = write_csv(results, root / "all_results.csv")
+    with tempfile.TemporaryDirectory(prefix="comfy-assets-results-") as scratch:
+        for partition in context.instance.get_dynamic_partitions(farm.job_files_partitions_name):
+            try:
+                tables[partition] = file_copy(files, results_key(partition), Path(scratch))
+            except FileNotFoundError:
+                context.log.warning(f"partition {partition} has no {RESULTS_CSV} yet")
+        results = combine_results(tables)
+    write_table(files, ALL_RESULTS_CSV, results)
+    where = file_location(files, ALL_RESULTS_CSV, resolved=True)
     return MaterializeResult(
-        metadata={**results_metadata(results, path), "partitions": len(tables)}
+        metadata={**results_metadata(results, where), "partitions": len(tables)}
     )
 
 
@@ -371,9 +383,7 @@ def cut_film(
     store = result_store.open()
     try:
         cost = film_cost_report(store, job_file)
-        film = make_film(
-            store, partition, job_file, film_path(result_store.root, partition), comfy.policy
-        )
+        film = store_film(store, partition, job_file, comfy.policy)
     except GateBlocked as blocked:
         for line in bad_shot_lines(blocked.result):
             context.log.error(line)
@@ -386,23 +396,23 @@ def cut_film(
     finally:
         store.close()
     policy = film_policy(job_file, comfy.policy)
-    url = result_store.media_url
-    media = (url, result_store.root) if url else None
+    files = files_of(store)
+    made = film.result
 
     how: str = policy.mode
-    if film.gate.draft:
-        slates = ", ".join(map(str, film.gate.placeholders))
+    if made.gate.draft:
+        slates = ", ".join(map(str, made.gate.placeholders))
         how = f"draft, slates for shots {slates}" if slates else "draft"
     context.log.info(
-        f"film {film.concat.path}: {film.concat.clips} shots, {film.concat.duration_s:.3f} s ({how}), "
-        f"concat {film.concat.mode}"
+        f"film {file_location(files, film.film_key)}: {made.concat.clips} shots, "
+        f"{made.concat.duration_s:.3f} s ({how}), concat {made.concat.mode}"
     )
     yield MaterializeResult(
         metadata={
-            **film_metadata(film, cost, CONTACT_SHEET_PX, media),
+            **film_metadata(film, cost, CONTACT_SHEET_PX, files, result_store.media_url),
             "job_file_sha256": job_file.sha256,
         },
-        check_results=[_gate_check(film.gate, partition)],
+        check_results=[_gate_check(made.gate, partition)],
     )
 
 

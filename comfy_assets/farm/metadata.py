@@ -9,6 +9,7 @@ import base64
 import hashlib
 import io
 import re
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -29,13 +30,15 @@ from PIL import Image
 
 from comfy_assets.farm.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.film.contact import contact_sheet
-from comfy_assets.film.gate import FilmResult
-from comfy_assets.film.probe import VIDEO_SUFFIXES
+from comfy_assets.film.make import StoredFilm
+from comfy_assets.film.probe import VIDEO_SUFFIXES, MediaError
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.states import DONE
 from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, JobResults, ResultsTable
 from comfy_assets.store import FileRecord, JobRecord, Store
+from comfy_assets.store.files import FileStore, files_of
+from comfy_assets.store.files.local import file_location, file_sha256, output_copy, writing
 
 # An asset's metadata entry, a subset of what Dagster takes (its RawMetadataValue, which
 # the package does not export): a MetadataValue, or a plain value it wraps.
@@ -316,12 +319,20 @@ SHEET_TILE_PX = 140
 PICTURE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg", ".webp"}) | VIDEO_SUFFIXES
 
 
+# The store file key of a partition's contact sheet of outputs (``<partition>/...``).
+OUTPUTS_SHEET = "outputs.contact.png"
+# How long a presigned link in an asset's metadata is good for: the event log keeps
+# metadata for good and S3 signs a URL for a week at most, so the longest; a picture
+# older than that shows as broken until the asset is materialized again.
+METADATA_URL_EXPIRY_S = 7 * 24 * 3600
+
+
 @dataclass(frozen=True)
 class OutputsSheet:
-    """A partition's contact sheet: ``shown`` of the ``outputs`` pictures and videos of
-    ``jobs`` done jobs."""
+    """A partition's contact sheet, stored as the store's file ``key``: ``shown`` of the
+    ``outputs`` pictures and videos of ``jobs`` done jobs."""
 
-    path: Path
+    key: str
     shown: int
     outputs: int
     jobs: int
@@ -353,15 +364,17 @@ def _node_order(node_id: str | None) -> tuple[int, int, str]:
 
 
 def outputs_contact_sheet(
-    store: Store, partition: str, records: Sequence[Any], out: Path
+    store: Store, partition: str, records: Sequence[Any]
 ) -> OutputsSheet | None:
-    """Write ``out``: a contact sheet of every picture and video the done jobs wrote (a
-    video's middle frame), each tile labelled (``tile_label``); the first
-    SHEET_TILES of them. Returns None when no job has one. Raises MediaError for a broken
-    file."""
+    """Write the store's file ``<partition>/outputs.contact.png``: a contact sheet of
+    every picture and video the done jobs wrote (a video's middle frame), each tile
+    labelled (``tile_label``); the first SHEET_TILES of them. Outputs of a store whose
+    files are not on this disk are copied to a scratch folder for it, and the sheet is
+    stored once made. Returns None when no job has one. Raises MediaError for a broken
+    file or one gone from the store, OSError, and what the file store raises."""
     done = [r for r in records if r.state in DONE]
     done.sort(key=lambda r: (r.shot is None, r.shot or 0, r.line))
-    clips: list[Path] = []
+    tiles: list[tuple[str, FileRecord]] = []
     labels: list[str] = []
     outputs = jobs = 0
     for record in done:
@@ -371,34 +384,67 @@ def outputs_contact_sheet(
         files.sort(key=lambda f: (_node_order(f.node_id), f.path))
         outputs += len(files)
         jobs += 1 if files else 0
-        for n, f in enumerate(files[: max(0, SHEET_TILES - len(clips))], start=1):
-            clips.append(store.job_dir(partition, record.job_id) / f.path)
+        for n, f in enumerate(files[: max(0, SHEET_TILES - len(tiles))], start=1):
+            tiles.append((record.job_id, f))
             name = PurePosixPath(f.path).name
             labels.append(tile_label(record.job_id, record.shot, name, n, len(files)))
-    if not clips:
+    if not tiles:
         return None
-    sheet = contact_sheet(
-        clips, out, columns=SHEET_COLUMNS, thumb_width=SHEET_TILE_PX, labels=labels
-    )
-    return OutputsSheet(sheet.path, len(clips), outputs, jobs)
+    file_store = files_of(store)
+    key = f"{partition}/{OUTPUTS_SHEET}"
+    with tempfile.TemporaryDirectory(prefix="comfy-assets-sheet-") as scratch:
+        clips = []
+        for job_id, f in tiles:
+            try:
+                clips.append(output_copy(file_store, partition, job_id, f, Path(scratch, "in")))
+            except FileNotFoundError as e:
+                raise MediaError(Path(f.path), f"output of job {job_id} gone from the store") from e
+        with writing(file_store, [key], Path(scratch, "out")) as [out]:
+            contact_sheet(
+                clips, out, columns=SHEET_COLUMNS, thumb_width=SHEET_TILE_PX, labels=labels
+            )
+    return OutputsSheet(key, len(clips), outputs, jobs)
 
 
-def media_url(base: str, root: Path, path: Path) -> str:
-    """The URL of ``path``, a file of the store folder ``root`` served at ``base``, with
-    ``?v=`` and the first 12 hex digits of its sha256, so a browser shows the file as it
-    is now rather than one it cached. Raises ValueError for a path outside ``root``."""
-    relative = path.resolve().relative_to(root.resolve()).as_posix()
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:12]
-    return f"{base.rstrip('/')}/{quote(relative)}?v={digest}"
+def served_url(base: str, key: str, path: Path) -> str:
+    """The URL of the store's file ``key`` (at ``path``) with the store's folder served at
+    ``base``, with ``?v=`` and the first 12 hex digits of its sha256, so a browser shows
+    the file as it is now rather than one it cached. Raises OSError."""
+    digest = file_sha256(path).sha256[:12]
+    return f"{base.rstrip('/')}/{quote(key)}?v={digest}"
 
 
-def picture_markdown(path: Path, alt: str, max_px: int, url: str | None) -> str:
+def stored_url(files: FileStore, key: str, media: str | None) -> str | None:
+    """The link the UI shows the store's file ``key`` by: a presigned URL where the store
+    gives one (good for METADATA_URL_EXPIRY_S), else with the store's folder served at
+    ``media`` (the resource's ``media_url``) ``served_url``, else None."""
+    url = files.file_url(key, METADATA_URL_EXPIRY_S)
+    path = files.file_path(key)
+    if url is None and media is not None and path is not None:
+        url = served_url(media, key, path)
+    return url
+
+
+def stored_picture(files: FileStore, key: str, alt: str, max_px: int, media: str | None) -> str:
+    """The store's picture ``key`` as markdown (``picture_markdown``): a link by
+    ``stored_url`` when there is one, else a thumbnail read from this disk. Raises
+    FileNotFoundError for a store that gives neither, OSError."""
+    url = stored_url(files, key, media)
+    path = files.file_path(key)
+    if url is None and path is None:
+        raise FileNotFoundError(f"{files.location}/{key}: neither a link nor a path")
+    return picture_markdown(path, alt, max_px, url)
+
+
+def picture_markdown(path: Path | None, alt: str, max_px: int, url: str | None) -> str:
     """The picture at ``path`` as markdown: with its ``url``, a link of a few dozen
     characters that the UI shows inline, full size, without a click (a click on it opens
     the file); without one, a base64 thumbnail ``max_px`` square (the UI shows markdown
-    over 1000 characters behind [Show Markdown])."""
+    over 1000 characters behind [Show Markdown]). Raises ValueError for neither."""
     if url is not None:
         return f"[![{alt}]({url})]({url})"
+    if path is None:
+        raise ValueError(f"picture {alt!r}: no URL and no path")
     return png_file_markdown(path, alt, max_px)
 
 
@@ -416,8 +462,9 @@ RESULTS_COLUMNS = {
 }
 
 
-def results_metadata(results: ResultsTable, path: Path) -> Metadata:
-    """Row count, path, the column schema and a preview table of a results CSV."""
+def results_metadata(results: ResultsTable, location: str) -> Metadata:
+    """Row count, ``location`` (``local.file_location``, resolved), the column schema and
+    a preview table of a results CSV."""
     # object dtype keeps each value as it is (64 stays 64 where some rows lack a key);
     # the schema's types come from the values (``_table_type``).
     frame = pd.DataFrame(results.rows, columns=results.columns, dtype=object)
@@ -425,32 +472,33 @@ def results_metadata(results: ResultsTable, path: Path) -> Metadata:
     return {
         "dagster/row_count": len(frame),
         "dagster/column_schema": schema,
-        "path": MetadataValue.path(str(path.resolve())),
+        "path": MetadataValue.path(location),
         "preview": table(frame, schema),
     }
 
 
 def film_metadata(
-    film: FilmResult,
+    stored: StoredFilm,
     cost: dict[str, float | int | None] | None,
     sheet_px: int,
-    media: tuple[str, Path] | None = None,
+    files: FileStore,
+    media: str | None = None,
 ) -> Metadata:
     """The film materialization's metadata: the contact sheet, the film, then the cost
-    report as numbers. ``media``: the store's ``(media URL, folder)`` when the folder is
-    served over HTTP; the film is then a link that plays it and the sheet is inline."""
-    sheet_url = film_url = None
-    if media is not None:
-        sheet_url = media_url(*media, film.contact_sheet)
-        film_url = media_url(*media, film.concat.path)
+    report as numbers. ``files``: the store the film is in; ``media``: the URL its folder
+    is served at over HTTP, if it is. With a link to the film (``stored_url``: presigned
+    in an object store, or by ``media``) the film is a link that plays it and the sheet
+    is inline."""
+    film = stored.result
+    film_url = stored_url(files, stored.film_key, media)
     metadata: Metadata = {}
     if film_url is not None:
         metadata["film"] = MetadataValue.url(film_url)
     metadata["contact_sheet"] = MetadataValue.md(
-        picture_markdown(film.contact_sheet, "film contact sheet", sheet_px, sheet_url)
+        stored_picture(files, stored.sheet_key, "film contact sheet", sheet_px, media)
     )
     metadata |= {
-        "path": MetadataValue.path(str(film.concat.path.resolve())),
+        "path": MetadataValue.path(file_location(files, stored.film_key, resolved=True)),
         "duration_s": MetadataValue.float(float(film.concat.duration_s)),
         "shot_count": film.concat.clips,
         "degraded_shots": MetadataValue.json(film.gate.degraded),
@@ -458,7 +506,9 @@ def film_metadata(
         "policy": film.gate.mode,
         "draft": film.gate.draft,
         "concat_mode": film.concat.mode,
-        "contact_sheet_path": MetadataValue.path(str(film.contact_sheet.resolve())),
+        "contact_sheet_path": MetadataValue.path(
+            file_location(files, stored.sheet_key, resolved=True)
+        ),
     }
     if film.concat.reason:
         metadata["concat_reason"] = film.concat.reason

@@ -264,7 +264,7 @@ def _check_media(s: Shot, policy: Policy) -> tuple[str, Path | None, MediaInfo |
     """(problem or "", the file chosen, its probe) for a finished shot."""
     if s.duration_s is not None and s.duration_s <= 0:
         return f"invalid duration_s {s.duration_s}", None, None
-    chosen = _pick_file(s.files)
+    chosen = pick_file(s.files)
     if chosen is None:
         return "no output file", None, None
     if not chosen.exists():
@@ -290,7 +290,9 @@ def _check_media(s: Shot, policy: Policy) -> tuple[str, Path | None, MediaInfo |
     return "", chosen, media
 
 
-def _pick_file(files: list[Path]) -> Path | None:
+def pick_file(files: list[Path]) -> Path | None:
+    """The output of a shot the gate reads: the first video by suffix, else the first
+    file; None for none."""
     paths = [Path(f) for f in files]
     videos = [p for p in paths if p.suffix.lower() in VIDEO_SUFFIXES]
     if videos:

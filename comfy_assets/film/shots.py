@@ -14,12 +14,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from comfy_assets.film.gate import GateResult, Policy, Shot
+from comfy_assets.film.gate import GateResult, Policy, Shot, pick_file
 from comfy_assets.jobs.model import JobFile
+from comfy_assets.jobs.states import DONE
 from comfy_assets.render.cost import AttemptCost, cost_report
 from comfy_assets.store import AttemptRecord, JobRecord, Store
+from comfy_assets.store.files import files_of
+from comfy_assets.store.files.local import output_copy
 
 FILM_NAME = "film.mp4"
+FILM_SHEET_NAME = "film.contact.png"  # beside the film: gate.build_film names it so
 NOT_RENDERED = "pending"
 
 
@@ -27,6 +31,12 @@ def film_path(root: Path, partition: str) -> Path:
     """Where a partition's film is written: ``<store>/<partition>/film.mp4`` (its contact
     sheet goes beside it as ``film.contact.png``)."""
     return Path(root) / partition / FILM_NAME
+
+
+def film_keys(partition: str) -> tuple[str, str]:
+    """The store file keys of a partition's film and its contact sheet:
+    ``<partition>/film.mp4``, ``<partition>/film.contact.png``."""
+    return f"{partition}/{FILM_NAME}", f"{partition}/{FILM_SHEET_NAME}"
 
 
 def has_shots(job_file: JobFile) -> bool:
@@ -44,14 +54,21 @@ def film_policy(job_file: JobFile, override: str | None = None) -> Policy:
     return Policy(mode=mode, duration_tolerance=job_file.header.duration_tolerance)  # type: ignore[arg-type]
 
 
-def shots_from_store(store: Store, partition: str, job_file: JobFile) -> list[Shot]:
+def shots_from_store(
+    store: Store, partition: str, job_file: JobFile, scratch: Path | None = None
+) -> list[Shot]:
     """One ``Shot`` per job of ``job_file`` that has a shot number, in line order.
 
     ``shot``, ``duration_s`` and ``optional`` come from the job file; ``state``, ``reason``
-    and ``files`` (absolute: ``store.job_dir(partition, job_id) / path``) from the store's
-    record of the job under ``partition``. Files recorded for another prompt_id than the
+    and ``files`` from the store's record of the job under ``partition``: in a folder
+    store every output where it is (``<store>/<partition>/<job id>/<path>``); in an object
+    store only the one the gate reads (``gate.pick_file``) of a done job, copied to
+    ``<scratch>/<job id>/<path>`` (an object gone from the store is a path where nothing
+    is, which the gate calls missing). Files recorded for another prompt_id than the
     job's current one are left out, so a render of old inputs never stands in for the
     shot. A job missing from the partition, or recorded with other inputs, is "pending".
+    Raises ValueError for an object store without ``scratch``, OSError, and what the
+    file store raises.
     """
     records = {record.job_id: record for record in store.jobs(partition)}
     shots = []
@@ -59,7 +76,7 @@ def shots_from_store(store: Store, partition: str, job_file: JobFile) -> list[Sh
         if job.shot is None:
             continue
         record = records.get(job.id)
-        state, reason, files = _what_became_of(store, partition, job.prompt_id, record)
+        state, reason, files = _what_became_of(store, partition, job.prompt_id, record, scratch)
         shots.append(
             Shot(
                 shot=job.shot,
@@ -75,15 +92,29 @@ def shots_from_store(store: Store, partition: str, job_file: JobFile) -> list[Sh
 
 
 def _what_became_of(
-    store: Store, partition: str, prompt_id: str, record: JobRecord | None
+    store: Store, partition: str, prompt_id: str, record: JobRecord | None, scratch: Path | None
 ) -> tuple[str, str | None, list[Path]]:
     """(state, reason, files) of one job as the store has it for these inputs."""
     if record is None:
         return NOT_RENDERED, f"not in the store under partition {partition!r}", []
     if record.prompt_id != prompt_id:
         return NOT_RENDERED, "its inputs changed since it was rendered", []
-    job_dir = store.job_dir(partition, record.job_id)
-    files = [job_dir / f.path for f in store.files(record.job_id) if f.prompt_id == prompt_id]
+    current = [f for f in store.files(record.job_id) if f.prompt_id == prompt_id]
+    # Only a done shot's media is read by the gate, and of it only the file it picks.
+    read = pick_file([Path(f.path) for f in current]) if record.state in DONE else None
+    file_store = files_of(store)
+    files = []
+    for f in current:
+        path = file_store.output_path(partition, record.job_id, f)
+        if path is None and Path(f.path) == read:
+            if scratch is None:
+                raise ValueError(f"{file_store.location}: a film needs a scratch folder")
+            try:
+                path = output_copy(file_store, partition, record.job_id, f, scratch)
+            except FileNotFoundError:
+                path = scratch / record.job_id / f.path  # nothing there: the gate says missing
+        if path is not None:
+            files.append(path)
     return str(record.state), record.reason, files
 
 

@@ -29,6 +29,8 @@ from typing import Any, Protocol, TypeAlias
 
 from comfy_assets.comfy.types import excerpt
 from comfy_assets.store import FileRecord, JobRecord, Store
+from comfy_assets.store.files import FileStore, files_of
+from comfy_assets.store.files.local import file_location, writing
 
 FIXED_BEFORE = ["job_id", "line", "shot"]
 FIXED_AFTER = [
@@ -252,17 +254,39 @@ def results_csv_path(root: Path, partition: str) -> Path:
     return Path(root) / partition / RESULTS_CSV
 
 
+def results_key(partition: str) -> str:
+    """The store file key of a partition's results CSV: ``<partition>/results.csv``."""
+    return f"{partition}/{RESULTS_CSV}"
+
+
+def results_location(store: Store, partition: str) -> str:
+    """Where ``write_results`` writes ``partition``'s results CSV, for a line: its path
+    in a folder store, its object's URL in an object store (``FileStore.file_location``)."""
+    return file_location(files_of(store), results_key(partition))
+
+
 def write_results(
     store: Store, partition: str, job_ids: Sequence[str] | None = None
-) -> tuple[Path, ResultsTable]:
-    """Write ``partition``'s results CSV as the store has it now; returns its path and the
-    table. ``job_ids`` (a job file's, in line order) selects and orders the rows, and a
-    record of a job no longer in the file (a deleted line) is left out; without it every
-    job registered in the partition is a row, in line order (the order of ``job_ids``
-    for a file whose jobs all got there). Raises OSError if the CSV cannot be written,
-    StoreUnavailable."""
+) -> tuple[str, ResultsTable]:
+    """Write ``partition``'s results CSV as the store has it now; returns where it is
+    (``results_location``) and the table. ``job_ids`` (a job file's, in line order)
+    selects and orders the rows, and a record of a job no longer in the file (a deleted
+    line) is left out; without it every job registered in the partition is a row, in
+    line order (the order of ``job_ids`` for a file whose jobs all got there). Raises
+    OSError if the CSV cannot be written, StoreUnavailable, FileStoreUnavailable,
+    FileStoreFull, FileStoreRefused."""
     table = JobResults.read(store, partition, job_ids).table()
-    return write_csv(table, results_csv_path(store.root, partition)), table
+    return write_table(files_of(store), results_key(partition), table), table
+
+
+def write_table(files: FileStore, key: str, table: ResultsTable) -> str:
+    """Write ``table`` as the store's file ``key`` (``write_csv``, then stored whole where
+    the store is not this disk); returns where it is (``file_location``). Raises OSError,
+    FileStoreUnavailable, FileStoreFull."""
+    with tempfile.TemporaryDirectory(prefix="comfy-assets-csv-") as scratch:
+        with writing(files, [key], Path(scratch)) as [path]:
+            write_csv(table, path)
+    return file_location(files, key)
 
 
 def write_csv(table: ResultsTable, path: Path) -> Path:

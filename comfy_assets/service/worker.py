@@ -49,7 +49,7 @@ from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.publish import publish_servers
-from comfy_assets.render.results import results_csv_path, write_results
+from comfy_assets.render.results import results_location, write_results
 from comfy_assets.render.run import make_pool
 from comfy_assets.render.steering import EVERY_S
 from comfy_assets.service import broker
@@ -60,7 +60,7 @@ from comfy_assets.service.messages import (
     queue_problems,
 )
 from comfy_assets.service.sources import JobSource
-from comfy_assets.store import Store, StoreUnavailable, off_loop
+from comfy_assets.store import Store, StoreError, StoreUnavailable, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
 
@@ -463,7 +463,7 @@ class Worker:
                 while pending and not self.store.outage.away:
                     try:
                         await off_loop(self.store, write_results, self.store, pending[0])
-                    except (OSError, StoreUnavailable) as e:
+                    except (OSError, StoreError) as e:  # the database's or the files'
                         self.handler.touched.add(pending[0])  # tried again next time
                         self._results_not_written(pending[0], e)
                     pending.pop(0)
@@ -475,17 +475,17 @@ class Worker:
         touched, self.handler.touched = self.handler.touched, set()
         for partition in sorted(touched):
             if self.store.outage.away:
-                path = results_csv_path(self.store.root, partition)
+                path = results_location(self.store, partition)
                 log.warning("%s not written: the store's database is away", path)
                 continue
             try:
                 write_results(self.store, partition)
-            except (OSError, StoreUnavailable) as e:
+            except (OSError, StoreError) as e:  # the database's or the files'
                 self._results_not_written(partition, e)
 
     def _results_not_written(self, partition: str, error: BaseException) -> None:
         # write_csv's OSError may not name the file (a write cut short by a full disk).
-        path = results_csv_path(self.store.root, partition)
+        path = results_location(self.store, partition)
         log.warning("%s not written: %s", path, error)
 
 

@@ -31,6 +31,13 @@ def file_store_for(location: str | Path) -> FileStore:
     return FolderFileStore(Path(location))
 
 
+def files_of(store: object) -> FileStore:
+    """The file store of ``store`` (a ``Store``): ``store.file_store`` where the store
+    holds one, else the folder of ``store.root``. The one place readers get it from."""
+    found: FileStore | None = getattr(store, "file_store", None)
+    return found if found is not None else FolderFileStore(getattr(store, "root"))  # noqa: B009
+
+
 __all__ = [
     "DEFAULT_URL_EXPIRY_S",
     "FileStore",
@@ -43,4 +50,5 @@ __all__ = [
     "S3Settings",
     "StoredFile",
     "file_store_for",
+    "files_of",
 ]

@@ -150,6 +150,12 @@ class FileStore(Protocol):
         """A presigned GET URL of ``key``, or None for a folder."""
         ...
 
+    def file_location(self, key: str) -> str:
+        """Where the store's file ``key`` is, for a line or a metadata entry (never a
+        credential): its path in a folder, its object's ``s3://BUCKET/KEY``. Raises
+        ValueError for a key that would leave the store."""
+        ...
+
     def list_files(self, prefix: str) -> Iterator[tuple[str, int]]:
         """(key, bytes) of every store file whose key starts with ``prefix``."""
         ...

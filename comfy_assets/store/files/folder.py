@@ -184,6 +184,9 @@ class FolderFileStore:
     def file_url(self, key: str, expires_s: int = DEFAULT_URL_EXPIRY_S) -> str | None:
         return None
 
+    def file_location(self, key: str) -> str:
+        return str(self._file(key))
+
     def list_files(self, prefix: str) -> Iterator[tuple[str, int]]:
         for folder, _subfolders, names in os.walk(self.root):
             for name in names:

@@ -306,6 +306,9 @@ class S3FileStore:
     def file_url(self, key: str, expires_s: int = DEFAULT_URL_EXPIRY_S) -> str | None:
         return self._sign(_file_key(key), expires_s)
 
+    def file_location(self, key: str) -> str:
+        return f"s3://{self.where.bucket}/{self._full(_file_key(key))}"
+
     def list_files(self, prefix: str) -> Iterator[tuple[str, int]]:
         # The client lists whole path segments: list the folder the prefix is in, and
         # keep the keys that start with it.
