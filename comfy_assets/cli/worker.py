@@ -31,6 +31,7 @@ from comfy_assets.cli.run import (
     add_store_options,
     batch_config,
     open_store,
+    store_files,
 )
 from comfy_assets.comfy import event_loop
 from comfy_assets.comfy.servers import parse_servers
@@ -251,10 +252,13 @@ def _worker(args: argparse.Namespace) -> int:
         servers = parse_servers(args.server)
     except ValueError as e:
         return bad_input(e)
+    files = store_files(args)
+    if isinstance(files, int):
+        return files
     source: JobSource
     if args.jobs is not None:
         try:
-            job_file = load_job_file(args.jobs, rules=rules_of(args))
+            job_file = load_job_file(args.jobs, rules=rules_of(args, files))
             chained = chained_problems(job_file)
             if chained:
                 raise JobFileError(chained)
@@ -276,7 +280,7 @@ def _worker(args: argparse.Namespace) -> int:
     failed = serve_metrics(args)
     if failed is not None:
         return failed
-    store = open_store(args, existing=False)
+    store = open_store(args, existing=False, file_store=files)
     if isinstance(store, int):
         return store
     track_metrics(args, store, None)

@@ -167,7 +167,12 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
 
     @classmethod
     def existing(
-        cls, location: str | Path, db_url: str | None = None, *, retry_s: float = DEFAULT_RETRY_S
+        cls,
+        location: str | Path,
+        db_url: str | None = None,
+        *,
+        retry_s: float = DEFAULT_RETRY_S,
+        file_store: FileStore | None = None,
     ) -> Store:
         """The store at ``location`` (or ``db_url``) for a command that reads or changes
         it: raises NoStore rather than create an empty SQLite store where none was,
@@ -177,7 +182,7 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
         folder = local_folder(location)
         if db_url is None and folder is not None and not (folder / "store.db").is_file():
             raise NoStore(f"no result store at {location} (no store.db)")
-        return cls(location, db_url, retry_s=retry_s)
+        return cls(location, db_url, retry_s=retry_s, file_store=file_store)
 
     @retried
     def ping(self) -> None:
