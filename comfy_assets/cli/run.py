@@ -115,11 +115,9 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
     return BatchConfig(**values)
 
 
-STORE_HELP = "result store: a folder, or s3://BUCKET/PREFIX (with --db-url)"
+STORE_HELP = "result store: a folder, or s3://BUCKET/PREFIX (needs --db-url)"
 # What the commands that only read or change an existing store say of --store.
-EXISTING_STORE_HELP = (
-    "the result store: its folder (holds store.db), or s3://BUCKET/PREFIX (with --db-url)"
-)
+EXISTING_STORE_HELP = "the result store: a folder holding store.db, or s3://BUCKET/PREFIX"
 
 
 def store_arg(text: str) -> str | Path:
@@ -373,7 +371,14 @@ def run_command(args: argparse.Namespace) -> int:
                 on_progress=bar.update if bar else None,
                 priority=args.priority,
             )
-        except (PartitionConflict, KeyboardInterrupt, StoreUnavailable, OSError) as e:
+        except (
+            PartitionConflict,
+            KeyboardInterrupt,
+            StoreUnavailable,
+            FileStoreUnavailable,
+            FileStoreFull,
+            OSError,
+        ) as e:
             ended = e
         finally:
             if bar:

@@ -45,6 +45,7 @@ from comfy_assets.service.sources import FileSource, JobSource, RabbitSource
 from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import StoreUnavailable
 from comfy_assets.store.base import folder_name
+from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable
 
 
 def queue_name(text: str) -> str:
@@ -297,9 +298,16 @@ def _worker(args: argparse.Namespace) -> int:
     )
     try:
         event_loop.run(serve(worker))
-    except (broker.BrokerError, StoreUnavailable, OSError) as e:
-        # RabbitMQ; the store away past its budget, or full; our disk (an output that
-        # cannot be written). The messages held went back to the queue.
+    except (
+        broker.BrokerError,
+        StoreUnavailable,
+        FileStoreUnavailable,
+        FileStoreFull,
+        OSError,
+    ) as e:
+        # RabbitMQ; the store (its database or its files) away past its budget, or full;
+        # our disk (an output that cannot be written). The messages held went back to the
+        # queue.
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

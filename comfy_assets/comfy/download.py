@@ -165,16 +165,8 @@ async def download_outputs(
         chunks = _checked_view(client, out, max_bytes)
         async with aclosing(chunks):
             stored = await sink(path, chunks)
-        results.append(
-            DownloadedFile(
-                path=path,
-                sha256=stored.sha256,
-                bytes=stored.bytes,
-                node_id=out.node_id,
-                key=out.key,
-                content_type=stored.content_type,
-            )
-        )
+        stored_as = (stored.sha256, stored.bytes, out.node_id, out.key, stored.content_type)
+        results.append(DownloadedFile(path, *stored_as))
     return results
 
 

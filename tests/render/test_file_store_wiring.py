@@ -53,18 +53,23 @@ class LosingFileStore(FolderFileStore):
         return stored
 
 
+async def render_losing(tmp_path: Path, times: int, lines: list[str]):
+    """One job rendered (2 attempts allowed) on a fake into a store whose files lose an
+    output ``times`` times; returns (fake, job, its files, the store, the summary)."""
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf, job, _ = one_job(tmp_path)
+    files = LosingFileStore(tmp_path / "store", times=times)
+    store = Store(tmp_path / "store", file_store=files)
+    config = fast_config(attempts=2)
+    summary = await batch_over_fakes(jf, store, fake, config=config, on_line=lines.append)
+    return fake, job, files, store, summary
+
+
 async def test_a_lost_output_writes_no_done_record_and_the_job_is_caught_up_not_posted_again(
     tmp_path,
 ):
-    fake = FakeComfy(prompt_seconds=0.005)
-    jf, job, _ = one_job(tmp_path)
-    files = LosingFileStore(tmp_path / "store", times=1)
-    store = Store(tmp_path / "store", file_store=files)
     lines: list[str] = []
-
-    summary = await batch_over_fakes(
-        jf, store, fake, config=fast_config(attempts=2), on_line=lines.append
-    )
+    fake, job, files, store, summary = await render_losing(tmp_path, 1, lines)
 
     assert (summary.done, summary.dead_lettered) == (1, 0)
     assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
@@ -88,12 +93,8 @@ async def test_a_lost_output_writes_no_done_record_and_the_job_is_caught_up_not_
 async def test_a_store_that_keeps_losing_outputs_leaves_the_job_pending_never_dead_lettered(
     tmp_path,
 ):
-    fake = FakeComfy(prompt_seconds=0.005)
-    jf, job, _ = one_job(tmp_path)
-    files = LosingFileStore(tmp_path / "store", times=100)
-    store = Store(tmp_path / "store", file_store=files)
-
-    summary = await batch_over_fakes(jf, store, fake, config=fast_config(attempts=2))
+    lines: list[str] = []
+    fake, job, files, store, summary = await render_losing(tmp_path, 100, lines)
 
     assert (summary.done, summary.dead_lettered) == (0, 0)
     rec = store.get(job.id)
@@ -103,6 +104,7 @@ async def test_a_store_that_keeps_losing_outputs_leaves_the_job_pending_never_de
     reasons = [a.reason or "" for a in store.attempts(job.id)]
     assert len(reasons) == 2
     assert all("the store's failure, not the job's" in r for r in reasons)
+    assert any(line.endswith("it stays pending") for line in lines)
 
 
 async def test_the_files_table_is_the_jobs_manifest_with_content_types(tmp_path):
