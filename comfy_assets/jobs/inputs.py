@@ -204,7 +204,10 @@ class InputReader:
             return f"the URL {json.dumps(url)[:80]} holds a control character"
         objects = self.rules.objects
         if objects is None:
-            return f"{quoted(url)}: an s3:// input is read from the store's object store; none here"
+            return (
+                f"{quoted(url)}: s3:// inputs are read only with an S3 store (--store "
+                "s3://BUCKET/PREFIX), and there is none here"
+            )
         limit = self.rules.max_input_bytes
         digest = hashlib.sha256()
         size = 0

@@ -4,7 +4,6 @@ files refuse us (a wrong endpoint, bucket or credential) likewise, before any pr
 
 from __future__ import annotations
 
-import asyncio
 import os
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from comfy_assets.cli.main import main
 from comfy_assets.store.files import FileStoreRefused, FolderFileStore
 from comfy_assets.store.files.base import FileStore
 from fake_comfy import FakeComfy
-from tests.support import fake_servers, job_id, write_jobs
+from tests.support import job_id, write_jobs
 
 S3 = "s3://farm-bucket/renders"
 NEEDS_DB = (
@@ -31,7 +30,7 @@ def argvs(jobs: Path) -> dict[str, list[str]]:
     return {
         "run": ["run", "--jobs", str(jobs), "--server", server, "--store", S3],
         "worker": ["worker", "--jobs", str(jobs), "--server", server, "--store", S3],
-        "api": ["api", "--store", S3],
+        "api": ["api", "--store", S3, "--tokens", str(jobs.parent / "tokens.json")],
         "film": ["film", "--jobs", str(jobs), "--store", S3],
         "status": ["status", "--store", S3],
         "events": ["events", "--store", S3, "--partition", "p"],
@@ -77,8 +76,12 @@ class RefusingFileStore(FolderFileStore):
         raise FileStoreRefused(f"--store {S3}: NoSuchBucket: the bucket farm-bucket does not exist")
 
 
-async def test_files_that_refuse_us_are_one_line_and_exit_2_before_any_prompt(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+def test_files_that_refuse_us_are_one_line_and_exit_2_before_any_prompt(
+    tmp_path: Path,
+    fake: FakeComfy,
+    url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     chosen: list[str | Path] = []
 
@@ -89,12 +92,10 @@ async def test_files_that_refuse_us_are_one_line_and_exit_2_before_any_prompt(
     monkeypatch.setattr(cli_run, "file_store_for", refusing)
     jobs = write_jobs(tmp_path / "jobs", 2)
     db_url = f"sqlite:///{tmp_path / 'records.db'}"
-    fake = FakeComfy(prompt_seconds=0.005)
-    async with fake_servers(fake) as servers:
-        argv = ["run", "--jobs", str(jobs), "--store", S3, "--db-url", db_url]
-        argv += ["--server", f"gpu0={servers[0].url}"]
-        code = await asyncio.to_thread(main, argv)  # the command runs its own event loop
-    assert code == 2
+    argv = ["run", "--jobs", str(jobs), "--store", S3, "--db-url", db_url]
+
+    assert main([*argv, "--server", f"gpu0={url}"]) == 2
+
     out, err = capsys.readouterr()
     assert err == f"error: --store {S3}: NoSuchBucket: the bucket farm-bucket does not exist\n"
     assert chosen == [S3]  # the s3:// text as given, not a path that folded its //
