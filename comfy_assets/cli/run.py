@@ -312,6 +312,9 @@ def _load(args: argparse.Namespace) -> tuple[FileStore, list[ServerSpec], JobFil
         job_file = load_job_file(args.jobs, rules=rules_of(args, files))
     except (JobFileError, ValueError, OSError) as e:
         return bad_input(e)
+    except FileStoreUnavailable as e:  # reading an s3:// input: the store's, not the file's
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return files, servers, job_file
 
 

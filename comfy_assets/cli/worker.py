@@ -266,6 +266,9 @@ def _worker(args: argparse.Namespace) -> int:
             source = FileSource(job_file, partition=args.partition)
         except JobFileError as e:
             return bad_input(f"{args.jobs}:\n{e}")
+        except FileStoreUnavailable as e:  # reading an s3:// input: the store's failure
+            print(f"error: {e}", file=sys.stderr)
+            return 1
     else:
         missing = needs_rabbitmq(args)
         if missing:
