@@ -38,6 +38,17 @@ from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, Store, StoreU
 
 log = logging.getLogger("comfy_assets.render.guard")
 
+# The fewest tries a job gets while the store's files fail it (``file_store_fault``):
+# with the default backoff (2 s doubling, at most 60 s) about a minute and a half of
+# waiting, so a store away for a minute is waited out.
+STORE_FAULT_TRIES = 6
+
+
+def store_fault_tries(policy: Policy) -> int:
+    """How many attempts of a job may end in the store's failure before the job is left
+    pending in this batch: the policy's attempts, and at least STORE_FAULT_TRIES."""
+    return max(policy.retry.attempts, STORE_FAULT_TRIES)
+
 
 @dataclass(eq=False, kw_only=True)
 class Settler:
@@ -109,7 +120,7 @@ class Settler:
             stopped=self.stopped(),
         )
         move = decide(facts, policy, item.job.id)
-        if isinstance(move, Retry) and not policy.retry.can_retry(item.store_faults):
+        if isinstance(move, Retry) and item.store_faults >= store_fault_tries(policy):
             move = Pending(f"not run again in this run, {r.reason}", stopped=False)
         await self._apply(item, attempt_number, r, move)
 

@@ -18,8 +18,9 @@ import pytest
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.settle import STORE_FAULT_TRIES
 from comfy_assets.store import Store
-from comfy_assets.store.files import FolderFileStore, StoredFile
+from comfy_assets.store.files import FileStoreUnavailable, FolderFileStore, StoredFile
 from fake_comfy import FakeComfy
 from tests.render.test_inputs_render import picture, pixels_of
 from tests.support import (
@@ -102,9 +103,43 @@ async def test_a_store_that_keeps_losing_outputs_leaves_the_job_pending_never_de
     assert store.files(job.id) == []
     assert posted(fake, job.prompt_id) == 1  # the later attempts caught up from /history
     reasons = [a.reason or "" for a in store.attempts(job.id)]
-    assert len(reasons) == 2
+    assert len(reasons) == STORE_FAULT_TRIES  # more than the job's own 2 attempts
     assert all("the store's failure, not the job's" in r for r in reasons)
     assert any(line.endswith("it stays pending") for line in lines)
+
+
+class AwayFileStore(FolderFileStore):
+    """A folder store that does not answer for its first write (an object store down
+    past its retries)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.refused = 0
+
+    async def write_output(
+        self, partition: str, job_id: str, path: str, chunks: AsyncIterator[bytes]
+    ) -> StoredFile:
+        if not self.refused:
+            self.refused += 1
+            raise FileStoreUnavailable(f"{self.root}: no answer for 60 s (writing {path})")
+        return await super().write_output(partition, job_id, path, chunks)
+
+
+async def test_a_store_away_while_outputs_are_written_is_the_stores_failure_then_caught_up(
+    tmp_path,
+):
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf, job, _ = one_job(tmp_path)
+    store = Store(tmp_path / "store", file_store=AwayFileStore(tmp_path / "store"))
+
+    summary = await batch_over_fakes(jf, store, fake, config=fast_config(attempts=1))
+
+    assert (summary.done, summary.dead_lettered) == (1, 0)
+    assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
+    first, second = store.attempts(job.id)
+    assert (first.outcome, second.outcome) == ("transient", "success")
+    assert first.reason is not None and "no answer for 60 s" in first.reason
+    assert "the store's failure, not the job's" in first.reason
 
 
 async def test_the_files_table_is_the_jobs_manifest_with_content_types(tmp_path):
