@@ -77,11 +77,11 @@ class RefusingFileStore(FolderFileStore):
 
 
 def test_files_that_refuse_us_are_one_line_and_exit_2_before_any_prompt(
-    tmp_path: Path,
-    fake: FakeComfy,
     url: str,
-    monkeypatch: pytest.MonkeyPatch,
+    fake: FakeComfy,
     capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
 ) -> None:
     chosen: list[str | Path] = []
 
