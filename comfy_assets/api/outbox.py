@@ -45,7 +45,7 @@ from comfy_assets.api.webhook_urls import GuardedResolver, delivery_problem
 from comfy_assets.render.backoff import backoff_delay
 from comfy_assets.store import JobRecord, Store, StoreUnavailable, off_loop
 from comfy_assets.store.api_jobs import ApiJob, ApiLedger, Webhook
-from comfy_assets.store.files import DEFAULT_URL_EXPIRY_S, files_of
+from comfy_assets.store.files import DEFAULT_URL_EXPIRY_S
 
 log = logging.getLogger("comfy_assets.api.outbox")
 
@@ -176,7 +176,7 @@ class Outbox:
         assert record.finished_at is not None and api.webhook is not None
         files = await off_loop(self.store, self.store.files, api.job_id)
         attempts = await off_loop(self.store, self.store.attempts, api.job_id)
-        data = job_view(api, record, files, attempts, files_of(self.store), self.url_expiry_s)
+        data = job_view(api, record, files, attempts, self.store.file_store, self.url_expiry_s)
         payload = {
             "type": f"job.{record.state}",
             "timestamp": iso(record.finished_at),

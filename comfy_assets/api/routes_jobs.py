@@ -41,7 +41,6 @@ from comfy_assets.jobs.strict_json import DuplicateKey, loads_bounded, no_duplic
 from comfy_assets.service import broker
 from comfy_assets.store import PartitionConflict, StoreUnavailable, UnknownJob, off_loop
 from comfy_assets.store.api_jobs import ApiJob
-from comfy_assets.store.files import files_of
 
 log = logging.getLogger("comfy_assets.api")
 
@@ -77,7 +76,7 @@ async def current_view(api: Api, job: ApiJob) -> dict[str, object]:
     record = await off_loop(api.store, api.store.get, job.job_id)
     files = await off_loop(api.store, api.store.files, job.job_id)
     attempts = await off_loop(api.store, api.store.attempts, job.job_id)
-    return job_view(job, record, files, attempts, files_of(api.store))
+    return job_view(job, record, files, attempts, api.store.file_store)
 
 
 def _invalid(problems: list[Problem]) -> web.Response:

@@ -19,7 +19,6 @@ from comfy_assets.jobs.states import DONE, FAILED_FATAL
 from comfy_assets.service import broker
 from comfy_assets.store import StoreUnavailable, off_loop
 from comfy_assets.store.api_jobs import ApiLedger
-from comfy_assets.store.files import files_of
 
 EVENT_STREAM = "text/event-stream"
 KEEP_ALIVE_S = 15.0
@@ -47,7 +46,7 @@ async def get_file(request: web.Request) -> web.StreamResponse:
     found = [f for f in current_files(record, files) if f.path == name]
     if record is None or not found:
         return error(404, f"job {job.job_id} has no file {name[:200]!r}")
-    file_store = files_of(api.store)
+    file_store = api.store.file_store
     url = file_store.output_url(record.partition, job.job_id, found[0])
     if url is not None:
         return await redirect_response(request, url, found[0].path, found[0].sha256, found[0].bytes)

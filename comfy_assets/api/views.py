@@ -15,6 +15,7 @@ from comfy_assets.jobs.states import FAILED_FATAL, IN_FLIGHT, PENDING
 from comfy_assets.store import AttemptRecord, FileRecord, JobRecord
 from comfy_assets.store.api_jobs import ApiJob
 from comfy_assets.store.files import DEFAULT_URL_EXPIRY_S, FileStore
+from comfy_assets.store.files.folder import content_type
 
 
 def iso(t: float | None) -> str | None:
@@ -95,6 +96,7 @@ def job_view(
                 "name": f.path,
                 "bytes": f.bytes,
                 "sha256": f.sha256,
+                "content_type": f.content_type or content_type(f.path),
                 "url": file_link(record, f, file_store, url_expiry_s),
             }
             for f in current_files(record, files)

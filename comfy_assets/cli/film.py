@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from comfy_assets.cli.options import add_command, add_input_options, bad_input
-from comfy_assets.cli.run import add_store_options, open_store
+from comfy_assets.cli.run import add_store_options, open_store, store_files
 from comfy_assets.film.gate import FilmResult, GateBlocked
 from comfy_assets.film.make import make_film, store_film
 from comfy_assets.film.probe import MediaError
@@ -24,7 +24,6 @@ from comfy_assets.store.files import (
     FileStoreFull,
     FileStoreRefused,
     FileStoreUnavailable,
-    files_of,
 )
 from comfy_assets.store.files.local import file_location
 
@@ -61,8 +60,11 @@ def film_command(args: argparse.Namespace) -> int:
     a partition holding none of the file's jobs. A film that can't be written (a full disk, a tool failing:
     MediaError, OSError) is one ``error:`` line and exit 1, nothing left at ``--out``.
     """
+    files = store_files(args)
+    if isinstance(files, int):
+        return files
     try:
-        job_file = load_job_file(args.jobs, rules=rules_of(args))
+        job_file = load_job_file(args.jobs, rules=rules_of(args, files))
     except JobFileError as e:
         return bad_input(str(e))
     if not has_shots(job_file):
@@ -82,7 +84,7 @@ def film_command(args: argparse.Namespace) -> int:
         except OSError as e:
             return bad_input(f"--out {args.out}: its folder can't be made ({e.strerror or e})")
     partition = args.jobs.stem if args.partition is None else args.partition
-    store = open_store(args, existing=True)
+    store = open_store(args, existing=True, file_store=files)
     if isinstance(store, int):
         return store
     try:
@@ -104,7 +106,7 @@ def film_command(args: argparse.Namespace) -> int:
             where = str(film.concat.path)
         else:
             stored = store_film(store, partition, job_file, args.policy)
-            film, where = stored.result, file_location(files_of(store), stored.film_key)
+            film, where = stored.result, file_location(store.file_store, stored.film_key)
     except GateBlocked as blocked:
         print(blocked.result.describe().splitlines()[0])
         for line in bad_shot_lines(blocked.result):
@@ -136,7 +138,7 @@ def _job_folder_of(store: Store, partition: str, job_ids: set[str], out: Path) -
     """The job of ``job_ids`` whose folder in ``store`` (``<root>/<partition>/<job id>/``)
     holds ``out`` (links followed), or None: a film written there could replace a shot it
     is cut from."""
-    here = files_of(store).file_path(partition)
+    here = store.file_store.file_path(partition)
     if here is None:  # the store's files are not on this disk: no job folder holds out
         return None
     folders = here.resolve()

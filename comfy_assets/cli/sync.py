@@ -48,7 +48,7 @@ def sync_command(args: argparse.Namespace) -> int:
     at ``--store``, a partition holding no jobs, a ``--to`` that is a file.
     """
     from comfy_assets.store import StoreUnavailable
-    from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable, files_of
+    from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable
     from comfy_assets.store.files.sync import sync_outputs
 
     to: Path = args.to
@@ -71,7 +71,7 @@ def sync_command(args: argparse.Namespace) -> int:
             for f in by_job.get(record.job_id, [])
             if f.prompt_id == record.prompt_id  # the job's current inputs only
         ]
-        counts = sync_outputs(files_of(store), args.partition, outputs, to)
+        counts = sync_outputs(store.file_store, args.partition, outputs, to)
     except (StoreUnavailable, FileStoreUnavailable, FileStoreFull, OSError, ValueError) as e:
         print(f"error: sync of {args.partition} to {to} stopped: {e}", file=sys.stderr)
         return EXIT_NOT_ALL_COPIED

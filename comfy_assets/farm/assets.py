@@ -89,7 +89,6 @@ from comfy_assets.render.results import (
 from comfy_assets.render.run import run_batch_sync
 from comfy_assets.render.steering import run_priority
 from comfy_assets.store import StoreUnavailable
-from comfy_assets.store.files import files_of
 from comfy_assets.store.files.local import file_copy, file_location
 
 # The store file key of every partition's results in one table.
@@ -203,7 +202,7 @@ def render_partition(
     # The UI's view of the rows results.csv writes (render_results).
     jobs = job_frame(JobResults.of(current, outputs, job_ids, last_model_tries(tries), failed_on))
     metadata: Metadata = {}
-    files = files_of(store)
+    files = store.file_store
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
         metadata["contact_sheet"] = MetadataValue.md(
@@ -287,7 +286,7 @@ def write_partition_results(
     finally:
         store.close()
     context.log.info(f"wrote {len(results)} rows to {path}")
-    where = file_location(files_of(store), results_key(partition), resolved=True)
+    where = file_location(store.file_store, results_key(partition), resolved=True)
     return MaterializeResult(
         metadata={**results_metadata(results, where), "job_file_sha256": job_file.sha256}
     )
@@ -300,7 +299,7 @@ def gather_results(
     partitions without one are logged. Read and written through the store's files (in
     an object store, copies in a scratch folder)."""
     store = result_store.open()
-    files = files_of(store)
+    files = store.file_store
     store.close()  # only its files are read
     tables: dict[str, Path] = {}
     with tempfile.TemporaryDirectory(prefix="comfy-assets-results-") as scratch:
@@ -396,7 +395,7 @@ def cut_film(
     finally:
         store.close()
     policy = film_policy(job_file, comfy.policy)
-    files = files_of(store)
+    files = store.file_store
     made = film.result
 
     how: str = policy.mode

@@ -37,7 +37,7 @@ from comfy_assets.jobs.states import DONE
 from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, JobResults, ResultsTable
 from comfy_assets.store import FileRecord, JobRecord, Store
-from comfy_assets.store.files import FileStore, files_of
+from comfy_assets.store.files import FileStore
 from comfy_assets.store.files.local import file_location, file_sha256, output_copy, writing
 
 # An asset's metadata entry, a subset of what Dagster takes (its RawMetadataValue, which
@@ -390,7 +390,7 @@ def outputs_contact_sheet(
             labels.append(tile_label(record.job_id, record.shot, name, n, len(files)))
     if not tiles:
         return None
-    file_store = files_of(store)
+    file_store = store.file_store
     key = f"{partition}/{OUTPUTS_SHEET}"
     with tempfile.TemporaryDirectory(prefix="comfy-assets-sheet-") as scratch:
         clips = []

@@ -14,7 +14,6 @@ from comfy_assets.film.gate import FilmResult, build_film
 from comfy_assets.film.shots import film_keys, film_policy, shots_from_store
 from comfy_assets.jobs.model import JobFile
 from comfy_assets.store import Store
-from comfy_assets.store.files import files_of
 from comfy_assets.store.files.local import writing
 
 
@@ -59,7 +58,7 @@ def store_film(
     ``<partition>/film.contact.png`` (``shots.film_keys``): made in place in a folder
     store, else made in a scratch folder and stored whole once complete (an earlier film
     stays as it was when the gate blocks or the film fails). Raises as ``make_film``."""
-    files = files_of(store)
+    files = store.file_store
     keys = film_keys(partition)
     with tempfile.TemporaryDirectory(prefix="comfy-assets-film-") as scratch:
         with writing(files, keys, Path(scratch)) as [out, _sheet]:

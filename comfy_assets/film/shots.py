@@ -19,7 +19,6 @@ from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.states import DONE
 from comfy_assets.render.cost import AttemptCost, cost_report
 from comfy_assets.store import AttemptRecord, JobRecord, Store
-from comfy_assets.store.files import files_of
 from comfy_assets.store.files.local import output_copy
 
 FILM_NAME = "film.mp4"
@@ -102,7 +101,7 @@ def _what_became_of(
     current = [f for f in store.files(record.job_id) if f.prompt_id == prompt_id]
     # Only a done shot's media is read by the gate, and of it only the file it picks.
     read = pick_file([Path(f.path) for f in current]) if record.state in DONE else None
-    file_store = files_of(store)
+    file_store = store.file_store
     files = []
     for f in current:
         path = file_store.output_path(partition, record.job_id, f)

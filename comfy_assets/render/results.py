@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeAlias
 
 from comfy_assets.comfy.types import excerpt
 from comfy_assets.store import FileRecord, JobRecord, Store
-from comfy_assets.store.files import FileStore, files_of
+from comfy_assets.store.files import FileStore
 from comfy_assets.store.files.local import file_location, writing
 
 FIXED_BEFORE = ["job_id", "line", "shot"]
@@ -262,7 +262,7 @@ def results_key(partition: str) -> str:
 def results_location(store: Store, partition: str) -> str:
     """Where ``write_results`` writes ``partition``'s results CSV, for a line: its path
     in a folder store, its object's URL in an object store (``FileStore.file_location``)."""
-    return file_location(files_of(store), results_key(partition))
+    return file_location(store.file_store, results_key(partition))
 
 
 def write_results(
@@ -276,7 +276,7 @@ def write_results(
     OSError if the CSV cannot be written, StoreUnavailable, FileStoreUnavailable,
     FileStoreFull, FileStoreRefused."""
     table = JobResults.read(store, partition, job_ids).table()
-    return write_table(files_of(store), results_key(partition), table), table
+    return write_table(store.file_store, results_key(partition), table), table
 
 
 def write_table(files: FileStore, key: str, table: ResultsTable) -> str:

@@ -237,6 +237,7 @@ async def test_files_with_etag_and_ranges(store: Store, queue: str) -> None:
             "name": "solid_00001_.png",
             "bytes": len(data),
             "sha256": sha,
+            "content_type": "image/png",
             "url": f"/v1/jobs/{body['id']}/files/solid_00001_.png",
         }
         whole = await client.get(entry["url"], headers=auth())

@@ -17,25 +17,31 @@ from comfy_assets.store.files.base import (
 )
 from comfy_assets.store.files.folder import FolderFileStore
 from comfy_assets.store.files.s3 import S3FileStore
-from comfy_assets.store.files.s3_config import S3Settings, is_s3_location
+from comfy_assets.store.files.s3_config import S3Settings
 
 
 def file_store_for(location: str | Path) -> FileStore:
     """The file store of a store's ``location``: ``s3://BUCKET/PREFIX`` an S3FileStore
     (endpoint, region and credentials from the environment and the AWS profile files),
-    a Path or any other text a FolderFileStore of that folder. Nothing is reached yet
-    (``check`` does). Raises ValueError for an ``s3://`` location that is not
-    ``s3://BUCKET/PREFIX``, FileStoreRefused for an AWS_PROFILE that does not exist."""
-    if is_s3_location(location):
+    a Path or any other text that is not a URL a FolderFileStore of that folder. The one
+    place a ``--store`` value becomes a FileStore. Nothing is reached yet (``check``
+    does). Raises FileStoreRefused for a location no file store here reads (another
+    scheme, an ``s3://`` location that is not ``s3://BUCKET/PREFIX``) and for an
+    AWS_PROFILE that does not exist."""
+    from comfy_assets.store.location import local_folder
+
+    try:
+        folder = local_folder(location)
+    except ValueError as e:
+        raise FileStoreRefused(str(e)) from e
+    if folder is not None:
+        return FolderFileStore(folder)
+    try:
         return S3FileStore(str(location))
-    return FolderFileStore(Path(location))
-
-
-def files_of(store: object) -> FileStore:
-    """The file store of ``store`` (a ``Store``): ``store.file_store`` where the store
-    holds one, else the folder of ``store.root``. The one place readers get it from."""
-    found: FileStore | None = getattr(store, "file_store", None)
-    return found if found is not None else FolderFileStore(getattr(store, "root"))  # noqa: B009
+    except FileStoreRefused:
+        raise
+    except ValueError as e:
+        raise FileStoreRefused(str(e)) from e
 
 
 __all__ = [
@@ -50,5 +56,4 @@ __all__ = [
     "S3Settings",
     "StoredFile",
     "file_store_for",
-    "files_of",
 ]
