@@ -354,11 +354,7 @@ def test_the_storage_docs_example_renders_into_a_bucket_cuts_and_syncs(
     objects, nothing but the records and the synced copies is written on this disk, and
     the second sync copies nothing."""
     import hashlib
-    import importlib.util
 
-    if importlib.util.find_spec("comfy_assets.store.location") is None:
-        # Until the branch wiring Store to its FileStore (w45b) is merged: then always run.
-        pytest.skip("--store s3://BUCKET/PREFIX is not wired into the commands yet")
     from comfy_assets.film.probe import probe
     from comfy_assets.store.files import S3FileStore, S3Settings
     from comfy_assets.store.files.local import file_copy
