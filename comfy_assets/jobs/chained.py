@@ -9,7 +9,7 @@ import dataclasses
 import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from comfy_assets.jobs.model import (
     Input,
@@ -20,6 +20,20 @@ from comfy_assets.jobs.model import (
 )
 from comfy_assets.jobs.strict_json import quoted
 from comfy_assets.jobs.workflows import model_names
+
+
+class JobFields(NamedTuple):
+    """The checked fields of one job line, in ``build_job``'s order."""
+
+    id: str
+    line: int
+    workflow: dict[str, Any]
+    overrides: dict[str, Any]
+    shot: int | None
+    duration_s: float | None
+    optional: bool
+    take: int
+    inputs: tuple[Input, ...]
 
 
 def build_job(
@@ -93,7 +107,7 @@ class Chained:
 
 
 class ChainResolution:
-    """How the parser finishes chained jobs (a part of ``parse._Parser``): it records
+    """How the parser finishes chained jobs (a part of ``parse.LineParser``): it records
     errors with ``error`` and knows each valid job's line and workflow (``workflows``)."""
 
     workflows: dict[str, tuple[int, dict[str, Any]]]
