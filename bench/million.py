@@ -108,7 +108,10 @@ def one_size(jobs: int, args: argparse.Namespace) -> dict[str, str]:
     size_mb = path.stat().st_size / 1e6
     out: dict[str, str] = {"jobs": str(jobs), "file_mb": f"{size_mb:.1f}"}
     fakes_out = scratch_dir()
-    with tempfile.TemporaryDirectory() as tmp, fake_processes(args.servers, 0.0, fakes_out) as specs:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        fake_processes(args.servers, 0.0, fakes_out) as specs,
+    ):
         cmd = [
             sys.executable,
             "-m",

@@ -8,7 +8,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TextIO
@@ -25,7 +25,7 @@ from comfy_assets.cli.options import (
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
-from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.stream import JobScan, scan_job_file
 from comfy_assets.render.config import KNOBS, BatchConfig, knob_doc
 from comfy_assets.store import (
     DB_URL_ENV,
@@ -266,7 +266,8 @@ def run_command(args: argparse.Namespace) -> int:
     could not be written where, and exit 1; results.csv is written if there is room."""
     try:
         servers = parse_servers(args.server)
-        job_file = load_job_file(args.jobs, rules=rules_of(args))
+        # Validated whole in one pass, its jobs not held: taken a chunk at a time.
+        job_file = scan_job_file(args.jobs, rules=rules_of(args))
     except (JobFileError, ValueError, OSError) as e:
         return bad_input(e)
     partition = args.jobs.stem if args.partition is None else args.partition
@@ -298,7 +299,7 @@ def run_command(args: argparse.Namespace) -> int:
     if sys.stdout.isatty():  # a progress bar, the lines above it; elsewhere the lines alone
         from comfy_assets.cli.progress_bar import ProgressBar
 
-        bar = ProgressBar(len(job_file.jobs), sys.stdout)
+        bar = ProgressBar(job_count(job_file), sys.stdout)
     with stopped_by_signals() as stopped_by:
         ended: BaseException | None = None
         try:
@@ -344,7 +345,11 @@ def run_command(args: argparse.Namespace) -> int:
 
 
 def _stopped(
-    ended: BaseException, store: Store, partition: str, job_file: JobFile, signal_name: str
+    ended: BaseException,
+    store: Store,
+    partition: str,
+    job_file: JobFile | JobScan,
+    signal_name: str,
 ) -> int:
     """What ``run`` says and returns when its batch did not end by itself: 2 for a job
     file registered under another partition, 130/143 when stopped by Ctrl+C/SIGTERM
@@ -381,13 +386,25 @@ def _stopped(
     return 1
 
 
-def results_line(store: Store, partition: str, job_file: JobFile) -> str | None:
+def job_count(job_file: JobFile | JobScan) -> int:
+    """How many jobs ``job_file`` has."""
+    return job_file.count if isinstance(job_file, JobScan) else len(job_file.jobs)
+
+
+def job_ids(job_file: JobFile | JobScan) -> Sequence[str]:
+    """The job ids of ``job_file``, in line order."""
+    if isinstance(job_file, JobScan):
+        return job_file.job_ids()
+    return [job.id for job in job_file.jobs]
+
+
+def results_line(store: Store, partition: str, job_file: JobFile | JobScan) -> str | None:
     """Write results.csv and print its path; or return why it could not be written
     (``<path> not written: <why>``), for the caller to say."""
     from comfy_assets.render.results import results_csv_path, write_results
 
     try:
-        path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
+        path, _ = write_results(store, partition, job_ids(job_file))
     except (StoreUnavailable, OSError) as e:
         # A write cut short by a full disk raises an OSError that names no file.
         return f"{results_csv_path(store.root, partition)} not written: {e}"

@@ -16,12 +16,10 @@ from __future__ import annotations
 import hashlib
 import uuid
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import Any, BinaryIO, overload
 
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import (
@@ -47,9 +45,10 @@ from comfy_assets.jobs.workflows import WorkflowCache
 BOM = b"\xef\xbb\xbf"
 
 
-class JobFileChanged(RuntimeError):
+class JobFileChanged(OSError):
     """A line of a job file is no longer the line validated (the file was changed
-    while its batch ran): names the file and the line."""
+    while its batch ran): names the file and the line. An OSError: like a read that
+    failed, it stops the run, which says so and exits 1."""
 
 
 @dataclass(eq=False)
@@ -76,15 +75,43 @@ class JobScan:
         """The film policy of the header."""
         return self.header.policy
 
-    def job_ids(self) -> Iterator[str]:
-        """The job ids, in line order."""
-        ids = self.ids
-        for i in range(0, len(ids), 16):
-            yield str(uuid.UUID(bytes=ids[i : i + 16]))
+    def job_ids(self) -> JobIds:
+        """The job ids, in line order (made when read: 16 bytes a job held)."""
+        return JobIds(self.ids)
 
     def reader(self) -> JobReader:
         """A reader of the jobs from the first (close it after use)."""
         return JobReader(self)
+
+
+class JobIds(Sequence[str]):
+    """Job ids held as 16 bytes each (``ids``), read as the lowercase hyphenated UUIDs
+    they were written as."""
+
+    def __init__(self, ids: bytes) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids) // 16
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | list[str]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        start = 16 * (index % len(self))
+        return str(uuid.UUID(bytes=self.ids[start : start + 16]))
+
+    def __iter__(self) -> Iterator[str]:
+        ids = self.ids
+        for i in range(0, len(ids), 16):
+            yield str(uuid.UUID(bytes=ids[i : i + 16]))
 
 
 class JobReader:
@@ -106,14 +133,18 @@ class JobReader:
             self._file.seek(scan.offsets[i])
             raw = self._file.readline()
             if hash(raw) != scan.digests[i]:
-                raise JobFileChanged(f"{scan.path}:{number}: the line changed since it was validated")
+                raise JobFileChanged(
+                    f"{scan.path}:{number}: the line changed since it was validated"
+                )
             body = raw[len(BOM) :] if number == 1 and raw.startswith(BOM) else raw
             errors = len(parser.errors)
             obj = parser.parse_line(body.decode("utf-8").strip(), number)
             job = None if obj is None else parser.job(obj, number)
             if not isinstance(job, Job) or len(parser.errors) > errors:
                 del parser.errors[errors:]
-                raise JobFileChanged(f"{scan.path}:{number}: the line changed since it was validated")
+                raise JobFileChanged(
+                    f"{scan.path}:{number}: the line changed since it was validated"
+                )
             jobs.append(job)
             self.next += 1
         return jobs
@@ -264,6 +295,8 @@ class _Pass:
         found = list(self.odd_errors)
         if not self.ids:
             return found
+        import numpy as np  # here: every command imports this module, few use this
+
         halves = np.frombuffer(bytes(self.ids), dtype=">u8").reshape(-1, 2)
         order = np.lexsort((halves[:, 1], halves[:, 0]))  # stable: line order within an id
         ordered = halves[order]
