@@ -1,0 +1,115 @@
+"""A job file registered and run a chunk at a time (``render/feed.py``): killed with
+SIGKILL mid-way and run again, no prompt is posted twice and every job is done."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+
+from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.feed import AHEAD, CHUNK, FIRST_CHUNK
+from comfy_assets.store import Store
+from fake_comfy import FakeComfy
+from tests.support import ROOT, write_jobs
+
+# Past several chunks: 64 jobs, then 1,000 at a time while fewer than 2,000 fed wait.
+JOBS = 4000
+# Prompts executed before the first run is killed: by then 3,064 jobs are registered
+# (fed), the rest are not.
+KILLED_AFTER = 900
+
+# Thousands of jobs through a subprocess, twice, on a shared machine.
+pytestmark = pytest.mark.timeout(900)
+
+
+def run_args(jobs: Path, urls: list[str], store: Path) -> list[str]:
+    servers = [a for i, url in enumerate(urls) for a in ("--server", f"gpu{i}={url}")]
+    return [
+        sys.executable,
+        "-m",
+        "comfy_assets.cli",
+        "run",
+        "--jobs",
+        str(jobs),
+        "--store",
+        str(store),
+        *servers,
+        # Claims and server leases of the killed run expire within a second.
+        "--lease-s",
+        "1",
+        "--server-lease-s",
+        "1",
+        "--poll-s",
+        "0.2",
+    ]
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll a condition (the condition is the signal, not the time)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_a_big_file_killed_mid_way_and_run_again_posts_no_prompt_twice(tmp_path):
+    assert FIRST_CHUNK + CHUNK + AHEAD < JOBS  # the rest waits for room
+    assert KILLED_AFTER < FIRST_CHUNK + CHUNK
+    fakes = [FakeComfy(prompt_seconds=0.0) for _ in range(4)]
+    jobs = write_jobs(tmp_path / "jobs", JOBS)
+    prompt_ids = {job.id: job.prompt_id for job in load_job_file(jobs).jobs}
+    store_dir = tmp_path / "store"
+
+    def executed() -> int:
+        return sum(len(f.stats["runs"]) for f in fakes)
+
+    with ExitStack() as stack:
+        urls = [stack.enter_context(f.serve_in_thread(port=0)) for f in fakes]
+        first = subprocess.Popen(
+            run_args(jobs, urls, store_dir),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            wait_until(lambda: executed() >= KILLED_AFTER, 600, f"{KILLED_AFTER} prompts")
+        finally:
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait(timeout=30)
+        store = Store(store_dir)
+        registered = len(store.jobs(jobs.stem))
+        done_before = store.counts(jobs.stem)["succeeded"]
+        store.close()
+        second = subprocess.run(
+            run_args(jobs, urls, store_dir),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+        )
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    # Killed mid-way: part of the file was registered (a chunk at a time) and done.
+    assert KILLED_AFTER - 100 <= done_before < JOBS
+    assert registered < JOBS
+    assert f"summary: {JOBS} done, 0 dead-lettered" in second.stdout
+    posts: dict[str, int] = {}
+    for fake in fakes:
+        for prompt_id, counts in fake.stats["prompts"].items():
+            posts[prompt_id] = posts.get(prompt_id, 0) + counts["posted"]
+    assert sorted(posts) == sorted(prompt_ids.values())
+    twice = {p: n for p, n in posts.items() if n != 1}
+    assert twice == {}
+    store = Store(store_dir)
+    records = store.jobs(jobs.stem)
+    assert len(records) == JOBS
+    assert {r.job_id: r.prompt_id for r in records} == prompt_ids
+    assert {r.state for r in records} == {"succeeded"}
