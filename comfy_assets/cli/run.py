@@ -327,11 +327,11 @@ def run_command(args: argparse.Namespace) -> int:
         print_line(f"  dead letter {job_id}: {reason}")
     if summary.stopped:
         print_line(f"  {summary.stopped}")
-    not_done = len(summary.jobs) - summary.done - summary.dead_lettered
+    not_done = summary.not_done
     if not_done:
         left = [j for j in summary.jobs if not j.done and j.state != "failed_fatal"]
         named = ", ".join(f"{j.job_id} ({j.state})" for j in left[:NOT_RUN_NAMED])
-        more = f" and {len(left) - NOT_RUN_NAMED} more" if len(left) > NOT_RUN_NAMED else ""
+        more = f" and {not_done - NOT_RUN_NAMED} more" if not_done > NOT_RUN_NAMED else ""
         print_line(f"  {not_done} not run: {named}{more}")
     try:
         # Dead letters too: the table is where their reasons are read afterwards.

@@ -22,13 +22,16 @@ from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.progress import Progress
 from comfy_assets.render.steering import Steering
-from comfy_assets.render.summary import BatchSummary, summarize
+from comfy_assets.render.summary import BatchSummary, summarize, summarize_file
 from comfy_assets.store import JobRecord, Store, off_loop
 
 log = logging.getLogger("comfy_assets.render.run")
 
 # What ``run_one`` answers for a job the store holds under another prompt (a newer take).
 SUPERSEDED: Literal["superseded"] = "superseded"
+
+# The jobs neither done nor dead-lettered a summary of a file read a chunk at a time names.
+NAMED = 5
 
 # Called with each pool made here and its store (the metrics: ``metrics.py``).
 pool_watchers: list[Callable[[Pool, Store], None]] = []
@@ -136,8 +139,8 @@ async def _run_batch(
     if isinstance(job_file, JobScan):
         feed: JobScan | None = job_file
         jobs: list[Job] = []
-        job_ids: Sequence[str] = job_file.job_ids()
-        await off_loop(store, store.check_partition, partition, job_ids)
+        await off_loop(store, store.check_partition, partition, job_file.job_ids())
+        job_ids: list[str] = []
     else:
         feed, jobs, job_ids = None, job_file.jobs, [j.id for j in job_file.jobs]
         await off_loop(store, store.register_jobs, partition, jobs)
@@ -159,16 +162,29 @@ async def _run_batch(
             feed=feed,
         )
         await _steered(batch, on_progress, sum(counts[state] for state in DONE))
-    summary = await off_loop(
-        store,
-        summarize,
-        store,
-        partition,
-        time.monotonic() - started,
-        batch.stopped,
-        pool.unreachable(),
-        job_ids=job_ids,
-    )
+    if isinstance(job_file, JobScan):
+        summary = await off_loop(
+            store,
+            summarize_file,
+            store,
+            partition,
+            time.monotonic() - started,
+            batch.stopped,
+            pool.unreachable(),
+            job_file.job_ids(),
+            NAMED,
+        )
+    else:
+        summary = await off_loop(
+            store,
+            summarize,
+            store,
+            partition,
+            time.monotonic() - started,
+            batch.stopped,
+            pool.unreachable(),
+            job_ids=job_ids,
+        )
     summary.no_server = batch.no_server
     return summary
 

@@ -50,8 +50,12 @@ def test_every_error_is_said_as_load_job_file_says_it_in_the_same_order(tmp_path
         json.dumps({**first, "shot": 1, "set": {"9.seed": 1}}),
         json.dumps({"header": {}}),
         json.dumps({"id": job_id(7), "workflow": "image.json", "sets": {}}),
-        '{"id": "%s", "workflow": "image.json", "set": {"1.color": NaN}}' % job_id(8),
-        '{"id": "%s", "id": "%s", "workflow": "image.json"}' % (job_id(9), job_id(9)),
+        json.dumps({"id": job_id(8), "workflow": "image.json", "set": {"1.color": 1}}).replace(
+            "1}}", "NaN}}"
+        ),
+        json.dumps({"id": job_id(9), "workflow": "image.json"}).replace(
+            '"workflow"', f'"id": "{job_id(9)}", "workflow"'
+        ),
         json.dumps({"id": job_id(10), "workflow": "image.json", "set": {"1.col\x1bor": 1}}),
         json.dumps({"id": job_id(11), "workflow": "missing.json"}),
         json.dumps({"id": job_id(12), "workflow": "image.json", "set": {"2.image": 1}}),
