@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from comfy_assets.cli.metrics_option import add_steering_option, serve_metrics, track_metrics
 from comfy_assets.cli.options import (
@@ -37,6 +37,9 @@ from comfy_assets.store import (
 )
 from comfy_assets.store.base import folder_name
 from comfy_assets.store.retry import DEFAULT_RETRY_S
+
+if TYPE_CHECKING:
+    from comfy_assets.render.summary import BatchSummary
 
 NOT_RUN_NAMED = 5  # jobs the summary names of those not run (results.csv has them all)
 
@@ -329,10 +332,7 @@ def run_command(args: argparse.Namespace) -> int:
         print_line(f"  {summary.stopped}")
     not_done = summary.not_done
     if not_done:
-        left = [j for j in summary.jobs if not j.done and j.state != "failed_fatal"]
-        named = ", ".join(f"{j.job_id} ({j.state})" for j in left[:NOT_RUN_NAMED])
-        more = f" and {not_done - NOT_RUN_NAMED} more" if not_done > NOT_RUN_NAMED else ""
-        print_line(f"  {not_done} not run: {named}{more}")
+        print_line(not_run_line(summary))
     try:
         # Dead letters too: the table is where their reasons are read afterwards.
         not_written = results_line(store, partition, job_file)
@@ -342,6 +342,18 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"error: {not_written}", file=sys.stderr)
         return 1
     return 0 if summary.dead_lettered == 0 and not_done == 0 else 1
+
+
+def not_run_line(summary: BatchSummary) -> str:
+    """The summary's line of the jobs neither done nor dead-lettered, naming the first."""
+    left = [j for j in summary.jobs if not j.done and j.state != "failed_fatal"]
+    shown = left[:NOT_RUN_NAMED]
+    named = ", ".join(f"{j.job_id} ({j.state})" for j in shown)
+    rest = summary.not_done - len(shown)
+    more = f" and {rest} more" if rest else ""
+    if not shown:  # a batch stopped before registering them: none has a record
+        named, more = "not registered yet (the next run registers them)", ""
+    return f"  {summary.not_done} not run: {named}{more}"
 
 
 def _stopped(

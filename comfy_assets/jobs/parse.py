@@ -36,7 +36,7 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from comfy_assets.jobs.chained import Chained, ChainResolution, JobFields, build_job
 from comfy_assets.jobs.inputs import DEFAULT_RULES, InputReader, InputRules, parse_upstream
@@ -54,7 +54,7 @@ from comfy_assets.jobs.model import (
     policy_problem,
     priority_problem,
 )
-from comfy_assets.jobs.regular_file import NotARegularFile, read_regular_file
+from comfy_assets.jobs.regular_file import NotARegularFile, open_regular_file
 from comfy_assets.jobs.strict_json import (
     CONTROL_CHARACTERS,
     FINITE_HINT,
@@ -140,16 +140,27 @@ def load_job_file(
     return JobFile(path=path, sha256=version_sha256(data, done), header=header, jobs=done)
 
 
-def _read_text(path: Path) -> tuple[bytes, str]:
-    """The job file's bytes and text; JobFileError (line 0, or the line of the first byte
-    that is not UTF-8; field "file") when it cannot be read or decoded."""
+def open_job_file(path: Path) -> BinaryIO:
+    """The job file at ``path``, open in binary; JobFileError (line 0, field "file") when
+    it cannot be opened or is not a regular file."""
     where = str(path)
     try:
-        data = read_regular_file(path)
+        return open_regular_file(path)
     except OSError as e:
         raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
     except NotARegularFile as e:
         raise JobFileError([LineError(where, 0, "file", f"cannot read: it {e}")]) from e
+
+
+def _read_text(path: Path) -> tuple[bytes, str]:
+    """The job file's bytes and text; JobFileError (line 0, or the line of the first byte
+    that is not UTF-8; field "file") when it cannot be read or decoded."""
+    where = str(path)
+    with open_job_file(path) as f:
+        try:
+            data = f.read()
+        except OSError as e:
+            raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -358,7 +369,7 @@ class LineParser(ChainResolution):
             return None
         if any(isinstance(i, InputFromJob) for i in fields.inputs):
             return Chained(*fields)
-        return build_job(*fields)
+        return build_job(fields)
 
     def fields(self, obj: dict[str, Any], line: int, *, build: bool = True) -> JobFields | None:
         """The checked fields of one parsed line, or None after recording its errors.

@@ -37,9 +37,10 @@ from comfy_assets.jobs.parse import (
     input_file_line,
     load_job_file,
     note_repeats,
+    open_job_file,
     version_of,
 )
-from comfy_assets.jobs.regular_file import NotARegularFile, open_regular_file
+from comfy_assets.jobs.regular_file import open_regular_file
 from comfy_assets.jobs.workflows import WorkflowCache
 
 BOM = b"\xef\xbb\xbf"
@@ -166,13 +167,7 @@ def scan_job_file(
     where = str(path)
     parser = LineParser(where, path.parent, workflows or WorkflowCache(), rules)
     parser.keep_workflows = False
-    try:
-        handle = open_regular_file(path)
-    except OSError as e:
-        raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
-    except NotARegularFile as e:
-        raise JobFileError([LineError(where, 0, "file", f"cannot read: it {e}")]) from e
-    with handle:
+    with open_job_file(path) as handle:
         found = _Pass(parser)
         try:
             found.read(handle)

@@ -89,7 +89,8 @@ def summarize_file(
     """``summarize`` of the jobs ``job_ids`` (a ``JobScan``'s), read a page at a time:
     what it holds does not grow with the partition but for the dead letters. ``jobs``
     holds the first ``named`` jobs neither done nor dead-lettered (by shot, then line, as
-    ``Store.jobs`` orders them); ``job_count`` the jobs of the file the store has."""
+    ``Store.jobs`` orders them); ``job_count`` the jobs of the file, those the batch
+    stopped before registering counted as pending."""
     import numpy as np  # here: the module is imported by every run
 
     wanted = np.sort(np.frombuffer(job_ids.ids, dtype="S16"))
@@ -116,6 +117,9 @@ def summarize_file(
                 dead.append((order, rec.reason or ""))
             else:
                 left = heapq.nsmallest(named, [*left, (order, rec)], key=lambda e: e[0])
+    if total < len(job_ids):
+        # Jobs the batch stopped before reaching: not registered yet, so not run.
+        counts["pending"] = counts.get("pending", 0) + len(job_ids) - total
     return BatchSummary(
         partition,
         counts,
@@ -127,5 +131,5 @@ def summarize_file(
         round(seconds, 3),
         stopped,
         unreachable,
-        job_count=total,
+        job_count=len(job_ids),
     )

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -52,13 +51,14 @@ def run_args(jobs: Path, urls: list[str], store: Path) -> list[str]:
     ]
 
 
-def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    """Poll a condition (the condition is the signal, not the time)."""
+def executed_at_least(fakes: list[FakeComfy], count: int, timeout_s: float) -> None:
+    """Return once the fakes executed ``count`` prompts: the fakes' records are the signal
+    (read every 0.2 s: each read copies them, and the fakes share this process)."""
     deadline = time.monotonic() + timeout_s
-    while not condition():
+    while sum(len(f.stats["runs"]) for f in fakes) < count:
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+            raise AssertionError(f"timed out waiting for {count} prompts")
+        time.sleep(0.2)
 
 
 def test_a_big_file_killed_mid_way_and_run_again_posts_no_prompt_twice(tmp_path):
@@ -69,9 +69,6 @@ def test_a_big_file_killed_mid_way_and_run_again_posts_no_prompt_twice(tmp_path)
     prompt_ids = {job.id: job.prompt_id for job in load_job_file(jobs).jobs}
     store_dir = tmp_path / "store"
 
-    def executed() -> int:
-        return sum(len(f.stats["runs"]) for f in fakes)
-
     with ExitStack() as stack:
         urls = [stack.enter_context(f.serve_in_thread(port=0)) for f in fakes]
         first = subprocess.Popen(
@@ -81,7 +78,7 @@ def test_a_big_file_killed_mid_way_and_run_again_posts_no_prompt_twice(tmp_path)
             stderr=subprocess.DEVNULL,
         )
         try:
-            wait_until(lambda: executed() >= KILLED_AFTER, 600, f"{KILLED_AFTER} prompts")
+            executed_at_least(fakes, KILLED_AFTER, 600)
         finally:
             os.kill(first.pid, signal.SIGKILL)
             first.wait(timeout=30)
