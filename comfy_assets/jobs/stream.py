@@ -227,6 +227,7 @@ class _Pass:
         where = parser.source
         first = True
         offset = 0
+        offsets, lines, digests = self.offsets, self.lines, self.digests
         # Lines end at b"\n" alone, as load_job_file's split("\n"): JSON strings may hold
         # U+2028 and friends.
         for number, raw in enumerate(handle, start=1):
@@ -256,20 +257,24 @@ class _Pass:
                 continue
             fields = parser.fields(obj, number, build=False)
             self._note_id(obj, number)
-            errors = len(parser.errors)
-            note_repeats(parser, obj, number, None, self.seen_shots)
-            # Repeated shots are said after the line's other errors, as load_job_file does.
-            self.shot_errors += parser.errors[errors:]
-            del parser.errors[errors:]
+            if obj.get("shot") is not None:
+                errors = len(parser.errors)
+                note_repeats(parser, obj, number, None, self.seen_shots)
+                # Repeated shots are said after the line's other errors, as load_job_file
+                # does.
+                self.shot_errors += parser.errors[errors:]
+                del parser.errors[errors:]
             if fields is None:
                 continue
-            if any(isinstance(i, InputFromJob) for i in fields.inputs):
-                raise _HasChained
-            self.input_files += [input_file_line(fields.id, i) for i in fields.inputs]
-            self.storyboard = self.storyboard or fields.shot is not None
-            self.offsets.append(start)
-            self.lines.append(number)
-            self.digests.append(hash(raw))
+            if fields.inputs:
+                if any(isinstance(i, InputFromJob) for i in fields.inputs):
+                    raise _HasChained
+                self.input_files += [input_file_line(fields.id, i) for i in fields.inputs]
+            if fields.shot is not None:
+                self.storyboard = True
+            offsets.append(start)
+            lines.append(number)
+            digests.append(hash(raw))
 
     def _note_id(self, obj: dict[str, Any], number: int) -> None:
         job_id = obj.get("id")
