@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from comfy_assets.cli.main import main
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.feed import AHEAD, CHUNK, FIRST_CHUNK
 from comfy_assets.store import Store
@@ -110,3 +111,34 @@ def test_a_big_file_killed_mid_way_and_run_again_posts_no_prompt_twice(tmp_path)
     assert len(records) == JOBS
     assert {r.job_id: r.prompt_id for r in records} == prompt_ids
     assert {r.state for r in records} == {"succeeded"}
+
+
+def test_a_file_with_a_job_of_another_partition_past_the_first_chunk_posts_nothing(
+    tmp_path, capsys
+):
+    # The job registered elsewhere is in the file's second chunk: the check before the
+    # first registration finds it, as the registration of the whole file did before.
+    jobs = write_jobs(tmp_path / "jobs", FIRST_CHUNK + 10)
+    last = load_job_file(jobs).jobs[-1]
+    store = Store(tmp_path / "store")
+    store.register_jobs("other", [last])
+    store.close()
+    fake = FakeComfy(prompt_seconds=0.0)
+    with fake.serve_in_thread(port=0) as url:
+        code = main(
+            [
+                "run",
+                "--jobs",
+                str(jobs),
+                "--server",
+                f"gpu0={url}",
+                "--store",
+                str(tmp_path / "store"),
+            ]
+        )
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"job ids already in another partition: {last.id} (in 'other')" in err
+    assert fake.stats["prompts"] == {}
+    store = Store(tmp_path / "store")
+    assert store.jobs("jobs") == []
