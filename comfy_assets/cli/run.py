@@ -8,10 +8,10 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from comfy_assets.cli.metrics_option import add_steering_option, serve_metrics, track_metrics
 from comfy_assets.cli.options import (
@@ -25,7 +25,7 @@ from comfy_assets.cli.options import (
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
-from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.stream import JobScan, scan_job_file
 from comfy_assets.render.config import KNOBS, BatchConfig, knob_doc
 from comfy_assets.store import (
     DB_URL_ENV,
@@ -45,6 +45,9 @@ from comfy_assets.store.files import (
 )
 from comfy_assets.store.location import NoDatabase, check_database, store_location
 from comfy_assets.store.retry import DEFAULT_RETRY_S
+
+if TYPE_CHECKING:
+    from comfy_assets.render.summary import BatchSummary
 
 NOT_RUN_NAMED = 5  # jobs the summary names of those not run (results.csv has them all)
 
@@ -301,7 +304,7 @@ class LineHandler(logging.Handler):
         print_line(line)
 
 
-def _load(args: argparse.Namespace) -> tuple[FileStore, list[ServerSpec], JobFile] | int:
+def _load(args: argparse.Namespace) -> tuple[FileStore, list[ServerSpec], JobFile | JobScan] | int:
     """``run``'s store files, servers and job file (its ``s3://`` inputs read through
     those files), or exit code 2 after saying why not."""
     files = store_files(args)
@@ -309,7 +312,8 @@ def _load(args: argparse.Namespace) -> tuple[FileStore, list[ServerSpec], JobFil
         return files
     try:
         servers = parse_servers(args.server)
-        job_file = load_job_file(args.jobs, rules=rules_of(args, files))
+        # Validated whole in one pass, its jobs not held: taken a chunk at a time.
+        job_file = scan_job_file(args.jobs, rules=rules_of(args, files))
     except (JobFileError, ValueError, OSError) as e:
         return bad_input(e)
     except FileStoreUnavailable as e:  # reading an s3:// input: the store's, not the file's
@@ -360,7 +364,7 @@ def run_command(args: argparse.Namespace) -> int:
     if sys.stdout.isatty():  # a progress bar, the lines above it; elsewhere the lines alone
         from comfy_assets.cli.progress_bar import ProgressBar
 
-        bar = ProgressBar(len(job_file.jobs), sys.stdout)
+        bar = ProgressBar(job_count(job_file), sys.stdout)
     with stopped_by_signals() as stopped_by:
         ended: BaseException | None = None
         try:
@@ -395,12 +399,9 @@ def run_command(args: argparse.Namespace) -> int:
         print_line(f"  dead letter {job_id}: {reason}")
     if summary.stopped:
         print_line(f"  {summary.stopped}")
-    not_done = len(summary.jobs) - summary.done - summary.dead_lettered
+    not_done = summary.not_done
     if not_done:
-        left = [j for j in summary.jobs if not j.done and j.state != "failed_fatal"]
-        named = ", ".join(f"{j.job_id} ({j.state})" for j in left[:NOT_RUN_NAMED])
-        more = f" and {len(left) - NOT_RUN_NAMED} more" if len(left) > NOT_RUN_NAMED else ""
-        print_line(f"  {not_done} not run: {named}{more}")
+        print_line(not_run_line(summary))
     try:
         # Dead letters too: the table is where their reasons are read afterwards.
         not_written = results_line(store, partition, job_file)
@@ -412,8 +413,24 @@ def run_command(args: argparse.Namespace) -> int:
     return 0 if summary.dead_lettered == 0 and not_done == 0 else 1
 
 
+def not_run_line(summary: BatchSummary) -> str:
+    """The summary's line of the jobs neither done nor dead-lettered, naming the first."""
+    left = [j for j in summary.jobs if not j.done and j.state != "failed_fatal"]
+    shown = left[:NOT_RUN_NAMED]
+    named = ", ".join(f"{j.job_id} ({j.state})" for j in shown)
+    rest = summary.not_done - len(shown)
+    more = f" and {rest} more" if rest else ""
+    if not shown:  # a batch stopped before registering them: none has a record
+        named, more = "not registered yet (the next run registers them)", ""
+    return f"  {summary.not_done} not run: {named}{more}"
+
+
 def _stopped(
-    ended: BaseException, store: Store, partition: str, job_file: JobFile, signal_name: str
+    ended: BaseException,
+    store: Store,
+    partition: str,
+    job_file: JobFile | JobScan,
+    signal_name: str,
 ) -> int:
     """What ``run`` says and returns when its batch did not end by itself: 2 for a job
     file registered under another partition, 130/143 when stopped by Ctrl+C/SIGTERM
@@ -450,14 +467,26 @@ def _stopped(
     return 1
 
 
-def results_line(store: Store, partition: str, job_file: JobFile) -> str | None:
+def job_count(job_file: JobFile | JobScan) -> int:
+    """How many jobs ``job_file`` has."""
+    return job_file.count if isinstance(job_file, JobScan) else len(job_file.jobs)
+
+
+def job_ids(job_file: JobFile | JobScan) -> Sequence[str]:
+    """The job ids of ``job_file``, in line order."""
+    if isinstance(job_file, JobScan):
+        return job_file.job_ids()
+    return [job.id for job in job_file.jobs]
+
+
+def results_line(store: Store, partition: str, job_file: JobFile | JobScan) -> str | None:
     """Write results.csv and print its path; or return why it could not be written
     (``<path> not written: <why>``), for the caller to say."""
     from comfy_assets.render.results import results_location, write_results
     from comfy_assets.store import StoreError
 
     try:
-        path, _ = write_results(store, partition, [job.id for job in job_file.jobs])
+        path, _ = write_results(store, partition, job_ids(job_file))
     except (StoreError, OSError) as e:  # the database's or the files' (StoreUnavailable...)
         # A write cut short by a full disk raises an OSError that names no file.
         return f"{results_location(store, partition)} not written: {e}"

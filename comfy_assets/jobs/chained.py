@@ -8,8 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 from comfy_assets.jobs.model import (
     Input,
@@ -22,42 +21,8 @@ from comfy_assets.jobs.strict_json import quoted
 from comfy_assets.jobs.workflows import model_names
 
 
-def build_job(
-    job_id: str,
-    line: int,
-    workflow: dict[str, Any],
-    overrides: dict[str, Any],
-    shot: int | None,
-    duration_s: float | None,
-    optional: bool,
-    take: int,
-    inputs: tuple[Input, ...],
-) -> Job:
-    """The Job: each input's placeholder put into its node input, then hashed."""
-    for item in inputs:
-        workflow[item.node_id]["inputs"][item.input_name] = item.placeholder
-    text = canonical_json(workflow)
-    sha = hashlib.sha256(text.encode()).hexdigest()
-    return Job(
-        id=job_id,
-        line=line,
-        workflow=workflow,
-        workflow_sha256=sha,
-        prompt_id=prompt_id_for(job_id, sha, take),
-        set=overrides,
-        shot=shot,
-        duration_s=duration_s,
-        optional=optional,
-        models=model_names(workflow),
-        inputs=inputs,
-        take=take,
-    )
-
-
-@dataclass
-class Chained:
-    """A valid job line with inputs from other jobs: everything a Job needs but the
-    prompt_ids of its upstream jobs (and so its own)."""
+class JobFields(NamedTuple):
+    """The checked fields of one job line, in ``build_job``'s order."""
 
     id: str
     line: int
@@ -69,6 +34,35 @@ class Chained:
     take: int
     inputs: tuple[Input, ...]
 
+
+def build_job(fields: JobFields) -> Job:
+    """The Job: each input's placeholder put into its node input (of ``fields.workflow``,
+    changed), then hashed."""
+    workflow = fields.workflow
+    for item in fields.inputs:
+        workflow[item.node_id]["inputs"][item.input_name] = item.placeholder
+    text = canonical_json(workflow)
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    return Job(
+        id=fields.id,
+        line=fields.line,
+        workflow=workflow,
+        workflow_sha256=sha,
+        prompt_id=prompt_id_for(fields.id, sha, fields.take),
+        set=fields.overrides,
+        shot=fields.shot,
+        duration_s=fields.duration_s,
+        optional=fields.optional,
+        models=model_names(workflow),
+        inputs=fields.inputs,
+        take=fields.take,
+    )
+
+
+class Chained(JobFields):
+    """A valid job line with inputs from other jobs: everything a Job needs but the
+    prompt_ids of its upstream jobs (and so its own)."""
+
     def upstreams(self) -> list[InputFromJob]:
         return [i for i in self.inputs if isinstance(i, InputFromJob)]
 
@@ -79,21 +73,11 @@ class Chained:
             else i
             for i in self.inputs
         )
-        return build_job(
-            self.id,
-            self.line,
-            self.workflow,
-            self.overrides,
-            self.shot,
-            self.duration_s,
-            self.optional,
-            self.take,
-            inputs,
-        )
+        return build_job(self._replace(inputs=inputs))
 
 
 class ChainResolution:
-    """How the parser finishes chained jobs (a part of ``parse._Parser``): it records
+    """How the parser finishes chained jobs (a part of ``parse.LineParser``): it records
     errors with ``error`` and knows each valid job's line and workflow (``workflows``)."""
 
     workflows: dict[str, tuple[int, dict[str, Any]]]

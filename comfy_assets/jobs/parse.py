@@ -36,9 +36,9 @@ import difflib
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-from comfy_assets.jobs.chained import Chained, ChainResolution, build_job
+from comfy_assets.jobs.chained import Chained, ChainResolution, JobFields, build_job
 from comfy_assets.jobs.inputs import DEFAULT_RULES, InputReader, InputRules, parse_upstream
 from comfy_assets.jobs.model import (
     UUID_PATTERN,
@@ -54,11 +54,13 @@ from comfy_assets.jobs.model import (
     policy_problem,
     priority_problem,
 )
-from comfy_assets.jobs.regular_file import NotARegularFile, read_regular_file
+from comfy_assets.jobs.regular_file import NotARegularFile, open_regular_file
 from comfy_assets.jobs.strict_json import (
+    CONTROL_CHARACTERS,
     FINITE_HINT,
     MAX_SHOT,
     DuplicateKey,
+    NonFinite,
     decoder,
     first_non_finite,
     is_link,
@@ -97,7 +99,7 @@ def load_job_file(
     path = Path(path)
     where = str(path)
     data, text = _read_text(path)
-    parser = _Parser(where, path.parent, workflows or WorkflowCache(), rules)
+    parser = LineParser(where, path.parent, workflows or WorkflowCache(), rules)
     header = Header()
     seen_ids: dict[str, int] = {}
     seen_shots: dict[int, int] = {}
@@ -122,7 +124,7 @@ def load_job_file(
         if obj is None:
             continue
         job = parser.job(obj, number)
-        _note_repeats(parser, obj, number, seen_ids, seen_shots)
+        note_repeats(parser, obj, number, seen_ids, seen_shots)
         if job is not None:
             jobs.append(job)
     if job_lines == 0:
@@ -138,16 +140,27 @@ def load_job_file(
     return JobFile(path=path, sha256=version_sha256(data, done), header=header, jobs=done)
 
 
-def _read_text(path: Path) -> tuple[bytes, str]:
-    """The job file's bytes and text; JobFileError (line 0, or the line of the first byte
-    that is not UTF-8; field "file") when it cannot be read or decoded."""
+def open_job_file(path: Path) -> BinaryIO:
+    """The job file at ``path``, open in binary; JobFileError (line 0, field "file") when
+    it cannot be opened or is not a regular file."""
     where = str(path)
     try:
-        data = read_regular_file(path)
+        return open_regular_file(path)
     except OSError as e:
         raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
     except NotARegularFile as e:
         raise JobFileError([LineError(where, 0, "file", f"cannot read: it {e}")]) from e
+
+
+def _read_text(path: Path) -> tuple[bytes, str]:
+    """The job file's bytes and text; JobFileError (line 0, or the line of the first byte
+    that is not UTF-8; field "file") when it cannot be read or decoded."""
+    where = str(path)
+    with open_job_file(path) as f:
+        try:
+            data = f.read()
+        except OSError as e:
+            raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -161,17 +174,17 @@ def _read_text(path: Path) -> tuple[bytes, str]:
     return data, text
 
 
-def _note_repeats(
-    parser: _Parser,
+def note_repeats(
+    parser: LineParser,
     obj: dict[str, Any],
     number: int,
-    seen_ids: dict[str, int],
+    seen_ids: dict[str, int] | None,
     seen_shots: dict[int, int],
 ) -> None:
     """Records line ``number``'s id and shot, or an error naming the first line that has
-    the same one."""
+    the same one; ids not at all when ``seen_ids`` is None (the caller keeps them)."""
     job_id = obj.get("id")
-    if isinstance(job_id, str):
+    if isinstance(job_id, str) and seen_ids is not None:
         if job_id in seen_ids:
             parser.error(number, "id", f"{job_id} repeated; first on line {seen_ids[job_id]}")
         else:
@@ -189,13 +202,21 @@ def version_sha256(data: bytes, jobs: list[Job]) -> str:
     """The sha256 of a job file's version: of its bytes, and for a file whose jobs read
     input files, of each input's key, path and sha256 too, so that new bytes of a picture
     make a new version (a new Dagster run) although the job file did not change."""
-    digest = hashlib.sha256(data)
-    files = sorted(
-        f"{job.id} {inp.key} {inp.path} {inp.sha256}"
-        for job in jobs
-        for inp in job.inputs
-        if isinstance(inp, InputFile)
-    )
+    files = [input_file_line(job.id, inp) for job in jobs for inp in job.inputs]
+    return version_of(hashlib.sha256(data), files)
+
+
+def input_file_line(job_id: str, inp: Input) -> str:
+    """What ``version_of`` hashes of a job's input file ("" for an input from a job)."""
+    if isinstance(inp, InputFile):
+        return f"{job_id} {inp.key} {inp.path} {inp.sha256}"
+    return ""
+
+
+def version_of(digest: Any, lines: list[str]) -> str:
+    """``version_sha256`` from ``digest`` (a sha256 of the file's bytes, updated no
+    more) and the ``input_file_line`` of each input (the empty ones left out)."""
+    files = sorted(line for line in lines if line)
     if files:
         digest.update(b"\0inputs\0" + "\n".join(files).encode())
     return digest.hexdigest()
@@ -214,7 +235,7 @@ def job_from_dict(
     an error (there is no other job). Raises ``JobFileError`` listing this job's
     problems, including a non-finite float (``json.loads`` accepts ``NaN``).
     """
-    parser = _Parser(source, Path(base_dir), WorkflowCache(), rules)
+    parser = LineParser(source, Path(base_dir), WorkflowCache(), rules)
     if not isinstance(obj, dict):
         parser.error(line, "job", f"expected a JSON object, got {kind_of(obj)}")
     elif parser.sendable(obj, line):
@@ -231,11 +252,17 @@ def job_from_dict(
 MAX_TAKE = 2**31 - 1
 
 
-class _Parser(ChainResolution):
+class LineParser(ChainResolution):
     """Validates lines of one source, collecting every error instead of stopping."""
 
     def __init__(
-        self, source: str, base_dir: Path, cache: WorkflowCache, rules: InputRules | None
+        self,
+        source: str,
+        base_dir: Path,
+        cache: WorkflowCache,
+        rules: InputRules | None,
+        *,
+        keep_workflows: bool = True,
     ) -> None:
         self.source = source
         self.base_dir = base_dir
@@ -244,13 +271,16 @@ class _Parser(ChainResolution):
         self._reader: InputReader | None = None
         self.errors: list[LineError] = []
         # The line and workflow of each valid job id (the first, when repeated), for the
-        # nodes of inputs taken from other jobs.
+        # nodes of inputs taken from other jobs; not kept (``keep_workflows`` False) by a
+        # file read a chunk at a time, whose jobs take no inputs from other jobs.
         self.workflows: dict[str, tuple[int, dict[str, Any]]] = {}
+        self.keep_workflows = keep_workflows
 
     def error(self, line: int, name: str, message: str) -> None:
         self.errors.append(LineError(self.source, line, name, message))
 
     def parse_line(self, raw: str, line: int) -> dict[str, Any] | None:
+        made = NonFinite.made
         try:
             obj = loads_bounded(decoder.decode, raw)
         except DuplicateKey as e:
@@ -265,14 +295,21 @@ class _Parser(ChainResolution):
         if not isinstance(obj, dict):
             self.error(line, "json", f"expected a JSON object, got {kind_of(obj)}")
             return None
-        return obj if self.sendable(obj, line) else None
+        return obj if self.sendable(obj, line, text=raw, made=made) else None
 
-    def sendable(self, obj: dict[str, Any], line: int) -> bool:
+    def sendable(
+        self, obj: dict[str, Any], line: int, *, text: str | None = None, made: int | None = None
+    ) -> bool:
         """Record an error for each field of ``obj`` a server or the store could not take:
         a non-finite number (``finite``), a NUL or a lone surrogate in a string, a control
-        character in a key (``strict_json.text_problems``). True if none."""
-        finite = self.finite(obj, line)
-        problems = text_problems(obj)
+        character in a key (``strict_json.text_problems``). True if none. ``text``: the
+        JSON ``obj`` was decoded from, ``made``: ``NonFinite.made`` before: a text without
+        escapes or control characters holds no such string or key, a decoding that made no
+        ``NonFinite`` no such number (most lines: no walk)."""
+        walk = made is None or NonFinite.made != made
+        finite = self.finite(obj, line) if walk else True
+        plain = text is not None and "\\" not in text and not CONTROL_CHARACTERS.search(text)
+        problems = [] if plain else text_problems(obj)
         for name, message in problems:
             self.error(line, name, message)
         return finite and not problems
@@ -327,6 +364,17 @@ class _Parser(ChainResolution):
     def job(self, obj: dict[str, Any], line: int) -> Job | Chained | None:
         """A Job from one parsed line (a ``Chained`` when it takes inputs from other
         jobs: ``chain`` finishes it), or None after recording its errors."""
+        fields = self.fields(obj, line)
+        if fields is None:
+            return None
+        if any(isinstance(i, InputFromJob) for i in fields.inputs):
+            return Chained(*fields)
+        return build_job(fields)
+
+    def fields(self, obj: dict[str, Any], line: int, *, build: bool = True) -> JobFields | None:
+        """The checked fields of one parsed line, or None after recording its errors.
+        ``build`` False only checks: the workflow is the shared, cached one (not a copy,
+        ``set`` not applied to it), for a pass that keeps nothing of the job."""
         errors_before = len(self.errors)
         self._unknown_fields(obj, JOB_FIELDS, line)
         job_id = self._job_id(obj, line)
@@ -353,15 +401,15 @@ class _Parser(ChainResolution):
         if not isinstance(overrides, dict):
             self.error(line, "set", f"expected an object, got {kind_of(overrides)}")
             overrides = {}
-        workflow = self._workflow(obj, line)
+        workflow = self._workflow(obj, line, copy=build)
         if workflow is not None:
-            self._apply(workflow, overrides, line)
-            if job_id is not None:
+            self._apply(workflow, overrides, line, change=build)
+            if job_id is not None and self.keep_workflows:
                 self.workflows.setdefault(job_id, (line, workflow))
         inputs = self._inputs(obj["inputs"], workflow, overrides, line) if "inputs" in obj else ()
         if len(self.errors) > errors_before or workflow is None or job_id is None:
             return None
-        fields = (
+        return JobFields(
             job_id,
             line,
             workflow,
@@ -372,9 +420,6 @@ class _Parser(ChainResolution):
             take,
             inputs,
         )
-        if inputs and any(isinstance(i, InputFromJob) for i in inputs):
-            return Chained(*fields)
-        return build_job(*fields)
 
     def _unknown_fields(
         self, obj: dict[str, Any], known: frozenset[str], line: int, prefix: str = ""
@@ -403,8 +448,9 @@ class _Parser(ChainResolution):
             self.error(line, "id", f"not a lowercase hyphenated UUID: {quoted(job_id)}")
         return None
 
-    def _workflow(self, obj: dict[str, Any], line: int) -> dict[str, Any] | None:
-        """A fresh deep copy of the job's workflow, or None after recording the error."""
+    def _workflow(self, obj: dict[str, Any], line: int, copy: bool) -> dict[str, Any] | None:
+        """A fresh deep copy of the job's workflow (``copy``; else the workflow itself, not
+        to be changed), or None after recording the error."""
         if "workflow" not in obj:
             self.error(line, "workflow", "missing")
             return None
@@ -423,7 +469,7 @@ class _Parser(ChainResolution):
                     f"of {MAX_WORKFLOW_BYTES} bytes of a workflow file",
                 )
                 return None
-            return json.loads(text)
+            return json.loads(text) if copy else spec
         if not isinstance(spec, str) or not spec:
             self.error(line, "workflow", f"expected a file path or an object, got {quoted(spec)}")
             return None
@@ -431,6 +477,8 @@ class _Parser(ChainResolution):
         if isinstance(loaded, str):
             self.error(line, "workflow", loaded)
             return None
+        if not copy:
+            return loaded.parsed
         # json.loads of cached text: a deep copy, faster than copy.deepcopy.
         return json.loads(loaded.text)
 
@@ -465,7 +513,11 @@ class _Parser(ChainResolution):
         label = f"node {node_id!r} ({node['class_type']})"
         self.error(line, name, f"{label} input {input_name!r} is linked to node {source!r}; {rule}")
 
-    def _apply(self, workflow: dict[str, Any], overrides: dict[str, Any], line: int) -> None:
+    def _apply(
+        self, workflow: dict[str, Any], overrides: dict[str, Any], line: int, change: bool
+    ) -> None:
+        """Check each ``set`` entry against ``workflow``, and with ``change`` put its
+        value there."""
         for key, value in overrides.items():
             name = f"set.{key}"
             target = self._node_input(workflow, key, line, name)
@@ -476,7 +528,7 @@ class _Parser(ChainResolution):
                 self.error(line, name, f"value {quoted(value)} is a link; set only literal values")
             elif is_link(inputs[input_name]):
                 self._linked(workflow, key, line, name, "set only literal inputs")
-            else:
+            elif change:
                 inputs[input_name] = value
 
     def _inputs(

@@ -213,9 +213,13 @@ class NonFinite:
     ``1e400``): kept as a marker so the error can name it and its field."""
 
     __slots__ = ("text",)
+    # How many were ever made: a line whose decoding made none holds none, and its
+    # fields need no walk (``LineParser.sendable``).
+    made = 0
 
     def __init__(self, text: str) -> None:
         self.text = text
+        NonFinite.made += 1
 
 
 def parse_float(text: str) -> float | NonFinite:

@@ -40,9 +40,11 @@ UI_MESSAGE = "is a UI workflow, not API format (export it with 'Export (API)')"
 
 @dataclass(frozen=True)
 class _Workflow:
-    """A validated API-format workflow: its canonical text (for cheap deep copies)."""
+    """A validated API-format workflow: its canonical text (for cheap deep copies) and
+    that text parsed, shared by every job that reads it (never to be changed)."""
 
     text: str
+    parsed: dict[str, Any]
 
 
 # Non-finite numbers are kept as NonFinite markers, so that they can be reported; a
@@ -93,7 +95,8 @@ class WorkflowCache:
         problem = api_format_problem(obj) or first_untakeable(obj)
         if problem:
             return f"workflow file {path} {problem}"
-        return _Workflow(canonical_json(obj))
+        text = canonical_json(obj)
+        return _Workflow(text, json.loads(text))
 
 
 # The most a workflow file may hold (bytes): API-format workflows are kilobytes, and

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 from comfy_assets.comfy.errors import NoServerCanRun, NoServerReachable
 from comfy_assets.jobs.model import Job
+from comfy_assets.jobs.stream import JobScan
 from comfy_assets.pool.pool import Pool
 from comfy_assets.pool.slot import Slot
 from comfy_assets.render.admission import Admission
@@ -30,6 +31,7 @@ from comfy_assets.render.blame import Blame
 from comfy_assets.render.chain import Chain, Verdict
 from comfy_assets.render.claim_keeping import Claims
 from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.feed import Feeding
 from comfy_assets.render.outcome import CATCH_UP_AFTER, AttemptHooks, NotPosted
 from comfy_assets.render.outputs import JobOutputs, take_folder
 from comfy_assets.render.owners import OwnerHeartbeat
@@ -76,8 +78,11 @@ class Batch:
         consumers: int | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         heartbeat: OwnerHeartbeat | None = None,
+        feed: JobScan | None = None,
     ) -> None:
         self.jobs = list(jobs)
+        # ``feed``: a job file whose jobs are taken (and registered) a chunk at a time.
+        self.total = len(self.jobs) if feed is None else feed.count
         self.heartbeat = heartbeat  # of ``owner``: nothing is posted while it is stale
         # Three per server: one follows the prompt, one waits in line for the server, and
         # one may still be finishing the job before (downloads, the done record) when a
@@ -91,9 +96,9 @@ class Batch:
         self.on_line = on_line or log.info
         self.on_progress = on_progress
         self.started = time.monotonic()
-        self.progress = Progress(len(self.jobs))
+        self.progress = Progress(self.total)
         self.queue = JobQueue(pool.plan, pool.planned, pool)
-        self.unresolved = len(self.jobs)
+        self.unresolved = self.total
         self.resolutions = 0  # jobs resolved so far (a parked job's check may miss one)
         self.stopped: str | None = None
         self.no_server = False
@@ -139,7 +144,13 @@ class Batch:
             stop=self._stop_fatal,
             draft=draft,
             stop_on_fatal=stop_on_fatal,
+            keep_wrote=feed is None,
         )
+        over = lambda: self.finished.is_set() or self.stopped is not None  # noqa: E731
+        self.feeding = None if feed is None else Feeding(
+            source=feed, store=store, partition=partition, queue=self.queue,
+            resolved=lambda: self.resolutions, over=over,
+        )  # fmt: skip
 
     def report(self, text: str) -> None:
         """One line for people (``on_line``), in the shape of STYLE.md."""
@@ -147,7 +158,7 @@ class Batch:
 
     async def run(self) -> None:
         """Run every job to done, dead letter, or (delivery stop) left pending."""
-        if not self.jobs:
+        if not self.total:
             return
         for job in self.jobs:
             item = Item(job)
@@ -161,6 +172,8 @@ class Batch:
             asyncio.create_task(self._consumer(), name=f"consumer-{i}")
             for i in range(self.consumers)
         ]
+        if self.feeding is not None:
+            workers.append(asyncio.create_task(self.feeding.run(), name="feeding"))
         if self.chain.parked:
             workers.append(
                 asyncio.create_task(
@@ -229,6 +242,8 @@ class Batch:
             self.finished.set()
             self.pool.wake()  # a consumer waiting for a server sees it is over
         self.queue.changed.set()
+        if self.feeding is not None:
+            self.feeding.room.set()  # a job resolved: room for the next chunk, or the end
 
     async def _acquire(self) -> tuple[Slot | None, Item | None]:
         """A free server and the job the plan gives it (``render/queue.py``), or (None,
@@ -347,9 +362,6 @@ class Batch:
         """Claim ``item`` (``verdict``: what its upstream jobs say) and run its attempt
         on ``slot``: the slot if still ours, and whether the consumer goes on (False once
         the batch stopped)."""
-        # The job is claimed before we wait for a server, so a server handed to us goes
-        # straight to the submit and the POST: one store write less between two prompts
-        # on a GPU.
         rec = await self.admission.claim(item)
         if rec is None:
             return slot, True

@@ -62,6 +62,9 @@ from comfy_assets.store.health import (
 # A running prompt is taken as stalled after ``stall_factor`` times the longest run of its
 # kind in the batch, never sooner than this (seconds), once this many of them ran.
 STALL_MIN_S = 10.0
+# Workflows that rendered kept unhashed at most (``Blame._unhashed``): hashed in a batch
+# only when a failure is judged, or when this many wait.
+UNHASHED_KEPT = 1000
 STALL_SAMPLES = 3
 # Before that many of its kind rendered (every server wedged from its first prompt, say):
 # stalled after this many times ``STALL_MIN_S`` unheard of (2 minutes), so a farm of
@@ -115,7 +118,7 @@ class Blame:
     # Workflows this batch took (or learned) as known to fail: a success of one
     # unlearns it in the store.
     _learned_graphs: set[str] = dataclasses.field(default_factory=set, init=False, repr=False)
-    # Resolved workflow sha256 -> graph sha256.
+    # Resolved workflow sha256 -> graph sha256 (of the workflows judged after a failure).
     _graphs: dict[str, str] = dataclasses.field(default_factory=dict, init=False, repr=False)
     # Workflows that rendered, by resolved sha256, not yet among ``_rendered_graphs``:
     # hashed only when a failure is judged, which most batches never need (the
@@ -172,10 +175,16 @@ class Blame:
 
     def _has_rendered(self, graph: str) -> bool:
         """Whether a workflow of ``graph`` rendered in this batch."""
-        for sha, workflow in self._unhashed.items():
-            self._rendered_graphs.add(self._graph_of(sha, workflow))
-        self._unhashed.clear()
+        self._fold_unhashed()
         return graph in self._rendered_graphs
+
+    def _fold_unhashed(self) -> None:
+        """Hash the workflows that rendered into their graphs: a batch of a million jobs
+        holds a few graphs, not a million workflows (nor a million sha256 in ``_graphs``)."""
+        for sha, workflow in self._unhashed.items():
+            found = self._graphs.get(sha)
+            self._rendered_graphs.add(graph_sha256(workflow) if found is None else found)
+        self._unhashed.clear()
 
     async def owned(self, item: Item, r: AttemptResult) -> tuple[AttemptResult, bool]:
         """The attempt's result once ownership is decided, and whether the job is tried
@@ -358,6 +367,8 @@ class Blame:
             return
         self._failing.pop(server, None)
         self._unhashed[item.job.workflow_sha256] = item.job.workflow
+        if len(self._unhashed) > UNHASHED_KEPT:
+            self._fold_unhashed()
         graph = self._graph(item) if self._learned_graphs else ""
         if graph in self._learned_graphs:
             # It was taken for a workflow that fails everywhere (two sick servers failed

@@ -29,6 +29,9 @@ from comfy_assets.pool.slot import Slot
 from comfy_assets.render.outcome import Failure
 from comfy_assets.store import JobRecord
 
+# Workflows whose needs are kept at most (``JobQueue.needs``).
+NEEDS_KEPT = 4096
+
 
 @dataclass
 class Item:
@@ -104,6 +107,10 @@ class JobQueue:
         key = item.job.workflow_sha256
         found = self._needs.get(key)
         if found is None:
+            if len(self._needs) >= NEEDS_KEPT:
+                # Most jobs have a workflow of their own (a seed, a prompt): a million of
+                # them must not stay here. Needs are cheap to find again.
+                self._needs.clear()
             found = self._needs[key] = Needs.of(item.job.workflow)
         return found
 

@@ -15,19 +15,23 @@ from comfy_assets.comfy.event_loop import new_event_loop
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import Job, JobFile
 from comfy_assets.jobs.states import DONE, FAILED_FATAL
+from comfy_assets.jobs.stream import JobScan
 from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.owners import OwnerHeartbeat, new_owner
 from comfy_assets.render.progress import Progress
 from comfy_assets.render.steering import Steering
-from comfy_assets.render.summary import BatchSummary, summarize
+from comfy_assets.render.summary import BatchSummary, summarize, summarize_file
 from comfy_assets.store import JobRecord, Store, off_loop
 
 log = logging.getLogger("comfy_assets.render.run")
 
 # What ``run_one`` answers for a job the store holds under another prompt (a newer take).
 SUPERSEDED: Literal["superseded"] = "superseded"
+
+# The jobs neither done nor dead-lettered a summary of a file read a chunk at a time names.
+NAMED = 5
 
 # Called with each pool made here and its store (the metrics: ``metrics.py``).
 pool_watchers: list[Callable[[Pool, Store], None]] = []
@@ -42,14 +46,17 @@ def make_pool(servers: Sequence[ServerSpec], store: Store, config: BatchConfig, 
     return pool
 
 
-def resolve_policy(job_file: JobFile, config: BatchConfig) -> tuple[bool, bool]:
+def resolve_policy(job_file: JobFile | JobScan, config: BatchConfig) -> tuple[bool, bool]:
     """(stop_on_fatal, draft) for a job file: the run config wins over the file header.
 
     Only a storyboard (a file whose jobs have ``shot``) stops at its first fatal failure
     under ``delivery``; an image batch renders every job and dead-letters the failures.
     """
     mode = config.policy or job_file.policy
-    storyboard = any(j.shot is not None for j in job_file.jobs)
+    if isinstance(job_file, JobScan):
+        storyboard = job_file.storyboard
+    else:
+        storyboard = any(j.shot is not None for j in job_file.jobs)
     return (mode == "delivery" and storyboard), mode == "draft"
 
 
@@ -68,7 +75,7 @@ class BatchArguments(TypedDict):
 
 
 async def run_batch(
-    job_file: JobFile,
+    job_file: JobFile | JobScan,
     *,
     partition: str,
     servers: Sequence[ServerSpec],
@@ -81,7 +88,9 @@ async def run_batch(
     priority: int | None = None,
 ) -> BatchSummary:
     """Register the jobs of ``job_file`` as ``partition`` and run them all over a pool of
-    ``servers``; returns the summary. ``priority``: the batch's among those sharing the
+    ``servers``; returns the summary. A ``JobScan`` (a file validated, its jobs not held)
+    is registered and run a chunk at a time (``render/feed.py``), after a check that none
+    of its ids is another partition's (PartitionConflict, before anything is posted). ``priority``: the batch's among those sharing the
     servers (higher first; None: the file header's, default 0: ``pool/priority.py``). Raises only on cancellation (after cleaning up:
     prompts interrupted and removed, claims and server leases released).
 
@@ -114,7 +123,7 @@ async def run_batch(
 
 
 async def _run_batch(
-    job_file: JobFile,
+    job_file: JobFile | JobScan,
     partition: str,
     servers: Sequence[ServerSpec],
     store: Store,
@@ -127,13 +136,20 @@ async def _run_batch(
 ) -> BatchSummary:
     started = time.monotonic()
     # Store calls here wait out a database outage off the event loop (``off_loop``).
-    await off_loop(store, store.register_jobs, partition, job_file.jobs)
+    if isinstance(job_file, JobScan):
+        feed: JobScan | None = job_file
+        jobs: list[Job] = []
+        await off_loop(store, store.check_partition, partition, job_file.job_ids())
+        job_ids: list[str] = []
+    else:
+        feed, jobs, job_ids = None, job_file.jobs, [j.id for j in job_file.jobs]
+        await off_loop(store, store.register_jobs, partition, jobs)
     counts = await off_loop(store, store.counts, partition)
     stop_on_fatal, draft = resolve_policy(job_file, config)
     async with make_pool(servers, store, config, owner) as pool:
         pool.priority = priority
         batch = Batch(
-            job_file.jobs,
+            jobs,
             partition=partition,
             pool=pool,
             store=store,
@@ -143,18 +159,32 @@ async def _run_batch(
             draft=draft,
             on_line=on_line,
             heartbeat=heartbeat,
+            feed=feed,
         )
         await _steered(batch, on_progress, sum(counts[state] for state in DONE))
-    summary = await off_loop(
-        store,
-        summarize,
-        store,
-        partition,
-        time.monotonic() - started,
-        batch.stopped,
-        pool.unreachable(),
-        job_ids=[j.id for j in job_file.jobs],
-    )
+    if isinstance(job_file, JobScan):
+        summary = await off_loop(
+            store,
+            summarize_file,
+            store,
+            partition,
+            time.monotonic() - started,
+            batch.stopped,
+            pool.unreachable(),
+            job_file.job_ids(),
+            NAMED,
+        )
+    else:
+        summary = await off_loop(
+            store,
+            summarize,
+            store,
+            partition,
+            time.monotonic() - started,
+            batch.stopped,
+            pool.unreachable(),
+            job_ids=job_ids,
+        )
     summary.no_server = batch.no_server
     return summary
 
@@ -183,7 +213,9 @@ def _ignore(progress: Progress) -> None:
     """An ``on_progress`` that shows nothing."""
 
 
-def run_batch_sync(job_file: JobFile, **arguments: Unpack[BatchArguments]) -> BatchSummary:
+def run_batch_sync(
+    job_file: JobFile | JobScan, **arguments: Unpack[BatchArguments]
+) -> BatchSummary:
     """``run_batch`` for sync callers (Dagster, the CLI); blocks until it ends.
 
     The event loop runs in a thread of its own while the calling thread waits for it to

@@ -59,7 +59,9 @@ class Settler:
 
     ``wrote``: the jobs whose done record (or degraded) or dead letter this batch wrote:
     exactly one run ever writes each (the store takes it only from the claim's holder,
-    once), so ``run_one`` tells a job ended now from one ended before."""
+    once), so ``run_one`` tells a job ended now from one ended before; kept only with
+    ``keep_wrote`` (a batch fed from a file a chunk at a time keeps none: memory that does
+    not grow with the file)."""
 
     scope: BatchScope
     owner: str
@@ -69,6 +71,7 @@ class Settler:
     stop: Callable[[str], None]
     draft: InitVar[bool] = False
     stop_on_fatal: InitVar[bool] = False
+    keep_wrote: bool = True
     policy: Policy = field(init=False, repr=False)
     wrote: set[str] = field(default_factory=set, init=False, repr=False)
 
@@ -242,7 +245,8 @@ class Settler:
         """The done record of ``job_id`` (``Store.mark_done``, with our claim), noted as
         this batch's (``wrote``). Raises ClaimLost, StoreUnavailable."""
         await self.scope.threads.call(self.scope.store.mark_done, job_id, self.owner, **fields)
-        self.wrote.add(job_id)
+        if self.keep_wrote:
+            self.wrote.add(job_id)
 
     async def write_dead_letter(self, job_id: str, reason: str, **fields: Any) -> None:
         """The dead letter of ``job_id`` (``Store.dead_letter``, with our claim), noted as
@@ -250,7 +254,8 @@ class Settler:
         await self.scope.threads.call(
             self.scope.store.dead_letter, job_id, self.owner, reason, **fields
         )
-        self.wrote.add(job_id)
+        if self.keep_wrote:
+            self.wrote.add(job_id)
 
     async def cancelled(self, job: Job, attempt: Attempt, attempt_number: int, before: int) -> None:
         """The batch is cancelled during attempt ``attempt_number`` (``before``: the job's tries

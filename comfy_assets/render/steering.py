@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import TYPE_CHECKING
 
 from comfy_assets.comfy.capabilities import Needs
-from comfy_assets.jobs.model import is_priority
+from comfy_assets.jobs.model import Job, is_priority
 from comfy_assets.pool.plan import models_of
 from comfy_assets.pool.slot import Slot
 from comfy_assets.render import publish
@@ -91,9 +91,6 @@ class Steering:
         self.on_progress = on_progress
         self.every_s = EVERY_S if every_s is None else every_s
         self.estimator = Estimator()
-        self._workflow: dict[str, Hashable] = {
-            job.prompt_id: batch.queue.needs(Item(job)) for job in batch.jobs
-        }
         self._published = False
         self.done_before = done_before
         self._last: Progress | None = None  # the last full look (``now``), and when
@@ -164,8 +161,11 @@ class Steering:
         self.on_progress(progress)
 
     def _prompt_ended(self, slot: Slot, seconds: float) -> None:
-        workflow = self._workflow.get(slot.prompt_id or "")
-        if workflow is not None:
+        # Its attempt is still ours (downloads and the record follow the prompt's end).
+        attempts = list(self.batch.attempts.values())
+        job = next((a.job for a in attempts if a.job.prompt_id == slot.prompt_id), None)
+        if job is not None:
+            workflow = self._needs(job)
             load_s = self.batch.pool.plan.estimates.load_s
             self.estimator.prompt_ended(workflow, seconds, slot.load_expected, load_s)
 
@@ -181,7 +181,7 @@ class Steering:
         for name, attempt in sorted(prompts.items()):
             job, slot = attempt.job, attempt.slot
             assert slot is not None  # held: ``Batch.prompts``
-            workflow = self._workflow.get(job.prompt_id, job.workflow_sha256)
+            workflow = self._needs(job)
             posted = slot.posted_at
             running.append(Running(workflow, 0.0 if posted is None else loop_now - posted))
             lines.append(
@@ -227,6 +227,11 @@ class Steering:
             self._count(waiting, item)
         for item in list(batch.chain.parked.values()):
             self._count(waiting, item)
+        feeding = batch.feeding
+        if feeding is not None and waiting and feeding.fed < batch.total:
+            # Jobs of the file not read yet: counted with the group most of those read are.
+            most = max(waiting, key=waiting.__getitem__)
+            waiting[most] += batch.total - feeding.fed
         usable = max(len(pool.servers) - len(pool.unreachable()), 1)
         plan = pool.plan
         # A workflow no server holds costs a load before its first job (plan.py).
@@ -241,8 +246,12 @@ class Steering:
         return dataclasses.replace(looked, estimate_s=estimate)
 
     def _count(self, waiting: dict[Hashable, int], item: Item) -> None:
-        workflow = self._workflow.get(item.job.prompt_id, item.job.workflow_sha256)
+        workflow = self._needs(item.job)
         waiting[workflow] = waiting.get(workflow, 0) + 1
+
+    def _needs(self, job: Job) -> Hashable:
+        """The group of ``job`` for the estimate: its workflow's needs of a server."""
+        return self.batch.queue.needs(Item(job))
 
 
 # The Dagster run tag the QueuedRunCoordinator orders its queue by (an integer as a

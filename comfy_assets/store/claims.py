@@ -4,7 +4,7 @@ runs it at a time)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from comfy_assets.jobs.events import log_event
@@ -19,9 +19,10 @@ from comfy_assets.store.owners import Owners, owner_of
 from comfy_assets.store.records import (
     ClaimStatus,
     JobRecord,
+    PartitionConflict,
     RegisterResult,
 )
-from comfy_assets.store.register import register
+from comfy_assets.store.register import foreign_jobs, register
 from comfy_assets.store.retry import (
     retried,
 )
@@ -29,6 +30,16 @@ from comfy_assets.store.retry import (
 
 class Claims(Owners):
     """Registration and job claims (a part of ``Store``)."""
+
+    @retried
+    def check_partition(self, partition: str, job_ids: Iterable[str]) -> None:
+        """Raise PartitionConflict if any of ``job_ids`` is registered under another
+        partition: what ``register_jobs`` would raise, asked before a job file registered
+        a chunk at a time registers its first (``job_ids`` is read once)."""
+        with self._read() as conn:
+            conflicts = foreign_jobs(conn, partition, job_ids)
+        if conflicts:
+            raise PartitionConflict(partition, conflicts)
 
     @retried
     def register_jobs(

@@ -57,6 +57,20 @@ class Queries(StoreBase):
             return [_job_record(r) for r in conn.execute(stmt)]
 
     @retried
+    def job_page(self, partition: str, after: str, size: int) -> list[JobRecord]:
+        """Up to ``size`` jobs of ``partition`` whose id sorts after ``after`` (""
+        for the first page), by id: a partition of millions of jobs read a page at a
+        time, each page one indexed look."""
+        stmt = (
+            sa.select(jobs_table)
+            .where(q.JOB.partition == partition, q.JOB.job_id > after)
+            .order_by(q.JOB.job_id)
+            .limit(size)
+        )
+        with self._read() as conn:
+            return [_job_record(r) for r in conn.execute(stmt)]
+
+    @retried
     def files(self, job_id: str) -> list[FileRecord]:
         """Files of the job's done record, by path."""
         return self._job_rows(files_table, job_id, files_table.c.path, FileRecord)

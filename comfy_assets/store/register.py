@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import sqlalchemy as sa
@@ -96,6 +97,29 @@ def register(
         superseded=sorted(superseded, key=order.__getitem__),
     )
     return result, events
+
+
+def foreign_jobs(conn: sa.Connection, partition: str, job_ids: Iterable[str]) -> dict[str, str]:
+    """Of ``job_ids``, those registered under another partition than ``partition``, with
+    that partition. One indexed look when the store holds no other partition's job; else
+    one statement per ``_CHUNK`` ids (``job_ids`` is read once, a chunk at a time)."""
+    others = sa.select(JOB.job_id).where(JOB.partition != partition).limit(1)
+    if conn.execute(others).first() is None:
+        return {}
+    found: dict[str, str] = {}
+    chunk: list[str] = []
+    for job_id in itertools.chain(job_ids, [None]):
+        if job_id is not None:
+            chunk.append(job_id)
+            if len(chunk) < _CHUNK:
+                continue
+        if chunk:
+            stmt = sa.select(JOB.job_id, JOB.partition).where(
+                JOB.job_id.in_(chunk), JOB.partition != partition
+            )
+            found.update((row.job_id, row.partition) for row in conn.execute(stmt))
+        chunk = []
+    return found
 
 
 def _check_partition(partition: str, known: dict[str, sa.Row]) -> None:
