@@ -185,6 +185,7 @@ class File(BaseModel):
     name: str
     bytes: int = Field(ge=0)
     sha256: str
+    content_type: str = Field(description="its media type, as stored (image/png)")
     url: str
 
 

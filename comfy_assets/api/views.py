@@ -12,6 +12,7 @@ from comfy_assets.jobs.events import Event
 from comfy_assets.jobs.states import FAILED_FATAL, IN_FLIGHT, PENDING
 from comfy_assets.store import AttemptRecord, FileRecord, JobRecord
 from comfy_assets.store.api_jobs import ApiJob
+from comfy_assets.store.files.folder import content_type
 
 
 def iso(t: float | None) -> str | None:
@@ -72,6 +73,7 @@ def job_view(
                 "name": f.path,
                 "bytes": f.bytes,
                 "sha256": f.sha256,
+                "content_type": f.content_type or content_type(f.path),
                 "url": file_url(api.job_id, f.path),
             }
             for f in current_files(record, files)

@@ -16,7 +16,7 @@ from comfy_assets.cli.options import (
     bounded,
     byte_size_text,
 )
-from comfy_assets.cli.run import add_store_options, open_store
+from comfy_assets.cli.run import add_store_options, open_store, store_files
 from comfy_assets.cli.worker import add_rabbitmq_option, needs_rabbitmq, queue_name
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES
 
@@ -134,6 +134,9 @@ def api_command(args: argparse.Namespace) -> int:
     from comfy_assets.service.broker import safe_url
     from comfy_assets.store.api_jobs import ApiLedger
 
+    files = store_files(args)  # an object store without --db-url: said first
+    if isinstance(files, int):
+        return files
     missing = needs_rabbitmq(args)
     if missing:
         return bad_input(missing)
@@ -143,7 +146,7 @@ def api_command(args: argparse.Namespace) -> int:
         servers = parse_servers(args.server) if args.server else []
     except (TokensError, SecretError, ValueError) as e:
         return bad_input(e)
-    store = open_store(args, existing=False)
+    store = open_store(args, existing=False, file_store=files)
     if isinstance(store, int):
         return store
     limits = Limits(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from comfy_assets.cli.options import add_command, add_input_options, bad_input
-from comfy_assets.cli.run import add_store_options, open_store
+from comfy_assets.cli.run import add_store_options, open_store, store_files
 from comfy_assets.film.gate import FilmResult, GateBlocked
 from comfy_assets.film.make import make_film
 from comfy_assets.film.probe import MediaError
@@ -58,8 +58,11 @@ def film_command(args: argparse.Namespace) -> int:
     a partition holding none of the file's jobs. A film that can't be written (a full disk, a tool failing:
     MediaError, OSError) is one ``error:`` line and exit 1, nothing left at ``--out``.
     """
+    files = store_files(args)
+    if isinstance(files, int):
+        return files
     try:
-        job_file = load_job_file(args.jobs, rules=rules_of(args))
+        job_file = load_job_file(args.jobs, rules=rules_of(args, files))
     except JobFileError as e:
         return bad_input(str(e))
     if not has_shots(job_file):
@@ -79,7 +82,7 @@ def film_command(args: argparse.Namespace) -> int:
         except OSError as e:
             return bad_input(f"--out {args.out}: its folder can't be made ({e.strerror or e})")
     partition = args.jobs.stem if args.partition is None else args.partition
-    store = open_store(args, existing=True)
+    store = open_store(args, existing=True, file_store=files)
     if isinstance(store, int):
         return store
     try:

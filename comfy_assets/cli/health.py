@@ -45,10 +45,10 @@ def add_health(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--store",
-        type=Path,
+        type=_store_arg,
         default=None,
-        help="a result store folder: each server's quarantine, trial and strikes as the "
-        "processes sharing it judged them",
+        help="a result store (a folder, or s3://BUCKET/PREFIX with --db-url): each server's "
+        "quarantine, trial and strikes as the processes sharing it judged them",
     )
     p.add_argument(
         "--db-url",
@@ -178,6 +178,14 @@ def _probe(
         usable = usable or (result.healthy and (record is None or record.blocked() is None))
         print(line, flush=True)
     return usable
+
+
+def _store_arg(text: str) -> str | Path:
+    """``--store``'s type (``cli.run.store_arg``), imported when used: ``health`` without
+    a store loads no SQLAlchemy."""
+    from comfy_assets.cli.run import store_arg
+
+    return store_arg(text)
 
 
 def _open(args: argparse.Namespace) -> Store | int:

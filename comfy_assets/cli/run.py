@@ -22,7 +22,7 @@ from comfy_assets.cli.options import (
     byte_size,
     byte_size_text,
 )
-from comfy_assets.comfy.servers import parse_servers
+from comfy_assets.comfy.servers import ServerSpec, parse_servers
 from comfy_assets.jobs.inputs import rules_of
 from comfy_assets.jobs.model import JobFile, JobFileError, is_job_id
 from comfy_assets.jobs.parse import load_job_file
@@ -36,6 +36,14 @@ from comfy_assets.store import (
     StoreUnavailable,
 )
 from comfy_assets.store.base import folder_name
+from comfy_assets.store.files import (
+    FileStore,
+    FileStoreFull,
+    FileStoreRefused,
+    FileStoreUnavailable,
+    file_store_for,
+)
+from comfy_assets.store.location import NoDatabase, check_database, store_location
 from comfy_assets.store.retry import DEFAULT_RETRY_S
 
 NOT_RUN_NAMED = 5  # jobs the summary names of those not run (results.csv has them all)
@@ -107,9 +115,19 @@ def batch_config(args: argparse.Namespace) -> BatchConfig:
     return BatchConfig(**values)
 
 
-STORE_HELP = "result store folder"
+STORE_HELP = "result store: a folder, or s3://BUCKET/PREFIX (needs --db-url)"
 # What the commands that only read or change an existing store say of --store.
-EXISTING_STORE_HELP = "the result store folder (holds store.db)"
+EXISTING_STORE_HELP = "the result store: a folder holding store.db, or s3://BUCKET/PREFIX"
+
+
+def store_arg(text: str) -> str | Path:
+    """The argparse ``type`` of ``--store``: ``store.location.store_location`` (a
+    folder's Path, or the ``s3://`` text as given); another URL scheme is an argparse
+    error (exit 2) naming the option."""
+    try:
+        return store_location(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix(f"--store {text}: ")) from e
 
 
 def add_store_options(
@@ -117,7 +135,7 @@ def add_store_options(
 ) -> None:
     """``--store DIR`` (required, shown with ``help``) and ``--db-url URL``, and with
     ``retry`` ``--db-retry-s SECONDS``: where a command's store is (``open_store``)."""
-    p.add_argument("--store", type=Path, required=True, help=help)
+    p.add_argument("--store", type=store_arg, required=True, help=help)
     add_db_url_option(p)
     if retry:
         add_db_retry_option(p)
@@ -149,17 +167,35 @@ def add_db_retry_option(p: argparse.ArgumentParser) -> None:
     )
 
 
-def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
+def store_files(args: argparse.Namespace) -> FileStore | int:
+    """The file store of ``--store`` (``file_store_for``), for what a command reads
+    before it opens the store (a job line's ``s3://`` inputs), or the exit code 2 after
+    saying why not: an object store without ``--db-url``, a location no file store
+    reads. Give it to ``open_store``."""
+    try:
+        check_database(args.store, args.db_url)
+        return file_store_for(args.store)
+    except (NoDatabase, FileStoreRefused) as e:
+        return bad_input(e)
+
+
+def open_store(
+    args: argparse.Namespace, *, existing: bool, file_store: FileStore | None = None
+) -> Store | int:
     """The store of ``--store`` / ``--db-url`` (``Store.existing`` when ``existing``: no
-    empty store is created), or the exit code after saying why not on stderr: 2 for no
-    ``store.db`` or a URL that is not a database URL, 1 for a database that refuses us,
-    stays unreachable for ``--db-retry-s``, or has no disk space left."""
+    empty store is created; ``file_store``: its files, from ``store_files``), its files
+    checked (``FileStore.check``: a folder made, a bucket reached), or the exit code
+    after saying why not on stderr in one line: 2 for no ``store.db``, a URL that is not
+    a database URL, an object store without ``--db-url``, a wrong endpoint, bucket or
+    credential; 1 for a database that refuses us, stays unreachable for
+    ``--db-retry-s``, or has no disk space left, or files that do not answer."""
     retry_s = getattr(args, "db_retry_s", DEFAULT_RETRY_S)
     try:
         if existing:
-            return Store.existing(args.store, args.db_url, retry_s=retry_s)
-        return Store(args.store, args.db_url, retry_s=retry_s)
-    except (NoStore, BadDbUrl) as e:
+            store = Store.existing(args.store, args.db_url, retry_s=retry_s, file_store=file_store)
+        else:
+            store = Store(args.store, args.db_url, retry_s=retry_s, file_store=file_store)
+    except (NoStore, BadDbUrl, NoDatabase, FileStoreRefused) as e:
         return bad_input(e)
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
@@ -167,6 +203,16 @@ def open_store(args: argparse.Namespace, *, existing: bool) -> Store | int:
     except OSError as e:  # the SQLite store's folder: a file there, no permission
         print(f"error: cannot open the store folder {args.store}: {e.strerror}", file=sys.stderr)
         return 1
+    try:
+        store.file_store.check()
+    except FileStoreRefused as e:
+        store.close()
+        return bad_input(e)
+    except (FileStoreUnavailable, FileStoreFull) as e:
+        store.close()
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return store
 
 
 def add_server_options(p: argparse.ArgumentParser) -> None:
@@ -255,6 +301,20 @@ class LineHandler(logging.Handler):
         print_line(line)
 
 
+def _load(args: argparse.Namespace) -> tuple[FileStore, list[ServerSpec], JobFile] | int:
+    """``run``'s store files, servers and job file (its ``s3://`` inputs read through
+    those files), or exit code 2 after saying why not."""
+    files = store_files(args)
+    if isinstance(files, int):
+        return files
+    try:
+        servers = parse_servers(args.server)
+        job_file = load_job_file(args.jobs, rules=rules_of(args, files))
+    except (JobFileError, ValueError, OSError) as e:
+        return bad_input(e)
+    return files, servers, job_file
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Exit 0 when every job is done, 1 when any is dead-lettered or not run, 2 for bad
     input, 130 on Ctrl+C and 143 on SIGTERM (after cleaning up: prompts interrupted and
@@ -264,11 +324,10 @@ def run_command(args: argparse.Namespace) -> int:
     waited for up to ``--db-retry-s``. A store unreachable for longer, or a full disk
     (the store's or the outputs'), stops the run with one ``error:`` line naming what
     could not be written where, and exit 1; results.csv is written if there is room."""
-    try:
-        servers = parse_servers(args.server)
-        job_file = load_job_file(args.jobs, rules=rules_of(args))
-    except (JobFileError, ValueError, OSError) as e:
-        return bad_input(e)
+    loaded = _load(args)
+    if isinstance(loaded, int):
+        return loaded
+    files, servers, job_file = loaded
     partition = args.jobs.stem if args.partition is None else args.partition
     try:
         folder_name(partition, "partition")  # a partition that can't be a folder: bad input
@@ -280,7 +339,7 @@ def run_command(args: argparse.Namespace) -> int:
     stopped_by = ["Ctrl+C"]
     try:
         with stopped_by_signals() as stopped_by:  # opening may wait for the database
-            store = open_store(args, existing=False)
+            store = open_store(args, existing=False, file_store=files)
     except KeyboardInterrupt:
         print(
             f"stopped by {stopped_by[0]} while opening the store; nothing was run", file=sys.stderr
@@ -312,7 +371,14 @@ def run_command(args: argparse.Namespace) -> int:
                 on_progress=bar.update if bar else None,
                 priority=args.priority,
             )
-        except (PartitionConflict, KeyboardInterrupt, StoreUnavailable, OSError) as e:
+        except (
+            PartitionConflict,
+            KeyboardInterrupt,
+            StoreUnavailable,
+            FileStoreUnavailable,
+            FileStoreFull,
+            OSError,
+        ) as e:
             ended = e
         finally:
             if bar:

@@ -31,6 +31,7 @@ from comfy_assets.cli.run import (
     add_store_options,
     batch_config,
     open_store,
+    store_files,
 )
 from comfy_assets.comfy import event_loop
 from comfy_assets.comfy.servers import parse_servers
@@ -44,6 +45,7 @@ from comfy_assets.service.sources import FileSource, JobSource, RabbitSource
 from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import StoreUnavailable
 from comfy_assets.store.base import folder_name
+from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable
 
 
 def queue_name(text: str) -> str:
@@ -251,10 +253,13 @@ def _worker(args: argparse.Namespace) -> int:
         servers = parse_servers(args.server)
     except ValueError as e:
         return bad_input(e)
+    files = store_files(args)
+    if isinstance(files, int):
+        return files
     source: JobSource
     if args.jobs is not None:
         try:
-            job_file = load_job_file(args.jobs, rules=rules_of(args))
+            job_file = load_job_file(args.jobs, rules=rules_of(args, files))
             chained = chained_problems(job_file)
             if chained:
                 raise JobFileError(chained)
@@ -276,7 +281,7 @@ def _worker(args: argparse.Namespace) -> int:
     failed = serve_metrics(args)
     if failed is not None:
         return failed
-    store = open_store(args, existing=False)
+    store = open_store(args, existing=False, file_store=files)
     if isinstance(store, int):
         return store
     track_metrics(args, store, None)
@@ -293,9 +298,16 @@ def _worker(args: argparse.Namespace) -> int:
     )
     try:
         event_loop.run(serve(worker))
-    except (broker.BrokerError, StoreUnavailable, OSError) as e:
-        # RabbitMQ; the store away past its budget, or full; our disk (an output that
-        # cannot be written). The messages held went back to the queue.
+    except (
+        broker.BrokerError,
+        StoreUnavailable,
+        FileStoreUnavailable,
+        FileStoreFull,
+        OSError,
+    ) as e:
+        # RabbitMQ; the store (its database or its files) away past its budget, or full;
+        # our disk (an output that cannot be written). The messages held went back to the
+        # queue.
         print(f"error: {e}", file=sys.stderr)
         return 1
     finally:

@@ -1,23 +1,24 @@
-"""Outputs listed in /history, written to our disk.
+"""Outputs listed in /history, streamed into a sink (the store's files).
 
 Names come from the server, so they are untrusted (README fact 10): every subfolder part
-and file name is checked (no ``..``, separators, drive letters or control characters),
-and the final path must resolve inside the destination. Each file streams to a hidden
-temp name in its final folder and is renamed when complete, so a reader never sees half
-a file; sha256 and size are computed while streaming, and a file over the size limit
-stops the download (its temp file removed). A PNG must end with its IEND chunk: an answer
-cut short on its way (a proxy's Content-Length cut alike) is not taken for the file.
+and file name is checked (no ``..``, separators, drive letters or control characters)
+before any request. Each file streams from ``/view`` into an ``OutputSink`` in chunks
+(never whole in memory); the sink stores it so that a reader never sees half a file and
+says its sha256, size and media type. A file over the size limit stops its stream, and a
+PNG must end with its IEND chunk: an answer cut short on its way (a proxy's
+Content-Length cut alike) is not taken for the file. Either error is raised from the
+chunks the sink reads, so the sink keeps nothing of that file.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import unicodedata
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
 from pathlib import Path, PurePosixPath
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from comfy_assets.comfy.errors import NotTheFile, UnsafeOutputName
 from comfy_assets.comfy.types import DownloadedFile, HistoryEntry, OutputFile
@@ -38,7 +39,8 @@ MAX_OUTPUT_BYTES = 4 * 1024**3
 class OutputNotWritten(OSError):
     """An output could not be written to our disk (no space left, no permission): the
     cause's ``errno`` and ``strerror``, ``filename`` the output's path, and ``what`` was
-    being written there ("output file", "output folder")."""
+    being written there ("output file", "output folder"). Raised by a sink that writes
+    to a local disk."""
 
     what = "output file"
 
@@ -47,12 +49,26 @@ class OutputNotWritten(OSError):
         return f"{why[:1].lower()}{why[1:]}: writing the {self.what} {self.filename}"
 
 
-def _not_written(path: Path, error: OSError, what: str) -> OutputNotWritten:
-    if isinstance(error, OutputNotWritten):
-        return error
-    not_written = OutputNotWritten(error.errno, error.strerror, str(path))
-    not_written.what = what
-    return not_written
+class StoredOutput(Protocol):
+    """What a sink says of one output it stored: ``sha256`` hex digest and ``bytes`` of
+    what it read, ``content_type`` its media type (``image/png``)."""
+
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def content_type(self) -> str: ...
+
+
+class OutputSink(Protocol):
+    """Where a job's outputs go (the store's ``FileStore.write_output`` for one job):
+    called with an output's ``path`` relative to the job's folder (POSIX, checked safe)
+    and its ``chunks``, it reads them to their end and stores them, or raises what they
+    raise (then nothing of that output is left for a reader), or its own error
+    (``OutputNotWritten`` for a local disk)."""
+
+    def __call__(self, path: str, chunks: AsyncIterator[bytes]) -> Awaitable[StoredOutput]: ...
 
 
 def _check_part(part: str, what: str, full: str) -> None:
@@ -71,14 +87,14 @@ def _check_part(part: str, what: str, full: str) -> None:
         raise UnsafeOutputName(f"unsafe output {what} {full!r}: drive letter")
 
 
-def safe_output_path(dest_dir: Path, subfolder: str, filename: str) -> Path:
-    """``dest_dir / subfolder / filename`` when it is safe to write.
+def safe_output_parts(subfolder: str, filename: str) -> list[str]:
+    """The parts of ``subfolder / filename`` when they are safe to name a file by: a
+    path relative to a job's folder, whatever stores it.
 
     ``subfolder`` may be nested (``video/takes``; ComfyUI on Windows may use ``\\``);
     ``filename`` must be a plain name. Raises UnsafeOutputName for ``..``, absolute paths,
     separators in the file name, control characters (Unicode category Cc: C0 with NUL
-    and newline, DEL, C1) anywhere, or anything resolving outside ``dest_dir`` (an
-    existing symlink included).
+    and newline, DEL, C1) anywhere.
     """
     _check_part(filename, "filename", filename)
     parts: list[str] = []
@@ -88,12 +104,18 @@ def safe_output_path(dest_dir: Path, subfolder: str, filename: str) -> Path:
         for part in subfolder.replace("\\", "/").split("/"):
             _check_part(part, "subfolder", subfolder)
             parts.append(part)
-    path = dest_dir.joinpath(*parts, filename)
+    return [*parts, filename]
+
+
+def safe_output_path(dest_dir: Path, subfolder: str, filename: str) -> Path:
+    """``dest_dir / subfolder / filename`` when it is safe to write: the checks of
+    ``safe_output_parts``, and UnsafeOutputName for a path resolving outside
+    ``dest_dir`` (through an existing symlink)."""
+    parts = safe_output_parts(subfolder, filename)
+    path = dest_dir.joinpath(*parts)
     # Checked parts can leave dest_dir only through a link among them: resolving both
     # paths (a stat per component of each) is needed only when one is there.
-    if _has_link(dest_dir, [*parts, filename]) and not path.resolve().is_relative_to(
-        dest_dir.resolve()
-    ):
+    if _has_link(dest_dir, parts) and not path.resolve().is_relative_to(dest_dir.resolve()):
         raise UnsafeOutputName(
             f"unsafe output {subfolder!r}/{filename!r}: resolves outside {dest_dir}"
         )
@@ -117,72 +139,53 @@ def _has_link(dest_dir: Path, parts: list[str]) -> bool:
 async def download_outputs(
     client: ComfyClient,
     entry: HistoryEntry,
-    dest_dir: Path,
+    sink: OutputSink,
     *,
     max_bytes: int | None = MAX_OUTPUT_BYTES,
     under: str = "",
 ) -> list[DownloadedFile]:
-    """Download every ``type: output`` file of a history entry under ``dest_dir``
-    (in its folder ``under``, a plain name of ours, when given; the files' paths stay
-    relative to ``dest_dir``).
+    """Stream every ``type: output`` file of a history entry into ``sink`` (in its folder
+    ``under``, a plain name of ours, when given: the files' paths start with it).
 
     Previews (``temp``) and anything else not ``output`` are skipped; a file listed twice
     is written once. Names are validated before any request. Each file may have up to
     ``max_bytes`` bytes (None: no limit). Raises UnsafeOutputName, OutputTooLarge (the
-    file over the limit is not left on disk, not even in part), the client's typed
-    errors (OutputMissing for a 404), OutputNotWritten (an OSError naming the file) for
-    our disk.
+    sink keeps nothing of the file over the limit), NotTheFile (a PNG without its end),
+    the client's typed errors (OutputMissing for a 404), and what the sink raises
+    (OutputNotWritten, an OSError naming the file, for a local disk).
     """
-    base = dest_dir / under if under else dest_dir
-    wanted: dict[Path, OutputFile] = {}
+    wanted: dict[str, OutputFile] = {}
     for out in entry.output_files:
         if out.type != "output":
             continue
-        wanted.setdefault(safe_output_path(base, out.subfolder, out.filename), out)
-    for folder in {path.parent for path in wanted}:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise _not_written(folder, e, "output folder") from e
+        parts = safe_output_parts(out.subfolder, out.filename)
+        wanted.setdefault(PurePosixPath(*([under] if under else []), *parts).as_posix(), out)
     results = []
     for path, out in wanted.items():
-        results.append(await _download_one(client, out, path, dest_dir, max_bytes))
+        chunks = _checked_view(client, out, max_bytes)
+        async with aclosing(chunks):
+            stored = await sink(path, chunks)
+        stored_as = (stored.sha256, stored.bytes, out.node_id, out.key, stored.content_type)
+        results.append(DownloadedFile(path, *stored_as))
     return results
 
 
-async def _download_one(
-    client: ComfyClient, out: OutputFile, path: Path, dest_dir: Path, max_bytes: int | None
-) -> DownloadedFile:
-    temp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.part")
-    digest = hashlib.sha256()
+async def _checked_view(
+    client: ComfyClient, out: OutputFile, max_bytes: int | None
+) -> AsyncGenerator[bytes, None]:
+    """The chunks of ``/view`` for ``out``; raises NotTheFile after the last one when a
+    PNG does not end with its IEND chunk (so the sink keeps none of it)."""
     size = 0
     tail = b""
-    try:
-        with temp.open("wb") as f:
-            view = client.iter_view(out.filename, out.subfolder, out.type, max_bytes=max_bytes)
-            async with aclosing(view) as chunks:
-                async for chunk in chunks:
-                    f.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-                    tail = (tail + chunk[-len(_PNG_END) :])[-len(_PNG_END) :]
-        if path.suffix.lower() == ".png" and tail != _PNG_END:
-            raise NotTheFile(
-                f"{client.name}: GET /view {out.filename}: {size} bytes of a PNG without its "
-                "end (IEND chunk): the answer was cut short on its way",
-                server=client.base_url,
-            )
-        os.replace(temp, path)
-    except OSError as e:  # our disk: the client's own errors are ComfyErrors
-        temp.unlink(missing_ok=True)  # no half file left behind
-        raise _not_written(path, e, "output file") from e
-    except BaseException:
-        temp.unlink(missing_ok=True)  # no half file left behind; the error goes on
-        raise
-    return DownloadedFile(
-        path=PurePosixPath(*path.relative_to(dest_dir).parts).as_posix(),
-        sha256=digest.hexdigest(),
-        bytes=size,
-        node_id=out.node_id,
-        key=out.key,
-    )
+    view = client.iter_view(out.filename, out.subfolder, out.type, max_bytes=max_bytes)
+    async with aclosing(view) as chunks:
+        async for chunk in chunks:
+            size += len(chunk)
+            tail = (tail + chunk[-len(_PNG_END) :])[-len(_PNG_END) :]
+            yield chunk
+    if out.filename.lower().endswith(".png") and tail != _PNG_END:
+        raise NotTheFile(
+            f"{client.name}: GET /view {out.filename}: {size} bytes of a PNG without its "
+            "end (IEND chunk): the answer was cut short on its way",
+            server=client.base_url,
+        )

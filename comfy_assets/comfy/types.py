@@ -357,11 +357,13 @@ class HistoryEntry:
 
 @dataclass(frozen=True)
 class DownloadedFile:
-    """One output written to disk: ``path`` relative to the destination folder (POSIX
-    separators), ``sha256`` hex digest and ``bytes`` size of what was written."""
+    """One output stored: ``path`` relative to the job's folder (POSIX separators),
+    ``sha256`` hex digest and ``bytes`` size of what was written, ``content_type`` its
+    media type as stored (``image/png``)."""
 
     path: str
     sha256: str
     bytes: int
     node_id: str
     key: str
+    content_type: str = "application/octet-stream"

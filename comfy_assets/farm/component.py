@@ -39,6 +39,7 @@ from comfy_assets.farm.defs import build_farm_defs
 from comfy_assets.farm.names import farm_of
 from comfy_assets.farm.resources import ComfyPoolResource, ResultStoreResource, ServerConfig
 from comfy_assets.jobs.model import POLICIES
+from comfy_assets.store.location import store_location
 
 # A value that is one environment variable and nothing else: ``{{ env.NAME }}``.
 _ONE_VARIABLE = re.compile(r"\{\{\s*env\.([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
@@ -122,7 +123,8 @@ class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
     )
     store: str = Field(
         description="The result store's folder (outputs, results.csv, films; the SQLite "
-        "database unless db_url); relative to the project root."
+        "database unless db_url), relative to the project root; or s3://BUCKET/PREFIX, "
+        "an object store (then db_url is required)."
     )
     db_url: OptionalSecret = Field(
         default=None,
@@ -153,7 +155,7 @@ class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
 
     def build_defs(self, context: dg.ComponentLoadContext) -> dg.Definitions:
         """The farm's definitions. Raises ValueError for a bad key prefix, interval,
-        policy or server list."""
+        policy, server list or store (an object store without db_url)."""
         if self.policy is not None and self.policy not in POLICIES:
             raise ValueError(f"policy: expected one of {', '.join(POLICIES)}, got {self.policy!r}")
         if not self.servers:
@@ -178,7 +180,15 @@ class RenderFarm(dg.Component, dg.Resolvable, dg.Model):
             servers=[ServerConfig(name=s.name, url=s.url) for s in self.servers],
             policy=self.policy,
         )
-        store = ResultStoreResource(
-            folder=str(root / self.store), db_url=self.db_url, media_url=self.media_url
-        )
+        try:
+            location = store_location(self.store)
+        except ValueError as e:
+            raise ValueError(f"store: {e}") from None
+        if self.db_url is None and not isinstance(location, Path):
+            raise ValueError(
+                f"store: {self.store} is an object store: give db_url, a database every "
+                "host of the farm reaches (postgresql+psycopg://...)"
+            )
+        folder = str(root / location) if isinstance(location, Path) else location
+        store = ResultStoreResource(folder=folder, db_url=self.db_url, media_url=self.media_url)
         return build_farm_defs(farm, comfy, store)

@@ -4,7 +4,8 @@ One deployment differs from another by environment only:
 
 - ``COMFY_ASSETS_SERVERS``: the pool, ``name=url`` pairs separated by commas
   (default ``gpu0=http://127.0.0.1:8188,gpu1=http://127.0.0.1:8189``).
-- ``COMFY_ASSETS_STORE``: the result store's folder (default ``store``).
+- ``COMFY_ASSETS_STORE``: the result store's folder (default ``store``), or
+  ``s3://BUCKET/PREFIX`` (an object store: ``COMFY_ASSETS_DB_URL`` is then required).
 - ``COMFY_ASSETS_DB_URL``: the store's database URL (default: SQLite inside the folder).
 - ``COMFY_ASSETS_MEDIA_URL``: where the store's folder is served over HTTP, if it is
   (``make demo`` serves it); the UI then shows the pictures inline and links the film.
@@ -27,7 +28,8 @@ from pydantic import Field
 
 from comfy_assets.comfy.servers import ServerSpec, parse_servers
 from comfy_assets.render.config import KNOBS, BatchConfig, knob_doc
-from comfy_assets.store import DB_URL_ENV, Store
+from comfy_assets.store import DB_URL_ENV, NoLocalFolder, Store
+from comfy_assets.store.location import local_folder
 
 SERVERS_ENV = "COMFY_ASSETS_SERVERS"
 STORE_ENV = "COMFY_ASSETS_STORE"
@@ -113,7 +115,11 @@ class ComfyPoolResource(ConfigurableResource):
 class ResultStoreResource(ConfigurableResource):
     """Where job states, outputs, results CSVs and dead letters are written."""
 
-    folder: str = Field(default=DEFAULT_STORE, description="The store's folder.")
+    folder: str = Field(
+        default=DEFAULT_STORE,
+        description="The store's folder, or s3://BUCKET/PREFIX (an object store; then "
+        "db_url is required).",
+    )
     db_url: str | None = Field(
         default=None, description="Database URL; None means SQLite inside the folder."
     )
@@ -127,15 +133,19 @@ class ResultStoreResource(ConfigurableResource):
 
     @property
     def root(self) -> Path:
-        """The store's folder as a path."""
-        return Path(self.folder)
+        """The store's folder as a path. Raises NoLocalFolder for an object store."""
+        folder = local_folder(self.folder)
+        if folder is None:
+            raise NoLocalFolder(f"the store {self.folder} has no folder on this machine")
+        return folder
 
     def open(self, *, retry_s: float | None = None) -> Store:
         """Open the store (a new connection pool; close it when done). ``retry_s``: how
-        long a call waits out a database outage (``Store``'s default when None)."""
+        long a call waits out a database outage (``Store``'s default when None). Raises
+        NoDatabase for an object store without ``db_url``."""
         if retry_s is None:
-            return Store(self.root, db_url=self.db_url)
-        return Store(self.root, db_url=self.db_url, retry_s=retry_s)
+            return Store(self.folder, db_url=self.db_url)
+        return Store(self.folder, db_url=self.db_url, retry_s=retry_s)
 
 
 class DefaultResources(TypedDict):

@@ -8,6 +8,12 @@ component, leads out of the job file's folder tree through a link (unless
 larger than ``InputRules.max_input_bytes``. An upstream value is
 ``{"job": "<job id>", "node": "<node id>", "index": 0}`` (``index`` optional); whether the
 job and its node exist is checked by the parser, which knows the whole file.
+
+A value ``s3://BUCKET/KEY`` names an object of the store's object store, read with its
+credentials (``InputRules.objects``, the store's ``FileStore``): refused when the store is
+a folder or there is none, when the object is missing, cannot be read, or is larger than
+``InputRules.max_input_bytes``. It is read and hashed once per load, like a file, and
+read again at upload.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import hashlib
 import json
 import os
 import stat
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Protocol
 
 from comfy_assets.jobs.strict_json import CONTROL_CHARACTERS, kind_of, quoted
 
@@ -36,34 +44,55 @@ FOLLOW_INPUT_LINKS_ENV = "COMFY_ASSETS_FOLLOW_INPUT_LINKS"
 MAX_INPUT_BYTES_ENV = "COMFY_ASSETS_MAX_INPUT_BYTES"
 
 
+# How a job line names an object of the store's object store.
+OBJECT_SCHEME = "s3://"
+
+
+class ObjectSource(Protocol):
+    """What reads the objects an input may name (the store's ``FileStore``)."""
+
+    def open_object(self, url: str) -> BinaryIO:
+        """A binary stream of the object at ``url`` (``s3://BUCKET/KEY``). Raises
+        FileNotFoundError for no such object, ValueError (FileStoreRefused) for a URL
+        this store does not read (a folder store reads none)."""
+        ...
+
+
 @dataclass(frozen=True)
 class InputRules:
     """What input files may be. ``max_input_bytes``: the largest file accepted (bytes);
     ``follow_links``: a link leading out of the job file's folder tree is followed
-    instead of refused."""
+    instead of refused; ``objects``: what reads ``s3://`` inputs (None: they are
+    refused)."""
 
     max_input_bytes: int = MAX_INPUT_BYTES
     follow_links: bool = False
+    objects: ObjectSource | None = field(default=None, compare=False)
 
 
 DEFAULT_RULES = InputRules()
 
 
-def rules_of(args: object) -> InputRules:
-    """The rules an ``argparse`` namespace gives with ``cli.options.add_input_options``."""
+def rules_of(args: object, objects: ObjectSource | None = None) -> InputRules:
+    """The rules an ``argparse`` namespace gives with ``cli.options.add_input_options``;
+    ``objects``: what reads ``s3://`` inputs (the store's files), if any."""
     return InputRules(
         max_input_bytes=int(getattr(args, "max_input_bytes", MAX_INPUT_BYTES)),
         follow_links=bool(getattr(args, "follow_input_links", False)),
+        objects=objects,
     )
 
 
 @dataclass(frozen=True)
 class ReadInput:
-    """An input file read once: its resolved absolute path, sha256 (hex) and size (bytes)."""
+    """An input read once: sha256 (hex) and size (bytes), and where its bytes are read
+    again at upload: ``source``, the resolved absolute path of a file, or ``opener``,
+    which opens an object of the store."""
 
-    source: Path
+    source: Path | None
     sha256: str
     size: int
+    opener: Callable[[], BinaryIO] | None = field(default=None, compare=False)
 
 
 def path_problem(spec: str) -> str | None:
@@ -110,6 +139,8 @@ class InputReader:
         return found
 
     def _get(self, spec: str) -> ReadInput | str:
+        if spec.startswith(OBJECT_SCHEME):
+            return self._object(spec)
         problem = path_problem(spec)
         if problem is not None:
             return problem
@@ -164,6 +195,42 @@ class InputReader:
                 f"in Dagster) ({target})"
             )
         return ReadInput(Path(target), digest.hexdigest(), size)
+
+    def _object(self, url: str) -> ReadInput | str:
+        """The object ``url`` names, read and hashed through ``rules.objects``, or why
+        it is refused."""
+        control = CONTROL_CHARACTERS.search(url)
+        if control is not None:
+            return f"the URL {json.dumps(url)[:80]} holds a control character"
+        objects = self.rules.objects
+        if objects is None:
+            return (
+                f"{quoted(url)}: s3:// inputs are read only with an S3 store (--store "
+                "s3://BUCKET/PREFIX), and there is none here"
+            )
+        limit = self.rules.max_input_bytes
+        digest = hashlib.sha256()
+        size = 0
+        try:
+            with objects.open_object(url) as f:
+                # At most one byte over the limit: an object that is too big is not read whole.
+                while chunk := f.read(min(_READ_CHUNK, limit + 1 - size)):
+                    digest.update(chunk)
+                    size += len(chunk)
+                    if size > limit:
+                        break
+        except FileNotFoundError:
+            return f"{quoted(url)}: no such object"
+        except ValueError as e:  # the store reads no such URL (FileStoreRefused)
+            return f"{quoted(url)}: {e}"
+        except OSError as e:
+            return f"{quoted(url)}: cannot read it: {e.strerror or e}"
+        if size > limit:
+            return (
+                f"{quoted(url)}: over the limit of {limit} bytes (--max-input-bytes, or "
+                f"{MAX_INPUT_BYTES_ENV} in Dagster)"
+            )
+        return ReadInput(None, digest.hexdigest(), size, opener=partial(objects.open_object, url))
 
 
 def parse_upstream(value: dict[str, Any]) -> tuple[str, str, int] | list[str]:

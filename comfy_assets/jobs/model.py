@@ -16,10 +16,11 @@ import hashlib
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from comfy_assets.jobs.strict_json import CONTROL_CHARACTERS, quoted
 
@@ -121,9 +122,10 @@ class InputFile:
 
     ``path`` is as written in the job line (relative to the job file); ``sha256`` (hex)
     and ``size`` (bytes) are those of the bytes validated. The bytes come from ``data``
-    (a queue message's inline bytes) or else from ``source`` (the absolute, resolved path
-    to read at upload). Neither takes part in equality: the same bytes from a file or from
-    a message are the same input.
+    (a queue message's inline bytes), else from ``source`` (the absolute, resolved path
+    to read at upload), else from ``opener`` (an object of the store, ``path`` its
+    ``s3://`` URL). None takes part in equality: the same bytes from a file or from a
+    message are the same input.
     """
 
     key: str
@@ -134,6 +136,7 @@ class InputFile:
     size: int
     source: Path | None = field(default=None, compare=False)
     data: bytes | None = field(default=None, repr=False, compare=False)
+    opener: Callable[[], BinaryIO] | None = field(default=None, repr=False, compare=False)
 
     @property
     def upload_name(self) -> str:
@@ -151,18 +154,22 @@ class InputFile:
         return f"{INPUT_SUBFOLDER}/{self.upload_name}"
 
     def read(self) -> bytes:
-        """The bytes: ``data``, else the contents of ``source``. Raises ``InputChanged``
-        when their sha256 is not ``sha256`` (the file changed since it was validated),
-        ``OSError`` as reading raises it, ``ValueError`` when there is neither."""
+        """The bytes: ``data``, else the contents of ``source``, else of the object
+        ``opener`` opens. Raises ``InputChanged`` when their sha256 is not ``sha256``
+        (the file changed since it was validated), ``OSError`` as reading raises it (a
+        missing object: FileNotFoundError), ``ValueError`` when there is none of them."""
         if self.data is not None:
             data = self.data
         elif self.source is not None:
             data = self.source.read_bytes()
+        elif self.opener is not None:
+            with self.opener() as f:
+                data = f.read(self.size + 1)  # one more byte tells an object that grew
         else:
             raise ValueError(f"input {self.key} ({self.path}) has neither bytes nor a file")
         digest = hashlib.sha256(data).hexdigest()
         if digest != self.sha256:
-            where = self.source if self.data is None else "its bytes"
+            where = self.source or self.path if self.data is None else "its bytes"
             raise InputChanged(
                 f"input {self.key} ({self.path}) changed since it was validated: "
                 f"{where} has sha256 {digest}, not {self.sha256}"

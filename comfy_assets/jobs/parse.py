@@ -527,7 +527,14 @@ class _Parser(ChainResolution):
                     self.error(line, name, read)
                     continue
                 item = InputFile(
-                    key, node_id, input_name, value, read.sha256, read.size, source=read.source
+                    key,
+                    node_id,
+                    input_name,
+                    value,
+                    read.sha256,
+                    read.size,
+                    source=read.source,
+                    opener=read.opener,
                 )
             if len(self.errors) == errors_before:
                 found.append(item)

@@ -24,11 +24,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from comfy_assets.comfy.client import ComfyClient
-from comfy_assets.comfy.download import MAX_OUTPUT_BYTES, download_outputs
+from comfy_assets.comfy.download import MAX_OUTPUT_BYTES, OutputSink, download_outputs
 from comfy_assets.comfy.errors import (
     ComfyError,
     DeadlineExceeded,
@@ -65,13 +64,15 @@ from comfy_assets.render.outcome import (
     entry_timings,
 )
 from comfy_assets.render.removal import Removal
+from comfy_assets.store.files import FileStoreUnavailable
 
 log = logging.getLogger("comfy_assets.render.attempt")
 
 
 @dataclass(eq=False, repr=False)  # identity, and no repr of a whole prompt in logs
 class Attempt:
-    """One attempt of ``job`` over ``pool``; files land in ``dest_dir``.
+    """One attempt of ``job`` over ``pool``; its outputs go to ``sink`` (the store's
+    files of the job: ``render/outputs.py``).
 
     ``slot``: a server already held for it (else one is acquired). ``prev_server``: where
     the prompt was last posted (from the store), for catch-up; ``prev_number``: the run
@@ -90,12 +91,12 @@ class Attempt:
     server: skip the catch-up and free ComfyUI's cache before posting.
     ``max_output_bytes``: the most one output file may have (bytes). ``locate``: where
     the file an input takes from an upstream job is (``render/inputs.py``). ``subdir``:
-    the folder under ``dest_dir`` the outputs go to ("" for the job's first take).
+    the folder under the job's the outputs go to ("" for the job's first take).
     """
 
     job: Job
     pool: Pool
-    dest_dir: Path
+    sink: OutputSink
     _: KW_ONLY
     slot: Slot | None = None
     prev_server: str | None = None
@@ -543,7 +544,7 @@ class Attempt:
                 failure = Failure.of("rejected", dropped)
                 return self.result("permanent", dropped + where, failure=failure, **common)
             files = await download_outputs(
-                client, entry, self.dest_dir, max_bytes=self.max_output_bytes, under=self.subdir
+                client, entry, self.sink, max_bytes=self.max_output_bytes, under=self.subdir
             )
         except OutputMissing as e:
             return self.result(
@@ -557,6 +558,13 @@ class Attempt:
             if e.transient:  # the server's, may be: a proxy's page, a reset
                 return self.server_failed(describe_error(e, "download"), **common)
             return self.result("permanent", describe_error(e, "download"), **common)
+        except FileStoreUnavailable as e:
+            return self.result(
+                "transient",
+                f"outputs not stored: {e}; the store's failure, not the job's",
+                file_store_fault=True,
+                **common,
+            )
         if not files:
             return self.result(
                 "permanent", "the prompt succeeded but listed no output files", **common

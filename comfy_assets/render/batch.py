@@ -31,7 +31,7 @@ from comfy_assets.render.chain import Chain, Verdict
 from comfy_assets.render.claim_keeping import Claims
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.outcome import CATCH_UP_AFTER, AttemptHooks, NotPosted
-from comfy_assets.render.outputs import take_folder
+from comfy_assets.render.outputs import JobOutputs, take_folder
 from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.progress import Ended, Progress
 from comfy_assets.render.queue import Item, JobQueue, prev_number
@@ -432,7 +432,7 @@ class Batch:
         attempt = Attempt(
             job,
             self.pool,
-            store.job_dir(self.partition, job.id),
+            JobOutputs(store.file_store, self.partition, job.id),
             slot=slot,
             prev_server=prev,
             prev_number=prev_number(item, rec, prev),

@@ -14,6 +14,7 @@ and renders, a job dead-lettered (or degraded) only for it is requeued by the ne
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import KW_ONLY, InitVar, dataclass, field
 from typing import Literal
@@ -167,8 +168,10 @@ class Chain:
                 f"none at index {ref.index}"
             )
         f = mine[ref.index]
-        path = self.store.job_dir(self.partition, ref.job) / str(f.path)
-        return UpstreamFile(path, f.sha256, f.bytes)
+        stored = self.store.file_store
+        name = stored.output_path(self.partition, ref.job, f) or f"{stored.location}: {f.path}"
+        opener = functools.partial(stored.open_output, self.partition, ref.job, f)
+        return UpstreamFile(str(name), f.sha256, f.bytes, opener)
 
 
 def _upstream_refs(job: Job) -> list[InputFromJob]:

@@ -9,7 +9,8 @@ first); a job whose result cannot be recorded is dead-lettered by ``Settler.sett
 (``render/settle.py``).
 
 Not the job's, and so raised as before (``stops_the_batch``): a cancellation, Ctrl+C and
-an exit (not ``Exception``\\ s); the store unreachable or full (``StoreUnavailable``), a
+an exit (not ``Exception``\\ s); the store unreachable or full (``StoreUnavailable``,
+its files' ``FileStoreUnavailable`` and ``FileStoreFull``), a
 database error that is not about a value (``OperationalError``, ``InterfaceError``),
 our disk (an ``OSError`` other than a name the file system refuses), no memory; no
 server reachable or able to run the job, a claim lost, a batch that stopped first (the
@@ -26,10 +27,13 @@ from comfy_assets.comfy.errors import NoServerCanRun, NoServerReachable
 from comfy_assets.comfy.types import excerpt
 from comfy_assets.render.outcome import NotPosted
 from comfy_assets.store import ClaimLost, StoreUnavailable
+from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable
 
 # What stops a batch or hands a job over on purpose, whatever job it is raised for.
 _NOT_THE_JOBS = (
     StoreUnavailable,
+    FileStoreUnavailable,
+    FileStoreFull,
     NoServerReachable,
     NoServerCanRun,
     ClaimLost,

@@ -15,8 +15,8 @@ import hashlib
 import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
-from typing import Any
+from pathlib import PurePosixPath
+from typing import Any, BinaryIO
 
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import ComfyError
@@ -44,12 +44,21 @@ class UploadFailed(Exception):
 
 @dataclass(frozen=True)
 class UpstreamFile:
-    """A file an upstream job wrote, on our disk: ``path``, its done record's
-    ``sha256`` (hex) and ``size`` (bytes)."""
+    """A file an upstream job wrote, in the store's files: ``name`` for people (its
+    path, or its location), its done record's ``sha256`` (hex) and ``size`` (bytes), and
+    ``open``, which opens it for reading (raises OSError: FileNotFoundError when it is
+    gone)."""
 
-    path: Path
+    name: str
     sha256: str
     size: int
+    open: Callable[[], BinaryIO]
+
+    def read(self) -> bytes:
+        """Its bytes, at most one past its recorded size (more means it changed).
+        Raises OSError."""
+        with self.open() as f:
+            return f.read(self.size + 1)
 
 
 Locate = Callable[[InputFromJob], Awaitable[UpstreamFile]]
@@ -138,16 +147,16 @@ async def _source(
 
     async def read_upstream() -> bytes:
         try:
-            data = await asyncio.to_thread(found.path.read_bytes)
+            data = await asyncio.to_thread(found.read)
         except OSError as e:
-            raise InputProblem(f"{label}: cannot read {found.path}: {_why(e)}") from e
+            raise InputProblem(f"{label}: cannot read {found.name}: {_why(e)}") from e
         if hashlib.sha256(data).hexdigest() != found.sha256:
             raise InputProblem(
-                f"{label}: {found.path} changed on disk since job {inp.job} recorded it"
+                f"{label}: {found.name} changed in the store since job {inp.job} recorded it"
             )
         return data
 
-    return upload_name(found.sha256, found.path.name), read_upstream
+    return upload_name(found.sha256, PurePosixPath(found.name).name), read_upstream
 
 
 def _why(e: BaseException) -> str:

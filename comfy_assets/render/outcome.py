@@ -88,6 +88,9 @@ class AttemptResult:
     ``seconds`` is this attempt's wall time. ``outputs_missing``: the run succeeded but
     the server no longer has its files, so the next attempt must render anew.
     ``failure``: what failed, when the failure may be the server's (else None).
+    ``file_store_fault``: the run succeeded but its outputs could not be stored or
+    confirmed in the store's files: the store's failure, not the job's nor the
+    server's (the job is tried again, its outputs caught up from the server's /history).
     """
 
     kind: Kind
@@ -103,6 +106,7 @@ class AttemptResult:
     queue_wait_s: float | None = None
     outputs_missing: bool = False
     failure: Failure | None = None
+    file_store_fault: bool = False
 
 
 @dataclass(frozen=True)

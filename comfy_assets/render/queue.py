@@ -56,6 +56,10 @@ class Item:
     # Attempts that went elsewhere at once because their failure may be the server's:
     # not counted against the job's attempts (each server is tried once at most).
     elsewhere: int = 0
+    # Attempts whose outputs the store's files could not store or confirm (the store's
+    # failure, ``AttemptResult.file_store_fault``): not counted against the job's
+    # attempts either, and bounded by its retry policy of their own.
+    store_faults: int = 0
     # The kinds of failure its attempts in this batch had (``render/outcome.py``).
     kinds: set[str] = field(default_factory=set, compare=False)
 

@@ -4,6 +4,7 @@ policy, the storyboard stopped); and an attempt cut short by a cancelled run, re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from comfy_assets.render.decision import (
 )
 from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.outcome import AttemptResult
-from comfy_assets.render.outputs import remove_stale_outputs
+from comfy_assets.render.outputs import unconfirmed_outputs
 from comfy_assets.render.progress import Ended
 from comfy_assets.render.queue import Item, JobQueue
 from comfy_assets.render.rendering import DeferredRendering
@@ -85,9 +86,13 @@ class Settler:
     async def _settle(self, item: Item, attempt_number: int, r: AttemptResult) -> None:
         """Judge the attempt's result (``Blame``), decide its move (``decide``) and write
         the move. Raises ClaimLost, StoreUnavailable."""
+        if r.kind == "success":
+            r = await self._confirmed(item, r)
         r, at_once = await self.blame.owned(item, r)
-        if at_once:
-            item.elsewhere += 1
+        if at_once or r.file_store_fault:
+            item.elsewhere += 1  # not one of the job's own attempts
+        if r.file_store_fault:
+            item.store_faults += 1
         counted = attempt_number - item.elsewhere  # the job's own attempts
         policy = self.policy
         sick = None
@@ -103,7 +108,27 @@ class Settler:
             optional=item.job.optional,
             stopped=self.stopped(),
         )
-        await self._apply(item, attempt_number, r, decide(facts, policy, item.job.id))
+        move = decide(facts, policy, item.job.id)
+        if isinstance(move, Retry) and not policy.retry.can_retry(item.store_faults):
+            move = Pending(f"not run again in this run, {r.reason}", stopped=False)
+        await self._apply(item, attempt_number, r, move)
+
+    async def _confirmed(self, item: Item, r: AttemptResult) -> AttemptResult:
+        """``r`` (a success) when the store's files confirm every output it lists;
+        else a transient result, the store's failure (``file_store_fault``): its done
+        record is not written, and the job is tried again, its outputs caught up from
+        the server's /history."""
+        files = self.store.file_store
+        problem = await unconfirmed_outputs(files, self.partition, item.job.id, r.files)
+        if problem is None:
+            return r
+        reason = (
+            f"outputs not confirmed in the store {files.location}: {problem}; the store's "
+            "failure, not the job's"
+        )
+        return dataclasses.replace(
+            r, kind="transient", reason=reason, files=[], file_store_fault=True
+        )
 
     async def _apply(self, item: Item, attempt_number: int, r: AttemptResult, move: Move) -> None:
         """Write ``move`` for attempt ``attempt_number`` of ``item`` (result ``r``): its
@@ -134,7 +159,7 @@ class Settler:
             "rendering": rendering,
         }
         if isinstance(move, Done):
-            remove_stale_outputs(store.job_dir(self.partition, job.id), r.files, job.take)
+            store.file_store.remove_stale_outputs(self.partition, job.id, r.files, job.take)
             self.claims.finishing_now(job.id)
             await self.write_done(
                 job.id,
@@ -176,6 +201,7 @@ class Settler:
                     prev_number=r.number,
                     failed_on=item.failed_on,
                     elsewhere=item.elsewhere,
+                    store_faults=item.store_faults,
                     kinds=item.kinds,
                 )
                 self.queue.push_later(again, move.delay_s)

@@ -10,6 +10,8 @@ SQLite (``<root>/store.db``, WAL) by default, PostgreSQL by URL, the same code f
 - ``retry``: calls that lose their database connection, tried again; outages, full disks
 - ``owners``: the processes holding claims and leases, and their heartbeats
 - ``clock``: the database's clock, which every expiry is judged by
+- ``location``: a store's location, a folder or ``s3://BUCKET/PREFIX``
+- ``files``: the files side (``FileStore``: a folder or an object store)
 - ``store``: the ``Store`` class
 """
 
@@ -39,6 +41,8 @@ from comfy_assets.store.store import (
     OUTCOMES,
     TRANSITION_FIELDS,
     BadDbUrl,
+    NoDatabase,
+    NoLocalFolder,
     NoStore,
     Store,
 )
@@ -55,6 +59,8 @@ __all__ = [
     "ClaimLost",
     "ClaimStatus",
     "FileRecord",
+    "NoDatabase",
+    "NoLocalFolder",
     "NoStore",
     "JobRecord",
     "ModelLoadRecord",

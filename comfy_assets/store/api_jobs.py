@@ -116,7 +116,6 @@ class ApiLedger(StoreBase):
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        self.root = store.root
         self.engine = store.engine
         self.dialect = store.dialect
         self.retry_s = store.retry_s

@@ -16,7 +16,6 @@ import json
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -46,7 +45,6 @@ _TERMINAL = DONE | {FAILED_FATAL}
 class StoreBase:
     """The engine and the transaction plumbing the store's parts share."""
 
-    root: Path
     engine: sa.Engine
     dialect: str
     retry_s: float

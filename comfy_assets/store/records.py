@@ -82,24 +82,30 @@ class OutputFileLike(Protocol):
     def node_id(self) -> str | None: ...
     @property
     def key(self) -> str | None: ...
+    @property
+    def content_type(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
 class OutputFile:
     """A file to record with a done job: ``path`` relative to the job dir, ``bytes`` its
-    size. ``node_id`` / ``key`` say which output wrote it (node "9", key "images")."""
+    size. ``node_id`` / ``key`` say which output wrote it (node "9", key "images");
+    ``content_type`` its media type (None: judged from its name)."""
 
     path: str | PurePosixPath
     sha256: str
     bytes: int
     node_id: str | None = None
     key: str | None = None
+    content_type: str | None = None
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One row of ``files``: an output of ``prompt_id``, ``path`` relative to the job dir
-    with "/" separators, ``bytes`` its size."""
+    """One row of ``files``, a line of the job's manifest: an output of ``prompt_id``,
+    ``path`` relative to the job dir with "/" separators, ``bytes`` its size,
+    ``content_type`` its media type (``image/png``; None in rows recorded before the
+    column was)."""
 
     job_id: str
     prompt_id: str
@@ -108,6 +114,7 @@ class FileRecord:
     bytes: int
     node_id: str | None
     key: str | None
+    content_type: str | None = None
 
 
 @dataclass(frozen=True)

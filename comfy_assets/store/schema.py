@@ -75,6 +75,9 @@ files_table = sa.Table(
     sa.Column("bytes", sa.BigInteger, nullable=False),
     sa.Column("node_id", sa.String(64)),
     sa.Column("key", sa.String(64)),
+    # Its media type (image/png, video/mp4): with path, bytes and sha256 the job's
+    # manifest. NULL in rows made before (their readers judge it from the name).
+    sa.Column("content_type", sa.String(255)),
 )
 
 events_table = sa.Table(
@@ -362,6 +365,7 @@ ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
     (api_jobs_table, "take"),
     (api_webhooks_table, "receiver"),
     (api_webhooks_table, "client"),
+    (files_table, "content_type"),
 )
 
 

@@ -18,9 +18,11 @@ from comfy_assets.store.base import folder_name
 from comfy_assets.store.claims import Claims
 from comfy_assets.store.clock import DbClock
 from comfy_assets.store.errors import StoreError
+from comfy_assets.store.files import FileStore, file_store_for
 from comfy_assets.store.health import ServerHealth
 from comfy_assets.store.leases import ServerLeases
 from comfy_assets.store.live import Live
+from comfy_assets.store.location import NoDatabase, check_database, local_folder, store_location
 from comfy_assets.store.queries import Queries
 from comfy_assets.store.retry import (
     DEFAULT_RETRY_S,
@@ -51,29 +53,53 @@ class BadDbUrl(StoreError, ValueError):
     """A ``db_url`` SQLAlchemy cannot open: not a URL, or a driver it does not have."""
 
 
-__all__ = ["DB_URL_ENV", "OUTCOMES", "TRANSITION_FIELDS", "BadDbUrl", "NoStore", "Store"]
+class NoLocalFolder(StoreError, ValueError):
+    """A local path asked of a store whose files are in an object store."""
+
+
+__all__ = [
+    "DB_URL_ENV",
+    "OUTCOMES",
+    "TRANSITION_FIELDS",
+    "BadDbUrl",
+    "NoDatabase",
+    "NoLocalFolder",
+    "NoStore",
+    "Store",
+]
 
 
 class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
     """Jobs and their history in SQLite (``<root>/store.db``) or PostgreSQL (``db_url``
     such as ``postgresql+psycopg://postgres@127.0.0.1/db``); creates missing tables.
 
-    ``root`` also holds the outputs (``job_dir``). Make one Store per process (a new one
-    after fork); threads may share it. A call whose database connection is lost is tried
-    again for ``retry_s`` seconds, then raises StoreUnavailable (``store.retry``);
-    ``outage`` says when the database goes away and comes back. A write the database's
-    disk has no room for raises StoreDiskFull.
+    ``location`` is where the files are (``store.location``): a folder, which also holds
+    the SQLite database when ``db_url`` is None, or ``s3://BUCKET/PREFIX``, which needs
+    ``db_url`` (NoDatabase otherwise). ``file_store`` reads and writes them (by default
+    ``file_store_for(location)``; a test may give its own). Make one Store per process (a
+    new one after fork); threads may share it. A call whose database connection is lost
+    is tried again for ``retry_s`` seconds, then raises StoreUnavailable
+    (``store.retry``); ``outage`` says when the database goes away and comes back. A
+    write the database's disk has no room for raises StoreDiskFull.
 
-    Opening raises BadDbUrl for a URL SQLAlchemy cannot use. A PostgreSQL server that
-    cannot be reached is tried again for ``retry_s`` seconds (a restart, a failover),
-    then StoreUnavailable; one that refuses us (unknown role or database, a wrong
-    password) raises StoreUnavailable at once.
+    Opening raises BadDbUrl for a URL SQLAlchemy cannot use, FileStoreRefused for a
+    location no file store reads. A PostgreSQL server that cannot be reached is tried
+    again for ``retry_s`` seconds (a restart, a failover), then StoreUnavailable; one
+    that refuses us (unknown role or database, a wrong password) raises
+    StoreUnavailable at once.
     """
 
     def __init__(
-        self, root: Path, db_url: str | None = None, *, retry_s: float = DEFAULT_RETRY_S
+        self,
+        location: str | Path,
+        db_url: str | None = None,
+        *,
+        retry_s: float = DEFAULT_RETRY_S,
+        file_store: FileStore | None = None,
     ) -> None:
-        self.root = Path(root)
+        self.location = store_location(location)
+        check_database(self.location, db_url)
+        self.file_store = file_store_for(self.location) if file_store is None else file_store
         self.retry_s = retry_s  # how long a call that loses its connection is tried again
         self.outage = Outage()
         self.clock = DbClock()
@@ -130,15 +156,33 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
                 self.outage.reached()
                 return
 
+    @property
+    def root(self) -> Path:
+        """The store's folder on this machine. Raises NoLocalFolder for an object store
+        (its files are reached through ``file_store``)."""
+        folder = local_folder(self.location)
+        if folder is None:
+            raise NoLocalFolder(f"the store {self.location} has no folder on this machine")
+        return folder
+
     @classmethod
     def existing(
-        cls, root: Path, db_url: str | None = None, *, retry_s: float = DEFAULT_RETRY_S
+        cls,
+        location: str | Path,
+        db_url: str | None = None,
+        *,
+        retry_s: float = DEFAULT_RETRY_S,
+        file_store: FileStore | None = None,
     ) -> Store:
-        """The store at ``root`` (or ``db_url``) for a command that reads or changes it:
-        raises NoStore rather than create an empty SQLite store where none was."""
-        if db_url is None and not (Path(root) / "store.db").is_file():
-            raise NoStore(f"no result store at {root} (no store.db)")
-        return cls(root, db_url, retry_s=retry_s)
+        """The store at ``location`` (or ``db_url``) for a command that reads or changes
+        it: raises NoStore rather than create an empty SQLite store where none was,
+        NoDatabase for an object store without ``db_url``."""
+        location = store_location(location)
+        check_database(location, db_url)
+        folder = local_folder(location)
+        if db_url is None and folder is not None and not (folder / "store.db").is_file():
+            raise NoStore(f"no result store at {location} (no store.db)")
+        return cls(location, db_url, retry_s=retry_s, file_store=file_store)
 
     @retried
     def ping(self) -> None:
@@ -158,6 +202,8 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
         self.close()
 
     def job_dir(self, partition: str, job_id: str) -> Path:
-        """``<root>/<partition>/<job id>/`` (not created). Raises ValueError for a name
-        that would leave the root (empty, ".", "..", or holding a slash)."""
+        """``<root>/<partition>/<job id>/`` (not created), for the readers that still
+        need a job's outputs as local files. Raises ValueError for a name that would
+        leave the root (empty, ".", "..", or holding a slash), NoLocalFolder for an
+        object store."""
         return self.root / folder_name(partition, "partition") / folder_name(job_id, "job id")

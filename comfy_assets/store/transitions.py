@@ -24,6 +24,7 @@ from comfy_assets.jobs.states import (
 )
 from comfy_assets.store import statements as q
 from comfy_assets.store.base import _TERMINAL, StoreBase, _event
+from comfy_assets.store.files.folder import content_type
 from comfy_assets.store.records import (
     AttemptEntry,
     ClaimLost,
@@ -494,4 +495,5 @@ def _file_row(job_id: str, f: OutputFileLike) -> dict[str, Any]:
         "bytes": f.bytes,
         "node_id": f.node_id,
         "key": f.key,
+        "content_type": f.content_type or content_type(path.name),
     }

@@ -16,6 +16,7 @@ from comfy_assets.comfy.download import download_outputs
 from comfy_assets.comfy.errors import PromptRejected
 from comfy_assets.comfy.follow import PromptFollower, PromptOutcome
 from fake_comfy import FakeComfy
+from tests.render.test_download import sink
 from tests.support import fake_or_real_url
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,7 +116,7 @@ async def test_two_output_image_workflow_is_followed_and_downloaded(server_url, 
         outcome, number = await run(client, image_workflow(color()))
         assert outcome.status == "success"
         assert outcome.history is not None and outcome.history.number == number
-        files = await download_outputs(client, outcome.history, dest)
+        files = await download_outputs(client, outcome.history, sink(dest))
     assert sorted(f.node_id for f in files) == ["3", "4"]
     for f in files:
         data = (dest / f.path).read_bytes()
@@ -145,7 +146,7 @@ async def test_video_is_listed_under_images_and_downloads_as_mp4(server_url, tmp
         [video] = [f for f in outcome.history.output_files if f.type == "output"]
         assert (video.key, video.subfolder) == ("images", "video")
         assert video.filename.endswith(".mp4")
-        files = await download_outputs(client, outcome.history, tmp_path)
+        files = await download_outputs(client, outcome.history, sink(tmp_path))
     [saved] = files
     assert saved.path == f"video/{video.filename}"
     assert (tmp_path / saved.path).read_bytes()[4:8] == b"ftyp"

@@ -21,8 +21,9 @@ from comfy_assets.comfy.errors import (
     UnsafeOutputName,
 )
 from comfy_assets.comfy.types import HistoryEntry
-from comfy_assets.render.outputs import remove_stale_outputs
+from comfy_assets.render.outputs import JobOutputs
 from comfy_assets.store import OutputFile
+from comfy_assets.store.files import FolderFileStore
 from fake_comfy.media import solid_png
 from tests.comfy.test_client import Replay, answering, raw_server
 
@@ -41,6 +42,11 @@ def entry_with(*files: dict) -> HistoryEntry:
             "status": {"status_str": "success", "completed": True, "messages": []},
         },
     )
+
+
+def sink(folder: Path) -> JobOutputs:
+    """The outputs of the job whose folder in a folder store is ``folder``."""
+    return JobOutputs(FolderFileStore(folder.parent.parent), folder.parent.name, folder.name)
 
 
 def all_files(folder: Path) -> list[str]:
@@ -108,7 +114,7 @@ async def test_both_images_of_the_recorded_success_land_with_their_sha256(tmp_pa
     async with replay.client() as client:
         entry = await client.history("78d29e6e-ba18-4dda-b1c6-1bc2d5aef9de")
         assert entry is not None
-        files = await download_outputs(client, entry, tmp_path)
+        files = await download_outputs(client, entry, sink(tmp_path))
     assert [(f.path, f.sha256, f.bytes, f.node_id, f.key) for f in files] == [
         ("solid_00001_.png", SOLID_SHA, 543, "3", "images"),
         ("inverted_00001_.png", INVERTED_SHA, 543, "4", "images"),
@@ -121,7 +127,7 @@ async def test_the_video_lands_in_its_subfolder(tmp_path):
     async with Replay("video").client() as client:
         entry = await client.history("6a1bcfb6-803e-44f5-9c6c-029f802a646e")
         assert entry is not None
-        files = await download_outputs(client, entry, tmp_path)
+        files = await download_outputs(client, entry, sink(tmp_path))
     assert [(f.path, f.sha256, f.bytes) for f in files] == [
         ("video/shot_00001_.mp4", VIDEO_SHA, 2594)
     ]
@@ -141,7 +147,7 @@ async def test_previews_are_skipped_and_duplicates_fetched_once(tmp_path):
         {"filename": "keep.png", "subfolder": "", "type": "output"},
     )
     async with answering(handle) as url, ComfyClient(url) as client:
-        files = await download_outputs(client, entry, tmp_path)
+        files = await download_outputs(client, entry, sink(tmp_path))
     assert fetched == ["keep.png"]
     assert [f.path for f in files] == ["keep.png"]
     assert (tmp_path / "keep.png").read_bytes() == b"png:keep.png" + PNG_END
@@ -160,7 +166,7 @@ async def test_an_unsafe_name_fails_before_any_request_or_file(tmp_path):
     )
     async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(UnsafeOutputName, match="escape"):
-            await download_outputs(client, entry, tmp_path / "dest")
+            await download_outputs(client, entry, sink(tmp_path / "dest"))
     assert fetched == []
     assert all_files(tmp_path) == []
 
@@ -169,7 +175,7 @@ async def test_a_download_cut_midway_leaves_no_file_behind(tmp_path):
     entry = entry_with({"filename": "big.mp4", "subfolder": "video", "type": "output"})
     async with raw_server("cut") as url, ComfyClient(url) as client:
         with pytest.raises(ConnectionLost, match="big.mp4"):
-            await download_outputs(client, entry, tmp_path)
+            await download_outputs(client, entry, sink(tmp_path))
     assert all_files(tmp_path) == []
 
 
@@ -180,7 +186,7 @@ async def test_a_missing_output_is_output_missing(tmp_path):
     entry = entry_with({"filename": "gone.png", "subfolder": "", "type": "output"})
     async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(OutputMissing, match="gone.png"):
-            await download_outputs(client, entry, tmp_path)
+            await download_outputs(client, entry, sink(tmp_path))
     assert all_files(tmp_path) == []
 
 
@@ -193,8 +199,8 @@ async def test_a_file_over_the_limit_by_its_content_length_is_refused_before_a_b
     entry = entry_with({"filename": "big.png", "subfolder": "", "type": "output"})
     async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(OutputTooLarge, match="big.png: 101 bytes, over the limit of 100"):
-            await download_outputs(client, entry, tmp_path, max_bytes=100)
-        files = await download_outputs(client, entry, tmp_path, max_bytes=101)
+            await download_outputs(client, entry, sink(tmp_path), max_bytes=100)
+        files = await download_outputs(client, entry, sink(tmp_path), max_bytes=101)
     assert [(f.path, f.bytes) for f in files] == [("big.png", 101)]
     assert all_files(tmp_path) == ["big.png"]
 
@@ -226,7 +232,7 @@ async def test_a_stream_past_the_limit_fails_and_leaves_no_partial_file(tmp_path
     async with answering(endless.handle) as url:
         async with ComfyClient(url) as client:
             with pytest.raises(OutputTooLarge, match="endless.mp4: more than 2500 bytes") as info:
-                await download_outputs(client, entry, tmp_path, max_bytes=2500)
+                await download_outputs(client, entry, sink(tmp_path), max_bytes=2500)
         async with asyncio.timeout(30):
             await endless.hung_up.wait()  # we stopped reading and closed the connection
     assert not info.value.transient  # the same prompt writes the same file again
@@ -264,7 +270,7 @@ async def test_a_view_answer_that_is_not_the_file_is_refused_and_nothing_is_kept
     entry = entry_with({"filename": "solid_00001_.png", "subfolder": "", "type": "output"})
     async with answering(handle) as url, ComfyClient(url) as client:
         with pytest.raises(NotTheFile) as info:
-            await download_outputs(client, entry, tmp_path)
+            await download_outputs(client, entry, sink(tmp_path))
     assert said in str(info.value)
     assert info.value.transient
     assert all_files(tmp_path) == []
@@ -284,7 +290,7 @@ def test_the_view_content_type_is_the_one_comfyui_sends(filename, content_type):
 
 
 def test_stale_outputs_are_removed_and_nothing_outside_the_job_folder(tmp_path):
-    job_dir = tmp_path / "job"
+    job_dir = tmp_path / "p" / "job"
     (job_dir / "video").mkdir(parents=True)
     for name in ("a.png", "old.png", "video/s.mp4", "video/old.mp4"):
         (job_dir / name).write_bytes(b"x")
@@ -294,7 +300,7 @@ def test_stale_outputs_are_removed_and_nothing_outside_the_job_folder(tmp_path):
     (job_dir / "linked").symlink_to(elsewhere, target_is_directory=True)
     (job_dir / "file-link.png").symlink_to(elsewhere / "precious.png")
     kept = [OutputFile("a.png", "0" * 64, 1), OutputFile("video/s.mp4", "0" * 64, 1)]
-    remove_stale_outputs(job_dir, kept)
+    FolderFileStore(tmp_path).remove_stale_outputs("p", "job", kept, 1)
     left = sorted(
         (Path(folder) / name).relative_to(job_dir).as_posix()
         for folder, dirs, names in os.walk(job_dir)

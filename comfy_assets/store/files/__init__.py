@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from pathlib import Path
+
 from comfy_assets.store.files.base import (
     DEFAULT_URL_EXPIRY_S,
     FileStore,
@@ -29,6 +31,23 @@ def file_store_for(location: str | Path) -> FileStore:
     if is_s3_location(location):
         return S3FileStore(str(location))
     return FolderFileStore(Path(location))
+
+
+
+def file_store_for(location: str | Path) -> FileStore:
+    """The file store of a store's ``location``: a folder (``Path``, or text that is not
+    a URL) or ``s3://BUCKET/PREFIX``. The one place a ``--store`` value becomes a
+    FileStore. Raises FileStoreRefused for a location no file store here reads."""
+    from comfy_assets.store.location import local_folder
+
+    try:
+        folder = local_folder(location)
+    except ValueError as e:
+        raise FileStoreRefused(str(e)) from e
+    if folder is None:
+        # Stand-in until the S3 store lands (w45a's file_store_for replaces this one).
+        raise FileStoreRefused(f"--store {location}: no S3 client in this build")
+    return FolderFileStore(folder)
 
 
 __all__ = [

@@ -153,3 +153,10 @@ class FileStore(Protocol):
     def list_files(self, prefix: str) -> Iterator[tuple[str, int]]:
         """(key, bytes) of every store file whose key starts with ``prefix``."""
         ...
+
+    def open_object(self, url: str) -> BinaryIO:
+        """A binary stream of the object at ``url`` (``s3://BUCKET/KEY`` of this store's
+        endpoint, read with its credentials): a job line's input. Raises
+        FileNotFoundError for no such object, FileStoreRefused for a URL this store
+        does not read (a folder store reads none)."""
+        ...

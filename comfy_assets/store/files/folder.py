@@ -191,3 +191,10 @@ class FolderFileStore:
                 key = path.relative_to(self.root).as_posix()
                 if key.startswith(prefix) and not name.startswith("."):
                     yield key, path.stat().st_size
+
+    def open_object(self, url: str) -> BinaryIO:
+        """Raises FileStoreRefused: a folder store reads no ``s3://`` object."""
+        raise FileStoreRefused(
+            f"the store {self.root} is a folder: s3:// inputs are read only with an S3 store "
+            "(--store s3://BUCKET/PREFIX)"
+        )
