@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pathlib import Path
-
 from comfy_assets.store.files.base import (
     DEFAULT_URL_EXPIRY_S,
     FileStore,
@@ -19,35 +17,31 @@ from comfy_assets.store.files.base import (
 )
 from comfy_assets.store.files.folder import FolderFileStore
 from comfy_assets.store.files.s3 import S3FileStore
-from comfy_assets.store.files.s3_config import S3Settings, is_s3_location
+from comfy_assets.store.files.s3_config import S3Settings
 
 
 def file_store_for(location: str | Path) -> FileStore:
     """The file store of a store's ``location``: ``s3://BUCKET/PREFIX`` an S3FileStore
     (endpoint, region and credentials from the environment and the AWS profile files),
-    a Path or any other text a FolderFileStore of that folder. Nothing is reached yet
-    (``check`` does). Raises ValueError for an ``s3://`` location that is not
-    ``s3://BUCKET/PREFIX``, FileStoreRefused for an AWS_PROFILE that does not exist."""
-    if is_s3_location(location):
-        return S3FileStore(str(location))
-    return FolderFileStore(Path(location))
-
-
-
-def file_store_for(location: str | Path) -> FileStore:
-    """The file store of a store's ``location``: a folder (``Path``, or text that is not
-    a URL) or ``s3://BUCKET/PREFIX``. The one place a ``--store`` value becomes a
-    FileStore. Raises FileStoreRefused for a location no file store here reads."""
+    a Path or any other text that is not a URL a FolderFileStore of that folder. The one
+    place a ``--store`` value becomes a FileStore. Nothing is reached yet (``check``
+    does). Raises FileStoreRefused for a location no file store here reads (another
+    scheme, an ``s3://`` location that is not ``s3://BUCKET/PREFIX``) and for an
+    AWS_PROFILE that does not exist."""
     from comfy_assets.store.location import local_folder
 
     try:
         folder = local_folder(location)
     except ValueError as e:
         raise FileStoreRefused(str(e)) from e
-    if folder is None:
-        # Stand-in until the S3 store lands (w45a's file_store_for replaces this one).
-        raise FileStoreRefused(f"--store {location}: no S3 client in this build")
-    return FolderFileStore(folder)
+    if folder is not None:
+        return FolderFileStore(folder)
+    try:
+        return S3FileStore(str(location))
+    except FileStoreRefused:
+        raise
+    except ValueError as e:
+        raise FileStoreRefused(str(e)) from e
 
 
 __all__ = [
