@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import fake_processes, scratch_dir
-from bench.farm import cpu_s
+from bench.farm import cpu_s, weed_pid
 from bench.overhead import job_file, timed
 from tests import s3_server
 
@@ -109,7 +109,7 @@ def main() -> None:
         ):
             bucket = "bench"
             s3.create_bucket(bucket)
-            weed = _weed_pid(s3.endpoint)
+            weed = weed_pid(int(s3.endpoint.rsplit(":", 1)[1]))
             env = {
                 "AWS_ENDPOINT_URL": s3.endpoint,
                 "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -148,22 +148,6 @@ def main() -> None:
     print(f"repeat={args.repeat}")
     for key, value in figures.items():
         print(f"{key}={value:.3f}")
-
-
-def _weed_pid(endpoint: str) -> int | None:
-    """The pid of the ``weed`` process serving ``endpoint`` (its command line names the
-    S3 port), or None."""
-    port = endpoint.rsplit(":", 1)[1]
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if any(a.endswith(b"weed") for a in args[:1]) and f"-s3.port={port}".encode() in args:
-            return int(entry.name)
-    return None
 
 
 if __name__ == "__main__":
