@@ -18,6 +18,7 @@ from comfy_assets.render.progress import Ended
 from comfy_assets.render.queue import Item, JobQueue
 from comfy_assets.render.store_threads import StoreThreads
 from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord, Store
+from comfy_assets.store.files import FileStoreUnavailable
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -115,11 +116,17 @@ class Admission:
         return rec
 
     async def _done_before(self, job: Job, rec: JobRecord) -> tuple[str, JobRecord] | None:
-        """``job`` is done in the store (``rec``): None when its files stand on disk (it
-        is resolved, nothing posted); else it is reopened to fetch them again (a catch-up
+        """``job`` is done in the store (``rec``): None when its files are stored (it
+        is resolved, nothing posted; also when the store's files do not answer); else it is reopened to fetch them again (a catch-up
         from the server's /history first) and claimed anew: that claim's (status,
         record)."""
-        problem = await self.threads.call(outputs_problem, self.store, self.partition, job.id)
+        unchecked = ""
+        try:
+            problem = await self.threads.call(outputs_problem, self.store, self.partition, job.id)
+        except FileStoreUnavailable as e:
+            # Its done record was written only once the store confirmed every output: a
+            # store that does not answer now says nothing against them.
+            problem, unchecked = None, f" (its outputs not checked: {e})"
         if problem is None:
             if rec.state == "degraded":
                 self.report(
@@ -128,7 +135,7 @@ class Admission:
                 )
                 self.resolve("degraded", job.id)
             else:
-                self.report(f"job {job.id}: already done, nothing posted")
+                self.report(f"job {job.id}: already done, nothing posted{unchecked}")
                 self.resolve("done", job.id)
             return None
         try:
