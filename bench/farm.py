@@ -51,6 +51,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import obstore
+from obstore.store import S3Store
+
 from bench.common import scratch_dir, utilization_and_gaps, write_jobs
 from bench.farm_db import Counters, Snapshot, private_postgres, server_cpu_s
 from comfy_assets.store import Store
@@ -190,6 +193,20 @@ class ObjectStore:
 
     def __init__(self, server: s3_server.S3Server, env: dict[str, str], pid: int | None):
         self.server, self.env, self.pid = server, env, pid
+
+    def objects(self, prefix: str) -> int:
+        """How many objects the bucket holds under ``prefix`` (every page of the list)."""
+        bucket = S3Store(
+            S3_BUCKET,
+            config={
+                "endpoint": self.server.endpoint,
+                "access_key_id": self.server.access_key,
+                "secret_access_key": self.server.secret_key,
+                "region": "us-east-1",
+            },
+            client_options={"allow_http": True},
+        )
+        return sum(len(page) for page in obstore.list(bucket, prefix))
 
 
 @contextlib.contextmanager
@@ -342,7 +359,7 @@ def measure(
         ),
     }
     if s3 is not None:
-        figures["s3_objects"] = len(s3.server.objects(S3_BUCKET, "renders/"))
+        figures["s3_objects"] = s3.objects("renders/")
         figures["weed_cpu_ms_per_job"] = f"{weed_cpu / args.jobs * 1000:.2f}"
     return figures, shapes
 
