@@ -92,37 +92,34 @@ async def test_a_store_down_mid_batch_is_waited_out_and_the_outputs_caught_up_no
     assert_all_stored_once(store, fakes, s3_endpoint, s3_bucket, 6)
 
 
-async def test_503_slowdown_is_backed_off_by_the_client_and_no_attempt_fails(
-    proxy: S3FaultProxy, s3_endpoint: S3Server, s3_bucket: str, tmp_path: Path
+@pytest.mark.parametrize(
+    ("fault", "counted"),
+    [
+        ("slowdown", "slowdown"),  # 503 SlowDown twice: fewer than one request's retries
+        ("cut_uploads", "cut"),  # two uploads cut halfway: nothing half-written is seen
+    ],
+)
+async def test_throttling_and_cut_uploads_are_retried_by_the_client_and_no_attempt_fails(
+    fault: str,
+    counted: str,
+    proxy: S3FaultProxy,
+    s3_endpoint: S3Server,
+    s3_bucket: str,
+    tmp_path: Path,
 ) -> None:
     fake = FakeComfy(prompt_seconds=0.005)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 2))
-    files = files_through(proxy, s3_endpoint, s3_bucket, tmp_path)
-    store = Store(tmp_path / "records", file_store=files)
-    proxy.slowdown = 2  # fewer than the client's retries of one request
+    store = Store(
+        tmp_path / "records", file_store=files_through(proxy, s3_endpoint, s3_bucket, tmp_path)
+    )
+    setattr(proxy, fault, 2)
 
     summary = await batch_over_fakes(jf, store, fake)
 
     assert (summary.done, summary.dead_lettered) == (2, 0)
-    assert proxy.counts["slowdown"] == 2
+    assert proxy.counts[counted] == 2
     outcomes = [a.outcome for r in store.jobs("p") for a in store.attempts(r.job_id)]
     assert outcomes == ["success", "success"]
-    assert_all_stored_once(store, [fake], s3_endpoint, s3_bucket, 2)
-
-
-async def test_an_upload_cut_halfway_leaves_nothing_half_written(
-    proxy: S3FaultProxy, s3_endpoint: S3Server, s3_bucket: str, tmp_path: Path
-) -> None:
-    fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 2))
-    files = files_through(proxy, s3_endpoint, s3_bucket, tmp_path)
-    store = Store(tmp_path / "records", file_store=files)
-    proxy.cut_uploads = 2
-
-    summary = await batch_over_fakes(jf, store, fake)
-
-    assert (summary.done, summary.dead_lettered) == (2, 0)
-    assert proxy.counts["cut"] == 2
     assert_all_stored_once(store, [fake], s3_endpoint, s3_bucket, 2)
 
 
