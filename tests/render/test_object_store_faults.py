@@ -1,28 +1,34 @@
 """An object store that fails under a batch (a real SeaweedFS behind ``S3FaultProxy``):
-down for a while mid-batch, throttling with 503 SlowDown, full. Each ends clearly with
+down for a while mid-batch, throttling with 503 SlowDown, uploads cut halfway, full; and
+a SeaweedFS of the test's own that hangs (SIGSTOP) and comes back (SIGCONT). Each ends clearly with
 nothing lost and nothing done twice: every prompt posted once, every output an object of
 the bucket, no multipart upload left open, no job a dead letter for the store's failure.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.batch import CONSUMERS_PER_SERVER
 from comfy_assets.store import Store
 from comfy_assets.store.files import FileStoreFull, S3FileStore, S3Settings
 from fake_comfy import FakeComfy
 from tests.s3_fault_proxy import S3FaultProxy
-from tests.s3_server import S3Server
+from tests.s3_server import S3Server, seaweedfs
 from tests.support import (
     batch_over_fakes,
     fake_servers,
     fast_batch,
     fast_config,
     posted,
+    wait_until,
     write_jobs,
 )
 
@@ -149,3 +155,58 @@ async def test_a_full_bucket_stops_the_batch_at_once_and_a_later_one_catches_up(
 
     assert (summary.done, summary.dead_lettered) == (8, 0)
     assert_all_stored_once(store, [fake], s3_endpoint, s3_bucket, 8)  # caught up, once
+
+
+def weed_pid(endpoint: str) -> int:
+    """The pid of the ``weed`` process whose S3 gateway serves ``endpoint``."""
+    port = endpoint.rsplit(":", 1)[1]
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"weed") and f"-s3.port={port}".encode() in argv:
+            return int(entry.name)
+    raise LookupError(f"no weed process serves {endpoint}")
+
+
+async def test_a_store_that_hangs_holds_its_jobs_until_it_answers_each_prompt_posted_once(
+    tmp_path: Path,
+) -> None:
+    # A SeaweedFS of the test's own, stopped (SIGSTOP: its sockets accept, nothing
+    # answers) once a first job is done, and continued once the server's consumers each
+    # hold a rendered prompt whose outputs wait for the store.
+    with seaweedfs(tmp_path / "seaweedfs", "hang-key", "hang-secret") as s3:
+        s3.create_bucket("hang")
+        pid = weed_pid(s3.endpoint)
+        settings = S3Settings(
+            endpoint=s3.endpoint, access_key_id="hang-key", secret_access_key="hang-secret"
+        )
+        (tmp_path / "spool").mkdir()
+        files = S3FileStore("s3://hang/farm", settings, spool_dir=tmp_path / "spool")
+        store = Store(tmp_path / "records", file_store=files)
+        fake = FakeComfy(prompt_seconds=0.005)
+        jf = load_job_file(write_jobs(tmp_path / "jobs", 5))
+        stopped = [False]
+
+        def on_line(line: str) -> None:
+            if "succeeded" in line and not stopped[0]:
+                stopped[0] = True
+                os.kill(pid, signal.SIGSTOP)
+
+        try:
+            async with fake_servers(fake) as servers:
+                batch = asyncio.create_task(fast_batch(jf, servers, store, on_line=on_line))
+                await wait_until(
+                    lambda: stopped[0] and len(fake.stats["runs"]) >= 1 + CONSUMERS_PER_SERVER,
+                    60,
+                    "prompts rendered while the store hangs",
+                )
+                assert not batch.done()  # the outputs wait for the store
+                os.kill(pid, signal.SIGCONT)
+                summary = await batch
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+        assert (summary.done, summary.dead_lettered) == (5, 0)
+        assert_all_stored_once(store, [fake], s3, "hang", 5)
