@@ -7,8 +7,11 @@ Why the batch waits, not the S3 client: the client's retries are short (seconds,
 minutes. An outage longer than that ends the attempt as the store's failure
 (``AttemptResult.file_store_fault``); its job goes back in line with backoff and, its
 prompt having succeeded, takes the outputs from its server's /history when it comes back:
-nothing is posted again and no GPU time is spent twice. The servers meanwhile go on
-rendering other jobs, whose outputs wait on the servers likewise.
+nothing is posted again and no GPU time is spent twice. While the store refuses
+connections the servers go on rendering other jobs, whose outputs wait on the servers
+likewise; a store that accepts connections and never answers holds each attempt's
+download until the client's request timeout (``s3.REQUEST_TIMEOUT_S``), so a server's
+consumers (``CONSUMERS_PER_SERVER``) each hold one rendered prompt meanwhile.
 """
 
 from __future__ import annotations
