@@ -18,7 +18,14 @@ import pytest
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.batch import CONSUMERS_PER_SERVER
 from comfy_assets.store import Store
-from comfy_assets.store.files import FileStoreFull, S3FileStore, S3Settings
+from comfy_assets.store.files import (
+    FileStoreFull,
+    FileStoreUnavailable,
+    FolderFileStore,
+    OutputRef,
+    S3FileStore,
+    S3Settings,
+)
 from fake_comfy import FakeComfy
 from tests.s3_fault_proxy import S3FaultProxy
 from tests.s3_server import S3Server, seaweedfs
@@ -210,3 +217,29 @@ async def test_a_store_that_hangs_holds_its_jobs_until_it_answers_each_prompt_po
 
         assert (summary.done, summary.dead_lettered) == (5, 0)
         assert_all_stored_once(store, [fake], s3, "hang", 5)
+
+
+class UnansweringFileStore(FolderFileStore):
+    """A folder store whose check of a done job's outputs finds the store away."""
+
+    def output_problem(self, partition: str, job_id: str, file: OutputRef) -> str | None:
+        raise FileStoreUnavailable(f"{self.location}: checking the output {file.path}: away")
+
+
+async def test_a_done_job_whose_store_does_not_answer_its_check_is_done_not_posted_again(
+    tmp_path: Path,
+) -> None:
+    fake = FakeComfy(prompt_seconds=0.005)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 2))
+    first = await batch_over_fakes(jf, Store(tmp_path / "store"), fake)
+    assert first.done == 2
+    lines: list[str] = []
+    store = Store(tmp_path / "store", file_store=UnansweringFileStore(tmp_path / "store"))
+
+    again = await batch_over_fakes(jf, store, fake, on_line=lines.append)
+
+    assert (again.done, again.dead_lettered) == (2, 0)
+    assert sum(v["posted"] for v in fake.stats["prompts"].values()) == 2  # none again
+    said = [line for line in lines if "already done, nothing posted" in line]
+    assert len(said) == 2
+    assert all("(its outputs not checked: " in line and "away)" in line for line in said)
