@@ -2,6 +2,7 @@
 
     python bench/farm.py        # 4 GPU hosts x 8 fakes (1 s prompts), 4 worker hosts, 1280 jobs
     python bench/farm.py --gpu-hosts 1 --fakes 2 --worker-hosts 1 --jobs 8 --prompt-s 0.05
+    python bench/farm.py --s3   # the store's files in an object store: no folder shared
 
 Each host is a network namespace on a bridge with its own PID and UTS namespaces
 (``tests/farm``; root needed), so every request crosses a veth pair and the bridge:
@@ -11,6 +12,12 @@ RabbitMQ through the farm's forwarder. The workers start first and wait on an em
 queue; a client host then enqueues the job file (``comfy-assets enqueue``), as a batch
 arriving at a standing farm. Once every message is acked the workers idle ``--idle-s``
 seconds, then stop (SIGTERM).
+
+With ``--s3`` the workers' store is ``s3://farm/renders``: a SeaweedFS of the bench's own
+(``weed mini``, signatures checked) reached over the bridge through a TCP forwarder, so
+the GPU hosts and the worker hosts share no folder at all, only PostgreSQL, RabbitMQ and
+the object store. It adds ``s3_objects`` (the bucket's outputs, one per distinct output)
+and ``weed_cpu_ms_per_job`` (the SeaweedFS process's CPU over the whole batch).
 
 Prints ``name=value`` lines (each described in bench/README.md). From the fakes' own
 records (``/fake/stats``): ``utilization`` (busy prompt seconds / (servers x makespan))
@@ -30,6 +37,7 @@ included), ``db_xacts_*`` (``pg_stat_database``: commits + rollbacks), ``db_wal_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shutil
@@ -37,19 +45,28 @@ import signal
 import statistics
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import obstore
+from obstore.store import S3Store
+
 from bench.common import scratch_dir, utilization_and_gaps, write_jobs
 from bench.farm_db import Counters, Snapshot, private_postgres, server_cpu_s
 from comfy_assets.store import Store
+from tests import s3_server
 from tests.farm import Farm, Proc, unavailable
+from tests.tcp_proxy import TcpProxy
 
 NODES_EXECUTED = 4  # the fake sleeps its --prompt-seconds per executed node of image.json
 SAMPLE_S = 0.25
 READY = "taking jobs of"  # the worker's line once it consumes
 ACKED = re.compile(r"; message acked")
+S3_KEY = "farm-key"
+S3_BUCKET = "farm"
 REQUEUED = re.compile(r"; message requeued")
 
 
@@ -94,6 +111,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--idle-s", type=float, default=6.0, help="idle time measured after (6 s)")
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--keep", action="store_true", help="keep the hosts' logs and outputs")
+    ap.add_argument("--s3", action="store_true", help="the store's files in a SeaweedFS")
     return ap.parse_args()
 
 
@@ -105,11 +123,15 @@ def main() -> None:
     load_start = os.getloadavg()
     folder = scratch_dir()
     try:
-        with Farm(folder) as farm, private_postgres(farm.db_address) as db_url:
+        with (
+            Farm(folder) as farm,
+            private_postgres(farm.db_address) as db_url,
+            object_store(args.s3, farm, folder) as s3,
+        ):
             Store(folder / "schema", db_url).close()  # the schema, before workers race for it
             counters = Counters(db_url)
             try:
-                figures, shapes = measure(args, farm, db_url, counters)
+                figures, shapes = measure(args, farm, db_url, counters, s3)
             finally:
                 counters.close()
     finally:
@@ -119,6 +141,7 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
     load_end = os.getloadavg()
     print("hosts=namespaces")
+    print(f"store={'s3://farm/renders (SeaweedFS)' if args.s3 else 'a folder per worker host'}")
     print(f"gpu_hosts={args.gpu_hosts}")
     print(f"fakes_per_host={args.fakes}")
     print(f"servers={args.gpu_hosts * args.fakes}")
@@ -164,8 +187,54 @@ def wait_for_acks(
     return marks, acked_at, cpu
 
 
+class ObjectStore:
+    """The bench's SeaweedFS: ``server`` as the bench reaches it (127.0.0.1), ``env``
+    the AWS variables with which hosts reach it over the bridge, ``pid`` its process."""
+
+    def __init__(self, server: s3_server.S3Server, env: dict[str, str], pid: int | None):
+        self.server, self.env, self.pid = server, env, pid
+
+    def objects(self, prefix: str) -> int:
+        """How many objects the bucket holds under ``prefix`` (every page of the list)."""
+        bucket = S3Store(
+            S3_BUCKET,
+            config={
+                "endpoint": self.server.endpoint,
+                "access_key_id": self.server.access_key,
+                "secret_access_key": self.server.secret_key,
+                "region": "us-east-1",
+            },
+            client_options={"allow_http": True},
+        )
+        return sum(len(page) for page in obstore.list(bucket, prefix))
+
+
+@contextlib.contextmanager
+def object_store(wanted: bool, farm: Farm, folder: Path) -> Iterator[ObjectStore | None]:
+    """With ``wanted``: a SeaweedFS on 127.0.0.1 with a bucket ``farm``, forwarded to on
+    the farm's RabbitMQ address (a port of its own), so hosts reach it over the bridge."""
+    if not wanted:
+        yield None
+        return
+    secret = uuid.uuid4().hex
+    with s3_server.seaweedfs(folder / "seaweedfs", S3_KEY, secret) as server:
+        server.create_bucket(S3_BUCKET)
+        port = int(server.endpoint.rsplit(":", 1)[1])
+        with TcpProxy("127.0.0.1", port, listen_host=farm.amqp_address).running() as proxy:
+            env = {
+                "AWS_ENDPOINT_URL": f"http://{farm.amqp_address}:{proxy.port}",
+                "AWS_ACCESS_KEY_ID": S3_KEY,
+                "AWS_SECRET_ACCESS_KEY": secret,
+            }
+            yield ObjectStore(server, env, weed_pid(port))
+
+
 def measure(
-    args: argparse.Namespace, farm: Farm, db_url: str, counters: Counters
+    args: argparse.Namespace,
+    farm: Farm,
+    db_url: str,
+    counters: Counters,
+    s3: ObjectStore | None = None,
 ) -> tuple[dict[str, object], list[tuple[float, float, float, str]]]:
     per_node = args.prompt_s / NODES_EXECUTED
     gpus = [
@@ -176,14 +245,18 @@ def measure(
     jobs_path = write_jobs(client.folder / "jobs", args.jobs)
     queue = farm.queue("render")
     env = {"COMFY_ASSETS_RABBITMQ_URL": farm.amqp_url, "COMFY_ASSETS_DB_URL": db_url}
+    if s3 is not None:
+        env.update(s3.env)
+    weed_start = cpu_s(s3.pid) if s3 else 0.0
     s0 = counters.snapshot()
     workers = []
     for i in range(args.worker_hosts):
         host = farm.add_host(f"worker{i + 1}")
         servers = [a for spec in gpus[i % len(gpus)].specs for a in ("--server", spec)]
+        store = f"s3://{S3_BUCKET}/renders" if s3 else str(host.folder / "store")
         cmd = farm.python(
             "comfy_assets.cli",
-            *("worker", "--queue", queue, *servers, "--store", str(host.folder / "store")),
+            *("worker", "--queue", queue, *servers, "--store", store),
             *("--lease-s", "120", "--server-lease-s", "30", "--grace-s", "10"),
         )
         workers.append(Worker(host.start(cmd, env, name="worker")))
@@ -202,6 +275,7 @@ def measure(
 
     marks, acked_at, cpu = wait_for_acks(args, counters, workers, db_url)
     wall_s = time.monotonic() - t_enqueue
+    weed_cpu = cpu_s(s3.pid) - weed_start if s3 else 0.0
     done = counters.snapshot()
     idle_end = time.monotonic() + args.idle_s
     while time.monotonic() < idle_end:
@@ -284,7 +358,22 @@ def measure(
             len([r for r in f.stats()["runs"] if r.get("end")]) for f in farm.fakes
         ),
     }
+    if s3 is not None:
+        figures["s3_objects"] = s3.objects("renders/")
+        figures["weed_cpu_ms_per_job"] = f"{weed_cpu / args.jobs * 1000:.2f}"
     return figures, shapes
+
+
+def weed_pid(port: int) -> int | None:
+    """The pid of the ``weed`` process whose S3 gateway listens on ``port``, or None."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].endswith(b"weed") and f"-s3.port={port}".encode() in argv:
+            return int(entry.name)
+    return None
 
 
 if __name__ == "__main__":

@@ -74,6 +74,7 @@ def add_batch_options(p: argparse.ArgumentParser) -> None:
         ("probe_timeout_s", positive),
         ("unhealthy_wait_s", positive),
         ("catch_up_s", not_negative),
+        ("files_wait_s", not_negative),
         ("max_queue", at_least_one),
     ]:
         add_knob_option(p, name, kind)

@@ -90,6 +90,7 @@ class ComfyPoolResource(ConfigurableResource):
     probe_timeout_s: float = _knob("probe_timeout_s")
     unhealthy_wait_s: float = _knob("unhealthy_wait_s")
     catch_up_s: float = _knob("catch_up_s")
+    files_wait_s: float = _knob("files_wait_s")
     unreachable_timeout_s: float | None = _knob("unreachable_timeout_s")
     no_server_retries: int = Field(
         default=2,

@@ -14,6 +14,7 @@ from comfy_assets.render.outputs import outputs_problem
 from comfy_assets.render.queue import Item
 from comfy_assets.render.scope import BatchScope
 from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord
+from comfy_assets.store.files import FileStoreUnavailable
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)
@@ -104,13 +105,19 @@ class Admission:
         return rec
 
     async def _done_before(self, job: Job, rec: JobRecord) -> tuple[str, JobRecord] | None:
-        """``job`` is done in the store (``rec``): None when its files stand on disk (it
-        is resolved, nothing posted); else it is reopened to fetch them again (a catch-up
+        """``job`` is done in the store (``rec``): None when its files are stored (it
+        is resolved, nothing posted; also when the store's files do not answer); else it is reopened to fetch them again (a catch-up
         from the server's /history first) and claimed anew: that claim's (status,
         record)."""
-        problem = await self.scope.threads.call(
-            outputs_problem, self.scope.store, self.scope.partition, job.id
-        )
+        unchecked = ""
+        try:
+            problem = await self.scope.threads.call(
+                outputs_problem, self.scope.store, self.scope.partition, job.id
+            )
+        except FileStoreUnavailable as e:
+            # Its done record was written only once the store confirmed every output: a
+            # store that does not answer now says nothing against them.
+            problem, unchecked = None, f" (its outputs not checked: {e})"
         if problem is None:
             if rec.state == "degraded":
                 self.scope.report(
@@ -119,7 +126,7 @@ class Admission:
                 )
                 self.scope.resolve("degraded", job.id)
             else:
-                self.scope.report(f"job {job.id}: already done, nothing posted")
+                self.scope.report(f"job {job.id}: already done, nothing posted{unchecked}")
                 self.scope.resolve("done", job.id)
             return None
         try:

@@ -53,6 +53,13 @@ class BatchConfig(PoolSettings):
         "since it started); "
         "none waits for ever (as the worker service does).",
     )
+    files_wait_s: float = knob(
+        300.0,
+        "Seconds the store's files (a folder, an object store) may keep failing to store "
+        "outputs before the batch stops, its jobs left pending; meanwhile a job whose "
+        "outputs were not stored waits (with backoff) and takes them from its server's "
+        "/history, never posted again.",
+    )
     policy: str | None = knob(
         None,
         '"delivery" stops submitting a storyboard\'s shots at its first fatal failure; '

@@ -61,7 +61,8 @@ class Item:
     elsewhere: int = 0
     # Attempts whose outputs the store's files could not store or confirm (the store's
     # failure, ``AttemptResult.file_store_fault``): not counted against the job's
-    # attempts either, and bounded on their own (``settle.store_fault_tries``).
+    # attempts either; they wait with backoff while the files fail for less than
+    # ``files_wait_s`` (``render/files_outage.py``).
     store_faults: int = 0
     # The kinds of failure its attempts in this batch had (``render/outcome.py``).
     kinds: set[str] = field(default_factory=set, compare=False)

@@ -25,6 +25,7 @@ from comfy_assets.render.decision import (
     decide,
     needs_farm_look,
 )
+from comfy_assets.render.files_outage import FilesOutage
 from comfy_assets.render.guard import our_error, stops_the_batch
 from comfy_assets.render.outcome import AttemptResult
 from comfy_assets.render.outputs import unconfirmed_outputs
@@ -33,19 +34,9 @@ from comfy_assets.render.queue import Item
 from comfy_assets.render.rendering import DeferredRendering
 from comfy_assets.render.scope import BatchScope
 from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, StoreUnavailable
+from comfy_assets.store.files import FileStoreUnavailable
 
 log = logging.getLogger("comfy_assets.render.guard")
-
-# The fewest tries a job gets while the store's files fail it (``file_store_fault``):
-# with the default backoff (2 s doubling, at most 60 s) about a minute and a half of
-# waiting, so a store away for a minute is waited out.
-STORE_FAULT_TRIES = 6
-
-
-def store_fault_tries(policy: Policy) -> int:
-    """How many attempts of a job may end in the store's failure before the job is left
-    pending in this batch: the policy's attempts, and at least STORE_FAULT_TRIES."""
-    return max(policy.retry.attempts, STORE_FAULT_TRIES)
 
 
 @dataclass(eq=False, kw_only=True)
@@ -74,9 +65,11 @@ class Settler:
     keep_wrote: bool = True
     policy: Policy = field(init=False, repr=False)
     wrote: set[str] = field(default_factory=set, init=False, repr=False)
+    files_outage: FilesOutage = field(init=False, repr=False)
 
     def __post_init__(self, draft: bool, stop_on_fatal: bool) -> None:
         self.policy = Policy(self.scope.config.retry, draft, stop_on_fatal)
+        self.files_outage = FilesOutage(self.scope.config.files_wait_s)
 
     async def settle(self, item: Item, attempt_number: int, result: AttemptResult) -> None:
         """Record attempt ``attempt_number`` of ``item`` (``result``); what that raises
@@ -115,9 +108,21 @@ class Settler:
             stopped=self.stopped(),
         )
         move = decide(facts, policy, item.job.id)
-        if isinstance(move, Retry) and item.store_faults >= store_fault_tries(policy):
-            move = Pending(f"not run again in this run, {r.reason}", stopped=False)
+        files_failed: FileStoreUnavailable | None = None
+        if r.file_store_fault:
+            # Waited out by the batch (``render/files_outage.py``), then the store's end.
+            try:
+                self.files_outage.failed(self.scope.store.file_store.location, r.reason)
+            except FileStoreUnavailable as e:
+                files_failed = e
+                move = Pending(f"not run again in this run, {r.reason}", stopped=False)
+            if isinstance(move, Retry):
+                move = Retry(policy.retry.delay(item.store_faults), at_once=False)
+        elif isinstance(move, Done):
+            self.files_outage.stored()
         await self._apply(item, attempt_number, r, move)
+        if files_failed is not None:
+            raise files_failed
 
     async def _confirmed(self, item: Item, r: AttemptResult) -> AttemptResult:
         """``r`` (a success) when the store's files confirm every output it lists;

@@ -135,7 +135,7 @@ def _sha256(path: Path) -> str:
 
 def _jobs(played: Played, phase: Phase) -> list[str]:
     found: list[str] = []
-    store = Store(phase.store)
+    store = Store(phase.store)  # its records (an object store's outputs: ``phase.stored``)
     try:
         for jobs_path in phase.job_files:
             job_file = load_job_file(jobs_path)
@@ -221,11 +221,15 @@ def _files(
         found.append(f"{who}: done without files")
     on_server = phase.server_bytes.get(server or "", {})
     for f in files:
-        path = store.job_dir(partition, job_id) / f.path
-        if not path.is_file():
+        if phase.file_store is not None:  # an object store's, read before it stopped
+            stored = phase.stored.get(f"{job_id}/{f.path}")
+        else:
+            path = store.job_dir(partition, job_id) / f.path
+            stored = _sha256(path) if path.is_file() else None
+        if stored is None:
             found.append(f"{who}: {f.path} missing from the store")
             continue
-        if _sha256(path) != f.sha256:
+        if stored != f.sha256:
             found.append(f"{who}: {f.path} sha256 differs from its done record")
         if on_server.get(f.path) != f.sha256:
             found.append(

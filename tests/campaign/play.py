@@ -7,6 +7,10 @@ pictures beside them), and returns a ``Played``: per phase its store, job files,
 (arguments, exit status, stdout, stderr, whether it was SIGKILLed) and the sha256 of
 every file on every server when the phase ended; the fakes' records (``FakeComfy.stats``)
 and what each fake still had queued or running of ours once every run had ended.
+
+A schedule with an object store (``Schedule.object_store``) gets a SeaweedFS of its own
+(``weed mini``, in the schedule's folder) behind an ``S3FaultProxy`` playing its faults;
+the phase's store keeps its records in its folder and its outputs in that bucket.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +42,12 @@ from comfy_assets.render.config import BatchConfig
 from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store
+from comfy_assets.store.files import FileStore, S3FileStore, S3Settings
 from fake_comfy import FakeComfy
 from fake_comfy.proxy import FaultProxy
-from tests.campaign.schedule import HUGE_CHARS, PICTURES, Schedule, ServerPlan
+from tests import s3_server
+from tests.campaign.schedule import HUGE_CHARS, PICTURES, Schedule, ServerPlan, StorePlan
+from tests.s3_fault_proxy import S3FaultProxy
 from tests.support import ROOT, WORKFLOWS, job_id, write_jobs
 
 RUN_TIMEOUT_S = 120.0  # a run that has not ended by then is a violation (and killed)
@@ -77,6 +86,11 @@ class Phase:
     worker: dict[str, Any] | None = None
     # sigterm: per server, our prompts still queued or running once the stopped run exited
     left_after_stop: dict[str, list[str]] = field(default_factory=dict)
+    # The store's files when they are an object store's (None: the store's folder), and
+    # then, read from the server before it stopped: "<job id>/<path>" of every output its
+    # records list -> the sha256 of the object's bytes (None: no such object).
+    file_store: FileStore | None = None
+    stored: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -92,6 +106,8 @@ class Played:
     proxies: dict[str, dict[str, int]]
     restarts: dict[str, int]
     errors: list[str] = field(default_factory=list)  # the harness's own failures
+    # The object store's fault proxy: requests by what became of them (S3FaultProxy.counts)
+    object_store: dict[str, int] = field(default_factory=dict)
 
     def tally(self) -> dict[str, int]:
         """What fired: proxy cuts, 404s and lost answers, restarts, SIGKILLs, SIGTERMs
@@ -101,6 +117,9 @@ class Played:
         for stats in self.proxies.values():
             for name in counts:
                 counts[name] += stats[name]
+        for what in ("down", "cut", "slowdown"):
+            if self.object_store:
+                counts[f"s3_{what}"] = self.object_store.get(what, 0)
         counts["restarts"] = sum(self.restarts.values())
         counts["sigkills"] = sum(r.killed for p in self.phases for r in p.runs)
         counts["sigterms"] = sum(r.stopped for p in self.phases for r in p.runs)
@@ -201,6 +220,19 @@ def _restarter(host: Host, stop: threading.Event, errors: list[str]) -> None:
             stop.wait(_LOOK_S)
     except Exception:
         errors.append(f"restarting {host.name}: {traceback.format_exc()}")
+
+
+def _restarters(
+    hosts: list[Host], stop: threading.Event, errors: list[str]
+) -> list[threading.Thread]:
+    """A ``_restarter`` thread started for each host whose plan restarts it."""
+    threads = []
+    for host in hosts:
+        if host.plan.restart:
+            t = threading.Thread(target=_restarter, args=(host, stop, errors), daemon=True)
+            t.start()
+            threads.append(t)
+    return threads
 
 
 def picture_png(seed: int, index: int) -> bytes:
@@ -366,7 +398,7 @@ def _play_worker(schedule: Schedule, hosts: list[Host], phase: Phase) -> RunOutp
         source.put(body)
     source.end()
     specs = [ServerSpec(h.name, h.url) for h in hosts]
-    store = Store(phase.store)
+    store = Store(phase.store, file_store=phase.file_store)
     try:
         worker = Worker(
             source, servers=specs, store=store, config=config(schedule), workflows_dir=jobs.parent
@@ -429,6 +461,74 @@ def _write_jobs(schedule: Schedule, folder: Path, name: str, salt: str) -> Path:
     )
 
 
+def stored_outputs(folder: Path, files: FileStore) -> dict[str, str | None]:
+    """``Phase.stored`` of the store whose records are in ``folder``: each output its
+    records list, read from ``files``."""
+    found: dict[str, str | None] = {}
+    store = Store(folder, file_store=files)
+    try:
+        for partition in store.partitions():
+            for rec in store.jobs(partition):
+                for f in store.files(rec.job_id):
+                    try:
+                        with files.open_output(partition, rec.job_id, f) as stream:
+                            digest = hashlib.file_digest(stream, "sha256").hexdigest()
+                    except FileNotFoundError:
+                        digest = None
+                    found[f"{rec.job_id}/{f.path}"] = digest
+    finally:
+        store.close()
+    return found
+
+
+def _store_down(
+    proxy: S3FaultProxy, plan: StorePlan, hosts: list[Host], stop: threading.Event
+) -> None:
+    """The object store down for ``plan.down_s`` from the first download a server
+    answers."""
+    while not stop.is_set():
+        if any(h.fake.stats["requests"].get("GET /view", 0) for h in hosts):
+            proxy.down = True
+            stop.wait(plan.down_s)
+            proxy.down = False
+            return
+        stop.wait(_LOOK_S)
+
+
+@contextlib.contextmanager
+def _object_store(
+    plan: StorePlan, folder: Path, hosts: list[Host], stop: threading.Event
+) -> Iterator[tuple[FileStore, S3FaultProxy, FileStore]]:
+    """A SeaweedFS in ``folder`` behind a proxy playing ``plan``'s faults: the file store
+    of a bucket of it reached through the proxy, the proxy, and the same bucket reached
+    directly (for reading what was stored)."""
+    secret = uuid.uuid4().hex
+    with s3_server.seaweedfs(folder / "seaweedfs", "campaign", secret) as server:
+        server.create_bucket("campaign")
+        with S3FaultProxy(server.endpoint).running() as proxy:
+            proxy.delay_s, proxy.cut_uploads = plan.delay_s, plan.cuts
+            proxy.slowdown = plan.slowdowns
+            settings = S3Settings(
+                endpoint=proxy.endpoint, access_key_id="campaign", secret_access_key=secret
+            )
+            (folder / "spool").mkdir(exist_ok=True)
+            files = S3FileStore("s3://campaign/farm", settings, spool_dir=folder / "spool")
+            direct = S3FileStore(
+                "s3://campaign/farm",
+                replace(settings, endpoint=server.endpoint),
+                spool_dir=folder / "spool",
+            )
+            down = threading.Thread(target=_store_down, args=(proxy, plan, hosts, stop))
+            if plan.down_s:
+                down.start()
+            try:
+                yield files, proxy, direct
+            finally:
+                stop.set()
+                if plan.down_s:
+                    down.join()
+
+
 def play(schedule: Schedule, folder: Path) -> Played:
     """Play ``schedule`` in ``folder`` (job files, stores); see the module docstring."""
     s = schedule
@@ -439,15 +539,21 @@ def play(schedule: Schedule, folder: Path) -> Played:
     threads: list[threading.Thread] = []
     main_jobs = _write_jobs(s, folder / "jobs", "jobs.jsonl", f"seed{s.seed}")
     other_jobs = _write_jobs(s, folder / "jobs", "other.jsonl", f"other{s.seed}")
+    files: FileStore | None = None
+    proxy: S3FaultProxy | None = None
+    direct: FileStore | None = None
+    outer = contextlib.ExitStack()
     try:
+        if s.object_store is not None:
+            files, proxy, direct = outer.enter_context(
+                _object_store(s.object_store, folder, hosts, threading.Event())
+            )
         for host in hosts:
             host.start()
-        for host in hosts:
-            if host.plan.restart:
-                t = threading.Thread(target=_restarter, args=(host, stop, errors), daemon=True)
-                t.start()
-                threads.append(t)
-        files = [main_jobs] if s.mode != "concurrent" or s.same_file else [main_jobs, other_jobs]
+        threads = _restarters(hosts, stop, errors)
+        job_files = (
+            [main_jobs] if s.mode != "concurrent" or s.same_file else [main_jobs, other_jobs]
+        )
         stores = [folder / "store"] + ([folder / "store2"] if s.mode == "cache_replay" else [])
         for index, store in enumerate(stores):
             if index:  # cache_replay: the server's output folder is cleaned
@@ -455,13 +561,15 @@ def play(schedule: Schedule, folder: Path) -> Played:
                     for p in host.fake.output_dir.rglob("*"):
                         if p.is_file():
                             p.unlink()
-            phase = Phase(store=store, job_files=files)
+            phase = Phase(store=store, job_files=job_files, file_store=files)
             phase.first_run = [len(h.fake.stats["runs"]) for h in hosts]
             phase.first_post = [len(h.fake.stats["posts"]) for h in hosts]
             _play_phase(s, hosts, phase)
             phase.end_run = [len(h.fake.stats["runs"]) for h in hosts]
             phase.end_post = [len(h.fake.stats["posts"]) for h in hosts]
             phase.server_bytes = {h.name: server_bytes(h.fake) for h in hosts}
+            if direct is not None:
+                phase.stored = stored_outputs(phase.store, direct)
             phases.append(phase)
         stop.set()
         for t in threads:
@@ -480,6 +588,8 @@ def play(schedule: Schedule, folder: Path) -> Played:
                 host.stop()
             except Exception:
                 errors.append(f"stopping {host.name}: {traceback.format_exc()}")
+        s3_counts = dict(proxy.counts) if proxy is not None else {}
+        outer.close()
     return Played(
         schedule=s,
         phases=phases,
@@ -490,4 +600,5 @@ def play(schedule: Schedule, folder: Path) -> Played:
         proxies={h.name: h.proxy.stats for h in hosts if h.proxy is not None},
         restarts={h.name: h.restarts for h in hosts},
         errors=errors,
+        object_store=s3_counts,
     )

@@ -42,6 +42,13 @@ which the worker must dead-letter as invalid and serve on. Both from generators 
 their own. A job file holding such text is refused whole before anything runs, so
 ``run`` schedules have no such line (tests/jobs/test_untakeable_text.py covers them).
 
+Every worker schedule keeps its outputs in an object store (``StorePlan``: a SeaweedFS
+behind ``tests/s3_fault_proxy.py``) that fails under it: down for a few seconds from the
+first download, slow to answer, uploads cut halfway, writes answered 503 SlowDown; two
+of those by the schedule's rank among the worker schedules (so any four consecutive ones
+play every fault), others drawn from a generator of their own. (The ``comfy-assets run``
+modes keep a folder store: a run writes results.csv into the store's folder.)
+
 Bounds keep a schedule to seconds: fast prompts, small deadlines, few faults.
 """
 
@@ -144,6 +151,30 @@ class ServerPlan:
         return bool(self.cuts or self.view_404 or self.lose_answer)
 
 
+# The object store's faults a worker schedule plays (``StorePlan``).
+STORE_FAULTS = ("down", "slow", "cut", "503")
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """The store's files in an object store, and how it fails: down for ``down_s``
+    seconds from the first ``GET /view`` a server answers (0: never), every answer
+    ``delay_s`` seconds late, the first ``cuts`` writes cut after half their body, the
+    first ``slowdowns`` writes answered 503 SlowDown (more than the client's 5 retries
+    of one request make an attempt the store's failure)."""
+
+    down_s: float = 0.0
+    delay_s: float = 0.0
+    cuts: int = 0
+    slowdowns: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"object store: down={self.down_s:.2f}s delay={self.delay_s:.3f}s "
+            f"cuts={self.cuts} slowdowns={self.slowdowns}"
+        )
+
+
 @dataclass(frozen=True)
 class Schedule:
     """One campaign case (see the module docstring). Times in seconds."""
@@ -165,6 +196,8 @@ class Schedule:
     priorities: tuple[int, ...] = ()
     # worker: what the hostile message's set value holds ("": no such message)
     hostile: str = ""
+    # worker: its outputs in an object store that fails so (None: a folder store)
+    object_store: StorePlan | None = None
 
     @property
     def plan(self) -> tuple[JobPlan, ...]:
@@ -182,6 +215,8 @@ class Schedule:
         ]
         if self.checkpoints:
             lines.append(f"  checkpoints per job: {','.join(self.checkpoints)}")
+        if self.object_store is not None:
+            lines.append(f"  {self.object_store.describe()}")
         for i, s in enumerate(self.servers):
             lines.append(
                 f"  gpu{i}: script={','.join(s.script) or '-'} busy={s.busy} cuts={s.cuts} "
@@ -283,7 +318,27 @@ def make_schedule(seed: int) -> Schedule:
     schedule = _with_models(schedule, random.Random(f"models{seed}"))
     schedule = _with_sick(schedule, random.Random(f"sick:{seed}"))
     schedule = _with_priorities(schedule, random.Random(f"priorities:{seed}"))
-    return _with_hostile(schedule, random.Random(f"hostile:{seed}"))
+    schedule = _with_hostile(schedule, random.Random(f"hostile:{seed}"))
+    return _with_object_store(schedule, random.Random(f"s3:{seed}"))
+
+
+def _with_object_store(schedule: Schedule, rng: random.Random) -> Schedule:
+    """A worker schedule's object store and its faults (``StorePlan``): the two of
+    ``STORE_FAULTS`` its rank among the worker schedules names, and each other one with
+    a chance of a quarter, from a generator of its own."""
+    if schedule.mode != "worker":
+        return schedule
+    rank = schedule.seed // len(MODES)
+    n = len(STORE_FAULTS)
+    faults = {STORE_FAULTS[rank % n], STORE_FAULTS[(rank + 1) % n]}
+    faults |= {f for f in STORE_FAULTS if rng.random() < 0.25}
+    plan = StorePlan(
+        down_s=rng.uniform(0.5, 8.0) if "down" in faults else 0.0,
+        delay_s=rng.uniform(0.02, 0.3) if "slow" in faults else 0.0,
+        cuts=rng.randint(1, 3) if "cut" in faults else 0,
+        slowdowns=rng.randint(1, 8) if "503" in faults else 0,
+    )
+    return replace(schedule, object_store=plan)
 
 
 def _with_hostile(schedule: Schedule, rng: random.Random) -> Schedule:

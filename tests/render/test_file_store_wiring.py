@@ -18,7 +18,6 @@ import pytest
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.render.settle import STORE_FAULT_TRIES
 from comfy_assets.store import Store
 from comfy_assets.store.files import FileStoreUnavailable, FolderFileStore, StoredFile
 from fake_comfy import FakeComfy
@@ -54,15 +53,15 @@ class LosingFileStore(FolderFileStore):
         return stored
 
 
-async def render_losing(tmp_path: Path, times: int, lines: list[str]):
+async def render_losing(tmp_path: Path, times: int, lines: list[str], **config: object):
     """One job rendered (2 attempts allowed) on a fake into a store whose files lose an
     output ``times`` times; returns (fake, job, its files, the store, the summary)."""
     fake = FakeComfy(prompt_seconds=0.005)
     jf, job, _ = one_job(tmp_path)
     files = LosingFileStore(tmp_path / "store", times=times)
     store = Store(tmp_path / "store", file_store=files)
-    config = fast_config(attempts=2)
-    summary = await batch_over_fakes(jf, store, fake, config=config, on_line=lines.append)
+    settings = fast_config(attempts=2, **config)
+    summary = await batch_over_fakes(jf, store, fake, config=settings, on_line=lines.append)
     return fake, job, files, store, summary
 
 
@@ -91,20 +90,36 @@ async def test_a_lost_output_writes_no_done_record_and_the_job_is_caught_up_not_
     assert states.count("succeeded") == 1 and states[-1] == "succeeded"
 
 
-async def test_a_store_that_keeps_losing_outputs_leaves_the_job_pending_never_dead_lettered(
+async def test_lost_outputs_are_waited_out_past_the_jobs_own_attempts(tmp_path):
+    lines: list[str] = []
+    fake, job, files, store, summary = await render_losing(tmp_path, 5, lines)
+
+    assert (summary.done, summary.dead_lettered) == (1, 0)
+    assert (posted(fake, job.prompt_id), executed(fake, job.prompt_id)) == (1, 1)
+    outcomes = [a.outcome for a in store.attempts(job.id)]
+    assert len(files.lost) == 5
+    # More attempts than the 2 allowed: the store's failures are not the job's.
+    assert len(outcomes) > 2 and outcomes == ["transient"] * (len(outcomes) - 1) + ["success"]
+
+
+async def test_files_failing_past_their_wait_stop_the_batch_the_job_pending_not_dead(
     tmp_path,
 ):
     lines: list[str] = []
-    fake, job, files, store, summary = await render_losing(tmp_path, 100, lines)
+    with pytest.raises(FileStoreUnavailable) as stopped:
+        await render_losing(tmp_path, 100, lines, files_wait_s=0.0)
 
-    assert (summary.done, summary.dead_lettered) == (0, 0)
-    rec = store.get(job.id)
-    assert rec is not None and rec.state == "failed_retryable"
-    assert store.files(job.id) == []
-    assert posted(fake, job.prompt_id) == 1  # the later attempts caught up from /history
-    reasons = [a.reason or "" for a in store.attempts(job.id)]
-    assert len(reasons) == STORE_FAULT_TRIES  # more than the job's own 2 attempts
-    assert all("the store's failure, not the job's" in r for r in reasons)
+    assert str(stopped.value).startswith(
+        f"the store's files {tmp_path / 'store'} failed to store outputs for 0 s "
+        "(files_wait_s 0); last: outputs not confirmed in the store"
+    )
+    store = Store.existing(tmp_path / "store")
+    (rec,) = store.jobs("p")
+    assert rec.state == "failed_retryable"
+    assert store.files(rec.job_id) == []
+    reasons = [a.reason or "" for a in store.attempts(rec.job_id)]
+    assert len(reasons) == 1
+    assert "the store's failure, not the job's" in reasons[0]
     assert any(line.endswith("it stays pending") for line in lines)
 
 

@@ -62,6 +62,10 @@ def test_the_ci_seeds_cover_every_mode_and_every_fault():
     assert any(a != b for a, b in drawn) and all(
         s.mode == "concurrent" for s in schedules if s.priorities
     )
+    stores = [s.object_store for s in schedules if s.object_store is not None]
+    assert {s.mode for s in schedules if s.object_store is not None} == {"worker"}
+    assert any(p.down_s for p in stores) and any(p.delay_s for p in stores)
+    assert any(p.cuts for p in stores) and any(p.slowdowns for p in stores)
     words = {w.split("=")[0] for p in servers for w in p.script}
     assert words >= {"ok", "500", "invalid", "error", "oom", "drop", "hang", "slow"}
     assert words >= {"partial", "late", "silent", "restart", "busy"}

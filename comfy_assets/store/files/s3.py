@@ -125,7 +125,10 @@ class S3FileStore:
         self.part_bytes = part_bytes
         self.concurrency = concurrency
         self._confirmed: dict[str, int] = {}
-        self._store = _client(self.where, self.settings, max_retries, retry_timeout_s)
+        self._retries = (max_retries, retry_timeout_s)
+        self._store = _client(self.where, self.settings, *self._retries)
+        # Clients of the buckets a job line's s3:// inputs name (``open_object``).
+        self._buckets: dict[str, S3Store] = {}
 
     @property
     def location(self) -> str:
@@ -320,6 +323,25 @@ class S3FileStore:
                     key = meta["path"][start:]
                     if key.startswith(prefix):
                         yield key, meta["size"]
+
+    def open_object(self, url: str) -> BinaryIO:
+        """The object ``s3://BUCKET/KEY`` of this store's endpoint, any bucket, read with
+        its credentials (a job line's input). Raises FileNotFoundError for no such
+        object, FileStoreRefused for a URL that is not ``s3://BUCKET/KEY``."""
+        try:
+            where = parse_location(url)
+        except ValueError as e:
+            raise FileStoreRefused(str(e)) from e
+        if not where.prefix:
+            raise FileStoreRefused(f"{url!r} names a bucket, not an object (s3://BUCKET/KEY)")
+        client = self._buckets.get(where.bucket)
+        if client is None:
+            client = _client(S3Location(where.bucket, ""), self.settings, *self._retries)
+            self._buckets[where.bucket] = client
+        with s3_errors(self.location, f"reading {url}", url):
+            result = obstore.get(client, where.prefix)
+        stream = _ObjectStream(result, self.location, f"reading {url}", url)
+        return io.BufferedReader(stream, 1 << 20)
 
     # -- parts -----------------------------------------------------------------------
 
