@@ -17,6 +17,7 @@ import stat
 import unicodedata
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,16 +50,14 @@ class OutputNotWritten(OSError):
         return f"{why[:1].lower()}{why[1:]}: writing the {self.what} {self.filename}"
 
 
-class StoredOutput(Protocol):
-    """What a sink says of one output it stored: ``sha256`` hex digest and ``bytes`` of
-    what it read, ``content_type`` its media type (``image/png``)."""
+@dataclass(frozen=True)
+class StoredOutput:
+    """What a sink says of one output it stored: ``sha256`` hex digest and ``bytes`` size
+    of what it read, ``content_type`` its media type (``image/png``, from its name)."""
 
-    @property
-    def sha256(self) -> str: ...
-    @property
-    def bytes(self) -> int: ...
-    @property
-    def content_type(self) -> str: ...
+    sha256: str
+    bytes: int
+    content_type: str
 
 
 class OutputSink(Protocol):

@@ -67,6 +67,18 @@ class Item:
     # The kinds of failure its attempts in this batch had (``render/outcome.py``).
     kinds: set[str] = field(default_factory=set, compare=False)
 
+    def retried(self, server: str | None, *, fresh: bool, number: int | None) -> Item:
+        """The item of this job's next try after an attempt on ``server`` (its run
+        ``number`` there; ``fresh``: its outputs are gone there, render anew). What this
+        batch learnt of the job (``LEARNT``: where it failed, its tries elsewhere, the
+        store's faults, its failures' kinds) goes with it; its claim and place do not."""
+        learnt = {name: getattr(self, name) for name in LEARNT}
+        return Item(self.job, server, fresh=fresh, prev_number=number, **learnt)
+
+
+# What an item's next try keeps of it (``Item.retried``).
+LEARNT = ("failed_on", "elsewhere", "store_faults", "kinds")
+
 
 class ServerView(Protocol):
     """What the queue asks of the pool about its servers (``pool.pool.Pool`` has it)."""

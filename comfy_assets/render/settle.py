@@ -205,16 +205,7 @@ class Settler:
             if isinstance(move, Retry):
                 when = "retry at once" if move.at_once else f"retry in {move.delay_s * 1000:.0f} ms"
                 self.scope.report(f"{failed}; {when}, ahead of the jobs not yet tried")
-                again = Item(
-                    job,
-                    prev_server=r.server,
-                    fresh=r.outputs_missing,
-                    prev_number=r.number,
-                    failed_on=item.failed_on,
-                    elsewhere=item.elsewhere,
-                    store_faults=item.store_faults,
-                    kinds=item.kinds,
-                )
+                again = item.retried(r.server, fresh=r.outputs_missing, number=r.number)
                 self.scope.queue.push_later(again, move.delay_s)
                 return
             self.scope.claims.release(job.id)  # no consumer takes it any more: a later run does

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import sqlalchemy as sa
 
@@ -67,6 +68,13 @@ __all__ = [
     "NoStore",
     "Store",
 ]
+
+
+class StoreOptions(TypedDict, total=False):
+    """What ``Store.existing`` passes on to ``Store``: ``retry_s``, ``file_store``."""
+
+    retry_s: float
+    file_store: FileStore | None
 
 
 class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
@@ -167,22 +175,18 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
 
     @classmethod
     def existing(
-        cls,
-        location: str | Path,
-        db_url: str | None = None,
-        *,
-        retry_s: float = DEFAULT_RETRY_S,
-        file_store: FileStore | None = None,
+        cls, location: str | Path, db_url: str | None = None, **options: Unpack[StoreOptions]
     ) -> Store:
         """The store at ``location`` (or ``db_url``) for a command that reads or changes
-        it: raises NoStore rather than create an empty SQLite store where none was,
-        NoDatabase for an object store without ``db_url``."""
+        it, opened with ``options`` as ``Store`` takes them: raises NoStore rather than
+        create an empty SQLite store where none was, NoDatabase for an object store
+        without ``db_url``."""
         location = store_location(location)
         check_database(location, db_url)
         folder = local_folder(location)
         if db_url is None and folder is not None and not (folder / "store.db").is_file():
             raise NoStore(f"no result store at {location} (no store.db)")
-        return cls(location, db_url, retry_s=retry_s, file_store=file_store)
+        return cls(location, db_url, **options)
 
     @retried
     def ping(self) -> None:

@@ -23,10 +23,10 @@ Two kinds of files:
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
 
+from comfy_assets.comfy.download import StoredOutput
 from comfy_assets.store.errors import StoreError
 
 # How long a presigned URL of ours is good for: long enough for a client that polls a job
@@ -51,14 +51,9 @@ class FileStoreFull(StoreError):
     failure, never the job's: the batch stops taking new jobs."""
 
 
-@dataclass(frozen=True)
-class StoredFile:
-    """One output as stored: ``sha256`` hex digest and ``bytes`` size of what was written,
-    ``content_type`` its media type (from its name: ``image/png``...)."""
-
-    sha256: str
-    bytes: int
-    content_type: str
+# One output as stored: its sha256, bytes and content type (the ComfyUI layer's sink
+# answer, which a FileStore's ``write_output`` is).
+StoredFile = StoredOutput
 
 
 class OutputRef(Protocol):
