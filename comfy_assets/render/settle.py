@@ -67,6 +67,8 @@ class Settler:
     stop_on_fatal: InitVar[bool] = False
     policy: Policy = field(init=False, repr=False)
     wrote: set[str] = field(default_factory=set, init=False, repr=False)
+    # The state of each done record this batch wrote (succeeded, degraded).
+    done: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self, draft: bool, stop_on_fatal: bool) -> None:
         self.policy = Policy(self.config.retry, draft, stop_on_fatal)
@@ -212,6 +214,7 @@ class Settler:
         this batch's (``wrote``). Raises ClaimLost, StoreUnavailable."""
         await self.threads.call(self.store.mark_done, job_id, self.owner, **fields)
         self.wrote.add(job_id)
+        self.done[job_id] = str(fields.get("state", "succeeded"))
 
     async def write_dead_letter(self, job_id: str, reason: str, **fields: Any) -> None:
         """The dead letter of ``job_id`` (``Store.dead_letter``, with our claim), noted as
