@@ -121,5 +121,7 @@ class ServerLeases(StoreBase):
             "b_now": self._now(now),
             "b_priority": floor,
         }
+        if self.dialect == "postgresql":  # one statement, no BEGIN and COMMIT around it
+            return self._autocommit_first(q.OTHERS_WAITING, params) is not None
         with self._read() as conn:
             return conn.execute(q.OTHERS_WAITING, params).first() is not None

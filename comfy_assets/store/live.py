@@ -79,7 +79,8 @@ class Live(StoreBase):
         with self._write() as conn:
             conn.execute(live_table.delete().where(live_table.c.owner == owner))
             if values:
-                conn.execute(live_table.insert(), values)
+                # One multi-row INSERT: an executemany is a statement per row.
+                conn.execute(live_table.insert().values(values))
 
     @retried
     def clear_live(self, owner: str) -> None:

@@ -274,6 +274,8 @@ api_webhooks_table = sa.Table(
 
 # Seconds a PostgreSQL connect may take before it counts as a failed one (then retried).
 CONNECT_TIMEOUT_S = 10
+# Seconds a pooled PostgreSQL connection may wait in the pool and be handed out unchecked.
+PING_IDLE_S = 1.0
 
 # Checkpoint the SQLite WAL every this many pages (of 4 KiB), and truncate it to this
 # many bytes after a checkpoint.
@@ -316,7 +318,8 @@ def make_engine(db_url: str) -> sa.Engine:
         if url.get_backend_name() != "postgresql" or url.get_driver_name() != "psycopg":
             return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
         engine = sa.create_engine(url, connect_args=connect_args)
-        sa.event.listen(engine, "checkout", _ping_psycopg)
+        sa.event.listen(engine, "checkin", _idle_since)
+        sa.event.listen(engine, "checkout", _ping_if_idle)
         return engine
     # Last in, first out: a transaction takes the connection used last, whose page cache
     # is still valid (SQLite drops a connection's cache when another one has written), so
@@ -345,13 +348,25 @@ def make_engine(db_url: str) -> sa.Engine:
     return engine
 
 
-def _ping_psycopg(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
-    """Check a pooled psycopg connection as the pool hands it out (what SQLAlchemy's
-    ``pool_pre_ping`` does), with an empty query sent as a simple query: one round trip
-    that starts no transaction, where ``pool_pre_ping``'s counts as one in PostgreSQL's
-    statistics (one more per store call: about 6 a job of ``bench/farm.py``). Raises
+def _idle_since(_dbapi_conn: Any, record: Any) -> None:
+    """Note when a connection went back to the pool (``_ping_if_idle``)."""
+    if record is not None:
+        record.info["idle_since"] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+    """Check a pooled psycopg connection that waited in the pool more than ``PING_IDLE_S``
+    as the pool hands it out (what SQLAlchemy's ``pool_pre_ping`` does at every
+    checkout), with an empty query. Any query, an empty one too, is a transaction in
+    PostgreSQL's statistics and a round trip: at every checkout it was one more per store
+    call (about 5 a job of ``bench/farm.py``). A connection in steady use is not checked:
+    one lost meanwhile (a restart) fails its next statement as a lost connection, which
+    the store's calls try again (``store/retry.py``) on a new one. Raises
     DisconnectionError for a connection the server no longer answers on, which the pool
     replaces with a new one."""
+    idle_since = record.info.get("idle_since")
+    if idle_since is None or time.monotonic() - idle_since < PING_IDLE_S:
+        return  # new, or back in the pool a moment ago
     from psycopg import pq  # its engine loaded psycopg already
 
     try:
