@@ -209,11 +209,9 @@ class Claims(Owners):
         over, or the job finished). An expired claim nobody took over is renewed."""
         now = self._now(now)
         params = {"b_id": job_id, "b_owner": owner, "v_expires": now + lease_s, "v_now": now}
-        with self._write() as conn:
-            return conn.execute(q.RENEW_CLAIM, params).rowcount == 1
+        return self._write_one(q.RENEW_CLAIM, params) == 1
 
     @retried
     def release_claim(self, job_id: str, owner: str) -> bool:
         """Drop ``owner``'s claim. False, and nothing changes, if ``owner`` lacks it."""
-        with self._write() as conn:
-            return conn.execute(q.RELEASE_CLAIM, {"b_id": job_id, "b_owner": owner}).rowcount == 1
+        return self._write_one(q.RELEASE_CLAIM, {"b_id": job_id, "b_owner": owner}) == 1

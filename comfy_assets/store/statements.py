@@ -166,6 +166,11 @@ OTHERS_WAITING = (
     .limit(1)
 )
 
+# The marks of owners other than ``b_owner`` standing at ``b_now``.
+WAITING_MARKS = sa.select(WAITER.servers, WAITER.priority).where(
+    WAITER.owner != _b("b_owner"), WAITER.expires_at > _b("b_now")
+)
+
 # The server's lease row while ``b_owner`` holds it.
 _OWN_LEASE = server_leases_table.update().where(
     LEASE.server == _b("b_server"), LEASE.owner == _b("b_owner")
