@@ -46,6 +46,8 @@ jobs_table = sa.Table(
     sa.Column("queue_wait_s", sa.Double),
     sa.Column("gpu_seconds", sa.Double),
     sa.Index("ix_comfy_jobs_partition_state", "partition", "state"),
+    # A storyboard's shot (``events --partition P --shot N``) without a partition's scan.
+    sa.Index("ix_comfy_jobs_partition_shot", "partition", "shot"),
 )
 
 attempts_table = sa.Table(
