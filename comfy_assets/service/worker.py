@@ -91,6 +91,7 @@ JOBS_PER_SERVER = 2
 # its last write took (``Worker._write_results``).
 RESULTS_DUTY = 20.0
 
+
 @dataclass(eq=False)
 class Worker:
     """Consumes ``source`` and runs its jobs over ``servers``: ``jobs_per_server`` in

@@ -117,17 +117,11 @@ class Live(StoreBase):
         counted = sa.select(jobs.partition, jobs.state, sa.func.count()).group_by(
             jobs.partition, jobs.state
         )
-        not_done = jobs.state.not_in([s.value for s in DONE])
-        on_server = jobs.state.in_([s.value for s in IN_FLIGHT])
-        # Pending and claimed by nobody: most of a big partition, counted, not read.
+        # Each query below is a range of ``ix_comfy_jobs_partition_state_claim``, so a
+        # million pending jobs are counted, not read: only the others are rows.
+        active = [s.value for s in State if s not in DONE and s != PENDING]
+        in_flight = [s.value for s in IN_FLIGHT]
         plain = sa.and_(jobs.state == PENDING.value, jobs.claimed_by.is_(None))
-        order = (jobs.partition, sa.nulls_last(jobs.shot.asc()), jobs.line, jobs.job_id)
-        wanted = sa.select(jobs_table).where(not_done, sa.not_(plain)).order_by(*order)
-        plain_counted = sa.select(jobs.partition, sa.func.count()).where(plain)
-        if partition is not None:
-            counted = counted.where(jobs.partition == partition)
-            wanted = wanted.where(sa.or_(jobs.partition == partition, on_server))
-            plain_counted = plain_counted.where(jobs.partition == partition)
         with self._read(snapshot=True) as conn:
             rows = _live_rows(conn, now, stale_s)
             owners = read_owners(conn, self.dialect)
@@ -135,11 +129,24 @@ class Live(StoreBase):
             for name, state, n in conn.execute(counted):
                 per = counts.setdefault(name, {s.value: 0 for s in State})
                 per[state] = int(n)
-            records = {r.job_id: _job_record(r) for r in conn.execute(wanted)}
-            plains = {
-                str(name): int(n)
-                for name, n in conn.execute(plain_counted.group_by(jobs.partition))
-            }
+            names = sorted(counts)
+            records: dict[str, JobRecord] = {}
+            plains: dict[str, int] = {}
+            if partition is not None:
+                # The jobs on a server, of any partition (the servers' lines name them).
+                on_server = sa.select(jobs_table).where(jobs.state.in_(in_flight))
+                records.update((r.job_id, _job_record(r)) for r in conn.execute(on_server))
+            for name in names:
+                here = jobs.partition == name
+                for wanted in (
+                    sa.select(jobs_table).where(here, jobs.state.in_(active)),
+                    sa.select(jobs_table).where(
+                        here, jobs.state == PENDING.value, jobs.claimed_by.is_not(None)
+                    ),
+                ):
+                    records.update((r.job_id, _job_record(r)) for r in conn.execute(wanted))
+                count = sa.select(sa.func.count()).where(here, plain)
+                plains[name] = int(conn.execute(count).scalar_one())
             named = sorted(_named_ids(rows) - set(records))
             for i in range(0, len(named), 500):
                 some = sa.select(jobs_table).where(jobs.job_id.in_(named[i : i + 500]), plain)

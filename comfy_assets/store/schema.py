@@ -45,7 +45,9 @@ jobs_table = sa.Table(
     sa.Column("seconds", sa.Double),
     sa.Column("queue_wait_s", sa.Double),
     sa.Column("gpu_seconds", sa.Double),
-    sa.Index("ix_comfy_jobs_partition_state", "partition", "state"),
+    # A partition's jobs by state, and its pending ones by whether anybody claims them:
+    # counted by ``status`` without reading a million rows (``store/live.py``).
+    sa.Index("ix_comfy_jobs_partition_state_claim", "partition", "state", "claimed_by"),
     # A storyboard's shot (``events --partition P --shot N``) without a partition's scan.
     sa.Index("ix_comfy_jobs_partition_shot", "partition", "shot"),
 )
