@@ -23,13 +23,17 @@ from comfy_assets.pool.server_state import ServerState, ServerStates
 # long enough to be written rarely, short enough that a mark left by a pool that got its
 # server makes others leave a freed server idle (``3 x busy_poll_s``) only briefly.
 WAITING_MARK_S = 1.0
+# Seconds the other processes' marks, once read, stand for every server of the pool: a
+# mark made meanwhile is seen this much later at most (a freed server goes to our next
+# job once more), where reading them at each freed server was a statement per job.
+MARKS_READ_S = WAITING_MARK_S / 4
 
 
 @dataclass(eq=False)
 class Priorities:
     """The pool's priority, its marks that it waits, and whether another process waits
     for a server (at a priority at least ours, or above it). The marks read from the store
-    stand ``busy_poll_s`` for every server."""
+    stand ``MARKS_READ_S`` for every server."""
 
     states: ServerStates
     keeper: LeaseKeeper
@@ -62,12 +66,12 @@ class Priorities:
 
     def marks(self) -> list[tuple[str | None, int]]:
         """The other processes' marks standing now, as (servers, priority)
-        (``Store.waiting_marks``): read at most once per ``busy_poll_s`` for all our
-        servers, where a question per server was a statement per freed server (one per
-        job); none while the store fails."""
+        (``Store.waiting_marks``): read at most once per ``MARKS_READ_S`` (or
+        ``busy_poll_s`` if longer) for all our servers, where a question per server was a
+        statement per freed server (one per job); none while the store fails."""
         now = asyncio.get_running_loop().time()
         asked_at, marks = self._marks
-        if now - asked_at >= self.busy_poll_s:
+        if now - asked_at >= max(self.busy_poll_s, MARKS_READ_S):
             keeper = self.keeper
             marks = keeper.ask(keeper.leases.waiting_marks, [], keeper.owner)
             self._marks = (now, marks)
