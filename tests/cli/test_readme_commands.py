@@ -53,6 +53,7 @@ NOT_RUN = {
     "bench/models.py": BENCH,
     "bench/farm.py        #": BENCH,
     "bench/pool.py": BENCH,
+    "bench/million.py": BENCH,
     "bench/gap_parts.py": BENCH,
     "bench/throughput.py": BENCH,
     "bench/sensor.py": BENCH,
