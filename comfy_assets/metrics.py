@@ -4,7 +4,9 @@ prometheus-client library: every name starts with ``comfy_assets_``.
 - ``comfy_assets_jobs{state}``: jobs by state, of the partitions this process renders
   (every partition of the store for a worker), read from the store at each scrape;
 - ``comfy_assets_attempts{server, outcome}`` (a counter: ``_total``): attempts by
-  outcome (``success``, ``transient``, ``permanent``), from the store;
+  outcome (``success``, ``transient``, ``permanent``), from the store (where that read
+  takes over ``SLOW_READ_S``, a million-job partition's, the last one read, at most
+  ``READ_DUTY`` times that read's seconds old: a scrape answers at once);
 - ``comfy_assets_prompt_seconds{server}``: histogram of our prompts' seconds, from the
   POST's answer to the prompt's end, of prompts that loaded no model;
 - ``comfy_assets_model_load_seconds{server}``: histogram of what a model load added to
@@ -24,7 +26,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
@@ -41,6 +44,12 @@ if TYPE_CHECKING:
     from comfy_assets.render.steering import Steering
 
 log = logging.getLogger("comfy_assets.metrics")
+
+# A read of the store's attempts that took longer than SLOW_READ_S (a million-job
+# partition's) answers scrapes from its last result, read again in a thread of its own
+# once READ_DUTY times its duration has passed; a quicker one is read at each scrape.
+SLOW_READ_S = 0.1
+READ_DUTY = 20.0
 
 PROMPT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 LOAD_BUCKETS = (0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
@@ -68,6 +77,8 @@ class Metrics(Collector):
         self._store: Store | None = None
         self._partitions: set[str] | None = None
         self._waiting: dict[int, tuple[tuple[str, int], ...]] = {}
+        # Per (store, partitions read): the attempts' counts, read as ``_Lagging`` says.
+        self._tries: dict[tuple[int, tuple[str, ...] | None], _Lagging] = {}
         self.registry.register(self)
 
     def _server_histogram(
@@ -151,7 +162,13 @@ class Metrics(Collector):
         chosen = None if partitions is None else sorted(partitions)
         try:
             states = store.job_state_counts(chosen)
-            tries = store.attempt_outcome_counts(chosen)
+            key = (id(store), None if chosen is None else tuple(chosen))
+            with self._lock:
+                lagging = self._tries.get(key)
+                if lagging is None:
+                    lagging = _Lagging(lambda: store.attempt_outcome_counts(chosen))
+                    self._tries[key] = lagging
+            tries = lagging.get()
         except StoreUnavailable as e:
             log.warning("metrics: the store did not answer: %s", e)
             return
@@ -189,6 +206,49 @@ class Metrics(Collector):
         if not known:
             self.track_store(batch.batch.store, batch.batch.partition)
         self.waiting(id(batch), progress)
+
+
+class _Lagging:
+    """The answer of ``read()`` (a count over the store), read at each ``get`` while a
+    read takes under ``SLOW_READ_S``; past that, ``get`` answers the last result at once
+    and, once ``READ_DUTY`` times the last read's seconds have passed, reads again in a
+    thread of its own (a failure there is logged, the last result kept). The first
+    ``get`` reads and raises what ``read`` raises."""
+
+    def __init__(self, read: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._read = read
+        self._lock = threading.Lock()
+        self._value: dict[tuple[str, str], int] | None = None
+        self._read_at = 0.0  # time.monotonic() when the last read began
+        self._took = 0.0  # its seconds
+        self._reading = False
+
+    def get(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            value, took, reading = self._value, self._took, self._reading
+            due = time.monotonic() - self._read_at >= READ_DUTY * took
+            if value is not None and took >= SLOW_READ_S and due and not reading:
+                self._reading = True
+                threading.Thread(target=self._read_aside, name="metrics-read", daemon=True).start()
+        if value is None or took < SLOW_READ_S:
+            return self._read_now()
+        return value
+
+    def _read_now(self) -> dict[tuple[str, str], int]:
+        started = time.monotonic()
+        value = self._read()
+        with self._lock:
+            self._value, self._read_at, self._took = value, started, time.monotonic() - started
+        return value
+
+    def _read_aside(self) -> None:
+        try:
+            self._read_now()
+        except Exception as e:  # the store, whatever its driver: the last result stands
+            log.warning("metrics: the store's attempts were not read again: %s", e)
+        finally:
+            with self._lock:
+                self._reading = False
 
 
 def _unreachable(pool: Pool) -> dict[str, str]:

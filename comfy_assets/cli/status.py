@@ -105,7 +105,10 @@ def gather(store: Store, partition: str | None = None) -> dict[str, Any] | None:
     """The status as one JSON-ready object (``--json`` prints it): ``partitions`` (each
     ``partition``, ``states``, ``estimate_s``, ``waiting`` and ``owner``, the same keys
     whether a batch runs it or not), ``servers`` (``cli/status_servers.py``) and, with
-    ``partition``, ``jobs``; None for an unknown ``partition``."""
+    ``partition``, ``jobs``, and ``jobs_not_listed`` (``count``, ``reason``,
+    ``detail``) when the partition has more pending jobs nobody claims than the store
+    reads (``store.live.PLAIN_LISTED``): they all wait alike; None for an unknown
+    ``partition``."""
     snap = store.status_snapshot(partition)
     if partition is not None and partition not in snap.counts:
         return None
@@ -122,6 +125,15 @@ def gather(store: Store, partition: str | None = None) -> dict[str, Any] | None:
         look = _Look(row, by_name, where, by_partition.get(name, {}), owners)
         jobs = _jobs(store, look, details=name == partition)
         left = Counter(j["reason"] for j in jobs if j["state"] != "failed_fatal")
+        # Pending jobs nobody claims and no row names, not read (a big partition's
+        # line): they all wait alike.
+        read = sum(1 for r in look.records.values() if r.state == "pending" and not r.claimed_by)
+        unlisted = snap.plain.get(name, 0) - read
+        if unlisted > 0:
+            reason, detail = _unlisted_reason(name, look)
+            left[reason] += unlisted
+            if name == partition:
+                report["jobs_not_listed"] = {"count": unlisted, "reason": reason, "detail": detail}
         estimate = row.detail.get("estimate_s") if row is not None else None
         if isinstance(estimate, int | float) and row is not None:
             estimate = max(estimate - row.age_s, 0.0)  # the batch wrote it age_s ago
@@ -198,6 +210,16 @@ def _reason(rec: JobRecord, look: _Look) -> tuple[str, str]:
         found = why(rec, look)
         if found is not None:
             return found
+    return "waiting for a server", "in line"
+
+
+def _unlisted_reason(partition: str, look: _Look) -> tuple[str, str]:
+    """(reason, what it waits for) of a pending job of ``partition`` nobody claims and
+    no row of its batch names: ``_reason`` of such a job."""
+    if look.row is None:
+        return "not in a running batch", (
+            f"no running batch holds partition {partition} (a run, or a worker's queue, brings it)"
+        )
     return "waiting for a server", "in line"
 
 
@@ -367,10 +389,20 @@ def lines(report: dict[str, Any]) -> list[str]:
             out.append(f"server {s['server']}: {_doing(s)}")  # it takes its one trial job
         else:
             out.append(f"server {s['server']}: not used: {_doing(s)}")
+    return out + _job_lines(report)
+
+
+def _job_lines(report: dict[str, Any]) -> list[str]:
+    """The lines of ``report``'s jobs not done (with ``--partition``), by cause."""
+    out = []
     counted = Counter(j["reason"] for j in report.get("jobs", []))
+    unlisted = report.get("jobs_not_listed")
+    if unlisted:
+        counted[unlisted["reason"]] += unlisted["count"]
     if "jobs" in report:
         summary = ", ".join(f"{counted[why]} {why}" for why in REASONS if counted[why])
-        out.append(f"{len(report['jobs'])} jobs not done" + (f": {summary}" if summary else ""))
+        total = len(report["jobs"]) + (unlisted["count"] if unlisted else 0)
+        out.append(f"{total} jobs not done" + (f": {summary}" if summary else ""))
     # A cause several jobs share (the servers' state, say) is said once, their ids under it.
     causes: dict[tuple[str, str], list[str]] = {}
     for j in report.get("jobs", []):
@@ -381,4 +413,9 @@ def lines(report: dict[str, Any]) -> list[str]:
         else:
             out.append(f"{reason} ({len(ids)} jobs): {detail}")
             out.extend(f"  job {job_id}" for job_id in ids)
+    if unlisted:
+        out.append(
+            f"{unlisted['reason']} ({unlisted['count']} more jobs, not listed): "
+            f"{unlisted['detail']}"
+        )
     return out

@@ -23,13 +23,17 @@ from comfy_assets.pool.server_state import ServerState, ServerStates
 # long enough to be written rarely, short enough that a mark left by a pool that got its
 # server makes others leave a freed server idle (``3 x busy_poll_s``) only briefly.
 WAITING_MARK_S = 1.0
+# Seconds the other processes' marks, once read, stand for every server of the pool: a
+# mark made meanwhile is seen this much later at most (a freed server goes to our next
+# job once more), where reading them at each freed server was a statement per job.
+MARKS_READ_S = WAITING_MARK_S / 4
 
 
 @dataclass(eq=False)
 class Priorities:
     """The pool's priority, its marks that it waits, and whether another process waits
-    for a server (at a priority at least ours, or above it). Each question to the store
-    stands ``busy_poll_s`` per server."""
+    for a server (at a priority at least ours, or above it). The marks read from the store
+    stand ``MARKS_READ_S`` for every server."""
 
     states: ServerStates
     keeper: LeaseKeeper
@@ -37,37 +41,41 @@ class Priorities:
     priority: int = field(default=0, init=False)
     _in_flight: Counter[int] = field(default_factory=Counter, init=False, repr=False)
     _marked_at: float = field(default=-1e9, init=False, repr=False)
+    # (asked at, the other processes' marks then): ``marks``.
+    _marks: tuple[float, list[tuple[str | None, int]]] = field(
+        default=(-1e9, []), init=False, repr=False
+    )
 
     def outranked(self, state: ServerState) -> bool:
         """Whether another process waits for ``state``'s server with a higher priority
         than ours."""
-        now = asyncio.get_running_loop().time()
-        asked_at, higher = state.outranked
-        if now - asked_at >= self.busy_poll_s:
-            keeper = self.keeper
-            higher = keeper.ask(
-                keeper.leases.others_waiting,
-                False,
-                keeper.owner,
-                state.name,
-                None,
-                self.priority + 1,
-            )
-            state.outranked = (now, higher)
-        return higher
+        return self._waiting_for(state.name, self.priority + 1)
 
     def others_waiting(self, state: ServerState) -> bool:
         """Whether another process waits for ``state``'s server at our priority or above:
         one that could not take it is no reason to leave it."""
+        return self._waiting_for(state.name, self.priority)
+
+    def _waiting_for(self, server: str, priority: int) -> bool:
+        """Whether another process's mark (``marks``) waits for ``server`` with at
+        least ``priority``."""
+        return any(
+            at_least >= priority and (servers is None or f" {server} " in servers)
+            for servers, at_least in self.marks()
+        )
+
+    def marks(self) -> list[tuple[str | None, int]]:
+        """The other processes' marks standing now, as (servers, priority)
+        (``Store.waiting_marks``): read at most once per ``MARKS_READ_S`` (or
+        ``busy_poll_s`` if longer) for all our servers, where a question per server was a
+        statement per freed server (one per job); none while the store fails."""
         now = asyncio.get_running_loop().time()
-        asked_at, waiting = state.others
-        if now - asked_at >= self.busy_poll_s:
+        asked_at, marks = self._marks
+        if now - asked_at >= max(self.busy_poll_s, MARKS_READ_S):
             keeper = self.keeper
-            waiting = keeper.ask(
-                keeper.leases.others_waiting, False, keeper.owner, state.name, None, self.priority
-            )
-            state.others = (now, waiting)
-        return waiting
+            marks = keeper.ask(keeper.leases.waiting_marks, [], keeper.owner)
+            self._marks = (now, marks)
+        return marks
 
     def mark_waiting(self) -> None:
         """Tell other processes that we wait for one of our servers: a mark good for

@@ -30,8 +30,6 @@ class ServerState:
     lease_until: float | None = None  # ours for sure until then (the store confirmed it)
     freed_at: float | None = None  # our last prompt left it
     yielded_until: float = 0.0  # left to another waiting process until then
-    others: tuple[float, bool] = (-1e9, False)  # (asked at, another process waits for it)
-    outranked: tuple[float, bool] = (-1e9, False)  # (asked at, one of a higher priority)
     # Its socket, kept open across prompts.
     follower: PromptFollower | None = None
     opening: asyncio.Lock = field(default_factory=asyncio.Lock)

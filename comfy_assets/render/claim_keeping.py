@@ -40,12 +40,25 @@ class Claims:
     until: dict[str, float] = field(default_factory=dict, init=False)
     # Jobs whose final record is being written: no longer renewed, released at the end.
     finishing: set[str] = field(default_factory=set, init=False)
+    # Claims taken before the batch ran, each returned once by ``claim`` (``adopt``).
+    adopted: dict[str, JobRecord] = field(default_factory=dict, init=False)
+
+    def adopt(self, job_id: str, rec: JobRecord) -> None:
+        """``rec``, the record of a claim of ours taken before the batch ran (a job
+        registered claimed: ``Store.register_claimed``), is what the next ``claim`` of
+        ``job_id`` returns, without asking the store; the claim is held from now."""
+        self.adopted[job_id] = rec
+        self.held.add(job_id)
+        self.until[job_id] = rec.claim_expires_at or 0.0
 
     async def claim(self, job_id: str, prompt_id: str) -> tuple[str, JobRecord]:
         """``Store.claim_job`` for us, of the job whose prompt is ``prompt_id``: (status,
         record); "changed" when the store's prompt of the job is another now. A claim
         taken is held (renewed, released at the end); one asked for stays in ``asking``
         if we are cancelled meanwhile, since it may still land on its worker thread."""
+        adopted = self.adopted.pop(job_id, None)
+        if adopted is not None and adopted.prompt_id == prompt_id and job_id in self.held:
+            return "claimed", adopted
         self.asking.add(job_id)
         status, rec = await self.db(
             self.store.claim_job, job_id, self.owner, self.lease_s, prompt_id=prompt_id

@@ -66,6 +66,9 @@ class Settler:
     policy: Policy = field(init=False, repr=False)
     wrote: set[str] = field(default_factory=set, init=False, repr=False)
     files_outage: FilesOutage = field(init=False, repr=False)
+    # The state of each done record this batch wrote (succeeded, degraded), kept like
+    # ``wrote``.
+    done: dict[str, str] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self, draft: bool, stop_on_fatal: bool) -> None:
         self.policy = Policy(self.scope.config.retry, draft, stop_on_fatal)
@@ -243,6 +246,7 @@ class Settler:
         await self.scope.threads.call(self.scope.store.mark_done, job_id, self.owner, **fields)
         if self.keep_wrote:
             self.wrote.add(job_id)
+            self.done[job_id] = str(fields.get("state", "succeeded"))
 
     async def write_dead_letter(self, job_id: str, reason: str, **fields: Any) -> None:
         """The dead letter of ``job_id`` (``Store.dead_letter``, with our claim), noted as

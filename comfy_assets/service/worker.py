@@ -87,6 +87,11 @@ OUTCOMES = (
 JOBS_PER_SERVER = 2
 
 
+# A partition's results.csv is written again no sooner than this many times the seconds
+# its last write took (``Worker._write_results``).
+RESULTS_DUTY = 20.0
+
+
 @dataclass(eq=False)
 class Worker:
     """Consumes ``source`` and runs its jobs over ``servers``: ``jobs_per_server`` in
@@ -453,20 +458,30 @@ class Worker:
 
     async def _write_results(self, every_s: float) -> None:
         """Write the results.csv of every partition a message touched, every ``every_s``
-        seconds (and once more when the worker stops): the same table ``run`` writes.
-        Off the event loop; while the store's database is away, left for later."""
+        seconds at most (and once more when the worker stops): the same table ``run``
+        writes. A partition whose write took ``t`` seconds is written again no sooner
+        than ``RESULTS_DUTY x t`` after it: a table is read whole from the store, so a
+        million-job partition is rewritten every few minutes, not every few seconds, and
+        the worker spends at most ``1 / RESULTS_DUTY`` of its time on it. Off the event
+        loop; while the store's database is away, left for later."""
+        loop = asyncio.get_running_loop()
+        due: dict[str, float] = {}  # partition -> loop time of its next write
         while True:
             await asyncio.sleep(every_s)
-            touched, self.handler.touched = self.handler.touched, set()
-            pending = sorted(touched)
+            now = loop.time()
+            touched = self.handler.touched
+            pending = sorted(p for p in touched if due.get(p, now) <= now)
+            touched.difference_update(pending)
             try:
                 while pending and not self.store.outage.away:
+                    started = loop.time()
                     try:
                         await off_loop(self.store, write_results, self.store, pending[0])
                     except (OSError, StoreError) as e:  # the database's or the files'
                         self.handler.touched.add(pending[0])  # tried again next time
                         self._results_not_written(pending[0], e)
-                    pending.pop(0)
+                    took = loop.time() - started
+                    due[pending.pop(0)] = loop.time() + RESULTS_DUTY * took
             finally:
                 self.handler.touched.update(pending)
 

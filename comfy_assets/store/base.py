@@ -92,6 +92,33 @@ class StoreBase:
             mark_connecting(error)
             raise
 
+    def _autocommit_first(self, stmt: sa.Executable, params: dict[str, Any]) -> sa.Row | None:
+        """PostgreSQL: the first row of ``stmt``, run as one autocommit statement (one
+        round trip, atomic on its own). An error marks the commit as unknown (``retry``):
+        the statement may have been applied."""
+        with self._connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                return conn.execute(stmt, params).first()
+            except sa.exc.DBAPIError as error:
+                mark_commit_unknown(error)
+                raise
+
+    def _write_one(self, stmt: sa.Executable, params: dict[str, Any]) -> int:
+        """Run ``stmt``, one write statement, as a transaction of its own; the rows it
+        changed. On PostgreSQL an autocommit statement (no BEGIN and COMMIT to send:
+        ``_autocommit_first``), on SQLite a write transaction (``_write``)."""
+        if self.dialect != "postgresql":
+            with self._write() as conn:
+                return int(conn.execute(stmt, params).rowcount)
+        with self._connect() as conn:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+            try:
+                return int(conn.execute(stmt, params).rowcount)
+            except sa.exc.DBAPIError as error:
+                mark_commit_unknown(error)
+                raise
+
     def _lock(self, conn: sa.Connection, job_id: str) -> sa.Row:
         row = conn.execute(q.LOCK_JOB, {"b_id": job_id}).first()
         if row is None:

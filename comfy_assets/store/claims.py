@@ -12,7 +12,9 @@ from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.states import (
     DONE,
     FAILED_FATAL,
+    PENDING,
 )
+from comfy_assets.store import one_trip
 from comfy_assets.store import statements as q
 from comfy_assets.store.base import _event, _job_record, folder_name
 from comfy_assets.store.owners import Owners, owner_of
@@ -22,7 +24,12 @@ from comfy_assets.store.records import (
     PartitionConflict,
     RegisterResult,
 )
-from comfy_assets.store.register import foreign_jobs, register
+from comfy_assets.store.register import (
+    foreign_jobs,
+    register,
+    register_row,
+    registered_detail,
+)
 from comfy_assets.store.retry import (
     retried,
 )
@@ -74,6 +81,58 @@ class Claims(Owners):
             log_event(event)
         return result
 
+    @retried
+    def register_claimed(
+        self,
+        partition: str,
+        job: Job,
+        owner: str,
+        lease_s: float = 3600.0,
+        *,
+        now: float | None = None,
+    ) -> tuple[RegisterResult, JobRecord | None]:
+        """``register_jobs(partition, [job], forward_only=True)`` that also claims a
+        job new to the store for ``owner`` until ``now + lease_s`` (seconds): its
+        registration, claim and event in one statement on PostgreSQL, one transaction on
+        SQLite. Returns what the registration did and the record of the job so claimed
+        (as ``claim_job`` would return it), or None when the job was known already (then
+        it is registered as ``register_jobs`` does, and not claimed). Raises what
+        ``register_jobs`` raises."""
+        folder_name(partition, "partition")
+        now = self._now(now)
+        values = {
+            **register_row(job),
+            "partition": partition,
+            "state": PENDING.value,
+            "attempts": 0,
+            "attempts_before": 0,
+            "claimed_by": owner,
+            "claim_expires_at": now + lease_s,
+            "created_at": now,
+            "updated_at": now,
+        }
+        detail = registered_detail(job)
+        if self.dialect == "postgresql":
+            params = {f"v_{k}": v for k, v in values.items()}
+            params.update(b_lock=f"register:{partition}", e_time=now, e_detail=detail)
+            row = self._autocommit_first(one_trip.register_claimed(), params)
+            event = None
+            if row is not None:
+                event = _event(now, row, PENDING, detail)
+                event = dataclasses.replace(event, id=row.event_id, from_state=None)
+        else:
+            with self._write() as conn:
+                row = conn.execute(q.INSERT_NEW_JOB, values).first()
+                event = None
+                if row is not None:
+                    event = dataclasses.replace(_event(now, row, PENDING, detail), from_state=None)
+                    event = self._insert_events(conn, [event])[0]
+        if row is None or event is None:
+            return self.register_jobs(partition, [job], now=now, forward_only=True), None
+        log_event(event)
+        values = {k: v for k, v in row._mapping.items() if k != "event_id"}
+        return RegisterResult(inserted=[job.id], unchanged=[], changed=[]), _job_record(values)
+
     def claim(self, job_id: str, owner: str, *args: Any, **kwargs: Any) -> ClaimStatus:
         """``claim_job`` (the same arguments) without the record: CLAIMED if ``job_id``
         was free, expired (taken over: an event names the old owner) or already ours;
@@ -100,15 +159,20 @@ class Claims(Owners):
         then marked found gone, so it can never act on the job again. Raises UnknownJob."""
         now = self._now(now)
         event = None
+        # The usual case, a job nobody holds: one statement (on PostgreSQL, autocommit:
+        # the claim of a job free or already ours can be taken again on a retry).
+        params = {
+            "b_id": job_id,
+            "b_prompt": prompt_id,
+            "v_owner": owner,
+            "v_expires": now + lease_s,
+            "v_now": now,
+        }
+        if self.dialect == "postgresql":
+            claimed = self._autocommit_first(q.CLAIM_FREE, params)
+            if claimed is not None:
+                return ClaimStatus.CLAIMED, _job_record(claimed)
         with self._write() as conn:
-            # The usual case, a job nobody holds: one statement.
-            params = {
-                "b_id": job_id,
-                "b_prompt": prompt_id,
-                "v_owner": owner,
-                "v_expires": now + lease_s,
-                "v_now": now,
-            }
             claimed = conn.execute(q.CLAIM_FREE, params).first()
             if claimed is not None:
                 return ClaimStatus.CLAIMED, _job_record(claimed)
@@ -161,11 +225,9 @@ class Claims(Owners):
         over, or the job finished). An expired claim nobody took over is renewed."""
         now = self._now(now)
         params = {"b_id": job_id, "b_owner": owner, "v_expires": now + lease_s, "v_now": now}
-        with self._write() as conn:
-            return conn.execute(q.RENEW_CLAIM, params).rowcount == 1
+        return self._write_one(q.RENEW_CLAIM, params) == 1
 
     @retried
     def release_claim(self, job_id: str, owner: str) -> bool:
         """Drop ``owner``'s claim. False, and nothing changes, if ``owner`` lacks it."""
-        with self._write() as conn:
-            return conn.execute(q.RELEASE_CLAIM, {"b_id": job_id, "b_owner": owner}).rowcount == 1
+        return self._write_one(q.RELEASE_CLAIM, {"b_id": job_id, "b_owner": owner}) == 1

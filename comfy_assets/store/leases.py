@@ -35,8 +35,7 @@ class ServerLeases(StoreBase):
             "v_prompt": prompt_id,
             "v_now": now,
         }
-        with self._write() as conn:
-            return conn.execute(q.acquire_server(self.dialect), params).rowcount == 1
+        return self._write_one(q.acquire_server(self.dialect), params) == 1
 
     @retried
     def renew_server(
@@ -45,8 +44,7 @@ class ServerLeases(StoreBase):
         """Extend ``owner``'s lease to ``now + lease_s``; False if it is not ours now."""
         now = self._now(now)
         params = {"b_server": server, "b_owner": owner, "v_expires": now + lease_s, "v_now": now}
-        with self._write() as conn:
-            return conn.execute(q.RENEW_SERVER, params).rowcount == 1
+        return self._write_one(q.RENEW_SERVER, params) == 1
 
     @retried
     def release_server(
@@ -60,8 +58,7 @@ class ServerLeases(StoreBase):
             "v_model": last_model,
             "v_now": self._now(now),
         }
-        with self._write() as conn:
-            return conn.execute(q.RELEASE_SERVER, params).rowcount == 1
+        return self._write_one(q.RELEASE_SERVER, params) == 1
 
     @retried
     def note_server_model(
@@ -71,8 +68,7 @@ class ServerLeases(StoreBase):
         restart), whoever holds its lease: every process sharing the servers plans with
         it (``pool/plan.py``)."""
         params = {"v_server": server, "v_model": last_model, "v_now": self._now(now)}
-        with self._write() as conn:
-            conn.execute(q.note_server_model(self.dialect), params)
+        self._write_one(q.note_server_model(self.dialect), params)
 
     @retried
     def server_leases(self) -> dict[str, ServerLease]:
@@ -103,8 +99,20 @@ class ServerLeases(StoreBase):
             "servers": listed,
             "priority": priority,
         }
-        with self._write() as conn:
-            conn.execute(q.upsert_waiter(self.dialect), params)
+        self._write_one(q.upsert_waiter(self.dialect), params)
+
+    @retried
+    def waiting_marks(self, owner: str, now: float | None = None) -> list[tuple[str | None, int]]:
+        """The marks of owners other than ``owner`` standing at ``now``: (the servers
+        waited for as " gpu0 gpu1 ", None for any; the batch's priority), one statement
+        (on PostgreSQL without BEGIN and COMMIT)."""
+        params = {"b_owner": owner, "b_now": self._now(now)}
+        if self.dialect == "postgresql":
+            with self._connect() as conn:
+                conn = conn.execution_options(isolation_level="AUTOCOMMIT")
+                return [(r.servers, r.priority) for r in conn.execute(q.WAITING_MARKS, params)]
+        with self._read() as conn:
+            return [(r.servers, r.priority) for r in conn.execute(q.WAITING_MARKS, params)]
 
     @retried
     def others_waiting(
@@ -121,5 +129,7 @@ class ServerLeases(StoreBase):
             "b_now": self._now(now),
             "b_priority": floor,
         }
+        if self.dialect == "postgresql":  # one statement, no BEGIN and COMMIT around it
+            return self._autocommit_first(q.OTHERS_WAITING, params) is not None
         with self._read() as conn:
             return conn.execute(q.OTHERS_WAITING, params).first() is not None

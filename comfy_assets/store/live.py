@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import sqlalchemy as sa
 
-from comfy_assets.jobs.states import DONE, IN_FLIGHT, State
+from comfy_assets.jobs.states import DONE, IN_FLIGHT, PENDING, State
 from comfy_assets.store.base import StoreBase, _job_record
 from comfy_assets.store.owners import OwnerRecord, read_owners
 from comfy_assets.store.records import JobRecord
@@ -23,6 +23,8 @@ from comfy_assets.store.schema import attempts_table, jobs_table, live_table, ow
 
 # Seconds after which a row nobody rewrote is stale (its batch ended or hangs).
 LIVE_STALE_S = 15.0
+# Pending jobs nobody claims that ``status_snapshot`` reads of the partition asked for.
+PLAIN_LISTED = 1000
 
 
 @dataclass(frozen=True)
@@ -43,15 +45,21 @@ class StatusSnapshot:
     """What ``comfy-assets status`` reads, as the store was at one moment: ``now`` (epoch
     seconds by the database's clock), ``live`` (the rows, as ``Live.live`` gives them),
     ``owners`` (as ``Owners.owners``), ``counts`` (per partition, its jobs by state,
-    every state present) and ``jobs``: every job not done (not succeeded nor degraded)
+    every state present) and ``jobs``: the jobs not done (not succeeded nor degraded)
     of those partitions, and of any partition the jobs on a server (submitted or
-    rendering)."""
+    rendering), but for the pending ones nobody claims, counted in ``plain``, of which
+    ``jobs`` holds only those named by a live row and ``PLAIN_LISTED`` of the partition
+    asked for."""
 
     now: float
     live: list[LiveRow]
     owners: list[OwnerRecord]
     counts: dict[str, dict[str, int]]
     jobs: list[JobRecord]
+    # Per partition its pending jobs nobody claims, whether in ``jobs`` or not: ``jobs``
+    # holds those the live rows name, and with ``partition`` ``PLAIN_LISTED`` of its
+    # others, not the rest: the line of a million-job partition, which all wait alike.
+    plain: dict[str, int] = field(default_factory=dict)
 
 
 class Live(StoreBase):
@@ -79,7 +87,8 @@ class Live(StoreBase):
         with self._write() as conn:
             conn.execute(live_table.delete().where(live_table.c.owner == owner))
             if values:
-                conn.execute(live_table.insert(), values)
+                # One multi-row INSERT: an executemany is a statement per row.
+                conn.execute(live_table.insert().values(values))
 
     @retried
     def clear_live(self, owner: str) -> None:
@@ -108,16 +117,11 @@ class Live(StoreBase):
         counted = sa.select(jobs.partition, jobs.state, sa.func.count()).group_by(
             jobs.partition, jobs.state
         )
-        not_done = jobs.state.not_in([s.value for s in DONE])
-        on_server = jobs.state.in_([s.value for s in IN_FLIGHT])
-        wanted = sa.select(jobs_table).order_by(
-            jobs.partition, sa.nulls_last(jobs.shot.asc()), jobs.line, jobs.job_id
-        )
-        if partition is None:
-            wanted = wanted.where(not_done)
-        else:
-            counted = counted.where(jobs.partition == partition)
-            wanted = wanted.where(not_done, sa.or_(jobs.partition == partition, on_server))
+        # Each query below is a range of ``ix_comfy_jobs_partition_state_claim``, so a
+        # million pending jobs are counted, not read: only the others are rows.
+        active = [s.value for s in State if s not in DONE and s != PENDING]
+        in_flight = [s.value for s in IN_FLIGHT]
+        plain = sa.and_(jobs.state == PENDING.value, jobs.claimed_by.is_(None))
         with self._read(snapshot=True) as conn:
             rows = _live_rows(conn, now, stale_s)
             owners = read_owners(conn, self.dialect)
@@ -125,8 +129,42 @@ class Live(StoreBase):
             for name, state, n in conn.execute(counted):
                 per = counts.setdefault(name, {s.value: 0 for s in State})
                 per[state] = int(n)
-            records = [_job_record(r) for r in conn.execute(wanted)]
-        return StatusSnapshot(now, rows, owners, counts, records)
+            names = sorted(counts)
+            records: dict[str, JobRecord] = {}
+            plains: dict[str, int] = {}
+            if partition is not None:
+                # The jobs on a server, of any partition (the servers' lines name them).
+                on_server = sa.select(jobs_table).where(jobs.state.in_(in_flight))
+                records.update((r.job_id, _job_record(r)) for r in conn.execute(on_server))
+            for name in names:
+                here = jobs.partition == name
+                for wanted in (
+                    sa.select(jobs_table).where(here, jobs.state.in_(active)),
+                    sa.select(jobs_table).where(
+                        here, jobs.state == PENDING.value, jobs.claimed_by.is_not(None)
+                    ),
+                ):
+                    records.update((r.job_id, _job_record(r)) for r in conn.execute(wanted))
+                count = sa.select(sa.func.count()).where(here, plain)
+                plains[name] = int(conn.execute(count).scalar_one())
+            named = sorted(_named_ids(rows) - set(records))
+            for i in range(0, len(named), 500):
+                some = sa.select(jobs_table).where(jobs.job_id.in_(named[i : i + 500]), plain)
+                records.update((r.job_id, _job_record(r)) for r in conn.execute(some))
+            if partition is not None and plains.get(partition):
+                # Unordered: sorting a million rows for the first thousand is the cost
+                # this avoids; which ones are listed is said nowhere.
+                first = (
+                    sa.select(jobs_table)
+                    .where(jobs.partition == partition, plain)
+                    .limit(PLAIN_LISTED)
+                )
+                records.update((r.job_id, _job_record(r)) for r in conn.execute(first))
+        ordered = sorted(
+            records.values(),
+            key=lambda r: (r.partition, r.shot is None, r.shot or 0, r.line, r.job_id),
+        )
+        return StatusSnapshot(now, rows, owners, counts, ordered, plains)
 
     @retried
     def job_state_counts(self, partitions: Sequence[str] | None = None) -> dict[str, int]:
@@ -159,6 +197,22 @@ class Live(StoreBase):
         that rendered elsewhere), as the metrics read it."""
         record = self.server_health().get(server)  # type: ignore[attr-defined]
         return record is not None and record.state == "quarantined"
+
+
+def _named_ids(rows: list[LiveRow]) -> set[str]:
+    """The job ids the partition rows name: held back, let go, in a group's line."""
+    named: set[str] = set()
+    for r in rows:
+        if r.kind != "partition":
+            continue
+        for key in ("held", "let_go"):
+            ids = r.detail.get(key)
+            if isinstance(ids, dict):
+                named.update(str(i) for i in ids)
+        for group in r.detail.get("groups") or []:
+            if isinstance(group, dict):
+                named.update(str(i) for i in group.get("jobs") or [])
+    return named
 
 
 def _live_rows(conn: sa.Connection, now: float, stale_s: float) -> list[LiveRow]:

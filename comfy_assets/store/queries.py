@@ -150,7 +150,12 @@ class Queries(StoreBase):
         if partition is not None:
             stmt = stmt.where(t.partition == partition)
         if shot is not None:
-            stmt = stmt.join(jobs_table, q.JOB.job_id == t.job_id).where(q.JOB.shot == shot)
+            # The shot's jobs first (``ix_comfy_jobs_partition_shot``), then their events
+            # by job: a join would read every event of a million-job partition.
+            shot_jobs = sa.select(q.JOB.job_id).where(q.JOB.shot == shot)
+            if partition is not None:
+                shot_jobs = shot_jobs.where(q.JOB.partition == partition)
+            stmt = stmt.where(t.job_id.in_(shot_jobs))
         with self._read() as conn:
             return [Event(**r._mapping) for r in conn.execute(stmt)]
 

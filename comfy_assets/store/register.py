@@ -281,3 +281,14 @@ def _event(
         to_state=str(to_state),
         detail=detail,
     )
+
+
+def register_row(job: Job) -> dict[str, Any]:
+    """The columns of ``job``'s row that say what it renders and how it is listed: its
+    id, prompt_id and metadata (line, shot, flags, take, inputs), by column name."""
+    return {"job_id": job.id, "prompt_id": job.prompt_id, **_metadata(job)}
+
+
+def registered_detail(job: Job) -> str:
+    """The detail of the event of ``job``'s first registration."""
+    return _registered(job)

@@ -45,7 +45,11 @@ jobs_table = sa.Table(
     sa.Column("seconds", sa.Double),
     sa.Column("queue_wait_s", sa.Double),
     sa.Column("gpu_seconds", sa.Double),
-    sa.Index("ix_comfy_jobs_partition_state", "partition", "state"),
+    # A partition's jobs by state, and its pending ones by whether anybody claims them:
+    # counted by ``status`` without reading a million rows (``store/live.py``).
+    sa.Index("ix_comfy_jobs_partition_state_claim", "partition", "state", "claimed_by"),
+    # A storyboard's shot (``events --partition P --shot N``) without a partition's scan.
+    sa.Index("ix_comfy_jobs_partition_shot", "partition", "shot"),
 )
 
 attempts_table = sa.Table(
@@ -277,6 +281,8 @@ api_webhooks_table = sa.Table(
 
 # Seconds a PostgreSQL connect may take before it counts as a failed one (then retried).
 CONNECT_TIMEOUT_S = 10
+# Seconds a pooled PostgreSQL connection may wait in the pool and be handed out unchecked.
+PING_IDLE_S = 1.0
 
 # Checkpoint the SQLite WAL every this many pages (of 4 KiB), and truncate it to this
 # many bytes after a checkpoint.
@@ -316,7 +322,12 @@ def make_engine(db_url: str) -> sa.Engine:
             # A server that drops our packets (a partition, a failover's new address not
             # up yet) would otherwise hold a connect for minutes, past any retry budget.
             connect_args["connect_timeout"] = CONNECT_TIMEOUT_S
-        return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+        if url.get_backend_name() != "postgresql" or url.get_driver_name() != "psycopg":
+            return sa.create_engine(url, pool_pre_ping=True, connect_args=connect_args)
+        engine = sa.create_engine(url, connect_args=connect_args)
+        sa.event.listen(engine, "checkin", _idle_since)
+        sa.event.listen(engine, "checkout", _ping_if_idle)
+        return engine
     # Last in, first out: a transaction takes the connection used last, whose page cache
     # is still valid (SQLite drops a connection's cache when another one has written), so
     # a job's pages are not read again from the WAL at every transaction.
@@ -342,6 +353,36 @@ def make_engine(db_url: str) -> sa.Engine:
         cur.close()
 
     return engine
+
+
+def _idle_since(_dbapi_conn: Any, record: Any) -> None:
+    """Note when a connection went back to the pool (``_ping_if_idle``)."""
+    if record is not None:
+        record.info["idle_since"] = time.monotonic()
+
+
+def _ping_if_idle(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+    """Check a pooled psycopg connection that waited in the pool more than ``PING_IDLE_S``
+    as the pool hands it out (what SQLAlchemy's ``pool_pre_ping`` does at every
+    checkout), with an empty query. Any query, an empty one too, is a transaction in
+    PostgreSQL's statistics and a round trip: at every checkout it was one more per store
+    call (about 5 a job of ``bench/farm.py``). A connection in steady use is not checked:
+    one lost meanwhile (a restart) fails its next statement as a lost connection, which
+    the store's calls try again (``store/retry.py``) on a new one. Raises
+    DisconnectionError for a connection the server no longer answers on, which the pool
+    replaces with a new one."""
+    idle_since = record.info.get("idle_since")
+    if idle_since is None or time.monotonic() - idle_since < PING_IDLE_S:
+        return  # new, or back in the pool a moment ago
+    from psycopg import pq  # its engine loaded psycopg already
+
+    try:
+        answer = dbapi_conn.pgconn.exec_(b"")
+    except Exception as e:  # psycopg.OperationalError: the connection is closed
+        raise sa.exc.DisconnectionError(f"a pooled connection is lost ({e})") from e
+    if answer.status != pq.ExecStatus.EMPTY_QUERY:
+        error = answer.error_message.decode("utf-8", "replace").strip()
+        raise sa.exc.DisconnectionError(f"a pooled connection is lost ({error})")
 
 
 def begin(conn: sa.Connection, *, write: bool) -> None:

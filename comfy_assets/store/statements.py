@@ -101,6 +101,9 @@ CLAIM_FREE = (
     .values(claimed_by=_b("v_owner"), claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
     .returning(*jobs_table.c)
 )
+# SQLite: a new job's row (binds are the column names), returned; no row when its id
+# is known (``Claims.register_claimed``).
+INSERT_NEW_JOB = sqlite.insert(jobs_table).on_conflict_do_nothing().returning(*jobs_table.c)
 _OWN_CLAIM = jobs_table.update().where(JOB.job_id == _b("b_id"), JOB.claimed_by == _b("b_owner"))
 RENEW_CLAIM = _OWN_CLAIM.values(claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
 RELEASE_CLAIM = _OWN_CLAIM.values(claimed_by=None, claim_expires_at=None)
@@ -128,6 +131,8 @@ TOTALS = sa.select(
         )
     ),
 ).where(ATTEMPT.job_id == _b("b_id"))
+# TOTALS of the job's attempts but ``b_attempt`` (about to be written).
+TOTALS_OTHERS = TOTALS.where(ATTEMPT.attempt != _b("b_attempt"))
 DELETE_FILES = files_table.delete().where(FILE.job_id == _b("b_id"))
 INSERT_FILES = files_table.insert()
 INSERT_EVENT = events_table.insert().returning(EVENT.id)
@@ -159,6 +164,11 @@ OTHERS_WAITING = (
         ),
     )
     .limit(1)
+)
+
+# The marks of owners other than ``b_owner`` standing at ``b_now``.
+WAITING_MARKS = sa.select(WAITER.servers, WAITER.priority).where(
+    WAITER.owner != _b("b_owner"), WAITER.expires_at > _b("b_now")
 )
 
 # The server's lease row while ``b_owner`` holds it.

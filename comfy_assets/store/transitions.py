@@ -22,6 +22,7 @@ from comfy_assets.jobs.states import (
     check_transition,
     is_allowed,
 )
+from comfy_assets.store import one_trip
 from comfy_assets.store import statements as q
 from comfy_assets.store.base import _TERMINAL, StoreBase, _event
 from comfy_assets.store.files.folder import content_type
@@ -30,12 +31,12 @@ from comfy_assets.store.records import (
     ClaimLost,
     OutputFileLike,
     RenderingStart,
+    StoreConflict,
     UnknownJob,
 )
 from comfy_assets.store.retry import (
     RETRYING,
     AlreadyApplied,
-    mark_commit_unknown,
     retried,
 )
 
@@ -183,13 +184,21 @@ class Transitions(StoreBase):
         rows = [_file_row(job_id, f) for f in files]
         now = self._now(now)
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
+        # PostgreSQL: the row lock, then everything else in one statement (``one_trip``).
+        in_one = self.dialect == "postgresql" and attempt is not None
         with self._write() as conn:
             # Its ``attempts`` is set below when ``attempt`` is given: no bump of it first.
             row = self._locked_for_move(
-                conn, job_id, owner, state, tried_row, now, bump=attempt is None
+                conn,
+                job_id,
+                owner,
+                state,
+                None if in_one else tried_row,
+                now,
+                bump=attempt is None,
             )
             if seconds is None or queue_wait_s is None or gpu_seconds is None:
-                n, total, waited, ran = self._totals(conn, row, tried_row)
+                n, total, waited, ran = self._totals(conn, row, tried_row, written=not in_one)
                 if seconds is None:
                     started = row.first_submitted_at
                     seconds = total if started is None else now - started
@@ -213,11 +222,15 @@ class Transitions(StoreBase):
             if reason and not detail:
                 text += f"; {reason}"
             events = _via(rendering, row, values, _event(now, row, state, text, server, attempt))
-            self._update(conn, row, values)
-            conn.execute(q.DELETE_FILES, {"b_id": job_id})
-            if rows:
-                conn.execute(q.INSERT_FILES, [{**r, "prompt_id": row.prompt_id} for r in rows])
-            events = self._insert_events(conn, events)
+            files_rows = [{**r, "prompt_id": row.prompt_id} for r in rows]
+            if in_one:
+                events = _finish_in_one(conn, row, values, tried_row, files_rows, events)
+            else:
+                self._update(conn, row, values)
+                conn.execute(q.DELETE_FILES, {"b_id": job_id})
+                if rows:
+                    conn.execute(q.INSERT_FILES, files_rows)
+                events = self._insert_events(conn, events)
         for event in events:
             log_event(event)
 
@@ -240,8 +253,11 @@ class Transitions(StoreBase):
         InvalidTransition (a done job, say), UnknownJob."""
         now = self._now(now)
         tried_row = None if tried is None else _attempt_row(job_id, tried, now)
+        in_one = self.dialect == "postgresql"
         with self._write() as conn:
-            row = self._locked_for_move(conn, job_id, owner, FAILED_FATAL, tried_row, now)
+            row = self._locked_for_move(
+                conn, job_id, owner, FAILED_FATAL, None if in_one else tried_row, now
+            )
             values: dict[str, Any] = {
                 "state": FAILED_FATAL.value,
                 "reason": reason,
@@ -254,8 +270,13 @@ class Transitions(StoreBase):
                 values["server"] = server
             final = _event(now, row, FAILED_FATAL, reason, server, attempt)
             events = _via(rendering, row, values, final)
-            self._update(conn, row, values)
-            events = self._insert_events(conn, events)
+            if in_one:
+                if tried_row is not None:  # its ``attempts`` rises to the attempt's
+                    values.setdefault("attempts", _bumped(row, tried_row["attempt"]))
+                events = _finish_in_one(conn, row, values, tried_row, None, events)
+            else:
+                self._update(conn, row, values)
+                events = self._insert_events(conn, events)
         for event in events:
             log_event(event)
 
@@ -337,14 +358,7 @@ class Transitions(StoreBase):
         columns = tuple(sorted(values))
         if self.dialect != "postgresql":
             return self._move_then_log(columns, params)
-        stmt = q.move_and_log(columns)
-        with self._connect() as conn:
-            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-            try:
-                row = conn.execute(stmt, params).first()
-            except sa.exc.DBAPIError as error:
-                mark_commit_unknown(error)  # autocommit: it may have been applied
-                raise
+        row = self._autocommit_first(q.move_and_log(columns), params)
         if row is None:
             return None
         return Event(row.id, now, job_id, row.partition, from_state, to, server, attempt, detail)
@@ -397,19 +411,35 @@ class Transitions(StoreBase):
         return row
 
     def _totals(
-        self, conn: sa.Connection, row: sa.Row, tried_row: dict[str, Any] | None
+        self,
+        conn: sa.Connection,
+        row: sa.Row,
+        tried_row: dict[str, Any] | None,
+        *,
+        written: bool = True,
     ) -> tuple[int, float | None, float | None, float | None]:
         """(attempts, their seconds, queue waits and GPU seconds, summed) of the job of
-        ``row``, ``tried_row`` just written among them; a job with no attempt before it
-        (none now, none before a reset: ``attempts_before``) has that one's alone."""
-        if tried_row is None or row.attempts or row.attempts_before:
+        ``row``, ``tried_row`` among them (``written``: already in the table; else read
+        beside the others); a job with no attempt before it (none now, none before a
+        reset: ``attempts_before``) has that one's alone."""
+        if tried_row is None or (written and (row.attempts or row.attempts_before)):
             return tuple(conn.execute(q.TOTALS, {"b_id": row.job_id}).one())
         seconds, waited, gpu = (
             tried_row["seconds"],
             tried_row["queue_wait_s"],
             tried_row["gpu_seconds"],
         )
-        return 1, seconds, waited, seconds - (waited or 0.0) if gpu is None else gpu
+        ran = seconds - (waited or 0.0) if gpu is None else gpu
+        if not (row.attempts or row.attempts_before):
+            return 1, seconds, waited, ran
+        params = {"b_id": row.job_id, "b_attempt": tried_row["attempt"]}
+        n, total, waits, gpus = conn.execute(q.TOTALS_OTHERS, params).one()
+        return (
+            n + 1,
+            (total or 0.0) + seconds,
+            waited if waits is None else waits + (waited or 0.0),
+            (gpus or 0.0) + ran,
+        )
 
     def _write_attempt(
         self, conn: sa.Connection, row: dict[str, Any], now: float, *, bump: bool = True
@@ -451,6 +481,54 @@ def _via(
     at = min(max(rendering.at, row.updated_at or rendering.at), final.time)
     started = _event(at, row, RENDERING, None, rendering.server, rendering.attempt)
     return [started, dataclasses.replace(final, from_state=RENDERING.value)]
+
+
+def _bumped(row: sa.Row, attempt: int) -> int:
+    """The job's ``attempts`` once try number ``attempt`` (numbered on from
+    ``attempts_before``) is recorded: ``statements.BUMP_ATTEMPTS`` in Python."""
+    return max(row.attempts, attempt - row.attempts_before)
+
+
+def _finish_in_one(
+    conn: sa.Connection,
+    row: sa.Row,
+    values: dict[str, Any],
+    tried_row: dict[str, Any] | None,
+    files: list[dict[str, Any]] | None,
+    events: list[Event],
+) -> list[Event]:
+    """PostgreSQL: ``values`` set on the job of ``row`` (locked, as read), with
+    ``tried_row`` (the attempt and its models), ``files`` (replacing the job's others;
+    None: left as they are) and ``events``, in one statement (``one_trip.finish``);
+    returns the events with their ids. Raises StoreConflict when the job row is not as
+    read."""
+    models = bool(tried_row and tried_row.get("models"))
+    stmt = one_trip.finish(
+        tuple(sorted(values)),
+        -1 if files is None else len(files),
+        len(events),
+        attempt=tried_row is not None,
+        models=models,
+    )
+    params: dict[str, Any] = {f"v_{k}": v for k, v in values.items()}
+    params.update(b_id=row.job_id, b_state=row.state, b_holder=row.claimed_by)
+    if tried_row is not None:
+        params.update({f"a_{k}": v for k, v in tried_row.items() if k in q.ATTEMPT_COLUMNS})
+        if models:
+            params.update(
+                m_models=json.dumps(sorted(tried_row["models"])),
+                m_loaded=bool(tried_row["model_loaded"]),
+            )
+    if files is not None:
+        params["b_paths"] = [f["path"] for f in files]
+        for i, f in enumerate(files):
+            params.update({f"f{i}_{k}": f.get(k) for k in one_trip.FILE_COLUMNS})
+    for i, event in enumerate(events):
+        params.update({f"e{i}_{k}": v for k, v in event.to_dict().items() if k != "id"})
+    found = conn.execute(stmt, params).all()
+    if len(found) != len(events) or any(r.moved != 1 for r in found):
+        raise StoreConflict(f"finish job {row.job_id}: the job row is not as read under its lock")
+    return [dataclasses.replace(e, id=r.id) for e, r in zip(events, found, strict=True)]
 
 
 def _attempt_row(job_id: str, entry: AttemptEntry, now: float) -> dict[str, Any]:

@@ -279,6 +279,36 @@ def test_a_partition_nobody_runs_says_so_and_json_is_one_object(
     assert out[0] == "partition p: 2 pending; 0/2 done, 2 left (2 not in a running batch)"
 
 
+def test_a_big_partition_lists_some_of_its_plain_pending_jobs_and_counts_them_all(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A million pending jobs nobody claims all wait alike: status counts them in SQL and
+    # lists PLAIN_LISTED of them, so it answers in bounded time (bench/million_reads.py).
+    monkeypatch.setattr("comfy_assets.store.live.PLAIN_LISTED", 2)
+    jf = load_job_file(write_jobs(tmp_path / "jobs", 5))
+    store = Store(tmp_path / "s")
+    store.register_jobs("p", jf.jobs)
+    assert store.claim(jf.jobs[4].id, "gone-owner") == "claimed"  # listed whatever the cap
+    report = gather(store, "p")
+    assert report is not None
+    listed = {j["job_id"] for j in report["jobs"]}
+    assert len(listed) == 3 and jf.jobs[4].id in listed
+    assert report["jobs_not_listed"] == {
+        "count": 2,
+        "reason": "not in a running batch",
+        "detail": "no running batch holds partition p (a run, or a worker's queue, brings it)",
+    }
+    (part,) = report["partitions"]
+    assert part["waiting"] == {"not in a running batch": 5}
+    assert main(["status", "--store", str(tmp_path / "s"), "--partition", "p"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "5 jobs not done: 5 not in a running batch" in out
+    assert out[-1] == (
+        "not in a running batch (2 more jobs, not listed): no running batch holds partition p "
+        "(a run, or a worker's queue, brings it)"
+    )
+
+
 def test_each_reason_names_what_the_job_waits_for(tmp_path: Path) -> None:
     jf = load_job_file(write_jobs(tmp_path / "jobs", 3))
     store = Store(tmp_path / "s")

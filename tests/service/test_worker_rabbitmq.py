@@ -384,17 +384,24 @@ async def test_a_message_whose_handling_raises_is_dead_lettered_and_the_worker_s
     row_fails, prompt_fails, good = load_job_file(jobs).jobs
     lines = jobs.read_text().splitlines()
     register, dumps = Store.register_jobs, client_module.json_dumps
+    register_claimed = Store.register_claimed
 
     def register_jobs(self, partition, batch, *args, **kwargs):
         if any(j.id == row_fails.id for j in batch):
             raise sqlalchemy.exc.DataError("INSERT ...", {}, ValueError("cannot contain NUL"))
         return register(self, partition, batch, *args, **kwargs)
 
+    def register_new(self, partition, job, *args, **kwargs):  # a worker's registration
+        if job.id == row_fails.id:
+            raise sqlalchemy.exc.DataError("INSERT ...", {}, ValueError("cannot contain NUL"))
+        return register_claimed(self, partition, job, *args, **kwargs)
+
     def json_dumps(value):
         text = dumps(value)
         return text + "\ud800" if value.get("prompt_id") == prompt_fails.prompt_id else text
 
     monkeypatch.setattr(Store, "register_jobs", register_jobs)
+    monkeypatch.setattr(Store, "register_claimed", register_new)
     monkeypatch.setattr(client_module, "json_dumps", json_dumps)
     fake = FakeComfy(prompt_seconds=0.005)
     store = Store(tmp_path / "store")

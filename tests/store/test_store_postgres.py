@@ -15,7 +15,14 @@ import sqlalchemy as sa
 
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.states import InvalidTransition
-from comfy_assets.store import AttemptEntry, ClaimLost, PartitionConflict, Store, metadata
+from comfy_assets.store import (
+    AttemptEntry,
+    ClaimLost,
+    PartitionConflict,
+    RenderingStart,
+    Store,
+    metadata,
+)
 from tests.store.test_store import (
     claim_race,
     files,
@@ -284,6 +291,100 @@ def test_a_move_from_a_wrong_known_state_or_by_another_owner_goes_the_checked_wa
     any_store.transition(job.id, "submitted", owner="w1", from_state="rendering")
     assert any_store.get(job.id).state == "submitted"
     assert [e.to_state for e in any_store.events(job_id=job.id)][-1] == "submitted"
+
+
+def test_a_new_job_is_registered_claimed_and_a_known_one_only_registered(any_store, workflow_dir):
+    job, other = make_jobs(workflow_dir, 2)
+    found, rec = any_store.register_claimed("film", job, "w1", 60.0, now=100.0)
+    assert (found.inserted, found.unchanged) == ([job.id], [])
+    assert (rec.job_id, rec.state, rec.claimed_by, rec.claim_expires_at) == (
+        job.id,
+        "pending",
+        "w1",
+        160.0,
+    )
+    assert rec == any_store.get(job.id)  # the record claim_job would give
+    events = any_store.events(job_id=job.id)
+    assert [(e.from_state, e.to_state, e.detail) for e in events] == [
+        (None, "pending", "registered")
+    ]
+    assert any_store.claim(job.id, "w2", now=101.0) == "held"
+    # Known: registered as register_jobs does (a newer take wins), nothing claimed.
+    found, rec = any_store.register_claimed("film", job, "w3", 60.0, now=102.0)
+    assert (found.unchanged, rec) == ([job.id], None)
+    assert any_store.get(job.id).claimed_by == "w1"
+    any_store.register_jobs("other", [other])
+    with pytest.raises(PartitionConflict):
+        any_store.register_claimed("film", other, "w1")
+
+
+def test_a_done_record_with_its_attempt_rendering_and_files_replaces_the_old_files(
+    any_store, workflow_dir
+):
+    # On PostgreSQL the done record is the row lock and one statement (store/one_trip.py):
+    # its rows must be what the checked way writes on SQLite.
+    (job,) = make_jobs(workflow_dir, 1)
+    any_store.register_claimed("film", job, "w1", 60.0, now=100.0)
+    for attempt, names, at in ((1, ("a.png", "b.png"), 100.0), (2, ("b.png", "c.png"), 200.0)):
+        if attempt == 2:
+            any_store.transition(job.id, "pending", detail="fetching again", now=at)
+            assert any_store.claim(job.id, "w1", now=at) == "claimed"
+        any_store.transition(
+            job.id, "submitted", owner="w1", from_state="pending", server="gpu0", now=at + 1
+        )
+        any_store.mark_done(
+            job.id,
+            "w1",
+            files=files(*names),
+            server="gpu0",
+            attempt=attempt,
+            number=attempt + 6,
+            now=at + 5,
+            tried=AttemptEntry(
+                attempt,
+                "success",
+                server="gpu0",
+                started_at=at + 1,
+                queue_wait_s=1.0,
+                models=("m.safetensors",),
+                model_loaded=True,
+            ),
+            rendering=RenderingStart("gpu0", attempt, attempt + 6, at + 2),
+        )
+    rec = any_store.get(job.id)
+    assert (rec.state, rec.attempts, rec.number, rec.claimed_by) == ("succeeded", 2, 8, None)
+    # Seconds from the first submission; both attempts' waits and GPU time.
+    assert (rec.seconds, rec.queue_wait_s, rec.gpu_seconds) == (104.0, 2.0, 6.0)
+    assert [(f.path, f.bytes) for f in any_store.files(job.id)] == [("b.png", 10), ("c.png", 11)]
+    assert [(a.attempt, a.seconds) for a in any_store.attempts(job.id)] == [(1, 4.0), (2, 4.0)]
+    assert [m.attempt for m in any_store.model_loads("film")] == [1, 2]
+    events = [(e.time, e.from_state, e.to_state) for e in any_store.events(job_id=job.id)]
+    assert events[-3:] == [
+        (201.0, "pending", "submitted"),
+        (202.0, "submitted", "rendering"),
+        (205.0, "rendering", "succeeded"),
+    ]
+    ids = [e.id for e in any_store.events(job_id=job.id)]
+    assert ids == sorted(ids)
+
+
+def test_a_dead_letter_with_its_attempt_raises_the_attempts(any_store, workflow_dir):
+    (job,) = make_jobs(workflow_dir, 1)
+    any_store.register_claimed("film", job, "w1", 60.0, now=100.0)
+    any_store.transition(job.id, "submitted", owner="w1", from_state="pending", now=101.0)
+    tried = AttemptEntry(1, "permanent", server="gpu0", started_at=101.0, reason="bad node")
+    any_store.dead_letter(
+        job.id, "w1", "bad node", server="gpu0", attempt=1, now=103.0, tried=tried
+    )
+    rec = any_store.get(job.id)
+    assert (rec.state, rec.attempts, rec.reason, rec.claimed_by) == (
+        "failed_fatal",
+        1,
+        "bad node",
+        None,
+    )
+    assert [(a.attempt, a.outcome) for a in any_store.attempts(job.id)] == [(1, "permanent")]
+    assert [e.to_state for e in any_store.events(job_id=job.id)][-1] == "failed_fatal"
 
 
 def test_a_waiter_counts_only_for_the_servers_it_waits_for(any_store):
