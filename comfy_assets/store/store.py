@@ -206,8 +206,8 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
         self.close()
 
     def job_dir(self, partition: str, job_id: str) -> Path:
-        """``<root>/<partition>/<job id>/`` (not created), for the readers that still
-        need a job's outputs as local files. Raises ValueError for a name that would
+        """``<root>/<partition>/<job id>/`` of a folder store (not created), where its
+        ``FolderFileStore`` keeps the job's outputs. Raises ValueError for a name that would
         leave the root (empty, ".", "..", or holding a slash), NoLocalFolder for an
         object store."""
         return self.root / folder_name(partition, "partition") / folder_name(job_id, "job id")
