@@ -131,6 +131,11 @@ class S3FileStore:
         self._buckets: dict[str, S3Store] = {}
 
     @property
+    def _unsigned(self) -> bool:
+        """Whether requests go unsigned: an endpoint of our own and no credentials."""
+        return self.settings.access_key_id is None and self.settings.endpoint is not None
+
+    @property
     def location(self) -> str:
         return str(self.where)
 
@@ -146,6 +151,13 @@ class S3FileStore:
         except StoreError as e:
             # At a first contact an endpoint that does not answer is as wrong as a bucket
             # that does not exist.
+            if isinstance(e, FileStoreRefused) and self._unsigned and "credentials" in str(e):
+                # Without credentials the requests go unsigned: "refused" alone would send
+                # the user looking for a wrong key rather than a missing one.
+                raise FileStoreRefused(
+                    f"{e}; no credentials were found, so the requests went unsigned (set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+                ) from e
             raise refused(e) from e
         try:
             self.abort_stale_uploads()
