@@ -339,13 +339,14 @@ class S3FileStore:
     def open_object(self, url: str) -> BinaryIO:
         """The object ``s3://BUCKET/KEY`` of this store's endpoint, any bucket, read with
         its credentials (a job line's input). Raises FileNotFoundError for no such
-        object, FileStoreRefused for a URL that is not ``s3://BUCKET/KEY``."""
+        object, FileStoreRefused for a URL that is not ``s3://BUCKET/KEY`` (its message
+        says why and leaves the URL to the caller, who names it already)."""
         try:
-            where = parse_location(url)
+            where = parse_location(url, part="key")
         except ValueError as e:
-            raise FileStoreRefused(str(e)) from e
+            raise FileStoreRefused(str(e).removeprefix(f"{url!r}: ")) from e
         if not where.prefix:
-            raise FileStoreRefused(f"{url!r} names a bucket, not an object (s3://BUCKET/KEY)")
+            raise FileStoreRefused("it names a bucket, not an object (s3://BUCKET/KEY)")
         client = self._buckets.get(where.bucket)
         if client is None:
             client = _client(S3Location(where.bucket, ""), self.settings, *self._retries)
