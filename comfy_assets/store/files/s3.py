@@ -75,6 +75,9 @@ RETRY_TIMEOUT_S = 60.0
 # PART_BYTES included, at 1 MB/s) ends within REQUEST_TIMEOUT_S.
 CONNECT_TIMEOUT_S = 5
 REQUEST_TIMEOUT_S = 120
+# The first contact (``check``) lists one key: a store that has not answered that within
+# this, retries included, is named as down before anything starts, not two minutes on.
+CHECK_TIMEOUT_S = 20
 # HEAD requests in flight at once when a job's outputs are confirmed.
 CONFIRM_CONCURRENCY = 16
 # How many keys whose size the server confirmed are remembered (about 100 bytes each);
@@ -146,8 +149,9 @@ class S3FileStore:
         (``abort_stale_uploads``; its failure is logged, the store still works). Raises
         FileStoreRefused, one line."""
         try:
+            first = _client(self.where, self.settings, self._retries[0], CHECK_TIMEOUT_S, True)
             with s3_errors(self.location, "reaching the bucket"):
-                next(iter(obstore.list(self._store, _FILES, chunk_size=1)), None)
+                next(iter(obstore.list(first, _FILES, chunk_size=1)), None)
         except StoreError as e:
             # At a first contact an endpoint that does not answer is as wrong as a bucket
             # that does not exist.
@@ -404,8 +408,13 @@ class _ObjectStream(io.RawIOBase):
 
 
 def _client(
-    where: S3Location, settings: S3Settings, max_retries: int, retry_timeout_s: float
+    where: S3Location,
+    settings: S3Settings,
+    max_retries: int,
+    retry_timeout_s: float,
+    first_contact: bool = False,
 ) -> S3Store:
+    request_timeout_s = CHECK_TIMEOUT_S if first_contact else REQUEST_TIMEOUT_S
     config: dict[str, Any] = {"region": settings.region}
     if settings.endpoint:
         config["endpoint"] = settings.endpoint
@@ -425,7 +434,7 @@ def _client(
         client_options={
             "allow_http": bool(settings.endpoint and settings.endpoint.startswith("http://")),
             "connect_timeout": datetime.timedelta(seconds=CONNECT_TIMEOUT_S),
-            "timeout": datetime.timedelta(seconds=REQUEST_TIMEOUT_S),
+            "timeout": datetime.timedelta(seconds=request_timeout_s),
         },
         retry_config={
             "max_retries": max_retries,
