@@ -62,3 +62,34 @@ def test_a_store_that_refuses_us_is_one_line_and_exit_2_before_any_prompt(
     assert why in line
     assert secret not in err and s3_endpoint.secret_key not in err
     assert fake.stats["prompts"] == {}
+
+
+def test_no_credentials_at_all_says_none_were_found_not_only_refused(
+    s3_endpoint: S3Server,
+    s3_bucket: str,
+    tmp_path: Path,
+    fake: FakeComfy,
+    url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint.endpoint)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    location = f"s3://{s3_bucket}/farm"
+    jobs = write_jobs(tmp_path / "jobs", 2)
+    argv = ["run", "--jobs", str(jobs), "--server", f"gpu0={url}", "--store", location]
+
+    assert main([*argv, "--db-url", f"sqlite:///{tmp_path / 'records.db'}"]) == 2
+
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = err.splitlines()
+    assert line.startswith(f"error: {location}: reaching the bucket: the credentials were refused")
+    assert line.endswith(
+        "; no credentials were found, so the requests went unsigned (set AWS_ACCESS_KEY_ID "
+        "and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+    )
+    assert fake.stats["prompts"] == {}

@@ -19,7 +19,12 @@ from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store
-from comfy_assets.store.files import FileStoreUnavailable, FolderFileStore, StoredFile
+from comfy_assets.store.files import (
+    FileStoreUnavailable,
+    FolderFileStore,
+    S3FileStore,
+    StoredFile,
+)
 from fake_comfy import FakeComfy
 from tests.render.test_inputs_render import picture, pixels_of
 from tests.support import (
@@ -257,3 +262,25 @@ async def test_an_s3_input_is_read_through_the_file_store_and_uploaded_to_the_se
     inverted = pixels_of(store.job_dir("p", job.id) / out.path)
     expected = np.clip(255.0 * (1.0 - source.astype(np.float32) / 255.0), 0, 255)
     assert np.array_equal(inverted, expected.astype(np.uint8))
+
+
+def test_an_s3_input_key_with_a_dot_dot_part_is_refused_naming_the_key_once(
+    tmp_path: Path, s3_store: S3FileStore, s3_bucket: str
+) -> None:
+    url = f"s3://{s3_bucket}/plates/../farm/files/results.csv"
+    path = s3_input_jobs(tmp_path / "jobs", [url, f"s3://{s3_bucket}"])
+    with pytest.raises(JobFileError) as info:
+        load_job_file(path, rules=InputRules(objects=s3_store))
+    dots, bucket = info.value.errors
+    assert (dots.line, dots.field, bucket.line, bucket.field) == (
+        1,
+        "inputs.1.image",
+        2,
+        "inputs.1.image",
+    )
+    assert dots.message == (
+        f"\"{url}\": key 'plates/../farm/files/results.csv' has an empty, '.' or '..' part"
+    )
+    assert bucket.message == (
+        f'"s3://{s3_bucket}": it names a bucket, not an object (s3://BUCKET/KEY)'
+    )

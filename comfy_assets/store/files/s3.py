@@ -75,6 +75,9 @@ RETRY_TIMEOUT_S = 60.0
 # PART_BYTES included, at 1 MB/s) ends within REQUEST_TIMEOUT_S.
 CONNECT_TIMEOUT_S = 5
 REQUEST_TIMEOUT_S = 120
+# The first contact (``check``) lists one key: a store that has not answered that within
+# this, retries included, is named as down before anything starts, not two minutes on.
+CHECK_TIMEOUT_S = 20
 # HEAD requests in flight at once when a job's outputs are confirmed.
 CONFIRM_CONCURRENCY = 16
 # How many keys whose size the server confirmed are remembered (about 100 bytes each);
@@ -131,6 +134,11 @@ class S3FileStore:
         self._buckets: dict[str, S3Store] = {}
 
     @property
+    def _unsigned(self) -> bool:
+        """Whether requests go unsigned: an endpoint of our own and no credentials."""
+        return self.settings.access_key_id is None and self.settings.endpoint is not None
+
+    @property
     def location(self) -> str:
         return str(self.where)
 
@@ -141,11 +149,19 @@ class S3FileStore:
         (``abort_stale_uploads``; its failure is logged, the store still works). Raises
         FileStoreRefused, one line."""
         try:
+            first = _client(self.where, self.settings, self._retries[0], CHECK_TIMEOUT_S, True)
             with s3_errors(self.location, "reaching the bucket"):
-                next(iter(obstore.list(self._store, _FILES, chunk_size=1)), None)
+                next(iter(obstore.list(first, _FILES, chunk_size=1)), None)
         except StoreError as e:
             # At a first contact an endpoint that does not answer is as wrong as a bucket
             # that does not exist.
+            if isinstance(e, FileStoreRefused) and self._unsigned and "credentials" in str(e):
+                # Without credentials the requests go unsigned: "refused" alone would send
+                # the user looking for a wrong key rather than a missing one.
+                raise FileStoreRefused(
+                    f"{e}; no credentials were found, so the requests went unsigned (set "
+                    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE)"
+                ) from e
             raise refused(e) from e
         try:
             self.abort_stale_uploads()
@@ -327,13 +343,14 @@ class S3FileStore:
     def open_object(self, url: str) -> BinaryIO:
         """The object ``s3://BUCKET/KEY`` of this store's endpoint, any bucket, read with
         its credentials (a job line's input). Raises FileNotFoundError for no such
-        object, FileStoreRefused for a URL that is not ``s3://BUCKET/KEY``."""
+        object, FileStoreRefused for a URL that is not ``s3://BUCKET/KEY`` (its message
+        says why and leaves the URL to the caller, who names it already)."""
         try:
-            where = parse_location(url)
+            where = parse_location(url, part="key")
         except ValueError as e:
-            raise FileStoreRefused(str(e)) from e
+            raise FileStoreRefused(str(e).removeprefix(f"{url!r}: ")) from e
         if not where.prefix:
-            raise FileStoreRefused(f"{url!r} names a bucket, not an object (s3://BUCKET/KEY)")
+            raise FileStoreRefused("it names a bucket, not an object (s3://BUCKET/KEY)")
         client = self._buckets.get(where.bucket)
         if client is None:
             client = _client(S3Location(where.bucket, ""), self.settings, *self._retries)
@@ -391,8 +408,13 @@ class _ObjectStream(io.RawIOBase):
 
 
 def _client(
-    where: S3Location, settings: S3Settings, max_retries: int, retry_timeout_s: float
+    where: S3Location,
+    settings: S3Settings,
+    max_retries: int,
+    retry_timeout_s: float,
+    first_contact: bool = False,
 ) -> S3Store:
+    request_timeout_s = CHECK_TIMEOUT_S if first_contact else REQUEST_TIMEOUT_S
     config: dict[str, Any] = {"region": settings.region}
     if settings.endpoint:
         config["endpoint"] = settings.endpoint
@@ -412,7 +434,7 @@ def _client(
         client_options={
             "allow_http": bool(settings.endpoint and settings.endpoint.startswith("http://")),
             "connect_timeout": datetime.timedelta(seconds=CONNECT_TIMEOUT_S),
-            "timeout": datetime.timedelta(seconds=REQUEST_TIMEOUT_S),
+            "timeout": datetime.timedelta(seconds=request_timeout_s),
         },
         retry_config={
             "max_retries": max_retries,

@@ -38,10 +38,11 @@ def is_s3_location(location: str | Path) -> bool:
     return isinstance(location, str) and location.startswith("s3://")
 
 
-def parse_location(text: str) -> S3Location:
+def parse_location(text: str, part: str = "prefix") -> S3Location:
     """``s3://BUCKET/PREFIX`` as an S3Location. Raises ValueError naming the text for
     another scheme, a bucket name S3 does not allow, or a prefix with an empty, ``.`` or
-    ``..`` part (keys made of them are refused or rewritten by some servers)."""
+    ``..`` part (keys made of them are refused or rewritten by some servers); ``part``
+    names what follows the bucket in those messages (``key`` for an object's URL)."""
     if not text.startswith("s3://"):
         raise ValueError(f"{text!r} is not an S3 store (s3://BUCKET/PREFIX)")
     bucket, _, prefix = text[len("s3://") :].partition("/")
@@ -52,9 +53,9 @@ def parse_location(text: str) -> S3Location:
         )
     prefix = prefix.strip("/")
     if prefix and any(p in ("", ".", "..") for p in prefix.split("/")):
-        raise ValueError(f"{text!r}: prefix {prefix!r} has an empty, '.' or '..' part")
+        raise ValueError(f"{text!r}: {part} {prefix!r} has an empty, '.' or '..' part")
     if any(ord(c) < 32 or ord(c) == 127 for c in prefix):
-        raise ValueError(f"{text!r}: prefix {prefix!r} has a control character")
+        raise ValueError(f"{text!r}: {part} {prefix!r} has a control character")
     return S3Location(bucket, prefix)
 
 

@@ -67,6 +67,10 @@ def _why(error: BaseException, code: str | None, status: int | None) -> str:
     # own words only.
     for needle, what in (
         ("timed out", "timed out"),
+        # A request that got no answer in time: its text also says "error sending
+        # request", but the connection was made, so "connection failed" would be untrue.
+        ("timedout", "timed out"),
+        ("kind: timeout", "timed out"),
         ("error sending request", "connection failed"),
         ("connection", "connection failed"),
     ):

@@ -6,6 +6,7 @@ settings read from the environment and the AWS profile files."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from comfy_assets.store.files import (
     S3FileStore,
     S3Settings,
 )
+from comfy_assets.store.files import s3 as s3_module
 from comfy_assets.store.files.s3_config import parse_location
 from comfy_assets.store.files.s3_errors import store_error
 
@@ -189,3 +191,28 @@ def test_locations_parse(text: str, bucket: str, prefix: str) -> None:
 def test_bad_locations_are_named(text: str, why: str) -> None:
     with pytest.raises(ValueError, match=why):
         parse_location(text)
+
+
+def test_an_endpoint_that_accepts_but_never_answers_is_named_as_timed_out_at_first_contact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A server stopped (kill -STOP) or hung: the connection is made, no answer comes.
+    # The first contact waits CHECK_TIMEOUT_S, not a whole upload's REQUEST_TIMEOUT_S
+    # (were it the latter, this test would wait an hour).
+    monkeypatch.setattr(s3_module, "CHECK_TIMEOUT_S", 1)
+    monkeypatch.setattr(s3_module, "REQUEST_TIMEOUT_S", 3600)
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        port = silent.getsockname()[1]
+        store = S3FileStore(
+            "s3://farm/x",
+            S3Settings(
+                endpoint=f"http://127.0.0.1:{port}", access_key_id="k", secret_access_key="s"
+            ),
+            spool_dir=tmp_path,
+            max_retries=0,
+        )
+        with pytest.raises(FileStoreRefused) as raised:
+            store.check()
+    assert str(raised.value) == (
+        "s3://farm/x: reaching the bucket: the object store is unavailable (timed out)"
+    )
