@@ -72,9 +72,10 @@ RETRY_INIT_BACKOFF_S = 0.2
 RETRY_MAX_BACKOFF_S = 8.0
 RETRY_TIMEOUT_S = 60.0
 # A connection is made within this or the request is retried; a whole request (a part of
-# PART_BYTES included, at 1 MB/s) ends within REQUEST_TIMEOUT_S.
+# PART_BYTES included, at 0.3 MB/s) ends within REQUEST_TIMEOUT_S: a store that hangs
+# without refusing holds a job's outputs about this long a try, not minutes.
 CONNECT_TIMEOUT_S = 5
-REQUEST_TIMEOUT_S = 120
+REQUEST_TIMEOUT_S = 30
 # The first contact (``check``) lists one key: a store that has not answered that within
 # this, retries included, is named as down before anything starts, not two minutes on.
 CHECK_TIMEOUT_S = 20
