@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import re
 from pathlib import Path
 from typing import Any
@@ -363,11 +364,14 @@ def overlapping_posts(server: str, runs: list[dict[str, Any]]) -> list[str]:
 
 
 def _results_csv(store: Store, phase: Phase, partition: str, job_ids: list[str]) -> list[str]:
-    path = phase.store / partition / "results.csv"
-    if not path.is_file():
+    if phase.file_store is not None:  # an object store's, read before it stopped
+        text = phase.results_csv.get(partition)
+    else:
+        path = phase.store / partition / "results.csv"
+        text = path.read_text() if path.is_file() else None
+    if text is None:
         return [f"{phase.store.name}: {partition}/results.csv missing"]
-    with path.open(newline="") as f:
-        rows = list(csv.DictReader(f))
+    rows = list(csv.DictReader(io.StringIO(text, newline="")))
     found = []
     if [r["job_id"] for r in rows] != job_ids:
         found.append(

@@ -39,6 +39,7 @@ from PIL import Image
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.render.config import BatchConfig
+from comfy_assets.render.results import results_key
 from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker, job_messages
 from comfy_assets.store import Store
@@ -91,6 +92,8 @@ class Phase:
     # records list -> the sha256 of the object's bytes (None: no such object).
     file_store: FileStore | None = None
     stored: dict[str, str | None] = field(default_factory=dict)
+    # An object store's results.csv of each partition (its text), read before it stopped.
+    results_csv: dict[str, str | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -481,6 +484,23 @@ def stored_outputs(folder: Path, files: FileStore) -> dict[str, str | None]:
     return found
 
 
+def stored_results(folder: Path, files: FileStore) -> dict[str, str | None]:
+    """``Phase.results_csv`` of the store whose records are in ``folder``: each
+    partition's results.csv as ``files`` holds it (None where it holds none)."""
+    found: dict[str, str | None] = {}
+    store = Store(folder, file_store=files)
+    try:
+        for partition in store.partitions():
+            try:
+                with files.open_file(results_key(partition)) as stream:
+                    found[partition] = stream.read().decode()
+            except FileNotFoundError:
+                found[partition] = None
+    finally:
+        store.close()
+    return found
+
+
 def _store_down(
     proxy: S3FaultProxy, plan: StorePlan, hosts: list[Host], stop: threading.Event
 ) -> None:
@@ -570,6 +590,7 @@ def play(schedule: Schedule, folder: Path) -> Played:
             phase.server_bytes = {h.name: server_bytes(h.fake) for h in hosts}
             if direct is not None:
                 phase.stored = stored_outputs(phase.store, direct)
+                phase.results_csv = stored_results(phase.store, direct)
             phases.append(phase)
         stop.set()
         for t in threads:
