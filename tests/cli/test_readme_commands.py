@@ -54,7 +54,6 @@ NOT_RUN = {
     "bench/models.py": BENCH,
     "bench/farm.py        #": BENCH,
     "bench/pool.py": BENCH,
-    "bench/million.py": BENCH,
     "bench/million_reads.py": BENCH,
     "bench/gap_parts.py": BENCH,
     "bench/throughput.py": BENCH,
