@@ -43,7 +43,12 @@ from comfy_assets.store.files import (
     FileStoreUnavailable,
     file_store_for,
 )
-from comfy_assets.store.location import NoDatabase, check_database, store_location
+from comfy_assets.store.location import (
+    NoDatabase,
+    OtherStoresDatabase,
+    check_database,
+    store_location,
+)
 from comfy_assets.store.retry import DEFAULT_RETRY_S
 
 if TYPE_CHECKING:
@@ -190,16 +195,17 @@ def open_store(
     empty store is created; ``file_store``: its files, from ``store_files``), its files
     checked (``FileStore.check``: a folder made, a bucket reached), or the exit code
     after saying why not on stderr in one line: 2 for no ``store.db``, a URL that is not
-    a database URL, an object store without ``--db-url``, a wrong endpoint, bucket or
-    credential; 1 for a database that refuses us, stays unreachable for
-    ``--db-retry-s``, or has no disk space left, or files that do not answer."""
+    a database URL, an object store without ``--db-url``, a database holding another
+    object store's records, a wrong endpoint, bucket or credential; 1 for a database
+    that refuses us, stays unreachable for ``--db-retry-s``, or has no disk space left,
+    or files that do not answer."""
     retry_s = getattr(args, "db_retry_s", DEFAULT_RETRY_S)
     try:
         if existing:
             store = Store.existing(args.store, args.db_url, retry_s=retry_s, file_store=file_store)
         else:
             store = Store(args.store, args.db_url, retry_s=retry_s, file_store=file_store)
-    except (NoStore, BadDbUrl, NoDatabase, FileStoreRefused) as e:
+    except (NoStore, BadDbUrl, NoDatabase, OtherStoresDatabase, FileStoreRefused) as e:
         return bad_input(e)
     except StoreUnavailable as e:
         print(f"error: {e}", file=sys.stderr)

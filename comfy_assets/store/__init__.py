@@ -44,6 +44,7 @@ from comfy_assets.store.store import (
     NoDatabase,
     NoLocalFolder,
     NoStore,
+    OtherStoresDatabase,
     Store,
 )
 
@@ -60,6 +61,7 @@ __all__ = [
     "ClaimStatus",
     "FileRecord",
     "NoDatabase",
+    "OtherStoresDatabase",
     "NoLocalFolder",
     "NoStore",
     "JobRecord",

@@ -24,6 +24,11 @@ class NoDatabase(StoreError, ValueError):
     host reaches (an object store holds files, not the store's tables)."""
 
 
+class OtherStoresDatabase(StoreError, ValueError):
+    """A database that holds the records of another object store than the one opened
+    (another prefix, or a folder store): one database per store (``store/belongs.py``)."""
+
+
 def store_location(value: str | Path) -> str | Path:
     """``value`` as a store's location: the text itself for ``s3://BUCKET/PREFIX``, else
     a ``Path`` (a folder). Raises ValueError for another scheme (``http://...``), which

@@ -217,6 +217,18 @@ server_events_table = sa.Table(
 )
 
 
+# The object store whose records the database holds (one row, ``id`` 1), written by the
+# first object store that opens it (store/belongs.py): a database serves one store, so
+# another prefix or a folder store opening it is refused. Folder stores write none (one
+# shared folder is mounted at different paths on different hosts).
+store_table = sa.Table(
+    "comfy_store",
+    metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("location", sa.Text, nullable=False),  # s3://BUCKET/PREFIX, no credential
+    sa.Column("recorded_at", sa.Double, nullable=False),
+)
+
 # Seconds between an owner's heartbeats, and the silence after which it is gone.
 OWNER_BEAT_S = 2.0
 OWNER_DEAD_S = 10.0

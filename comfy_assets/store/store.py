@@ -16,14 +16,22 @@ from typing import TypedDict, Unpack
 import sqlalchemy as sa
 
 from comfy_assets.store.base import folder_name
+from comfy_assets.store.belongs import claim_database
 from comfy_assets.store.claims import Claims
 from comfy_assets.store.clock import DbClock
 from comfy_assets.store.errors import StoreError
-from comfy_assets.store.files import FileStore, file_store_for
+from comfy_assets.store.files import FileStore, FileStoreRefused, file_store_for
+from comfy_assets.store.files.s3_config import parse_location
 from comfy_assets.store.health import ServerHealth
 from comfy_assets.store.leases import ServerLeases
 from comfy_assets.store.live import Live
-from comfy_assets.store.location import NoDatabase, check_database, local_folder, store_location
+from comfy_assets.store.location import (
+    NoDatabase,
+    OtherStoresDatabase,
+    check_database,
+    local_folder,
+    store_location,
+)
 from comfy_assets.store.queries import Queries
 from comfy_assets.store.retry import (
     DEFAULT_RETRY_S,
@@ -66,6 +74,7 @@ __all__ = [
     "NoDatabase",
     "NoLocalFolder",
     "NoStore",
+    "OtherStoresDatabase",
     "Store",
 ]
 
@@ -91,7 +100,8 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
     write the database's disk has no room for raises StoreDiskFull.
 
     Opening raises BadDbUrl for a URL SQLAlchemy cannot use, FileStoreRefused for a
-    location no file store reads. A PostgreSQL server that cannot be reached is tried
+    location no file store reads, OtherStoresDatabase for a database that holds another
+    object store's records (``store.belongs``: one database per store). A PostgreSQL server that cannot be reached is tried
     again for ``retry_s`` seconds (a restart, a failover), then StoreUnavailable; one
     that refuses us (unknown role or database, a wrong password) raises
     StoreUnavailable at once.
@@ -111,9 +121,11 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
         self.retry_s = retry_s  # how long a call that loses its connection is tried again
         self.outage = Outage()
         self.clock = DbClock()
+        self._database = "at --db-url"  # how a refusal names it (``claim_database``)
         if db_url is None:
             self.root.mkdir(parents=True, exist_ok=True)
             db_url = f"sqlite:///{self.root / 'store.db'}"
+            self._database = str(self.root / "store.db")
         try:
             backend = sa.make_url(db_url).get_backend_name()
             if backend not in ("sqlite", "postgresql"):
@@ -145,6 +157,9 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
         while True:
             try:
                 create_tables(self.engine)
+                claim_database(
+                    self.engine, self._object_store(), str(self.location), self._database
+                )
                 with self.engine.connect() as conn:
                     self.clock.measure(conn, self.dialect)
             except sa.exc.DBAPIError as e:
@@ -163,6 +178,17 @@ class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
             else:
                 self.outage.reached()
                 return
+
+    def _object_store(self) -> str | None:
+        """The location an object store records in its database (``s3://BUCKET/PREFIX``
+        as written to it: no trailing slash), None for a folder store. Raises
+        FileStoreRefused for an ``s3://`` location that is not one."""
+        if local_folder(self.location) is not None:
+            return None
+        try:
+            return str(parse_location(str(self.location)))
+        except ValueError as e:
+            raise FileStoreRefused(str(e)) from e
 
     @property
     def root(self) -> Path:
