@@ -40,6 +40,7 @@ from comfy_assets.jobs.parse import (
     open_job_file,
     version_of,
 )
+from comfy_assets.jobs.quick import QuickLines, Shape, flat_object
 from comfy_assets.jobs.regular_file import open_regular_file
 from comfy_assets.jobs.workflows import WorkflowCache
 
@@ -225,9 +226,11 @@ class _Pass:
     def read(self, handle: BinaryIO) -> None:
         parser = self.parser
         where = parser.source
+        quick = QuickLines(parser)
         first = True
         offset = 0
         offsets, lines, digests = self.offsets, self.lines, self.digests
+        ids, id_lines = self.ids, self._id_lines
         # Lines end at b"\n" alone, as load_job_file's split("\n"): JSON strings may hold
         # U+2028 and friends.
         for number, raw in enumerate(handle, start=1):
@@ -243,7 +246,25 @@ class _Pass:
                 raise JobFileError([LineError(where, number, "file", message)]) from e
             if not text:
                 continue
-            obj = parser.parse_line(text, number)
+            obj = flat_object(text)
+            shape = None
+            if obj is None:
+                obj = parser.parse_line(text, number)
+            elif "header" not in obj:
+                shape = quick.shape(obj)
+                if quick.valid(obj, shape):
+                    # Like a valid line before it: its own values were checked, and are.
+                    first = False
+                    self.job_lines += 1
+                    ids += bytes.fromhex(obj["id"].replace("-", ""))
+                    id_lines.append(number)
+                    if obj.get("shot") is not None:
+                        self._note_shot(obj, number)
+                        self.storyboard = True
+                    offsets.append(start)
+                    lines.append(number)
+                    digests.append(hash(raw))
+                    continue
             if isinstance(obj, dict) and "header" in obj:
                 if first:
                     self.header = parser.header(obj, number) or self.header
@@ -253,28 +274,39 @@ class _Pass:
                 continue
             first = False
             self.job_lines += 1
-            if obj is None:
-                continue
-            fields = parser.fields(obj, number, build=False)
-            self._note_id(obj, number)
-            if obj.get("shot") is not None:
-                errors = len(parser.errors)
-                note_repeats(parser, obj, number, None, self.seen_shots)
-                # Repeated shots are said after the line's other errors, as load_job_file
-                # does.
-                self.shot_errors += parser.errors[errors:]
-                del parser.errors[errors:]
-            if fields is None:
-                continue
-            if fields.inputs:
-                if any(isinstance(i, InputFromJob) for i in fields.inputs):
-                    raise _HasChained
-                self.input_files += [input_file_line(fields.id, i) for i in fields.inputs]
-            if fields.shot is not None:
-                self.storyboard = True
-            offsets.append(start)
-            lines.append(number)
-            digests.append(hash(raw))
+            if obj is not None and self._check(obj, number, shape, quick):
+                offsets.append(start)
+                lines.append(number)
+                digests.append(hash(raw))
+
+    def _check(
+        self, obj: dict[str, Any], number: int, shape: Shape | None, quick: QuickLines
+    ) -> bool:
+        """Check the job line ``obj`` by ``LineParser``: True when it is valid."""
+        parser = self.parser
+        fields = parser.fields(obj, number, build=False)
+        self._note_id(obj, number)
+        if obj.get("shot") is not None:
+            self._note_shot(obj, number)
+        if fields is None:
+            return False
+        if fields.inputs:
+            if any(isinstance(i, InputFromJob) for i in fields.inputs):
+                raise _HasChained
+            self.input_files += [input_file_line(fields.id, i) for i in fields.inputs]
+        else:
+            quick.learn(shape)
+        if fields.shot is not None:
+            self.storyboard = True
+        return True
+
+    def _note_shot(self, obj: dict[str, Any], number: int) -> None:
+        parser = self.parser
+        errors = len(parser.errors)
+        note_repeats(parser, obj, number, None, self.seen_shots)
+        # Repeated shots are said after the line's other errors, as load_job_file does.
+        self.shot_errors += parser.errors[errors:]
+        del parser.errors[errors:]
 
     def _note_id(self, obj: dict[str, Any], number: int) -> None:
         job_id = obj.get("id")
