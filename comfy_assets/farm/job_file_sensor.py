@@ -67,7 +67,7 @@ from comfy_assets.farm.partitions import (
     partition_key_for,
 )
 from comfy_assets.jobs.model import JobFile, JobFileError
-from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.stream import JobScan, scan_job_file
 from comfy_assets.jobs.workflows import WorkflowCache
 
 SENSOR_INTERVAL_ENV = "COMFY_ASSETS_SENSOR_INTERVAL_S"
@@ -177,19 +177,26 @@ def _resolved_folder(folder: Path) -> Path:
     return folder.resolve()
 
 
+def _counts(job_file: JobScan | JobFile) -> tuple[int, int]:
+    """The jobs of a validated job file, and how many of them have a shot."""
+    if isinstance(job_file, JobScan):
+        return job_file.count, job_file.shots
+    return len(job_file.jobs), sum(1 for job in job_file.jobs if job.shot is not None)
+
+
 def _materialization(
-    key: str, path: Path, job_file: JobFile, asset_key: AssetKey
+    key: str, path: Path, job_file: JobScan | JobFile, asset_key: AssetKey
 ) -> AssetMaterialization:
     """The job file version the sensor accepted, as a partition of ``job_files``."""
-    shots = sum(1 for job in job_file.jobs if job.shot is not None)
+    jobs, shots = _counts(job_file)
     return AssetMaterialization(
         asset_key=asset_key,
         partition=key,
-        description=f"{path.name}: {len(job_file.jobs)} jobs accepted, run requested",
+        description=f"{path.name}: {jobs} jobs accepted, run requested",
         metadata={
             "path": MetadataValue.path(str(_resolved_folder(path.parent) / path.name)),
             "sha256": job_file.sha256,
-            "jobs": len(job_file.jobs),
+            "jobs": jobs,
             "shots": shots,
             "policy": job_file.header.policy,
         },
@@ -299,7 +306,7 @@ def current_problems(dirs: list[Path] | None = None) -> list[str]:
             problems.append(_ambiguous(key, entries))
             continue
         try:
-            load_job_file(Path(entries[0].path), workflows, rules=input_rules_from_env())
+            scan_job_file(Path(entries[0].path), workflows, rules=input_rules_from_env())
         except JobFileError as exc:
             problems.append(job_file_problems(exc))
     return problems
@@ -390,7 +397,9 @@ def _accept(
             seen[key] = SeenFile(old.sha, stat.st_size, stat.st_mtime_ns, True)
             continue
         try:
-            job_file = load_job_file(path, workflows, rules=input_rules_from_env())
+            # One streaming pass, no job held: a tick on a file of a million jobs takes
+            # seconds and tens of MB (docs/scaling.md).
+            job_file = scan_job_file(path, workflows, rules=input_rules_from_env())
         except JobFileError as exc:
             accepted.problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
             errors = job_file_problems(exc)
@@ -408,12 +417,10 @@ def _accept(
         )
         accepted.keys.append(key)
         accepted.materializations.append(_materialization(key, path, job_file, farm.job_files_key))
-        shots = any(job.shot is not None for job in job_file.jobs)
+        jobs, shots = _counts(job_file)
         (accepted.with_shots if shots else accepted.without_shots).append(key)
         if len(accepted.run_requests) <= LOGGED_REQUESTS:
-            context.log.info(
-                f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}"
-            )
+            context.log.info(f"{path}: {jobs} jobs, requesting a run of partition {key}")
     return accepted
 
 

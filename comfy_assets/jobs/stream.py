@@ -57,14 +57,15 @@ class JobFileChanged(OSError):
 class JobScan:
     """A validated job file whose jobs are built when taken (``reader``).
 
-    ``count``: its jobs; ``storyboard``: whether any has a ``shot``; ``sha256``: the
-    version, as ``JobFile.sha256``."""
+    ``count``: its jobs; ``storyboard``: whether any has a ``shot``; ``shots``: how many
+    have one; ``sha256``: the version, as ``JobFile.sha256``."""
 
     path: Path
     sha256: str
     header: Header
     count: int
     storyboard: bool
+    shots: int
     parser: LineParser = field(repr=False)
     # Per job, in line order: byte offset of its line, line number, hash of its bytes.
     offsets: array[int] = field(repr=False)
@@ -191,6 +192,7 @@ def scan_job_file(
         header=found.header,
         count=len(found.offsets),
         storyboard=found.storyboard,
+        shots=len(found.seen_shots),  # a file with a shot repeated is not valid
         parser=parser,
         offsets=found.offsets,
         lines=found.lines,
