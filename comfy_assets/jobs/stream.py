@@ -14,6 +14,7 @@ loaded whole instead (``load_job_file``): its prompt_ids follow its upstream job
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 from array import array
 from collections.abc import Iterator, Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, overload
 
+from comfy_assets.jobs.halves import can_halve, read_halves
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import (
     UUID_PATTERN,
@@ -167,16 +169,30 @@ def scan_job_file(
     a repeated ``id`` or ``shot``."""
     path = Path(path)
     where = str(path)
-    parser = LineParser(where, path.parent, workflows or WorkflowCache(), rules)
-    parser.keep_workflows = False
+    cache = workflows or WorkflowCache()
+
+    def new_parser() -> LineParser:
+        parser = LineParser(where, path.parent, cache, rules)
+        parser.keep_workflows = False
+        return parser
+
     with open_job_file(path) as handle:
-        found = _Pass(parser)
         try:
-            found.read(handle)
+            size = os.fstat(handle.fileno()).st_size
+            # Two cores check a big file's halves at once; one with any problem is read
+            # again in one pass, which says every error in order.
+            found = (
+                read_halves(where, handle, size, _Pass, new_parser()) if can_halve(size) else None
+            )
+            if found is None:
+                handle.seek(0)
+                found = _Pass(new_parser())
+                found.read(handle)
         except _HasChained:
             return load_job_file(path, workflows, rules=rules)
         except OSError as e:
             raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
+    parser = found.parser
     errors = parser.errors
     if found.job_lines == 0:
         # An empty batch would wait forever for jobs that never come.
@@ -224,19 +240,25 @@ class _Pass:
         self.job_lines = 0  # non-blank lines that are not the header, valid or not
         self.storyboard = False
         self._id_lines = array("q")  # the line of each id in ``ids``
+        self.blank = True  # no non-blank line read (from line 1) yet
 
-    def read(self, handle: BinaryIO) -> None:
+    def read(
+        self, handle: BinaryIO, *, start_line: int = 1, offset: int = 0, end: int | None = None
+    ) -> None:
+        """Check the lines of ``handle`` from its position, line ``start_line`` at byte
+        ``offset``, up to byte ``end`` (a line boundary; None: the end of the file)."""
         parser = self.parser
         where = parser.source
         quick = QuickLines(parser)
-        first = True
-        offset = 0
+        first = start_line == 1
         offsets, lines, digests = self.offsets, self.lines, self.digests
         ids, id_lines = self.ids, self._id_lines
         # Lines end at b"\n" alone, as load_job_file's split("\n"): JSON strings may hold
         # U+2028 and friends.
-        for number, raw in enumerate(handle, start=1):
+        for number, raw in enumerate(handle, start=start_line):
             start = offset
+            if end is not None and start >= end:
+                break
             offset += len(raw)
             self.digest.update(raw)
             body = raw[len(BOM) :] if number == 1 and raw.startswith(BOM) else raw
@@ -280,6 +302,7 @@ class _Pass:
                 offsets.append(start)
                 lines.append(number)
                 digests.append(hash(raw))
+        self.blank = first
 
     def _check(
         self, obj: dict[str, Any], number: int, shape: Shape | None, quick: QuickLines

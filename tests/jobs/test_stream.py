@@ -7,10 +7,20 @@ import json
 
 import pytest
 
+from comfy_assets.jobs import halves
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.stream import JobFileChanged, JobScan, scan_job_file
 from tests.support import job_id, write_jobs
+
+
+@pytest.fixture(autouse=True, params=["one pass", "halves"])
+def passes(request, monkeypatch):
+    """Every test twice: files read in one pass, and every file of two lines or more
+    checked in two halves at once (as big files are)."""
+    if request.param == "halves":
+        monkeypatch.setattr(halves, "HALVES_BYTES", 0)
+    return request.param
 
 
 def errors_of(load, path) -> list[str]:
@@ -152,3 +162,22 @@ def test_a_good_file_of_repeated_shapes_gives_what_load_job_file_gives(tmp_path)
     assert [(j.take, j.optional, j.duration_s) for j in got] == [
         (j.take, j.optional, j.duration_s) for j in loaded.jobs
     ]
+
+
+def test_halves_say_repeats_across_them_and_join_what_each_found(tmp_path, passes):
+    extra = [{"shot": i} for i in range(400)]
+    path = write_jobs(tmp_path, 400, extra=extra)
+    loaded = load_job_file(path)
+    scan = scan_job_file(path)
+    assert isinstance(scan, JobScan)
+    assert (scan.count, scan.shots, scan.sha256) == (400, 400, loaded.sha256)
+    assert list(scan.job_ids()) == [j.id for j in loaded.jobs]
+    reader = scan.reader()
+    assert [j.line for j in reader.take(400)] == [j.line for j in loaded.jobs]
+    reader.close()
+    lines = path.read_text().splitlines()
+    for repeated in (lines[3], lines[3].replace('"shot": 3', '"shot": 399')):
+        path.write_text("\n".join(lines[:-1] + [repeated]) + "\n")
+        expected = errors_of(load_job_file, path)
+        assert expected
+        assert errors_of(scan_job_file, path) == expected
