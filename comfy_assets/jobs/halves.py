@@ -6,7 +6,8 @@ Only a file with no problem is told this way: when either half has an error of a
 not UTF-8, a job taking another job's output), or the two halves have a shot in common,
 the answer is None and the caller reads the file again in one pass, which says every
 error in order as ``load_job_file`` does. Repeated ids across the halves are found after
-(``_Pass.repeated_ids`` over the joined ids).
+(``_Pass.repeated_ids`` over the joined ids). The forked process hashes lines as this one
+does (``hash`` of bytes: the same seed), so the reader checks its lines as its own.
 """
 
 from __future__ import annotations
