@@ -64,7 +64,12 @@ from comfy_assets.farm.metadata import (
 from comfy_assets.farm.names import Farm
 from comfy_assets.farm.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.farm.resources import ComfyPoolResource, ResultStoreResource
-from comfy_assets.farm.versions import job_file_missing, load_rendered_file, scan_partition_file
+from comfy_assets.farm.versions import (
+    file_job_ids,
+    job_file_missing,
+    load_rendered_file,
+    scan_partition_file,
+)
 from comfy_assets.film.gate import GateBlocked, GateResult
 from comfy_assets.film.make import store_film
 from comfy_assets.film.probe import MediaError
@@ -142,7 +147,6 @@ def render_partition(
     partition = context.partition_key
     if job_file_missing(context, partition, farm):
         return
-    # Validated whole first, then its jobs taken a chunk at a time (as ``run`` does).
     job_file = scan_partition_file(partition, farm)
     requested = context.run.tags.get(JOB_FILE_SHA_TAG)
     if requested and requested != job_file.sha256:
@@ -150,9 +154,7 @@ def render_partition(
             f"{job_file.path} changed since the sensor requested this run; rendering the "
             f"current version {job_file.sha256[:16]} (the sensor requests a run for it too)"
         )
-    job_ids = (
-        job_file.job_ids() if isinstance(job_file, JobScan) else [job.id for job in job_file.jobs]
-    )
+    job_ids = file_job_ids(job_file)
 
     store = result_store.open()
     sheet: OutputsSheet | None = None
@@ -171,7 +173,8 @@ def render_partition(
             priority=run_priority(context.run.tags),
         )
         in_file = set(job_ids)
-        current = [record for record in summary.jobs if record.job_id in in_file]
+        records = store.jobs(partition) if isinstance(job_file, JobScan) else summary.jobs
+        current = [record for record in records if record.job_id in in_file]
         outputs = store.partition_files(partition)
         tries = [t for t in store.model_loads(partition) if t.job_id in in_file]
         failed_on = store.failed_on(partition)
@@ -283,9 +286,7 @@ def write_partition_results(
     renders rendered (the step fails if the file changed since)."""
     partition = context.partition_key
     job_file = load_rendered_file(context, partition, farm)
-    job_ids = (
-        job_file.job_ids() if isinstance(job_file, JobScan) else [job.id for job in job_file.jobs]
-    )
+    job_ids = [job.id for job in job_file.jobs]
     store = result_store.open()
     try:
         path, results = write_results(store, partition, job_ids)

@@ -4,7 +4,7 @@
 ``render_results`` and ``films`` work on that version, and refuse a file changed since.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from dagster import AssetExecutionContext, AssetRecordsFilter, Failure
@@ -43,10 +43,18 @@ def load_partition_file(partition: str, farm: Farm = DEFAULT_FARM) -> JobFile:
 
 def scan_partition_file(partition: str, farm: Farm = DEFAULT_FARM) -> JobScan | JobFile:
     """The job file of a partition validated whole in one pass, its jobs not held but
-    built a chunk at a time as the batch takes them (``scan_job_file``: a file whose jobs
-    take inputs from other jobs is loaded whole). A missing or invalid file fails
-    without retries."""
+    built a chunk at a time as the batch takes them, as ``run`` does (``scan_job_file``: a
+    file whose jobs take inputs from other jobs is loaded whole). The batch's summary of
+    a ``JobScan`` names a few jobs only (``summarize_file``): ``renders`` reads its records
+    from the store. A missing or invalid file fails without retries."""
     return _read_partition_file(partition, farm, scan_job_file)
+
+
+def file_job_ids(job_file: JobScan | JobFile) -> Sequence[str]:
+    """The job ids of a job file, in line order (a ``JobScan``'s made when read)."""
+    if isinstance(job_file, JobScan):
+        return job_file.job_ids()
+    return [job.id for job in job_file.jobs]
 
 
 def _read_partition_file(partition: str, farm: Farm, read: Callable[..., T]) -> T:

@@ -374,7 +374,7 @@ def test_an_unchanged_folder_of_5000_files_is_only_listed(
         raise AssertionError(f"{path} was read although unchanged")
 
     monkeypatch.setattr(sensors, "_sha256_file", must_not_read)
-    monkeypatch.setattr(sensors, "load_job_file", must_not_read)
+    monkeypatch.setattr(sensors, "scan_job_file", must_not_read)
 
     result = tick(instance, dump_cursor(seen))
 
