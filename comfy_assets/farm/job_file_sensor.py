@@ -90,6 +90,10 @@ UNFINISHED = [
     DagsterRunStatus.CANCELING,
 ]
 _HASH_CHARS = 16
+# A bigger file is hashed in the tick but validated by its run (``renders`` fails it, with
+# every error, before posting anything): its pass, about 5 µs a line, would take the tick
+# past its 2 s budget (a 118 MB file of 1,000,000 jobs: seconds; docs/scaling.md).
+VALIDATED_IN_TICK_BYTES = 16 << 20
 # A tick logs the first this many run requests one a line, then how many more.
 LOGGED_REQUESTS = 20
 
@@ -396,9 +400,12 @@ def _accept(
             # Touched or rewritten with the same bytes: this version already ran.
             seen[key] = SeenFile(old.sha, stat.st_size, stat.st_mtime_ns, True)
             continue
+        if stat.st_size > VALIDATED_IN_TICK_BYTES:
+            _request_unvalidated(context, accepted, key, path, sha, farm.job_files_key)
+            seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, True)
+            continue
         try:
-            # One streaming pass, no job held: a tick on a file of a million jobs takes
-            # seconds and tens of MB (docs/scaling.md).
+            # One streaming pass, no job held (``jobs/stream.py``).
             job_file = scan_job_file(path, workflows, rules=input_rules_from_env())
         except JobFileError as exc:
             accepted.problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
@@ -422,6 +429,56 @@ def _accept(
         if len(accepted.run_requests) <= LOGGED_REQUESTS:
             context.log.info(f"{path}: {jobs} jobs, requesting a run of partition {key}")
     return accepted
+
+
+def _request_unvalidated(
+    context: SensorEvaluationContext,
+    accepted: _Accepted,
+    key: str,
+    path: Path,
+    sha: str,
+    asset_key: AssetKey,
+) -> None:
+    """Request a run of a file too big to validate in the tick (its run validates it).
+    It is a storyboard when its bytes hold ``"shot"`` (a key, or rarely a text)."""
+    accepted.run_requests.append(
+        RunRequest(
+            run_key=f"{key}:{sha[:_HASH_CHARS]}",
+            partition_key=key,
+            tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
+        )
+    )
+    accepted.keys.append(key)
+    size_mb = path.stat().st_size / 1e6
+    accepted.materializations.append(
+        AssetMaterialization(
+            asset_key=asset_key,
+            partition=key,
+            description=f"{path.name}: {size_mb:.1f} MB, run requested; its run validates it",
+            metadata={
+                "path": MetadataValue.path(str(_resolved_folder(path.parent) / path.name)),
+                "sha256": sha,
+                "megabytes": MetadataValue.float(size_mb),
+            },
+        )
+    )
+    (accepted.with_shots if _mentions_shot(path) else accepted.without_shots).append(key)
+    if len(accepted.run_requests) <= LOGGED_REQUESTS:
+        context.log.info(
+            f"{path}: {size_mb:.1f} MB, requesting a run of partition {key} (validated by it)"
+        )
+
+
+def _mentions_shot(path: Path) -> bool:
+    """Whether the file's bytes hold ``"shot"`` (blocks overlap by the word's length)."""
+    word = b'"shot"'
+    tail = b""
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            if word in tail + chunk[: len(word)] or word in chunk:
+                return True
+            tail = chunk[-len(word) :]
+    return False
 
 
 def _partition_requests(
