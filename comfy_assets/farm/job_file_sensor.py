@@ -2,7 +2,8 @@
 
 Each tick lists the watched folders (one ``os.scandir`` per folder plus a ``stat`` per
 file) and compares every ``*.jsonl`` file with the cursor. Only files whose size or
-mtime changed are read and hashed; only files whose content hash changed are validated.
+mtime changed are read and hashed; only files whose content hash changed are validated
+(those over ``VALIDATED_IN_TICK_BYTES`` by their run instead, for the tick's budget).
 A new or changed valid file gets its partition (if new) and one run request whose
 ``run_key`` is ``<partition>:<sha256[:16]>``, so Dagster launches each file version
 once even if the cursor is lost. Reverting a file to a version that already ran launches
