@@ -354,6 +354,17 @@ class _Accepted:
     problems: list[str] = field(default_factory=list)
     deferred: int = 0
 
+    def request(self, key: str, path: Path, sha: str) -> None:
+        """A run of the version ``sha`` of the file at ``path``, partition ``key``."""
+        self.run_requests.append(
+            RunRequest(
+                run_key=f"{key}:{sha[:_HASH_CHARS]}",
+                partition_key=key,
+                tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
+            )
+        )
+        self.keys.append(key)
+
 
 def _changed_files(
     by_key: dict[str, list[os.DirEntry[str]]],
@@ -416,14 +427,7 @@ def _accept(
         # The file may have changed between hashing and loading: the loaded bytes win.
         sha = job_file.sha256
         seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, True)
-        accepted.run_requests.append(
-            RunRequest(
-                run_key=f"{key}:{sha[:_HASH_CHARS]}",
-                partition_key=key,
-                tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
-            )
-        )
-        accepted.keys.append(key)
+        accepted.request(key, path, sha)
         accepted.materializations.append(_materialization(key, path, job_file, farm.job_files_key))
         jobs, shots = _counts(job_file)
         (accepted.with_shots if shots else accepted.without_shots).append(key)
@@ -442,14 +446,7 @@ def _request_unvalidated(
 ) -> None:
     """Request a run of a file too big to validate in the tick (its run validates it).
     It is a storyboard when its bytes hold ``"shot"`` (a key, or rarely a text)."""
-    accepted.run_requests.append(
-        RunRequest(
-            run_key=f"{key}:{sha[:_HASH_CHARS]}",
-            partition_key=key,
-            tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
-        )
-    )
-    accepted.keys.append(key)
+    accepted.request(key, path, sha)
     size_mb = path.stat().st_size / 1e6
     accepted.materializations.append(
         AssetMaterialization(
