@@ -38,6 +38,17 @@ _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder(
 # The end of a key: its closing quote, then a colon. A string value opening with a colon
 # matches too: that only makes the count larger (the slow path then).
 _KEY_END = re.compile(r'"\s*:')
+# A job id as ``LineParser`` takes it (``UUID_PATTERN``), caught.
+_ID = rb'"([0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})"'
+# A ``set`` value a template takes: an integer or a decimal short enough to be finite and
+# decodable (no exponent: 1e400 is not), printable ASCII text without a quote or a
+# backslash, true, false or null. Anything else (an array is a link) is decoded.
+_VALUE = (
+    rb"(?:-?(?:0|[1-9][0-9]{0,300})(?:\.[0-9]{1,300})?"
+    rb'|"[\x20\x21\x23-\x5b\x5d-\x7e]*"|true|false|null)'
+)
+# A template's ``fullmatch``: the match of a line's bytes, its id as group 1, or None.
+Template = Callable[[bytes], "re.Match[bytes] | None"]
 # A shape: the line's keys in order, the workflow file it names, the keys of its ``set``.
 Shape = tuple[tuple[str, ...], str, tuple[str, ...]]
 
@@ -112,6 +123,36 @@ class QuickLines:
             return False
         take = obj.get("take", 1)
         return type(take) is int and 1 <= take <= MAX_TAKE
+
+    def template(self, obj: dict[str, Any], raw: bytes) -> Template | None:
+        """A template of the valid line ``obj`` (read as ``raw``): a regex on the bytes of
+        a line that has the same text but for its id and its ``set`` values, the id
+        caught as its group 1; None when ``obj`` has other fields than id, workflow and
+        set, or its text is spaced otherwise than json.dumps spaces it."""
+        if set(obj) != {"id", "workflow", "set"}:
+            return None
+        overrides = obj["set"]
+        if type(overrides) is not dict:
+            return None
+        for item, key in (", ", ": "), (",", ":"):
+
+            def text(value: Any, key: str = key) -> bytes:
+                return re.escape(json.dumps(value, ensure_ascii=False).encode() + key.encode())
+
+            parts = []
+            for name, value in obj.items():
+                if name == "id":
+                    part = text(name) + _ID
+                elif name == "workflow":
+                    part = text(name) + re.escape(json.dumps(value, ensure_ascii=False).encode())
+                else:
+                    entries = item.encode().join(text(k) + _VALUE for k in overrides)
+                    part = text(name) + b"\\{" + entries + b"\\}"
+                parts.append(part)
+            pattern = re.compile(b"\\{" + item.encode().join(parts) + b"\\}\\r?\\n?")
+            if pattern.fullmatch(raw):
+                return pattern.fullmatch
+        return None
 
     def learn(self, shape: Shape | None) -> None:
         """Remember ``shape``: a line of that shape was found valid by ``LineParser``

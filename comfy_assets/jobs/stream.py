@@ -17,6 +17,7 @@ import hashlib
 import os
 import uuid
 from array import array
+from binascii import unhexlify
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ from comfy_assets.jobs.parse import (
     open_job_file,
     version_of,
 )
-from comfy_assets.jobs.quick import QuickLines, Shape, flat_object
+from comfy_assets.jobs.quick import QuickLines, Shape, Template, flat_object
 from comfy_assets.jobs.regular_file import open_regular_file
 from comfy_assets.jobs.workflows import WorkflowCache
 
@@ -250,6 +251,8 @@ class _Pass:
         parser = self.parser
         where = parser.source
         quick = QuickLines(parser)
+        template: Template | None = None  # of the first shape that has one
+        tried: set[Shape | None] = set()
         first = start_line == 1
         offsets, lines, digests = self.offsets, self.lines, self.digests
         ids, id_lines = self.ids, self._id_lines
@@ -261,6 +264,16 @@ class _Pass:
                 break
             offset += len(raw)
             self.digest.update(raw)
+            if template is not None and (match := template(raw)) is not None:
+                # The text of a valid line but for its id and set values, which it takes.
+                first = False
+                self.job_lines += 1
+                ids += unhexlify(match[1].replace(b"-", b""))
+                id_lines.append(number)
+                offsets.append(start)
+                lines.append(number)
+                digests.append(hash(raw))
+                continue
             body = raw[len(BOM) :] if number == 1 and raw.startswith(BOM) else raw
             try:
                 text = body.decode("utf-8").strip()
@@ -278,6 +291,9 @@ class _Pass:
                 shape = quick.shape(obj)
                 if quick.valid(obj, shape):
                     # Like a valid line before it: its own values were checked, and are.
+                    if template is None and shape not in tried:
+                        tried.add(shape)
+                        template = quick.template(obj, raw)
                     first = False
                     self.job_lines += 1
                     ids += bytes.fromhex(obj["id"].replace("-", ""))

@@ -142,10 +142,15 @@ def test_lines_shaped_as_a_valid_line_before_them_are_said_as_load_job_file_says
         json.dumps(good[2]).replace('{"1.color"', '{"1.color" :0, "1.color"'),
         json.dumps(good[2]).replace('"workflow"', '"id" : "a:b", "workflow"'),
         json.dumps(good[2]).replace("}}", '}, "set": {"1.color": 1}}'),
+        json.dumps(good[2]).replace(": 2}", ": 1e400}"),
+        json.dumps(good[2]).replace(": 2}", ": NaN}"),
+        json.dumps(good[2]).replace(": 2}", ": 02}"),
+        json.dumps(good[2]).replace(": 2}", ': "a\\u0000b"}'),
+        json.dumps(good[2]).replace(": 2}", ": [2, 0]}"),
     ]
     path.write_text("\n".join(text) + "\n")
     expected = errors_of(load_job_file, path)
-    assert len(expected) >= 13
+    assert len(expected) >= 18
     assert errors_of(scan_job_file, path) == expected
 
 
