@@ -64,7 +64,12 @@ from comfy_assets.farm.metadata import (
 from comfy_assets.farm.names import Farm
 from comfy_assets.farm.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.farm.resources import ComfyPoolResource, ResultStoreResource
-from comfy_assets.farm.versions import job_file_missing, load_partition_file, load_rendered_file
+from comfy_assets.farm.versions import (
+    file_job_ids,
+    job_file_missing,
+    load_rendered_file,
+    scan_partition_file,
+)
 from comfy_assets.film.gate import GateBlocked, GateResult
 from comfy_assets.film.make import store_film
 from comfy_assets.film.probe import MediaError
@@ -75,6 +80,7 @@ from comfy_assets.film.shots import (
     has_shots,
 )
 from comfy_assets.jobs.states import DONE
+from comfy_assets.jobs.stream import JobScan
 from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
@@ -141,14 +147,14 @@ def render_partition(
     partition = context.partition_key
     if job_file_missing(context, partition, farm):
         return
-    job_file = load_partition_file(partition, farm)
+    job_file = scan_partition_file(partition, farm)
     requested = context.run.tags.get(JOB_FILE_SHA_TAG)
     if requested and requested != job_file.sha256:
         context.log.warning(
             f"{job_file.path} changed since the sensor requested this run; rendering the "
             f"current version {job_file.sha256[:16]} (the sensor requests a run for it too)"
         )
-    job_ids = [job.id for job in job_file.jobs]
+    job_ids = file_job_ids(job_file)
 
     store = result_store.open()
     sheet: OutputsSheet | None = None
@@ -167,7 +173,8 @@ def render_partition(
             priority=run_priority(context.run.tags),
         )
         in_file = set(job_ids)
-        current = [record for record in summary.jobs if record.job_id in in_file]
+        records = store.jobs(partition) if isinstance(job_file, JobScan) else summary.jobs
+        current = [record for record in records if record.job_id in in_file]
         outputs = store.partition_files(partition)
         tries = [t for t in store.model_loads(partition) if t.job_id in in_file]
         failed_on = store.failed_on(partition)

@@ -2,7 +2,8 @@
 
 Each tick lists the watched folders (one ``os.scandir`` per folder plus a ``stat`` per
 file) and compares every ``*.jsonl`` file with the cursor. Only files whose size or
-mtime changed are read and hashed; only files whose content hash changed are validated.
+mtime changed are read and hashed; only files whose content hash changed are validated
+(those over ``VALIDATED_IN_TICK_BYTES`` by their run instead, for the tick's budget).
 A new or changed valid file gets its partition (if new) and one run request whose
 ``run_key`` is ``<partition>:<sha256[:16]>``, so Dagster launches each file version
 once even if the cursor is lost. Reverting a file to a version that already ran launches
@@ -67,7 +68,7 @@ from comfy_assets.farm.partitions import (
     partition_key_for,
 )
 from comfy_assets.jobs.model import JobFile, JobFileError
-from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.stream import JobScan, scan_job_file
 from comfy_assets.jobs.workflows import WorkflowCache
 
 SENSOR_INTERVAL_ENV = "COMFY_ASSETS_SENSOR_INTERVAL_S"
@@ -90,6 +91,10 @@ UNFINISHED = [
     DagsterRunStatus.CANCELING,
 ]
 _HASH_CHARS = 16
+# A bigger file is hashed in the tick but validated by its run (``renders`` fails it, with
+# every error, before posting anything): its pass, about 5 µs a line, would take the tick
+# past its 2 s budget (a 118 MB file of 1,000,000 jobs: seconds; docs/scaling.md).
+VALIDATED_IN_TICK_BYTES = 16 << 20
 # A tick logs the first this many run requests one a line, then how many more.
 LOGGED_REQUESTS = 20
 
@@ -177,19 +182,26 @@ def _resolved_folder(folder: Path) -> Path:
     return folder.resolve()
 
 
+def _counts(job_file: JobScan | JobFile) -> tuple[int, int]:
+    """The jobs of a validated job file, and how many of them have a shot."""
+    if isinstance(job_file, JobScan):
+        return job_file.count, job_file.shots
+    return len(job_file.jobs), sum(1 for job in job_file.jobs if job.shot is not None)
+
+
 def _materialization(
-    key: str, path: Path, job_file: JobFile, asset_key: AssetKey
+    key: str, path: Path, job_file: JobScan | JobFile, asset_key: AssetKey
 ) -> AssetMaterialization:
     """The job file version the sensor accepted, as a partition of ``job_files``."""
-    shots = sum(1 for job in job_file.jobs if job.shot is not None)
+    jobs, shots = _counts(job_file)
     return AssetMaterialization(
         asset_key=asset_key,
         partition=key,
-        description=f"{path.name}: {len(job_file.jobs)} jobs accepted, run requested",
+        description=f"{path.name}: {jobs} jobs accepted, run requested",
         metadata={
             "path": MetadataValue.path(str(_resolved_folder(path.parent) / path.name)),
             "sha256": job_file.sha256,
-            "jobs": len(job_file.jobs),
+            "jobs": jobs,
             "shots": shots,
             "policy": job_file.header.policy,
         },
@@ -299,7 +311,7 @@ def current_problems(dirs: list[Path] | None = None) -> list[str]:
             problems.append(_ambiguous(key, entries))
             continue
         try:
-            load_job_file(Path(entries[0].path), workflows, rules=input_rules_from_env())
+            scan_job_file(Path(entries[0].path), workflows, rules=input_rules_from_env())
         except JobFileError as exc:
             problems.append(job_file_problems(exc))
     return problems
@@ -341,6 +353,17 @@ class _Accepted:
     without_shots: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
     deferred: int = 0
+
+    def request(self, key: str, path: Path, sha: str) -> None:
+        """A run of the version ``sha`` of the file at ``path``, partition ``key``."""
+        self.run_requests.append(
+            RunRequest(
+                run_key=f"{key}:{sha[:_HASH_CHARS]}",
+                partition_key=key,
+                tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
+            )
+        )
+        self.keys.append(key)
 
 
 def _changed_files(
@@ -389,8 +412,13 @@ def _accept(
             # Touched or rewritten with the same bytes: this version already ran.
             seen[key] = SeenFile(old.sha, stat.st_size, stat.st_mtime_ns, True)
             continue
+        if stat.st_size > VALIDATED_IN_TICK_BYTES:
+            _request_unvalidated(context, accepted, key, path, sha, farm.job_files_key)
+            seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, True)
+            continue
         try:
-            job_file = load_job_file(path, workflows, rules=input_rules_from_env())
+            # One streaming pass, no job held (``jobs/stream.py``).
+            job_file = scan_job_file(path, workflows, rules=input_rules_from_env())
         except JobFileError as exc:
             accepted.problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
             errors = job_file_problems(exc)
@@ -399,22 +427,56 @@ def _accept(
         # The file may have changed between hashing and loading: the loaded bytes win.
         sha = job_file.sha256
         seen[key] = SeenFile(sha[:_HASH_CHARS], stat.st_size, stat.st_mtime_ns, True)
-        accepted.run_requests.append(
-            RunRequest(
-                run_key=f"{key}:{sha[:_HASH_CHARS]}",
-                partition_key=key,
-                tags={JOB_FILE_TAG: str(path), JOB_FILE_SHA_TAG: sha},
-            )
-        )
-        accepted.keys.append(key)
+        accepted.request(key, path, sha)
         accepted.materializations.append(_materialization(key, path, job_file, farm.job_files_key))
-        shots = any(job.shot is not None for job in job_file.jobs)
+        jobs, shots = _counts(job_file)
         (accepted.with_shots if shots else accepted.without_shots).append(key)
         if len(accepted.run_requests) <= LOGGED_REQUESTS:
-            context.log.info(
-                f"{path}: {len(job_file.jobs)} jobs, requesting a run of partition {key}"
-            )
+            context.log.info(f"{path}: {jobs} jobs, requesting a run of partition {key}")
     return accepted
+
+
+def _request_unvalidated(
+    context: SensorEvaluationContext,
+    accepted: _Accepted,
+    key: str,
+    path: Path,
+    sha: str,
+    asset_key: AssetKey,
+) -> None:
+    """Request a run of a file too big to validate in the tick (its run validates it).
+    It is a storyboard when its bytes hold ``"shot"`` (a key, or rarely a text)."""
+    accepted.request(key, path, sha)
+    size_mb = path.stat().st_size / 1e6
+    accepted.materializations.append(
+        AssetMaterialization(
+            asset_key=asset_key,
+            partition=key,
+            description=f"{path.name}: {size_mb:.1f} MB, run requested; its run validates it",
+            metadata={
+                "path": MetadataValue.path(str(_resolved_folder(path.parent) / path.name)),
+                "sha256": sha,
+                "megabytes": MetadataValue.float(size_mb),
+            },
+        )
+    )
+    (accepted.with_shots if _mentions_shot(path) else accepted.without_shots).append(key)
+    if len(accepted.run_requests) <= LOGGED_REQUESTS:
+        context.log.info(
+            f"{path}: {size_mb:.1f} MB, requesting a run of partition {key} (validated by it)"
+        )
+
+
+def _mentions_shot(path: Path) -> bool:
+    """Whether the file's bytes hold ``"shot"`` (blocks overlap by the word's length)."""
+    word = b'"shot"'
+    tail = b""
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            if word in tail + chunk[: len(word)] or word in chunk:
+                return True
+            tail = chunk[-len(word) :]
+    return False
 
 
 def _partition_requests(

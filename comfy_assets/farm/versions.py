@@ -4,12 +4,18 @@
 ``render_results`` and ``films`` work on that version, and refuse a file changed since.
 """
 
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
 from dagster import AssetExecutionContext, AssetRecordsFilter, Failure
 
 from comfy_assets.farm.names import DEFAULT_FARM, Farm
 from comfy_assets.farm.partitions import AmbiguousJobFileError, find_job_file, input_rules_from_env
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.stream import JobScan, scan_job_file
+
+T = TypeVar("T")
 
 
 def job_file_missing(
@@ -32,8 +38,30 @@ def job_file_missing(
 
 def load_partition_file(partition: str, farm: Farm = DEFAULT_FARM) -> JobFile:
     """The job file of a partition; a missing or invalid file fails without retries."""
+    return _read_partition_file(partition, farm, load_job_file)
+
+
+def scan_partition_file(partition: str, farm: Farm = DEFAULT_FARM) -> JobScan | JobFile:
+    """The job file of a partition validated whole in one pass, its jobs not held but
+    built a chunk at a time as the batch takes them, as ``run`` does (``scan_job_file``: a
+    file whose jobs take inputs from other jobs is loaded whole). The batch's summary of
+    a ``JobScan`` names a few jobs only (``summarize_file``): ``renders`` reads its records
+    from the store. A missing or invalid file fails without retries."""
+    return _read_partition_file(partition, farm, scan_job_file)
+
+
+def file_job_ids(job_file: JobScan | JobFile) -> Sequence[str]:
+    """The job ids of a job file, in line order (a ``JobScan``'s made when read)."""
+    if isinstance(job_file, JobScan):
+        return job_file.job_ids()
+    return [job.id for job in job_file.jobs]
+
+
+def _read_partition_file(partition: str, farm: Farm, read: Callable[..., T]) -> T:
+    """``read`` of the partition's job file with the input rules of the environment; a
+    missing or invalid file fails without retries."""
     try:
-        return load_job_file(find_job_file(partition, farm.dirs()), rules=input_rules_from_env())
+        return read(find_job_file(partition, farm.dirs()), rules=input_rules_from_env())
     except (FileNotFoundError, AmbiguousJobFileError, JobFileError, ValueError) as exc:
         raise Failure(description=f"partition {partition}: {exc}", allow_retries=False) from exc
 

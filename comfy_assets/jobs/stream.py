@@ -14,13 +14,16 @@ loaded whole instead (``load_job_file``): its prompt_ids follow its upstream job
 from __future__ import annotations
 
 import hashlib
+import os
 import uuid
 from array import array
+from binascii import unhexlify
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, overload
 
+from comfy_assets.jobs.halves import can_halve, read_halves
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import (
     UUID_PATTERN,
@@ -40,6 +43,7 @@ from comfy_assets.jobs.parse import (
     open_job_file,
     version_of,
 )
+from comfy_assets.jobs.quick import QuickLines, Shape, Template, flat_object
 from comfy_assets.jobs.regular_file import open_regular_file
 from comfy_assets.jobs.workflows import WorkflowCache
 
@@ -56,14 +60,15 @@ class JobFileChanged(OSError):
 class JobScan:
     """A validated job file whose jobs are built when taken (``reader``).
 
-    ``count``: its jobs; ``storyboard``: whether any has a ``shot``; ``sha256``: the
-    version, as ``JobFile.sha256``."""
+    ``count``: its jobs; ``storyboard``: whether any has a ``shot``; ``shots``: how many
+    have one; ``sha256``: the version, as ``JobFile.sha256``."""
 
     path: Path
     sha256: str
     header: Header
     count: int
     storyboard: bool
+    shots: int
     parser: LineParser = field(repr=False)
     # Per job, in line order: byte offset of its line, line number, hash of its bytes.
     offsets: array[int] = field(repr=False)
@@ -165,16 +170,30 @@ def scan_job_file(
     a repeated ``id`` or ``shot``."""
     path = Path(path)
     where = str(path)
-    parser = LineParser(where, path.parent, workflows or WorkflowCache(), rules)
-    parser.keep_workflows = False
+    cache = workflows or WorkflowCache()
+
+    def new_parser() -> LineParser:
+        parser = LineParser(where, path.parent, cache, rules)
+        parser.keep_workflows = False
+        return parser
+
     with open_job_file(path) as handle:
-        found = _Pass(parser)
         try:
-            found.read(handle)
+            size = os.fstat(handle.fileno()).st_size
+            # Two cores check a big file's halves at once; one with any problem is read
+            # again in one pass, which says every error in order.
+            found = (
+                read_halves(where, handle, size, _Pass, new_parser()) if can_halve(size) else None
+            )
+            if found is None:
+                handle.seek(0)
+                found = _Pass(new_parser())
+                found.read(handle)
         except _HasChained:
             return load_job_file(path, workflows, rules=rules)
         except OSError as e:
             raise JobFileError([LineError(where, 0, "file", f"cannot read: {e.strerror}")]) from e
+    parser = found.parser
     errors = parser.errors
     if found.job_lines == 0:
         # An empty batch would wait forever for jobs that never come.
@@ -190,6 +209,7 @@ def scan_job_file(
         header=found.header,
         count=len(found.offsets),
         storyboard=found.storyboard,
+        shots=len(found.seen_shots),  # a file with a shot repeated is not valid
         parser=parser,
         offsets=found.offsets,
         lines=found.lines,
@@ -221,19 +241,39 @@ class _Pass:
         self.job_lines = 0  # non-blank lines that are not the header, valid or not
         self.storyboard = False
         self._id_lines = array("q")  # the line of each id in ``ids``
+        self.blank = True  # no non-blank line read (from line 1) yet
 
-    def read(self, handle: BinaryIO) -> None:
+    def read(
+        self, handle: BinaryIO, *, start_line: int = 1, offset: int = 0, end: int | None = None
+    ) -> None:
+        """Check the lines of ``handle`` from its position, line ``start_line`` at byte
+        ``offset``, up to byte ``end`` (a line boundary; None: the end of the file)."""
         parser = self.parser
         where = parser.source
-        first = True
-        offset = 0
+        quick = QuickLines(parser)
+        template: Template | None = None  # of the first shape that has one
+        tried: set[Shape | None] = set()
+        first = start_line == 1
         offsets, lines, digests = self.offsets, self.lines, self.digests
+        ids, id_lines = self.ids, self._id_lines
         # Lines end at b"\n" alone, as load_job_file's split("\n"): JSON strings may hold
         # U+2028 and friends.
-        for number, raw in enumerate(handle, start=1):
+        for number, raw in enumerate(handle, start=start_line):
             start = offset
+            if end is not None and start >= end:
+                break
             offset += len(raw)
             self.digest.update(raw)
+            if template is not None and (match := template(raw)) is not None:
+                # The text of a valid line but for its id and set values, which it takes.
+                first = False
+                self.job_lines += 1
+                ids += unhexlify(match[1].replace(b"-", b""))
+                id_lines.append(number)
+                offsets.append(start)
+                lines.append(number)
+                digests.append(hash(raw))
+                continue
             body = raw[len(BOM) :] if number == 1 and raw.startswith(BOM) else raw
             try:
                 text = body.decode("utf-8").strip()
@@ -243,7 +283,28 @@ class _Pass:
                 raise JobFileError([LineError(where, number, "file", message)]) from e
             if not text:
                 continue
-            obj = parser.parse_line(text, number)
+            obj = flat_object(text)
+            shape = None
+            if obj is None:
+                obj = parser.parse_line(text, number)
+            elif "header" not in obj:
+                shape = quick.shape(obj)
+                if quick.valid(obj, shape):
+                    # Like a valid line before it: its own values were checked, and are.
+                    if template is None and shape not in tried:
+                        tried.add(shape)
+                        template = quick.template(obj, raw)
+                    first = False
+                    self.job_lines += 1
+                    ids += bytes.fromhex(obj["id"].replace("-", ""))
+                    id_lines.append(number)
+                    if obj.get("shot") is not None:
+                        self._note_shot(obj, number)
+                        self.storyboard = True
+                    offsets.append(start)
+                    lines.append(number)
+                    digests.append(hash(raw))
+                    continue
             if isinstance(obj, dict) and "header" in obj:
                 if first:
                     self.header = parser.header(obj, number) or self.header
@@ -253,28 +314,40 @@ class _Pass:
                 continue
             first = False
             self.job_lines += 1
-            if obj is None:
-                continue
-            fields = parser.fields(obj, number, build=False)
-            self._note_id(obj, number)
-            if obj.get("shot") is not None:
-                errors = len(parser.errors)
-                note_repeats(parser, obj, number, None, self.seen_shots)
-                # Repeated shots are said after the line's other errors, as load_job_file
-                # does.
-                self.shot_errors += parser.errors[errors:]
-                del parser.errors[errors:]
-            if fields is None:
-                continue
-            if fields.inputs:
-                if any(isinstance(i, InputFromJob) for i in fields.inputs):
-                    raise _HasChained
-                self.input_files += [input_file_line(fields.id, i) for i in fields.inputs]
-            if fields.shot is not None:
-                self.storyboard = True
-            offsets.append(start)
-            lines.append(number)
-            digests.append(hash(raw))
+            if obj is not None and self._check(obj, number, shape, quick):
+                offsets.append(start)
+                lines.append(number)
+                digests.append(hash(raw))
+        self.blank = first
+
+    def _check(
+        self, obj: dict[str, Any], number: int, shape: Shape | None, quick: QuickLines
+    ) -> bool:
+        """Check the job line ``obj`` by ``LineParser``: True when it is valid."""
+        parser = self.parser
+        fields = parser.fields(obj, number, build=False)
+        self._note_id(obj, number)
+        if obj.get("shot") is not None:
+            self._note_shot(obj, number)
+        if fields is None:
+            return False
+        if fields.inputs:
+            if any(isinstance(i, InputFromJob) for i in fields.inputs):
+                raise _HasChained
+            self.input_files += [input_file_line(fields.id, i) for i in fields.inputs]
+        else:
+            quick.learn(shape)
+        if fields.shot is not None:
+            self.storyboard = True
+        return True
+
+    def _note_shot(self, obj: dict[str, Any], number: int) -> None:
+        parser = self.parser
+        errors = len(parser.errors)
+        note_repeats(parser, obj, number, None, self.seen_shots)
+        # Repeated shots are said after the line's other errors, as load_job_file does.
+        self.shot_errors += parser.errors[errors:]
+        del parser.errors[errors:]
 
     def _note_id(self, obj: dict[str, Any], number: int) -> None:
         job_id = obj.get("id")

@@ -374,7 +374,7 @@ def test_an_unchanged_folder_of_5000_files_is_only_listed(
         raise AssertionError(f"{path} was read although unchanged")
 
     monkeypatch.setattr(sensors, "_sha256_file", must_not_read)
-    monkeypatch.setattr(sensors, "load_job_file", must_not_read)
+    monkeypatch.setattr(sensors, "scan_job_file", must_not_read)
 
     result = tick(instance, dump_cursor(seen))
 
@@ -441,3 +441,32 @@ def test_a_watched_folder_that_does_not_exist_fails_the_check_naming_it(
     typo.mkdir()
     (passed,) = valid_check(tick(instance, first.cursor))
     assert passed.passed
+
+
+def test_a_file_too_big_for_the_tick_is_hashed_and_requested_its_run_validating_it(
+    jobs_dir: Path, instance, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sensors, "VALIDATED_IN_TICK_BYTES", 100)
+    story = write_storyboard(jobs_dir / "story.jsonl", shots=3)
+    broken = jobs_dir / "broken.jsonl"
+    broken.write_text(job_line(7) + "\n{not json\n")
+
+    def must_not_validate(path: Path, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{path} was validated in the tick")
+
+    monkeypatch.setattr(sensors, "scan_job_file", must_not_validate)
+
+    result = tick(instance, None)
+
+    # The run of the broken file fails with its errors before posting anything.
+    assert run_keys(result) == sorted([f"broken:{sha16(broken)}", f"story:{sha16(story)}"])
+    assert instance.get_dynamic_partitions(storyboard_partitions.name) == ["story"]
+    described = [
+        event.description
+        for event in result.asset_events
+        if not isinstance(event, AssetCheckEvaluation)
+    ]
+    assert sorted(described) == [
+        f"broken.jsonl: {broken.stat().st_size / 1e6:.1f} MB, run requested; its run validates it",
+        f"story.jsonl: {story.stat().st_size / 1e6:.1f} MB, run requested; its run validates it",
+    ]

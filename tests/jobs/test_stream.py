@@ -7,10 +7,20 @@ import json
 
 import pytest
 
+from comfy_assets.jobs import halves
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.stream import JobFileChanged, JobScan, scan_job_file
 from tests.support import job_id, write_jobs
+
+
+@pytest.fixture(autouse=True, params=["one pass", "halves"])
+def passes(request, monkeypatch):
+    """Every test twice: files read in one pass, and every file of two lines or more
+    checked in two halves at once (as big files are)."""
+    if request.param == "halves":
+        monkeypatch.setattr(halves, "HALVES_BYTES", 0)
+    return request.param
 
 
 def errors_of(load, path) -> list[str]:
@@ -106,3 +116,73 @@ def test_a_line_changed_after_validation_stops_the_reader_naming_it(tmp_path):
     with pytest.raises(JobFileChanged, match=f"{path}:2: the line changed"):
         reader.take(1)
     reader.close()
+
+
+def test_lines_shaped_as_a_valid_line_before_them_are_said_as_load_job_file_says_them(tmp_path):
+    # The quick path checks only the values of a line shaped as a valid one: every bad
+    # value, a repeated key however spaced, a repeated id or shot, is still said.
+    path = write_jobs(tmp_path, 2)
+    full = {"shot": 1, "duration_s": 2.5, "optional": True, "take": 2}
+    good = [{"id": job_id(i), "workflow": "image.json", "set": {"1.color": i}} for i in range(3)]
+    rich = [{**good[0], **full, "id": job_id(20 + i), "shot": 10 + i} for i in range(2)]
+    bad = [
+        {**rich[0], "id": job_id(30), "shot": -1},
+        {**rich[0], "id": job_id(31), "shot": 10},
+        {**rich[0], "id": job_id(32), "duration_s": 0},
+        {**rich[0], "id": job_id(33), "optional": 1},
+        {**rich[0], "id": job_id(34), "take": True},
+        {**rich[0], "id": job_id(35), "take": 0},
+        {**good[0], "id": job_id(36).upper()},
+        {**good[0], "id": 36},
+        {**good[1]},
+        {**good[0], "id": job_id(37), "set": {"1.color": [1, 2]}},
+        {**good[0], "id": job_id(38), "set": {"1.color": "12:00"}},
+    ]
+    text = [json.dumps(x) for x in good + rich + bad] + [
+        json.dumps(good[2]).replace('{"1.color"', '{"1.color" :0, "1.color"'),
+        json.dumps(good[2]).replace('"workflow"', '"id" : "a:b", "workflow"'),
+        json.dumps(good[2]).replace("}}", '}, "set": {"1.color": 1}}'),
+        json.dumps(good[2]).replace(": 2}", ": 1e400}"),
+        json.dumps(good[2]).replace(": 2}", ": NaN}"),
+        json.dumps(good[2]).replace(": 2}", ": 02}"),
+        json.dumps(good[2]).replace(": 2}", ': "a\\u0000b"}'),
+        json.dumps(good[2]).replace(": 2}", ": [2, 0]}"),
+    ]
+    path.write_text("\n".join(text) + "\n")
+    expected = errors_of(load_job_file, path)
+    assert len(expected) >= 18
+    assert errors_of(scan_job_file, path) == expected
+
+
+def test_a_good_file_of_repeated_shapes_gives_what_load_job_file_gives(tmp_path):
+    extra = [{"take": 1 + i % 3, "optional": i % 2 == 0, "duration_s": 1 + i} for i in range(300)]
+    path = write_jobs(tmp_path, 300, extra=extra)
+    loaded = load_job_file(path)
+    scan = scan_job_file(path)
+    assert isinstance(scan, JobScan)
+    assert list(scan.job_ids()) == [j.id for j in loaded.jobs]
+    reader = scan.reader()
+    got = reader.take(300)
+    reader.close()
+    assert [(j.take, j.optional, j.duration_s) for j in got] == [
+        (j.take, j.optional, j.duration_s) for j in loaded.jobs
+    ]
+
+
+def test_halves_say_repeats_across_them_and_join_what_each_found(tmp_path, passes):
+    extra = [{"shot": i} for i in range(400)]
+    path = write_jobs(tmp_path, 400, extra=extra)
+    loaded = load_job_file(path)
+    scan = scan_job_file(path)
+    assert isinstance(scan, JobScan)
+    assert (scan.count, scan.shots, scan.sha256) == (400, 400, loaded.sha256)
+    assert list(scan.job_ids()) == [j.id for j in loaded.jobs]
+    reader = scan.reader()
+    assert [j.line for j in reader.take(400)] == [j.line for j in loaded.jobs]
+    reader.close()
+    lines = path.read_text().splitlines()
+    for repeated in (lines[3], lines[3].replace('"shot": 3', '"shot": 399')):
+        path.write_text("\n".join(lines[:-1] + [repeated]) + "\n")
+        expected = errors_of(load_job_file, path)
+        assert expected
+        assert errors_of(scan_job_file, path) == expected
