@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -33,8 +34,17 @@ _MORE = ("input_files", "storyboard")
 
 
 def can_halve(size: int) -> bool:
-    """Whether a file of ``size`` bytes is worth checking in halves here."""
-    return size >= HALVES_BYTES and (os.cpu_count() or 1) >= 2 and hasattr(os, "fork")
+    """Whether a file of ``size`` bytes is worth checking in halves here. Only in a
+    process of one Python thread (``comfy-assets run`` at its start): a fork copies the
+    calling thread alone, and a lock another thread held then (logging's, an import's)
+    would stay held in the forked process for good; a Dagster run's process reads in one
+    pass."""
+    return size >= HALVES_BYTES and (os.cpu_count() or 1) >= 2 and hasattr(os, "fork") and alone()
+
+
+def alone() -> bool:
+    """Whether this process runs one Python thread (``can_halve``)."""
+    return threading.active_count() == 1
 
 
 def read_halves(

@@ -4,6 +4,7 @@ says, and builds the same jobs a chunk at a time."""
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
@@ -20,6 +21,7 @@ def passes(request, monkeypatch):
     checked in two halves at once (as big files are)."""
     if request.param == "halves":
         monkeypatch.setattr(halves, "HALVES_BYTES", 0)
+        monkeypatch.setattr(halves, "alone", lambda: True)  # whatever threads earlier tests left
     return request.param
 
 
@@ -186,3 +188,18 @@ def test_halves_say_repeats_across_them_and_join_what_each_found(tmp_path, passe
         expected = errors_of(load_job_file, path)
         assert expected
         assert errors_of(scan_job_file, path) == expected
+
+
+def test_a_process_running_other_threads_reads_in_one_pass(passes):
+    """A fork copies its calling thread alone: a Dagster run's process, which runs
+    others, never forks for the second half."""
+    if passes == "halves":
+        pytest.skip("halves forced on")
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert not halves.can_halve(halves.HALVES_BYTES * 4)
+    finally:
+        release.set()
+        other.join()
