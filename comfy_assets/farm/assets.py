@@ -147,7 +147,13 @@ def render_partition(
     partition = context.partition_key
     if job_file_missing(context, partition, farm):
         return
-    job_file = scan_partition_file(partition, farm)
+    store = result_store.open()
+    try:
+        # Its s3:// inputs are read through the store's files.
+        job_file = scan_partition_file(partition, farm, store.file_store)
+    except BaseException:
+        store.close()
+        raise
     requested = context.run.tags.get(JOB_FILE_SHA_TAG)
     if requested and requested != job_file.sha256:
         context.log.warning(
@@ -156,7 +162,6 @@ def render_partition(
         )
     job_ids = file_job_ids(job_file)
 
-    store = result_store.open()
     sheet: OutputsSheet | None = None
     try:
         summary = run_batch_sync(

@@ -31,6 +31,7 @@ Write job files atomically (to a hidden name, then rename): hidden files are ign
 and a half-written file could be valid and launch with only part of its jobs.
 """
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -67,6 +68,7 @@ from comfy_assets.farm.partitions import (
     iter_job_files,
     partition_key_for,
 )
+from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.stream import JobScan, scan_job_file
 from comfy_assets.jobs.workflows import WorkflowCache
@@ -298,6 +300,12 @@ def missing_folders(dirs: list[Path]) -> list[str]:
     return [missing_folder(folder) for folder in dirs if not folder.is_dir()]
 
 
+def sensor_rules() -> InputRules:
+    """The input rules of a tick: the environment's, ``s3://`` inputs taken by their form
+    (a tick reads no object store; the run reads them, ``InputRules.objects_later``)."""
+    return dataclasses.replace(input_rules_from_env(), objects_later=True)
+
+
 def current_problems(dirs: list[Path] | None = None) -> list[str]:
     """Every problem of the watched folders now, each a text of one or more lines: a
     folder that does not exist, a name several files share, or a file that does not validate (its errors, ``path:line:
@@ -311,7 +319,7 @@ def current_problems(dirs: list[Path] | None = None) -> list[str]:
             problems.append(_ambiguous(key, entries))
             continue
         try:
-            scan_job_file(Path(entries[0].path), workflows, rules=input_rules_from_env())
+            scan_job_file(Path(entries[0].path), workflows, rules=sensor_rules())
         except JobFileError as exc:
             problems.append(job_file_problems(exc))
     return problems
@@ -418,7 +426,7 @@ def _accept(
             continue
         try:
             # One streaming pass, no job held (``jobs/stream.py``).
-            job_file = scan_job_file(path, workflows, rules=input_rules_from_env())
+            job_file = scan_job_file(path, workflows, rules=sensor_rules())
         except JobFileError as exc:
             accepted.problems.append(f"{path} is not a valid job file, not launched:\n{exc}")
             errors = job_file_problems(exc)

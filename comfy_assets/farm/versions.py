@@ -4,6 +4,7 @@
 ``render_results`` and ``films`` work on that version, and refuse a file changed since.
 """
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -11,6 +12,7 @@ from dagster import AssetExecutionContext, AssetRecordsFilter, Failure
 
 from comfy_assets.farm.names import DEFAULT_FARM, Farm
 from comfy_assets.farm.partitions import AmbiguousJobFileError, find_job_file, input_rules_from_env
+from comfy_assets.jobs.inputs import ObjectSource
 from comfy_assets.jobs.model import JobFile, JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.stream import JobScan, scan_job_file
@@ -41,13 +43,16 @@ def load_partition_file(partition: str, farm: Farm = DEFAULT_FARM) -> JobFile:
     return _read_partition_file(partition, farm, load_job_file)
 
 
-def scan_partition_file(partition: str, farm: Farm = DEFAULT_FARM) -> JobScan | JobFile:
+def scan_partition_file(
+    partition: str, farm: Farm = DEFAULT_FARM, objects: ObjectSource | None = None
+) -> JobScan | JobFile:
     """The job file of a partition validated whole in one pass, its jobs not held but
     built a chunk at a time as the batch takes them, as ``run`` does (``scan_job_file``: a
     file whose jobs take inputs from other jobs is loaded whole). The batch's summary of
     a ``JobScan`` names a few jobs only (``summarize_file``): ``renders`` reads its records
-    from the store. A missing or invalid file fails without retries."""
-    return _read_partition_file(partition, farm, scan_job_file)
+    from the store; ``objects`` reads its ``s3://`` inputs (the store's files). A missing
+    or invalid file fails without retries."""
+    return _read_partition_file(partition, farm, scan_job_file, objects)
 
 
 def file_job_ids(job_file: JobScan | JobFile) -> Sequence[str]:
@@ -57,11 +62,15 @@ def file_job_ids(job_file: JobScan | JobFile) -> Sequence[str]:
     return [job.id for job in job_file.jobs]
 
 
-def _read_partition_file(partition: str, farm: Farm, read: Callable[..., T]) -> T:
-    """``read`` of the partition's job file with the input rules of the environment; a
-    missing or invalid file fails without retries."""
+def _read_partition_file(
+    partition: str, farm: Farm, read: Callable[..., T], objects: ObjectSource | None = None
+) -> T:
+    """``read`` of the partition's job file with the input rules of the environment (its
+    ``s3://`` inputs read by ``objects``); a missing or invalid file fails without
+    retries."""
+    rules = dataclasses.replace(input_rules_from_env(), objects=objects)
     try:
-        return read(find_job_file(partition, farm.dirs()), rules=input_rules_from_env())
+        return read(find_job_file(partition, farm.dirs()), rules=rules)
     except (FileNotFoundError, AmbiguousJobFileError, JobFileError, ValueError) as exc:
         raise Failure(description=f"partition {partition}: {exc}", allow_retries=False) from exc
 

@@ -68,6 +68,10 @@ class InputRules:
     max_input_bytes: int = MAX_INPUT_BYTES
     follow_links: bool = False
     objects: ObjectSource | None = field(default=None, compare=False)
+    # Where nothing reads objects (a Dagster sensor's tick, which has no store): an
+    # ``s3://`` input is taken by its form, not read (``ReadInput.unread``); the run that
+    # renders the file reads it through its store, or fails naming file, line and field.
+    objects_later: bool = False
 
 
 DEFAULT_RULES = InputRules()
@@ -203,6 +207,8 @@ class InputReader:
         if control is not None:
             return f"the URL {json.dumps(url)[:80]} holds a control character"
         objects = self.rules.objects
+        if objects is None and self.rules.objects_later:
+            return _unread(url)
         if objects is None:
             return (
                 f"{quoted(url)}: s3:// inputs are read only with an S3 store (--store "
@@ -231,6 +237,15 @@ class InputReader:
                 f"{MAX_INPUT_BYTES_ENV} in Dagster)"
             )
         return ReadInput(None, digest.hexdigest(), size, opener=partial(objects.open_object, url))
+
+
+def _unread(url: str) -> ReadInput | str:
+    """An ``s3://BUCKET/KEY`` input taken by its form (``InputRules.objects_later``): its
+    sha256 is the URL's, its size 0; refused when it names no key."""
+    bucket, _, key = url[len(OBJECT_SCHEME) :].partition("/")
+    if not bucket or not key or any(part in ("", ".", "..") for part in key.split("/")):
+        return f"{quoted(url)}: not an object's URL (s3://BUCKET/KEY)"
+    return ReadInput(None, hashlib.sha256(url.encode()).hexdigest(), 0)
 
 
 def parse_upstream(value: dict[str, Any]) -> tuple[str, str, int] | list[str]:
