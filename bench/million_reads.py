@@ -11,7 +11,7 @@ pending (one event each), plus one small partition of 10 jobs; then times, each 
 after one warm-up call, what a user's command or a scrape asks of the store, printing
 ``<what>_s=<seconds>`` lines and ``fill_s`` (``metrics_first_s``: a process's first
 scrape, which reads the attempts' counts; ``metrics_s``: the next one). Target: each
-under 1 s (issue 46). ``--reuse`` times what an earlier run left in ``--db-url``.
+under 1 s on this kind of machine. ``--reuse`` times what an earlier run left in ``--db-url``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from comfy_assets.farm.automation import (
     FILMS_CONDITION,
     RENDER_RESULTS_CONDITION,
 )
-from comfy_assets.farm.job_file_sensor import JOB_FILE_SHA_TAG, current_problems
+from comfy_assets.farm.job_file_sensor import current_problems
 from comfy_assets.farm.metadata import (
     JOB_COLUMNS,
     Metadata,
@@ -68,7 +68,7 @@ from comfy_assets.farm.versions import (
     file_job_ids,
     job_file_missing,
     load_rendered_file,
-    scan_partition_file,
+    scan_requested_file,
 )
 from comfy_assets.film.gate import GateBlocked, GateResult
 from comfy_assets.film.make import store_film
@@ -149,17 +149,10 @@ def render_partition(
         return
     store = result_store.open()
     try:
-        # Its s3:// inputs are read through the store's files.
-        job_file = scan_partition_file(partition, farm, store.file_store)
+        job_file = scan_requested_file(context, partition, farm, store.file_store)
     except BaseException:
         store.close()
         raise
-    requested = context.run.tags.get(JOB_FILE_SHA_TAG)
-    if requested and requested != job_file.sha256:
-        context.log.warning(
-            f"{job_file.path} changed since the sensor requested this run; rendering the "
-            f"current version {job_file.sha256[:16]} (the sensor requests a run for it too)"
-        )
     job_ids = file_job_ids(job_file)
 
     sheet: OutputsSheet | None = None

@@ -10,6 +10,7 @@ from typing import TypeVar
 
 from dagster import AssetExecutionContext, AssetRecordsFilter, Failure
 
+from comfy_assets.farm.job_file_sensor import JOB_FILE_SHA_TAG
 from comfy_assets.farm.names import DEFAULT_FARM, Farm
 from comfy_assets.farm.partitions import AmbiguousJobFileError, find_job_file, input_rules_from_env
 from comfy_assets.jobs.inputs import ObjectSource
@@ -53,6 +54,22 @@ def scan_partition_file(
     from the store; ``objects`` reads its ``s3://`` inputs (the store's files). A missing
     or invalid file fails without retries."""
     return _read_partition_file(partition, farm, scan_job_file, objects)
+
+
+def scan_requested_file(
+    context: AssetExecutionContext, partition: str, farm: Farm, objects: ObjectSource
+) -> JobScan | JobFile:
+    """``scan_partition_file`` of the partition's job file (its ``s3://`` inputs read by
+    ``objects``, the store's files), with a warning in the run's log when the file
+    changed since the sensor requested the run (its tag ``JOB_FILE_SHA_TAG``)."""
+    job_file = scan_partition_file(partition, farm, objects)
+    requested = context.run.tags.get(JOB_FILE_SHA_TAG)
+    if requested and requested != job_file.sha256:
+        context.log.warning(
+            f"{job_file.path} changed since the sensor requested this run; rendering the "
+            f"current version {job_file.sha256[:16]} (the sensor requests a run for it too)"
+        )
+    return job_file
 
 
 def file_job_ids(job_file: JobScan | JobFile) -> Sequence[str]:
