@@ -14,7 +14,8 @@ not block the loop. ``off_loop`` runs a call where it may wait (a worker thread,
 PostgreSQL), and stops its retries when its caller is cancelled.
 
 The store's ``Outage`` says once when its database goes away and once when it is back,
-rather than a line per retried call. A write refused for want of disk space (SQLite's
+rather than a line per retried call; a pooled connection found lost is first replaced
+at once, and only a call that fails again says the database is away. A write refused for want of disk space (SQLite's
 ``SQLITE_FULL``, PostgreSQL's ``disk_full``) raises ``StoreDiskFull``, at once: a full
 disk does not empty itself while we wait.
 """
@@ -153,7 +154,13 @@ def connection_trouble(error: BaseException) -> bool:
     """Whether ``error`` is a lost or refused database connection (worth another try)."""
     if not isinstance(error, sa.exc.DBAPIError):
         return False
-    return bool(error.connection_invalidated or getattr(error, "comfy_connecting", False))
+    return bool(error.connection_invalidated or connecting(error))
+
+
+def connecting(error: BaseException) -> bool:
+    """Whether ``error`` came from opening a connection (the database refused or did not
+    answer a new one), rather than from a pooled connection lost since it was opened."""
+    return bool(getattr(error, "comfy_connecting", False))
 
 
 def refused_for_good(error: BaseException) -> bool:
@@ -213,6 +220,7 @@ def retried(method: Callable[P, R]) -> Callable[P, R]:
         delay = 0.05
         unknown = RETRYING.get()
         abandoned = ABANDONED.get()
+        stale_tried = False  # a lost pooled connection was tried again once, at once
         while True:
             token = RETRYING.set(unknown)
             try:
@@ -227,27 +235,38 @@ def retried(method: Callable[P, R]) -> Callable[P, R]:
                     ) from error
                 if not connection_trouble(error):
                     raise
-                outage.lost(method.__name__, error, store.retry_s)
                 waited = time.monotonic() - started
                 gone = abandoned is not None and abandoned.is_set()
                 if waited >= store.retry_s or _on_loop_thread() or gone:
+                    outage.lost(method.__name__, error, store.retry_s)
                     raise StoreUnavailable(method.__name__, waited, error) from error
                 unknown = unknown or getattr(error, "comfy_commit_unknown", False)
+                # One pooled connection lost (a restart or a failover since it was
+                # opened, a proxy's cut) says nothing yet of the database now: the call
+                # runs again at once on a new connection, and the outage is said only
+                # when that fails too. Otherwise the first call after an outage, on a
+                # connection from before it, would say the database is away again.
+                pause = delay if stale_tried or connecting(error) else 0.0
+                if pause:
+                    outage.lost(method.__name__, error, store.retry_s)
+                stale_tried = True
                 log.debug(
                     "store: %s lost its database connection (%s); trying again in %.2f s",
                     method.__name__,
                     type(error.orig or error).__name__,
-                    delay,
+                    pause,
                 )
             else:
                 outage.reached()
                 return result
             finally:
                 RETRYING.reset(token)
+            if not pause:
+                continue
             if abandoned is not None:
-                abandoned.wait(delay)  # wakes at once when the caller is cancelled
+                abandoned.wait(pause)  # wakes at once when the caller is cancelled
             else:
-                time.sleep(delay)
+                time.sleep(pause)
             delay = min(delay * 2, 2.0)
 
     return call

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker
-from comfy_assets.store import Store, StoreUnavailable, metadata
+from comfy_assets.store import Store, StoreUnavailable, metadata, schema
 from fake_comfy import FakeComfy
 from tests.process_support import FAST, command, ended_cleanly, start, stop, via
 from tests.support import (
@@ -68,6 +68,19 @@ async def test_a_database_blip_during_a_run_costs_nothing(pg_store, pg_url, tmp_
         summary = await asyncio.wait_for(batch, 60.0)
     assert summary.done == 12
     assert all(executed(fake, job.prompt_id) == 1 for job in jf.jobs)
+
+
+def test_a_pooled_connection_lost_while_the_database_stayed_up_is_replaced_without_an_outage(
+    pg_store, pg_url, caplog, monkeypatch
+):
+    # Every pooled connection is handed out unchecked, as one in steady use is.
+    monkeypatch.setattr(schema, "PING_IDLE_S", 3600.0)
+    caplog.set_level(logging.INFO, logger="comfy_assets.store")
+    before = pg_store.counts("p")
+    assert cut_every_connection(pg_url) > 0  # the database is up; our connection is not
+    assert pg_store.counts("p") == before
+    said = [r.getMessage() for r in caplog.records if r.name == "comfy_assets.store"]
+    assert not [line for line in said if "unreachable" in line or "reachable again" in line], said
 
 
 async def test_a_database_that_stays_away_stops_the_run_and_removes_its_prompts(pg_store, tmp_path):
