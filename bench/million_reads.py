@@ -10,7 +10,9 @@ rendering on 8 servers, 100 dead letters, 1,000 claimed by a live owner and the 
 pending (one event each), plus one small partition of 10 jobs; then times, each once
 after one warm-up call, what a user's command or a scrape asks of the store, printing
 ``<what>_s=<seconds>`` lines and ``fill_s`` (``metrics_first_s``: a process's first
-scrape, which reads the attempts' counts; ``metrics_s``: the next one). Target: each
+scrape, which waits a moment for the attempts' counts; ``metrics_s``: the next one;
+``metrics_read_s``: one after that read ended; ``attempt_counts_s``: that read;
+``events_partition``: ``events --partition`` without ``--shot``). Target: each
 under 1 s on this kind of machine. ``--reuse`` times what an earlier run left in ``--db-url``.
 """
 
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import sqlalchemy as sa
 
+from comfy_assets.cli.events import DEFAULT_LIMIT, EARLIER_COUNTED
 from comfy_assets.cli.status import gather
 from comfy_assets.metrics import Metrics
 from comfy_assets.store import Store, metadata
@@ -140,6 +143,16 @@ def fill(store: Store, jobs: int) -> None:
             conn.exec_driver_sql("ANALYZE")
 
 
+def partition_events(store: Store, before: int | None) -> int:
+    """What ``events --partition PARTITION [--before ID]`` reads: the latest
+    ``DEFAULT_LIMIT`` events, and the count of the earlier ones (up to
+    ``EARLIER_COUNTED`` + 1); that count."""
+    events = store.events(partition=PARTITION, limit=DEFAULT_LIMIT, before=before)
+    if not events:
+        return 0
+    return store.count_events(partition=PARTITION, before=events[0].id, at_most=EARLIER_COUNTED + 1)
+
+
 def timed(name: str, call: Callable[[], Any], *, warm: bool = True) -> None:
     """Print ``<name>_s``: the seconds of one ``call``, after one warm-up call (``warm``)."""
     if warm:
@@ -164,7 +177,7 @@ def main() -> None:
             if args.db_url:
                 with store.engine.begin() as conn:
                     names = ", ".join(t.name for t in metadata.sorted_tables)
-                    conn.execute(sa.text(f"TRUNCATE {names}"))
+                    conn.execute(sa.text(f"TRUNCATE {names} RESTART IDENTITY"))
             fill(store, args.jobs)
         print(f"backend={store.dialect}")
         print(f"jobs={args.jobs}")
@@ -176,12 +189,24 @@ def main() -> None:
         timed("status_partition", lambda: gather(store, PARTITION))
         timed("events_job", lambda: store.events(job_id=some))
         timed("events_shot", lambda: store.events(partition=PARTITION, shot=17))
+        # ``events --partition P``: the latest DEFAULT_LIMIT, and how many came before.
+        timed("events_partition", lambda: partition_events(store, None))
+        # ``--before ID`` from the middle of the partition's events: the page before.
+        ids = [e.id or 0 for e in store.events(partition=PARTITION, limit=1)]
+        timed("events_partition_before", lambda: partition_events(store, sum(ids) // 2))
         timed("api_job", lambda: (store.get(some), store.files(some), store.events(some)))
         timed("api_servers", lambda: (store.server_leases(), store.server_health()))
-        # The first scrape reads the attempts' counts; the next ones answer from that
-        # read while it is read again aside (metrics.py: ``_Lagging``).
+        # The first scrape waits SLOW_READ_S for the attempts' counts read aside; the next
+        # ones answer from the last read while it is read again aside (``_Lagging``).
         timed("metrics_first", lambda: list(metrics.collect()), warm=False)
         timed("metrics", lambda: list(metrics.collect()), warm=False)
+        for lagging in list(metrics._tries.values()):
+            reading = lagging._thread
+            if reading is not None:
+                reading.join()
+        # A scrape once the first read of the attempts ended: the counts it answers.
+        timed("metrics_read", lambda: list(metrics.collect()), warm=False)
+        timed("attempt_counts", lambda: store.attempt_outcome_counts([PARTITION]))
         timed("counts", lambda: store.counts(PARTITION))
         store.close()
 

@@ -6,7 +6,8 @@ prometheus-client library: every name starts with ``comfy_assets_``.
 - ``comfy_assets_attempts{server, outcome}`` (a counter: ``_total``): attempts by
   outcome (``success``, ``transient``, ``permanent``), from the store (where that read
   takes over ``SLOW_READ_S``, a million-job partition's, the last one read, at most
-  ``READ_DUTY`` times that read's seconds old: a scrape answers at once);
+  ``READ_DUTY`` times that read's seconds old: a scrape answers at once; before the
+  process's first such read ends, no sample: ``_Lagging``);
 - ``comfy_assets_prompt_seconds{server}``: histogram of our prompts' seconds, from the
   POST's answer to the prompt's end, of prompts that loaded no model;
 - ``comfy_assets_model_load_seconds{server}``: histogram of what a model load added to
@@ -48,6 +49,7 @@ log = logging.getLogger("comfy_assets.metrics")
 # A read of the store's attempts that took longer than SLOW_READ_S (a million-job
 # partition's) answers scrapes from its last result, read again in a thread of its own
 # once READ_DUTY times its duration has passed; a quicker one is read at each scrape.
+# A process's first read is in that thread too: a scrape waits SLOW_READ_S for it.
 SLOW_READ_S = 0.1
 READ_DUTY = 20.0
 
@@ -177,9 +179,12 @@ class Metrics(Collector):
             jobs.add_metric([state], float(n))
         yield jobs
         attempts = CounterMetricFamily(
-            "comfy_assets_attempts", "Attempts by server and outcome", labels=["server", "outcome"]
+            "comfy_assets_attempts",
+            "Attempts by server and outcome (none until the process's first read of them"
+            f" ends, if that takes over {SLOW_READ_S} s)",
+            labels=["server", "outcome"],
         )
-        for (server, outcome), n in sorted(tries.items()):
+        for (server, outcome), n in sorted((tries or {}).items()):
             attempts.add_metric([server, outcome], float(n))
         yield attempts
 
@@ -212,8 +217,13 @@ class _Lagging:
     """The answer of ``read()`` (a count over the store), read at each ``get`` while a
     read takes under ``SLOW_READ_S``; past that, ``get`` answers the last result at once
     and, once ``READ_DUTY`` times the last read's seconds have passed, reads again in a
-    thread of its own (a failure there is logged, the last result kept). The first
-    ``get`` reads and raises what ``read`` raises."""
+    thread of its own (a failure there is logged, the last result kept).
+
+    Before any result, ``get`` starts the read in that thread and waits ``SLOW_READ_S``
+    for it: a quick read answers (or raises what ``read`` raised), a slow one (a
+    million-job partition's) answers None, as does each ``get`` while it reads, and the
+    next ``get`` after it ends answers its result (a read that failed meanwhile is
+    logged and started again)."""
 
     def __init__(self, read: Callable[[], dict[tuple[str, str], int]]) -> None:
         self._read = read
@@ -221,16 +231,30 @@ class _Lagging:
         self._value: dict[tuple[str, str], int] | None = None
         self._read_at = 0.0  # time.monotonic() when the last read began
         self._took = 0.0  # its seconds
-        self._reading = False
+        self._thread: threading.Thread | None = None  # the read aside, while it reads
+        self._failed: Exception | None = None  # what the first read aside raised
 
-    def get(self) -> dict[tuple[str, str], int]:
+    def get(self) -> dict[tuple[str, str], int] | None:
         with self._lock:
-            value, took, reading = self._value, self._took, self._reading
+            value, took, reading = self._value, self._took, self._thread is not None
             due = time.monotonic() - self._read_at >= READ_DUTY * took
-            if value is not None and took >= SLOW_READ_S and due and not reading:
-                self._reading = True
-                threading.Thread(target=self._read_aside, name="metrics-read", daemon=True).start()
-        if value is None or took < SLOW_READ_S:
+            started = (value is None or (took >= SLOW_READ_S and due)) and not reading
+            if started:
+                self._failed = None
+                self._thread = threading.Thread(
+                    target=self._read_aside, name="metrics-read", daemon=True
+                )
+                self._thread.start()
+            thread = self._thread
+        if value is None:
+            if thread is not None and started:
+                thread.join(SLOW_READ_S)
+            with self._lock:
+                value, failed = self._value, self._failed
+            if value is None and failed is not None and not (thread and thread.is_alive()):
+                raise failed
+            return value
+        if took < SLOW_READ_S:
             return self._read_now()
         return value
 
@@ -245,10 +269,12 @@ class _Lagging:
         try:
             self._read_now()
         except Exception as e:  # the store, whatever its driver: the last result stands
-            log.warning("metrics: the store's attempts were not read again: %s", e)
+            log.warning("metrics: the store's attempts were not read: %s", e)
+            with self._lock:
+                self._failed = e
         finally:
             with self._lock:
-                self._reading = False
+                self._thread = None
 
 
 def _unreachable(pool: Pool) -> dict[str, str]:

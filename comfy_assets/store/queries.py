@@ -140,11 +140,55 @@ class Queries(StoreBase):
         partition: str | None = None,
         *,
         shot: int | None = None,
+        limit: int | None = None,
+        before: int | None = None,
     ) -> list[Event]:
         """Events, oldest first, of one job, partition and/or shot number:
-        ``events(partition="film", shot=17)`` tells what happened to shot 17."""
+        ``events(partition="film", shot=17)`` tells what happened to shot 17. ``limit``:
+        only the latest ``limit`` of them (None: all); ``before``: only those whose ``id``
+        is below it (a page further back)."""
         t = events_table.c
-        stmt = sa.select(events_table).order_by(t.id)
+        stmt = self._events_where(sa.select(events_table), job_id, partition, shot, before)
+        if limit is None:
+            stmt = stmt.order_by(t.id)
+        else:
+            # The latest, by a backward range of ``ix_comfy_events_partition_id`` (or of
+            # the job's events): a partition's millions of events are not sorted.
+            stmt = stmt.order_by(t.id.desc()).limit(limit)
+        with self._read() as conn:
+            events = [Event(**r._mapping) for r in conn.execute(stmt)]
+        return events if limit is None else events[::-1]
+
+    @retried
+    def count_events(
+        self,
+        job_id: str | None = None,
+        partition: str | None = None,
+        *,
+        shot: int | None = None,
+        before: int | None = None,
+        at_most: int | None = None,
+    ) -> int:
+        """How many events ``events`` with the same arguments and no ``limit`` returns;
+        ``at_most``: counted no further than that (a count in bounded time: a partition
+        has millions)."""
+        matching = self._events_where(
+            sa.select(events_table.c.id), job_id, partition, shot, before
+        ).limit(at_most)
+        stmt = sa.select(sa.func.count()).select_from(matching.subquery())
+        with self._read() as conn:
+            return int(conn.execute(stmt).scalar_one())
+
+    @staticmethod
+    def _events_where(
+        stmt: sa.Select[Any],
+        job_id: str | None,
+        partition: str | None,
+        shot: int | None,
+        before: int | None,
+    ) -> sa.Select[Any]:
+        """``stmt`` (over ``comfy_events``) narrowed to what ``events`` is asked."""
+        t = events_table.c
         if job_id is not None:
             stmt = stmt.where(t.job_id == job_id)
         if partition is not None:
@@ -156,8 +200,9 @@ class Queries(StoreBase):
             if partition is not None:
                 shot_jobs = shot_jobs.where(q.JOB.partition == partition)
             stmt = stmt.where(t.job_id.in_(shot_jobs))
-        with self._read() as conn:
-            return [Event(**r._mapping) for r in conn.execute(stmt)]
+        if before is not None:
+            stmt = stmt.where(t.id < before)
+        return stmt
 
     @retried
     def dead_letters(self, partition: str | None = None) -> list[JobRecord]:

@@ -98,7 +98,9 @@ events_table = sa.Table(
     sa.Column("attempt", sa.Integer),
     sa.Column("detail", sa.Text),
     sa.Index("ix_comfy_events_job_id", "job_id"),
-    sa.Index("ix_comfy_events_partition", "partition"),
+    # A partition's latest events (``events --partition P``, ``--before ID``) and their
+    # count, as ranges: PostgreSQL's index on partition alone sorted millions of rows.
+    sa.Index("ix_comfy_events_partition_id", "partition", "id"),
 )
 
 server_leases_table = sa.Table(
@@ -422,9 +424,20 @@ ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
 )
 
 
+# Indexes added to a table after stores were made without them (``create_all`` makes
+# the indexes of the tables it creates only): (table, index name). A store made earlier
+# keeps the index these replace, unused.
+ADDED_INDEXES: tuple[tuple[sa.Table, str], ...] = (
+    (jobs_table, "ix_comfy_jobs_partition_state_claim"),
+    (jobs_table, "ix_comfy_jobs_partition_shot"),
+    (events_table, "ix_comfy_events_partition_id"),
+)
+
+
 def create_tables(engine: sa.Engine) -> None:
-    """Create missing tables and indexes, and add the columns of ``ADDED_COLUMNS`` that
-    a store made earlier lacks; safe when several processes start at once."""
+    """Create missing tables and indexes, and add the columns of ``ADDED_COLUMNS`` and
+    the indexes of ``ADDED_INDEXES`` that a store made earlier lacks (an index of a big
+    table takes seconds, once); safe when several processes start at once."""
     with engine.begin() as conn:
         begin(conn, write=True)
         if engine.dialect.name == "postgresql":
@@ -433,6 +446,7 @@ def create_tables(engine: sa.Engine) -> None:
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(7202411)"))
         metadata.create_all(conn)
         _add_columns(conn)
+        _add_indexes(conn)
 
 
 def _add_columns(conn: sa.Connection) -> None:
@@ -447,3 +461,13 @@ def _add_columns(conn: sa.Connection) -> None:
         # Every column added to an existing table has a plain server default or none.
         clause = f" NOT NULL DEFAULT {default.arg}" if isinstance(default, sa.DefaultClause) else ""
         conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {name} {kind}{clause}"))
+
+
+def _add_indexes(conn: sa.Connection) -> None:
+    inspector = sa.inspect(conn)
+    present: dict[str, set[str]] = {}
+    for table, name in ADDED_INDEXES:
+        if table.name not in present:
+            present[table.name] = {str(i["name"]) for i in inspector.get_indexes(table.name)}
+        if name not in present[table.name]:
+            next(i for i in table.indexes if i.name == name).create(conn)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from comfy_assets.cli import events as events_cli
 from comfy_assets.cli.main import main
 from tests.cli.test_cli_commands import ISO_UTC, run
 from tests.support import ROOT, job_id, write_jobs
@@ -189,7 +190,14 @@ def test_events_bad_queries_are_exit_2(
 
 
 @pytest.mark.parametrize(
-    "query", [[], ["--job", job_id(0), "--partition", "jobs"], ["--partition", "p", "--shot", "-1"]]
+    "query",
+    [
+        [],
+        ["--job", job_id(0), "--partition", "jobs"],
+        ["--partition", "p", "--shot", "-1"],
+        ["--partition", "p", "--limit", "-1"],
+        ["--partition", "p", "--before", "0"],
+    ],
 )
 def test_events_argument_errors_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], query: list[str]
@@ -197,3 +205,67 @@ def test_events_argument_errors_exit_2(
     with pytest.raises(SystemExit) as exited:
         main(["events", "--store", str(tmp_path), *query])
     assert exited.value.code == 2
+
+
+def test_events_limit_prints_the_latest_and_says_how_to_see_the_earlier_ones(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["events", "--store", str(storyboard_store), "--partition", "jobs"]
+    assert main([*argv, "--json"]) == 0
+    every = capsys.readouterr()
+    assert every.err == ""  # under the default limit: every event, no note
+    events = [json.loads(line) for line in every.out.splitlines()]
+    assert len(events) > 8
+
+    assert main([*argv, "--json", "--limit", "4"]) == 0
+    latest = capsys.readouterr()
+    assert [json.loads(line) for line in latest.out.splitlines()] == events[-4:]
+    first = events[-4]["id"]
+    assert latest.err == (
+        f"{len(events) - 4} earlier events not printed: --before {first} prints the 4"
+        " before these, --limit 0 prints every one\n"
+    )
+
+    assert main([*argv, "--limit", "4", "--before", str(first)]) == 0
+    page = capsys.readouterr()
+    assert len(page.out.splitlines()) == 4
+    assert all(re.match(rf"{ISO_UTC} job [0-9a-f-]{{36}} ", line) for line in page.out.splitlines())
+    assert page.err.startswith(f"{len(events) - 8} earlier events not printed: --before ")
+
+    assert main([*argv, "--json", "--limit", "0", "--before", str(first)]) == 0
+    older = capsys.readouterr()
+    assert [json.loads(line) for line in older.out.splitlines()] == events[:-4]
+    assert older.err == ""
+
+
+def test_events_before_the_first_event_is_exit_1(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = job_id(0, "jobs.jsonl")
+    assert main(["events", "--store", str(storyboard_store), "--job", job, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out.splitlines()[0])["id"]
+
+    argv = ["events", "--store", str(storyboard_store), "--job", job, "--before", str(first)]
+    assert main(argv) == 1
+
+    assert capsys.readouterr().err == (
+        f"no events for job {job} before event {first} in {storyboard_store}\n"
+    )
+
+
+def test_events_counts_earlier_events_only_so_far(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A million-job partition has millions of earlier events: they are counted up to
+    # EARLIER_COUNTED (100,000), so the note comes in bounded time.
+    monkeypatch.setattr(events_cli, "EARLIER_COUNTED", 3)
+    argv = ["events", "--store", str(storyboard_store), "--partition", "jobs", "--json"]
+
+    assert main([*argv, "--limit", "2"]) == 0
+
+    printed = capsys.readouterr()
+    first = json.loads(printed.out.splitlines()[0])["id"]
+    assert printed.err == (
+        f"over 3 earlier events not printed: --before {first} prints the 2 before these,"
+        " --limit 0 prints every one\n"
+    )

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from comfy_assets.jobs.parse import load_job_file
@@ -233,3 +235,49 @@ async def test_a_real_prometheus_scrapes_the_metrics(
         "gpu1": 1.0,
     }
     assert {r["metric"]["server"] for r in quarantined} == {"gpu0", "gpu1"}
+
+
+def test_a_first_scrape_answers_the_jobs_while_a_slow_read_of_the_attempts_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A million-job partition's attempts take seconds to count: the process's first
+    # scrape answers without them, the next one after that read ended with them.
+    store = Store(tmp_path / "s")
+    store.register_jobs("p", load_job_file(write_jobs(tmp_path / "jobs", 3)).jobs)
+    release = threading.Event()
+
+    def slow_read(partitions: object) -> dict[tuple[str, str], int]:
+        release.wait(30)
+        return {("gpu0", "success"): 2}
+
+    monkeypatch.setattr(store, "attempt_outcome_counts", slow_read)
+    metrics = Metrics()
+    metrics.track_store(store, "p")
+
+    first = {
+        f.name: f
+        for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+    }
+    assert [(s.labels, s.value) for s in first["comfy_assets_jobs"].samples] == [
+        ({"state": "pending"}, 3.0)
+    ]
+    assert first["comfy_assets_attempts"].samples == []
+    assert (
+        "none until the process's first read of them ends"
+        in first["comfy_assets_attempts"].documentation
+    )
+
+    (lagging,) = metrics._tries.values()
+    reading = lagging._thread
+    assert reading is not None
+    release.set()
+    reading.join()
+
+    later = {
+        f.name: f
+        for f in text_string_to_metric_families(generate_latest(metrics.registry).decode())
+    }
+    assert [(s.labels, s.value) for s in later["comfy_assets_attempts"].samples] == [
+        ({"server": "gpu0", "outcome": "success"}, 2.0)
+    ]
+    store.close()

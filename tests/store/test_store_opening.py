@@ -9,7 +9,10 @@ import traceback
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
 
+import sqlalchemy as sa
+
 from comfy_assets.store import Store
+from comfy_assets.store.schema import ADDED_INDEXES
 
 PROCESSES = 4
 ROUNDS = 40
@@ -46,3 +49,22 @@ def test_processes_opening_one_new_sqlite_store_at_once_all_open_it(tmp_path: Pa
     assert failures == [], failures[0]
     with Store(tmp_path / "store0") as store:  # a usable store
         store.ping()
+
+
+def test_a_store_made_before_an_index_gets_it_when_opened(tmp_path: Path) -> None:
+    # The indexes that keep a million-job partition's reads short (``ADDED_INDEXES``):
+    # ``create_all`` makes indexes only with the tables it creates.
+    Store(tmp_path).close()
+    engine = sa.create_engine(f"sqlite:///{tmp_path / 'store.db'}")
+    with engine.begin() as conn:
+        for _, name in ADDED_INDEXES:
+            conn.exec_driver_sql(f"DROP INDEX {name}")
+        conn.exec_driver_sql("CREATE INDEX ix_comfy_events_partition ON comfy_events (partition)")
+
+    Store(tmp_path).close()
+
+    inspector = sa.inspect(engine)
+    present = {i["name"] for t in ("comfy_jobs", "comfy_events") for i in inspector.get_indexes(t)}
+    assert {name for _, name in ADDED_INDEXES} <= present
+    assert "ix_comfy_events_partition" in present  # the one it replaces stays
+    engine.dispose()
