@@ -425,19 +425,26 @@ ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
 
 
 # Indexes added to a table after stores were made without them (``create_all`` makes
-# the indexes of the tables it creates only): (table, index name). A store made earlier
-# keeps the index these replace, unused.
+# the indexes of the tables it creates only): (table, index name).
 ADDED_INDEXES: tuple[tuple[sa.Table, str], ...] = (
     (jobs_table, "ix_comfy_jobs_partition_state_claim"),
     (jobs_table, "ix_comfy_jobs_partition_shot"),
     (events_table, "ix_comfy_events_partition_id"),
 )
 
+# Indexes a store made earlier has that an added one replaces: (table, index name),
+# dropped when the store is opened (each costs a write per row and serves no query).
+REPLACED_INDEXES: tuple[tuple[sa.Table, str], ...] = (
+    (jobs_table, "ix_comfy_jobs_partition_state"),
+    (events_table, "ix_comfy_events_partition"),
+)
+
 
 def create_tables(engine: sa.Engine) -> None:
     """Create missing tables and indexes, and add the columns of ``ADDED_COLUMNS`` and
     the indexes of ``ADDED_INDEXES`` that a store made earlier lacks (an index of a big
-    table takes seconds, once); safe when several processes start at once."""
+    table takes seconds, once), dropping those of ``REPLACED_INDEXES``; safe when several
+    processes start at once."""
     with engine.begin() as conn:
         begin(conn, write=True)
         if engine.dialect.name == "postgresql":
@@ -471,3 +478,8 @@ def _add_indexes(conn: sa.Connection) -> None:
             present[table.name] = {str(i["name"]) for i in inspector.get_indexes(table.name)}
         if name not in present[table.name]:
             next(i for i in table.indexes if i.name == name).create(conn)
+    for table, name in REPLACED_INDEXES:
+        if table.name not in present:
+            present[table.name] = {str(i["name"]) for i in inspector.get_indexes(table.name)}
+        if name in present[table.name]:
+            conn.execute(sa.text(f"DROP INDEX {name}"))

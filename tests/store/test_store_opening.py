@@ -51,7 +51,9 @@ def test_processes_opening_one_new_sqlite_store_at_once_all_open_it(tmp_path: Pa
         store.ping()
 
 
-def test_a_store_made_before_an_index_gets_it_when_opened(tmp_path: Path) -> None:
+def test_a_store_made_before_an_index_gets_it_when_opened_and_loses_the_one_it_replaces(
+    tmp_path: Path,
+) -> None:
     # The indexes that keep a million-job partition's reads short (``ADDED_INDEXES``):
     # ``create_all`` makes indexes only with the tables it creates.
     Store(tmp_path).close()
@@ -60,11 +62,15 @@ def test_a_store_made_before_an_index_gets_it_when_opened(tmp_path: Path) -> Non
         for _, name in ADDED_INDEXES:
             conn.exec_driver_sql(f"DROP INDEX {name}")
         conn.exec_driver_sql("CREATE INDEX ix_comfy_events_partition ON comfy_events (partition)")
+        conn.exec_driver_sql(
+            "CREATE INDEX ix_comfy_jobs_partition_state ON comfy_jobs (partition, state)"
+        )
 
     Store(tmp_path).close()
 
     inspector = sa.inspect(engine)
     present = {i["name"] for t in ("comfy_jobs", "comfy_events") for i in inspector.get_indexes(t)}
     assert {name for _, name in ADDED_INDEXES} <= present
-    assert "ix_comfy_events_partition" in present  # the one it replaces stays
+    # The ones they replace are dropped.
+    assert not {"ix_comfy_events_partition", "ix_comfy_jobs_partition_state"} & present
     engine.dispose()
