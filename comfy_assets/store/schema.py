@@ -50,6 +50,10 @@ jobs_table = sa.Table(
     sa.Index("ix_comfy_jobs_partition_state_claim", "partition", "state", "claimed_by"),
     # A storyboard's shot (``events --partition P --shot N``) without a partition's scan.
     sa.Index("ix_comfy_jobs_partition_shot", "partition", "shot"),
+    # results.csv built from what changed (render/segments.py): a partition's jobs changed
+    # since its last write, and a segment's jobs by their lines, each an indexed look.
+    sa.Index("ix_comfy_jobs_partition_updated", "partition", "updated_at"),
+    sa.Index("ix_comfy_jobs_partition_line", "partition", "line"),
 )
 
 attempts_table = sa.Table(
@@ -422,9 +426,18 @@ ADDED_COLUMNS: tuple[tuple[sa.Table, str], ...] = (
 )
 
 
+# Indexes added to a table after stores were made without them (``create_all`` makes the
+# indexes of the tables it creates only).
+ADDED_INDEXES: tuple[str, ...] = (
+    "ix_comfy_jobs_partition_updated",
+    "ix_comfy_jobs_partition_line",
+)
+
+
 def create_tables(engine: sa.Engine) -> None:
-    """Create missing tables and indexes, and add the columns of ``ADDED_COLUMNS`` that
-    a store made earlier lacks; safe when several processes start at once."""
+    """Create missing tables and indexes, and add the columns of ``ADDED_COLUMNS`` and
+    the indexes of ``ADDED_INDEXES`` that a store made earlier lacks; safe when several
+    processes start at once."""
     with engine.begin() as conn:
         begin(conn, write=True)
         if engine.dialect.name == "postgresql":
@@ -433,6 +446,7 @@ def create_tables(engine: sa.Engine) -> None:
             conn.execute(sa.text("SELECT pg_advisory_xact_lock(7202411)"))
         metadata.create_all(conn)
         _add_columns(conn)
+        _add_indexes(conn)
 
 
 def _add_columns(conn: sa.Connection) -> None:
@@ -447,3 +461,11 @@ def _add_columns(conn: sa.Connection) -> None:
         # Every column added to an existing table has a plain server default or none.
         clause = f" NOT NULL DEFAULT {default.arg}" if isinstance(default, sa.DefaultClause) else ""
         conn.execute(sa.text(f"ALTER TABLE {table.name} ADD COLUMN {name} {kind}{clause}"))
+
+
+def _add_indexes(conn: sa.Connection) -> None:
+    inspector = sa.inspect(conn)
+    present = {i["name"] for i in inspector.get_indexes(jobs_table.name)}
+    for index in jobs_table.indexes:
+        if index.name in ADDED_INDEXES and index.name not in present:
+            index.create(conn)
