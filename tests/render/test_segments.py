@@ -80,6 +80,19 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_a_write_after_changes_reads_only_their_segments(
     store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
 ) -> None:
+    changes_in_two_segments(store, workflow_dir, tmp_path, reads)
+
+
+def test_segments_on_postgresql(
+    own_pg_url: str, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    with Store(tmp_path / "pg", own_pg_url) as store:
+        changes_in_two_segments(store, workflow_dir, tmp_path, reads)
+
+
+def changes_in_two_segments(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
     jobs = [make_job(workflow_dir, i) for i in range(10)]
     store.register_jobs("p", jobs)
     write_results(store, "p")
