@@ -402,7 +402,8 @@ def _join(
 ) -> None:
     """Write results.csv: the header, then each segment's bytes in order (a segment with
     other columns rewritten to ``columns``). Atomic: a temp file renamed, or stored
-    whole. Raises SegmentChanged, OSError, and what the file store raises."""
+    whole. Raises SegmentChanged (a segment's bytes not those of ``segments``, or gone),
+    OSError, and what the file store raises."""
     with tempfile.TemporaryDirectory(prefix="comfy-assets-csv-") as scratch:
         with writing(files, [key], Path(scratch)) as [path]:
             fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -411,7 +412,11 @@ def _join(
                     out.write(csv_bytes(columns, [dict(zip(columns, columns, strict=True))]))
                     for n in order:
                         segment = segments[n]
-                        with files.open_file(segment_key(partition, n)) as source:
+                        try:
+                            source = files.open_file(segment_key(partition, n))
+                        except FileNotFoundError as e:  # removed by hand: read it again
+                            raise SegmentChanged(n) from e
+                        with source:
                             if segment.columns == columns:
                                 digest = _copy(source, out)
                             else:

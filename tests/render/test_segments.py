@@ -202,3 +202,16 @@ def test_segments_in_an_object_store(workflow_dir: Path, tmp_path: Path, s3_stor
         assert "succeeded" in rows_of(text)[jobs[5].id]
         assert text == whole_table(store, "p", tmp_path)
     assert not (tmp_path / "db" / "p").exists()  # nothing of results on this disk
+
+
+def test_a_segment_removed_by_hand_is_read_again(
+    store: Store, workflow_dir: Path, tmp_path: Path
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    (tmp_path / "store" / "p" / ".results" / "1.csv").unlink()
+    (tmp_path / "store" / "p" / "results.csv").unlink()
+    write_results(store, "p")
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+    assert len(rows_of(results_text(store, "p"))) == 7
