@@ -183,6 +183,7 @@ class Plan:
     order: list[int]
     by_ids: bool
     dirty: set[int]
+    span: tuple[int, int, int] | None = None  # by lines: ``Store.line_span`` when planned
 
 
 def _chunk(job_ids: Sequence[str], n: int) -> list[str]:
@@ -236,7 +237,7 @@ def _plan(
         if stale(n, change.job_id):
             dirty.add(n)
     dirty |= numbers - set(old)
-    return Plan(sorted(numbers), False, dirty)
+    return Plan(sorted(numbers), False, dirty, span)
 
 
 def _segment_of(line: int) -> int:
@@ -356,7 +357,9 @@ def _write(
     kept = set(plan.order)
     segments = {n: s for n, s in segments.items() if n in kept}
     if not plan.by_ids:
-        span = store.line_span(partition)
+        # Jobs registered while the segments were read are counted too: only more rows
+        # than jobs says a job is shown twice.
+        span = store.line_span(partition) if plan.dirty else plan.span
         shown = sum(s.rows for s in segments.values())
         if not rebuilt and shown > (0 if span is None else span[2]):
             # A job moved to another line (its file edited): rows are shown twice.

@@ -215,3 +215,23 @@ def test_a_segment_removed_by_hand_is_read_again(
     write_results(store, "p")
     assert results_text(store, "p") == whole_table(store, "p", tmp_path)
     assert len(rows_of(results_text(store, "p"))) == 7
+
+
+def test_a_job_moved_to_another_line_is_shown_once(
+    store: Store, workflow_dir: Path, tmp_path: Path
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    moved = job_from_dict(
+        {"id": jobs[0].id, "workflow": "image.json", "set": {"1.color": 0}},
+        base_dir=workflow_dir,
+        source="test",
+        line=9,
+    )
+    store.register_jobs("p", [moved])  # the file edited: its first job now on line 9
+    write_results(store, "p")
+    text = results_text(store, "p")
+    assert [line.split(",")[0] for line in text.splitlines()[1:]].count(jobs[0].id) == 1
+    assert text.splitlines()[-1].startswith(f"{jobs[0].id},9,")
+    assert text == whole_table(store, "p", tmp_path)
