@@ -235,3 +235,15 @@ def test_a_job_moved_to_another_line_is_shown_once(
     assert [line.split(",")[0] for line in text.splitlines()[1:]].count(jobs[0].id) == 1
     assert text.splitlines()[-1].startswith(f"{jobs[0].id},9,")
     assert text == whole_table(store, "p", tmp_path)
+
+
+def test_a_store_made_before_the_indexes_gets_them_when_opened(tmp_path: Path) -> None:
+    with Store(tmp_path / "old") as store, store.engine.begin() as conn:
+        for name in ("ix_comfy_jobs_partition_updated", "ix_comfy_jobs_partition_line"):
+            conn.exec_driver_sql(f"DROP INDEX {name}")
+    with Store(tmp_path / "old") as store, store.engine.connect() as conn:
+        plan = conn.exec_driver_sql(
+            "EXPLAIN QUERY PLAN SELECT job_id FROM comfy_jobs WHERE partition = 'p'"
+            " AND updated_at >= 0"
+        ).fetchall()
+    assert "ix_comfy_jobs_partition_updated" in str(plan)
