@@ -68,6 +68,7 @@ from comfy_assets.farm.versions import (
     file_job_ids,
     job_file_missing,
     load_rendered_file,
+    scan_rendered_file,
     scan_requested_file,
 )
 from comfy_assets.film.gate import GateBlocked, GateResult
@@ -81,16 +82,15 @@ from comfy_assets.film.shots import (
 )
 from comfy_assets.jobs.states import DONE
 from comfy_assets.jobs.stream import JobScan
+from comfy_assets.render.combine import write_combined
 from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
     JobResults,
-    combine_results,
     last_model_tries,
     results_key,
     write_results,
-    write_table,
 )
 from comfy_assets.render.run import run_batch_sync
 from comfy_assets.render.steering import run_priority
@@ -283,8 +283,8 @@ def write_partition_results(
     """Write the partition's results CSV, a row per job of the job file version that
     renders rendered (the step fails if the file changed since)."""
     partition = context.partition_key
-    job_file = load_rendered_file(context, partition, farm)
-    job_ids = [job.id for job in job_file.jobs]
+    job_file = scan_rendered_file(context, partition, farm)
+    job_ids = file_job_ids(job_file)
     store = result_store.open()
     try:
         path, results = write_results(store, partition, job_ids)
@@ -313,8 +313,7 @@ def gather_results(
                 tables[partition] = file_copy(files, results_key(partition), Path(scratch))
             except FileNotFoundError:
                 context.log.warning(f"partition {partition} has no {RESULTS_CSV} yet")
-        results = combine_results(tables)
-    write_table(files, ALL_RESULTS_CSV, results)
+        results = write_combined(files, ALL_RESULTS_CSV, tables)
     where = file_location(files, ALL_RESULTS_CSV, resolved=True)
     return MaterializeResult(
         metadata={**results_metadata(results, where), "partitions": len(tables)}

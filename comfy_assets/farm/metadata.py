@@ -465,21 +465,22 @@ RESULTS_COLUMNS = {
 
 
 def results_metadata(results: ResultsTable, location: str) -> Metadata:
-    """Row count, ``location`` (``local.file_location``, resolved), the column schema and
-    a preview table of a results CSV; the schema's types are read from its first
-    ``SCHEMA_ROWS`` rows (a million-row table's metadata costs what a 10,000-row one's
-    does)."""
-    # object dtype keeps each value as it is (64 stays 64 where some rows lack a key);
-    # the schema's types come from the values (``_table_type``).
+    """Row count, ``location`` (the whole CSV), the column schema, a preview and, when
+    known, the rows by state: a size that does not grow with the table (the schema's
+    types from its first ``SCHEMA_ROWS`` rows, ``results`` perhaps its first rows only)."""
+    # object dtype keeps each value as it is (64 stays 64 where some rows lack a key).
     sample = results.rows[:SCHEMA_ROWS]
     frame = pd.DataFrame(sample, columns=results.columns, dtype=object)
     schema = column_schema(frame, RESULTS_COLUMNS)
-    return {
+    metadata: Metadata = {
         "dagster/row_count": len(results),
         "dagster/column_schema": schema,
         "path": MetadataValue.path(location),
         "preview": table(frame, schema),
     }
+    if results.states is not None:
+        metadata["states"] = MetadataValue.json(results.states)
+    return metadata
 
 
 def film_metadata(

@@ -115,21 +115,36 @@ def load_rendered_file(
     describe jobs that were not rendered; the sensor requests a run for the new version).
     With no ``renders`` materialization yet, the current file is used and a warning says
     so: the store's records of its jobs are all there is."""
-    job_file = load_partition_file(partition, farm)
+    return _rendered(context, partition, farm, load_partition_file(partition, farm))
+
+
+def scan_rendered_file(
+    context: AssetExecutionContext, partition: str, farm: Farm = DEFAULT_FARM
+) -> JobScan | JobFile:
+    """``load_rendered_file``, the file validated in one pass without holding its jobs
+    (``scan_partition_file``): its job ids in line order (``file_job_ids``) cost 16
+    bytes a job."""
+    return _rendered(context, partition, farm, scan_partition_file(partition, farm))
+
+
+def _rendered(context: AssetExecutionContext, partition: str, farm: Farm, job_file: T) -> T:
+    """``job_file`` (a ``JobFile`` or ``JobScan``) when it is the version ``renders``
+    rendered (``load_rendered_file``)."""
+    found: JobFile | JobScan = job_file  # type: ignore[assignment]
     rendered = rendered_sha256(context, partition, farm)
     if rendered is None:
         context.log.warning(
             f"partition {partition}: renders has no materialization yet; using the current "
-            f"{job_file.path} ({job_file.sha256[:16]}) and what the store holds for its jobs"
+            f"{found.path} ({found.sha256[:16]}) and what the store holds for its jobs"
         )
-    elif rendered != job_file.sha256:
+    elif rendered != found.sha256:
         raise Failure(
             description=(
-                f"partition {partition}: {job_file.path} changed after renders rendered it "
-                f"(rendered {rendered[:16]}, now {job_file.sha256[:16]}); materialize renders "
+                f"partition {partition}: {found.path} changed after renders rendered it "
+                f"(rendered {rendered[:16]}, now {found.sha256[:16]}); materialize renders "
                 "for the new version first (the sensor requests a run for it)"
             ),
-            metadata={"rendered_sha256": rendered, "job_file_sha256": job_file.sha256},
+            metadata={"rendered_sha256": rendered, "job_file_sha256": found.sha256},
             allow_retries=False,
         )
     return job_file

@@ -56,13 +56,19 @@ class ResultsTable:
     value (an int, float, bool or str; None or a column the row lacks is an empty cell).
     Plain rows, not a DataFrame: ``run`` and the worker write the CSV without loading
     pandas (a large part of a process's start-up); the Dagster assets make a DataFrame of
-    it for their metadata (``farm.metadata.results_metadata``)."""
+    it for their metadata (``farm.metadata.results_metadata``). ``total``: the table's
+    row count when ``rows`` are its first rows only (``len`` is the count either way);
+    ``states``: every row's state counted, when known."""
 
     columns: list[str]
     rows: list[dict[str, Any]]
+    # The table's rows, when ``rows`` holds only its first ones (``write_results``).
+    total: int | None = None
+    # Its rows by state, all of them counted (``write_results``), or None when not known.
+    states: dict[str, int] | None = None
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) if self.total is None else self.total
 
 
 # The store's job record, whose fields the table shows (``set``: the job's "node.input"
@@ -266,17 +272,21 @@ def results_location(store: Store, partition: str) -> str:
 
 
 def write_results(
-    store: Store, partition: str, job_ids: Sequence[str] | None = None
+    store: Store, partition: str, job_ids: Sequence[str] | None = None, *, sample: bool = True
 ) -> tuple[str, ResultsTable]:
     """Write ``partition``'s results CSV as the store has it now; returns where it is
-    (``results_location``) and the table. ``job_ids`` (a job file's, in line order)
-    selects and orders the rows, and a record of a job no longer in the file (a deleted
-    line) is left out; without it every job registered in the partition is a row, in
-    line order (the order of ``job_ids`` for a file whose jobs all got there). Raises
-    OSError if the CSV cannot be written, StoreUnavailable, FileStoreUnavailable,
-    FileStoreFull, FileStoreRefused."""
-    table = JobResults.read(store, partition, job_ids).table()
-    return write_table(store.file_store, results_key(partition), table), table
+    (``results_location``) and the table: its columns, its row count (``len``) and, with
+    ``sample``, its first rows (a segment's, ``render.segments.SEGMENT_JOBS``; none
+    without). ``job_ids`` (a job file's, in line order) selects and orders the rows, and
+    a record of a job no longer in the file (a deleted line) is left out; without it
+    every job registered in the partition is a row, in line order (the order of
+    ``job_ids`` for a file whose jobs all got there). Only the rows of jobs changed since
+    the last write are read from the store (``render.segments``); no more than a
+    segment's rows are held at once. Raises OSError if the CSV cannot be written,
+    StoreUnavailable, FileStoreUnavailable, FileStoreFull, FileStoreRefused."""
+    from comfy_assets.render.segments import write_segmented  # it builds on this module
+
+    return write_segmented(store, partition, job_ids, sample=sample)
 
 
 def write_table(files: FileStore, key: str, table: ResultsTable) -> str:
@@ -303,7 +313,7 @@ def write_csv(table: ResultsTable, path: Path) -> Path:
             writer = csv.writer(handle, lineterminator="\n")
             writer.writerow(table.columns)
             writer.writerows(
-                [_csv_cell(row.get(name)) for name in table.columns] for row in table.rows
+                [csv_cell(row.get(name)) for name in table.columns] for row in table.rows
             )
         os.chmod(tmp, 0o644)  # mkstemp makes it private; a results table is for everyone
         os.replace(tmp, path)
@@ -313,7 +323,8 @@ def write_csv(table: ResultsTable, path: Path) -> Path:
     return path
 
 
-def _csv_cell(value: Any) -> Any:
+def csv_cell(value: Any) -> Any:
+    """``value`` as ``write_csv`` writes it: a carriage return made a line feed."""
     if isinstance(value, str) and "\r" in value:
         return value.replace("\r\n", "\n").replace("\r", "\n")
     return value

@@ -88,7 +88,8 @@ JOBS_PER_SERVER = 2
 
 
 # A partition's results.csv is written again no sooner than this many times the seconds
-# its last write took (``Worker._write_results``).
+# its last write took (``Worker._write_results``): a write reads what changed, but joins
+# every segment's bytes (a first write reads them all).
 RESULTS_DUTY = 20.0
 
 
@@ -459,11 +460,12 @@ class Worker:
     async def _write_results(self, every_s: float) -> None:
         """Write the results.csv of every partition a message touched, every ``every_s``
         seconds at most (and once more when the worker stops): the same table ``run``
-        writes. A partition whose write took ``t`` seconds is written again no sooner
-        than ``RESULTS_DUTY x t`` after it: a table is read whole from the store, so a
-        million-job partition is rewritten every few minutes, not every few seconds, and
-        the worker spends at most ``1 / RESULTS_DUTY`` of its time on it. Off the event
-        loop; while the store's database is away, left for later."""
+        writes. A write reads only the segments whose jobs changed since the last one
+        (``render.segments``) but joins every segment's bytes into the file, and a first
+        write reads them all: a partition whose write took ``t`` seconds is written again
+        no sooner than ``RESULTS_DUTY x t`` after it, so the worker spends at most
+        ``1 / RESULTS_DUTY`` of its time on it. Off the event loop; while the store's
+        database is away, left for later."""
         loop = asyncio.get_running_loop()
         due: dict[str, float] = {}  # partition -> loop time of its next write
         while True:
@@ -476,7 +478,7 @@ class Worker:
                 while pending and not self.store.outage.away:
                     started = loop.time()
                     try:
-                        await off_loop(self.store, write_results, self.store, pending[0])
+                        await off_loop(self.store, self._write_partition_results, pending[0])
                     except (OSError, StoreError) as e:  # the database's or the files'
                         self.handler.touched.add(pending[0])  # tried again next time
                         self._results_not_written(pending[0], e)
@@ -494,9 +496,14 @@ class Worker:
                 log.warning("%s not written: the store's database is away", path)
                 continue
             try:
-                write_results(self.store, partition)
+                self._write_partition_results(partition)
             except (OSError, StoreError) as e:  # the database's or the files'
                 self._results_not_written(partition, e)
+
+    def _write_partition_results(self, partition: str) -> None:
+        """Write ``partition``'s results.csv, without the sample rows that only the
+        Dagster assets show."""
+        write_results(self.store, partition, sample=False)
 
     def _results_not_written(self, partition: str, error: BaseException) -> None:
         # write_csv's OSError may not name the file (a write cut short by a full disk).

@@ -50,6 +50,10 @@ jobs_table = sa.Table(
     sa.Index("ix_comfy_jobs_partition_state_claim", "partition", "state", "claimed_by"),
     # A storyboard's shot (``events --partition P --shot N``) without a partition's scan.
     sa.Index("ix_comfy_jobs_partition_shot", "partition", "shot"),
+    # results.csv built from what changed (render/segments.py): a partition's jobs changed
+    # since its last write, and a segment's jobs by their lines, each an indexed look.
+    sa.Index("ix_comfy_jobs_partition_updated", "partition", "updated_at"),
+    sa.Index("ix_comfy_jobs_partition_line", "partition", "line"),
 )
 
 attempts_table = sa.Table(
@@ -430,6 +434,8 @@ ADDED_INDEXES: tuple[tuple[sa.Table, str], ...] = (
     (jobs_table, "ix_comfy_jobs_partition_state_claim"),
     (jobs_table, "ix_comfy_jobs_partition_shot"),
     (events_table, "ix_comfy_events_partition_id"),
+    (jobs_table, "ix_comfy_jobs_partition_updated"),
+    (jobs_table, "ix_comfy_jobs_partition_line"),
 )
 
 # Indexes a store made earlier has that an added one replaces: (table, index name),

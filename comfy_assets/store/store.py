@@ -47,6 +47,7 @@ from comfy_assets.store.schema import (
     create_tables,
     make_engine,
 )
+from comfy_assets.store.segment_reads import SegmentReads
 from comfy_assets.store.transitions import OUTCOMES, TRANSITION_FIELDS, Transitions
 
 # The store's database URL from the environment, for every command and the Dagster
@@ -86,7 +87,7 @@ class StoreOptions(TypedDict, total=False):
     file_store: FileStore | None
 
 
-class Store(Claims, Transitions, Queries, ServerLeases, ServerHealth, Live):
+class Store(Claims, Transitions, Queries, SegmentReads, ServerLeases, ServerHealth, Live):
     """Jobs and their history in SQLite (``<root>/store.db``) or PostgreSQL (``db_url``
     such as ``postgresql+psycopg://postgres@127.0.0.1/db``); creates missing tables.
 

@@ -71,14 +71,18 @@ def test_films_sheets_and_results_go_through_the_object_store(
         [
             f"{PARTITION}/outputs.contact.png",
             f"{PARTITION}/results.csv",
+            # results.csv's segment and their index (render/segments.py)
+            f"{PARTITION}/.results/0.csv",
+            f"{PARTITION}/.results/segments.json",
             f"{PARTITION}/film.mp4",
             f"{PARTITION}/film.contact.png",
             "all_results.csv",
         ]
     )
     # Six shots and their outputs read through the store: the sheet of outputs and the
-    # gate (which decodes each shot whole) each copied them; results.csv read back.
-    outputs = [key for key in linked.opened if key.count("/") >= 2]
+    # gate (which decodes each shot whole) each copied them; results.csv read back (and
+    # joined from its segment: ``.results/``).
+    outputs = [key for key in linked.opened if key.count("/") >= 2 and "/.results/" not in key]
     assert len(outputs) == 12 and len(set(outputs)) == 6
     assert f"{PARTITION}/results.csv" in linked.opened
 

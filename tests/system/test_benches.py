@@ -125,3 +125,9 @@ def test_sync_copies_then_finds_nothing_changed_then_one() -> None:
     for name in ("sync_first_s", "sync_again_s", "sync_one_changed_s"):
         assert float(lines[name]) >= 0
     assert float(lines["presign_us"]) > 0
+
+
+def test_results_writes_the_table_whole_and_from_segments() -> None:
+    lines = figures("bench/results.py", "--jobs", "5000")
+    for write in ("whole", "first", "changed", "unchanged", "whole_changed"):
+        assert float(lines[f"{write}_s"]) >= 0 and float(lines[f"{write}_rss_mb"]) > 0

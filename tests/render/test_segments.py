@@ -1,0 +1,249 @@
+"""results.csv built from what changed (render/segments.py): after changes to jobs in some
+segments, a write reads those segments again and the file's rows are those a whole-table
+write gives, in a folder and in an object store."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from comfy_assets.jobs.model import Job
+from comfy_assets.jobs.parse import job_from_dict
+from comfy_assets.render import segments
+from comfy_assets.render.results import JobResults, write_csv, write_results
+from comfy_assets.store import AttemptEntry, OutputFile, Store
+
+SHA = "cd" * 32
+
+
+@pytest.fixture(autouse=True)
+def small_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(segments, "SEGMENT_JOBS", 3)
+
+
+def make_job(folder: Path, i: int, **set_values: object) -> Job:
+    obj = {
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, f"test-segments:{i}")),
+        "workflow": "image.json",
+        "set": {"1.color": i, **set_values},
+    }
+    return job_from_dict(obj, base_dir=folder, source="test", line=i + 1)
+
+
+def whole_table(store: Store, partition: str, tmp_path: Path, job_ids=None) -> str:
+    """results.csv as one write of the whole table makes it."""
+    table = JobResults.read(store, partition, job_ids).table()
+    return write_csv(table, tmp_path / "whole" / "results.csv").read_text()
+
+
+def results_text(store: Store, partition: str) -> str:
+    with store.file_store.open_file(f"{partition}/results.csv") as handle:
+        return handle.read().decode()
+
+
+def rows_of(text: str) -> dict[str, str]:
+    return {line.split(",")[0]: line for line in text.splitlines()[1:]}
+
+
+def done(store: Store, job: Job, name: str) -> None:
+    assert store.claim(job.id, "w1") == "claimed"
+    store.transition(job.id, "submitted", owner="w1", server="gpu0", attempt=1)
+    store.transition(job.id, "rendering", server="gpu0", attempt=1, number=1)
+    store.mark_done(job.id, "w1", files=[OutputFile(name, SHA, 10, node_id="9", key="images")])
+
+
+def dead(store: Store, job: Job) -> None:
+    assert store.claim(job.id, "w1") == "claimed"
+    store.transition(job.id, "submitted", owner="w1", server="gpu1", attempt=1)
+    store.dead_letter(job.id, "w1", "out of memory", server="gpu1", attempt=1)
+
+
+@pytest.fixture
+def reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The first line of each segment read from the store by lines, or the first job's
+    line read by ids."""
+    seen: list[int] = []
+    real = Store.read_segment
+
+    def spy(self: Store, partition: str, **kwargs: object):
+        read = real(self, partition, **kwargs)
+        lines = kwargs.get("lines")
+        seen.append(lines[0] if lines else read.records[0].line if read.records else 0)
+        return read
+
+    monkeypatch.setattr(Store, "read_segment", spy)
+    return seen
+
+
+def test_a_write_after_changes_reads_only_their_segments(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    changes_in_two_segments(store, workflow_dir, tmp_path, reads)
+
+
+def test_segments_on_postgresql(
+    own_pg_url: str, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    with Store(tmp_path / "pg", own_pg_url) as store:
+        changes_in_two_segments(store, workflow_dir, tmp_path, reads)
+
+
+def changes_in_two_segments(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(10)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    assert sorted(reads) == [1, 4, 7, 10]  # four segments of three jobs
+    first = results_text(store, "p")
+    assert first == whole_table(store, "p", tmp_path)
+
+    reads.clear()
+    done(store, jobs[1], "a.png")  # segment 0
+    dead(store, jobs[7])  # segment 2
+    where, table = write_results(store, "p")
+    assert sorted(reads) == [1, 7]
+    text = results_text(store, "p")
+    assert text == whole_table(store, "p", tmp_path)
+    changed = {k for k, v in rows_of(text).items() if rows_of(first)[k] != v}
+    assert changed == {jobs[1].id, jobs[7].id}
+    assert "succeeded" in rows_of(text)[jobs[1].id] and "a.png:" in rows_of(text)[jobs[1].id]
+    assert "failed_fatal" in rows_of(text)[jobs[7].id]
+    assert len(table) == 10 and table.states == {"failed_fatal": 1, "pending": 8, "succeeded": 1}
+
+    reads.clear()
+    write_results(store, "p", sample=False)  # nothing changed since the changes were seen
+    assert reads == []
+    assert results_text(store, "p") == text
+
+
+def test_a_requeued_dead_letter_shows_pending_again(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    dead(store, jobs[4])
+    write_results(store, "p")
+    assert "failed_fatal" in rows_of(results_text(store, "p"))[jobs[4].id]
+
+    reads.clear()
+    assert store.requeue(jobs[4].id)
+    write_results(store, "p", sample=False)
+    assert reads == [4]
+    row = rows_of(results_text(store, "p"))[jobs[4].id]
+    assert "pending" in row and "out of memory" not in row
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_model_column_and_a_new_set_key_change_the_header_of_every_row(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    assert results_text(store, "p").splitlines()[0].count("models") == 0
+
+    reads.clear()
+    late = make_job(workflow_dir, 7, **{"1.width": 32})  # a new line, a new set key
+    store.register_jobs("p", [late])
+    assert store.claim(jobs[6].id, "w1") == "claimed"
+    store.record_attempt(
+        jobs[6].id,
+        AttemptEntry(1, "transient", "gpu0", seconds=1.0, models=("sd15.safetensors",)),
+    )
+    write_results(store, "p", sample=False)
+    assert sorted(reads) == [7]  # segments 0 and 1 are not read again
+    text = results_text(store, "p")
+    header = text.splitlines()[0].split(",")
+    assert header[:5] == ["job_id", "line", "shot", "1.color", "1.width"]
+    assert header[header.index("server") + 1 : header.index("server") + 3] == [
+        "models",
+        "model_loaded",
+    ]
+    assert all(len(line.split(",")) == len(header) for line in text.splitlines())
+    assert "sd15.safetensors" in rows_of(text)[jobs[6].id]
+    assert text == whole_table(store, "p", tmp_path)
+
+
+def test_a_job_files_ids_order_the_rows_and_show_a_missing_job(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(8)]
+    store.register_jobs("p", jobs[:7])
+    ids = [j.id for j in jobs]
+    _, table = write_results(store, "p", ids)
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path, ids)
+    assert "missing" in rows_of(results_text(store, "p"))[jobs[7].id]
+    assert len(table) == 8 and [r["job_id"] for r in table.rows] == ids[:3]
+
+    reads.clear()
+    store.register_jobs("p", [jobs[7]])
+    write_results(store, "p", ids, sample=False)
+    assert reads == [7]  # the last segment: its missing job registered
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path, ids)
+
+    reads.clear()
+    write_results(store, "p", sample=False)  # by lines: the same segments, nothing read
+    assert reads == []
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_segments_in_an_object_store(workflow_dir: Path, tmp_path: Path, s3_store) -> None:
+    with Store(tmp_path / "db", file_store=s3_store) as store:
+        jobs = [make_job(workflow_dir, i) for i in range(8)]
+        store.register_jobs("p", jobs)
+        write_results(store, "p")
+        done(store, jobs[5], "b.png")
+        where, _ = write_results(store, "p")
+        assert where == f"s3://{s3_store.where.bucket}/farm/files/p/results.csv"
+        text = results_text(store, "p")
+        assert "succeeded" in rows_of(text)[jobs[5].id]
+        assert text == whole_table(store, "p", tmp_path)
+    assert not (tmp_path / "db" / "p").exists()  # nothing of results on this disk
+
+
+def test_a_segment_removed_by_hand_is_read_again(
+    store: Store, workflow_dir: Path, tmp_path: Path
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    (tmp_path / "store" / "p" / ".results" / "1.csv").unlink()
+    (tmp_path / "store" / "p" / "results.csv").unlink()
+    write_results(store, "p")
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+    assert len(rows_of(results_text(store, "p"))) == 7
+
+
+def test_a_job_moved_to_another_line_is_shown_once(
+    store: Store, workflow_dir: Path, tmp_path: Path
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    moved = job_from_dict(
+        {"id": jobs[0].id, "workflow": "image.json", "set": {"1.color": 0}},
+        base_dir=workflow_dir,
+        source="test",
+        line=9,
+    )
+    store.register_jobs("p", [moved])  # the file edited: its first job now on line 9
+    write_results(store, "p")
+    text = results_text(store, "p")
+    assert [line.split(",")[0] for line in text.splitlines()[1:]].count(jobs[0].id) == 1
+    assert text.splitlines()[-1].startswith(f"{jobs[0].id},9,")
+    assert text == whole_table(store, "p", tmp_path)
+
+
+def test_a_store_made_before_the_indexes_gets_them_when_opened(tmp_path: Path) -> None:
+    with Store(tmp_path / "old") as store, store.engine.begin() as conn:
+        for name in ("ix_comfy_jobs_partition_updated", "ix_comfy_jobs_partition_line"):
+            conn.exec_driver_sql(f"DROP INDEX {name}")
+    with Store(tmp_path / "old") as store, store.engine.connect() as conn:
+        plan = conn.exec_driver_sql(
+            "EXPLAIN QUERY PLAN SELECT job_id FROM comfy_jobs WHERE partition = 'p'"
+            " AND updated_at >= 0"
+        ).fetchall()
+    assert "ix_comfy_jobs_partition_updated" in str(plan)
