@@ -4,7 +4,7 @@ in the queue, total time and messages per second.
 Run (RabbitMQ on 127.0.0.1:5672, guest/guest by default):
     python bench/enqueue.py                                # 100,000 then 1,000,000 jobs
     python bench/enqueue.py --sizes 100000 --repo ../old   # another checkout's enqueue
-    python bench/enqueue.py --sizes 1000000 --until-first  # stop at the first message
+    python bench/enqueue.py --sizes 1000000 --window-s 120 # stop 120 s after the first message
 
 Each size: the job file of ``bench/million.py`` (one small workflow, each job its own colour;
 written once under ``--cache``), published by ``python -m comfy_assets.cli enqueue`` as a
@@ -15,9 +15,11 @@ afterwards. Figures:
 - ``first_message_s``: from the start of ``enqueue`` to the first message the queue holds
   (its depth, read every 0.2 s through a passive declare);
 - ``peak_rss_mb``: the process's peak resident memory (``ru_maxrss`` of ``wait4``; with
-  ``--until-first``, VmHWM when it is stopped with SIGKILL at its first message);
+  ``--window-s S``, its VmHWM when it is stopped with SIGKILL ``S`` seconds after its first
+  message, ``0``: at it, for runs too long to wait for at about 1,000 messages a second);
 - ``total_s``, ``msgs_per_s``: until it exits, and the jobs it said it enqueued per second
-  of that; ``queued`` the queue's depth then (the jobs it published).
+  of that (with ``--window-s``: the messages queued per second since the first);
+  ``queued`` the queue's depth at the end (the jobs it published).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ async def one_size(jobs: int, args: argparse.Namespace) -> dict[str, str]:
         first: float | None = None
         status: int | None = None
         peak_kb = 0
+        killed = False
         while status is None:
             await asyncio.sleep(0.2)
             pid, raw, usage = os.wait4(proc.pid, os.WNOHANG)
@@ -83,11 +86,13 @@ async def one_size(jobs: int, args: argparse.Namespace) -> dict[str, str]:
                     channel = await connection.channel()
                 if await depth(channel, queue):
                     first = time.time()
-                    if args.until_first:
-                        peak_kb = status_kb(proc.pid, "VmHWM")
-                        os.kill(proc.pid, signal.SIGKILL)
-                        _, raw, _ = os.wait4(proc.pid, 0)
-                        status = os.waitstatus_to_exitcode(raw)
+            windowed = args.window_s is not None and first is not None
+            if windowed and time.time() >= first + args.window_s:
+                peak_kb = status_kb(proc.pid, "VmHWM")
+                os.kill(proc.pid, signal.SIGKILL)
+                killed = True
+                _, raw, _ = os.wait4(proc.pid, 0)
+                status = os.waitstatus_to_exitcode(raw)
         end = time.time()
         proc.returncode = status  # reaped here: Popen must not wait for it again
         stdout = proc.stdout.read() if proc.stdout else ""
@@ -104,8 +109,10 @@ async def one_size(jobs: int, args: argparse.Namespace) -> dict[str, str]:
     out["first_message_s"] = f"{first - start:.2f}" if first is not None else "nan"
     out["peak_rss_mb"] = f"{peak_kb / 1024:.1f}"
     out["queued"] = str(queued)
-    if args.until_first:
-        out["stopped_at_first_message"] = "yes"
+    if killed:
+        out["stopped_after_s"] = f"{end - start:.1f}"
+        if first is not None and end > first and queued:
+            out["msgs_per_s"] = f"{queued / (end - first):.0f}"
         return out
     if status != 0:
         sys.stderr.write(stderr[-3000:])
@@ -121,7 +128,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="100000,1000000", help="job counts, comma-separated")
     ap.add_argument("--rabbitmq", default=URL, help=f"the broker ({URL})")
     ap.add_argument("--repo", default=str(ROOT), help="the checkout whose enqueue runs")
-    ap.add_argument("--until-first", action="store_true", help="stop at the first message")
+    ap.add_argument("--window-s", type=float, default=None, help="stop S s after the first message")
     ap.add_argument("--cache", default=os.environ.get("BENCH_MILLION_CACHE", "/tmp/bench-million"))
     args = ap.parse_args()
     print(f"load_1m_start={os.getloadavg()[0]:.2f}", flush=True)

@@ -3,10 +3,11 @@ whole first, then its messages built a chunk at a time as they are published.
 
 ``scan_queue_file`` checks the file in the streaming pass of ``jobs/stream.py``
 (``scan_job_file``: every error by file:line:field, as ``load_job_file`` gives them), then
-reads its jobs again a chunk at a time for the queue's own checks (``size_problems``: a
-message over ``--max-message-bytes``, found without reading an input file); a file with a
-job taking an input from another job is loaded whole by the scan and refused by
-``queue_problems``. Any problem raises before a message is built, so nothing is published
+the queue's own check, a message over ``--max-message-bytes``: when no message of the file
+can be that big (``size_bound``, from its longest line and workflow) nothing more is read;
+otherwise its jobs are read again a chunk at a time and each message's size is computed
+(``size_problems``, without reading an input file). A file with a job taking an input from
+another job is loaded whole by the scan and refused by ``queue_problems``. Any problem raises before a message is built, so nothing is published
 for a file with one. ``QueueFile.messages`` then reads the jobs a third time, a chunk at a
 time, and yields their bodies: what is held is one chunk of jobs and bodies, whatever the
 file's size.
@@ -14,6 +15,7 @@ file's size.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,7 @@ from pathlib import Path
 from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.jobs.model import Job, JobFile, JobFileError, Policy
 from comfy_assets.jobs.stream import JobScan, scan_job_file
+from comfy_assets.jobs.workflows import WorkflowCache
 from comfy_assets.service.messages import (
     MAX_MESSAGE_BYTES,
     job_bodies,
@@ -31,6 +34,15 @@ from comfy_assets.service.messages import (
 # Jobs built at a time: a few hundred kilobytes of bodies for small workflows. An input
 # file shared by the jobs of a chunk is read and encoded once per chunk.
 CHUNK = 1000
+# Bytes of a message besides its values (field names, quotes, braces, commas; the line
+# and priority numbers, the policy), more than they take.
+ENVELOPE = 512
+# Bytes a value of a job line may take in its message per byte it takes in the line, and
+# times it is written there: json.dumps writes a non-ASCII character as \uXXXX (6 bytes
+# for 1 to 3 of UTF-8, 12 for 4) and a float such as 1e15 as 1000000000000000.0 (18 for
+# 4); a ``set`` value is written in ``set`` and again in the workflow it changes.
+PER_LINE_BYTE = 6
+WRITTEN = 2
 
 
 @dataclass(frozen=True)
@@ -79,18 +91,37 @@ def scan_queue_file(
     ``max_bytes`` bytes (no input file read for these); ``JobFileChanged`` when the file
     changes between its passes."""
     path = Path(path)
-    source = scan_job_file(path, rules=rules)
+    workflows = WorkflowCache()
+    source = scan_job_file(path, workflows, rules=rules)
     name = partition or path.stem
     if isinstance(source, JobFile):
         problems = queue_problems(source, max_bytes, name)
-    else:
+    elif source.input_files or size_bound(source, workflows, name) > max_bytes:
         problems = []
         for jobs in _chunks(source, CHUNK):
             problems += size_problems(str(path), jobs, source.policy, name, max_bytes)
+    else:
+        problems = []
     if problems:
         raise JobFileError(problems)
     rank = source.header.priority if priority is None else priority
     return QueueFile(source, name, rank)
+
+
+def size_bound(scan: JobScan, workflows: WorkflowCache, partition: str) -> int:
+    """Bytes no message of ``scan``'s jobs can exceed, under ``partition``, when its lines
+    name no input file (whose bytes a message carries): the longest workflow read
+    (``workflows``, which the scan read them into), plus each line's values written at
+    most ``WRITTEN`` times, ``PER_LINE_BYTE`` bytes for each byte of the longest line (a
+    line's length from its offset to the next job's, so counting any blank line or
+    header between them), plus the partition so written and ``ENVELOPE``."""
+    import numpy as np  # here: the CLI imports this module for every command
+
+    starts = np.frombuffer(scan.offsets, dtype=np.int64)
+    ends = np.append(starts[1:], os.stat(scan.path).st_size)
+    longest = int((ends - starts).max())
+    values = longest + len(partition.encode())
+    return workflows.longest_text() + WRITTEN * PER_LINE_BYTE * values + ENVELOPE
 
 
 def _chunks(source: JobScan | JobFile, size: int) -> Iterator[list[Job]]:
