@@ -7,10 +7,11 @@ the queue's own check, a message over ``--max-message-bytes``: when no message o
 can be that big (``size_bound``, from its longest line and workflow) nothing more is read;
 otherwise its jobs are read again a chunk at a time and each message's size is computed
 (``size_problems``, without reading an input file). A file with a job taking an input from
-another job is loaded whole by the scan and refused by ``queue_problems``. Any problem raises before a message is built, so nothing is published
-for a file with one. ``QueueFile.messages`` then reads the jobs a third time, a chunk at a
-time, and yields their bodies: what is held is one chunk of jobs and bodies, whatever the
-file's size.
+another job is loaded whole by the scan and refused by ``queue_problems``. Any problem
+raises before a message is built, so nothing is published for a file with one.
+``QueueFile.messages`` then reads the jobs again, a chunk at a time, and yields their
+bodies: what is held is the scan's arrays (about 40 bytes a job) and one chunk of jobs and
+bodies.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from comfy_assets.cli.main import main
+from comfy_assets.jobs import halves
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.jobs.stream import JobScan, scan_job_file
 from comfy_assets.jobs.workflows import WorkflowCache
@@ -122,3 +123,26 @@ def test_no_message_is_larger_than_the_bound_that_spares_enqueue_its_second_read
     bound = size_bound(scan, workflows, "a-partition")
     sizes = [len(body) for _, body in scan_queue_file(path, partition="a-partition").messages()]
     assert max(sizes) <= bound
+
+
+def test_a_workflow_named_only_in_the_second_half_of_a_big_file_counts_for_its_size(
+    tmp_path, monkeypatch, capsys
+):
+    # Files of 16 MB and more are checked in two halves at once: here a small one is.
+    monkeypatch.setattr(halves, "HALVES_BYTES", 0)
+    monkeypatch.setattr(halves, "alone", lambda: True)  # whatever threads earlier tests left
+    extra = [{"set": {"1.color": 1000 + i}} for i in range(40)]
+    extra[-1]["workflow"] = "big.json"
+    path = write_jobs(tmp_path / "jobs", 40, extra=extra)
+    big = json.loads((path.parent / "image.json").read_text())
+    big["3"]["inputs"]["filename_prefix"] = "x" * 5000
+    (path.parent / "big.json").write_text(json.dumps(big))
+
+    code = main(
+        ["enqueue", "--rabbitmq", NOWHERE, "--queue", "q", "--jobs", str(path)]
+        + ["--max-message-bytes", "4000"]
+    )
+
+    err = capsys.readouterr().err
+    assert code == 2
+    assert f"{path}:40: message: " in err
