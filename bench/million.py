@@ -4,6 +4,7 @@ Run:
     python bench/million.py                              # 10,000 then 100,000 jobs
     python bench/million.py --sizes 10000,1000000        # the issue's comparison, one run
     python bench/million.py --sizes 100000 --window-s 30
+    python bench/million.py --sizes 1000000 --kill-after 20000   # exactly once at that size
 
 Each size: a JSONL file of text-to-image jobs sharing one small workflow (bench/common.py's
 ``write_jobs``: image.json, each job its own colour), 8 fake servers (separate processes,
@@ -25,6 +26,15 @@ With several sizes the last lines compare the largest to the smallest
 (``jobs_per_s_ratio``: target >= 0.9; ``peak_rss_mb`` of the largest: target <= 500 for
 1,000,000 jobs; ``first_prompt_s``: target <= 10). Jobs files are written once per size under
 ``--cache`` (default /tmp/bench-million) and reused.
+
+``--kill-after N``: per size, exactly once after a SIGKILL instead. ``comfy-assets run`` (the
+same command) is killed with SIGKILL once the fakes recorded ``N`` POST /prompt, started
+again on the same store and fakes, and stopped with SIGKILL ``--window-s`` seconds after its
+first prompt. Figures, from the fakes' records (``/fake/stats`` ``prompts``: each prompt_id's
+``posted`` and ``executed`` counts, and the ``posts`` times): ``posted_before_kill`` (read
+after the kill), ``posted_after_restart``, ``restart_first_prompt_s`` (from the second start
+to its first POST /prompt), and ``posted_twice`` / ``executed_twice``: prompt_ids posted or
+executed more than once across both runs (target 0).
 """
 
 from __future__ import annotations
@@ -167,6 +177,87 @@ def one_size(jobs: int, args: argparse.Namespace) -> dict[str, str]:
     return out
 
 
+def fake_prompts(specs: list[ServerSpec]) -> tuple[dict[str, list[int]], list[float]]:
+    """Every prompt_id the fakes recorded with its ``[posted, executed]`` counts summed
+    over them, and the times of every POST /prompt."""
+    counts: dict[str, list[int]] = {}
+    times: list[float] = []
+    for s in specs:
+        with urllib.request.urlopen(f"{s.url}/fake/stats") as r:
+            stats = json.load(r)
+        for prompt_id, c in stats["prompts"].items():
+            both = counts.setdefault(prompt_id, [0, 0])
+            both[0] += c["posted"]
+            both[1] += c["executed"]
+        times += [p["time"] for p in stats["posts"]]
+    return counts, times
+
+
+def posted(specs: list[ServerSpec]) -> int:
+    """POST /prompt the fakes recorded so far."""
+    return sum(c[0] for c in fake_prompts(specs)[0].values())
+
+
+def kill_and_restart(jobs: int, args: argparse.Namespace) -> dict[str, str]:
+    """``run`` killed with SIGKILL after ``args.kill_after`` prompts, run again for
+    ``args.window_s`` seconds after its first prompt: the figures of the module docstring."""
+    path = job_file(Path(args.cache), jobs)
+    out: dict[str, str] = {"jobs": str(jobs), "kill_after": str(args.kill_after)}
+    fakes_out = scratch_dir()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        fake_processes(args.servers, 0.0, fakes_out) as specs,
+    ):
+        cmd = [
+            sys.executable,
+            "-m",
+            "comfy_assets.cli",
+            "run",
+            "--jobs",
+            str(path),
+            "--store",
+            str(Path(tmp) / "store"),
+            *(a for s in specs for a in ("--server", f"{s.name}={s.url}")),
+        ]
+        start = time.time()
+        first_run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        while posted(specs) < args.kill_after:
+            if first_run.poll() is not None:
+                raise SystemExit(f"run exited {first_run.returncode} before the kill")
+            time.sleep(1.0)
+        first_run.send_signal(signal.SIGKILL)
+        first_run.wait()
+        killed_at = time.time()
+        before = posted(specs)
+        restart = time.time()
+        second = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        first: float | None = None
+        while first is None and second.poll() is None:
+            time.sleep(0.5)
+            later = [t for t in fake_prompts(specs)[1] if t >= restart]
+            first = min(later) if later else None
+        end = (first or restart) + args.window_s
+        while second.poll() is None and time.time() < end:
+            time.sleep(0.5)
+        if second.poll() is None:
+            second.send_signal(signal.SIGKILL)
+        second.wait()
+        counts, _ = fake_prompts(specs)
+        shutil.rmtree(fakes_out, ignore_errors=True)
+    if first is None:
+        sys.stderr.write((second.stderr.read() if second.stderr else b"").decode()[-2000:])
+        raise SystemExit(f"jobs={jobs}: the restarted run posted nothing")
+    total = sum(c[0] for c in counts.values())
+    out["killed_at_s"] = f"{killed_at - start:.1f}"
+    out["posted_before_kill"] = str(before)
+    out["restart_first_prompt_s"] = f"{first - restart:.2f}"
+    out["posted_after_restart"] = str(total - before)
+    out["prompt_ids"] = str(len(counts))
+    out["posted_twice"] = str(sum(1 for c in counts.values() if c[0] > 1))
+    out["executed_twice"] = str(sum(1 for c in counts.values() if c[1] > 1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="10000,100000", help="job counts, comma-separated")
@@ -174,9 +265,18 @@ def main() -> None:
     ap.add_argument("--window-s", type=float, default=60.0, help="seconds measured per size")
     ap.add_argument("--warm-s", type=float, default=5.0, help="left out after the first prompt")
     ap.add_argument("--cache", default=os.environ.get("BENCH_MILLION_CACHE", "/tmp/bench-million"))
+    ap.add_argument(
+        "--kill-after", type=int, default=0, help="SIGKILL run after N prompts, run it again"
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"load_1m_start={os.getloadavg()[0]:.2f}")
+    if args.kill_after:
+        for jobs in sizes:
+            for name, value in kill_and_restart(jobs, args).items():
+                print(f"jobs{jobs}_{name}={value}", flush=True)
+        print(f"load_1m_end={os.getloadavg()[0]:.2f}")
+        return
     results = {}
     for jobs in sizes:
         results[jobs] = one_size(jobs, args)

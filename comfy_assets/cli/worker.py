@@ -36,13 +36,15 @@ from comfy_assets.cli.run import (
 from comfy_assets.comfy import event_loop
 from comfy_assets.comfy.servers import parse_servers
 from comfy_assets.jobs.inputs import rules_of
-from comfy_assets.jobs.model import JobFileError
+from comfy_assets.jobs.model import InputChanged, JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.stream import JobFileChanged
 from comfy_assets.render.config import knob_doc
 from comfy_assets.service import broker
 from comfy_assets.service.messages import MAX_MESSAGE_BYTES, chained_problems
+from comfy_assets.service.queue_file import scan_queue_file
 from comfy_assets.service.sources import FileSource, JobSource, RabbitSource
-from comfy_assets.service.worker import Worker, job_messages
+from comfy_assets.service.worker import Worker
 from comfy_assets.store import StoreUnavailable
 from comfy_assets.store.base import folder_name
 from comfy_assets.store.files import FileStoreFull, FileStoreUnavailable
@@ -57,6 +59,20 @@ def queue_name(text: str) -> str:
             f"expected a queue name of 1 to 255 bytes not starting with 'amq.', got {text!r}"
         )
     return text
+
+
+# Said after an enqueue that stopped part way, and in its --help.
+PART_WAY = (
+    "messages RabbitMQ confirmed stay queued; enqueue the same file again to "
+    "finish: every job is published again and still renders once (a worker acks a copy "
+    "of a job already done without rendering it)"
+)
+ENQUEUE_EPILOG = (
+    "The whole file is validated before anything is published (exit 2, every error "
+    "listed); its messages are then built and published a chunk at a time, each "
+    "confirmed by RabbitMQ, so memory does not grow with the file. Stopped part way "
+    "(killed, RabbitMQ lost, the file changed), the " + PART_WAY + "."
+)
 
 
 def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -80,6 +96,7 @@ def add_enqueue_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_max_message_option(p, "a job whose message is larger is an error; nothing is sent")
     add_steering_option(p, "priority")
+    p.epilog = ENQUEUE_EPILOG
     p.set_defaults(func=enqueue_command)
 
 
@@ -113,15 +130,18 @@ def needs_rabbitmq(args: argparse.Namespace) -> str | None:
 
 def enqueue_command(args: argparse.Namespace) -> int:
     """Publish every job of ``args.jobs`` to ``args.queue`` with confirms; print
-    ``enqueued N jobs to NAME``. Exit 0; 2 for an invalid file (every error printed,
-    nothing published) or no RabbitMQ URL; 1 when RabbitMQ fails."""
+    ``enqueued N jobs to NAME``. The whole file is validated first (``scan_queue_file``),
+    then its messages are built and published a chunk at a time. Exit 0; 2 for an invalid
+    file (every error printed, nothing published) or no RabbitMQ URL; 1 when RabbitMQ
+    fails, or the file or an input file changes or cannot be read while it is published
+    (the messages confirmed before stay queued: enqueueing the file again finishes it)."""
     missing = needs_rabbitmq(args)
     if missing:
         return bad_input(missing)
     try:
         if args.partition is not None:
             folder_name(args.partition, "--partition")
-        jobs = job_messages(
+        found = scan_queue_file(
             args.jobs,
             args.max_message_bytes,
             args.partition,
@@ -133,12 +153,20 @@ def enqueue_command(args: argparse.Namespace) -> int:
         for err in e.errors:
             print(f"  {err}", file=sys.stderr)
         return 2
+    except JobFileChanged as e:
+        print(f"error: {e}; nothing enqueued", file=sys.stderr)
+        return 1
     except ValueError as e:  # the --partition name
         return bad_input(e)
     try:
-        count = event_loop.run(broker.enqueue(args.rabbitmq, args.queue, jobs))
+        count = event_loop.run(broker.enqueue(args.rabbitmq, args.queue, found.messages()))
     except broker.BrokerError as e:
         print(f"error: {e}", file=sys.stderr)
+        print(PART_WAY, file=sys.stderr)
+        return 1
+    except (OSError, InputChanged) as e:  # JobFileChanged, an input changed or unreadable
+        print(f"error: {args.jobs}: {e}", file=sys.stderr)
+        print(PART_WAY, file=sys.stderr)
         return 1
     print(f"enqueued {count} jobs to {args.queue}", flush=True)
     return 0

@@ -94,6 +94,10 @@ def read_halves(
     first.seen_shots.update(second["seen_shots"])
     first.input_files += second["input_files"]
     first.storyboard = first.storyboard or second["storyboard"]
+    # The second half's workflow files are read here too: the cache then holds every
+    # workflow the file names, as after a pass in one piece (``WorkflowCache.longest_text``).
+    for base_dir, spec in second["workflows"]:
+        parser.cache.get(base_dir, spec)
     return first
 
 
@@ -119,4 +123,5 @@ def _second_half(
     if _troubled(found):
         return b""
     state: dict[str, Any] = {name: getattr(found, name) for name in _SENT + _MORE}
+    state["workflows"] = found.parser.cache.specs()
     return pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL)

@@ -61,7 +61,8 @@ class JobScan:
     """A validated job file whose jobs are built when taken (``reader``).
 
     ``count``: its jobs; ``storyboard``: whether any has a ``shot``; ``shots``: how many
-    have one; ``sha256``: the version, as ``JobFile.sha256``."""
+    have one; ``input_files``: how many input files its lines name (a file named by two
+    lines counted twice); ``sha256``: the version, as ``JobFile.sha256``."""
 
     path: Path
     sha256: str
@@ -69,6 +70,7 @@ class JobScan:
     count: int
     storyboard: bool
     shots: int
+    input_files: int
     parser: LineParser = field(repr=False)
     # Per job, in line order: byte offset of its line, line number, hash of its bytes.
     offsets: array[int] = field(repr=False)
@@ -210,6 +212,7 @@ def scan_job_file(
         count=len(found.offsets),
         storyboard=found.storyboard,
         shots=len(found.seen_shots),  # a file with a shot repeated is not valid
+        input_files=len(found.input_files),
         parser=parser,
         offsets=found.offsets,
         lines=found.lines,

@@ -69,6 +69,17 @@ class WorkflowCache:
             found = self._by_spec[key] = self._load(base_dir / spec)
         return found
 
+    def specs(self) -> list[tuple[Path, str]]:
+        """The ``(base_dir, spec)`` of every workflow asked for so far, read or not."""
+        return list(self._by_spec)
+
+    def longest_text(self) -> int:
+        """The most characters any workflow read takes as compact ASCII JSON (its
+        canonical text); 0 when none was read."""
+        return max(
+            (len(w.text) for w in self._by_spec.values() if isinstance(w, _Workflow)), default=0
+        )
+
     @staticmethod
     def _load(path: Path) -> _Workflow | str:
         try:

@@ -53,7 +53,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any
@@ -120,9 +120,17 @@ def file_messages(
     input file is read and encoded once, however many jobs share it, but every body holds
     its own copy: the list takes about 4/3 of the bytes of every job's inputs (1,000 jobs
     sharing a 1 MiB picture: 1.3 GiB). ``priority``: the jobs' (None: the header's).
-    Raises as ``job_message`` does."""
+    Raises as ``job_message`` does. A file too big to hold: ``service/queue_file.py``."""
     name = partition or job_file.path.stem
     rank = job_file.header.priority if priority is None else priority
+    return job_bodies(job_file.jobs, job_file.policy, name, rank)
+
+
+def job_bodies(
+    jobs: Iterable[Job], policy: Policy | None, partition: str | None, priority: int
+) -> list[tuple[str, bytes]]:
+    """``(job_id, body)`` of each of ``jobs``, in order, each input file read and encoded
+    once for them all. Raises as ``job_message`` does."""
     encoded: dict[str, str] = {}
 
     def encode(item: InputFile) -> str:
@@ -131,7 +139,7 @@ def file_messages(
             text = encoded[item.sha256] = _base64(item.read())
         return text
 
-    return [(job.id, _body(job, job_file.policy, name, encode, rank)) for job in job_file.jobs]
+    return [(job.id, _body(job, policy, partition, encode, priority)) for job in jobs]
 
 
 def chained_problems(job_file: JobFile) -> list[LineError]:
@@ -151,15 +159,29 @@ def queue_problems(
 ) -> list[LineError]:
     """Why jobs of ``job_file`` cannot be queue messages, on their lines: each input
     taken from another job (field ``inputs.<key>``), and each message over ``max_bytes``
-    bytes (field ``message``, or ``inputs.<key>`` for each input file when the message
-    would fit without them). Sizes come from ``message_size``: no input file is read."""
+    bytes (``size_problems``). No input file is read."""
     where = str(job_file.path)
     name = partition or job_file.path.stem
     errors = chained_problems(job_file)
-    for job in job_file.jobs:
-        if job.depends_on:
-            continue
-        size = message_size(job, job_file.policy, name)
+    jobs = (job for job in job_file.jobs if not job.depends_on)
+    return errors + size_problems(where, jobs, job_file.policy, name, max_bytes)
+
+
+def size_problems(
+    where: str,
+    jobs: Iterable[Job],
+    policy: Policy | None,
+    partition: str | None,
+    max_bytes: int,
+) -> list[LineError]:
+    """Each job of ``jobs`` (of the file ``where``) whose message would be over
+    ``max_bytes`` bytes, on its line: field ``message``, or ``inputs.<key>`` for each
+    input file when the message would fit without them. Sizes come from
+    ``message_size``: no input file is read. Jobs taking an input from another job are
+    not for this (``chained_problems``)."""
+    errors: list[LineError] = []
+    for job in jobs:
+        size = message_size(job, policy, partition)
         if size <= max_bytes:
             continue
         files = [i for i in job.inputs if isinstance(i, InputFile)]

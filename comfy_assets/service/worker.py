@@ -42,8 +42,6 @@ from typing import TypeVar, cast
 
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.inputs import InputRules
-from comfy_assets.jobs.model import JobFileError
-from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
@@ -54,11 +52,8 @@ from comfy_assets.render.run import make_pool
 from comfy_assets.render.steering import EVERY_S
 from comfy_assets.service import broker
 from comfy_assets.service.handling import MessageHandler
-from comfy_assets.service.messages import (
-    MAX_MESSAGE_BYTES,
-    file_messages,
-    queue_problems,
-)
+from comfy_assets.service.messages import MAX_MESSAGE_BYTES
+from comfy_assets.service.queue_file import scan_queue_file
 from comfy_assets.service.sources import JobSource
 from comfy_assets.store import Store, StoreError, StoreUnavailable, off_loop
 
@@ -535,9 +530,8 @@ def job_messages(
     ``max_bytes`` bytes and an input taken from another job included (each on its line
     and field, found before any input file is read for a message); nothing is returned
     for a partly valid file. ``InputChanged`` when an input file changes meanwhile.
+    Every body is held in the list: ``comfy-assets enqueue`` takes them a chunk at a time
+    from ``service.queue_file.scan_queue_file`` instead.
     """
-    job_file = load_job_file(path, rules=rules)
-    problems = queue_problems(job_file, max_bytes, partition)
-    if problems:
-        raise JobFileError(problems)
-    return file_messages(job_file, partition, priority)
+    found = scan_queue_file(path, max_bytes, partition, rules=rules, priority=priority)
+    return list(found.messages())
