@@ -79,7 +79,6 @@ from comfy_assets.film.shots import (
     film_policy,
     has_shots,
 )
-from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
@@ -235,8 +234,8 @@ def render_partition(
     if view.cut():
         where = file_location(files, results_key(partition), resolved=True)
         metadata["job_table_shown"] = view.shown_line(where)
-    if view.tries:  # what loading models cost, per server (jobs that load none: nothing)
-        metadata.update(model_load_metadata(model_load_cost(view.tries)))
+    if view.model_cost.tries:  # what loading models cost, per server (none loaded: nothing)
+        metadata.update(model_load_metadata(view.model_cost.cost()))
     if sheet is not None:
         metadata["contact_sheet_path"] = MetadataValue.path(
             file_location(files, sheet.key, resolved=True)

@@ -21,8 +21,9 @@ from typing import Any
 from comfy_assets.farm import metadata
 from comfy_assets.jobs.states import DEGRADED, DONE, FAILED_FATAL, FAILED_RETRYABLE
 from comfy_assets.jobs.stream import JobIds
+from comfy_assets.render.cost import ModelCostTally
 from comfy_assets.render.results import JobResults, last_model_tries
-from comfy_assets.store import FileRecord, JobRecord, ModelLoadRecord, Store
+from comfy_assets.store import FileRecord, JobRecord, Store
 
 # Rows of the job table of a partition of more jobs than this: its dead letters, then its
 # other failures, then a sample spread over the file (a partition of this many jobs or
@@ -48,6 +49,8 @@ class _Row:
     key: tuple[int, Order]
     record: JobRecord
     failed_on: tuple[str, ...]
+    # Its models and whether its last try loaded one (``last_model_tries``).
+    models: tuple[tuple[str, ...], bool] | None
 
 
 @dataclass
@@ -63,7 +66,7 @@ class PartitionView:
     ``sample_step``-th (``shown_ranks``: how many rows are dead letters, other failures,
     the sample); ``sheet``: the first done jobs with pictures and their pictures (node
     order), of ``outputs`` pictures of ``output_jobs`` jobs; ``tries``: every model try
-    of the file's jobs."""
+    of the file's jobs, counted in ``model_cost``."""
 
     jobs: int
     done: int = 0
@@ -74,7 +77,7 @@ class PartitionView:
     sheet: list[tuple[JobRecord, list[FileRecord]]] = field(default_factory=list)
     outputs: int = 0
     output_jobs: int = 0
-    tries: list[ModelLoadRecord] = field(default_factory=list)
+    model_cost: ModelCostTally = field(default_factory=ModelCostTally)
     # Rows of the job table: dead letters, other failures, the sample.
     shown_ranks: tuple[int, int, int] = (0, 0, 0)
 
@@ -168,7 +171,9 @@ def read_view(
         failed = store.failed_on(partition, after, upto)
         in_file = known(page)
         wanted = {r.job_id for r, ok in zip(page, in_file, strict=True) if ok}
-        view.tries += [t for t in store.model_loads(partition, after, upto) if t.job_id in wanted]
+        tries = [t for t in store.model_loads(partition, after, upto) if t.job_id in wanted]
+        view.model_cost.add(tries)
+        models = last_model_tries(tries)
         after = upto
         candidates: list[_Row] = []
         pictured: list[tuple[Order, JobRecord, list[FileRecord]]] = []
@@ -179,7 +184,8 @@ def read_view(
             _digest_job(digest, record, outputs)
             servers = failed.get(record.job_id, ())
             rank = _REST if whole else _rank(record, servers, view.sample_step)
-            candidates.append(_Row((rank, _order(record)), record, servers))
+            row = _Row((rank, _order(record)), record, servers, models.get(record.job_id))
+            candidates.append(row)
             if record.state not in DONE:
                 continue
             view.done += 1
@@ -198,7 +204,7 @@ def read_view(
         sheet = heapq.nsmallest(tiles, [*sheet, *pictured], key=lambda pick: pick[0])
     view.data_version = digest.hexdigest()
     view.sheet = [(record, pictures) for _, record, pictures in sheet]
-    view.rows = _rows(store, kept, job_ids if whole else None, view.tries)
+    view.rows = _rows(store, kept, job_ids if whole else None)
     ranks = [row.key[0] for row in kept]
     view.shown_ranks = (
         ranks.count(_DEAD),
@@ -208,20 +214,14 @@ def read_view(
     return view
 
 
-def _rows(
-    store: Store,
-    kept: list[_Row],
-    job_ids: Sequence[str] | None,
-    tries: Sequence[ModelLoadRecord],
-) -> JobResults:
+def _rows(store: Store, kept: list[_Row], job_ids: Sequence[str] | None) -> JobResults:
     """The job table's model of the ``kept`` rows: with ``job_ids``, every job of the
     file in line order (a job without a record ``missing``), else the kept in their
     order; the files of their upstream jobs (an input's sha256) read by job."""
     records = [row.record for row in kept]
     upstream = {str(item["job"]) for record in records for item in record.inputs if "job" in item}
     files = {job_id: store.files(job_id) for job_id in sorted(upstream)}
-    shown = {record.job_id for record in records}
-    models = last_model_tries(t for t in tries if t.job_id in shown)
+    models = {row.record.job_id: row.models for row in kept if row.models is not None}
     order = list(job_ids) if job_ids is not None else [record.job_id for record in records]
     failed_on = {row.record.job_id: row.failed_on for row in kept if row.failed_on}
     return JobResults.of(records, files, order, models, failed_on)
