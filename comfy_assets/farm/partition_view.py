@@ -23,7 +23,7 @@ from comfy_assets.jobs.states import DEGRADED, DONE, FAILED_FATAL, FAILED_RETRYA
 from comfy_assets.jobs.stream import JobIds
 from comfy_assets.render.cost import ModelCostTally
 from comfy_assets.render.results import JobResults, last_model_tries
-from comfy_assets.store import FileRecord, JobRecord, Store
+from comfy_assets.store import FileRecord, JobBrief, JobRecord, Store
 
 # Rows of the job table of a partition of more jobs than this: its dead letters, then its
 # other failures, then a sample spread over the file (a partition of this many jobs or
@@ -38,7 +38,7 @@ _DEAD, _FAILED, _SAMPLE, _REST = range(4)
 Order = tuple[bool, int, int, str]
 
 
-def _order(record: JobRecord) -> Order:
+def _order(record: JobBrief) -> Order:
     return (record.shot is None, record.shot or 0, record.line, record.job_id)
 
 
@@ -47,7 +47,7 @@ class _Row:
     """A job the table may show, with what its row needs of the page it came in."""
 
     key: tuple[int, Order]
-    record: JobRecord
+    record: JobBrief
     failed_on: tuple[str, ...]
     # Its models and whether its last try loaded one (``last_model_tries``).
     models: tuple[tuple[str, ...], bool] | None
@@ -105,7 +105,7 @@ class PartitionView:
         )
 
 
-def _digest_job(digest: Any, record: JobRecord, files: Sequence[FileRecord]) -> None:
+def _digest_job(digest: Any, record: JobBrief, files: Sequence[FileRecord]) -> None:
     """Add a job to the data version: its id, prompt_id and state, and each of its output
     files' path and sha256 (by path)."""
     digest.update(f"{record.job_id} {record.prompt_id} {record.state}\n".encode())
@@ -113,7 +113,7 @@ def _digest_job(digest: Any, record: JobRecord, files: Sequence[FileRecord]) -> 
         digest.update(f"  {file.path} {file.sha256}\n".encode())
 
 
-def _membership(job_ids: Sequence[str]) -> Callable[[list[JobRecord]], list[bool]]:
+def _membership(job_ids: Sequence[str]) -> Callable[[list[JobBrief]], list[bool]]:
     """Which records of a page are of a job of ``job_ids`` (a record of a line deleted
     from the file is not): a sorted array of 16-byte ids for a ``JobIds``, a set else."""
     if isinstance(job_ids, JobIds):
@@ -123,7 +123,7 @@ def _membership(job_ids: Sequence[str]) -> Callable[[list[JobRecord]], list[bool
         if not len(wanted):
             return lambda page: [False] * len(page)
 
-        def known(page: list[JobRecord]) -> list[bool]:
+        def known(page: list[JobBrief]) -> list[bool]:
             keys = np.array([bytes.fromhex(r.job_id.replace("-", "")) for r in page], dtype="S16")
             at = np.minimum(np.searchsorted(wanted, keys), len(wanted) - 1)
             return [bool(b) for b in wanted[at] == keys]
@@ -133,7 +133,7 @@ def _membership(job_ids: Sequence[str]) -> Callable[[list[JobRecord]], list[bool
     return lambda page: [r.job_id in ids for r in page]
 
 
-def _rank(record: JobRecord, failed_on: tuple[str, ...], step: int) -> int:
+def _rank(record: JobBrief, failed_on: tuple[str, ...], step: int) -> int:
     if record.state == FAILED_FATAL:
         return _DEAD
     if record.state in (DEGRADED, FAILED_RETRYABLE) or failed_on:
@@ -163,9 +163,11 @@ def read_view(
     known = _membership(job_ids)
     digest = hashlib.sha256()
     kept: list[_Row] = []
-    sheet: list[tuple[Order, JobRecord, list[FileRecord]]] = []
+    sheet: list[tuple[Order, JobBrief, list[FileRecord]]] = []
     after = ""
-    while page := store.job_page(partition, after, PAGE):
+    # Pages of a few columns: a job's whole record (its JSON parsed) is read only for a
+    # row the table shows or a job of the sheet.
+    while page := store.job_brief_page(partition, after, PAGE):
         upto = page[-1].job_id
         files = store.partition_files(partition, after, upto)
         failed = store.failed_on(partition, after, upto)
@@ -176,7 +178,7 @@ def read_view(
         models = last_model_tries(tries)
         after = upto
         candidates: list[_Row] = []
-        pictured: list[tuple[Order, JobRecord, list[FileRecord]]] = []
+        pictured: list[tuple[Order, JobBrief, list[FileRecord]]] = []
         for record, ok in zip(page, in_file, strict=True):
             if not ok:
                 continue
@@ -203,8 +205,12 @@ def read_view(
         # A job with pictures shows one tile at least: the first ``tiles`` jobs hold them.
         sheet = heapq.nsmallest(tiles, [*sheet, *pictured], key=lambda pick: pick[0])
     view.data_version = digest.hexdigest()
-    view.sheet = [(record, pictures) for _, record, pictures in sheet]
-    view.rows = _rows(store, kept, job_ids if whole else None)
+    full = _records(store, [row.record.job_id for row in kept] + [p[1].job_id for p in sheet])
+    kept = [row for row in kept if row.record.job_id in full]
+    view.sheet = [
+        (full[brief.job_id], pictures) for _, brief, pictures in sheet if brief.job_id in full
+    ]
+    view.rows = _rows(store, kept, full, job_ids if whole else None)
     ranks = [row.key[0] for row in kept]
     view.shown_ranks = (
         ranks.count(_DEAD),
@@ -214,11 +220,23 @@ def read_view(
     return view
 
 
-def _rows(store: Store, kept: list[_Row], job_ids: Sequence[str] | None) -> JobResults:
+def _records(store: Store, job_ids: Sequence[str]) -> dict[str, JobRecord]:
+    """The records of ``job_ids`` by id, read one by one (a few hundred); one gone
+    since its page was read (the job removed) is left out."""
+    found = {job_id: store.get(job_id) for job_id in dict.fromkeys(job_ids)}
+    return {job_id: record for job_id, record in found.items() if record is not None}
+
+
+def _rows(
+    store: Store,
+    kept: list[_Row],
+    full: dict[str, JobRecord],
+    job_ids: Sequence[str] | None,
+) -> JobResults:
     """The job table's model of the ``kept`` rows: with ``job_ids``, every job of the
     file in line order (a job without a record ``missing``), else the kept in their
     order; the files of their upstream jobs (an input's sha256) read by job."""
-    records = [row.record for row in kept]
+    records = [full[row.record.job_id] for row in kept]
     upstream = {str(item["job"]) for record in records for item in record.inputs if "job" in item}
     files = {job_id: store.files(job_id) for job_id in sorted(upstream)}
     models = {row.record.job_id: row.models for row in kept if row.models is not None}

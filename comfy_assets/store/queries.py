@@ -18,6 +18,7 @@ from comfy_assets.store.base import StoreBase, _job_record
 from comfy_assets.store.records import (
     AttemptRecord,
     FileRecord,
+    JobBrief,
     JobRecord,
     ModelLoadRecord,
 )
@@ -83,6 +84,20 @@ class Queries(StoreBase):
         )
         with self._read() as conn:
             return [_job_record(r) for r in conn.execute(stmt)]
+
+    @retried
+    def job_brief_page(self, partition: str, after: str, size: int) -> list[JobBrief]:
+        """``job_page`` of the columns ``JobBrief`` holds: a page of a million-job
+        partition read for a summary without building its records."""
+        j = q.JOB
+        stmt = (
+            sa.select(j.job_id, j.prompt_id, j.state, j.line, j.shot, j.server)
+            .where(j.partition == partition, j.job_id > after)
+            .order_by(j.job_id)
+            .limit(size)
+        )
+        with self._read() as conn:
+            return [JobBrief(*row) for row in conn.execute(stmt)]
 
     @retried
     def files(self, job_id: str) -> list[FileRecord]:
