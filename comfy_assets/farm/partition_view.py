@@ -1,9 +1,9 @@
 """A partition of ``renders`` read a page at a time (``read_view``): what its
 materialization shows, held and written in a size that does not grow with the partition.
 
-A 1,000,000-job partition is read as pages of ``PAGE`` jobs in job id order
-(``Store.job_page``), each with its files, failed attempts and model tries (one indexed
-range each). Of each page the view keeps counts, a running sha256 (the data version),
+A 1,000,000-job partition is read as pages of ``PAGE`` jobs in job id order, a few
+columns each (``Store.job_brief_page``), each with its files, failed attempts and model
+tries (one indexed range each). Of each page the view keeps counts, a running sha256 (the data version),
 the jobs its job table shows (at most ``JOB_TABLE_ROWS``: dead letters first, then
 failures, then a sample spread over the file) and the first done jobs of its contact
 sheet (``metadata.SHEET_TILES`` at most); the rest of the page is let go.

@@ -125,3 +125,12 @@ def test_sync_copies_then_finds_nothing_changed_then_one() -> None:
     for name in ("sync_first_s", "sync_again_s", "sync_one_changed_s"):
         assert float(lines[name]) >= 0
     assert float(lines["presign_us"]) > 0
+
+
+def test_renders_metadata_builds_both_ways_to_one_data_version_and_the_paged_table_cut() -> None:
+    lines = figures("bench/renders_metadata.py", "--jobs", "400")
+    assert lines["whole_data_version"] == lines["paged_data_version"]
+    # 400 jobs over the 200 rows of the table: both cut at 200.
+    assert lines["whole_job_table_rows"] == lines["paged_job_table_rows"] == "200"
+    assert lines["paged_sheet"] == "the first 60 of 200 outputs of 200 jobs"
+    assert int(lines["paged_metadata_bytes"]) > 0
