@@ -61,7 +61,7 @@ from comfy_assets.farm.metadata import (
     table,
 )
 from comfy_assets.farm.names import Farm
-from comfy_assets.farm.partition_view import read_view
+from comfy_assets.farm.partition_view import dead_letter_lines, read_view
 from comfy_assets.farm.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.farm.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.farm.versions import (
@@ -185,8 +185,10 @@ def render_partition(
 
     done = view.done
     dead = summary.dead_letters  # of the file's jobs only
-    for job_id, reason in dead:
-        context.log.error(f"job {job_id}: DEAD LETTER, {reason}")
+    files = store.file_store
+    where = file_location(files, results_key(partition), resolved=True)
+    for line in dead_letter_lines(dead, where):
+        context.log.error(line)
     if summary.stopped:
         context.log.error(summary.stopped)
     for server, why in summary.unreachable.items():
@@ -202,7 +204,6 @@ def render_partition(
     # the dead letters and failures first and a sample (view.shown_line).
     jobs = job_frame(view.rows)
     metadata: Metadata = {}
-    files = store.file_store
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
         metadata["contact_sheet"] = MetadataValue.md(
@@ -232,7 +233,6 @@ def render_partition(
         **servers_metadata([s.name for s in comfy.server_specs()], view.done_by_server, health),
     }
     if view.cut():
-        where = file_location(files, results_key(partition), resolved=True)
         metadata["job_table_shown"] = view.shown_line(where)
     if view.model_cost.tries:  # what loading models cost, per server (none loaded: nothing)
         metadata.update(model_load_metadata(view.model_cost.cost()))

@@ -31,6 +31,8 @@ from comfy_assets.store import FileRecord, JobBrief, JobRecord, Store
 JOB_TABLE_ROWS = 200
 # Jobs read from the store at a time.
 PAGE = 10_000
+# Dead letters a run's log names one a line (an error event each); the rest are counted.
+DEAD_LETTER_LINES = 200
 
 # The table's rank of a job: what a user must see first.
 _DEAD, _FAILED, _SAMPLE, _REST = range(4)
@@ -103,6 +105,18 @@ class PartitionView:
             f"other failures, {sampled:,} of a sample every {self.sample_step:,} lines); "
             f"the whole table is results.csv at {results}"
         )
+
+
+def dead_letter_lines(dead: Sequence[tuple[str, str]], results: str) -> list[str]:
+    """The log's lines of the dead letters ``dead`` ((job_id, reason) pairs, in the order
+    to name them): ``job <id>: DEAD LETTER, <reason>`` for the first DEAD_LETTER_LINES,
+    then ``… and 9,800 more dead letters: every one is in results.csv at <results>``."""
+    lines = [f"job {job_id}: DEAD LETTER, {reason}" for job_id, reason in dead[:DEAD_LETTER_LINES]]
+    if len(dead) > DEAD_LETTER_LINES:
+        more = len(dead) - DEAD_LETTER_LINES
+        letters = "dead letters" if more > 1 else "dead letter"
+        lines.append(f"… and {more:,} more {letters}: every one is in results.csv at {results}")
+    return lines
 
 
 def _digest_job(digest: Any, record: JobBrief, files: Sequence[FileRecord]) -> None:

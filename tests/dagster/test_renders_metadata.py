@@ -7,6 +7,7 @@ few jobs stand for a million."""
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,7 @@ def test_a_partition_over_the_tables_rows_shows_its_dead_letters_first_and_says_
     jobs_dir: Path, tmp_path: Path, instance, small_pages: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(partition_view, "JOB_TABLE_ROWS", 3)
+    monkeypatch.setattr(partition_view, "DEAD_LETTER_LINES", 1)
     write_job_file(jobs_dir, "six", [1, 2, 3, 4, 5, 6])
     fake = FakeComfy(script=["error", "error"])  # the first two prompts fail for good
 
@@ -67,7 +69,20 @@ def test_a_partition_over_the_tables_rows_shows_its_dead_letters_first_and_says_
     assert meta["jobs"].value == 6 and meta["done"].value == 4
     assert meta["counts"].value == {"failed_fatal": 2, "succeeded": 4}
     # The whole table is there, every job of the file.
-    assert len(read_csv(tmp_path / "store", "six")) == 6
+    frame = read_csv(tmp_path / "store", "six")
+    assert len(frame) == 6
+    # The log names the first dead letter (by line) and counts the rest.
+    errors = [
+        record.user_message
+        for record in instance.all_logs(result.run_id)
+        if record.step_key == "renders" and record.level >= logging.ERROR
+    ]
+    first = frame[frame["state"] == "failed_fatal"]["job_id"].iloc[0]
+    assert [m for m in errors if "DEAD LETTER" in m] == [
+        m for m in errors if m.startswith(f"job {first}: DEAD LETTER, ")
+    ]
+    assert len([m for m in errors if "DEAD LETTER" in m]) == 1
+    assert f"… and 1 more dead letter: every one is in results.csv at {where}" in errors
 
 
 def test_a_partition_within_the_tables_rows_shows_every_job_in_line_order(
