@@ -55,13 +55,13 @@ from comfy_assets.farm.metadata import (
     job_table,
     model_load_metadata,
     outputs_contact_sheet,
-    renders_data_version,
     results_metadata,
     servers_metadata,
     stored_picture,
     table,
 )
 from comfy_assets.farm.names import Farm
+from comfy_assets.farm.partition_view import dead_letter_lines, read_view
 from comfy_assets.farm.partitions import JOB_FILES_ASSET, JOB_FILES_CHECK
 from comfy_assets.farm.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.farm.versions import (
@@ -80,15 +80,10 @@ from comfy_assets.film.shots import (
     film_policy,
     has_shots,
 )
-from comfy_assets.jobs.states import DONE
-from comfy_assets.jobs.stream import JobScan
 from comfy_assets.render.combine import write_combined
-from comfy_assets.render.cost import model_load_cost
 from comfy_assets.render.progress import log_every
 from comfy_assets.render.results import (
     RESULTS_CSV,
-    JobResults,
-    last_model_tries,
     results_key,
     write_results,
 )
@@ -170,15 +165,14 @@ def render_partition(
             # The run queue's order is the pool's too (docs/steering.md).
             priority=run_priority(context.run.tags),
         )
-        in_file = set(job_ids)
-        records = store.jobs(partition) if isinstance(job_file, JobScan) else summary.jobs
-        current = [record for record in records if record.job_id in in_file]
-        outputs = store.partition_files(partition)
-        tries = [t for t in store.model_loads(partition) if t.job_id in in_file]
-        failed_on = store.failed_on(partition)
+        # The store read a page at a time: what is held and shown does not grow with
+        # the partition (partition_view.py).
+        view = read_view(store, partition, job_ids, summary.counts)
         health = store.server_health()
         try:
-            sheet = outputs_contact_sheet(store, partition, current)
+            sheet = outputs_contact_sheet(
+                store, partition, view.sheet, view.outputs, view.output_jobs
+            )
         except MediaError as exc:
             context.log.warning(f"no contact sheet of the outputs: {exc}")
     except StoreUnavailable as e:
@@ -189,10 +183,12 @@ def render_partition(
     finally:
         store.close()
 
-    done = sum(1 for record in current if record.state in DONE)
-    dead = [(job_id, reason) for job_id, reason in summary.dead_letters if job_id in in_file]
-    for job_id, reason in dead:
-        context.log.error(f"job {job_id}: DEAD LETTER, {reason}")
+    done = view.done
+    dead = summary.dead_letters  # of the file's jobs only
+    files = store.file_store
+    where = file_location(files, results_key(partition), resolved=True)
+    for line in dead_letter_lines(dead, where):
+        context.log.error(line)
     if summary.stopped:
         context.log.error(summary.stopped)
     for server, why in summary.unreachable.items():
@@ -204,10 +200,10 @@ def render_partition(
         ) from RuntimeError(summary.stopped)
 
     counts = {state: int(n) for state, n in sorted(summary.counts.items()) if n}
-    # The UI's view of the rows results.csv writes (render_results).
-    jobs = job_frame(JobResults.of(current, outputs, job_ids, last_model_tries(tries), failed_on))
+    # The UI's view of the rows results.csv writes (render_results): all of them, or
+    # the dead letters and failures first and a sample (view.shown_line).
+    jobs = job_frame(view.rows)
     metadata: Metadata = {}
-    files = store.file_store
     if sheet is not None:
         # First, so the pictures are at the top of the asset's page.
         metadata["contact_sheet"] = MetadataValue.md(
@@ -234,10 +230,12 @@ def render_partition(
         # Where the partition's files are: its folder, or its objects' prefix.
         "store": MetadataValue.path(file_location(files, partition, resolved=True)),
         "job_table": job_table(jobs),  # the full ids and cells are in results.csv
-        **servers_metadata([s.name for s in comfy.server_specs()], current, health),
+        **servers_metadata([s.name for s in comfy.server_specs()], view.done_by_server, health),
     }
-    if tries:  # what loading models cost, per server (jobs that load none: nothing)
-        metadata.update(model_load_metadata(model_load_cost(tries)))
+    if view.cut():
+        metadata["job_table_shown"] = view.shown_line(where)
+    if view.model_cost.tries:  # what loading models cost, per server (none loaded: nothing)
+        metadata.update(model_load_metadata(view.model_cost.cost()))
     if sheet is not None:
         metadata["contact_sheet_path"] = MetadataValue.path(
             file_location(files, sheet.key, resolved=True)
@@ -248,7 +246,7 @@ def render_partition(
     yield MaterializeResult(
         # What the film and the results are made of: a render that changed nothing (a
         # backfill) keeps it, and nothing downstream is built again for it.
-        data_version=DataVersion(renders_data_version(current, outputs)),
+        data_version=DataVersion(view.data_version),
         metadata=metadata,
         check_results=[
             AssetCheckResult(

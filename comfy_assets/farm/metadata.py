@@ -6,7 +6,6 @@ open-source Dagster shows an image; metadata lives in the event log, so they sta
 from __future__ import annotations
 
 import base64
-import hashlib
 import io
 import re
 import tempfile
@@ -33,7 +32,6 @@ from comfy_assets.film.contact import contact_sheet
 from comfy_assets.film.make import StoredFilm
 from comfy_assets.film.probe import VIDEO_SUFFIXES, MediaError
 from comfy_assets.jobs.model import JobFileError
-from comfy_assets.jobs.states import DONE
 from comfy_assets.render.cost import ModelLoadCost
 from comfy_assets.render.results import FileRow, JobResults, ResultsTable
 from comfy_assets.store import FileRecord, JobRecord, Store
@@ -358,7 +356,7 @@ def tile_label(job_id: str, shot: int | None, name: str, output: int = 1, output
     return f"shot {shot} · {job}" + (f"\noutput {output} of {outputs}" if outputs > 1 else "")
 
 
-def _node_order(node_id: str | None) -> tuple[int, int, str]:
+def node_order(node_id: str | None) -> tuple[int, int, str]:
     """Workflow node ids in their numeric order ("3" before "10"), others after."""
     if node_id is not None and node_id.isdigit():
         return (0, int(node_id), "")
@@ -366,26 +364,23 @@ def _node_order(node_id: str | None) -> tuple[int, int, str]:
 
 
 def outputs_contact_sheet(
-    store: Store, partition: str, records: Sequence[Any]
+    store: Store,
+    partition: str,
+    picks: Sequence[tuple[JobRecord, Sequence[FileRecord]]],
+    outputs: int,
+    jobs: int,
 ) -> OutputsSheet | None:
-    """Write the store's file ``<partition>/outputs.contact.png``: a contact sheet of
-    every picture and video the done jobs wrote (a video's middle frame), each tile
-    labelled (``tile_label``); the first SHEET_TILES of them. Outputs of a store whose
+    """Write the store's file ``<partition>/outputs.contact.png``: a contact sheet of the
+    pictures and videos of ``picks`` (the first done jobs with any, in shot then line
+    order, each with its pictures in its workflow's node order: ``node_order``), a
+    video's middle frame, each tile labelled (``tile_label``); the first SHEET_TILES of
+    them, said as of ``outputs`` pictures of ``jobs`` jobs. Outputs of a store whose
     files are not on this disk are copied to a scratch folder for it, and the sheet is
     stored once made. Returns None when no job has one. Raises MediaError for a broken
     file or one gone from the store, OSError, and what the file store raises."""
-    done = [r for r in records if r.state in DONE]
-    done.sort(key=lambda r: (r.shot is None, r.shot or 0, r.line))
     tiles: list[tuple[str, FileRecord]] = []
     labels: list[str] = []
-    outputs = jobs = 0
-    for record in done:
-        files = [
-            f for f in store.files(record.job_id) if Path(f.path).suffix.lower() in PICTURE_SUFFIXES
-        ]
-        files.sort(key=lambda f: (_node_order(f.node_id), f.path))
-        outputs += len(files)
-        jobs += 1 if files else 0
+    for record, files in picks:
         for n, f in enumerate(files[: max(0, SHEET_TILES - len(tiles))], start=1):
             tiles.append((record.job_id, f))
             name = PurePosixPath(f.path).name
@@ -540,14 +535,11 @@ SERVER_COLUMNS = {
 
 
 def servers_metadata(
-    servers: Sequence[str], records: Sequence[Any], health: Mapping[str, Any]
+    servers: Sequence[str], done: Mapping[str, int], health: Mapping[str, Any]
 ) -> Metadata:
     """The ``servers`` table of a partition: per server, its state and the failures it
-    and the jobs own (``Store.server_health``), the partition's jobs it rendered."""
-    done: dict[str, int] = {}
-    for record in records:
-        if str(record.state) in ("succeeded", "degraded") and record.server:
-            done[record.server] = done.get(record.server, 0) + 1
+    and the jobs own (``Store.server_health``), the partition's jobs it rendered
+    (``done``: per server, its jobs succeeded or degraded)."""
     rows = []
     for name in dict.fromkeys([*servers, *done]):
         h = health.get(name)
@@ -586,15 +578,3 @@ def model_load_metadata(cost: ModelLoadCost) -> Metadata:
         "model_load_gpu_seconds": MetadataValue.float(float(cost.gpu_seconds)),
         "model_loads_by_server": table(frame, column_schema(frame, described)),
     }
-
-
-def renders_data_version(records: Sequence[JobRecord], outputs: dict[str, list[FileRecord]]) -> str:
-    """The data version of a partition of ``renders``: a sha256 (hex) of every current
-    job's id, prompt_id and state and of each of its output files' path and sha256.
-    Equal when a render changed nothing."""
-    digest = hashlib.sha256()
-    for record in sorted(records, key=lambda r: r.job_id):
-        digest.update(f"{record.job_id} {record.prompt_id} {record.state}\n".encode())
-        for file in outputs.get(record.job_id, []):
-            digest.update(f"  {file.path} {file.sha256}\n".encode())
-    return digest.hexdigest()

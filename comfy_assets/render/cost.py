@@ -7,7 +7,8 @@ Pure arithmetic on attempt records, so the numbers can go straight into Dagster 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -104,27 +105,50 @@ class ModelLoadCost:
     by_server: dict[str, tuple[int, float]]
 
 
-def model_load_cost(tries: Sequence[ModelTry]) -> ModelLoadCost:
+def model_load_cost(tries: Iterable[ModelTry]) -> ModelLoadCost:
     """Count the tries whose server had to load a model and that ran (GPU seconds known),
     and estimate what each load took: the try's GPU seconds less the median GPU seconds
     of the tries of the same models that loaded nothing (of any models when there are
     none; nothing when no try loaded nothing, so the whole try counts), never below 0.
     ComfyUI does not report the time a loader took, so this is the seed's cost model
     with its largest term: a prompt whose model is loaded costs its usual time."""
-    plain: dict[tuple[str, ...], list[float]] = {}
-    for t in tries:
-        if not t.loaded and t.gpu_seconds is not None:
-            plain.setdefault(tuple(t.models), []).append(t.gpu_seconds)
-    everyone = [s for seconds in plain.values() for s in seconds]
-    by_server: dict[str, list[float]] = {}
-    for t in tries:
-        if not t.loaded or t.gpu_seconds is None:
-            continue
-        usual = plain.get(tuple(t.models)) or everyone
-        extra = t.gpu_seconds - (statistics.median(usual) if usual else 0.0)
-        by_server.setdefault(t.server or "-", []).append(max(extra, 0.0))
-    return ModelLoadCost(
-        loads=sum(len(s) for s in by_server.values()),
-        gpu_seconds=round(sum(sum(s) for s in by_server.values()), 1),
-        by_server={name: (len(s), round(sum(s), 1)) for name, s in sorted(by_server.items())},
-    )
+    tally = ModelCostTally()
+    tally.add(tries)
+    return tally.cost()
+
+
+class ModelCostTally:
+    """``model_load_cost`` of tries given a page at a time (``add``): it holds the GPU
+    seconds of the tries that loaded nothing (8 bytes each, for their medians) and the
+    models, server and GPU seconds of those that loaded, not the tries."""
+
+    def __init__(self) -> None:
+        self.plain: dict[tuple[str, ...], array[float]] = {}
+        self.loads: list[tuple[tuple[str, ...], str, float]] = []
+        self.tries = 0  # every try added, run or not
+
+    def add(self, tries: Iterable[ModelTry]) -> None:
+        """Count ``tries`` in."""
+        for t in tries:
+            self.tries += 1
+            if t.gpu_seconds is None:
+                continue
+            if t.loaded:
+                self.loads.append((tuple(t.models), t.server or "-", t.gpu_seconds))
+            else:
+                self.plain.setdefault(tuple(t.models), array("d")).append(t.gpu_seconds)
+
+    def cost(self) -> ModelLoadCost:
+        """The ``model_load_cost`` of every try added."""
+        usual = {models: statistics.median(seconds) for models, seconds in self.plain.items()}
+        everyone = [s for seconds in self.plain.values() for s in seconds]
+        anyone = statistics.median(everyone) if everyone else 0.0
+        by_server: dict[str, list[float]] = {}
+        for models, server, seconds in self.loads:
+            extra = seconds - usual.get(models, anyone)
+            by_server.setdefault(server, []).append(max(extra, 0.0))
+        return ModelLoadCost(
+            loads=sum(len(s) for s in by_server.values()),
+            gpu_seconds=round(sum(sum(s) for s in by_server.values()), 1),
+            by_server={name: (len(s), round(sum(s), 1)) for name, s in sorted(by_server.items())},
+        )

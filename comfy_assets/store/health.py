@@ -30,6 +30,7 @@ import sqlalchemy as sa
 from comfy_assets.store.base import StoreBase
 from comfy_assets.store.clock import wall_time
 from comfy_assets.store.errors import StoreError
+from comfy_assets.store.queries import id_range
 from comfy_assets.store.retry import retried
 from comfy_assets.store.schema import (
     attempts_table,
@@ -458,15 +459,18 @@ class ServerHealth(StoreBase):
             return HealthChange(server, "readmitted", detail)
 
     @retried
-    def failed_on(self, partition: str) -> dict[str, tuple[str, ...]]:
+    def failed_on(
+        self, partition: str, after: str | None = None, upto: str | None = None
+    ) -> dict[str, tuple[str, ...]]:
         """The servers each job of ``partition`` had a failed attempt on since its
         inputs last changed, in the order of its attempts, each once (jobs with none are
-        left out)."""
+        left out). ``after`` and ``upto``: of a range of job ids only (``id_range``)."""
         a, j = attempts_table.c, jobs_table.c
         stmt = (
             sa.select(a.job_id, a.server)
             .join(jobs_table, j.job_id == a.job_id)
             .where(
+                *id_range(a.job_id, after, upto),
                 j.partition == partition,
                 a.outcome != "success",
                 a.server.is_not(None),

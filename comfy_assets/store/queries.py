@@ -18,6 +18,7 @@ from comfy_assets.store.base import StoreBase, _job_record
 from comfy_assets.store.records import (
     AttemptRecord,
     FileRecord,
+    JobBrief,
     JobRecord,
     ModelLoadRecord,
 )
@@ -33,6 +34,20 @@ from comfy_assets.store.schema import (
 )
 
 R = TypeVar("R")
+
+
+def id_range(
+    column: sa.ColumnElement[Any], after: str | None, upto: str | None
+) -> list[sa.ColumnElement[bool]]:
+    """The conditions of ``column`` (a job id) sorting after ``after`` and not after
+    ``upto`` (either None: no bound): one page of ``job_page``, a range of the primary
+    key's index."""
+    bounds = []
+    if after is not None:
+        bounds.append(column > after)
+    if upto is not None:
+        bounds.append(column <= upto)
+    return bounds
 
 
 class Queries(StoreBase):
@@ -71,20 +86,37 @@ class Queries(StoreBase):
             return [_job_record(r) for r in conn.execute(stmt)]
 
     @retried
+    def job_brief_page(self, partition: str, after: str, size: int) -> list[JobBrief]:
+        """``job_page`` of the columns ``JobBrief`` holds: a page of a million-job
+        partition read for a summary without building its records."""
+        j = q.JOB
+        stmt = (
+            sa.select(j.job_id, j.prompt_id, j.state, j.line, j.shot, j.server)
+            .where(j.partition == partition, j.job_id > after)
+            .order_by(j.job_id)
+            .limit(size)
+        )
+        with self._read() as conn:
+            return [JobBrief(*row) for row in conn.execute(stmt)]
+
+    @retried
     def files(self, job_id: str) -> list[FileRecord]:
         """Files of the job's done record, by path."""
         return self._job_rows(files_table, job_id, files_table.c.path, FileRecord)
 
     @retried
-    def partition_files(self, partition: str) -> dict[str, list[FileRecord]]:
+    def partition_files(
+        self, partition: str, after: str | None = None, upto: str | None = None
+    ) -> dict[str, list[FileRecord]]:
         """Files of every done record in ``partition``: job id -> its files, by path (a
         job without files is not a key). One query, where ``files`` per job is one per
-        job."""
+        job. ``after`` and ``upto``: of the jobs whose id sorts after ``after`` and not
+        after ``upto`` only (a ``job_page``'s)."""
         t = files_table.c
         stmt = (
             sa.select(files_table)
             .join(jobs_table, jobs_table.c.job_id == t.job_id)
-            .where(jobs_table.c.partition == partition)
+            .where(jobs_table.c.partition == partition, *id_range(t.job_id, after, upto))
             .order_by(t.job_id, t.path)
         )
         by_job: dict[str, list[FileRecord]] = {}
@@ -94,15 +126,18 @@ class Queries(StoreBase):
         return by_job
 
     @retried
-    def model_loads(self, partition: str) -> list[ModelLoadRecord]:
+    def model_loads(
+        self, partition: str, after: str | None = None, upto: str | None = None
+    ) -> list[ModelLoadRecord]:
         """Every try of ``partition``'s jobs that load models, by job and attempt: their
-        model files, whether the server had to load one, outcome and GPU seconds."""
+        model files, whether the server had to load one, outcome and GPU seconds.
+        ``after`` and ``upto``: of a range of job ids only, as ``partition_files``."""
         m, a = model_loads_table.c, attempts_table.c
         stmt = (
             sa.select(m.job_id, m.attempt, m.server, m.models, m.loaded, a.outcome, a.gpu_seconds)
             .join(attempts_table, (a.job_id == m.job_id) & (a.attempt == m.attempt))
             .join(jobs_table, jobs_table.c.job_id == m.job_id)
-            .where(jobs_table.c.partition == partition)
+            .where(jobs_table.c.partition == partition, *id_range(m.job_id, after, upto))
             .order_by(m.job_id, m.attempt)
         )
         with self._read() as conn:

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import PurePosixPath
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from comfy_assets.jobs.states import DONE, State
 from comfy_assets.store.errors import StoreError
@@ -157,6 +157,19 @@ class AttemptEntry:
     reason: str | None = None
     models: tuple[str, ...] = ()  # the job's model files (a model_loads row when any)
     model_loaded: bool = False  # its server had to load one of them for this try
+
+
+class JobBrief(NamedTuple):
+    """The columns of a job that a partition's summary reads (``Store.job_brief_page``):
+    a plain row, not a ``JobRecord`` (whose ``set`` and ``inputs`` are JSON to parse),
+    so a million are read in seconds. ``state`` is the state's name."""
+
+    job_id: str
+    prompt_id: str
+    state: str
+    line: int
+    shot: int | None
+    server: str | None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ NOT_RUN = {
     "bench/pool.py": BENCH,
     "bench/million_reads.py": BENCH,
     "bench/results.py": BENCH,
+    "bench/renders_metadata.py": BENCH,
     "bench/gap_parts.py": BENCH,
     "bench/throughput.py": BENCH,
     "bench/s3.py; done": BENCH,

@@ -131,3 +131,12 @@ def test_results_writes_the_table_whole_and_from_segments() -> None:
     lines = figures("bench/results.py", "--jobs", "5000")
     for write in ("whole", "first", "changed", "unchanged", "whole_changed"):
         assert float(lines[f"{write}_s"]) >= 0 and float(lines[f"{write}_rss_mb"]) > 0
+
+
+def test_renders_metadata_builds_both_ways_to_one_data_version_and_the_paged_table_cut() -> None:
+    lines = figures("bench/renders_metadata.py", "--jobs", "400")
+    assert lines["whole_data_version"] == lines["paged_data_version"]
+    # 400 jobs over the 200 rows of the table: both cut at 200.
+    assert lines["whole_job_table_rows"] == lines["paged_job_table_rows"] == "200"
+    assert lines["paged_sheet"] == "the first 60 of 200 outputs of 200 jobs"
+    assert int(lines["paged_metadata_bytes"]) > 0
