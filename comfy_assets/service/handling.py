@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from comfy_assets.jobs.model import Job, JobFileError
+from comfy_assets.jobs.states import DONE, State
 from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
@@ -24,7 +25,7 @@ from comfy_assets.render.run import SUPERSEDED, JobEnding, run_one
 from comfy_assets.service.broker import BrokerError
 from comfy_assets.service.messages import parse_message
 from comfy_assets.service.sources import Delivery, JobSource
-from comfy_assets.store import PartitionConflict, Store, off_loop
+from comfy_assets.store import PartitionConflict, Store, StoreError, off_loop
 
 log = logging.getLogger("comfy_assets.service.worker")
 
@@ -157,6 +158,11 @@ class MessageHandler:
             ending = await run
         except asyncio.CancelledError:
             # The run was cancelled (grace over) and has cleaned up; or this handler is.
+            if not me.cancelling() and (state := await self._done_anyway(job)) is not None:
+                await self._acked(
+                    d, "done", "job %s: %s as the grace ran out; message acked", job.id, state
+                )
+                return
             await self._requeue(d)
             log.warning("job %s: cancelled before it finished; message requeued", job.id)
             if me.cancelling():
@@ -171,6 +177,21 @@ class MessageHandler:
             self.touched.add(partition)
 
         await self._answer(d, job, ending)
+
+    async def _done_anyway(self, job: Job) -> State | None:
+        """The state of ``job`` if its run, cancelled as the grace ran out, wrote its done
+        record before it stopped (same prompt); else None. Its message is then acked,
+        not delivered again to a worker that would only find it done. A store that
+        cannot say (StoreError) is said in a line and counts as not done: the message
+        is requeued, and its next delivery reads the store again."""
+        try:
+            rec = await off_loop(self.store, self.store.get, job.id)
+        except StoreError as e:
+            log.warning("job %s: cancelled; whether it is done is unknown (%s)", job.id, e)
+            return None
+        if rec is None or rec.prompt_id != job.prompt_id or rec.state not in DONE:
+            return None
+        return rec.state
 
     async def _answer(self, d: Delivery, job: Job, ending: JobEnding) -> None:
         """Answer ``d`` by how its run ended: acked (done, done before, dead-lettered now

@@ -14,6 +14,8 @@ import pytest
 from comfy_assets.cli.main import build_parser
 from comfy_assets.jobs.model import Job, JobFileError
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render.run import run_one
+from comfy_assets.service import handling
 from comfy_assets.service.messages import parse_message
 from comfy_assets.service.sources import FileSource, MemoryDelivery, MemorySource
 from comfy_assets.service.worker import Worker, job_messages
@@ -164,6 +166,36 @@ async def test_after_the_grace_a_running_prompt_is_interrupted_and_its_message_r
     record = store.get(job.id)
     assert not record.done and record.claimed_by is None
     assert worker.counts["requeued"] == 1
+
+
+async def test_a_job_done_as_the_grace_runs_out_is_acked_not_requeued(
+    tmp_path, store, monkeypatch, caplog
+):
+    jobs, job, line = one_job_line(tmp_path)
+    fake = FakeComfy(prompt_seconds=0.005)
+    source = MemorySource("images")
+    source.put(line)
+    finished = asyncio.Event()
+
+    async def done_then_still_busy(*args, **kwargs):
+        # The run wrote its done record and is cancelled before it returns (the grace
+        # ran out between the two).
+        await run_one(*args, **kwargs)
+        finished.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(handling, "run_one", done_then_still_busy)
+    async with fake_servers(fake) as specs:
+        worker = make_worker(source, specs, store, jobs.parent, grace_s=0.0)
+        task = asyncio.create_task(worker.run())
+        await asyncio.wait_for(finished.wait(), 30)
+        with caplog.at_level(logging.INFO):
+            worker.request_stop("test")
+            await asyncio.wait_for(task, 30)
+    assert executed(fake, job.prompt_id) == 1
+    assert source.acked == [line.encode()] and source.requeued == []
+    assert worker.counts["done"] == 1 and worker.counts["requeued"] == 0
+    assert f"job {job.id}: succeeded as the grace ran out; message acked" in caplog.text
 
 
 async def test_a_job_that_ends_within_the_grace_is_acked_and_a_message_after_the_stop_goes_back(
