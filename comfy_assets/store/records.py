@@ -188,6 +188,25 @@ class RenderingStart:
 
 
 @dataclass(frozen=True)
+class Via:
+    """How a job reaches the state a store move writes (``via=`` of ``Store.transition``,
+    ``mark_done`` and ``dead_letter``): ``server`` (stored on the job, and in the event),
+    ``attempt`` (the try's number in this run, in the event; ``mark_done`` also sets the
+    job's ``attempts`` to it), ``tried`` (that try's row, written in the same transaction)
+    and ``rendering`` (the job's move to rendering not yet written, written first). All
+    None: a move that names none of them."""
+
+    server: str | None = None
+    attempt: int | None = None
+    tried: AttemptEntry | None = None
+    rendering: RenderingStart | None = None
+
+
+# A move that names no server, attempt, try or rendering move.
+NO_VIA = Via()
+
+
+@dataclass(frozen=True)
 class ServerLease:
     """Who holds a GPU server and until when (epoch seconds). ``owner`` is None once
     released; ``last_model``, the model files the server holds (a JSON list, written by
