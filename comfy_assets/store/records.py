@@ -140,7 +140,7 @@ class AttemptRecord:
 
 @dataclass(frozen=True)
 class AttemptEntry:
-    """One try to write with the transition it leads to (``tried=`` of
+    """One try to write with the transition it leads to (``Via.tried`` of
     ``Store.transition``, ``mark_done`` and ``dead_letter``): one transaction, not two.
     Also ``Store.record_attempt``'s one argument; seconds; ``attempt`` is the row's number."""
 
@@ -177,7 +177,7 @@ class ModelLoadRecord:
 class RenderingStart:
     """The move of a job from submitted to rendering, not yet written: ``server``
     accepted the prompt of attempt ``attempt`` as run ``number`` at ``at`` (epoch
-    seconds). ``rendering=`` of the transition that ends the attempt writes it first, its
+    seconds). ``Via.rendering`` of the transition that ends the attempt writes it first, its
     event at ``at``, in the same transaction (``Store.transition``, ``mark_done``,
     ``dead_letter``)."""
 
