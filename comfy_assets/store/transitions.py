@@ -79,8 +79,9 @@ class Transitions(StoreBase):
 
         ``owner``: the caller must hold the job's claim. ``via``: the server, attempt,
         try and rendering move that lead here (``Via``), written with it; ``detail`` is
-        the event's text. ``fields``: other columns (TRANSITION_FIELDS). The first submission stamps ``first_submitted_at``;
-        succeeded, degraded and failed_fatal stamp ``finished_at`` and drop the claim.
+        the event's text. ``fields``: other columns (TRANSITION_FIELDS). The first
+        submission stamps ``first_submitted_at``; succeeded, degraded and failed_fatal
+        stamp ``finished_at`` and drop the claim.
         ``from_state`` (with ``owner``): the state the caller knows the job is in, which
         makes a move to a state neither pending nor final a guarded UPDATE and the event's
         INSERT, without reading the job first (on PostgreSQL, one statement).
@@ -457,8 +458,9 @@ def _tried_row(job_id: str, via: Via, now: float) -> dict[str, Any] | None:
 
 def _events(via: Via, row: sa.Row, values: dict[str, Any], final: Event) -> list[Event]:
     """The events of a move to ``final.to_state``: that one alone, or with
-    ``via.rendering`` (the job's move to rendering, not yet written) first, its event at its own time (kept
-    between the job's last move and ``final``'s) and the final one from rendering; ``values`` get its run number unless they have one.
+    ``via.rendering`` (the job's move to rendering, not yet written) first, its event at
+    its own time (kept between the job's last move and ``final``'s) and the final one
+    from rendering; ``values`` get its run number and server unless they have them.
     Raises InvalidTransition when the job is not submitted."""
     rendering = via.rendering
     if rendering is None:
