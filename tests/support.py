@@ -28,7 +28,7 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.run import run_batch
 from comfy_assets.render.summary import BatchSummary
-from comfy_assets.store import Store
+from comfy_assets.store import Store, Via
 from fake_comfy import FakeComfy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -163,7 +163,9 @@ def left_submitted_by_a_gone_run(tmp_path: Path) -> tuple[JobFile, Job, Store]:
     jf, job, store = one_job(tmp_path)
     store.register_jobs("p", jf.jobs)
     store.claim_job(job.id, "host:1:gone", 60.0)
-    store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
+    store.transition(
+        job.id, "submitted", via=Via(server="gpu0", attempt=1), prompt_id=job.prompt_id
+    )
     store.release_claim(job.id, "host:1:gone")
     return jf, job, store
 

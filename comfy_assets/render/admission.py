@@ -13,7 +13,7 @@ from comfy_assets.render.chain import Chain
 from comfy_assets.render.outputs import outputs_problem
 from comfy_assets.render.queue import Item
 from comfy_assets.render.scope import BatchScope
-from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord
+from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord, Via
 from comfy_assets.store.files import FileStoreUnavailable
 
 
@@ -94,9 +94,7 @@ class Admission:
                 job.id,
                 "failed_retryable",
                 detail="previous holder lost; claim taken over",
-                attempt=rec.attempts + 1,
-                server=rec.server,
-                tried=lost,
+                via=Via(server=rec.server, attempt=rec.attempts + 1, tried=lost),
             )
             rec = dataclasses.replace(rec, state=State.FAILED_RETRYABLE, attempts=rec.attempts + 1)
             item.prev_unsettled = True

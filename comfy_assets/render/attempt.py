@@ -60,8 +60,8 @@ from comfy_assets.render.outcome import (
     Failure,
     Kind,
     NotPosted,
+    Run,
     describe_error,
-    entry_timings,
 )
 from comfy_assets.render.removal import Removal
 from comfy_assets.store.files import FileStoreUnavailable
@@ -285,7 +285,7 @@ class Attempt:
                 posted=True,
                 failure=Failure.of("rejected", reason),
             )
-        return await self._wait(follower, slot, post.number, posted=True)
+        return await self._wait(follower, slot, Run(post.number, posted=True))
 
     def _rejected(self, e: PromptRejected, name: str) -> AttemptResult:
         """The result of a POST /prompt answered 400. A node that loads one of the job's
@@ -346,7 +346,8 @@ class Attempt:
                 # It ran to its end before the removal could land: taken, not posted again
                 # (a restart before the next attempt's catch-up would render it twice).
                 log.info("%s on %s: %s, but the prompt ran: taking it", self.label, name, reason)
-                return await self.download(client, name, entry, posted=True, verify=True)
+                run = Run(entry.number, posted=True, verify=True)
+                return await self.download(client, name, entry, run)
             if not gone.confirmed:
                 reason += f"; could not remove it from {name} ({gone.problem})"
             return self.server_failed(reason, server=name, posted=True)
@@ -361,14 +362,15 @@ class Attempt:
                 found.number,
             )
             await self.hooks.rendering(name, found.number)
-            return await self._wait(follower, slot, found.number, posted=True, verify=True)
+            return await self._wait(follower, slot, Run(found.number, posted=True, verify=True))
         self.on_server = None
         slot.release()  # nothing of ours queued or running there
         if entry is not None and entry.status_str == "success":
             log.info(
                 "%s on %s: %s, but the prompt ran: taking its outputs", self.label, name, reason
             )
-            return await self.download(client, name, entry, posted=True, verify=True)
+            run = Run(entry.number, posted=True, verify=True)
+            return await self.download(client, name, entry, run)
         if error.transient:
             return self.server_failed(reason, server=name, posted=True)
         failure = Failure.of("garbled", reason)
@@ -381,20 +383,12 @@ class Attempt:
             reason = describe_error(e, "GET /ws") + "; " + await self._remove(slot, number)
             return self.server_failed(reason, server=slot.name, number=number)
         self.on_server = (slot.client, slot.name)
-        return await self._wait(follower, slot, number, posted=posted, verify=True)
+        return await self._wait(follower, slot, Run(number, posted=posted, verify=True))
 
-    async def _wait(
-        self,
-        follower: PromptFollower,
-        slot: Slot,
-        number: int,
-        *,
-        posted: bool,
-        verify: bool = False,
-    ) -> AttemptResult:
-        """Follow run ``number`` to its end and classify it; ``verify``: the POST's answer
-        was not seen, so check the run kept every output node (``_dropped``)."""
-        client, name, pid = slot.client, slot.name, self.job.prompt_id
+    async def _wait(self, follower: PromptFollower, slot: Slot, run: Run) -> AttemptResult:
+        """Follow ``run`` to its end and classify it (``Run.verify``: the POST's answer
+        was not seen, so the run is checked to have kept every output node)."""
+        client, name, pid, number = slot.client, slot.name, self.job.prompt_id, run.number
         remaining = max(self.deadline_s - (time.monotonic() - self.deadline_from), 0.1)
         try:
             outcome = await follower.wait(
@@ -407,40 +401,27 @@ class Attempt:
                 then=lambda: self.pool.handed_over(slot),
             )
         except DeadlineExceeded as e:
-            return await self._timed_out(e, slot, number, posted=posted, verify=verify)
+            return await self._timed_out(e, slot, run)
         except PromptLost as e:
             slot.release()  # neither in /queue nor in /history: it is not on the server
+            failure = Failure("lost", "lost", "prompt lost")
             return self.result(
-                "transient",
-                f"prompt lost: {e}",
-                server=name,
-                number=number,
-                posted=posted,
-                failure=Failure("lost", "lost", "prompt lost"),
+                "transient", f"prompt lost: {e}", failure=failure, **run.recorded(name)
             )
         except ComfyError as e:
             # Our prompt may still run there: removed, so that nothing of ours is left on
             # the server that nobody follows (its lease is left to expire if it can't be).
             lost = describe_error(e, "following")
             reason = lost + "; " + await self._remove(slot, number)
-            return self.result(
-                "transient",
-                reason,
-                server=name,
-                number=number,
-                posted=posted,
-                failure=Failure("lost", "lost", lost),
-            )
+            failure = Failure("lost", "lost", lost)
+            return self.result("transient", reason, failure=failure, **run.recorded(name))
         # Not in a `finally`: on cancellation `on_server` must stay set, so the cancel
         # cleanup knows to interrupt and remove our prompt on that server.
         self.on_server = None
         slot.release()  # already done by on_finished; idempotent
         if outcome.status == "success" and outcome.history is not None:
-            return await self.download(
-                client, name, outcome.history, number=number, posted=posted, verify=verify
-            )
-        gpu, wait = entry_timings(outcome.history) if outcome.history else (None, None)
-        common = dict(server=name, number=number, posted=posted, gpu_seconds=gpu, queue_wait_s=wait)
+            return await self.download(client, name, outcome.history, run)
+        common = run.recorded(name, outcome.history)
         if outcome.status == "interrupted":
             return self.result("transient", "interrupted by someone else", **common)
         err = outcome.error
@@ -475,18 +456,14 @@ class Attempt:
         )
         return self.result("permanent", reason, failure=failure, **common)
 
-    async def _timed_out(
-        self, e: DeadlineExceeded, slot: Slot, number: int, *, posted: bool, verify: bool
-    ) -> AttemptResult:
-        """Run ``number`` ran past its deadline or stalled (``e``): removed from ``slot``'s
+    async def _timed_out(self, e: DeadlineExceeded, slot: Slot, run: Run) -> AttemptResult:
+        """``run`` ran past its deadline or stalled (``e``): removed from ``slot``'s
         server, the result says what came of it (taken after all if it finished
         meanwhile; a wedged server if it stays running)."""
         client, name = slot.client, slot.name
-        gone = await self.removal.evict(slot, number, wedge_s=self.wedge_s)
+        gone = await self.removal.evict(slot, run.number, wedge_s=self.wedge_s)
         if gone.won is not None:  # it finished while we interrupted it: take the result
-            return await self.download(
-                client, name, gone.won, number=number, posted=posted, verify=verify
-            )
+            return await self.download(client, name, gone.won, run)
         if isinstance(e, PromptStalled):
             why = f"stalled: {e.message.removeprefix(f'{name}: ')}"
             failure = Failure("stalled", "stalled", why)
@@ -502,41 +479,19 @@ class Attempt:
             what = "prompt interrupted and removed from the queue"
         else:
             what = f"prompt lost: in neither /queue nor /history of {name} (the server forgot it)"
-        return self.result(
-            "transient",
-            f"{why}; {what}",
-            server=name,
-            number=number,
-            posted=posted,
-            failure=failure,
-        )
+        return self.result("transient", f"{why}; {what}", failure=failure, **run.recorded(name))
 
     async def download(
-        self,
-        client: ComfyClient,
-        name: str,
-        entry: HistoryEntry,
-        *,
-        caught_up: bool = False,
-        number: int | None = None,
-        posted: bool = False,
-        verify: bool = False,
+        self, client: ComfyClient, name: str, entry: HistoryEntry, run: Run
     ) -> AttemptResult:
-        """Download a successful run's outputs; ``verify``: first check it rendered every
-        output node of the workflow (its POST's answer, which would say, was not seen)."""
-        gpu, wait = entry_timings(entry)
-        common: dict[str, Any] = dict(
-            server=name,
-            number=entry.number if number is None else number,
-            posted=posted,
-            caught_up=caught_up,
-            gpu_seconds=gpu,
-            queue_wait_s=wait,
-        )
+        """Download the outputs of ``run``, a success (``entry``: its /history entry);
+        ``Run.verify``: first check it rendered every output node of the workflow (its
+        POST's answer, which would say, was not seen)."""
+        common = run.recorded(name, entry)
         try:
             dropped = (
                 await dropped_outputs(client, self.job.workflow, entry.outputs_to_execute)
-                if verify
+                if run.verify
                 else ""
             )
             if dropped:  # the server's, may be: judged on another server

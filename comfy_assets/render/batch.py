@@ -47,6 +47,7 @@ from comfy_assets.store import (
     RenderingStart,
     Store,
     StoreUnavailable,
+    Via,
 )
 
 log = logging.getLogger("comfy_assets.render.batch")
@@ -418,8 +419,7 @@ class Batch:
                 "submitted",
                 owner=self.owner,
                 from_state="pending",  # as _claim left it: one statement on PostgreSQL
-                server=server,
-                attempt=attempt_number,
+                via=Via(server=server, attempt=attempt_number),
                 prompt_id=job.prompt_id,
                 detail=detail,
             )
@@ -538,8 +538,7 @@ class Batch:
             "rendering",
             owner=self.owner,
             from_state="submitted",
-            server=move.server,
-            attempt=move.attempt,
+            via=Via(server=move.server, attempt=move.attempt),
             number=move.number,
             now=move.at,
         )

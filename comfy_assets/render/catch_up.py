@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import ComfyError
 from comfy_assets.comfy.types import HistoryEntry, QueueState
-from comfy_assets.render.outcome import AttemptResult
+from comfy_assets.render.outcome import AttemptResult, Run
 
 if TYPE_CHECKING:
     from comfy_assets.render.attempt import Attempt
@@ -60,7 +60,9 @@ class CatchUp:
         if queue is None:
             assert entry is not None
             log.info("%s: caught up on %s: prompt %s already succeeded", a.label, name, pid)
-            return await a.download(client, name, entry, caught_up=True, verify=True)
+            return await a.download(
+                client, name, entry, Run(entry.number, caught_up=True, verify=True)
+            )
         found = queue.find(pid)
         if found is None:
             self._not_found(name, entry)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, Literal
 
 from comfy_assets.comfy.errors import (
     ComfyError,
@@ -107,6 +107,35 @@ class AttemptResult:
     outputs_missing: bool = False
     failure: Failure | None = None
     file_store_fault: bool = False
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run of an attempt's prompt on a server, as the attempt follows or takes it:
+    ``number`` (ComfyUI's run number), ``posted`` (this attempt posted it), ``caught_up``
+    (an earlier run's, taken with nothing posted), ``verify`` (the POST's answer was not
+    seen: the run is checked to have kept every output node before its outputs are
+    taken)."""
+
+    number: int
+    _: KW_ONLY
+    posted: bool = False
+    caught_up: bool = False
+    verify: bool = False
+
+    def recorded(self, server: str, entry: HistoryEntry | None = None) -> dict[str, Any]:
+        """The fields an ``AttemptResult`` of this run on ``server`` has of it: the run,
+        and from its /history ``entry`` when there is one, its GPU seconds and queue
+        wait (``entry_timings``)."""
+        gpu, wait = entry_timings(entry) if entry is not None else (None, None)
+        return dict(
+            server=server,
+            number=self.number,
+            posted=self.posted,
+            caught_up=self.caught_up,
+            gpu_seconds=gpu,
+            queue_wait_s=wait,
+        )
 
 
 @dataclass(frozen=True)

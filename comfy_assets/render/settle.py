@@ -33,7 +33,7 @@ from comfy_assets.render.progress import Ended
 from comfy_assets.render.queue import Item
 from comfy_assets.render.rendering import DeferredRendering
 from comfy_assets.render.scope import BatchScope
-from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, StoreUnavailable
+from comfy_assets.store import AttemptEntry, ClaimLost, JobRecord, StoreUnavailable, Via
 from comfy_assets.store.files import FileStoreUnavailable
 
 log = logging.getLogger("comfy_assets.render.guard")
@@ -166,12 +166,7 @@ class Settler:
         # The move to rendering, unless already written: in the same transaction.
         rendering = await self.renderings.take(job.id)
         # What each store call below records of this attempt besides its own fields.
-        ended: dict[str, Any] = {
-            "server": r.server,
-            "attempt": attempt_number,
-            "tried": tried,
-            "rendering": rendering,
-        }
+        via = Via(server=r.server, attempt=attempt_number, tried=tried, rendering=rendering)
         if isinstance(move, Done):
             store.file_store.remove_stale_outputs(self.scope.partition, job.id, r.files, job.take)
             self.scope.claims.finishing_now(job.id)
@@ -180,7 +175,7 @@ class Settler:
                 state="succeeded",
                 files=r.files,
                 number=r.number,
-                **ended,
+                via=via,
             )
             self.scope.claims.finished(job.id)
             self.blame.measured(item, r)
@@ -198,7 +193,7 @@ class Settler:
                 # ClaimLost, and the job is left to its new holder.
                 owner=self.owner,
                 detail=r.reason,
-                **ended,
+                via=via,
             )
             failed = f"job {job.id}: attempt {attempt_number} failed{where}, {r.reason}"
             stopped = self.stopped()
@@ -227,13 +222,13 @@ class Settler:
                 state="degraded",
                 files=[],
                 reason=move.reason,
-                **ended,
+                via=via,
             )
             self.scope.report(f"job {job.id}: degraded (draft), {move.reason}")
             self.scope.claims.finished(job.id)
             self.scope.resolve("degraded", job.id)
             return
-        await self.write_dead_letter(job.id, move.reason, **ended)
+        await self.write_dead_letter(job.id, move.reason, via=via)
         self.scope.report(f"job {job.id}: dead-lettered, {move.reason}")
         if move.stops is not None and not self.stopped():
             self.stop(move.stops)
@@ -299,9 +294,11 @@ class Settler:
                 job.id,
                 "failed_retryable",
                 detail=reason,
-                attempt=attempt_number,
-                tried=tried,
-                rendering=rendering if rec.state == "submitted" else None,
+                via=Via(
+                    attempt=attempt_number,
+                    tried=tried,
+                    rendering=rendering if rec.state == "submitted" else None,
+                ),
             )
         self.scope.claims.release(job.id)
 
@@ -372,7 +369,7 @@ class Settler:
         log.error("job %s: %s", job_id, reason, exc_info=error)
         self.scope.claims.finishing_now(job_id)
         try:
-            await self.write_dead_letter(job_id, reason, attempt=attempt_number)
+            await self.write_dead_letter(job_id, reason, via=Via(attempt=attempt_number))
         except Exception as again:
             if stops_the_batch(again):
                 raise

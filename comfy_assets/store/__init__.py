@@ -34,6 +34,7 @@ from comfy_assets.store.records import (
     ServerLease,
     StoreConflict,
     UnknownJob,
+    Via,
 )
 from comfy_assets.store.retry import StoreDiskFull, StoreUnavailable, off_loop
 from comfy_assets.store.schema import metadata
@@ -81,6 +82,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "UnknownJob",
+    "Via",
     "metadata",
     "off_loop",
 ]

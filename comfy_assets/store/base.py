@@ -20,7 +20,7 @@ from typing import Any
 
 import sqlalchemy as sa
 
-from comfy_assets.jobs.events import Event
+from comfy_assets.jobs.events import Event, log_event
 from comfy_assets.jobs.states import (
     DONE,
     FAILED_FATAL,
@@ -72,6 +72,16 @@ class StoreBase:
                 if body_done:  # the commit itself failed: done or not, nobody knows
                     mark_commit_unknown(error)
                 raise
+
+    @contextmanager
+    def _write_logged(self) -> Iterator[tuple[sa.Connection, list[Event]]]:
+        """A write transaction (``_write``) and a list for the events it writes: their
+        JSON log lines once it commits, none when it does not."""
+        written: list[Event] = []
+        with self._write() as conn:
+            yield conn, written
+        for event in written:
+            log_event(event)
 
     @contextmanager
     def _read(self, *, snapshot: bool = False) -> Iterator[sa.Connection]:

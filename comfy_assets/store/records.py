@@ -140,7 +140,7 @@ class AttemptRecord:
 
 @dataclass(frozen=True)
 class AttemptEntry:
-    """One try to write with the transition it leads to (``tried=`` of
+    """One try to write with the transition it leads to (``Via.tried`` of
     ``Store.transition``, ``mark_done`` and ``dead_letter``): one transaction, not two.
     Also ``Store.record_attempt``'s one argument; seconds; ``attempt`` is the row's number."""
 
@@ -190,7 +190,7 @@ class ModelLoadRecord:
 class RenderingStart:
     """The move of a job from submitted to rendering, not yet written: ``server``
     accepted the prompt of attempt ``attempt`` as run ``number`` at ``at`` (epoch
-    seconds). ``rendering=`` of the transition that ends the attempt writes it first, its
+    seconds). ``Via.rendering`` of the transition that ends the attempt writes it first, its
     event at ``at``, in the same transaction (``Store.transition``, ``mark_done``,
     ``dead_letter``)."""
 
@@ -198,6 +198,25 @@ class RenderingStart:
     attempt: int
     number: int
     at: float
+
+
+@dataclass(frozen=True)
+class Via:
+    """How a job reaches the state a store move writes (``via=`` of ``Store.transition``,
+    ``mark_done`` and ``dead_letter``): ``server`` (stored on the job, and in the event),
+    ``attempt`` (the try's number in this run, in the event; ``mark_done`` also sets the
+    job's ``attempts`` to it), ``tried`` (that try's row, written in the same transaction)
+    and ``rendering`` (the job's move to rendering not yet written, written first). All
+    None: a move that names none of them."""
+
+    server: str | None = None
+    attempt: int | None = None
+    tried: AttemptEntry | None = None
+    rendering: RenderingStart | None = None
+
+
+# A move that names no server, attempt, try or rendering move.
+NO_VIA = Via()
 
 
 @dataclass(frozen=True)

@@ -27,12 +27,13 @@ from comfy_assets.store import statements as q
 from comfy_assets.store.base import _TERMINAL, StoreBase, _event
 from comfy_assets.store.files.folder import content_type
 from comfy_assets.store.records import (
+    NO_VIA,
     AttemptEntry,
     ClaimLost,
     OutputFileLike,
-    RenderingStart,
     StoreConflict,
     UnknownJob,
+    Via,
 )
 from comfy_assets.store.retry import (
     RETRYING,
@@ -67,28 +68,23 @@ class Transitions(StoreBase):
         to_state: str,
         *,
         owner: str | None = None,
-        server: str | None = None,
-        attempt: int | None = None,
+        via: Via = NO_VIA,
         detail: str | None = None,
         now: float | None = None,
-        tried: AttemptEntry | None = None,
         from_state: str | None = None,
-        rendering: RenderingStart | None = None,
         **fields: Any,
     ) -> None:
         """Move ``job_id`` to ``to_state`` if the state machine allows it from the state in
         the database, with an event row and a JSON log line, in one transaction.
 
-        ``owner``: the caller must hold the job's claim. ``server`` is stored on the job
-        and, with ``attempt``, in the event; ``detail`` is the event's text. ``tried``: the
-        attempt that led here, recorded with it. ``fields``: other columns
-        (TRANSITION_FIELDS). The first submission stamps ``first_submitted_at``;
-        succeeded, degraded and failed_fatal stamp ``finished_at`` and drop the claim.
+        ``owner``: the caller must hold the job's claim. ``via``: the server, attempt,
+        try and rendering move that lead here (``Via``), written with it; ``detail`` is
+        the event's text. ``fields``: other columns (TRANSITION_FIELDS). The first
+        submission stamps ``first_submitted_at``; succeeded, degraded and failed_fatal
+        stamp ``finished_at`` and drop the claim.
         ``from_state`` (with ``owner``): the state the caller knows the job is in, which
         makes a move to a state neither pending nor final a guarded UPDATE and the event's
         INSERT, without reading the job first (on PostgreSQL, one statement).
-        ``rendering``: the job's move to rendering, written first in the same transaction
-        (``RenderingStart``).
         Raises InvalidTransition, UnknownJob, ClaimLost, TypeError (an unknown field).
         """
         unknown = set(fields) - TRANSITION_FIELDS
@@ -99,26 +95,24 @@ class Transitions(StoreBase):
         fast = (
             from_state is not None
             and owner is not None
-            and tried is None
-            and rendering is None
+            and via.tried is None
+            and via.rendering is None
             and to not in _TERMINAL
             and to != PENDING
             and is_allowed(from_state, to)
         )
         if fast:
             assert from_state is not None and owner is not None
-            event = self._move_in_one(
-                job_id, from_state, to, owner, server, attempt, detail, now, fields
-            )
+            event = self._move_in_one(job_id, from_state, to, owner, via, detail, now, fields)
             if event is not None:
                 log_event(event)
                 return
-        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
-        with self._write() as conn:
+        tried_row = _tried_row(job_id, via, now)
+        with self._write_logged() as (conn, written):
             row = self._locked_for_move(conn, job_id, owner, to, tried_row, now)
             values: dict[str, Any] = {"state": to, "updated_at": now}
-            if server is not None:
-                values["server"] = server
+            if via.server is not None:
+                values["server"] = via.server
             if to == SUBMITTED and row.first_submitted_at is None:
                 values["first_submitted_at"] = now
             if to in _TERMINAL:
@@ -126,11 +120,11 @@ class Transitions(StoreBase):
             elif to == PENDING:
                 values["finished_at"] = None
             values.update(fields)
-            events = _via(rendering, row, values, _event(now, row, to, detail, server, attempt))
+            events = _events(
+                via, row, values, _event(now, row, to, detail, via.server, via.attempt)
+            )
             self._update(conn, row, values)
-            events = self._insert_events(conn, events)
-        for event in events:
-            log_event(event)
+            written += self._insert_events(conn, events)
 
     @retried
     def record_attempt(self, job_id: str, entry: AttemptEntry, *, now: float | None = None) -> None:
@@ -155,23 +149,20 @@ class Transitions(StoreBase):
         state: str = "succeeded",
         files: Sequence[OutputFileLike] = (),
         *,
+        via: Via = NO_VIA,
         seconds: float | None = None,
         queue_wait_s: float | None = None,
         gpu_seconds: float | None = None,
-        server: str | None = None,
-        attempt: int | None = None,
         number: int | None = None,
         reason: str | None = None,
         detail: str | None = None,
         now: float | None = None,
-        tried: AttemptEntry | None = None,
-        rendering: RenderingStart | None = None,
     ) -> None:
         """Finish ``job_id`` as succeeded or degraded, all in ONE transaction: its files
         (paths relative to the job dir, with sha256 and bytes; they replace earlier
-        ones), totals, the transition and its event, the claim released, ``tried``
-        (the last attempt's row, counted in the totals), and first ``rendering``, the
-        move to rendering not yet written (``RenderingStart``).
+        ones), totals, the transition and its event, the claim released, and ``via``
+        (``Via``): its try's row (counted in the totals) and first its move to
+        rendering not yet written.
 
         Totals default from the job and its attempts: ``seconds`` = now -
         first_submitted_at, ``queue_wait_s`` = sum of waits, ``gpu_seconds`` = sum of
@@ -183,10 +174,10 @@ class Transitions(StoreBase):
             raise ValueError(f"mark_done state must be succeeded or degraded, got {state!r}")
         rows = [_file_row(job_id, f) for f in files]
         now = self._now(now)
-        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
+        tried_row = _tried_row(job_id, via, now)
         # PostgreSQL: the row lock, then everything else in one statement (``one_trip``).
-        in_one = self.dialect == "postgresql" and attempt is not None
-        with self._write() as conn:
+        in_one = self.dialect == "postgresql" and via.attempt is not None
+        with self._write_logged() as (conn, written):
             # Its ``attempts`` is set below when ``attempt`` is given: no bump of it first.
             row = self._locked_for_move(
                 conn,
@@ -195,7 +186,7 @@ class Transitions(StoreBase):
                 state,
                 None if in_one else tried_row,
                 now,
-                bump=attempt is None,
+                bump=via.attempt is None,
             )
             if seconds is None or queue_wait_s is None or gpu_seconds is None:
                 n, total, waited, ran = self._totals(conn, row, tried_row, written=not in_one)
@@ -215,24 +206,27 @@ class Transitions(StoreBase):
                 "queue_wait_s": queue_wait_s,
                 "gpu_seconds": gpu_seconds,
             }
-            for name, value in (("server", server), ("attempts", attempt), ("number", number)):
+            for name, value in (
+                ("server", via.server),
+                ("attempts", via.attempt),
+                ("number", number),
+            ):
                 if value is not None:
                     values[name] = value
             text = detail or (f"{len(rows)} file" + ("" if len(rows) == 1 else "s"))
             if reason and not detail:
                 text += f"; {reason}"
-            events = _via(rendering, row, values, _event(now, row, state, text, server, attempt))
+            final = _event(now, row, state, text, via.server, via.attempt)
+            events = _events(via, row, values, final)
             files_rows = [{**r, "prompt_id": row.prompt_id} for r in rows]
             if in_one:
-                events = _finish_in_one(conn, row, values, tried_row, files_rows, events)
+                written += _finish_in_one(conn, row, values, tried_row, files_rows, events)
             else:
                 self._update(conn, row, values)
                 conn.execute(q.DELETE_FILES, {"b_id": job_id})
                 if rows:
                     conn.execute(q.INSERT_FILES, files_rows)
-                events = self._insert_events(conn, events)
-        for event in events:
-            log_event(event)
+                written += self._insert_events(conn, events)
 
     @retried
     def dead_letter(
@@ -241,20 +235,17 @@ class Transitions(StoreBase):
         owner: str,
         reason: str,
         *,
-        server: str | None = None,
-        attempt: int | None = None,
+        via: Via = NO_VIA,
         now: float | None = None,
-        tried: AttemptEntry | None = None,
-        rendering: RenderingStart | None = None,
     ) -> None:
-        """Give up on ``job_id``: failed_fatal with ``reason``, claim freed, ``tried``
-        (the last attempt's row) and first ``rendering`` (``RenderingStart``) recorded,
-        in one transaction. Raises ClaimLost unless ``owner`` holds the claim,
+        """Give up on ``job_id``: failed_fatal with ``reason``, claim freed, and ``via``
+        (``Via``: the last try's row, first its move to rendering) recorded, in one
+        transaction. Raises ClaimLost unless ``owner`` holds the claim,
         InvalidTransition (a done job, say), UnknownJob."""
         now = self._now(now)
-        tried_row = None if tried is None else _attempt_row(job_id, tried, now)
+        tried_row = _tried_row(job_id, via, now)
         in_one = self.dialect == "postgresql"
-        with self._write() as conn:
+        with self._write_logged() as (conn, written):
             row = self._locked_for_move(
                 conn, job_id, owner, FAILED_FATAL, None if in_one else tried_row, now
             )
@@ -266,19 +257,17 @@ class Transitions(StoreBase):
                 "claimed_by": None,
                 "claim_expires_at": None,
             }
-            if server is not None:
-                values["server"] = server
-            final = _event(now, row, FAILED_FATAL, reason, server, attempt)
-            events = _via(rendering, row, values, final)
+            if via.server is not None:
+                values["server"] = via.server
+            final = _event(now, row, FAILED_FATAL, reason, via.server, via.attempt)
+            events = _events(via, row, values, final)
             if in_one:
                 if tried_row is not None:  # its ``attempts`` rises to the attempt's
                     values.setdefault("attempts", _bumped(row, tried_row["attempt"]))
-                events = _finish_in_one(conn, row, values, tried_row, None, events)
+                written += _finish_in_one(conn, row, values, tried_row, None, events)
             else:
                 self._update(conn, row, values)
-                events = self._insert_events(conn, events)
-        for event in events:
-            log_event(event)
+                written += self._insert_events(conn, events)
 
     @retried
     def note(
@@ -293,11 +282,10 @@ class Transitions(StoreBase):
         """Write an event that changes nothing (``from_state == to_state``): something a
         worker did to a job it no longer holds, say. Raises UnknownJob."""
         now = self._now(now)
-        with self._write() as conn:
+        with self._write_logged() as (conn, written):
             row = self._lock(conn, job_id)
             event = _event(now, row, row.state, detail, server, attempt)
-            event = self._insert_events(conn, [event])[0]
-        log_event(event)
+            written += self._insert_events(conn, [event])
 
     @retried
     def requeue(self, job_id: str, now: float | None = None) -> bool:
@@ -306,7 +294,7 @@ class Transitions(StoreBase):
         attempts 0). False, and nothing changes, if it is in another state or not in the
         store."""
         now = self._now(now)
-        with self._write() as conn:
+        with self._write_logged() as (conn, written):
             row = conn.execute(q.LOCK_JOB, {"b_id": job_id}).first()
             if row is None or row.state not in REQUEUEABLE:
                 return False
@@ -319,8 +307,7 @@ class Transitions(StoreBase):
                 "updated_at": now,
             }
             self._update(conn, row, values)
-            event = self._insert_events(conn, [_event(now, row, PENDING, "requeued")])[0]
-        log_event(event)
+            written += self._insert_events(conn, [_event(now, row, PENDING, "requeued")])
         return True
 
     def _move_in_one(
@@ -329,8 +316,7 @@ class Transitions(StoreBase):
         from_state: str,
         to: str,
         owner: str,
-        server: str | None,
-        attempt: int | None,
+        via: Via,
         detail: str | None,
         now: float,
         fields: dict[str, Any],
@@ -338,8 +324,8 @@ class Transitions(StoreBase):
         """``transition``'s one-statement way (PostgreSQL, autocommit); the event written,
         or None when the job is not in ``from_state`` or not ``owner``'s."""
         values: dict[str, Any] = {"state": to, "updated_at": now, **fields}
-        if server is not None:
-            values["server"] = server
+        if via.server is not None:
+            values["server"] = via.server
         if to == SUBMITTED:
             values["first_submitted_at"] = now  # kept where already set (COALESCE)
         params = {f"v_{k}": v for k, v in values.items()}
@@ -351,8 +337,8 @@ class Transitions(StoreBase):
             e_time=now,
             e_from=from_state,
             e_to=to,
-            e_server=server,
-            e_attempt=attempt,
+            e_server=via.server,
+            e_attempt=via.attempt,
             e_detail=detail,
         )
         columns = tuple(sorted(values))
@@ -361,7 +347,9 @@ class Transitions(StoreBase):
         row = self._autocommit_first(q.move_and_log(columns), params)
         if row is None:
             return None
-        return Event(row.id, now, job_id, row.partition, from_state, to, server, attempt, detail)
+        return Event(
+            row.id, now, job_id, row.partition, from_state, to, via.server, via.attempt, detail
+        )
 
     def _move_then_log(self, columns: tuple[str, ...], params: dict[str, Any]) -> Event | None:
         """``_move_in_one`` for SQLite, which has no data-modifying CTE: the guarded UPDATE
@@ -463,13 +451,18 @@ class Transitions(StoreBase):
             conn.execute(q.upsert_model_load(self.dialect), model_row)
 
 
-def _via(
-    rendering: RenderingStart | None, row: sa.Row, values: dict[str, Any], final: Event
-) -> list[Event]:
-    """The events of a move to ``final.to_state``: that one alone, or with ``rendering``
-    (the job's move to rendering, not yet written) first, its event at its own time (kept
-    between the job's last move and ``final``'s) and the final one from rendering; ``values`` get its run number unless they have one.
+def _tried_row(job_id: str, via: Via, now: float) -> dict[str, Any] | None:
+    """The attempt row of ``via.tried`` (``_attempt_row``), or None when it names none."""
+    return None if via.tried is None else _attempt_row(job_id, via.tried, now)
+
+
+def _events(via: Via, row: sa.Row, values: dict[str, Any], final: Event) -> list[Event]:
+    """The events of a move to ``final.to_state``: that one alone, or with
+    ``via.rendering`` (the job's move to rendering, not yet written) first, its event at
+    its own time (kept between the job's last move and ``final``'s) and the final one
+    from rendering; ``values`` get its run number and server unless they have them.
     Raises InvalidTransition when the job is not submitted."""
+    rendering = via.rendering
     if rendering is None:
         return [final]
     check_transition(row.state, RENDERING, job_id=row.job_id)

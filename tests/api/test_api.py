@@ -23,7 +23,7 @@ from comfy_assets.api.submission import parse_submission, pointer
 from comfy_assets.jobs.model import JobFileError
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service.messages import file_messages
-from comfy_assets.store import OutputFile, Store
+from comfy_assets.store import OutputFile, Store, Via
 from comfy_assets.store.api_jobs import ApiJob
 from tests.api_support import (
     AMQP,
@@ -377,7 +377,7 @@ async def test_an_in_flight_job_is_cancelled_once_its_attempt_settles(
         prompt_id = store.get(job_id).prompt_id  # type: ignore[union-attr]
         assert store.claim(job_id, "worker-1") == "claimed"
         assert store.acquire_server("gpu0", "worker-1", 600, prompt_id=prompt_id)
-        store.transition(job_id, "submitted", owner="worker-1", server="gpu0", attempt=1)
+        store.transition(job_id, "submitted", owner="worker-1", via=Via(server="gpu0", attempt=1))
         view = await (await client.get(f"/v1/jobs/{job_id}", headers=auth())).json()
         assert view["state"] == "submitted" and view["attempts"] == 1  # the one under way
         answer = await client.post(f"/v1/jobs/{job_id}/cancel", headers=auth())
@@ -386,7 +386,7 @@ async def test_an_in_flight_job_is_cancelled_once_its_attempt_settles(
         assert record is not None and record.claimed_by == "api-cancel:alice"
         assert not api.ledger.finish_cancel(record)  # its worker's attempt is under way
         # The attempt ends (interrupted): its worker records it, as settle does.
-        store.transition(job_id, "failed_retryable", server="gpu0", attempt=1, detail="x")
+        store.transition(job_id, "failed_retryable", via=Via(server="gpu0", attempt=1), detail="x")
         store.release_server("gpu0", "worker-1")
         await wait_until(
             lambda: store.get(job_id).state == "failed_fatal",  # type: ignore[union-attr]

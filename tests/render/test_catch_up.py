@@ -11,7 +11,7 @@ import pytest
 from comfy_assets.comfy.client import ComfyClient
 from comfy_assets.comfy.errors import ConnectionLost
 from comfy_assets.jobs.parse import load_job_file
-from comfy_assets.store import Store
+from comfy_assets.store import Store, Via
 from fake_comfy import FakeComfy
 from tests.render.test_runner import render
 from tests.support import (
@@ -34,13 +34,13 @@ async def post_as_a_killed_run(store: Store, job, url: str, server: str) -> None
     owner = gone_owner(store)
     assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
     store.transition(
-        job.id, "submitted", owner=owner, server=server, attempt=1, prompt_id=job.prompt_id
+        job.id, "submitted", owner=owner, via=Via(server=server, attempt=1), prompt_id=job.prompt_id
     )
     async with httpx.AsyncClient(base_url=url) as http:
         body = {"prompt": job.workflow, "prompt_id": job.prompt_id, "client_id": "killed"}
         answer = (await http.post("/prompt", json=body)).json()
     store.transition(
-        job.id, "rendering", owner=owner, server=server, attempt=1, number=answer["number"]
+        job.id, "rendering", owner=owner, via=Via(server=server, attempt=1), number=answer["number"]
     )
 
 

@@ -19,7 +19,7 @@ from comfy_assets.jobs.model import JobFile
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render.owners import OwnerHeartbeat
 from comfy_assets.render.run import make_pool, run_batch, run_one
-from comfy_assets.store import OWNER_DEAD_S, Store
+from comfy_assets.store import OWNER_DEAD_S, Store, Via
 from fake_comfy import FakeComfy
 from tests.render.test_catch_up import post_as_a_killed_run
 from tests.store.test_store import make_jobs
@@ -223,8 +223,8 @@ async def test_a_job_taken_over_from_a_server_this_pool_lacks_says_it_may_render
     fake, jf, store, owner = one_job_of_a_gone_owner(tmp_path)
     (job,) = jf.jobs
     assert store.claim(job.id, owner, lease_s=3600.0) == "claimed"
-    store.transition(job.id, "submitted", owner=owner, server="gpu9", attempt=1)
-    store.transition(job.id, "rendering", owner=owner, server="gpu9", attempt=1, number=4)
+    store.transition(job.id, "submitted", owner=owner, via=Via(server="gpu9", attempt=1))
+    store.transition(job.id, "rendering", owner=owner, via=Via(server="gpu9", attempt=1), number=4)
     async with fake_servers(fake) as servers:
         config = fast_config()
         summary = await run_batch(jf, partition="p", servers=servers, store=store, config=config)

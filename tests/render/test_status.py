@@ -23,7 +23,7 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.render import publish, steering
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.run import run_batch
-from comfy_assets.store import Store, metadata
+from comfy_assets.store import Store, Via, metadata
 from fake_comfy import FakeComfy
 from tests.pool.test_models_pool import model_jobs
 from tests.support import (
@@ -229,7 +229,9 @@ async def test_a_job_whose_last_post_went_to_a_dead_server_waits_for_that_server
     store = Store(tmp_path / "s")
     store.register_jobs("p", jf.jobs)
     store.claim_job(job.id, "host:1:gone", 60.0)
-    store.transition(job.id, "submitted", server="gpu0", attempt=1, prompt_id=job.prompt_id)
+    store.transition(
+        job.id, "submitted", via=Via(server="gpu0", attempt=1), prompt_id=job.prompt_id
+    )
     store.release_claim(job.id, "host:1:gone")
 
     def catching_up() -> bool:
@@ -387,8 +389,7 @@ def _claimed(store: Store, job_id: str, *moves: tuple[str, float]) -> None:
             job_id,
             state,
             owner="owner-1",
-            server=server,
-            attempt=1,
+            via=Via(server=server, attempt=1),
             from_state=prev,
             now=at,
             **fields,

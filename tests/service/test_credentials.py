@@ -32,7 +32,7 @@ from comfy_assets.resources import ComfyPoolResource, ResultStoreResource
 from comfy_assets.service import broker
 from comfy_assets.service.sources import RabbitSource
 from comfy_assets.service.worker import Worker, job_messages
-from comfy_assets.store import Store, metadata
+from comfy_assets.store import Store, Via, metadata
 from fake_comfy import FakeComfy
 from tests.comfy.test_client import free_port
 from tests.service.test_worker_rabbitmq import URL as AMQP_URL
@@ -105,9 +105,13 @@ def seed_catch_up(store: Store, partition: str, job: Job, server: str) -> None:
     store.register_jobs(partition, [job])
     store.claim_job(job.id, "ghost", 60.0)
     store.transition(
-        job.id, "submitted", owner="ghost", server=server, attempt=1, prompt_id=job.prompt_id
+        job.id,
+        "submitted",
+        owner="ghost",
+        via=Via(server=server, attempt=1),
+        prompt_id=job.prompt_id,
     )
-    store.transition(job.id, "failed_retryable", server=server, detail="run cancelled")
+    store.transition(job.id, "failed_retryable", via=Via(server=server), detail="run cancelled")
     store.release_claim(job.id, "ghost")
 
 

@@ -22,6 +22,7 @@ from comfy_assets.store import (
     PartitionConflict,
     Store,
     UnknownJob,
+    Via,
 )
 
 SHA = "ab" * 32
@@ -42,8 +43,10 @@ def make_jobs(folder: Path, n: int, **kwargs) -> list[Job]:
 
 def run_to_rendering(store: Store, job: Job, owner: str = "w1", now: float = 100.0) -> None:
     assert store.claim(job.id, owner, now=now) == "claimed"
-    store.transition(job.id, "submitted", owner=owner, server="gpu0", attempt=1, now=now + 1)
-    store.transition(job.id, "rendering", server="gpu0", attempt=1, number=7, now=now + 2)
+    store.transition(
+        job.id, "submitted", owner=owner, via=Via(server="gpu0", attempt=1), now=now + 1
+    )
+    store.transition(job.id, "rendering", via=Via(server="gpu0", attempt=1), number=7, now=now + 2)
 
 
 def files(*names: str) -> list[OutputFile]:
@@ -233,7 +236,7 @@ def test_transition_updates_the_row_and_writes_event_and_log_line(store, workflo
     store.claim(job.id, "w1", now=100.0)
     with caplog.at_level(logging.INFO, logger="comfy_assets.jobs.events"):
         store.transition(
-            job.id, "submitted", owner="w1", server="gpu1", attempt=1, now=101.0, number=12
+            job.id, "submitted", owner="w1", via=Via(server="gpu1", attempt=1), now=101.0, number=12
         )
     rec = store.get(job.id)
     assert (rec.state, rec.server, rec.number, rec.first_submitted_at) == (

@@ -19,6 +19,7 @@ from comfy_assets.store import (
     StoreError,
     StoreUnavailable,
     UnknownJob,
+    Via,
 )
 from comfy_assets.store.health import UnknownServer
 
@@ -33,7 +34,7 @@ def test_a_claim_not_held_an_unknown_job_and_an_id_taken_are_store_errors(
     store.register_jobs("film-a", [job])
     store.claim(job.id, "w1", now=100.0)
     with pytest.raises(StoreError, match="w2 does not hold the claim") as lost:
-        store.transition(job.id, "submitted", owner="w2", server="gpu0", attempt=1)
+        store.transition(job.id, "submitted", owner="w2", via=Via(server="gpu0", attempt=1))
     assert isinstance(lost.value, ClaimLost) and isinstance(lost.value, RuntimeError)
     with pytest.raises(LookupError, match="job nope: not in the store") as unknown:
         store.claim("nope", "w1")

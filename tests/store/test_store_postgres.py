@@ -21,6 +21,7 @@ from comfy_assets.store import (
     PartitionConflict,
     RenderingStart,
     Store,
+    Via,
     metadata,
 )
 from tests.store.test_store import (
@@ -243,8 +244,7 @@ def test_a_move_from_a_known_state_writes_the_same_rows_as_the_checked_way(any_s
             job.id,
             "submitted",
             owner="w1",
-            server="gpu0",
-            attempt=1,
+            via=Via(server="gpu0", attempt=1),
             now=101.0,
             prompt_id=job.prompt_id,
             **hint,
@@ -254,8 +254,7 @@ def test_a_move_from_a_known_state_writes_the_same_rows_as_the_checked_way(any_s
             job.id,
             "rendering",
             owner="w1",
-            server="gpu0",
-            attempt=1,
+            via=Via(server="gpu0", attempt=1),
             number=7,
             now=102.0,
             detail="number 7",
@@ -330,26 +329,33 @@ def test_a_done_record_with_its_attempt_rendering_and_files_replaces_the_old_fil
             any_store.transition(job.id, "pending", detail="fetching again", now=at)
             assert any_store.claim(job.id, "w1", now=at) == "claimed"
         any_store.transition(
-            job.id, "submitted", owner="w1", from_state="pending", server="gpu0", now=at + 1
+            job.id,
+            "submitted",
+            owner="w1",
+            from_state="pending",
+            via=Via(server="gpu0"),
+            now=at + 1,
         )
         any_store.mark_done(
             job.id,
             "w1",
             files=files(*names),
-            server="gpu0",
-            attempt=attempt,
+            via=Via(
+                server="gpu0",
+                attempt=attempt,
+                tried=AttemptEntry(
+                    attempt,
+                    "success",
+                    server="gpu0",
+                    started_at=at + 1,
+                    queue_wait_s=1.0,
+                    models=("m.safetensors",),
+                    model_loaded=True,
+                ),
+                rendering=RenderingStart("gpu0", attempt, attempt + 6, at + 2),
+            ),
             number=attempt + 6,
             now=at + 5,
-            tried=AttemptEntry(
-                attempt,
-                "success",
-                server="gpu0",
-                started_at=at + 1,
-                queue_wait_s=1.0,
-                models=("m.safetensors",),
-                model_loaded=True,
-            ),
-            rendering=RenderingStart("gpu0", attempt, attempt + 6, at + 2),
         )
     rec = any_store.get(job.id)
     assert (rec.state, rec.attempts, rec.number, rec.claimed_by) == ("succeeded", 2, 8, None)
@@ -374,7 +380,11 @@ def test_a_dead_letter_with_its_attempt_raises_the_attempts(any_store, workflow_
     any_store.transition(job.id, "submitted", owner="w1", from_state="pending", now=101.0)
     tried = AttemptEntry(1, "permanent", server="gpu0", started_at=101.0, reason="bad node")
     any_store.dead_letter(
-        job.id, "w1", "bad node", server="gpu0", attempt=1, now=103.0, tried=tried
+        job.id,
+        "w1",
+        "bad node",
+        via=Via(server="gpu0", attempt=1, tried=tried),
+        now=103.0,
     )
     rec = any_store.get(job.id)
     assert (rec.state, rec.attempts, rec.reason, rec.claimed_by) == (

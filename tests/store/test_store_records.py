@@ -12,6 +12,7 @@ from comfy_assets.store import (
     OutputFile,
     RenderingStart,
     UnknownJob,
+    Via,
 )
 from tests.store.test_store import SHA, files, make_job, make_jobs, run_to_rendering
 
@@ -99,9 +100,9 @@ def test_the_attempt_that_finished_a_job_is_written_with_its_done_record(store, 
     run_to_rendering(store, job)  # first submitted at 101
     tried = AttemptEntry(1, "success", server="gpu0", started_at=101.0, queue_wait_s=2.0)
     with pytest.raises(ClaimLost):  # not the holder: neither the attempt nor the done
-        store.mark_done(job.id, "w2", files=files("a.png"), now=111.0, tried=tried)
+        store.mark_done(job.id, "w2", files=files("a.png"), now=111.0, via=Via(tried=tried))
     assert (store.attempts(job.id), store.get(job.id).state) == ([], "rendering")
-    store.mark_done(job.id, "w1", files=files("a.png"), now=111.0, tried=tried)
+    store.mark_done(job.id, "w1", files=files("a.png"), now=111.0, via=Via(tried=tried))
     (attempt,) = store.attempts(job.id)
     assert (attempt.server, attempt.seconds, attempt.outcome) == ("gpu0", 10.0, "success")
     rec = store.get(job.id)
@@ -118,11 +119,11 @@ def test_a_failed_attempt_is_written_with_its_transition_or_dead_letter(store, w
     store.register_jobs("film", [job])
     run_to_rendering(store, job)
     first = AttemptEntry(1, "transient", seconds=1.0, reason="POST /prompt 500")
-    store.transition(job.id, "failed_retryable", attempt=1, tried=first)
+    store.transition(job.id, "failed_retryable", via=Via(attempt=1, tried=first))
     store.transition(job.id, "pending")
     store.transition(job.id, "submitted")
     second = AttemptEntry(2, "permanent", seconds=2.0, reason="IndexError")
-    store.dead_letter(job.id, "w1", "IndexError", attempt=2, tried=second)
+    store.dead_letter(job.id, "w1", "IndexError", via=Via(attempt=2, tried=second))
     assert [(a.attempt, a.outcome) for a in store.attempts(job.id)] == [
         (1, "transient"),
         (2, "permanent"),
@@ -137,15 +138,23 @@ def test_a_rendering_move_not_yet_written_lands_with_the_record_that_ends_the_at
     store.register_jobs("film", jobs)
     for job in jobs:
         assert store.claim(job.id, "w1", now=100.0) == "claimed"
-        store.transition(job.id, "submitted", owner="w1", server="gpu0", attempt=1, now=101.0)
+        store.transition(
+            job.id, "submitted", owner="w1", via=Via(server="gpu0", attempt=1), now=101.0
+        )
     started = RenderingStart("gpu0", 1, 7, 102.0)
     tried = AttemptEntry(1, "success", server="gpu0", seconds=2.0)
     store.mark_done(
-        jobs[0].id, "w1", files=files("a.png"), now=103.0, tried=tried, rendering=started
+        jobs[0].id,
+        "w1",
+        files=files("a.png"),
+        now=103.0,
+        via=Via(tried=tried, rendering=started),
     )
     failed = AttemptEntry(1, "transient", seconds=2.0, reason="POST /free sent")
-    store.transition(jobs[1].id, "failed_retryable", attempt=1, tried=failed, rendering=started)
-    store.dead_letter(jobs[2].id, "w1", "IndexError", attempt=1, rendering=started)
+    store.transition(
+        jobs[1].id, "failed_retryable", via=Via(attempt=1, tried=failed, rendering=started)
+    )
+    store.dead_letter(jobs[2].id, "w1", "IndexError", via=Via(attempt=1, rendering=started))
     for job, last in zip(jobs, ["succeeded", "failed_retryable", "failed_fatal"], strict=True):
         moves = [(e.time, e.from_state, e.to_state, e.server) for e in store.events(job.id)]
         assert moves[-2:] == [
@@ -155,7 +164,7 @@ def test_a_rendering_move_not_yet_written_lands_with_the_record_that_ends_the_at
         assert store.get(job.id).number == 7
     # A job no longer submitted (done) refuses the move and keeps its record.
     with pytest.raises(InvalidTransition):
-        store.transition(jobs[0].id, "pending", rendering=started)
+        store.transition(jobs[0].id, "pending", via=Via(rendering=started))
     assert store.get(jobs[0].id).state == "succeeded"
 
 
@@ -166,12 +175,17 @@ def test_a_rendering_move_timed_by_a_clock_that_stepped_keeps_the_jobs_events_in
     store.register_jobs("film", jobs)
     for job in jobs:
         store.claim(job.id, "w1", now=100.0)
-        store.transition(job.id, "submitted", owner="w1", server="gpu0", attempt=1, now=101.0)
+        store.transition(
+            job.id, "submitted", owner="w1", via=Via(server="gpu0", attempt=1), now=101.0
+        )
     tried = AttemptEntry(1, "success", server="gpu0", seconds=2.0)
     # The host's clock stepped back before the POST's answer, then forward past the end.
     for job, at in zip(jobs, (99.0, 110.0), strict=True):
         store.mark_done(
-            job.id, "w1", now=103.0, tried=tried, rendering=RenderingStart("gpu0", 1, 7, at)
+            job.id,
+            "w1",
+            now=103.0,
+            via=Via(tried=tried, rendering=RenderingStart("gpu0", 1, 7, at)),
         )
         # submitted, rendering, succeeded (registered came first, by this host's clock)
         times = [e.time for e in store.events(job.id)][-3:]
