@@ -13,7 +13,7 @@ queue; a client host then enqueues the job file (``comfy-assets enqueue``), as a
 arriving at a standing farm. Once every message is acked the workers idle ``--idle-s``
 seconds, then stop (SIGTERM).
 
-With ``--s3`` the workers' store is ``s3://farm/renders``: a SeaweedFS of the bench's own
+With ``--s3`` the workers' store is ``s3://studio/renders``: a SeaweedFS of the bench's own
 (``weed mini``, signatures checked) reached over the bridge through a TCP forwarder, so
 the GPU hosts and the worker hosts share no folder at all, only PostgreSQL, RabbitMQ and
 the object store. It adds ``s3_objects`` (the bucket's outputs, one per distinct output)
@@ -66,7 +66,7 @@ SAMPLE_S = 0.25
 READY = "taking jobs of"  # the worker's line once it consumes
 ACKED = re.compile(r"; message acked")
 S3_KEY = "farm-key"
-S3_BUCKET = "farm"
+S3_BUCKET = "studio"
 REQUEUED = re.compile(r"; message requeued")
 
 
@@ -141,7 +141,7 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
     load_end = os.getloadavg()
     print("hosts=namespaces")
-    print(f"store={'s3://farm/renders (SeaweedFS)' if args.s3 else 'a folder per worker host'}")
+    print(f"store={'s3://studio/renders (SeaweedFS)' if args.s3 else 'a folder per worker host'}")
     print(f"gpu_hosts={args.gpu_hosts}")
     print(f"fakes_per_host={args.fakes}")
     print(f"servers={args.gpu_hosts * args.fakes}")

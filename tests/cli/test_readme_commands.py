@@ -378,7 +378,7 @@ def test_the_storage_docs_example_renders_into_a_bucket_cuts_and_syncs(
 
     assert done.returncode == 0, done.stdout
     lines = done.stdout.splitlines()
-    shown = f"s3://{bucket}/farm/files/storyboard"
+    shown = f"s3://{bucket}/studio/files/storyboard"
     for line in (
         "summary: 6 done, 0 dead-lettered",
         f"results: {shown}/results.csv",
@@ -397,7 +397,7 @@ def test_the_storage_docs_example_renders_into_a_bucket_cuts_and_syncs(
         "records.db",
     ]
     objects = S3FileStore(
-        f"s3://{bucket}/farm",
+        f"s3://{bucket}/studio",
         S3Settings(
             endpoint=s3_endpoint.endpoint,
             access_key_id=s3_endpoint.access_key,

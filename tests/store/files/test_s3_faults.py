@@ -60,7 +60,7 @@ async def failing(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Failing
 
 def store_for(endpoint: str, tmp_path: Path) -> S3FileStore:
     settings = S3Settings(endpoint=endpoint, access_key_id="k", secret_access_key="s3cr3t")
-    return S3FileStore("s3://farm/x", settings, spool_dir=tmp_path, max_retries=2)
+    return S3FileStore("s3://studio/x", settings, spool_dir=tmp_path, max_retries=2)
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ async def test_a_failing_server_is_retried_a_bounded_number_of_times_then_named(
     store = store_for(endpoint, tmp_path)
     with pytest.raises(error) as raised:
         await store.write_output("p", "j", "a.png", one(b"bytes"))
-    assert str(raised.value).startswith("s3://farm/x: storing the output a.png: ")
+    assert str(raised.value).startswith("s3://studio/x: storing the output a.png: ")
     assert message in str(raised.value)
     assert "s3cr3t" not in str(raised.value)
     # 5xx: the first request and max_retries more; 4xx: not retried.
@@ -97,7 +97,7 @@ async def test_check_refuses_a_store_that_does_not_answer_well(
     failing: tuple[FailingS3, str], tmp_path: Path
 ) -> None:
     store = store_for(failing[1], tmp_path)
-    with pytest.raises(FileStoreRefused, match=r"^s3://farm/x: reaching the bucket: .*503"):
+    with pytest.raises(FileStoreRefused, match=r"^s3://studio/x: reaching the bucket: .*503"):
         await asyncio.to_thread(store.check)
 
 
@@ -168,9 +168,9 @@ def test_a_named_profile_is_read_and_a_missing_one_refused(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("text", "bucket", "prefix"),
     [
-        ("s3://farm/renders/", "farm", "renders"),
+        ("s3://studio/renders/", "studio", "renders"),
         ("s3://my.farm-1", "my.farm-1", ""),
-        ("s3://farm/a/b", "farm", "a/b"),
+        ("s3://studio/a/b", "studio", "a/b"),
     ],
 )
 def test_locations_parse(text: str, bucket: str, prefix: str) -> None:
@@ -183,9 +183,9 @@ def test_locations_parse(text: str, bucket: str, prefix: str) -> None:
     [
         ("s3://ab/x", "is not a bucket name"),
         ("s3://Farm/x", "is not a bucket name"),
-        ("s3://farm/a//b", "empty, '.' or '..' part"),
-        ("s3://farm/a/../b", "empty, '.' or '..' part"),
-        ("gs://farm/x", "is not an S3 store"),
+        ("s3://studio/a//b", "empty, '.' or '..' part"),
+        ("s3://studio/a/../b", "empty, '.' or '..' part"),
+        ("gs://studio/x", "is not an S3 store"),
     ],
 )
 def test_bad_locations_are_named(text: str, why: str) -> None:
@@ -204,7 +204,7 @@ def test_an_endpoint_that_accepts_but_never_answers_is_named_as_timed_out_at_fir
     with socket.create_server(("127.0.0.1", 0)) as silent:
         port = silent.getsockname()[1]
         store = S3FileStore(
-            "s3://farm/x",
+            "s3://studio/x",
             S3Settings(
                 endpoint=f"http://127.0.0.1:{port}", access_key_id="k", secret_access_key="s"
             ),
@@ -214,5 +214,5 @@ def test_an_endpoint_that_accepts_but_never_answers_is_named_as_timed_out_at_fir
         with pytest.raises(FileStoreRefused) as raised:
             store.check()
     assert str(raised.value) == (
-        "s3://farm/x: reaching the bucket: the object store is unavailable (timed out)"
+        "s3://studio/x: reaching the bucket: the object store is unavailable (timed out)"
     )

@@ -115,8 +115,7 @@ async def test_results_and_a_film_are_objects_cut_from_objects(
         where, table = write_results(store, "board")
         film = store_film(store, "board", load_job_file(path))
 
-    bucket = s3_store.where.bucket
-    assert where == f"s3://{bucket}/farm/files/board/results.csv"
+    assert where == f"{s3_store.where}/files/board/results.csv"
     assert len(table) == 6
     csv_text = s3_store.open_file("board/results.csv").read().decode()
     assert csv_text.count("\n") == 7 and "succeeded" in csv_text
