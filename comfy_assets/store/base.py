@@ -30,6 +30,7 @@ from comfy_assets.store import statements as q
 from comfy_assets.store.clock import DbClock
 from comfy_assets.store.records import (
     JobRecord,
+    ModelLoadRecord,
     UnknownJob,
 )
 from comfy_assets.store.retry import (
@@ -221,3 +222,16 @@ def _job_record(row: sa.Row[Any] | Mapping[str, Any]) -> JobRecord:
     values["state"] = State(values["state"])
     values["optional"] = bool(values["optional"])
     return JobRecord(**values)
+
+
+def _model_load_record(row: sa.Row[*tuple[Any, ...]]) -> ModelLoadRecord:
+    """The record of a row of ``statements.MODEL_TRIES``."""
+    return ModelLoadRecord(
+        row.job_id,
+        row.attempt,
+        row.server,
+        tuple(json.loads(row.models)),
+        bool(row.loaded),
+        row.outcome,
+        row.gpu_seconds,
+    )

@@ -3,8 +3,7 @@ dead letters."""
 
 from __future__ import annotations
 
-import json
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar, Unpack
 
 import sqlalchemy as sa
 
@@ -14,7 +13,7 @@ from comfy_assets.jobs.states import (
     State,
 )
 from comfy_assets.store import statements as q
-from comfy_assets.store.base import StoreBase, _job_record
+from comfy_assets.store.base import StoreBase, _job_record, _model_load_record
 from comfy_assets.store.records import (
     AttemptRecord,
     FileRecord,
@@ -30,10 +29,20 @@ from comfy_assets.store.schema import (
     events_table,
     files_table,
     jobs_table,
-    model_loads_table,
 )
 
 R = TypeVar("R")
+
+
+class EventsWhich(TypedDict, total=False):
+    """Which events ``Queries.events`` reads and ``Queries.count_events`` counts: those
+    of one job, partition and/or shot number, whose ``id`` is below ``before`` (a key
+    absent or None: any)."""
+
+    job_id: str | None
+    partition: str | None
+    shot: int | None
+    before: int | None
 
 
 def id_range(
@@ -132,27 +141,12 @@ class Queries(StoreBase):
         """Every try of ``partition``'s jobs that load models, by job and attempt: their
         model files, whether the server had to load one, outcome and GPU seconds.
         ``after`` and ``upto``: of a range of job ids only, as ``partition_files``."""
-        m, a = model_loads_table.c, attempts_table.c
-        stmt = (
-            sa.select(m.job_id, m.attempt, m.server, m.models, m.loaded, a.outcome, a.gpu_seconds)
-            .join(attempts_table, (a.job_id == m.job_id) & (a.attempt == m.attempt))
-            .join(jobs_table, jobs_table.c.job_id == m.job_id)
-            .where(jobs_table.c.partition == partition, *id_range(m.job_id, after, upto))
-            .order_by(m.job_id, m.attempt)
+        m = q.MODEL_LOAD
+        stmt = q.MODEL_TRIES.join(jobs_table, jobs_table.c.job_id == m.job_id).where(
+            jobs_table.c.partition == partition, *id_range(m.job_id, after, upto)
         )
         with self._read() as conn:
-            return [
-                ModelLoadRecord(
-                    r.job_id,
-                    r.attempt,
-                    r.server,
-                    tuple(json.loads(r.models)),
-                    bool(r.loaded),
-                    r.outcome,
-                    r.gpu_seconds,
-                )
-                for r in conn.execute(stmt)
-            ]
+            return [_model_load_record(r) for r in conn.execute(stmt)]
 
     @retried
     def attempts(self, job_id: str) -> list[AttemptRecord]:
@@ -183,7 +177,8 @@ class Queries(StoreBase):
         only the latest ``limit`` of them (None: all); ``before``: only those whose ``id``
         is below it (a page further back)."""
         t = events_table.c
-        stmt = self._events_where(sa.select(events_table), job_id, partition, shot, before)
+        which = EventsWhich(job_id=job_id, partition=partition, shot=shot, before=before)
+        stmt = self._events_where(sa.select(events_table), which)
         if limit is None:
             stmt = stmt.order_by(t.id)
         else:
@@ -195,35 +190,21 @@ class Queries(StoreBase):
         return events if limit is None else events[::-1]
 
     @retried
-    def count_events(
-        self,
-        job_id: str | None = None,
-        partition: str | None = None,
-        *,
-        shot: int | None = None,
-        before: int | None = None,
-        at_most: int | None = None,
-    ) -> int:
+    def count_events(self, *, at_most: int | None = None, **which: Unpack[EventsWhich]) -> int:
         """How many events ``events`` with the same arguments and no ``limit`` returns;
         ``at_most``: counted no further than that (a count in bounded time: a partition
         has millions)."""
-        matching = self._events_where(
-            sa.select(events_table.c.id), job_id, partition, shot, before
-        ).limit(at_most)
+        matching = self._events_where(sa.select(events_table.c.id), which).limit(at_most)
         stmt = sa.select(sa.func.count()).select_from(matching.subquery())
         with self._read() as conn:
             return int(conn.execute(stmt).scalar_one())
 
     @staticmethod
-    def _events_where(
-        stmt: sa.Select[Any],
-        job_id: str | None,
-        partition: str | None,
-        shot: int | None,
-        before: int | None,
-    ) -> sa.Select[Any]:
-        """``stmt`` (over ``comfy_events``) narrowed to what ``events`` is asked."""
+    def _events_where(stmt: sa.Select[Any], which: EventsWhich) -> sa.Select[Any]:
+        """``stmt`` (over ``comfy_events``) narrowed to ``which``."""
         t = events_table.c
+        job_id, partition = which.get("job_id"), which.get("partition")
+        shot, before = which.get("shot"), which.get("before")
         if job_id is not None:
             stmt = stmt.where(t.job_id == job_id)
         if partition is not None:

@@ -5,14 +5,13 @@ one snapshot."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import sqlalchemy as sa
 
 from comfy_assets.store import statements as q
-from comfy_assets.store.base import StoreBase, _job_record
+from comfy_assets.store.base import StoreBase, _job_record, _model_load_record
 from comfy_assets.store.records import FileRecord, JobRecord, ModelLoadRecord
 from comfy_assets.store.retry import retried
 from comfy_assets.store.schema import attempts_table, files_table, jobs_table, model_loads_table
@@ -157,25 +156,8 @@ class SegmentReads(StoreBase):
 
     @staticmethod
     def _model_tries(conn: sa.Connection, job_ids: Sequence[str]) -> list[ModelLoadRecord]:
-        m, a = model_loads_table.c, attempts_table.c
-        stmt = (
-            sa.select(m.job_id, m.attempt, m.server, m.models, m.loaded, a.outcome, a.gpu_seconds)
-            .join(attempts_table, (a.job_id == m.job_id) & (a.attempt == m.attempt))
-            .where(m.job_id.in_(job_ids))
-            .order_by(m.job_id, m.attempt)
-        )
-        return [
-            ModelLoadRecord(
-                r.job_id,
-                r.attempt,
-                r.server,
-                tuple(json.loads(r.models)),
-                bool(r.loaded),
-                r.outcome,
-                r.gpu_seconds,
-            )
-            for r in conn.execute(stmt)
-        ]
+        stmt = q.MODEL_TRIES.where(q.MODEL_LOAD.job_id.in_(job_ids))
+        return [_model_load_record(r) for r in conn.execute(stmt)]
 
     @retried
     def loads_models(self, partition: str) -> bool:

@@ -35,6 +35,7 @@ EVENT = events_table.c  # columns
 LEASE = server_leases_table.c  # columns
 WAITER = pool_waiters_table.c  # columns
 OWNER = owners_table.c  # columns
+MODEL_LOAD = model_loads_table.c  # columns
 
 
 def expect_rows(result: sa.CursorResult, expected: int, what: str) -> None:
@@ -101,6 +102,25 @@ CLAIM_FREE = (
     .values(claimed_by=_b("v_owner"), claim_expires_at=_b("v_expires"), updated_at=_b("v_now"))
     .returning(*jobs_table.c)
 )
+# The tries that load models, each with its attempt's outcome and GPU seconds, by job and
+# attempt (``Store.model_loads``, a segment's ``model_tries``): narrowed by their caller.
+MODEL_TRIES = (
+    sa.select(
+        MODEL_LOAD.job_id,
+        MODEL_LOAD.attempt,
+        MODEL_LOAD.server,
+        MODEL_LOAD.models,
+        MODEL_LOAD.loaded,
+        ATTEMPT.outcome,
+        ATTEMPT.gpu_seconds,
+    )
+    .join(
+        attempts_table,
+        (ATTEMPT.job_id == MODEL_LOAD.job_id) & (ATTEMPT.attempt == MODEL_LOAD.attempt),
+    )
+    .order_by(MODEL_LOAD.job_id, MODEL_LOAD.attempt)
+)
+
 # SQLite: a new job's row (binds are the column names), returned; no row when its id
 # is known (``Claims.register_claimed``).
 INSERT_NEW_JOB = sqlite.insert(jobs_table).on_conflict_do_nothing().returning(*jobs_table.c)
