@@ -6,38 +6,21 @@ from __future__ import annotations
 import csv
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from comfy_assets.render.results import FIXED_AFTER, FIXED_BEFORE, ResultsTable, csv_cell
+from comfy_assets.render.results import (
+    ResultsTable,
+    combined_columns,
+    csv_cell,
+    partition_rows,
+)
 from comfy_assets.store.files import FileStore
 from comfy_assets.store.files.local import writing
 
 # Rows kept for the table ``write_combined`` returns (its metadata's schema and preview).
 SAMPLE_ROWS = 10_000
-
-
-def _header(path: Path) -> list[str]:
-    with path.open(encoding="utf-8", newline="") as handle:
-        return next(csv.reader(handle), [])
-
-
-def _rows(partition: str, path: Path) -> Iterator[dict[str, Any]]:
-    """The rows of ``path`` as {column: cell}, with ``partition``. Raises OSError, and
-    ValueError naming the file and line of a row whose cells are not as many as its
-    header's."""
-    with path.open(encoding="utf-8", newline="") as handle:
-        reader = csv.reader(handle)
-        header = next(reader, [])
-        for cells in reader:
-            if not cells:  # a blank line
-                continue
-            if len(cells) != len(header):
-                raise ValueError(
-                    f"{path}:{reader.line_num}: {len(cells)} cells, its header has {len(header)}"
-                )
-            yield {"partition": partition, **dict(zip(header, cells, strict=True))}
 
 
 def write_combined(files: FileStore, key: str, tables: Mapping[str, Path]) -> ResultsTable:
@@ -48,11 +31,7 @@ def write_combined(files: FileStore, key: str, tables: Mapping[str, Path]) -> Re
     Returns the columns, the row count (``len``) and the first ``SAMPLE_ROWS`` rows.
     Raises OSError, ValueError naming the file and line of a row whose cells are not
     as many as its header's, FileStoreUnavailable, FileStoreFull."""
-    columns = ["partition"]
-    for partition in sorted(tables):
-        columns += [name for name in _header(tables[partition]) if name not in columns]
-    if not tables:
-        columns = ["partition", *FIXED_BEFORE, *FIXED_AFTER]
+    columns = combined_columns(tables)
     sample: list[dict[str, Any]] = []
     total = 0
     with tempfile.TemporaryDirectory(prefix="comfy-assets-csv-") as scratch:
@@ -63,7 +42,7 @@ def write_combined(files: FileStore, key: str, tables: Mapping[str, Path]) -> Re
                     writer = csv.writer(handle, lineterminator="\n")
                     writer.writerow(columns)
                     for partition in sorted(tables):
-                        for row in _rows(partition, tables[partition]):
+                        for row in partition_rows(partition, tables[partition]):
                             writer.writerow([csv_cell(row.get(name, "")) for name in columns])
                             if len(sample) < SAMPLE_ROWS:
                                 sample.append({name: row.get(name, "") for name in columns})

@@ -22,7 +22,7 @@ import csv
 import json
 import os
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeAlias
@@ -330,30 +330,50 @@ def csv_cell(value: Any) -> Any:
     return value
 
 
+def combined_columns(tables: Mapping[str, Path]) -> list[str]:
+    """The columns of ``tables`` (``{partition: results CSV}``) one after another: a
+    leading ``partition``, then the union of their headers in order of first appearance
+    (partition order); with no tables, the fixed columns. Raises OSError."""
+    columns = ["partition"]
+    for partition in sorted(tables):
+        with tables[partition].open(encoding="utf-8", newline="") as handle:
+            header = next(csv.reader(handle), [])
+        columns += [name for name in header if name not in columns]
+    if not tables:
+        columns = ["partition", *FIXED_BEFORE, *FIXED_AFTER]
+    return columns
+
+
+def partition_rows(partition: str, path: Path) -> Iterator[dict[str, Any]]:
+    """The rows of the results CSV at ``path`` as {column: cell}, with ``partition``,
+    read a row at a time. Raises OSError, and ValueError naming the file and line of a
+    row whose cells are not as many as its header's."""
+    with path.open(encoding="utf-8", newline="") as handle:
+        reader = csv.reader(handle)
+        header = next(reader, [])
+        for cells in reader:
+            if not cells:  # a blank line
+                continue
+            if len(cells) != len(header):
+                raise ValueError(
+                    f"{path}:{reader.line_num}: {len(cells)} cells, its header has {len(header)}"
+                )
+            yield {"partition": partition, **dict(zip(header, cells, strict=True))}
+
+
 def combine_results(tables: Mapping[str, Path]) -> ResultsTable:
     """Concatenate each partition's results CSV (``{partition: path}``, in partition
     order), with a leading ``partition`` column; every cell is the CSV's text.
 
-    Columns are the union, in order of first appearance; a partition without a ``set``
-    key has an empty cell there. Raises OSError, and ValueError naming the file and line
-    of a row whose cells are not as many as its header's.
+    Columns are the union, in order of first appearance (``combined_columns``); a
+    partition without a ``set`` key has an empty cell there. Raises OSError, and
+    ValueError naming the file and line of a row whose cells are not as many as its
+    header's.
     """
-    columns = ["partition"]
-    rows: list[dict[str, Any]] = []
-    for partition, path in sorted(tables.items()):
-        with path.open(encoding="utf-8", newline="") as handle:
-            reader = csv.reader(handle)
-            header = next(reader, [])
-            columns += [name for name in header if name not in columns]
-            for cells in reader:
-                if not cells:  # a blank line
-                    continue
-                if len(cells) != len(header):
-                    raise ValueError(
-                        f"{path}:{reader.line_num}: {len(cells)} cells, its header has "
-                        f"{len(header)}"
-                    )
-                rows.append({"partition": partition, **dict(zip(header, cells, strict=True))})
-    if not tables:
-        columns = ["partition", *FIXED_BEFORE, *FIXED_AFTER]
-    return ResultsTable(columns, [{name: row.get(name, "") for name in columns} for row in rows])
+    columns = combined_columns(tables)
+    rows = [
+        {name: row.get(name, "") for name in columns}
+        for partition in sorted(tables)
+        for row in partition_rows(partition, tables[partition])
+    ]
+    return ResultsTable(columns, rows)
