@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import TypeVar, cast
 
 from comfy_assets.comfy.servers import ServerSpec
-from comfy_assets.jobs.inputs import InputRules
 from comfy_assets.pool.pool import Pool
 from comfy_assets.render.batch import Batch
 from comfy_assets.render.config import BatchConfig
@@ -513,25 +512,18 @@ def _status_rows_done(task: asyncio.Task[None]) -> None:
         log.error("worker: status rows failed: %r", exc, exc_info=exc)
 
 
-def job_messages(
-    path: Path,
-    max_bytes: int = MAX_MESSAGE_BYTES,
-    partition: str | None = None,
-    *,
-    rules: InputRules | None = None,
-    priority: int | None = None,
-) -> list[tuple[str, bytes]]:
-    """Validate the job file at ``path`` (input files under ``rules``, default
-    ``InputRules()``) and return ``(job_id, body)`` per job, in file order:
-    self-contained messages (``comfy_assets.service.messages``: the workflow and the input
-    files' bytes inline, so a worker anywhere posts what was validated, under the same
-    prompt_id as ``run``), under ``partition`` (default: the file's stem, as ``run``
-    names it). Raises ``JobFileError`` listing every problem, a message over
-    ``max_bytes`` bytes and an input taken from another job included (each on its line
-    and field, found before any input file is read for a message); nothing is returned
-    for a partly valid file. ``InputChanged`` when an input file changes meanwhile.
-    Every body is held in the list: ``comfy-assets enqueue`` takes them a chunk at a time
-    from ``service.queue_file.scan_queue_file`` instead.
+def job_messages(path: Path, max_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, bytes]]:
+    """Validate the job file at ``path`` (input files under the default ``InputRules()``)
+    and return ``(job_id, body)`` per job, in file order: self-contained messages
+    (``comfy_assets.service.messages``: the workflow and the input files' bytes inline, so
+    a worker anywhere posts what was validated, under the same prompt_id as ``run``),
+    under the file's stem as partition (as ``run`` names it) with the header's priority.
+    Raises ``JobFileError`` listing every problem, a message over ``max_bytes`` bytes and
+    an input taken from another job included (each on its line and field, found before
+    any input file is read for a message); nothing is returned for a partly valid file.
+    ``InputChanged`` when an input file changes meanwhile. Every body is held in the list:
+    ``comfy-assets enqueue`` takes them a chunk at a time from
+    ``service.queue_file.scan_queue_file`` instead, which also takes a partition, input
+    rules and a priority of one's own.
     """
-    found = scan_queue_file(path, max_bytes, partition, rules=rules, priority=priority)
-    return list(found.messages())
+    return list(scan_queue_file(path, max_bytes).messages())
