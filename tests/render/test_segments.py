@@ -13,7 +13,7 @@ from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.parse import job_from_dict
 from comfy_assets.render import segments
 from comfy_assets.render.results import JobResults, write_csv, write_results
-from comfy_assets.store import AttemptEntry, OutputFile, Store
+from comfy_assets.store import AttemptEntry, OutputFile, Store, Via
 
 SHA = "cd" * 32
 
@@ -49,15 +49,15 @@ def rows_of(text: str) -> dict[str, str]:
 
 def done(store: Store, job: Job, name: str) -> None:
     assert store.claim(job.id, "w1") == "claimed"
-    store.transition(job.id, "submitted", owner="w1", server="gpu0", attempt=1)
-    store.transition(job.id, "rendering", server="gpu0", attempt=1, number=1)
+    store.transition(job.id, "submitted", owner="w1", via=Via(server="gpu0", attempt=1))
+    store.transition(job.id, "rendering", via=Via(server="gpu0", attempt=1), number=1)
     store.mark_done(job.id, "w1", files=[OutputFile(name, SHA, 10, node_id="9", key="images")])
 
 
 def dead(store: Store, job: Job) -> None:
     assert store.claim(job.id, "w1") == "claimed"
-    store.transition(job.id, "submitted", owner="w1", server="gpu1", attempt=1)
-    store.dead_letter(job.id, "w1", "out of memory", server="gpu1", attempt=1)
+    store.transition(job.id, "submitted", owner="w1", via=Via(server="gpu1", attempt=1))
+    store.dead_letter(job.id, "w1", "out of memory", via=Via(server="gpu1", attempt=1))
 
 
 @pytest.fixture
