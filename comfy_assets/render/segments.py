@@ -33,7 +33,7 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -113,7 +113,8 @@ def ids_digest(job_ids: Iterable[str]) -> str:
 
 def read_index(files: FileStore, partition: str) -> SegmentIndex | None:
     """The partition's segment index, or None when there is none, or one of another
-    format or segment size (its segments are made again)."""
+    format or segment size, or not of this shape (cut short by a crash, edited by hand):
+    its segments are made again."""
     try:
         with files.open_file(index_key(partition)) as handle:
             data = json.loads(handle.read())
@@ -121,10 +122,43 @@ def read_index(files: FileStore, partition: str) -> SegmentIndex | None:
         return None
     except ValueError:
         return None  # cut short by a crash: every segment is made again
+    if not isinstance(data, dict):
+        return None
     if data.get("format") != INDEX_FORMAT or data.get("segment_jobs") != SEGMENT_JOBS:
         return None
-    segments = {int(n): Segment(**s) for n, s in data["segments"].items()}
-    return SegmentIndex(float(data["as_of"]), segments, str(data.get("joined", "")))
+    as_of, stored, joined = data.get("as_of"), data.get("segments"), data.get("joined", "")
+    if not isinstance(as_of, int | float) or isinstance(as_of, bool):
+        return None
+    if not isinstance(stored, dict) or not isinstance(joined, str):
+        return None
+    segments: dict[int, Segment] = {}
+    for n, entry in stored.items():
+        segment = _segment_of_entry(entry)
+        if not (isinstance(n, str) and n.isdigit()) or segment is None:
+            return None
+        segments[int(n)] = segment
+    return SegmentIndex(float(as_of), segments, joined)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _segment_of_entry(entry: object) -> Segment | None:
+    """The ``Segment`` an index entry stores, or None for one not of its shape."""
+    if not isinstance(entry, dict) or set(entry) != {f.name for f in fields(Segment)}:
+        return None
+    ids, rows, columns, digest = entry["ids"], entry["rows"], entry["columns"], entry["digest"]
+    if not (isinstance(ids, str) and isinstance(digest, str) and isinstance(rows, int)):
+        return None
+    if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+        return None
+    maps = [entry["seen"], entry["upstream"], entry["states"]]
+    if not _is_number(entry["as_of"]) or not all(
+        isinstance(m, dict) and all(_is_number(v) for v in m.values()) for m in maps
+    ):
+        return None
+    return Segment(**entry)
 
 
 def write_index(files: FileStore, partition: str, index: SegmentIndex) -> None:

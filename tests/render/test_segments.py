@@ -247,3 +247,29 @@ def test_a_store_made_before_the_indexes_gets_them_when_opened(tmp_path: Path) -
             " AND updated_at >= 0"
         ).fetchall()
     assert "ix_comfy_jobs_partition_updated" in str(plan)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        "[]",
+        "null",
+        '{"format": 1, "segment_jobs": 3, "segments": {}}',
+        '{"format": 1, "segment_jobs": 3, "as_of": "x", "segments": {}}',
+        '{"format": 1, "segment_jobs": 3, "as_of": 0, "segments": []}',
+        '{"format": 1, "segment_jobs": 3, "as_of": 0, "segments": {"a": {}}}',
+        '{"format": 1, "segment_jobs": 3, "as_of": 0, "segments": {"0": null}}',
+        '{"format": 1, "segment_jobs": 3, "as_of": 0, "segments": {"0": {"bogus": 1}}}',
+    ],
+)
+def test_a_segment_index_not_of_its_shape_makes_the_segments_again(
+    store: Store, workflow_dir: Path, tmp_path: Path, index: str
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    (tmp_path / "store" / "p" / ".results" / "segments.json").write_text(index)
+    done(store, jobs[1], "a.png")
+    write_results(store, "p")
+    assert "succeeded" in rows_of(results_text(store, "p"))[jobs[1].id]
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
