@@ -457,7 +457,7 @@ def _join(
                             if segment.columns == columns:
                                 digest = _copy(source, out)
                             else:
-                                digest = _reshape(source, out, segment.columns, columns)
+                                digest = _reshape(source, out, segment, columns)
                         if digest != segment.digest:
                             raise SegmentChanged(n)
                 os.chmod(tmp, 0o644)  # mkstemp makes it private; a results table is for all
@@ -475,11 +475,16 @@ def _copy(source: BinaryIO, out: BinaryIO) -> str:
     return digest.hexdigest()
 
 
-def _reshape(source: BinaryIO, out: BinaryIO, has: list[str], columns: list[str]) -> str:
-    """Rows of ``source`` (columns ``has``) written with ``columns``: a cell it lacks is
-    empty. The csv module reads back what it wrote, so the bytes are those of a row
-    written with ``columns`` at first."""
+def _reshape(source: BinaryIO, out: BinaryIO, segment: Segment, columns: list[str]) -> str:
+    """Rows of ``source`` (columns ``segment.columns``) written with ``columns``: a cell
+    it lacks is empty. The csv module reads back what it wrote, so the bytes are those of
+    a row written with ``columns`` at first. Bytes not those of ``segment`` (edited or
+    cut by hand) are not parsed: their digest is returned, nothing written."""
     data = source.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != segment.digest:
+        return digest
     rows = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
+    has = segment.columns
     out.write(csv_bytes(columns, (dict(zip(has, cells, strict=True)) for cells in rows)))
-    return hashlib.sha256(data).hexdigest()
+    return digest

@@ -273,3 +273,22 @@ def test_a_segment_index_not_of_its_shape_makes_the_segments_again(
     write_results(store, "p")
     assert "succeeded" in rows_of(results_text(store, "p"))[jobs[1].id]
     assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b"\xff\xfe\n", b""])
+def test_a_segment_edited_by_hand_without_the_model_columns_is_read_again(
+    store: Store, workflow_dir: Path, tmp_path: Path, content: bytes
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    assert store.claim(jobs[6].id, "w1") == "claimed"
+    store.record_attempt(
+        jobs[6].id,
+        AttemptEntry(1, "transient", "gpu0", seconds=1.0, models=("sd15.safetensors",)),
+    )
+    write_results(store, "p")  # segment 0 has no model columns: it is rewritten to them
+    (tmp_path / "store" / "p" / ".results" / "0.csv").write_bytes(content)
+    done(store, jobs[4], "a.png")
+    write_results(store, "p")
+    assert "succeeded" in rows_of(results_text(store, "p"))[jobs[4].id]
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
