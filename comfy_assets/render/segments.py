@@ -89,11 +89,14 @@ class Segment:
 class SegmentIndex:
     """The segments of a partition's results (``segments``: by number) as of the last
     write (``as_of``, the database's clock), and the header and segment digests that
-    results.csv was last joined from (``joined``)."""
+    results.csv was last joined from (``joined``) and its size in bytes
+    (``joined_bytes``: a results.csv of another size, cut or edited by hand, is joined
+    again)."""
 
     as_of: float
     segments: dict[int, Segment]
     joined: str = ""
+    joined_bytes: int | None = None
 
 
 def segment_key(partition: str, n: int) -> str:
@@ -137,7 +140,8 @@ def read_index(files: FileStore, partition: str) -> SegmentIndex | None:
         if not (isinstance(n, str) and n.isdigit()) or segment is None:
             return None
         segments[int(n)] = segment
-    return SegmentIndex(float(as_of), segments, joined)
+    size = data.get("joined_bytes")
+    return SegmentIndex(float(as_of), segments, joined, size if isinstance(size, int) else None)
 
 
 def _is_number(value: object) -> bool:
@@ -168,6 +172,7 @@ def write_index(files: FileStore, partition: str, index: SegmentIndex) -> None:
         "segment_jobs": SEGMENT_JOBS,
         "as_of": index.as_of,
         "joined": index.joined,
+        "joined_bytes": index.joined_bytes,
         "segments": {str(n): asdict(s) for n, s in sorted(index.segments.items())},
     }
     files.write_file(index_key(partition), json.dumps(data).encode(), "application/json")
@@ -403,9 +408,10 @@ def _write(
     columns = header(ordered, store.loads_models(partition))
     joined = ids_digest([json.dumps(columns), *(s.digest for s in ordered)])
     key = results_key(partition)
-    if index is None or index.joined != joined or not _stored(files, key):
-        _join(files, partition, key, columns, plan.order, segments)
-    write_index(files, partition, SegmentIndex(as_of, segments, joined))
+    size = None if index is None else index.joined_bytes
+    if index is None or index.joined != joined or size is None or _size(files, key) != size:
+        size = _join(files, partition, key, columns, plan.order, segments)
+    write_index(files, partition, SegmentIndex(as_of, segments, joined, size))
     rows: list[dict[str, Any]] = []
     if sample and plan.order:
         if first is None:
@@ -422,11 +428,15 @@ def _write(
     )
 
 
-def _stored(files: FileStore, key: str) -> bool:
+def _size(files: FileStore, key: str) -> int | None:
+    """The bytes of the store file ``key``, or None when there is none."""
     path = files.file_path(key)
     if path is not None:
-        return path.is_file()
-    return any(name == key for name, _ in files.list_files(key))
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return None
+    return next((size for name, size in files.list_files(key) if name == key), None)
 
 
 def _join(
@@ -436,10 +446,10 @@ def _join(
     columns: list[str],
     order: Sequence[int],
     segments: dict[int, Segment],
-) -> None:
+) -> int:
     """Write results.csv: the header, then each segment's bytes in order (a segment with
-    other columns rewritten to ``columns``). Atomic: a temp file renamed, or stored
-    whole. Raises SegmentChanged (a segment's bytes not those of ``segments``, or gone),
+    other columns rewritten to ``columns``); returns its size in bytes. Atomic: a temp
+    file renamed, or stored whole. Raises SegmentChanged (a segment's bytes not those of ``segments``, or gone),
     OSError, and what the file store raises."""
     with tempfile.TemporaryDirectory(prefix="comfy-assets-csv-") as scratch:
         with writing(files, [key], Path(scratch)) as [path]:
@@ -461,10 +471,12 @@ def _join(
                         if digest != segment.digest:
                             raise SegmentChanged(n)
                 os.chmod(tmp, 0o644)  # mkstemp makes it private; a results table is for all
+                size = os.path.getsize(tmp)
                 os.replace(tmp, path)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
+    return size
 
 
 def _copy(source: BinaryIO, out: BinaryIO) -> str:

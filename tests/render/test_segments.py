@@ -292,3 +292,30 @@ def test_a_segment_edited_by_hand_without_the_model_columns_is_read_again(
     write_results(store, "p")
     assert "succeeded" in rows_of(results_text(store, "p"))[jobs[4].id]
     assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_results_csv_cut_by_hand_is_joined_again_though_nothing_changed(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    results = tmp_path / "store" / "p" / "results.csv"
+    results.write_text(results.read_text()[:80])
+    reads.clear()
+    write_results(store, "p", sample=False)
+    assert reads == []  # joined from the segments kept
+    assert len(rows_of(results_text(store, "p"))) == 7
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_results_csv_cut_by_hand_in_an_object_store_is_joined_again(
+    workflow_dir: Path, tmp_path: Path, s3_store
+) -> None:
+    with Store(tmp_path / "db", file_store=s3_store) as store:
+        jobs = [make_job(workflow_dir, i) for i in range(7)]
+        store.register_jobs("p", jobs)
+        write_results(store, "p")
+        s3_store.write_file("p/results.csv", b"job_id\n", "text/csv")
+        write_results(store, "p", sample=False)
+        assert results_text(store, "p") == whole_table(store, "p", tmp_path)
