@@ -17,7 +17,9 @@ its segment depend on that job too.
 Segments follow the rows: with the job file's ids, the n-th ``SEGMENT_JOBS`` of them;
 without, the partition's jobs of lines ``n * SEGMENT_JOBS + 1`` to ``(n + 1) *
 SEGMENT_JOBS`` (the same segments for a file of one job a line). Each keeps a digest of
-its ids, so segments made one way serve the other where they hold the same jobs. Each
+its ids, so segments made one way serve the other where they hold the same jobs (one
+made of ids keeps its rows' first and last line: a line deleted from the file moves
+the ids' segments off their lines, and those are read again by lines). Each
 keeps its own columns (its ``set`` keys, the model columns if its jobs load models);
 the header is their union in order, and a segment with fewer columns is written out with
 empty cells where it lacks one, the same bytes a whole-table write gives.
@@ -73,7 +75,8 @@ class Segment:
     sha256 of its CSV bytes; ``seen``: the ``updated_at`` of each of its jobs changed
     within ``SETTLE_S`` of ``as_of`` (when it was read); ``upstream``: the ``updated_at``
     of each job of the partition whose files its inputs name; ``states``: its rows by
-    state."""
+    state; ``by_ids``: read as a job file's ids, not lines, its rows then of lines
+    ``id_lines`` (first, last; None with a job of no record)."""
 
     ids: str
     rows: int
@@ -83,6 +86,8 @@ class Segment:
     seen: dict[str, float] = field(default_factory=dict)
     upstream: dict[str, float] = field(default_factory=dict)
     states: dict[str, int] = field(default_factory=dict)
+    by_ids: bool = False
+    id_lines: list[int] | None = None
 
 
 @dataclass
@@ -150,7 +155,14 @@ def _is_number(value: object) -> bool:
 
 def _segment_of_entry(entry: object) -> Segment | None:
     """The ``Segment`` an index entry stores, or None for one not of its shape."""
-    if not isinstance(entry, dict) or set(entry) != {f.name for f in fields(Segment)}:
+    # ``by_ids`` and ``id_lines`` are absent from an index written before they were kept.
+    names = {f.name for f in fields(Segment)}
+    if not isinstance(entry, dict) or set(entry) not in (names, names - {"by_ids", "id_lines"}):
+        return None
+    lines = entry.get("id_lines")
+    if not isinstance(entry.get("by_ids", False), bool) or not (
+        lines is None or (isinstance(lines, list) and all(isinstance(i, int) for i in lines))
+    ):
         return None
     ids, rows, columns, digest = entry["ids"], entry["rows"], entry["columns"], entry["digest"]
     if not (isinstance(ids, str) and isinstance(digest, str) and isinstance(rows, int)):
@@ -270,6 +282,7 @@ def _plan(
     if span is not None:
         numbers |= set(range(_segment_of(span[0]), _segment_of(span[1]) + 1))
     numbers -= {n for n in numbers if n < 0}
+    dirty |= _not_of_lines(old, span)
     for change in changed:
         n = _segment_of(change.line)
         numbers.add(n)
@@ -285,6 +298,37 @@ def _segment_of(line: int) -> int:
 
 def _lines(n: int) -> tuple[int, int]:
     return n * SEGMENT_JOBS + 1, (n + 1) * SEGMENT_JOBS
+
+
+def _id_lines(records: Sequence[Any], rows: int) -> list[int] | None:
+    """The first and last line of a segment's rows read by ids, or None when a row has
+    no record (a job missing from the store)."""
+    if not records or len(records) != rows:
+        return None
+    lines = [r.line for r in records]
+    return [min(lines), max(lines)]
+
+
+def _not_of_lines(segments: dict[int, Segment], span: tuple[int, int, int] | None) -> set[int]:
+    """The numbers of ``segments`` read by ids that do not show the jobs of their lines
+    (``_holds_lines``; ``span``: ``Store.line_span``), to be read again by lines."""
+    return {
+        n
+        for n, segment in segments.items()
+        if segment.by_ids and (span is None or not _holds_lines(segment, n, span[1]))
+    }
+
+
+def _holds_lines(segment: Segment, n: int, last_line: int) -> bool:
+    """Whether ``segment``, read by ids, shows the jobs of lines of segment ``n`` (up to
+    ``last_line``, the partition's last) and no other: its rows' lines one each from
+    the first line of ``n``, as many as ``n`` has. A line deleted from the job file
+    leaves its job out of the ids' segments, which then hold other lines."""
+    first, end = _lines(n)
+    if segment.id_lines is None or segment.id_lines[0] != first:
+        return False
+    last = first + segment.rows - 1
+    return segment.id_lines[1] == last and last == min(end, last_line)
 
 
 @dataclass
@@ -331,6 +375,8 @@ def render_segment(
         seen={r.job_id: r.updated_at for r in read.records if r.updated_at >= as_of - SETTLE_S},
         upstream=dict(upstream),
         states=dict(Counter(str(row["state"]) for row in table.rows)),
+        by_ids=ids is not None,
+        id_lines=_id_lines(read.records, len(table.rows)) if ids is not None else None,
     )
     return Rendered(segment, table, text)
 

@@ -319,3 +319,17 @@ def test_a_results_csv_cut_by_hand_in_an_object_store_is_joined_again(
         s3_store.write_file("p/results.csv", b"job_id\n", "text/csv")
         write_results(store, "p", sample=False)
         assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_write_by_lines_after_one_of_a_file_with_a_line_deleted_shows_its_job(
+    store: Store, workflow_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segments, "SETTLE_S", 0.0)  # the registration is long past
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    ids = [j.id for j in jobs if j.line != 3]  # `run` of the file with line 3 deleted
+    write_results(store, "p", ids)
+    assert jobs[2].id not in rows_of(results_text(store, "p"))
+    write_results(store, "p")  # a worker's write: every job of the partition
+    assert jobs[2].id in rows_of(results_text(store, "p"))
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
