@@ -333,3 +333,19 @@ def test_a_write_by_lines_after_one_of_a_file_with_a_line_deleted_shows_its_job(
     write_results(store, "p")  # a worker's write: every job of the partition
     assert jobs[2].id in rows_of(results_text(store, "p"))
     assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_worker_after_a_run_of_a_file_with_a_header_shows_a_change_once(
+    store: Store, workflow_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segments, "SETTLE_S", 0.0)  # the registration is long past
+    jobs = [make_job(workflow_dir, i + 1) for i in range(7)]  # line 1: the header
+    store.register_jobs("p", jobs)
+    write_results(store, "p", [j.id for j in jobs])  # `run`: by the file's ids
+    write_results(store, "p")  # a worker's: by lines
+    done(store, jobs[2], "a.png")
+    write_results(store, "p")
+    text = results_text(store, "p")
+    assert [line.split(",")[0] for line in text.splitlines()[1:]] == [j.id for j in jobs]
+    assert "succeeded" in rows_of(text)[jobs[2].id]
+    assert text == whole_table(store, "p", tmp_path)
