@@ -18,8 +18,9 @@ Segments follow the rows: with the job file's ids, the n-th ``SEGMENT_JOBS`` of 
 without, the partition's jobs of lines ``n * SEGMENT_JOBS + 1`` to ``(n + 1) *
 SEGMENT_JOBS`` (the same segments for a file of one job a line). Each keeps a digest of
 its ids, so segments made one way serve the other where they hold the same jobs (one
-made of ids keeps its rows' first and last line: a line deleted from the file moves
-the ids' segments off their lines, and those are read again by lines). Each
+made of ids keeps its rows' first and last line, and serves lines when its rows are
+every job of its lines: a line deleted from the file leaves a job of the partition out
+of the ids' segments, and those are read again by lines). Each
 keeps its own columns (its ``set`` keys, the model columns if its jobs load models);
 the header is their union in order, and a segment with fewer columns is written out with
 empty cells where it lacks one, the same bytes a whole-table write gives.
@@ -235,11 +236,22 @@ class Plan:
     by_ids: bool
     dirty: set[int]
     span: tuple[int, int, int] | None = None  # by lines: ``Store.line_span`` when planned
+    # By ids: the lines before the first job's (a header's): the ids' segments then
+    # hold the lines of the segments by lines of the same number.
+    shift: int = 0
 
 
-def _chunk(job_ids: Sequence[str], n: int) -> list[str]:
-    """The job ids of segment ``n`` of a job file's ids."""
-    return list(job_ids[n * SEGMENT_JOBS : (n + 1) * SEGMENT_JOBS])
+def _chunk(job_ids: Sequence[str], n: int, shift: int) -> list[str]:
+    """The job ids of segment ``n`` of a job file's ids, the first of them on line
+    ``shift + 1``."""
+    start, end = n * SEGMENT_JOBS - shift, (n + 1) * SEGMENT_JOBS - shift
+    return list(job_ids[max(start, 0) : max(end, 0)])
+
+
+def _shift(store: Store, job_ids: Sequence[str]) -> int:
+    """The lines before the first of ``job_ids``' in the store (0 for none there)."""
+    record = store.get(job_ids[0]) if job_ids else None
+    return max(record.line - 1, 0) if record is not None else 0
 
 
 def _plan(
@@ -268,21 +280,22 @@ def _plan(
         return segment is None or segment.seen.get(job_id) != by_id[job_id]
 
     if job_ids is not None:
-        count = -(-len(job_ids) // SEGMENT_JOBS)
-        for n in range(count):
-            chunk = _chunk(job_ids, n)
+        shift = _shift(store, job_ids)
+        order = list(range(_segment_of(shift + 1), _segment_of(shift + len(job_ids)) + 1))
+        for n in order if job_ids else []:
+            chunk = _chunk(job_ids, n, shift)
             was = old.get(n)
             if was is None or was.ids != ids_digest(chunk):
                 dirty.add(n)
             elif by_id and any(i in by_id and stale(n, i) for i in chunk):
                 dirty.add(n)
-        return Plan(list(range(count)), True, dirty)
+        return Plan(order if job_ids else [], True, dirty, shift=shift)
     numbers = set(old)
     span = store.line_span(partition)
     if span is not None:
         numbers |= set(range(_segment_of(span[0]), _segment_of(span[1]) + 1))
     numbers -= {n for n in numbers if n < 0}
-    dirty |= _not_of_lines(old, span)
+    dirty |= _not_of_lines(store, partition, old)
     for change in changed:
         n = _segment_of(change.line)
         numbers.add(n)
@@ -309,26 +322,25 @@ def _id_lines(records: Sequence[Any], rows: int) -> list[int] | None:
     return [min(lines), max(lines)]
 
 
-def _not_of_lines(segments: dict[int, Segment], span: tuple[int, int, int] | None) -> set[int]:
+def _not_of_lines(store: Store, partition: str, segments: dict[int, Segment]) -> set[int]:
     """The numbers of ``segments`` read by ids that do not show the jobs of their lines
-    (``_holds_lines``; ``span``: ``Store.line_span``), to be read again by lines."""
-    return {
-        n
-        for n, segment in segments.items()
-        if segment.by_ids and (span is None or not _holds_lines(segment, n, span[1]))
-    }
-
-
-def _holds_lines(segment: Segment, n: int, last_line: int) -> bool:
-    """Whether ``segment``, read by ids, shows the jobs of lines of segment ``n`` (up to
-    ``last_line``, the partition's last) and no other: its rows' lines one each from
-    the first line of ``n``, as many as ``n`` has. A line deleted from the job file
-    leaves its job out of the ids' segments, which then hold other lines."""
-    first, end = _lines(n)
-    if segment.id_lines is None or segment.id_lines[0] != first:
-        return False
-    last = first + segment.rows - 1
-    return segment.id_lines[1] == last and last == min(end, last_line)
+    and no other (``Segment.by_ids``), to be read again by lines: a line deleted from
+    the job file, or the file's jobs on lines another job of the partition has too,
+    leave a job out of the ids' segments. Its rows' lines are those of ``n`` and as many
+    as the partition's jobs of those lines (a count in the index on (partition, line))."""
+    off: set[int] = set()
+    for n, segment in segments.items():
+        if not segment.by_ids:
+            continue
+        first, end = _lines(n)
+        held = segment.id_lines
+        if held is None or held[0] < first or held[1] > end:
+            off.add(n)
+            continue
+        span = store.line_span(partition, (first, end))
+        if span is None or span[2] != segment.rows:
+            off.add(n)
+    return off
 
 
 @dataclass
@@ -428,7 +440,7 @@ def _write(
     for n in plan.order:
         if n not in plan.dirty:
             continue
-        ids = _chunk(job_ids, n) if job_ids is not None else None
+        ids = _chunk(job_ids, n, plan.shift) if job_ids is not None else None
         rendered = render_segment(store, partition, n, ids, members, as_of)
         if job_ids is not None and rendered.segment.upstream:
             if members is None:
@@ -462,7 +474,7 @@ def _write(
     if sample and plan.order:
         if first is None:
             n = plan.order[0]
-            ids = _chunk(job_ids, n) if job_ids is not None else None
+            ids = _chunk(job_ids, n, plan.shift) if job_ids is not None else None
             first = render_segment(store, partition, n, ids, None, as_of).table
         rows = first.rows
     total = sum(s.rows for s in ordered)

@@ -349,3 +349,45 @@ def test_a_worker_after_a_run_of_a_file_with_a_header_shows_a_change_once(
     assert [line.split(",")[0] for line in text.splitlines()[1:]] == [j.id for j in jobs]
     assert "succeeded" in rows_of(text)[jobs[2].id]
     assert text == whole_table(store, "p", tmp_path)
+
+
+def test_the_segments_of_a_file_with_a_header_serve_a_write_by_lines(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    jobs = [make_job(workflow_dir, i + 1) for i in range(7)]  # line 1: the header
+    store.register_jobs("p", jobs)
+    ids = [j.id for j in jobs]
+    write_results(store, "p", ids)  # `run`: by the file's ids, segments of lines 1-3, ...
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path, ids)
+    reads.clear()
+    write_results(store, "p", sample=False)  # a worker's: the same segments, none read
+    assert reads == []
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+    write_results(store, "p", ids, sample=False)
+    assert reads == []
+
+
+def test_a_worker_after_a_run_of_a_file_with_a_line_deleted_and_the_rest_moved_up(
+    store: Store, workflow_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segments, "SETTLE_S", 0.0)  # the registrations are long past
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    edited = (
+        [jobs[0], jobs[1]]
+        + [
+            job_from_dict(
+                {"id": job.id, "workflow": "image.json", "set": {"1.color": i + 3}},
+                base_dir=workflow_dir,
+                source="test",
+                line=i + 3,  # line 3 deleted: each later job a line up
+            )
+            for i, job in enumerate(jobs[3:])
+        ]
+    )
+    store.register_jobs("p", edited)
+    write_results(store, "p", [j.id for j in edited])  # `run` of the edited file
+    write_results(store, "p")  # a worker's: every job, the deleted line's too
+    text = results_text(store, "p")
+    assert jobs[2].id in rows_of(text)
+    assert text == whole_table(store, "p", tmp_path)
