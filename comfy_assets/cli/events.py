@@ -41,8 +41,12 @@ def _shot(text: str) -> int:
     return int(text)
 
 
+# The largest integer a store's query takes (SQLite's INTEGER, PostgreSQL's BIGINT).
+MAX_COUNT = 2**63 - 1
+
+
 def _count(minimum: int) -> Callable[[str], int]:
-    """An argparse ``type``: an integer of at least ``minimum``."""
+    """An argparse ``type``: an integer of at least ``minimum``, at most ``MAX_COUNT``."""
 
     def parse(text: str) -> int:
         try:
@@ -51,6 +55,8 @@ def _count(minimum: int) -> Callable[[str], int]:
             value = minimum - 1
         if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        if value > MAX_COUNT:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {MAX_COUNT}, got {text!r}")
         return value
 
     return parse

@@ -168,6 +168,10 @@ def enqueue_command(args: argparse.Namespace) -> int:
         print(f"error: {args.jobs}: {e}", file=sys.stderr)
         print(PART_WAY, file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl+C part way: ``entry`` says "stopped by Ctrl+C" and exits 130.
+        print(PART_WAY, file=sys.stderr)
+        raise
     print(f"enqueued {count} jobs to {args.queue}", flush=True)
     return 0
 

@@ -17,7 +17,10 @@ its segment depend on that job too.
 Segments follow the rows: with the job file's ids, the n-th ``SEGMENT_JOBS`` of them;
 without, the partition's jobs of lines ``n * SEGMENT_JOBS + 1`` to ``(n + 1) *
 SEGMENT_JOBS`` (the same segments for a file of one job a line). Each keeps a digest of
-its ids, so segments made one way serve the other where they hold the same jobs. Each
+its ids, so segments made one way serve the other where they hold the same jobs (one
+made of ids keeps its rows' first and last line, and serves lines when its rows are
+every job of its lines: a line deleted from the file leaves a job of the partition out
+of the ids' segments, and those are read again by lines). Each
 keeps its own columns (its ``set`` keys, the model columns if its jobs load models);
 the header is their union in order, and a segment with fewer columns is written out with
 empty cells where it lacks one, the same bytes a whole-table write gives.
@@ -33,7 +36,7 @@ import os
 import tempfile
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -73,7 +76,8 @@ class Segment:
     sha256 of its CSV bytes; ``seen``: the ``updated_at`` of each of its jobs changed
     within ``SETTLE_S`` of ``as_of`` (when it was read); ``upstream``: the ``updated_at``
     of each job of the partition whose files its inputs name; ``states``: its rows by
-    state."""
+    state; ``by_ids``: read as a job file's ids, not lines, its rows then of lines
+    ``id_lines`` (first, last; None with a job of no record)."""
 
     ids: str
     rows: int
@@ -83,17 +87,22 @@ class Segment:
     seen: dict[str, float] = field(default_factory=dict)
     upstream: dict[str, float] = field(default_factory=dict)
     states: dict[str, int] = field(default_factory=dict)
+    by_ids: bool = False
+    id_lines: list[int] | None = None
 
 
 @dataclass
 class SegmentIndex:
     """The segments of a partition's results (``segments``: by number) as of the last
     write (``as_of``, the database's clock), and the header and segment digests that
-    results.csv was last joined from (``joined``)."""
+    results.csv was last joined from (``joined``) and its size in bytes
+    (``joined_bytes``: a results.csv of another size, cut or edited by hand, is joined
+    again)."""
 
     as_of: float
     segments: dict[int, Segment]
     joined: str = ""
+    joined_bytes: int | None = None
 
 
 def segment_key(partition: str, n: int) -> str:
@@ -113,7 +122,8 @@ def ids_digest(job_ids: Iterable[str]) -> str:
 
 def read_index(files: FileStore, partition: str) -> SegmentIndex | None:
     """The partition's segment index, or None when there is none, or one of another
-    format or segment size (its segments are made again)."""
+    format or segment size, or not of this shape (cut short by a crash, edited by hand):
+    its segments are made again."""
     try:
         with files.open_file(index_key(partition)) as handle:
             data = json.loads(handle.read())
@@ -121,10 +131,51 @@ def read_index(files: FileStore, partition: str) -> SegmentIndex | None:
         return None
     except ValueError:
         return None  # cut short by a crash: every segment is made again
+    if not isinstance(data, dict):
+        return None
     if data.get("format") != INDEX_FORMAT or data.get("segment_jobs") != SEGMENT_JOBS:
         return None
-    segments = {int(n): Segment(**s) for n, s in data["segments"].items()}
-    return SegmentIndex(float(data["as_of"]), segments, str(data.get("joined", "")))
+    as_of, stored, joined = data.get("as_of"), data.get("segments"), data.get("joined", "")
+    if not isinstance(as_of, int | float) or isinstance(as_of, bool):
+        return None
+    if not isinstance(stored, dict) or not isinstance(joined, str):
+        return None
+    segments: dict[int, Segment] = {}
+    for n, entry in stored.items():
+        segment = _segment_of_entry(entry)
+        if not (isinstance(n, str) and n.isdigit()) or segment is None:
+            return None
+        segments[int(n)] = segment
+    size = data.get("joined_bytes")
+    return SegmentIndex(float(as_of), segments, joined, size if isinstance(size, int) else None)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _segment_of_entry(entry: object) -> Segment | None:
+    """The ``Segment`` an index entry stores, or None for one not of its shape."""
+    # ``by_ids`` and ``id_lines`` are absent from an index written before they were kept.
+    names = {f.name for f in fields(Segment)}
+    if not isinstance(entry, dict) or set(entry) not in (names, names - {"by_ids", "id_lines"}):
+        return None
+    lines = entry.get("id_lines")
+    if not isinstance(entry.get("by_ids", False), bool) or not (
+        lines is None or (isinstance(lines, list) and all(isinstance(i, int) for i in lines))
+    ):
+        return None
+    ids, rows, columns, digest = entry["ids"], entry["rows"], entry["columns"], entry["digest"]
+    if not (isinstance(ids, str) and isinstance(digest, str) and isinstance(rows, int)):
+        return None
+    if not (isinstance(columns, list) and all(isinstance(c, str) for c in columns)):
+        return None
+    maps = [entry["seen"], entry["upstream"], entry["states"]]
+    if not _is_number(entry["as_of"]) or not all(
+        isinstance(m, dict) and all(_is_number(v) for v in m.values()) for m in maps
+    ):
+        return None
+    return Segment(**entry)
 
 
 def write_index(files: FileStore, partition: str, index: SegmentIndex) -> None:
@@ -134,6 +185,7 @@ def write_index(files: FileStore, partition: str, index: SegmentIndex) -> None:
         "segment_jobs": SEGMENT_JOBS,
         "as_of": index.as_of,
         "joined": index.joined,
+        "joined_bytes": index.joined_bytes,
         "segments": {str(n): asdict(s) for n, s in sorted(index.segments.items())},
     }
     files.write_file(index_key(partition), json.dumps(data).encode(), "application/json")
@@ -184,11 +236,22 @@ class Plan:
     by_ids: bool
     dirty: set[int]
     span: tuple[int, int, int] | None = None  # by lines: ``Store.line_span`` when planned
+    # By ids: the lines before the first job's (a header's): the ids' segments then
+    # hold the lines of the segments by lines of the same number.
+    shift: int = 0
 
 
-def _chunk(job_ids: Sequence[str], n: int) -> list[str]:
-    """The job ids of segment ``n`` of a job file's ids."""
-    return list(job_ids[n * SEGMENT_JOBS : (n + 1) * SEGMENT_JOBS])
+def _chunk(job_ids: Sequence[str], n: int, shift: int) -> list[str]:
+    """The job ids of segment ``n`` of a job file's ids, the first of them on line
+    ``shift + 1``."""
+    start, end = n * SEGMENT_JOBS - shift, (n + 1) * SEGMENT_JOBS - shift
+    return list(job_ids[max(start, 0) : max(end, 0)])
+
+
+def _shift(store: Store, job_ids: Sequence[str]) -> int:
+    """The lines before the first of ``job_ids``' in the store (0 for none there)."""
+    record = store.get(job_ids[0]) if job_ids else None
+    return max(record.line - 1, 0) if record is not None else 0
 
 
 def _plan(
@@ -217,20 +280,22 @@ def _plan(
         return segment is None or segment.seen.get(job_id) != by_id[job_id]
 
     if job_ids is not None:
-        count = -(-len(job_ids) // SEGMENT_JOBS)
-        for n in range(count):
-            chunk = _chunk(job_ids, n)
+        shift = _shift(store, job_ids)
+        order = list(range(_segment_of(shift + 1), _segment_of(shift + len(job_ids)) + 1))
+        for n in order if job_ids else []:
+            chunk = _chunk(job_ids, n, shift)
             was = old.get(n)
             if was is None or was.ids != ids_digest(chunk):
                 dirty.add(n)
             elif by_id and any(i in by_id and stale(n, i) for i in chunk):
                 dirty.add(n)
-        return Plan(list(range(count)), True, dirty)
+        return Plan(order if job_ids else [], True, dirty, shift=shift)
     numbers = set(old)
     span = store.line_span(partition)
     if span is not None:
         numbers |= set(range(_segment_of(span[0]), _segment_of(span[1]) + 1))
     numbers -= {n for n in numbers if n < 0}
+    dirty |= _not_of_lines(store, partition, old)
     for change in changed:
         n = _segment_of(change.line)
         numbers.add(n)
@@ -246,6 +311,36 @@ def _segment_of(line: int) -> int:
 
 def _lines(n: int) -> tuple[int, int]:
     return n * SEGMENT_JOBS + 1, (n + 1) * SEGMENT_JOBS
+
+
+def _id_lines(records: Sequence[Any], rows: int) -> list[int] | None:
+    """The first and last line of a segment's rows read by ids, or None when a row has
+    no record (a job missing from the store)."""
+    if not records or len(records) != rows:
+        return None
+    lines = [r.line for r in records]
+    return [min(lines), max(lines)]
+
+
+def _not_of_lines(store: Store, partition: str, segments: dict[int, Segment]) -> set[int]:
+    """The numbers of ``segments`` read by ids that do not show the jobs of their lines
+    and no other (``Segment.by_ids``), to be read again by lines: a line deleted from
+    the job file, or the file's jobs on lines another job of the partition has too,
+    leave a job out of the ids' segments. Its rows' lines are those of ``n`` and as many
+    as the partition's jobs of those lines (a count in the index on (partition, line))."""
+    off: set[int] = set()
+    for n, segment in segments.items():
+        if not segment.by_ids:
+            continue
+        first, end = _lines(n)
+        held = segment.id_lines
+        if held is None or held[0] < first or held[1] > end:
+            off.add(n)
+            continue
+        span = store.line_span(partition, (first, end))
+        if span is None or span[2] != segment.rows:
+            off.add(n)
+    return off
 
 
 @dataclass
@@ -292,6 +387,8 @@ def render_segment(
         seen={r.job_id: r.updated_at for r in read.records if r.updated_at >= as_of - SETTLE_S},
         upstream=dict(upstream),
         states=dict(Counter(str(row["state"]) for row in table.rows)),
+        by_ids=ids is not None,
+        id_lines=_id_lines(read.records, len(table.rows)) if ids is not None else None,
     )
     return Rendered(segment, table, text)
 
@@ -343,7 +440,7 @@ def _write(
     for n in plan.order:
         if n not in plan.dirty:
             continue
-        ids = _chunk(job_ids, n) if job_ids is not None else None
+        ids = _chunk(job_ids, n, plan.shift) if job_ids is not None else None
         rendered = render_segment(store, partition, n, ids, members, as_of)
         if job_ids is not None and rendered.segment.upstream:
             if members is None:
@@ -369,14 +466,15 @@ def _write(
     columns = header(ordered, store.loads_models(partition))
     joined = ids_digest([json.dumps(columns), *(s.digest for s in ordered)])
     key = results_key(partition)
-    if index is None or index.joined != joined or not _stored(files, key):
-        _join(files, partition, key, columns, plan.order, segments)
-    write_index(files, partition, SegmentIndex(as_of, segments, joined))
+    size = None if index is None else index.joined_bytes
+    if index is None or index.joined != joined or size is None or _size(files, key) != size:
+        size = _join(files, partition, key, columns, plan.order, segments)
+    write_index(files, partition, SegmentIndex(as_of, segments, joined, size))
     rows: list[dict[str, Any]] = []
     if sample and plan.order:
         if first is None:
             n = plan.order[0]
-            ids = _chunk(job_ids, n) if job_ids is not None else None
+            ids = _chunk(job_ids, n, plan.shift) if job_ids is not None else None
             first = render_segment(store, partition, n, ids, None, as_of).table
         rows = first.rows
     total = sum(s.rows for s in ordered)
@@ -388,11 +486,15 @@ def _write(
     )
 
 
-def _stored(files: FileStore, key: str) -> bool:
+def _size(files: FileStore, key: str) -> int | None:
+    """The bytes of the store file ``key``, or None when there is none."""
     path = files.file_path(key)
     if path is not None:
-        return path.is_file()
-    return any(name == key for name, _ in files.list_files(key))
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return None
+    return next((size for name, size in files.list_files(key) if name == key), None)
 
 
 def _join(
@@ -402,10 +504,10 @@ def _join(
     columns: list[str],
     order: Sequence[int],
     segments: dict[int, Segment],
-) -> None:
+) -> int:
     """Write results.csv: the header, then each segment's bytes in order (a segment with
-    other columns rewritten to ``columns``). Atomic: a temp file renamed, or stored
-    whole. Raises SegmentChanged (a segment's bytes not those of ``segments``, or gone),
+    other columns rewritten to ``columns``); returns its size in bytes. Atomic: a temp
+    file renamed, or stored whole. Raises SegmentChanged (a segment's bytes not those of ``segments``, or gone),
     OSError, and what the file store raises."""
     with tempfile.TemporaryDirectory(prefix="comfy-assets-csv-") as scratch:
         with writing(files, [key], Path(scratch)) as [path]:
@@ -423,14 +525,16 @@ def _join(
                             if segment.columns == columns:
                                 digest = _copy(source, out)
                             else:
-                                digest = _reshape(source, out, segment.columns, columns)
+                                digest = _reshape(source, out, segment, columns)
                         if digest != segment.digest:
                             raise SegmentChanged(n)
                 os.chmod(tmp, 0o644)  # mkstemp makes it private; a results table is for all
+                size = os.path.getsize(tmp)
                 os.replace(tmp, path)
             except BaseException:
                 Path(tmp).unlink(missing_ok=True)
                 raise
+    return size
 
 
 def _copy(source: BinaryIO, out: BinaryIO) -> str:
@@ -441,11 +545,16 @@ def _copy(source: BinaryIO, out: BinaryIO) -> str:
     return digest.hexdigest()
 
 
-def _reshape(source: BinaryIO, out: BinaryIO, has: list[str], columns: list[str]) -> str:
-    """Rows of ``source`` (columns ``has``) written with ``columns``: a cell it lacks is
-    empty. The csv module reads back what it wrote, so the bytes are those of a row
-    written with ``columns`` at first."""
+def _reshape(source: BinaryIO, out: BinaryIO, segment: Segment, columns: list[str]) -> str:
+    """Rows of ``source`` (columns ``segment.columns``) written with ``columns``: a cell
+    it lacks is empty. The csv module reads back what it wrote, so the bytes are those of
+    a row written with ``columns`` at first. Bytes not those of ``segment`` (edited or
+    cut by hand) are not parsed: their digest is returned, nothing written."""
     data = source.read()
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != segment.digest:
+        return digest
     rows = csv.reader(io.StringIO(data.decode("utf-8"), newline=""))
+    has = segment.columns
     out.write(csv_bytes(columns, (dict(zip(has, cells, strict=True)) for cells in rows)))
-    return hashlib.sha256(data).hexdigest()
+    return digest

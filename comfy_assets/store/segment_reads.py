@@ -67,13 +67,18 @@ class SegmentReads(StoreBase):
             return [ChangedJob(r.job_id, r.line, r.updated_at) for r in conn.execute(stmt)]
 
     @retried
-    def line_span(self, partition: str) -> tuple[int, int, int] | None:
+    def line_span(
+        self, partition: str, lines: tuple[int, int] | None = None
+    ) -> tuple[int, int, int] | None:
         """The first and last line of ``partition``'s jobs and how many it has, or None
-        for a partition without jobs (an index-only look on (partition, line))."""
+        for a partition without jobs (an index-only look on (partition, line)).
+        ``lines`` (first, last; inclusive): of its jobs of those lines only."""
         j = jobs_table.c
         stmt = sa.select(sa.func.min(j.line), sa.func.max(j.line), sa.func.count()).where(
             j.partition == partition
         )
+        if lines is not None:
+            stmt = stmt.where(j.line.between(*lines))
         with self._read() as conn:
             first, last, count = conn.execute(stmt).one()
         return None if count == 0 else (int(first), int(last), int(count))

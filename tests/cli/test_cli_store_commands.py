@@ -207,6 +207,19 @@ def test_events_argument_errors_exit_2(
     assert exited.value.code == 2
 
 
+@pytest.mark.parametrize("option", ["--limit", "--before"])
+def test_events_a_number_past_what_a_store_holds_is_an_argument_error(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str], option: str
+) -> None:
+    argv = ["events", "--store", str(storyboard_store), "--partition", "jobs"]
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, option, "99999999999999999999"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: expected an integer <= 9223372036854775807" in err
+    assert "Traceback" not in err
+
+
 def test_events_limit_prints_the_latest_and_says_how_to_see_the_earlier_ones(
     storyboard_store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -247,3 +247,147 @@ def test_a_store_made_before_the_indexes_gets_them_when_opened(tmp_path: Path) -
             " AND updated_at >= 0"
         ).fetchall()
     assert "ix_comfy_jobs_partition_updated" in str(plan)
+
+
+@pytest.mark.parametrize(
+    "index",
+    [
+        "[]",
+        "null",
+        '{"format": 1, "segment_jobs": 3, "segments": {}}',
+        '{"format": 1, "segment_jobs": 3, "as_of": "x", "segments": {}}',
+        '{"format": 1, "segment_jobs": 3, "as_of": 0, "segments": []}',
+        '{"format": 1, "segment_jobs": 3, "as_of": 0, "segments": {"a": {}}}',
+        '{"format": 1, "segment_jobs": 3, "as_of": 0, "segments": {"0": null}}',
+        '{"format": 1, "segment_jobs": 3, "as_of": 0, "segments": {"0": {"bogus": 1}}}',
+    ],
+)
+def test_a_segment_index_not_of_its_shape_makes_the_segments_again(
+    store: Store, workflow_dir: Path, tmp_path: Path, index: str
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    (tmp_path / "store" / "p" / ".results" / "segments.json").write_text(index)
+    done(store, jobs[1], "a.png")
+    write_results(store, "p")
+    assert "succeeded" in rows_of(results_text(store, "p"))[jobs[1].id]
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"garbage\n", b"\xff\xfe\n", b""])
+def test_a_segment_edited_by_hand_without_the_model_columns_is_read_again(
+    store: Store, workflow_dir: Path, tmp_path: Path, content: bytes
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    assert store.claim(jobs[6].id, "w1") == "claimed"
+    store.record_attempt(
+        jobs[6].id,
+        AttemptEntry(1, "transient", "gpu0", seconds=1.0, models=("sd15.safetensors",)),
+    )
+    write_results(store, "p")  # segment 0 has no model columns: it is rewritten to them
+    (tmp_path / "store" / "p" / ".results" / "0.csv").write_bytes(content)
+    done(store, jobs[4], "a.png")
+    write_results(store, "p")
+    assert "succeeded" in rows_of(results_text(store, "p"))[jobs[4].id]
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_results_csv_cut_by_hand_is_joined_again_though_nothing_changed(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    write_results(store, "p")
+    results = tmp_path / "store" / "p" / "results.csv"
+    results.write_text(results.read_text()[:80])
+    reads.clear()
+    write_results(store, "p", sample=False)
+    assert reads == []  # joined from the segments kept
+    assert len(rows_of(results_text(store, "p"))) == 7
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_results_csv_cut_by_hand_in_an_object_store_is_joined_again(
+    workflow_dir: Path, tmp_path: Path, s3_store
+) -> None:
+    with Store(tmp_path / "db", file_store=s3_store) as store:
+        jobs = [make_job(workflow_dir, i) for i in range(7)]
+        store.register_jobs("p", jobs)
+        write_results(store, "p")
+        s3_store.write_file("p/results.csv", b"job_id\n", "text/csv")
+        write_results(store, "p", sample=False)
+        assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_write_by_lines_after_one_of_a_file_with_a_line_deleted_shows_its_job(
+    store: Store, workflow_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segments, "SETTLE_S", 0.0)  # the registration is long past
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    ids = [j.id for j in jobs if j.line != 3]  # `run` of the file with line 3 deleted
+    write_results(store, "p", ids)
+    assert jobs[2].id not in rows_of(results_text(store, "p"))
+    write_results(store, "p")  # a worker's write: every job of the partition
+    assert jobs[2].id in rows_of(results_text(store, "p"))
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+
+
+def test_a_worker_after_a_run_of_a_file_with_a_header_shows_a_change_once(
+    store: Store, workflow_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segments, "SETTLE_S", 0.0)  # the registration is long past
+    jobs = [make_job(workflow_dir, i + 1) for i in range(7)]  # line 1: the header
+    store.register_jobs("p", jobs)
+    write_results(store, "p", [j.id for j in jobs])  # `run`: by the file's ids
+    write_results(store, "p")  # a worker's: by lines
+    done(store, jobs[2], "a.png")
+    write_results(store, "p")
+    text = results_text(store, "p")
+    assert [line.split(",")[0] for line in text.splitlines()[1:]] == [j.id for j in jobs]
+    assert "succeeded" in rows_of(text)[jobs[2].id]
+    assert text == whole_table(store, "p", tmp_path)
+
+
+def test_the_segments_of_a_file_with_a_header_serve_a_write_by_lines(
+    store: Store, workflow_dir: Path, tmp_path: Path, reads: list[int]
+) -> None:
+    jobs = [make_job(workflow_dir, i + 1) for i in range(7)]  # line 1: the header
+    store.register_jobs("p", jobs)
+    ids = [j.id for j in jobs]
+    write_results(store, "p", ids)  # `run`: by the file's ids, segments of lines 1-3, ...
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path, ids)
+    reads.clear()
+    write_results(store, "p", sample=False)  # a worker's: the same segments, none read
+    assert reads == []
+    assert results_text(store, "p") == whole_table(store, "p", tmp_path)
+    write_results(store, "p", ids, sample=False)
+    assert reads == []
+
+
+def test_a_worker_after_a_run_of_a_file_with_a_line_deleted_and_the_rest_moved_up(
+    store: Store, workflow_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(segments, "SETTLE_S", 0.0)  # the registrations are long past
+    jobs = [make_job(workflow_dir, i) for i in range(7)]
+    store.register_jobs("p", jobs)
+    edited = (
+        [jobs[0], jobs[1]]
+        + [
+            job_from_dict(
+                {"id": job.id, "workflow": "image.json", "set": {"1.color": i + 3}},
+                base_dir=workflow_dir,
+                source="test",
+                line=i + 3,  # line 3 deleted: each later job a line up
+            )
+            for i, job in enumerate(jobs[3:])
+        ]
+    )
+    store.register_jobs("p", edited)
+    write_results(store, "p", [j.id for j in edited])  # `run` of the edited file
+    write_results(store, "p")  # a worker's: every job, the deleted line's too
+    text = results_text(store, "p")
+    assert jobs[2].id in rows_of(text)
+    assert text == whole_table(store, "p", tmp_path)

@@ -80,6 +80,26 @@ def test_an_input_changed_while_its_file_is_published_stops_enqueue_saying_how_t
     assert "messages RabbitMQ confirmed stay queued; enqueue the same file again" in err
 
 
+def test_enqueue_stopped_by_ctrl_c_part_way_says_how_to_finish(tmp_path, monkeypatch, capsys):
+    path = write_jobs(tmp_path / "jobs", JOBS)
+    published: list[str] = []
+
+    async def publish(url: str, queue: str, messages: Iterable[tuple[str, bytes]]) -> int:
+        for job, _ in messages:
+            if len(published) == CHUNK:
+                raise KeyboardInterrupt
+            published.append(job)
+        return len(published)
+
+    monkeypatch.setattr(broker, "enqueue", publish)
+    with pytest.raises(KeyboardInterrupt):
+        main(["enqueue", "--rabbitmq", NOWHERE, "--queue", "q", "--jobs", str(path)])
+
+    err = capsys.readouterr().err
+    assert len(published) == CHUNK
+    assert "messages RabbitMQ confirmed stay queued; enqueue the same file again" in err
+
+
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_a_line_changed_between_the_check_and_the_publish_publishes_nothing_of_it(
     tmp_path, monkeypatch, capsys, where
