@@ -131,12 +131,15 @@ def events_command(args: argparse.Namespace) -> int:
     if earlier:
         # On stderr: stdout stays one event a line (``--json`` stays JSON lines).
         sys.stdout.flush()
-        many = f"over {EARLIER_COUNTED:,}" if earlier > EARLIER_COUNTED else f"{earlier:,}"
-        print(
-            f"{many} earlier events not printed: --before {events[0].id} prints the"
-            f" {min(earlier, len(events)):,} before these, --limit 0 prints every one",
-            file=sys.stderr,
-        )
+        if earlier == 1:
+            said = f"1 earlier event not printed: --before {events[0].id} prints it"
+        else:
+            many = f"over {EARLIER_COUNTED:,}" if earlier > EARLIER_COUNTED else f"{earlier:,}"
+            said = (
+                f"{many} earlier events not printed: --before {events[0].id} prints the"
+                f" {min(earlier, len(events)):,} before these"
+            )
+        print(f"{said}, --limit 0 prints every one", file=sys.stderr)
     return EXIT_OK
 
 

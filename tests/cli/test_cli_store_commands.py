@@ -266,6 +266,22 @@ def test_events_before_the_first_event_is_exit_1(
     )
 
 
+def test_events_says_one_earlier_event_in_the_singular(
+    storyboard_store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    job = job_id(0, "jobs.jsonl")
+    argv = ["events", "--store", str(storyboard_store), "--job", job, "--json"]
+    assert main(argv) == 0
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(events) >= 2
+
+    assert main([*argv, "--limit", str(len(events) - 1)]) == 0
+    assert capsys.readouterr().err == (
+        f"1 earlier event not printed: --before {events[1]['id']} prints it,"
+        " --limit 0 prints every one\n"
+    )
+
+
 def test_events_counts_earlier_events_only_so_far(
     storyboard_store: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
