@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,7 +135,8 @@ def enqueue_command(args: argparse.Namespace) -> int:
     then its messages are built and published a chunk at a time. Exit 0; 2 for an invalid
     file (every error printed, nothing published) or no RabbitMQ URL; 1 when RabbitMQ
     fails, or the file or an input file changes or cannot be read while it is published
-    (the messages confirmed before stay queued: enqueueing the file again finishes it)."""
+    (the messages confirmed before stay queued: enqueueing the file again finishes it);
+    143 when SIGTERM stops it part way (saying the same)."""
     missing = needs_rabbitmq(args)
     if missing:
         return bad_input(missing)
@@ -158,6 +160,7 @@ def enqueue_command(args: argparse.Namespace) -> int:
         return 1
     except ValueError as e:  # the --partition name
         return bad_input(e)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         count = event_loop.run(broker.enqueue(args.rabbitmq, args.queue, found.messages()))
     except broker.BrokerError as e:
@@ -168,12 +171,26 @@ def enqueue_command(args: argparse.Namespace) -> int:
         print(f"error: {args.jobs}: {e}", file=sys.stderr)
         print(PART_WAY, file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        # Ctrl+C part way: ``entry`` says "stopped by Ctrl+C" and exits 130.
+    except KeyboardInterrupt as e:
         print(PART_WAY, file=sys.stderr)
+        if e.args == (SIGTERM_STOP,):
+            print("stopped by SIGTERM", file=sys.stderr)
+            return 143
+        # Ctrl+C part way: ``entry`` says "stopped by Ctrl+C" and exits 130.
         raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"enqueued {count} jobs to {args.queue}", flush=True)
     return 0
+
+
+# What a SIGTERM raises while ``enqueue`` publishes (a container stop, ``timeout``).
+SIGTERM_STOP = "SIGTERM"
+
+
+def _terminated(signum: int, frame: object) -> None:
+    """SIGTERM stops ``enqueue`` as Ctrl+C does, saying what is left (exit 143)."""
+    raise KeyboardInterrupt(SIGTERM_STOP)
 
 
 def add_worker_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -6,6 +6,8 @@ finish."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -98,6 +100,30 @@ def test_enqueue_stopped_by_ctrl_c_part_way_says_how_to_finish(tmp_path, monkeyp
     err = capsys.readouterr().err
     assert len(published) == CHUNK
     assert "messages RabbitMQ confirmed stay queued; enqueue the same file again" in err
+
+
+def test_enqueue_stopped_by_sigterm_part_way_says_how_to_finish_and_exits_143(
+    tmp_path, monkeypatch, capsys
+):
+    path = write_jobs(tmp_path / "jobs", JOBS)
+    published: list[str] = []
+
+    async def publish(url: str, queue: str, messages: Iterable[tuple[str, bytes]]) -> int:
+        for job, _ in messages:
+            if len(published) == CHUNK:
+                os.kill(os.getpid(), signal.SIGTERM)  # a container stop, part way
+            published.append(job)
+        return len(published)
+
+    monkeypatch.setattr(broker, "enqueue", publish)
+    code = main(["enqueue", "--rabbitmq", NOWHERE, "--queue", "q", "--jobs", str(path)])
+
+    err = capsys.readouterr().err
+    assert code == 143
+    assert len(published) == CHUNK
+    assert "messages RabbitMQ confirmed stay queued; enqueue the same file again" in err
+    assert err.endswith("stopped by SIGTERM\n")
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
 
 
 @pytest.mark.parametrize("where", ["first", "last"])
