@@ -113,6 +113,13 @@ class Lines:
                 self.last = (self.last + [line.rstrip()])[-5:]
 
 
+def run_command(path: Path, store: Path, specs: list[ServerSpec]) -> list[str]:
+    """``comfy-assets run`` of ``path`` into ``store`` over the fakes ``specs``."""
+    servers = [a for s in specs for a in ("--server", f"{s.name}={s.url}")]
+    run = ["run", "--jobs", str(path), "--store", str(store), *servers]
+    return [sys.executable, "-m", "comfy_assets.cli", *run]
+
+
 def one_size(jobs: int, args: argparse.Namespace) -> dict[str, str]:
     path = job_file(Path(args.cache), jobs)
     size_mb = path.stat().st_size / 1e6
@@ -122,17 +129,7 @@ def one_size(jobs: int, args: argparse.Namespace) -> dict[str, str]:
         tempfile.TemporaryDirectory() as tmp,
         fake_processes(args.servers, 0.0, fakes_out) as specs,
     ):
-        cmd = [
-            sys.executable,
-            "-m",
-            "comfy_assets.cli",
-            "run",
-            "--jobs",
-            str(path),
-            "--store",
-            str(Path(tmp) / "store"),
-            *(a for s in specs for a in ("--server", f"{s.name}={s.url}")),
-        ]
+        cmd = run_command(path, Path(tmp) / "store", specs)
         start = time.time()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         lines = Lines(proc)
@@ -208,17 +205,7 @@ def kill_and_restart(jobs: int, args: argparse.Namespace) -> dict[str, str]:
         tempfile.TemporaryDirectory() as tmp,
         fake_processes(args.servers, 0.0, fakes_out) as specs,
     ):
-        cmd = [
-            sys.executable,
-            "-m",
-            "comfy_assets.cli",
-            "run",
-            "--jobs",
-            str(path),
-            "--store",
-            str(Path(tmp) / "store"),
-            *(a for s in specs for a in ("--server", f"{s.name}={s.url}")),
-        ]
+        cmd = run_command(path, Path(tmp) / "store", specs)
         start = time.time()
         first_run = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         while posted(specs) < args.kill_after:

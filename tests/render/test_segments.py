@@ -197,7 +197,7 @@ def test_segments_in_an_object_store(workflow_dir: Path, tmp_path: Path, s3_stor
         write_results(store, "p")
         done(store, jobs[5], "b.png")
         where, _ = write_results(store, "p")
-        assert where == f"s3://{s3_store.where.bucket}/farm/files/p/results.csv"
+        assert where == f"{s3_store.where}/files/p/results.csv"
         text = results_text(store, "p")
         assert "succeeded" in rows_of(text)[jobs[5].id]
         assert text == whole_table(store, "p", tmp_path)
