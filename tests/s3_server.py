@@ -21,6 +21,8 @@ from pathlib import Path
 
 from comfy_assets.store.files.s3_config import S3Settings
 from comfy_assets.store.files.s3_uploads import signed_request
+from tests.ports import LOWEST, ephemeral_low
+from tests.ports import free_port as unused_port  # noqa: F401 (its name here)
 
 _S3_NS = "{http://s3.amazonaws.com/doc/2006-03-01/}"
 
@@ -87,17 +89,11 @@ def weed_binary() -> str | None:
     return str(beside) if beside.exists() else shutil.which("weed")
 
 
-def unused_port() -> int:
-    """A port of 127.0.0.1 nothing listens on (free when asked)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def _free_port() -> int:
-    """A port free on 127.0.0.1 whose port + 10000 (SeaweedFS's gRPC one) is free too."""
+    """A port free on 127.0.0.1 whose port + 10000 (SeaweedFS's gRPC one) is free too,
+    both below the ephemeral range (``tests.ports.free_port`` says why)."""
     for _ in range(200):
-        port = random.randint(20000, 55000)
+        port = random.randint(LOWEST, ephemeral_low() - 10001)
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))

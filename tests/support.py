@@ -8,7 +8,6 @@ import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -30,6 +29,7 @@ from comfy_assets.render.run import run_batch
 from comfy_assets.render.summary import BatchSummary
 from comfy_assets.store import Store, Via
 from fake_comfy import FakeComfy
+from tests.ports import free_port  # noqa: F401 (for the tests that import it here)
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKFLOWS = ROOT / "data" / "workflows"
@@ -189,13 +189,6 @@ def run_argv(jobs: Path, store: Path, servers: Sequence[str], *options: str) -> 
     for server in servers:
         argv += ["--server", server]
     return [*argv, "--store", str(store), *options]
-
-
-def free_port() -> int:
-    """A TCP port of 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_fake_process(port: int, *args: str) -> subprocess.Popen[str]:

@@ -16,7 +16,6 @@ import asyncio
 import hashlib
 import json
 import signal
-import socket
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from comfy_assets.api.signing import load_key, verify
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.api_support import AMQP, TOKENS, auth, data_uri, write_tokens
+from tests.ports import free_port
 from tests.process_support import FAST, command, start, stop
 from tests.support import ROOT
 
@@ -39,12 +39,6 @@ INVERT = json.loads((ROOT / "data/workflows/invert_picture.json").read_text())
 PICTURE = (ROOT / "data/jobs/pictures/dawn/key.png").read_bytes()
 # Another picture: the fake, like ComfyUI, answers a prompt it has run before from cache.
 OTHER_PICTURE = (ROOT / "data/jobs/pictures/dusk/key.png").read_bytes()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Receiver:

@@ -29,6 +29,7 @@ from dagster import AssetKey, DagsterInstance, DagsterRunStatus, RunsFilter
 from comfy_assets.cli.main import COMMANDS
 from comfy_assets.jobs.parse import load_job_file
 from fake_comfy import FakeComfy
+from tests.ports import free_port
 from tests.s3_server import S3Server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -101,12 +102,6 @@ def readme_block(containing: str) -> str:
     """The one ```sh block of the README or docs holding ``containing``."""
     (block,) = [block for block in readme_blocks() if containing in block]
     return block
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def with_free_ports(block: str, ports: dict[str, int]) -> str:

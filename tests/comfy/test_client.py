@@ -28,6 +28,7 @@ from comfy_assets.comfy.errors import (
     UnexpectedAnswer,
 )
 from comfy_assets.comfy.types import ExecutionErrorInfo
+from tests.ports import free_port
 
 RECORDED = Path(__file__).resolve().parents[2] / "data" / "recorded"
 
@@ -372,13 +373,6 @@ def test_a_url_that_is_not_http_is_refused():
 
 
 # -- error mapping over real sockets -----------------------------------------------------
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @asynccontextmanager

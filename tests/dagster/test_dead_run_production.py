@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from dagster import (
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
+from tests.ports import free_port
 from tests.store.test_concurrent_postgres import dagster_pg_url, production_home, wait_until
 from tests.support import ROOT, write_jobs
 
@@ -49,12 +49,6 @@ BIN = Path(sys.executable).parent
 PARTITION = "deadrun"
 FIRST_JOBS = 40  # 20 s on two servers: still rendering once the new version is queued
 SECOND_JOBS = 44  # the first version's jobs and 4 more
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def descendants(pid: int) -> list[int]:

@@ -6,7 +6,6 @@ one model stay on the servers holding it (counted from the fakes' own model load
 from __future__ import annotations
 
 import asyncio
-import socket
 from pathlib import Path
 
 from comfy_assets.comfy.servers import ServerSpec
@@ -16,6 +15,7 @@ from comfy_assets.pool.pool import Pool
 from comfy_assets.render.run import run_one
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
+from tests.ports import free_port
 from tests.support import (
     batch_over_fakes,
     fake_servers,
@@ -46,12 +46,6 @@ def ids_of(jf: JobFile, checkpoint: str) -> set[str]:
 
 def loads(fake: FakeComfy) -> int:
     return sum(len(times) for times in fake.stats["model_loads"].values())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def test_a_job_whose_checkpoint_only_gpu1_lists_is_posted_only_to_gpu1(tmp_path):

@@ -25,15 +25,10 @@ from comfy_assets.render import run as run_module
 from comfy_assets.render import steering
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
+from tests.ports import free_port
 from tests.support import ROOT, batch_over_fakes, write_jobs
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
