@@ -73,7 +73,6 @@ def test_an_input_changed_while_its_file_is_published_stops_enqueue_saying_how_t
         return len(published)
 
     monkeypatch.setattr(broker, "enqueue", publish)
-    before = signal.getsignal(signal.SIGTERM)
     code = main(["enqueue", "--rabbitmq", NOWHERE, "--queue", "q", "--jobs", str(path)])
 
     err = capsys.readouterr().err
@@ -146,7 +145,6 @@ def test_a_line_changed_between_the_check_and_the_publish_publishes_nothing_of_i
         return len(published)
 
     monkeypatch.setattr(broker, "enqueue", publish)
-    before = signal.getsignal(signal.SIGTERM)
     code = main(["enqueue", "--rabbitmq", NOWHERE, "--queue", "q", "--jobs", str(path)])
 
     err = capsys.readouterr().err
