@@ -47,6 +47,16 @@ def job_id(i: int) -> str:
     return str(uuid.UUID(int=i + 1))
 
 
+def empty_and_fill(store: Store, jobs: int) -> None:
+    """Empty ``store``'s tables (a PostgreSQL database is kept between runs, its ids
+    started again) and ``fill`` it with ``jobs`` jobs."""
+    if store.dialect == "postgresql":
+        with store.engine.begin() as conn:
+            names = ", ".join(t.name for t in metadata.sorted_tables)
+            conn.execute(sa.text(f"TRUNCATE {names} RESTART IDENTITY"))
+    fill(store, jobs)
+
+
 def fill(store: Store, jobs: int) -> None:
     """``jobs`` jobs in ``PARTITION`` and 10 in ``small``, with their events, attempts and
     files, written in SQL (``generate_series`` on PostgreSQL, a recursive CTE on SQLite)."""
@@ -174,11 +184,7 @@ def main() -> None:
         store = Store(Path(tmp), args.db_url)
         started = time.perf_counter()
         if not (args.reuse and args.db_url):
-            if args.db_url:
-                with store.engine.begin() as conn:
-                    names = ", ".join(t.name for t in metadata.sorted_tables)
-                    conn.execute(sa.text(f"TRUNCATE {names} RESTART IDENTITY"))
-            fill(store, args.jobs)
+            empty_and_fill(store, args.jobs)
         print(f"backend={store.dialect}")
         print(f"jobs={args.jobs}")
         print(f"fill_s={time.perf_counter() - started:.1f}", flush=True)

@@ -193,20 +193,14 @@ def main() -> None:
     if args.child:
         child(args.child, Path(args.folder), args.db_url, args.jobs, PARTITION)
         return
-    import sqlalchemy as sa
-
-    from bench.million_reads import fill
+    from bench.million_reads import empty_and_fill
     from comfy_assets.farm.metadata import SHEET_TILES
-    from comfy_assets.store import Store, metadata
+    from comfy_assets.store import Store
 
     with tempfile.TemporaryDirectory(prefix="bench-renders-metadata-") as tmp:
         store = Store(Path(tmp), args.db_url)
         started = time.perf_counter()
-        if args.db_url:
-            with store.engine.begin() as conn:
-                names = ", ".join(t.name for t in metadata.sorted_tables)
-                conn.execute(sa.text(f"TRUNCATE {names}"))
-        fill(store, args.jobs)
+        empty_and_fill(store, args.jobs)
         write_pictures(store, PARTITION, SHEET_TILES)
         store.close()
         print(f"backend={store.dialect}")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import sqlalchemy as sa
 
-from comfy_assets.store import Store, metadata
+from comfy_assets.store import Store
 
 PARTITION = "million"
 CHANGED = 1_000
@@ -96,16 +96,12 @@ def main() -> None:
     if args.write:
         write(args.write, args.folder, args.db_url)
         return
-    from million_reads import fill
+    from million_reads import empty_and_fill
 
     with tempfile.TemporaryDirectory(prefix="bench-results-") as tmp:
         store = Store(Path(tmp), args.db_url)
         started = time.perf_counter()
-        if args.db_url:
-            with store.engine.begin() as conn:
-                names = ", ".join(t.name for t in metadata.sorted_tables)
-                conn.execute(sa.text(f"TRUNCATE {names}"))
-        fill(store, args.jobs)
+        empty_and_fill(store, args.jobs)
         print(f"backend={store.dialect}")
         print(f"jobs={args.jobs}")
         print(f"fill_s={time.perf_counter() - started:.1f}", flush=True)
