@@ -237,16 +237,18 @@ def retried(method: Callable[P, R]) -> Callable[P, R]:
                     raise
                 waited = time.monotonic() - started
                 gone = abandoned is not None and abandoned.is_set()
-                if waited >= store.retry_s or _on_loop_thread() or gone:
+                # One pooled connection lost (a restart or a failover since it was
+                # opened, a proxy's cut) says nothing yet of the database now: the call
+                # runs again at once on a new connection (on the event loop's thread
+                # too: it waits for nothing), and the outage is said only when that
+                # fails too. Otherwise the first call after an outage, on a connection
+                # from before it, would say the database is away again.
+                again_at_once = not stale_tried and not connecting(error)
+                if not again_at_once and (waited >= store.retry_s or _on_loop_thread() or gone):
                     outage.lost(method.__name__, error, store.retry_s)
                     raise StoreUnavailable(method.__name__, waited, error) from error
                 unknown = unknown or getattr(error, "comfy_commit_unknown", False)
-                # One pooled connection lost (a restart or a failover since it was
-                # opened, a proxy's cut) says nothing yet of the database now: the call
-                # runs again at once on a new connection, and the outage is said only
-                # when that fails too. Otherwise the first call after an outage, on a
-                # connection from before it, would say the database is away again.
-                pause = delay if stale_tried or connecting(error) else 0.0
+                pause = 0.0 if again_at_once else delay
                 if pause:
                     outage.lost(method.__name__, error, store.retry_s)
                 stale_tried = True

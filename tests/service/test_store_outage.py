@@ -83,6 +83,19 @@ def test_a_pooled_connection_lost_while_the_database_stayed_up_is_replaced_witho
     assert not [line for line in said if "unreachable" in line or "reachable again" in line], said
 
 
+async def test_a_pooled_connection_lost_under_a_call_on_the_event_loop_is_replaced_too(
+    pg_store, pg_url, caplog, monkeypatch
+):
+    # The pool's lease keeper calls the store on the loop's thread, where no retry waits.
+    monkeypatch.setattr(schema, "PING_IDLE_S", 3600.0)
+    caplog.set_level(logging.INFO, logger="comfy_assets.store")
+    assert pg_store.server_health() == {}
+    assert cut_every_connection(pg_url) > 0
+    assert pg_store.server_health() == {}
+    said = [r.getMessage() for r in caplog.records if r.name == "comfy_assets.store"]
+    assert not [line for line in said if "unreachable" in line or "reachable again" in line], said
+
+
 async def test_a_database_that_stays_away_stops_the_run_and_removes_its_prompts(pg_store, tmp_path):
     fake = FakeComfy(script=["hang"], prompt_seconds=0.01)
     jf = load_job_file(write_jobs(tmp_path / "jobs", 3))
