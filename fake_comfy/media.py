@@ -5,7 +5,8 @@ its loaders read.
   (json.dumps of the prompt) then one per extra_pnginfo key. The fake's PNGs of the
   success.json workflow have the sha256 of the recorded files.
 - MP4: PyAV `h264` (libx264), yuv420p, `rate = Fraction(round(fps * 1000), 1000)`, one
-  frame per batch item, container metadata as JSON strings (video.json, same sha256).
+  frame per batch item, container metadata as JSON strings (video.json: the same bytes but
+  for the muxer's version tag, `Lavf<version>`, which is the installed FFmpeg's).
 - WEBP: Pillow animated WEBP (SaveAnimatedWEBP).
 - Pictures (not solid colours): float32 arrays saved as SaveImage does,
   `clip(255 * x, 0, 255).astype(uint8)` then Pillow; videos read back as PyAV decodes
