@@ -399,24 +399,28 @@ def run_command(args: argparse.Namespace) -> int:
                 bar.close()  # before any line below: they go under the bar, not into it
         if ended is not None:
             return _stopped(ended, store, partition, job_file, stopped_by[0])
+    try:
+        # Dead letters too: the table is where their reasons are read afterwards. Written
+        # before the lines below, which say whether it holds the dead letters not named.
+        path, not_written = results_table(store, partition, job_file)
+    finally:
+        store.close()
     for name, why in summary.unreachable.items():
         print_line(f"server {name}: {why}")
     print_line(summary.line())
-    for job_id, reason in summary.dead_letters:
-        print_line(f"  dead letter {job_id}: {reason}")
+    from comfy_assets.cli.status import dead_letters_where
+
+    for line in summary.dead_letter_lines(dead_letters_where(args, path, partition)):
+        print_line(line)
     if summary.stopped:
         print_line(f"  {summary.stopped}")
     not_done = summary.not_done
     if not_done:
         print_line(not_run_line(summary))
-    try:
-        # Dead letters too: the table is where their reasons are read afterwards.
-        not_written = results_line(store, partition, job_file)
-    finally:
-        store.close()
     if not_written:  # the table is the run's result: without it the run is not done
         print(f"error: {not_written}", file=sys.stderr)
         return 1
+    print_line(f"results: {path}")
     return 0 if summary.dead_lettered == 0 and not_done == 0 else 1
 
 
@@ -450,8 +454,10 @@ def _stopped(
         )
         return 2
     # The table of what is done so far: every run writes it, a stopped one too.
-    not_written = results_line(store, partition, job_file)
+    path, not_written = results_table(store, partition, job_file)
     store.close()
+    if path:
+        print_line(f"results: {path}")
     if isinstance(ended, KeyboardInterrupt):
         if not_written:
             print(not_written, file=sys.stderr)
@@ -486,9 +492,11 @@ def job_ids(job_file: JobFile | JobScan) -> Sequence[str]:
     return [job.id for job in job_file.jobs]
 
 
-def results_line(store: Store, partition: str, job_file: JobFile | JobScan) -> str | None:
-    """Write results.csv and print its path; or return why it could not be written
-    (``<path> not written: <why>``), for the caller to say."""
+def results_table(
+    store: Store, partition: str, job_file: JobFile | JobScan
+) -> tuple[str | None, str | None]:
+    """Write results.csv: (its path, None); or (None, why it could not be written:
+    ``<path> not written: <why>``), for the caller to say."""
     from comfy_assets.render.results import results_location, write_results
     from comfy_assets.store import StoreError
 
@@ -496,9 +504,8 @@ def results_line(store: Store, partition: str, job_file: JobFile | JobScan) -> s
         path, _ = write_results(store, partition, job_ids(job_file))
     except (StoreError, OSError) as e:  # the database's or the files' (StoreUnavailable...)
         # A write cut short by a full disk raises an OSError that names no file.
-        return f"{results_location(store, partition)} not written: {e}"
-    print_line(f"results: {path}")
-    return None
+        return None, f"{results_location(store, partition)} not written: {e}"
+    return path, None
 
 
 @contextmanager

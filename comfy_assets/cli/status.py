@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -99,6 +100,35 @@ def status_command(args: argparse.Namespace) -> int:
         for line in lines(report):
             print(line)
     return 0
+
+
+def partition_command(args: argparse.Namespace, partition: str) -> str | None:
+    """``comfy-assets status --store S [--db-url URL] --partition P`` for the store of
+    ``args`` (a command's ``add_store_options``): ``--db-url`` when given otherwise than
+    by ``$COMFY_ASSETS_DB_URL``; None when that URL holds a password (not for a line)."""
+    import shlex
+
+    from sqlalchemy import make_url
+
+    from comfy_assets.store.store import DB_URL_ENV
+
+    db = ""
+    if args.db_url and args.db_url != os.environ.get(DB_URL_ENV):
+        if make_url(args.db_url).password is not None:
+            return None
+        db = f" --db-url {shlex.quote(args.db_url)}"
+    where = shlex.quote(str(args.store))
+    return f"comfy-assets status --store {where}{db} --partition {shlex.quote(partition)}"
+
+
+def dead_letters_where(args: argparse.Namespace, results: str | None, partition: str) -> str:
+    """Where the dead letters of ``partition`` are read, every one, for ``run``'s line:
+    ``results`` (results.csv, None when not written) and ``status --partition``
+    (``partition_command``)."""
+    status = partition_command(args, partition)
+    where = [f"every one is in results.csv at {results}"] if results else []
+    where += [f"`{status}` lists every one by reason"] if status else []
+    return "; ".join(where) or "results.csv was not written (below)"
 
 
 def gather(store: Store, partition: str | None = None) -> dict[str, Any] | None:

@@ -184,10 +184,10 @@ def render_partition(
         store.close()
 
     done = view.done
-    dead = summary.dead_letters  # of the file's jobs only
+    dead = summary.dead_lettered  # of the file's jobs only
     files = store.file_store
     where = file_location(files, results_key(partition), resolved=True)
-    for line in dead_letter_lines(dead, where):
+    for line in dead_letter_lines(summary.dead_letters, dead, where):
         context.log.error(line)
     if summary.stopped:
         context.log.error(summary.stopped)
@@ -223,7 +223,7 @@ def render_partition(
         "job_file_sha256": job_file.sha256,
         "jobs": len(job_ids),
         "done": done,
-        "dead_lettered": len(dead),
+        "dead_lettered": dead,
         "counts": MetadataValue.json(counts),
         "gpu_seconds": MetadataValue.float(float(summary.gpu_seconds)),
         "seconds": MetadataValue.float(float(summary.seconds)),
@@ -258,7 +258,7 @@ def render_partition(
                     "partition": partition,
                     "dead_letters": table(dead_frame, column_schema(dead_frame, JOB_COLUMNS)),
                 },
-                description=f"{len(dead)} dead-lettered jobs" if dead else "no dead letters",
+                description=f"{dead} dead-lettered jobs" if dead else "no dead letters",
             ),
             AssetCheckResult(
                 check_name="all_jobs_done",

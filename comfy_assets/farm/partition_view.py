@@ -31,8 +31,6 @@ from comfy_assets.store import FileRecord, JobBrief, JobRecord, Store
 JOB_TABLE_ROWS = 200
 # Jobs read from the store at a time.
 PAGE = 10_000
-# Dead letters a run's log names one a line (an error event each); the rest are counted.
-DEAD_LETTER_LINES = 200
 
 # The table's rank of a job: what a user must see first.
 _DEAD, _FAILED, _SAMPLE, _REST = range(4)
@@ -107,13 +105,14 @@ class PartitionView:
         )
 
 
-def dead_letter_lines(dead: Sequence[tuple[str, str]], results: str) -> list[str]:
-    """The log's lines of the dead letters ``dead`` ((job_id, reason) pairs, in the order
-    to name them): ``job <id>: DEAD LETTER, <reason>`` for the first DEAD_LETTER_LINES,
-    then ``… and 9,800 more dead letters: every one is in results.csv at <results>``."""
-    lines = [f"job {job_id}: DEAD LETTER, {reason}" for job_id, reason in dead[:DEAD_LETTER_LINES]]
-    if len(dead) > DEAD_LETTER_LINES:
-        more = len(dead) - DEAD_LETTER_LINES
+def dead_letter_lines(dead: Sequence[tuple[str, str]], count: int, results: str) -> list[str]:
+    """The log's lines of a run's ``count`` dead letters, of which ``dead`` names the
+    first ((job_id, reason) pairs in order, ``BatchSummary.dead_letters``): ``job <id>:
+    DEAD LETTER, <reason>`` for each, then ``… and 9,800 more dead letters: every one is
+    in results.csv at <results>``."""
+    lines = [f"job {job_id}: DEAD LETTER, {reason}" for job_id, reason in dead]
+    if count > len(dead):
+        more = count - len(dead)
         letters = "dead letters" if more > 1 else "dead letter"
         lines.append(f"… and {more:,} more {letters}: every one is in results.csv at {results}")
     return lines

@@ -10,10 +10,28 @@ from comfy_assets.jobs.states import DONE
 from comfy_assets.jobs.stream import JobIds
 from comfy_assets.store import JobRecord, Store
 
+# Dead letters a summary names, (job_id, reason) each, in the file's order: a file whose
+# every job is a dead letter (a model missing on every server) is a million of them; the
+# rest are counted, by reason.
+DEAD_LETTERS_NAMED = 20
+# Distinct reasons a summary counts its dead letters by; those of any other reason are
+# counted together (a reason naming its job makes as many reasons as jobs).
+REASONS_COUNTED = 100
+# Reasons a line names with their counts, and the characters of each it shows.
+REASONS_SHOWN = 3
+REASON_CHARS = 120
+
+# A job's place in its file: shots in shot order, then the rest by line (``Store.jobs``).
+Order = tuple[bool, int, int, str]
+
 
 @dataclass
 class BatchSummary:
-    """What a batch came to. ``dead_letters``: (job_id, reason) pairs."""
+    """What a batch came to. ``dead_lettered``: its dead letters' count;
+    ``dead_letters``: the first ``DEAD_LETTERS_NAMED`` of them, (job_id, reason) pairs in
+    the file's order; ``dead_reasons``: how many have each reason (of the first
+    ``REASONS_COUNTED`` reasons met as the store is read), ``dead_other_reasons`` how
+    many have another."""
 
     partition: str
     counts: dict[str, int]
@@ -29,6 +47,8 @@ class BatchSummary:
     # How many jobs the summary is of; None: ``len(jobs)``. A summary of a file read a
     # chunk at a time (``summarize_file``) holds only the first jobs not done in ``jobs``.
     job_count: int | None = None
+    dead_reasons: dict[str, int] = field(default_factory=dict)
+    dead_other_reasons: int = 0
 
     @property
     def not_done(self) -> int:
@@ -38,6 +58,68 @@ class BatchSummary:
 
     def line(self) -> str:
         return f"summary: {self.done} done, {self.dead_lettered} dead-lettered"
+
+    def dead_letter_lines(self, where: str) -> list[str]:
+        """``  dead letter <job_id>: <reason>`` for each dead letter named, then
+        ``more_dead_letters``' line, if any."""
+        more = self.more_dead_letters(where)
+        named = [f"  dead letter {job_id}: {reason}" for job_id, reason in self.dead_letters]
+        return named + ([more] if more else [])
+
+    def more_dead_letters(self, where: str) -> str | None:
+        """The line after the dead letters named one a line: how many more there are,
+        all of them counted by reason, and ``where`` (``every one is in ...``) they are
+        read; None when every one is named."""
+        more = self.dead_lettered - len(self.dead_letters)
+        if more <= 0:
+            return None
+        by_count = sorted(self.dead_reasons.items(), key=lambda e: -e[1])
+        shown = [f"{n:,} × {_quoted(why)}" for why, n in by_count[:REASONS_SHOWN]]
+        rest = sum(n for _, n in by_count[REASONS_SHOWN:]) + self.dead_other_reasons
+        if rest:
+            shown.append(f"{rest:,} with other reasons")
+        letters = "dead letters" if more > 1 else "dead letter"
+        reasons = "; ".join(shown)
+        return (
+            f"  … and {more:,} more {letters} ({self.dead_lettered:,} in all: {reasons}): {where}"
+        )
+
+
+def _quoted(reason: str) -> str:
+    """``reason`` quoted for a line, cut at ``REASON_CHARS`` characters."""
+    return repr(reason if len(reason) <= REASON_CHARS else reason[: REASON_CHARS - 1] + "…")
+
+
+class _DeadTally:
+    """A batch's dead letters in bounded memory: the first ``DEAD_LETTERS_NAMED`` by
+    their order, all counted, by reason for ``REASONS_COUNTED`` reasons."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.kept: list[tuple[Order, str]] = []
+        self.reasons: dict[str, int] = {}
+        self.other = 0
+
+    def add(self, order: Order, reason: str) -> None:
+        """Count a dead letter; ``order`` ends with its job id."""
+        self.count += 1
+        self.kept.append((order, reason))
+        if len(self.kept) >= 2 * DEAD_LETTERS_NAMED + 64:  # trimmed now and then, not each time
+            self.kept = heapq.nsmallest(DEAD_LETTERS_NAMED, self.kept)
+        if reason in self.reasons or len(self.reasons) < REASONS_COUNTED:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+        else:
+            self.other += 1
+
+    def named(self) -> list[tuple[str, str]]:
+        """The first ``DEAD_LETTERS_NAMED``: (job_id, reason) in order."""
+        return [(order[-1], why) for order, why in sorted(self.kept)[:DEAD_LETTERS_NAMED]]
+
+    def fill(self, summary: BatchSummary) -> BatchSummary:
+        """``summary`` with these dead letters."""
+        summary.dead_lettered, summary.dead_letters = self.count, self.named()
+        summary.dead_reasons, summary.dead_other_reasons = self.reasons, self.other
+        return summary
 
 
 def summarize(
@@ -57,21 +139,21 @@ def summarize(
     counts: dict[str, int] = {}
     for j in jobs:
         counts[str(j.state)] = counts.get(str(j.state), 0) + 1
-    dead = [(j.job_id, j.reason or "") for j in jobs if j.state == "failed_fatal"]
+    dead = _DeadTally()
+    for j in jobs:
+        if j.state == "failed_fatal":
+            dead.add(_order(j), j.reason or "")
     done = sum(1 for j in jobs if j.state in DONE)
     gpu = sum(j.gpu_seconds or 0.0 for j in jobs)
-    return BatchSummary(
-        partition,
-        counts,
-        done,
-        len(dead),
-        dead,
-        jobs,
-        round(gpu, 3),
-        round(seconds, 3),
-        stopped,
-        unreachable or {},
+    summary = BatchSummary(
+        partition, counts, done, 0, [], jobs, round(gpu, 3), round(seconds, 3), stopped
     )
+    summary.unreachable = unreachable or {}
+    return dead.fill(summary)
+
+
+def _order(rec: JobRecord) -> Order:
+    return (rec.shot is None, rec.shot or 0, rec.line or 0, rec.job_id)
 
 
 PAGE = 10_000  # jobs a store read while summarizing a file read a chunk at a time
@@ -87,7 +169,7 @@ def summarize_file(
     named: int,
 ) -> BatchSummary:
     """``summarize`` of the jobs ``job_ids`` (a ``JobScan``'s), read a page at a time:
-    what it holds does not grow with the partition but for the dead letters. ``jobs``
+    what it holds does not grow with the partition. ``jobs``
     holds the first ``named`` jobs neither done nor dead-lettered (by shot, then line, as
     ``Store.jobs`` orders them); ``job_count`` the jobs of the file, those the batch
     stopped before registering counted as pending."""
@@ -95,10 +177,10 @@ def summarize_file(
 
     wanted = np.sort(np.frombuffer(job_ids.ids, dtype="S16"))
     counts: dict[str, int] = {}
-    dead: list[tuple[tuple[bool, int, int, str], str]] = []
+    dead = _DeadTally()
     done = total = 0
     gpu = 0.0
-    left: list[tuple[tuple[bool, int, int, str], JobRecord]] = []
+    left: list[tuple[Order, JobRecord]] = []
     after = ""
     while page := store.job_page(partition, after, PAGE):
         after = page[-1].job_id
@@ -110,22 +192,22 @@ def summarize_file(
             total += 1
             counts[str(rec.state)] = counts.get(str(rec.state), 0) + 1
             gpu += rec.gpu_seconds or 0.0
-            order = (rec.shot is None, rec.shot or 0, rec.line or 0, rec.job_id)
+            order = _order(rec)
             if rec.state in DONE:
                 done += 1
             elif rec.state == "failed_fatal":
-                dead.append((order, rec.reason or ""))
+                dead.add(order, rec.reason or "")
             else:
                 left = heapq.nsmallest(named, [*left, (order, rec)], key=lambda e: e[0])
     if total < len(job_ids):
         # Jobs the batch stopped before reaching: not registered yet, so not run.
         counts["pending"] = counts.get("pending", 0) + len(job_ids) - total
-    return BatchSummary(
+    summary = BatchSummary(
         partition,
         counts,
         done,
-        len(dead),
-        [(order[-1], reason) for order, reason in sorted(dead)],
+        0,
+        [],
         [rec for _, rec in left],
         round(gpu, 3),
         round(seconds, 3),
@@ -133,3 +215,4 @@ def summarize_file(
         unreachable,
         job_count=len(job_ids),
     )
+    return dead.fill(summary)

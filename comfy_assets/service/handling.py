@@ -259,7 +259,9 @@ class MessageHandler:
         partition is a dead letter), or None."""
         if job.shot is None or (config.policy or "delivery") != "delivery":
             return None
-        dead_letters = await off_loop(self.store, self.store.dead_letters, partition)
+        # The first two: shots come first, so one of them is another shot's if any is
+        # (a storyboard's every shot may be a dead letter, a million of them).
+        dead_letters = await off_loop(self.store, self.store.dead_letters, partition, 2)
         dead = [r for r in dead_letters if r.shot is not None]
         dead = [r for r in dead if r.job_id != job.id]
         if not dead:

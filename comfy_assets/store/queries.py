@@ -221,12 +221,16 @@ class Queries(StoreBase):
         return stmt
 
     @retried
-    def dead_letters(self, partition: str | None = None) -> list[JobRecord]:
-        """failed_fatal jobs, of one partition or all, by partition, shot, line."""
+    def dead_letters(
+        self, partition: str | None = None, limit: int | None = None
+    ) -> list[JobRecord]:
+        """failed_fatal jobs, of one partition or all, by partition, shot, line; the
+        first ``limit`` of them (None: every one)."""
         stmt = (
             sa.select(jobs_table)
             .where(q.JOB.state == FAILED_FATAL.value)
             .order_by(q.JOB.partition, sa.nulls_last(q.JOB.shot.asc()), q.JOB.line, q.JOB.job_id)
+            .limit(limit)
         )
         if partition is not None:
             stmt = stmt.where(q.JOB.partition == partition)

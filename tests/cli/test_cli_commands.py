@@ -15,12 +15,14 @@ import subprocess
 import sys
 import termios
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from comfy_assets.cli.main import main
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.render import summary
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.support import ROOT, free_port, job_id, start_fake_process, write_jobs
@@ -283,6 +285,7 @@ def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
 
     out = capsys.readouterr().out
     (dead,) = re.findall(r"dead letter ([0-9a-f-]{36}):", out)
+    assert "more dead letter" not in out  # fewer than named: each one a line, as ever
     assert f"results: {store / 'jobs' / 'results.csv'}" in out.splitlines()
     table = {r["job_id"]: r for r in rows(store / "jobs" / "results.csv")}
     assert len(table) == 3
@@ -291,6 +294,46 @@ def test_a_dead_letter_is_a_row_with_its_reason_and_requeue_renders_it_again(
     assert [r["state"] for i, r in table.items() if i != dead] == ["succeeded"] * 2
 
     requeue_and_render(jobs, store, url, dead, fake, capsys)
+
+
+def test_dead_letters_over_the_named_are_counted_by_reason_in_one_line_saying_where_they_are(
+    tmp_path: Path,
+    fake: FakeComfy,
+    url: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two named stand for the 20: five dead letters are three more than named.
+    monkeypatch.setattr(summary, "DEAD_LETTERS_NAMED", 2)
+    jobs = write_jobs(tmp_path / "jobs", 5)
+    store = tmp_path / "store"
+    fake.script.extend(["invalid"] * 5)  # every prompt fails validation: permanent
+
+    assert run(jobs, store, url) == 1
+
+    out = capsys.readouterr().out.splitlines()
+    ids = [j.id for j in load_job_file(jobs).jobs]
+    reasons = {r["job_id"]: r["reason"] for r in rows(store / "jobs" / "results.csv")}
+    assert "summary: 0 done, 5 dead-lettered" in out
+    named = [line for line in out if line.startswith("  dead letter ")]
+    # The first two in line order, as every dead letter was printed before.
+    assert named == [f"  dead letter {i}: {reasons[i]}" for i in ids[:2]]
+    (more,) = [line for line in out if "more dead letters" in line]
+    assert out.index(more) == out.index(named[-1]) + 1
+    # Each reason with its count, cut at REASON_CHARS characters (the table has it whole).
+    chars = summary.REASON_CHARS
+    cut = {why: why if len(why) <= chars else why[: chars - 1] + "…" for why in reasons.values()}
+    counted = "; ".join(f"{n} × {cut[w]!r}" for w, n in Counter(reasons.values()).most_common())
+    where = store / "jobs" / "results.csv"
+    status = f"comfy-assets status --store {store} --partition jobs"
+    assert more == (
+        f"  … and 3 more dead letters (5 in all: {counted}): every one is in results.csv at "
+        f"{where}; `{status}` lists every one by reason"
+    )
+    # The command it names works and lists every dead letter.
+    assert main(status.split()[1:]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"job {i}" in listed for i in ids)
 
 
 def test_a_job_degraded_under_draft_is_requeued_and_renders_in_the_next_run(

@@ -15,6 +15,7 @@ from dagster import ExecuteInProcessResult, TableMetadataValue
 from PIL import Image
 
 from comfy_assets.farm import metadata, partition_view
+from comfy_assets.render import summary
 from comfy_assets.store import Store
 from fake_comfy import FakeComfy
 from tests.dagster.test_assets import checks, read_csv, render, serving, write_job_file
@@ -44,7 +45,7 @@ def test_a_partition_over_the_tables_rows_shows_its_dead_letters_first_and_says_
     jobs_dir: Path, tmp_path: Path, instance, small_pages: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(partition_view, "JOB_TABLE_ROWS", 3)
-    monkeypatch.setattr(partition_view, "DEAD_LETTER_LINES", 1)
+    monkeypatch.setattr(summary, "DEAD_LETTERS_NAMED", 1)
     write_job_file(jobs_dir, "six", [1, 2, 3, 4, 5, 6])
     fake = FakeComfy(script=["error", "error"])  # the first two prompts fail for good
 
