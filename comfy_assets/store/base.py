@@ -224,6 +224,13 @@ def _job_record(row: sa.Row[Any] | Mapping[str, Any]) -> JobRecord:
     return JobRecord(**values)
 
 
+def _job_records(result: sa.CursorResult[Any]) -> list[JobRecord]:
+    """The records of ``result``'s jobs rows, each column's name read once: a row's
+    ``_mapping`` costs as much as the rest of ``_job_record``."""
+    keys = list(result.keys())
+    return [_job_record(dict(zip(keys, row, strict=True))) for row in result]
+
+
 def _model_load_record(row: sa.Row[*tuple[Any, ...]]) -> ModelLoadRecord:
     """The record of a row of ``statements.MODEL_TRIES``."""
     return ModelLoadRecord(
