@@ -146,9 +146,17 @@ def summarize(
     done = sum(1 for j in jobs if j.state in DONE)
     gpu = sum(j.gpu_seconds or 0.0 for j in jobs)
     summary = BatchSummary(
-        partition, counts, done, 0, [], jobs, round(gpu, 3), round(seconds, 3), stopped
+        partition,
+        counts,
+        done,
+        0,
+        [],
+        jobs,
+        round(gpu, 3),
+        round(seconds, 3),
+        stopped,
+        unreachable or {},
     )
-    summary.unreachable = unreachable or {}
     return dead.fill(summary)
 
 
