@@ -34,7 +34,14 @@ first prompt. Figures, from the fakes' records (``/fake/stats`` ``prompts``: eac
 ``posted`` and ``executed`` counts, and the ``posts`` times): ``posted_before_kill`` (read
 after the kill), ``posted_after_restart``, ``restart_first_prompt_s`` (from the second start
 to its first POST /prompt), and ``posted_twice`` / ``executed_twice``: prompt_ids posted or
-executed more than once across both runs (target 0).
+executed more than once across both runs (target 0); and ``restart_peak_rss_mb``: the
+restarted run's VmHWM, read until it is stopped.
+
+The killed run's servers stay leased to it until its owner is found gone, ``OWNER_DEAD_S``
+(10 s) after its last heartbeat (``store/owners.py``): started again at once, as by default,
+the restart's first prompt waits for that, whatever it does itself. ``--restart-after-s S``
+starts it ``S`` seconds after the kill instead (12: the owner is gone by then), so
+``restart_first_prompt_s`` is the restart's own time to its first prompt.
 """
 
 from __future__ import annotations
@@ -216,16 +223,20 @@ def kill_and_restart(jobs: int, args: argparse.Namespace) -> dict[str, str]:
         first_run.wait()
         killed_at = time.time()
         before = posted(specs)
+        time.sleep(args.restart_after_s)
         restart = time.time()
         second = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         first: float | None = None
+        peak = 0
         while first is None and second.poll() is None:
             time.sleep(0.5)
+            peak = max(peak, status_kb(second.pid, "VmHWM"))
             later = [t for t in fake_prompts(specs)[1] if t >= restart]
             first = min(later) if later else None
         end = (first or restart) + args.window_s
         while second.poll() is None and time.time() < end:
             time.sleep(0.5)
+            peak = max(peak, status_kb(second.pid, "VmHWM"))
         if second.poll() is None:
             second.send_signal(signal.SIGKILL)
         second.wait()
@@ -236,9 +247,11 @@ def kill_and_restart(jobs: int, args: argparse.Namespace) -> dict[str, str]:
         raise SystemExit(f"jobs={jobs}: the restarted run posted nothing")
     total = sum(c[0] for c in counts.values())
     out["killed_at_s"] = f"{killed_at - start:.1f}"
+    out["restarted_after_kill_s"] = f"{restart - killed_at:.1f}"
     out["posted_before_kill"] = str(before)
     out["restart_first_prompt_s"] = f"{first - restart:.2f}"
     out["posted_after_restart"] = str(total - before)
+    out["restart_peak_rss_mb"] = f"{peak / 1024:.1f}"
     out["prompt_ids"] = str(len(counts))
     out["posted_twice"] = str(sum(1 for c in counts.values() if c[0] > 1))
     out["executed_twice"] = str(sum(1 for c in counts.values() if c[1] > 1))
@@ -254,6 +267,12 @@ def main() -> None:
     ap.add_argument("--cache", default=os.environ.get("BENCH_MILLION_CACHE", "/tmp/bench-million"))
     ap.add_argument(
         "--kill-after", type=int, default=0, help="SIGKILL run after N prompts, run it again"
+    )
+    ap.add_argument(
+        "--restart-after-s",
+        type=float,
+        default=0.0,
+        help="with --kill-after: seconds between the kill and the restart",
     )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]

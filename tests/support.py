@@ -24,6 +24,7 @@ import fake_comfy.fake
 from comfy_assets.comfy.servers import ServerSpec
 from comfy_assets.jobs.model import Job, JobFile
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.stream import JobScan
 from comfy_assets.render.config import BatchConfig
 from comfy_assets.render.run import run_batch
 from comfy_assets.render.summary import BatchSummary
@@ -97,7 +98,7 @@ async def fake_servers(*fakes: FakeComfy) -> AsyncIterator[list[ServerSpec]]:
 
 
 async def fast_batch(
-    job_file: JobFile,
+    job_file: JobFile | JobScan,
     servers: Sequence[ServerSpec],
     store: Store,
     *,
@@ -119,7 +120,7 @@ async def fast_batch(
 
 
 async def batch_over_fakes(
-    job_file: JobFile,
+    job_file: JobFile | JobScan,
     store: Store,
     *fakes: FakeComfy,
     partition: str = "p",

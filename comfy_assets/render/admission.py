@@ -10,7 +10,7 @@ import dataclasses
 from comfy_assets.jobs.model import Job
 from comfy_assets.jobs.states import InvalidTransition, State
 from comfy_assets.render.chain import Chain
-from comfy_assets.render.outputs import outputs_problem
+from comfy_assets.render.outputs import EndedBefore, outputs_problem
 from comfy_assets.render.queue import Item
 from comfy_assets.render.scope import BatchScope
 from comfy_assets.store import OWNER_DEAD_S, AttemptEntry, JobRecord, Via
@@ -60,10 +60,7 @@ class Admission:
             self.scope.resolve("not_run", job.id)
             return None
         if status == "dead_lettered":
-            self.scope.report(
-                f"job {job.id}: dead-lettered earlier ({rec.reason}); requeue it to run again"
-            )
-            self.scope.resolve("dead_lettered", job.id)
+            self._ended(job.id, rec)
             return None
         if status == "claimed" and rec.taken_over:
             self.scope.report(f"job {job.id}: {rec.taken_over}")
@@ -102,6 +99,37 @@ class Admission:
             await self.scope.threads.call(store.transition, job.id, "pending", detail="retry")
         return rec
 
+    def settle_ended(self, job: Job, before: EndedBefore) -> bool:
+        """Resolve ``job``, found ended by its registration in this batch (``before``:
+        ``outputs.ended_before``), as its claim would, with the same line and without a
+        claim or a store call: done with its outputs stored (or unchecked: the store's
+        files did not answer), degraded, or dead-lettered. False when it is not resolved
+        here: a done job whose outputs need fetching again, or a chained job (its
+        upstream may be fixed): ``claim`` takes it as before."""
+        if job.depends_on or before.problem is not None:
+            return False
+        unchecked = f" (its outputs not checked: {before.unchecked})" if before.unchecked else ""
+        self._ended(job.id, before.rec, unchecked)
+        return True
+
+    def _ended(self, job_id: str, rec: JobRecord, unchecked: str = "") -> None:
+        """Say and resolve a job ended before: ``rec`` a dead letter, degraded, or done
+        (its outputs stored, or ``unchecked`` saying why they were not checked)."""
+        if rec.state == State.FAILED_FATAL:
+            self.scope.report(
+                f"job {job_id}: dead-lettered earlier ({rec.reason}); requeue it to run again"
+            )
+            self.scope.resolve("dead_lettered", job_id)
+        elif rec.state == State.DEGRADED:
+            self.scope.report(
+                f"job {job_id}: degraded earlier ({rec.reason}), nothing posted; "
+                "requeue it to render again"
+            )
+            self.scope.resolve("degraded", job_id)
+        else:
+            self.scope.report(f"job {job_id}: already done, nothing posted{unchecked}")
+            self.scope.resolve("done", job_id)
+
     async def _done_before(self, job: Job, rec: JobRecord) -> tuple[str, JobRecord] | None:
         """``job`` is done in the store (``rec``): None when its files are stored (it
         is resolved, nothing posted; also when the store's files do not answer); else it is reopened to fetch them again (a catch-up
@@ -117,15 +145,7 @@ class Admission:
             # store that does not answer now says nothing against them.
             problem, unchecked = None, f" (its outputs not checked: {e})"
         if problem is None:
-            if rec.state == "degraded":
-                self.scope.report(
-                    f"job {job.id}: degraded earlier ({rec.reason}), nothing posted; "
-                    "requeue it to render again"
-                )
-                self.scope.resolve("degraded", job.id)
-            else:
-                self.scope.report(f"job {job.id}: already done, nothing posted{unchecked}")
-                self.scope.resolve("done", job.id)
+            self._ended(job.id, rec, unchecked)
             return None
         try:
             await self.scope.threads.call(

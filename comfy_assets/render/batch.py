@@ -150,7 +150,7 @@ class Batch:
         over = lambda: self.finished.is_set() or self.stopped is not None  # noqa: E731
         self.feeding = None if feed is None else Feeding(
             source=feed, store=store, partition=partition, queue=self.queue,
-            resolved=lambda: self.resolutions, over=over,
+            resolved=lambda: self.resolutions, over=over, settle=self.admission.settle_ended,
         )  # fmt: skip
 
     def report(self, text: str) -> None:

@@ -3,6 +3,7 @@ dead letters."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, TypedDict, TypeVar, Unpack
 
 import sqlalchemy as sa
@@ -32,6 +33,7 @@ from comfy_assets.store.schema import (
 )
 
 R = TypeVar("R")
+IDS_PER_QUERY = 500  # ids per IN (...): well under SQLite's and PostgreSQL's parameter limits
 
 
 class EventsWhich(TypedDict, total=False):
@@ -114,6 +116,16 @@ class Queries(StoreBase):
         return self._job_rows(files_table, job_id, files_table.c.path, FileRecord)
 
     @retried
+    def files_of(self, job_ids: Sequence[str]) -> dict[str, list[FileRecord]]:
+        """Files of the done records of ``job_ids``: job id -> its files, by path (a job
+        without files is not a key). One query a few hundred ids, where ``files`` is one
+        a job."""
+        t = files_table.c
+        chunks = (job_ids[i : i + IDS_PER_QUERY] for i in range(0, len(job_ids), IDS_PER_QUERY))
+        stmts = [sa.select(files_table).where(t.job_id.in_(list(ids))) for ids in chunks]
+        return self._files_by_job(stmts)
+
+    @retried
     def partition_files(
         self, partition: str, after: str | None = None, upto: str | None = None
     ) -> dict[str, list[FileRecord]]:
@@ -126,12 +138,17 @@ class Queries(StoreBase):
             sa.select(files_table)
             .join(jobs_table, jobs_table.c.job_id == t.job_id)
             .where(jobs_table.c.partition == partition, *id_range(t.job_id, after, upto))
-            .order_by(t.job_id, t.path)
         )
+        return self._files_by_job([stmt])
+
+    def _files_by_job(self, stmts: Sequence[sa.Select[Any]]) -> dict[str, list[FileRecord]]:
+        """The file rows ``stmts`` select, in one read: job id -> its files, by path."""
+        t = files_table.c
         by_job: dict[str, list[FileRecord]] = {}
         with self._read() as conn:
-            for r in conn.execute(stmt):
-                by_job.setdefault(r.job_id, []).append(FileRecord(**r._mapping))
+            for stmt in stmts:
+                for r in conn.execute(stmt.order_by(t.job_id, t.path)):
+                    by_job.setdefault(r.job_id, []).append(FileRecord(**r._mapping))
         return by_job
 
     @retried

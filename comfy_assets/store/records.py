@@ -250,6 +250,10 @@ class RegisterResult:
     changed: list[str]  # inputs changed: back to pending, attempts 0
     # Left as they are: the store has a newer take (``register_jobs(forward_only=True)``).
     superseded: list[str] = field(default_factory=list)
+    # Of ``unchanged``, those ended already (done, degraded, dead-lettered), with their
+    # records as the registration read them: a run started again on its file resolves
+    # them without a claim each.
+    ended: dict[str, JobRecord] = field(default_factory=dict)
 
 
 class UnknownJob(StoreError, LookupError):

@@ -11,12 +11,14 @@ import sqlalchemy as sa
 
 from comfy_assets.jobs.events import Event
 from comfy_assets.jobs.model import InputFile, Job
-from comfy_assets.jobs.states import FAILED_RETRYABLE, IN_FLIGHT, PENDING
+from comfy_assets.jobs.states import DONE, FAILED_FATAL, FAILED_RETRYABLE, IN_FLIGHT, PENDING
+from comfy_assets.store.base import _job_record
 from comfy_assets.store.records import PartitionConflict, RegisterResult, StoreConflict
 from comfy_assets.store.schema import jobs_table
 from comfy_assets.store.statements import JOB, expect_rows, insert_for
 
 _CHUNK = 500  # ids per IN (...): well under SQLite's and PostgreSQL's parameter limits
+_ENDED = frozenset(s.value for s in (*DONE, FAILED_FATAL))
 # Columns that describe a job without changing what it renders.
 _METADATA = ("line", "shot", "optional", "duration_s", "set_json", "take", "inputs_json")
 
@@ -90,11 +92,14 @@ def register(
     events += _reset_changed(conn, partition, [by_id[j] for j in sorted(changed)], known, now)
     _refresh_metadata(conn, [by_id[j] for j in unchanged], known, now)
     order = {job_id: i for i, job_id in enumerate(by_id)}
+    unchanged.sort(key=order.__getitem__)
     result = RegisterResult(
         inserted=inserted,
-        unchanged=sorted(unchanged, key=order.__getitem__),
+        unchanged=unchanged,
         changed=sorted(changed, key=order.__getitem__),
         superseded=sorted(superseded, key=order.__getitem__),
+        # Read under this transaction's lock: what a claim of each would find now.
+        ended={j: _job_record(known[j]) for j in unchanged if known[j].state in _ENDED},
     )
     return result, events
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from comfy_assets.jobs.parse import load_job_file
+from comfy_assets.jobs.stream import scan_job_file
 from comfy_assets.render.batch import CONSUMERS_PER_SERVER
 from comfy_assets.store import Store
 from comfy_assets.store.files import (
@@ -226,16 +227,20 @@ class UnansweringFileStore(FolderFileStore):
         raise FileStoreUnavailable(f"{self.location}: checking the output {file.path}: away")
 
 
+# Run again, the file is loaded whole (its done jobs claimed) or read a chunk at a time
+# (its done jobs resolved from their registration: ``render/feed.py``).
+@pytest.mark.parametrize("read", ["whole", "in chunks"])
 async def test_a_done_job_whose_store_does_not_answer_its_check_is_done_not_posted_again(
-    tmp_path: Path,
+    tmp_path: Path, read: str
 ) -> None:
     fake = FakeComfy(prompt_seconds=0.005)
-    jf = load_job_file(write_jobs(tmp_path / "jobs", 2))
-    first = await batch_over_fakes(jf, Store(tmp_path / "store"), fake)
+    path = write_jobs(tmp_path / "jobs", 2)
+    first = await batch_over_fakes(load_job_file(path), Store(tmp_path / "store"), fake)
     assert first.done == 2
     lines: list[str] = []
     store = Store(tmp_path / "store", file_store=UnansweringFileStore(tmp_path / "store"))
 
+    jf = load_job_file(path) if read == "whole" else scan_job_file(path)
     again = await batch_over_fakes(jf, store, fake, on_line=lines.append)
 
     assert (again.done, again.dead_lettered) == (2, 0)

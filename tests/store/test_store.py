@@ -91,6 +91,20 @@ def test_registering_the_same_jobs_again_leaves_done_jobs_done(store, workflow_d
     assert store.get(jobs[0].id).state == "succeeded"
     assert len(store.files(jobs[0].id)) == 1
     assert len(store.events(job_id=jobs[0].id)) == 4  # registered, submitted, rendering, done
+    # A run started again resolves it from this answer, without claiming it.
+    assert list(result.ended) == [jobs[0].id]
+    assert result.ended[jobs[0].id] == store.get(jobs[0].id)
+
+
+def test_a_done_job_registered_with_changed_inputs_is_not_ended(store, workflow_dir):
+    jobs = make_jobs(workflow_dir, 2)
+    store.register_jobs("film", jobs)
+    for job in jobs:
+        run_to_rendering(store, job)
+        store.mark_done(job.id, "w1", files=files("a.png"), now=110.0)
+    edited = make_jobs(workflow_dir, 2, color=500)
+    result = store.register_jobs("film", [edited[0], jobs[1]], now=200.0)
+    assert list(result.ended) == [jobs[1].id]
 
 
 def test_changed_inputs_reset_a_done_job_to_pending(store, workflow_dir):

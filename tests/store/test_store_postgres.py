@@ -74,6 +74,8 @@ def test_register_keeps_done_jobs_and_resets_changed_ones(any_store, workflow_di
         [jobs[1].id],
     )
     assert any_store.get(jobs[0].id).state == "succeeded"
+    # The done job is returned with its record (a run started again resolves it so).
+    assert result.ended == {jobs[0].id: any_store.get(jobs[0].id)}
     rec = any_store.get(jobs[1].id)
     assert (rec.state, rec.attempts, rec.prompt_id) == ("pending", 0, edited.prompt_id)
     assert any_store.events(job_id=jobs[1].id)[-1].detail == "inputs changed"
@@ -156,7 +158,10 @@ def test_dead_letter_and_requeue(any_store, workflow_dir):
     any_store.dead_letter(job.id, "w1", "IndexError", now=104.0)
     assert any_store.claim(job.id, "w2") == "dead_lettered"
     assert [r.job_id for r in any_store.dead_letters("film")] == [job.id]
+    ended = any_store.register_jobs("film", [job]).ended
+    assert (ended[job.id].state, ended[job.id].reason) == ("failed_fatal", "IndexError")
     assert any_store.requeue(job.id) is True
+    assert any_store.register_jobs("film", [job]).ended == {}
     assert any_store.requeue(job.id) is False
     assert any_store.counts("film")["pending"] == 1
     story = [e.detail for e in any_store.events(partition="film", shot=17)]
