@@ -112,7 +112,8 @@ class ModelsHeld:
             async with asyncio.timeout(self.settings.probe_timeout_s * 3):
                 caps = await client.object_info()
         except (ComfyError, TimeoutError) as e:
-            log.info("server %s: /object_info not read (%s)", spec.name, e or type(e).__name__)
+            why = str(e) or f"no answer in {self.settings.probe_timeout_s * 3:g} s"
+            log.info("server %s: /object_info not read (%s)", spec.name, why)
             return
         before = state.capabilities
         state.capabilities = caps

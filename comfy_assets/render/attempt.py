@@ -192,8 +192,26 @@ class Attempt:
             if caught is not None:
                 return caught
         if self.slot is None:
-            self.slot = await self.pool.acquire(prefer=self.prev_server, models=self.job.models)
+            self.slot = await self._acquire_for_post()
         return await self._post_and_follow(self.slot)
+
+    async def _acquire_for_post(self) -> Slot:
+        """A server to post on: its previous one first (its models may be loaded), but
+        not one whose catch-up gave up while another comes free within ``catch_up_s``:
+        that server's answers are not read, and the earlier run may be there."""
+        avoid = self.catch_up.gave_up
+        if avoid is None:
+            return await self.pool.acquire(prefer=self.prev_server, models=self.job.models)
+        models, patience = frozenset(self.job.models), self.catch_up_s
+
+        def choose(name: str, waited_s: float) -> int | None:
+            if name == avoid and waited_s < patience:
+                return None
+            return 0 if models <= self.pool.plan.holds(name) else 1
+
+        slot = await self.pool.acquire_until(None, choose=choose)
+        assert slot is not None, "acquire_until without a stop event or gone returns a slot"
+        return slot
 
     # -- catch-up ------------------------------------------------------------------------
 

@@ -28,6 +28,8 @@ class CatchUp:
     downloads a run it finds with the attempt's own means."""
 
     attempt: Attempt
+    # The server it could not ask for ``catch_up_s`` (the post goes elsewhere if it can).
+    gave_up: str | None = None
 
     async def run(self) -> AttemptResult | None:
         """Look where the prompt was last posted before posting again (exactly once):
@@ -121,6 +123,7 @@ class CatchUp:
                             "posting anew: the job may render twice"
                         )
                         log.warning("%s: %s", a.label, a.twice)
+                        self.gave_up = name
                         a.deadline_from = time.monotonic()
                         return None
                     log.info(

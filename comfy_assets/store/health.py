@@ -217,7 +217,10 @@ class ServerHealth(StoreBase):
         row.update(state="quarantined", until=now + cooldown, level=row["level"] + 1)
         # Its failures not judged yet are decided with it: left open, they would keep it
         # blocked on its trial (``blocked``) when their jobs can render nowhere else.
-        self._judge_open(conn, server_failures_table.c.server == row["server"], "server")
+        judged = self._judge_open(conn, server_failures_table.c.server == row["server"], "server")
+        for failure in sorted(judged, key=lambda f: f.at):
+            # Listed with the others: a quarantine for 3 jobs in a row names all three.
+            self._note_failed_job(row, failure.job_id, "", failure.reason)
         row["quarantines"] += 1
         jobs = json.loads(row["failed_jobs"] or "[]")
         rendered = sorted({where for _, where, _ in jobs if where})

@@ -389,3 +389,20 @@ def test_readmit_of_a_server_the_store_does_not_know_writes_nothing(tmp_path, ca
     assert main(["health", "--store", str(tmp_path / "store"), "--readmit", "gpu7"]) == 2
     assert "unknown server 'gpu7' (the store knows: gpu0, gpu1)" in capsys.readouterr().err
     assert sorted(store.server_health()) == ["gpu0"]
+
+
+def test_a_quarantine_for_jobs_failing_in_a_row_names_every_one_of_them(tmp_path):
+    # Two 5xx failures left open (nothing rendered to judge them), then a third job's
+    # that makes it 3 in a row: the quarantine is said at once, and names all three.
+    store = Store(tmp_path / "store")
+    for n in (1, 2):
+        opened = store.server_failed(
+            "gpu2", job_id(n), "0" * 64, "5xx", "POST /prompt 500", infrastructure=False
+        )
+        assert opened is None
+    change = store.server_failed(
+        "gpu2", job_id(3), "0" * 64, "5xx", "3 jobs in a row failed here", infrastructure=True
+    )
+    assert change is not None and change.kind == "quarantined"
+    named = change.detail.rsplit("; jobs that failed here: ", 1)[1].split(", ")
+    assert sorted(named) == sorted(job_id(n) for n in (1, 2, 3))

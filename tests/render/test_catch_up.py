@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from comfy_assets.comfy.client import ComfyClient
-from comfy_assets.comfy.errors import ConnectionLost
+from comfy_assets.comfy.errors import ConnectionLost, UnexpectedAnswer
 from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.store import Store, Via
 from fake_comfy import FakeComfy
@@ -19,6 +19,7 @@ from tests.support import (
     executed,
     fake_servers,
     fast_batch,
+    fast_config,
     gone_owner,
     left_submitted_by_a_gone_run,
     one_job,
@@ -210,3 +211,25 @@ async def test_a_post_of_a_killed_run_forgotten_by_a_restart_says_it_may_render_
     assert executed(fake, job.prompt_id) == 2
     details = [e.detail or "" for e in store.events(job.id)]
     assert any("may render twice" in d for d in details), details
+
+
+async def test_a_job_whose_catch_up_gave_up_is_posted_again_elsewhere(tmp_path, monkeypatch):
+    # gpu0's /history is never readable (a proxy truncating its answers): the job's run
+    # there ends unread, and the next attempt's catch-up on gpu0 gives up. Posting anew
+    # on gpu0, the server that could not be asked, would render the job there again.
+    history = ComfyClient.history
+
+    async def unreadable_on_gpu0(self: ComfyClient, prompt_id: str):
+        if self.name == "gpu0":
+            raise UnexpectedAnswer(f"{self.name}: GET /history/{prompt_id}: body is not JSON")
+        return await history(self, prompt_id)
+
+    monkeypatch.setattr(ComfyClient, "history", unreadable_on_gpu0)
+    sick, healthy = FakeComfy(prompt_seconds=0.005), FakeComfy(prompt_seconds=0.005)
+    jf, job, store = one_job(tmp_path)
+    async with fake_servers(sick, healthy) as servers:
+        summary = await fast_batch(jf, servers, store, config=fast_config(catch_up_s=0.2))
+    assert summary.done == 1
+    assert (posted(sick, job.prompt_id), posted(healthy, job.prompt_id)) == (1, 1)
+    submitted = [e for e in store.events(job.id) if e.to_state == "submitted"]
+    assert [e.server for e in submitted] == ["gpu0", "gpu1"]
