@@ -155,6 +155,7 @@ class Store(Claims, Transitions, Queries, SegmentReads, ServerLeases, ServerHeal
         what = "opening the store"
         started = time.monotonic()
         delay = 0.05
+        stale_tried = False  # a connection lost since it was opened was replaced once
         while True:
             try:
                 create_tables(self.engine)
@@ -166,9 +167,16 @@ class Store(Claims, Transitions, Queries, SegmentReads, ServerLeases, ServerHeal
             except sa.exc.DBAPIError as e:
                 if disk_full(e):
                     raise StoreDiskFull("its tables", database_place(self.engine), e) from e
+                networked = self.dialect != "sqlite"
+                if networked and e.connection_invalidated and not stale_tried:
+                    # A connection lost since it was opened (its session killed, say)
+                    # says nothing yet of the database now: opening goes on at once on a
+                    # new one, and an outage is said only when that fails too (as
+                    # ``retry.retried`` does for every call).
+                    stale_tried = True
+                    continue
                 # A failure at the first try was not waited for, however long it took.
                 waited = time.monotonic() - started if self.outage.away else 0.0
-                networked = self.dialect != "sqlite"
                 if not networked or refused_for_good(e) or waited >= self.retry_s:
                     raise StoreUnavailable(what, waited, e) from e
                 if not isinstance(e, sa.exc.OperationalError | sa.exc.InterfaceError):

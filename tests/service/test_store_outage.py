@@ -16,6 +16,7 @@ from comfy_assets.jobs.parse import load_job_file
 from comfy_assets.service.sources import MemorySource
 from comfy_assets.service.worker import Worker
 from comfy_assets.store import Store, StoreUnavailable, metadata, schema
+from comfy_assets.store import store as store_module
 from fake_comfy import FakeComfy
 from tests.process_support import FAST, command, ended_cleanly, start, stop, via
 from tests.support import (
@@ -92,6 +93,28 @@ async def test_a_pooled_connection_lost_under_a_call_on_the_event_loop_is_replac
     assert pg_store.server_health() == {}
     assert cut_every_connection(pg_url) > 0
     assert pg_store.server_health() == {}
+    said = [r.getMessage() for r in caplog.records if r.name == "comfy_assets.store"]
+    assert not [line for line in said if "unreachable" in line or "reachable again" in line], said
+
+
+def test_a_session_killed_while_the_store_opens_is_replaced_without_an_outage(
+    pg_store, pg_url, tmp_path, caplog, monkeypatch
+):
+    # The connection that made the tables is handed out unchecked to the next step of
+    # the opening, and its session is killed in between (a failover, an admin's cut).
+    monkeypatch.setattr(schema, "PING_IDLE_S", 3600.0)
+    claim = store_module.claim_database
+
+    def killed_first(*args: object) -> None:
+        assert cut_every_connection(pg_url) > 0
+        monkeypatch.setattr(store_module, "claim_database", claim)
+        claim(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(store_module, "claim_database", killed_first)
+    caplog.set_level(logging.INFO, logger="comfy_assets.store")
+    opened = Store(tmp_path / "again", pg_url)
+    assert opened.counts("p") == pg_store.counts("p")
+    opened.close()
     said = [r.getMessage() for r in caplog.records if r.name == "comfy_assets.store"]
     assert not [line for line in said if "unreachable" in line or "reachable again" in line], said
 
