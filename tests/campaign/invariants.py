@@ -18,7 +18,8 @@ the runs' output and results.csv.
   reach the server);
 - never two of our prompts at once on one server: no prompt of ours is posted (the fake's
   ``posted`` time of a run) while another of ours is queued or executing there (a `late`
-  prompt executes until its execution_success, its `last_message`, before its history);
+  prompt executes until its last message, execution_success or execution_error, before
+  its history);
 - nothing of ours queued or running on any server at the end, and every server idle;
 - ``<store>/<partition>/results.csv`` has one row per job, in file order, with its state;
 - every POST of a job with inputs (the fake's ``posts``) comes after that server took an
@@ -350,9 +351,9 @@ def overlapping_posts(server: str, runs: list[dict[str, Any]]) -> list[str]:
     ours = sorted(runs, key=lambda r: r["posted"])
     for before, after in zip(ours, ours[1:], strict=False):
         end = before["end"] if before["end"] is not None else float("inf")
-        if before["word"] == "late" and before["outcome"] == "success":
-            # Its last message (execution_success) came before its history: from
-            # then on it holds no GPU, only its place in /queue.
+        if before["word"] == "late" and before["outcome"] in ("success", "error"):
+            # Its last message (execution_success or execution_error) came before its
+            # history: from then on it holds no GPU, only its place in /queue.
             end = before["last_message"]
         if after["posted"] < end:
             found.append(
